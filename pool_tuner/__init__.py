@@ -1,0 +1,29 @@
+"""pool_tuner: autotuned adaptive pooling kernels with PyTorch's exact semantics.
+
+Output ``o`` of an axis with input size ``I`` and output size ``O`` pools input
+``[floor(o*I/O), ceil((o+1)*I/O))``; kernels are written once for CUDA and OpenCL C, tuned per
+device and shape, and dispatched at run time.  See README.md for the tour.
+"""
+
+from .ops import (
+    adaptive_avg_pool1d,
+    adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
+    devices,
+    explain,
+    variants,
+)
+from .windows import fixed_pool_equivalent, pooling_windows
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "devices",
+    "explain",
+    "fixed_pool_equivalent",
+    "pooling_windows",
+    "variants",
+]

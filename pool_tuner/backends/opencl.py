@@ -1,0 +1,142 @@
+"""OpenCL backend on PyOpenCL: devices, program building with an in-memory cache, launching.
+
+The same few methods as every backend: ``build`` (template text -> kernel object, cached per
+context), ``launch`` (kernel, grid, arguments), plus device arrays in and out.  A
+``pyopencl.array.Array`` input is processed on its own queue and context; numpy inputs use the
+device's default context and a profiling-enabled queue.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..variants import DeviceLimits
+
+try:  # PyOpenCL is a hard dependency, but keep a clear message if the install is broken.
+    import pyopencl as cl
+    import pyopencl.array as cl_array
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    cl = cl_array = None
+    _IMPORT_ERROR = exc
+else:
+    _IMPORT_ERROR = None
+
+BACKEND = "opencl"
+SIMULATOR_PLATFORMS = ("Oclgrind",)
+
+
+class OpenCLDevice:
+    """One OpenCL device, identified as ``opencl:<platform index>:<device index>``."""
+
+    backend = BACKEND
+
+    def __init__(self, platform_index: int, device_index: int, cl_device):
+        self.id = f"{BACKEND}:{platform_index}:{device_index}"
+        self.cl_device = cl_device
+        self.platform_index = platform_index
+        self.device_index = device_index
+        self.name = cl_device.name.strip()
+        self.platform_name = cl_device.platform.name.strip()
+        self.is_simulator = self.platform_name in SIMULATOR_PLATFORMS
+        # Oclgrind advertises every device type bit, so decide "GPU" by platform first.
+        self.is_gpu = not self.is_simulator and bool(cl_device.type & cl.device_type.GPU)
+        self.is_cpu = not self.is_simulator and bool(cl_device.type & cl.device_type.CPU)
+        self.limits = DeviceLimits(
+            max_work_group_size=int(cl_device.max_work_group_size),
+            local_mem_size=int(cl_device.local_mem_size),
+        )
+        self.supports_float64 = bool(cl_device.double_fp_config)
+        self._default_queue = None
+
+    def __repr__(self):
+        return f"<{self.id} {self.name}>"
+
+    def describe(self) -> str:
+        return f"{self.id} {self.name}"
+
+    @property
+    def fingerprint(self) -> dict:
+        """What identifies this device's performance in the tuning cache."""
+        d = self.cl_device
+        return {
+            "backend": BACKEND,
+            "platform": self.platform_name,
+            "name": self.name,
+            "vendor": d.vendor.strip(),
+            "version": d.version.strip(),
+            "driver": d.driver_version.strip(),
+            "compute_units": int(d.max_compute_units),
+        }
+
+    # ------------------------------------------------------------------ queues and arrays
+
+    @property
+    def queue(self):
+        """The default queue (own context, profiling enabled), created on first use."""
+        if self._default_queue is None:
+            context = cl.Context([self.cl_device])
+            self._default_queue = cl.CommandQueue(
+                context, properties=cl.command_queue_properties.PROFILING_ENABLE
+            )
+        return self._default_queue
+
+    def owns(self, array) -> bool:
+        return array.queue.device.int_ptr == self.cl_device.int_ptr
+
+    def to_device(self, host: np.ndarray, queue=None):
+        return cl_array.to_device(queue or self.queue, host)
+
+    def empty(self, shape, dtype, queue=None):
+        return cl_array.empty(queue or self.queue, shape, dtype)
+
+    # ------------------------------------------------------------------ kernels
+
+    def build(self, context, source: str, kernel_name: str):
+        """Build ``source`` for this device in ``context`` (cached) and return the kernel."""
+        return _build(context, self.cl_device, source, kernel_name)
+
+    def kernel_work_group_limit(self, kernel) -> int:
+        """The per-kernel work-group limit; on CPU devices it can be below the device maximum."""
+        return int(kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.cl_device))
+
+    @staticmethod
+    def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
+        """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups)."""
+        global_size = (groups * block[0],) + tuple(block[1:])
+        return kernel(queue, global_size, tuple(block), *args, wait_for=wait_for)
+
+
+@functools.lru_cache(maxsize=512)
+def _build(context, cl_device, source: str, kernel_name: str):
+    program = cl.Program(context, source).build(devices=[cl_device])
+    return getattr(program, kernel_name)
+
+
+@functools.cache
+def list_devices() -> tuple:
+    """Every OpenCL device of every platform, in ICD order (stable for a given installation)."""
+    if cl is None:
+        return ()
+    found = []
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:  # no ICD / no platform installed
+        return ()
+    for p_index, platform in enumerate(platforms):
+        try:
+            devices = platform.get_devices()
+        except cl.Error:
+            continue
+        for d_index, device in enumerate(devices):
+            found.append(OpenCLDevice(p_index, d_index, device))
+    return tuple(found)
+
+
+def import_error():
+    return _IMPORT_ERROR
+
+
+def is_device_array(x) -> bool:
+    return cl_array is not None and isinstance(x, cl_array.Array)
