@@ -17,11 +17,11 @@ no recompilation.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from . import kernel_source
 from . import variants as variants_mod
 from .problem import Problem
-from .windows import pooling_windows
 
 LARGE_WINDOW = 32
 SHORT_ROW = 4
@@ -48,11 +48,7 @@ class Launch:
 
 
 def _largest_window(problem: Problem) -> int:
-    area = 1
-    for i, o in zip(problem.in_spatial, problem.out_spatial):
-        starts, ends = pooling_windows(i, o)
-        area *= int((ends - starts).max())
-    return area
+    return math.prod(variants_mod.max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
 
 
 def heuristic_default(problem: Problem) -> variants_mod.Variant:

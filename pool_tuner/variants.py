@@ -32,9 +32,10 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _max_window(in_size: int, out_size: int) -> int:
+def max_window(in_size: int, out_size: int) -> int:
+    """Largest window along one axis (0 for an empty output)."""
     starts, ends = pooling_windows(in_size, out_size)
-    return int((ends - starts).max())
+    return int((ends - starts).max(initial=0))
 
 
 def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
@@ -42,7 +43,7 @@ def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
     starts, ends = pooling_windows(in_size, out_size)
     first = np.arange(0, out_size, tile)
     last = np.minimum(first + tile, out_size) - 1
-    return int((ends[last] - starts[first]).max())
+    return int((ends[last] - starts[first]).max(initial=0))
 
 
 class Variant:
@@ -181,7 +182,7 @@ class SmemTiled(Variant):
     def stage_extent(self, params, problem) -> tuple[int, int, int]:
         (it, ih, iw), (ot, oh, ow) = problem.in_spatial, problem.out_spatial
         tile_h, tile_w = self.tile(params)
-        return (_max_window(it, ot), _max_tile_extent(ih, oh, tile_h), _max_tile_extent(iw, ow, tile_w))
+        return (max_window(it, ot), _max_tile_extent(ih, oh, tile_h), _max_tile_extent(iw, ow, tile_w))
 
     def groups(self, params, problem):
         _, oh, ow = problem.out_spatial

@@ -72,6 +72,19 @@ def test_fixed_pool_equivalent_exhaustive(in_size):
             assert got == (in_size // out_size, in_size // out_size, 0)
 
 
+def test_fixed_pool_equivalent_closed_form():
+    # Writing I = s*O + r: the starts o*s + floor(o*r/O) are evenly spaced by s >= 1 only when
+    # r <= 1 and I >= O, and then every window has size s + r.  So a fixed equivalent exists exactly
+    # when O divides I (k = s = I/O) or I % O == 1 with I > O (k = s + 1, e.g. 7 -> 3 is k=3, s=2).
+    for in_size in SIZES:
+        for out_size in SIZES:
+            s, r = divmod(in_size, out_size)
+            expected = (s + r, s, 0) if (r == 0 or (r == 1 and s >= 1)) else None
+            if out_size == 1:
+                expected = (in_size, in_size, 0)
+            assert fixed_pool_equivalent(in_size, out_size) == expected, (in_size, out_size)
+
+
 @pytest.mark.parametrize("in_size", SIZES)
 def test_inverse_windows_exhaustive(in_size):
     i = np.arange(in_size)[:, None]

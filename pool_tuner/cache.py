@@ -1,0 +1,388 @@
+"""The tuning cache: the best configuration found for each (problem, device, kernel code).
+
+This is pool_tuner's own cache, not Kernel Tuner's cache file: Kernel Tuner's file knows nothing of
+kernel sources and has no locking.  Each record is one JSON object, keyed by ``make_key``; a cache
+file (``records.json``) is ``{"schema": SCHEMA_VERSION, "records": {key: record, ...}}``.
+
+Two places hold records: a read-only database shipped in the package (every ``*.json`` file of its
+directory) and the user's cache file, which overlays it (for the same key the user's record wins).
+Both are read once, lazily, into an in-memory table; lookups never touch the file system again.
+
+Failure policy: a tuning run must never be lost to, or crash on, a cache problem.  A corrupt or
+truncated file, a file of another schema version, malformed records or an unreadable path give a
+``CacheWarning`` and a cache miss for what could not be read.  ``store`` keeps the record in memory
+when the user directory cannot be written.  The explicit maintenance operations (``clear``,
+``merge``, ``merge_files``) raise ``OSError`` instead, because their caller asked for exactly that
+file operation and must learn that it did not happen.
+
+Writers take a file lock, re-read the file and replace it atomically, so concurrent tuners neither
+corrupt the file nor drop each other's records, and a writer killed mid-write leaves the old file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+
+import filelock
+import platformdirs
+
+SCHEMA_VERSION = 1
+USER_FILE = "records.json"
+#: Seconds a writer waits for another process's lock.  Writers hold it for milliseconds, so a lock
+#: held this long belongs to a stuck process; giving up (with a warning) beats hanging a tuner.
+LOCK_TIMEOUT_S = 60
+#: Fields every record carries, with their JSON types; ``best`` is checked further.
+RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str, "best": dict}
+#: At most this many malformed records are named in one warning.
+MAX_NAMED = 5
+
+
+class CacheWarning(UserWarning):
+    """A cache file or record could not be used (or written); the lookup is a miss."""
+
+
+def default_user_dir() -> Path:
+    """``$POOL_TUNER_CACHE_DIR`` if set, else the platform's per-user cache directory."""
+    configured = os.environ.get("POOL_TUNER_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path(platformdirs.user_cache_dir("pool_tuner"))
+
+
+def _fingerprint_hash(device_fingerprint: dict) -> str:
+    """Short sha256 of the fingerprint's canonical JSON (sorted keys, so dict order is irrelevant)."""
+    canonical = json.dumps(device_fingerprint, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def make_key(problem, device_fingerprint: dict, kernel_hash: str) -> str:
+    """The cache key: readable, and different whenever the problem, the device or the kernel code is.
+
+    e.g. ``v1|adaptive_avg_pool2d|forward|float32|NCHW|32x2048x7x7|32x2048x1x1|opencl|dev=..|src=..``.
+    The device enters as a hash of its whole fingerprint (any field changing, such as a driver
+    update, makes the old records misses); ``kernel_hash`` is the sha256 of the kernel templates and
+    build options, of which the first 16 hex digits are kept.
+    """
+    if "backend" not in device_fingerprint:
+        raise ValueError(f"device fingerprint has no 'backend' field: {device_fingerprint!r}")
+    return "|".join([
+        f"v{SCHEMA_VERSION}",
+        problem.op,
+        problem.direction,
+        problem.dtype,
+        problem.layout,
+        _shape_text(problem.input_shape),
+        _shape_text(problem.output_shape),
+        str(device_fingerprint["backend"]),
+        f"dev={_fingerprint_hash(device_fingerprint)}",
+        f"src={kernel_hash[:16]}",
+    ])
+
+
+def _shape_text(shape) -> str:
+    return "x".join(str(int(n)) for n in shape)
+
+
+def make_record(problem, device_fingerprint: dict, kernel_hash: str, best: dict, runners_up: list, extra: dict | None = None) -> dict:
+    """A cache record: the winner (``{"variant", "params", "time_ms"}``), the runners-up, and enough
+    context (problem, device, versions, date) to tell later where and how it was tuned.
+
+    ``extra`` adds fields; it may not replace the ones above, which the cache relies on.
+    """
+    record = {
+        "key": make_key(problem, device_fingerprint, kernel_hash),
+        "problem": {
+            "op": problem.op,
+            "direction": problem.direction,
+            "dtype": problem.dtype,
+            "layout": problem.layout,
+            "input_shape": [int(n) for n in problem.input_shape],
+            "output_shape": [int(n) for n in problem.output_shape],
+        },
+        "device": dict(device_fingerprint),
+        "kernel_hash": kernel_hash,
+        "best": dict(best),
+        "runners_up": [dict(entry) for entry in runners_up],
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    clashes = sorted(set(extra or {}) & set(record))
+    if clashes:
+        raise ValueError(f"extra fields {clashes} would replace the record's own fields")
+    record.update(extra or {})
+    return record
+
+
+def _versions() -> dict:
+    # Imported here, not at module level: the package imports this module while it initialises, and
+    # ``__version__`` is only defined once that is done.
+    try:
+        from . import __version__ as pool_tuner_version
+    except ImportError:
+        pool_tuner_version = "unknown"
+    try:
+        kernel_tuner_version = importlib.metadata.version("kernel_tuner")
+    except importlib.metadata.PackageNotFoundError:
+        kernel_tuner_version = "not installed"
+    return {"pool_tuner": pool_tuner_version, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
+
+
+def _record_problem(key, record) -> str | None:
+    """What makes ``record`` (stored under ``key``) unusable, or None if it is well-formed.
+
+    Checked when loading, so that dispatch can rely on these fields without guarding every access.
+    """
+    if not isinstance(record, dict):
+        return f"is a {type(record).__name__}, not an object"
+    for field, kind in RECORD_FIELDS.items():
+        if not isinstance(record.get(field), kind):
+            return f"has no {field!r} {kind.__name__}"
+    if record["key"] != key:
+        return f"is stored under a different key than its 'key' field {record['key']!r}"
+    best = record["best"]
+    if not isinstance(best.get("variant"), str) or not isinstance(best.get("params"), dict):
+        return "has a 'best' without a 'variant' string and a 'params' object"
+    time_ms = best.get("time_ms")
+    if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)) or not math.isfinite(time_ms):
+        return f"has a 'best' whose 'time_ms' is not a finite number: {time_ms!r}"
+    return None
+
+
+def _read(path: Path) -> tuple[dict, list[str]]:
+    """The well-formed records of one cache file, and a description of each thing wrong with it.
+
+    Content problems are returned, not raised, so each caller decides what they mean (a miss when
+    loading, a file to set aside when rewriting).  ``OSError`` (missing, unreadable) propagates.
+    """
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as exc:  # also UnicodeDecodeError
+        return {}, [f"not valid JSON ({exc})"]
+    if not isinstance(data, dict):
+        return {}, [f"top level is a {type(data).__name__}, not an object"]
+    if data.get("schema") != SCHEMA_VERSION:
+        return {}, [f"schema {data.get('schema')!r} is not the supported schema {SCHEMA_VERSION}"]
+    if not isinstance(data.get("records"), dict):
+        return {}, ["has no 'records' object"]
+    records, problems = {}, []
+    for key, record in data["records"].items():
+        problem = _record_problem(key, record)
+        if problem is None:
+            records[key] = record
+        else:
+            problems.append(f"record {key!r} {problem}")
+    return records, problems
+
+
+def _describe(problems: list[str]) -> str:
+    named = "; ".join(problems[:MAX_NAMED])
+    return named + (f"; and {len(problems) - MAX_NAMED} more" if len(problems) > MAX_NAMED else "")
+
+
+def _load_file(path: Path) -> dict:
+    """Records of one file for the in-memory table: whatever cannot be read is a warning and a miss."""
+    try:
+        records, problems = _read(path)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        warnings.warn(f"pool_tuner tuning cache {path} cannot be read ({exc}); ignoring it", CacheWarning)
+        return {}
+    if problems:
+        warnings.warn(f"pool_tuner tuning cache {path}: {_describe(problems)}; ignored (cache miss)", CacheWarning)
+    return records
+
+
+def _lock(path: Path) -> filelock.FileLock:
+    return filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
+
+
+def _is_faster(new: dict, old: dict) -> bool:
+    return new["best"]["time_ms"] < old["best"]["time_ms"]
+
+
+def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, int]:
+    """Insert ``incoming`` records into cache file ``path``; return its new records and how many of
+    them were added or replaced.  With ``faster_only`` an existing record is replaced only by a faster
+    one; otherwise incoming records always win.
+
+    The file is re-read under the lock rather than rewritten from an in-memory copy: other processes
+    may have stored records since this one loaded, and writing the stale copy would drop them.  A
+    damaged file (corrupt, foreign schema, malformed records) is moved aside, not overwritten, so
+    nothing is destroyed; the fresh file keeps its readable records.  Raises ``OSError`` (including
+    ``filelock.Timeout``) when the file cannot be locked, read or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(path):
+        try:
+            records, problems = _read(path)
+        except FileNotFoundError:
+            records, problems = {}, []
+        if problems:
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+            aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+            os.replace(path, aside)
+            warnings.warn(
+                f"pool_tuner tuning cache {path}: {_describe(problems)}; moved it to {aside} and wrote a "
+                f"fresh file keeping its {len(records)} readable record(s)",
+                CacheWarning,
+            )
+        changed = 0
+        for key, record in incoming.items():
+            if key not in records or not faster_only or _is_faster(record, records[key]):
+                records[key] = record
+                changed += 1
+        _write_atomic(path, records)
+    return records, changed
+
+
+def _write_atomic(path: Path, records: dict) -> None:
+    """Write the file so that readers only ever see the old or the new contents, never a mix.
+
+    The new contents go to a temporary file in the same directory (so the rename stays on one file
+    system and is atomic), are fsynced so the rename cannot reach the disk before the data, and then
+    replace the old file with ``os.replace``.  A writer killed at any point leaves the old file
+    intact and at worst a stray ``*.tmp`` file, which loading ignores.
+    """
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644  # not mkstemp's private 0o600
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump({"schema": SCHEMA_VERSION, "records": records}, out, indent=1, sort_keys=True, allow_nan=False)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _merge(sources: list, destination: Path) -> tuple[dict, int]:
+    """Fold the records of ``sources`` (the fastest per key) into ``destination``."""
+    incoming = {}
+    for source in sources:
+        source = Path(source)
+        records, problems = _read(source)
+        if problems:
+            warnings.warn(f"pool_tuner tuning cache {source}: {_describe(problems)}; not merged", CacheWarning)
+        for key, record in records.items():
+            if key not in incoming or _is_faster(record, incoming[key]):
+                incoming[key] = record
+    return _update_file(destination, incoming, faster_only=True)
+
+
+def merge_files(sources: list, destination) -> int:
+    """Merge cache files (e.g. tuned on other machines) into ``destination``, keeping the faster
+    record for equal keys; return how many records were added or replaced.
+
+    Unusable records of a source are skipped with a ``CacheWarning``; a source or destination that
+    cannot be read or written raises ``OSError``.
+    """
+    return _merge(sources, Path(destination))[1]
+
+
+def _normalised(record: dict) -> dict:
+    """A checked, detached copy of ``record`` exactly as it will read back from the file.
+
+    Checking before any file is touched makes a bad record the caller's error (``ValueError`` or
+    ``TypeError``), instead of a file that warns on every later load; the JSON round trip turns
+    tuples into lists and stops later changes to the caller's objects from leaking into the cache.
+    """
+    problem = _record_problem(record.get("key") if isinstance(record, dict) else None, record)
+    if problem is not None:
+        raise ValueError(f"cannot store a malformed tuning record: it {problem}")
+    return json.loads(json.dumps(record, allow_nan=False))
+
+
+class TuningCache:
+    """The shipped database overlaid by the user's cache file, as one in-memory table.
+
+    The table is read on first use and then kept: ``lookup`` and ``candidates`` are on dispatch's
+    hot path and never touch the file system again (``reload`` re-reads on request).  The table is
+    returned, not copied; treat it as read-only and change it through ``store``.
+    """
+
+    def __init__(self, shipped_dir: Path, user_dir: Path | None = None):
+        self.shipped_dir = Path(shipped_dir)
+        self.user_dir = default_user_dir() if user_dir is None else Path(user_dir)
+        self._records = None
+
+    def path(self) -> Path:
+        """The user's cache file."""
+        return self.user_dir / USER_FILE
+
+    def records(self) -> dict:
+        if self._records is None:
+            self.reload()
+        return self._records
+
+    def reload(self) -> None:
+        """Re-read the shipped files (in name order, later files winning) and then the user file."""
+        table = {}
+        for path in self._shipped_files():
+            table.update(_load_file(path))
+        table.update(_load_file(self.path()))
+        self._records = table
+
+    def _shipped_files(self) -> list:
+        try:
+            return sorted(p for p in self.shipped_dir.iterdir() if p.suffix == ".json")
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            warnings.warn(f"pool_tuner shipped tuning cache {self.shipped_dir} cannot be read ({exc}); ignoring it", CacheWarning)
+            return []
+
+    def lookup(self, key: str) -> dict | None:
+        return self.records().get(key)
+
+    def candidates(self, match) -> list:
+        """The records for which ``match(record)`` is true (dispatch's nearest-shape search)."""
+        return [record for record in self.records().values() if match(record)]
+
+    def store(self, record: dict) -> None:
+        """Add ``record`` to the user file and the in-memory table.
+
+        Never raises for the file system: a tuning run's result is worth keeping even when the cache
+        directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records
+        stored meanwhile by other processes are picked up into the table as a side effect.
+        """
+        record = _normalised(record)
+        table = self.records()
+        try:
+            written, _ = _update_file(self.path(), {record["key"]: record}, faster_only=False)
+        except OSError as exc:
+            warnings.warn(
+                f"cannot write the pool_tuner tuning cache {self.path()} ({exc}); keeping the record "
+                f"{record['key']!r} in memory only",
+                CacheWarning,
+                stacklevel=2,
+            )
+            table[record["key"]] = record
+            return
+        table.update(written)
+
+    def clear(self) -> None:
+        """Delete the user file; shipped records are unaffected.  Under the lock, so that it cannot
+        fall between a concurrent writer's read and replace.  Raises ``OSError`` if it cannot."""
+        path = self.path()
+        if path.parent.is_dir():
+            with _lock(path):
+                path.unlink(missing_ok=True)
+        self._records = None
+
+    def merge(self, sources: list) -> int:
+        """Merge cache files into the user file (see ``merge_files``); return the records added or replaced."""
+        written, changed = _merge(sources, self.path())
+        self.records().update(written)
+        return changed

@@ -1,0 +1,79 @@
+"""Every bad argument raises TypeError/ValueError naming the argument, before any kernel is built."""
+
+import numpy as np
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import dispatch
+from pool_tuner.backends.opencl import OpenCLDevice
+
+OP2 = "adaptive_avg_pool2d"
+GOOD = np.ones((2, 3, 8, 8), np.float32)
+
+
+@pytest.fixture(autouse=True)
+def no_kernel_may_run(monkeypatch):
+    """Fail loudly if anything gets as far as building or launching a kernel."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel was built or launched for bad input")
+
+    monkeypatch.setattr(dispatch, "prepare", forbidden)
+    monkeypatch.setattr(OpenCLDevice, "launch", staticmethod(forbidden))
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: pt.adaptive_avg_pool2d([[1.0]], 1), TypeError, "x must be a numpy.ndarray"),
+        (lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 8, 8), np.int32), 1), TypeError, "x.dtype"),
+        (lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 8, 8), np.complex64), 1), TypeError, "x.dtype"),
+        (lambda: pt.adaptive_avg_pool2d(np.ones((8, 8), np.float32), 1), ValueError, "x must be 3-d or 4-d"),
+        (lambda: pt.adaptive_avg_pool2d(np.ones((1, 2, 3, 8, 8), np.float32), 1), ValueError, "x must be 3-d or 4-d"),
+        (lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 0, 8), np.float32), 1), ValueError, "pooled dimension of size 0"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, -1), ValueError, r"output_size\[0\] must be >= 0"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, (2, -3)), ValueError, r"output_size\[1\] must be >= 0"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2.5), TypeError, "output_size must be an int"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, (2.0, 2)), TypeError, r"output_size\[0\] must be an int"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, (2, 2, 2)), ValueError, "output_size must have 2 entries"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, None), TypeError, "output_size must be an int"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, True), TypeError, "output_size must be an int"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="fastest"), ValueError, "variant must be one of"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, config={"block_size_x": 64}), ValueError, "config= needs variant="),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"tile": 2}), ValueError, "unknown parameters"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"block_size_x": 100}), ValueError, r"config\['block_size_x'\] must be one of"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config=[64]), TypeError, "config must be a dict"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="block_per_row", config={"block_size_x": 32, "threads_per_output": 64}), ValueError, "threads_per_output must not exceed"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, device="cuda:7"), ValueError, "device must be one of"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, device=3), TypeError, "device must be a device id"),
+        (lambda: pt.explain("adaptive_mean_pool2d", (2, 3, 8, 8), 2), ValueError, "op must be one of"),
+        (lambda: pt.explain(OP2, (2, 3, 8, 8), 2, dtype="int8"), TypeError, "dtype must be one of"),
+        (lambda: pt.explain(OP2, (2, 3, 8, 8), 2, layout="NWHC"), ValueError, "layout must be"),
+        (lambda: pt.explain(OP2, (8,), 2, layout="NCHW"), ValueError, "input_shape must be 3-d or 4-d"),
+        (lambda: pt.variants("adaptive_avg_pool4d"), ValueError, "op must be one of"),
+        (lambda: pt.pooling_windows(-1, 3), ValueError, "in_size"),
+        (lambda: pt.fixed_pool_equivalent(4, 1.5), TypeError, "out_size"),
+    ],
+)
+def test_bad_argument_is_named(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_bad_device_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("POOL_TUNER_DEVICE", "opencl:99:99")
+    with pytest.raises(ValueError, match="POOL_TUNER_DEVICE must be one of"):
+        pt.adaptive_avg_pool2d(GOOD, 2)
+
+
+def test_array_on_another_device_is_refused():
+    import pyopencl.array as cl_array
+
+    from pool_tuner import backends
+
+    others = [d for d in pt.devices() if d is not backends.default_device()]
+    if not others:
+        pytest.skip("needs two OpenCL devices (PoCL and Oclgrind)")
+    x = cl_array.to_device(backends.default_device().queue, GOOD)
+    with pytest.raises(ValueError, match="does not hold x"):
+        pt.adaptive_avg_pool2d(x, 2, device=others[0].id)
