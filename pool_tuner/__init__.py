@@ -13,6 +13,7 @@ from .ops import (
     explain,
     variants,
 )
+from .tuner import tune
 from .windows import fixed_pool_equivalent, pooling_windows
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "explain",
     "fixed_pool_equivalent",
     "pooling_windows",
+    "tune",
     "variants",
 ]

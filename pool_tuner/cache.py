@@ -92,7 +92,9 @@ def _shape_text(shape) -> str:
     return "x".join(str(int(n)) for n in shape)
 
 
-def make_record(problem, device_fingerprint: dict, kernel_hash: str, best: dict, runners_up: list, extra: dict | None = None) -> dict:
+def make_record(
+    problem, device_fingerprint: dict, kernel_hash: str, best: dict, runners_up: list, extra: dict | None = None
+) -> dict:
     """A cache record: the winner (``{"variant", "params", "time_ms"}``), the runners-up, and enough
     context (problem, device, versions, date) to tell later where and how it was tuned.
 
@@ -340,7 +342,9 @@ class TuningCache:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            warnings.warn(f"pool_tuner shipped tuning cache {self.shipped_dir} cannot be read ({exc}); ignoring it", CacheWarning)
+            warnings.warn(
+                f"pool_tuner shipped tuning cache {self.shipped_dir} cannot be read ({exc}); ignoring it", CacheWarning
+            )
             return []
 
     def lookup(self, key: str) -> dict | None:
@@ -355,7 +359,8 @@ class TuningCache:
 
         Never raises for the file system: a tuning run's result is worth keeping even when the cache
         directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records
-        stored meanwhile by other processes are picked up into the table as a side effect.
+        stored meanwhile by other processes are picked up into the table as a side effect.  A record
+        that loading would reject (or that is not JSON) raises ``ValueError``/``TypeError`` first.
         """
         record = _normalised(record)
         table = self.records()

@@ -3,28 +3,42 @@
 Decision order (each step is reported by ``explain`` as ``source``):
 
 1. ``forced``  -- ``variant=`` and/or ``config=`` given by the caller (validated);
-2. ``default`` -- the documented heuristic below.
+2. ``cache``   -- a tuning-cache record for exactly this problem, device and kernel code;
+3. ``nearest`` -- the record of the nearest tuned shape (same device, op, dtype, layout and kernel
+   code; distance = Euclidean distance of the log sizes), its configuration re-validated as legal
+   for this shape; records that are not legal here are passed over;
+4. ``default`` -- the documented heuristic below.
+
+With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it first (once) and
+then dispatches from the new record; otherwise calls never block on tuning.
 
 The heuristic default: windows of at least ``LARGE_WINDOW`` elements with short output rows
 (global pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row`` with
 its default configuration, where several lanes share each window; everything else goes to
 ``thread_per_output`` with its default configuration.
 
-Decisions and built kernels are memoised in memory, so repeated calls do no file-system access and
-no recompilation.
+Decisions and built kernels are memoised in memory (the cache files are read once, on the first
+miss of the memo), so repeated calls do no file-system access and no recompilation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
+import warnings
 
+from . import cache as cache_mod
 from . import kernel_source
 from . import variants as variants_mod
 from .problem import Problem
 
 LARGE_WINDOW = 32
 SHORT_ROW = 4
+AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
+#: Compiler options of every build (part of the kernel hash in cache keys).
+BUILD_OPTIONS = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +46,7 @@ class Choice:
     variant: variants_mod.Variant
     params: tuple  # sorted (name, value) pairs: hashable
     source: str
+    record_key: str | None = None  # the cache record it came from (source cache/nearest)
 
     @property
     def config(self) -> dict:
@@ -58,7 +73,7 @@ def heuristic_default(problem: Problem) -> variants_mod.Variant:
     return table["thread_per_output"]
 
 
-def choose(problem: Problem, device, variant=None, config=None) -> Choice:
+def choose(problem: Problem, device, variant=None, config=None, *, allow_tuning=True) -> Choice:
     """Decide variant and configuration for ``problem`` on ``device`` (validating forced ones)."""
     if variant is not None or config is not None:
         if variant is None:
@@ -66,9 +81,117 @@ def choose(problem: Problem, device, variant=None, config=None) -> Choice:
         chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
         params = chosen.check_config({} if config is None else config, problem, device.limits)
         return Choice(chosen, tuple(sorted(params.items())), "forced")
+    memo_key = (device.id, problem)
+    choice = _DECISIONS.get(memo_key)
+    if choice is None:
+        choice = _from_cache(problem, device)
+        if choice.source != "cache" and allow_tuning and os.environ.get(AUTOTUNE_ENV) == "1":
+            from .tuner import tune  # tuner builds on this module
+
+            tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
+                 problem.layout, device)
+            choice = _from_cache(problem, device)
+        if allow_tuning:
+            _DECISIONS[memo_key] = choice
+    return choice
+
+
+def _default_choice(problem: Problem, device) -> Choice:
     chosen = heuristic_default(problem)
     params = chosen.check_config({}, problem, device.limits, name=f"default config of {chosen.name}")
     return Choice(chosen, tuple(sorted(params.items())), "default")
+
+
+def _choice_from_record(record: dict, problem: Problem, device, source: str) -> Choice | None:
+    """The record's winner if it is a known variant and legal for ``problem`` here, else None."""
+    best = record["best"]
+    table = variants_mod.variants_for(problem.op, problem.direction)
+    variant = table.get(best.get("variant"))
+    if variant is None:
+        return None
+    try:
+        params = variant.check_config(best.get("params", {}), problem, device.limits)
+    except (TypeError, ValueError):
+        return None
+    return Choice(variant, tuple(sorted(params.items())), source, record["key"])
+
+
+def _from_cache(problem: Problem, device) -> Choice:
+    table = tuning_cache()
+    key = cache_key(problem, device)
+    record = table.lookup(key)
+    if record is not None:
+        choice = _choice_from_record(record, problem, device, "cache")
+        if choice is not None:
+            return choice
+        warnings.warn(f"tuning-cache record {key} names a configuration that is not legal here; ignored",
+                      cache_mod.CacheWarning, stacklevel=3)
+    for _distance, neighbour in _neighbours(problem, device, table):
+        choice = _choice_from_record(neighbour, problem, device, "nearest")
+        if choice is not None:
+            return choice
+    return _default_choice(problem, device)
+
+
+def _log_distance(a, b) -> float:
+    return math.sqrt(sum((math.log(max(x, 1)) - math.log(max(y, 1))) ** 2 for x, y in zip(a, b)))
+
+
+def _neighbours(problem: Problem, device, table) -> list:
+    """Records of other shapes of the same op on the same device and kernel code, nearest first."""
+    fingerprint, code = device.fingerprint, kernel_hash(problem)
+    wanted = {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout}
+
+    def same_family(record):
+        p = record["problem"]
+        return (record["device"] == fingerprint and record["kernel_hash"] == code
+                and all(p.get(k) == v for k, v in wanted.items())
+                and len(p.get("input_shape", ())) == len(problem.input_shape))
+
+    scored = []
+    for record in table.candidates(same_family):
+        p = record["problem"]
+        distance = _log_distance(list(problem.input_shape) + list(problem.output_shape),
+                                 list(p["input_shape"]) + list(p["output_shape"]))
+        scored.append((distance, record))
+    scored.sort(key=lambda pair: pair[0])
+    return scored
+
+
+_DECISIONS: dict = {}
+_TUNING_CACHE = None
+
+
+def tuning_cache() -> cache_mod.TuningCache:
+    """The process-wide tuning cache (shipped database + user cache), opened on first use."""
+    global _TUNING_CACHE
+    if _TUNING_CACHE is None:
+        _TUNING_CACHE = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
+    return _TUNING_CACHE
+
+
+def forget(problem: Problem | None = None, device=None) -> None:
+    """Drop memoised decisions (all, or one problem's) so the next call consults the cache again;
+    with no arguments also re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed)."""
+    global _TUNING_CACHE
+    if problem is None:
+        _DECISIONS.clear()
+        _TUNING_CACHE = None
+    else:
+        _DECISIONS.pop((device.id, problem), None)
+
+
+def kernel_hash(problem: Problem) -> str:
+    """sha256 over the templates of every variant of the op and the build options."""
+    templates = sorted({v.template for v in variants_mod.variants_for(problem.op, problem.direction).values()})
+    digest = hashlib.sha256(BUILD_OPTIONS.encode())
+    for template in templates:
+        digest.update(kernel_source.template_hash(template).encode())
+    return digest.hexdigest()
+
+
+def cache_key(problem: Problem, device) -> str:
+    return cache_mod.make_key(problem, device.fingerprint, kernel_hash(problem))
 
 
 _LAUNCHES: dict = {}
@@ -107,5 +230,7 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "params": choice.config,
         "source": choice.source,
         "device": device.describe(),
+        "cache_key": cache_key(problem, device),
+        "record_key": choice.record_key,
         "index_bits": 64 if problem.index_64 else 32,
     }

@@ -89,10 +89,12 @@ def adaptive_avg_pool3d(x, output_size, *, device=None, variant=None, config=Non
 
 def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
-    (``forced``/``default``), device, and more.  ``layout=None`` means contiguous channels-first."""
+    (``forced``/``cache``/``nearest``/``default``), device, and more.  ``layout=None`` means contiguous channels-first."""
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout)
-    return dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config))
+    info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, allow_tuning=False))
+    info["autotune_on_miss"] = os.environ.get(dispatch.AUTOTUNE_ENV) == "1"
+    return info
 
 
 def devices() -> list:

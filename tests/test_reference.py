@@ -3,9 +3,6 @@ worked examples of DESIGN.md section 2."""
 
 from __future__ import annotations
 
-import os
-import secrets
-
 import numpy as np
 import pytest
 
@@ -22,13 +19,8 @@ AVG = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_poo
 MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
 
 
-@pytest.fixture
-def rng():
-    """A fresh generator per test; the seed is printed (shown by pytest on failure) and can be
-    forced with POOL_TUNER_TEST_SEED to reproduce a failure."""
-    seed = int(os.environ.get("POOL_TUNER_TEST_SEED", secrets.randbits(64)))
-    print(f"rng seed: {seed} (rerun with POOL_TUNER_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
+# ``rng`` is the shared fixture of tests/conftest.py: fresh per run and per test id, replayable
+# with POOL_TUNER_TEST_SEED (printed in the pytest header).
 
 
 def randn(rng, shape):
@@ -102,7 +94,11 @@ CASES = {
         ((2, 3, 4, 5, 6), (2, 0, 3)),
     ],
 }
-ALL_CASES = [pytest.param(ndim, shape, size, id=f"{ndim}d-{shape}->{size}") for ndim in CASES for shape, size in CASES[ndim]]
+ALL_CASES = [
+    pytest.param(ndim, shape, size, id=f"{ndim}d-{shape}->{size}")
+    for ndim in CASES
+    for shape, size in CASES[ndim]
+]
 
 
 def is_empty(shape, size, ndim):
@@ -424,7 +420,9 @@ def test_bad_backward_arguments(op, grad_shape, input_shape, exc, match):
     [
         pytest.param(np.zeros((2, 3, 4), dtype=np.int64), ValueError, r"indices must have the shape", id="shape"),
         pytest.param(np.zeros((2, 3, 4, 4)), TypeError, r"indices must be an integer array", id="float"),
-        pytest.param(np.full((2, 3, 4, 4), 64, dtype=np.int64), ValueError, r"indices must lie in \[0, 64\)", id="high"),
+        pytest.param(
+            np.full((2, 3, 4, 4), 64, dtype=np.int64), ValueError, r"indices must lie in \[0, 64\)", id="high"
+        ),
         pytest.param(np.full((2, 3, 4, 4), -1, dtype=np.int64), ValueError, r"indices must lie in \[0, 64\)", id="neg"),
     ],
 )

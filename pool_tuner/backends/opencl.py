@@ -56,7 +56,7 @@ class OpenCLDevice:
     def describe(self) -> str:
         return f"{self.id} {self.name}"
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> dict:
         """What identifies this device's performance in the tuning cache."""
         d = self.cl_device

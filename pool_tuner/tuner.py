@@ -1,0 +1,256 @@
+"""Autotuning with Kernel Tuner: search every variant's space, verify every configuration against the
+float64 reference, race the winners against the default, and store the result in the tuning cache.
+
+How failures are kept from aborting a run: Kernel Tuner raises on a configuration that fails to
+compile, to launch (other than "too many resources") or to verify.  Our kernel-source generator
+notes which configuration is being built; when ``tune_kernel`` raises, that configuration is
+recorded as failed, excluded through the restrictions, and the run resumes from Kernel Tuner's
+own (temporary) cache file, so nothing measured so far is repeated.  Failed configurations are
+never selected.
+
+Timing: Kernel Tuner's per-configuration ``times`` are reduced to their median.  The final
+comparison -- each variant's best against the default configuration -- is re-measured by
+``race``: interleaved launches on one queue, medians of many repetitions, so a noisy machine hurts
+every candidate alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+from . import backends, dispatch, reference
+from . import cache as cache_mod
+from . import kernel_source
+from .problem import Problem
+from .variants import variants_for
+
+#: Search spaces with at most this many legal points are searched exhaustively by default.
+BRUTE_FORCE_LIMIT = 30
+#: Default budget for larger spaces: random sampling of this many configurations per variant.
+DEFAULT_MAX_FEVALS = 24
+#: Default time budget per variant, in seconds (sampling strategies only).
+DEFAULT_TIME_LIMIT = 20.0
+#: Kernel Tuner launches per configuration (median taken) and race repetitions per candidate.
+ITERATIONS = 9
+RACE_REPETITIONS = 25
+
+TOLERANCES = {"float32": dict(rtol=1e-5, atol=1e-6), "float64": dict(rtol=1e-12, atol=1e-12)}
+
+
+@dataclasses.dataclass
+class VariantResult:
+    variant: str
+    best_params: dict | None
+    best_time_ms: float | None  # race median of the best configuration
+    evaluated: int
+    failures: list  # [{"params": ..., "error": ...}]
+    seconds: float
+
+
+@dataclasses.dataclass
+class TuneResult:
+    problem: Problem
+    device: str
+    variants: list  # of VariantResult
+    best_variant: str
+    best_params: dict
+    best_time_ms: float
+    default_variant: str
+    default_params: dict
+    default_time_ms: float
+    seconds: float
+    cache_key: str
+    stored: bool
+
+    @property
+    def speedup_over_default(self) -> float:
+        return self.default_time_ms / self.best_time_ms
+
+
+def _space_key(params: dict) -> tuple:
+    return tuple(sorted(params.items()))
+
+
+def _legal_points(variant, problem, device) -> list:
+    legal = []
+    for config in variant.configurations():
+        try:
+            legal.append(variant.check_config(config, problem, device.limits))
+        except ValueError:
+            continue
+    return legal
+
+
+def _verifier(expected: np.ndarray, dtype: str):
+    tolerance = TOLERANCES[dtype]
+
+    def verify(answer, result_host, atol=None):
+        out = np.asarray(result_host[1]).reshape(expected.shape)
+        return bool(not np.isnan(out).any() and np.allclose(out, expected, **tolerance))
+
+    return verify
+
+
+def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
+                 iterations=ITERATIONS, rng=None, quiet=True) -> tuple[dict | None, float | None, int, list]:
+    """Search one variant's space with Kernel Tuner.  Returns ``(best params, Kernel Tuner's median
+    time in ms, configurations evaluated, failures)``."""
+    from kernel_tuner import tune_kernel
+
+    rng = rng or np.random.default_rng()
+    legal = _legal_points(variant, problem, device)
+    if not legal:
+        return None, None, 0, []
+    legal_keys = {_space_key(p) for p in legal}
+    x = (rng.uniform(-2.0, 2.0, problem.input_shape) + 0.5).astype(problem.dtype)
+    expected = reference.adaptive_avg_pool(x, problem.output_shape[-problem.ndim:], problem.ndim)
+    out = np.full(problem.output_shape, np.nan, dtype=problem.dtype)
+
+    failures: dict = {}
+    building = {}
+
+    def generate(params):
+        building["params"] = {k: int(v) for k, v in params.items()}
+        return kernel_source.render(variant.template, variant.defines(building["params"], problem))
+
+    def restriction(params):
+        key = _space_key({k: int(v) for k, v in params.items()})
+        return key in legal_keys and key not in failures
+
+    if strategy is None:
+        strategy = "brute_force" if len(legal) <= BRUTE_FORCE_LIMIT else "random_sample"
+    options = {}
+    if strategy != "brute_force":
+        options["max_fevals"] = min(max_fevals or DEFAULT_MAX_FEVALS, len(legal))
+        options["time_limit"] = time_limit or DEFAULT_TIME_LIMIT
+    elif max_fevals or time_limit:
+        raise ValueError("max_fevals/time_limit need a sampling strategy (e.g. strategy='random_sample'); brute_force evaluates every configuration")
+
+    with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch:
+        kt_cache = os.path.join(scratch, "kernel_tuner_cache.json")
+        while True:
+            building.clear()
+            try:
+                results, _env = tune_kernel(
+                    variant.kernel_name, generate, lambda p: (variant.groups(p, problem), 1),
+                    [x, out], {k: list(v) for k, v in variant.search_space.items()},
+                    grid_div_x=[], grid_div_y=[], restrictions=restriction,
+                    answer=[None, expected], verify=_verifier(expected, problem.dtype),
+                    lang="OpenCL", platform=device.platform_index, device=device.device_index,
+                    defines={}, iterations=iterations, strategy=strategy,
+                    strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
+                )
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure of one configuration
+                params = building.get("params")
+                if params is None or _space_key(params) in failures:
+                    raise
+                failures[_space_key(params)] = f"{type(exc).__name__}: {exc}".strip()[:500]
+
+    measured = [r for r in results if isinstance(r.get("times"), list) and r.get("times")
+                and _space_key({k: int(r[k]) for k in variant.search_space}) not in failures]
+    failure_list = [{"params": dict(k), "error": e} for k, e in failures.items()]
+    if not measured:
+        return None, None, len(results), failure_list
+    best = min(measured, key=lambda r: float(np.median(r["times"])))
+    best_params = {k: int(best[k]) for k in variant.search_space}
+    return best_params, float(np.median(best["times"])), len(measured), failure_list
+
+
+def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
+    """Median kernel time (ms) of each choice, launched interleaved on one queue (events)."""
+    rng = rng or np.random.default_rng()
+    queue = device.queue
+    x = device.to_device((rng.uniform(-2.0, 2.0, problem.input_shape) + 0.5).astype(problem.dtype))
+    out = device.empty(problem.output_shape, problem.dtype)
+    launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
+    for launch in launches:  # warm-up
+        device.launch(queue, launch.kernel, launch.groups, launch.block, (x.data, out.data))
+    queue.finish()
+    times = [[] for _ in choices]
+    for _ in range(repetitions):
+        for i, launch in enumerate(launches):
+            event = device.launch(queue, launch.kernel, launch.groups, launch.block, (x.data, out.data))
+            event.wait()
+            times[i].append((event.profile.end - event.profile.start) * 1e-6)
+    return [float(np.median(t)) for t in times]
+
+
+def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, variants=None,
+         strategy=None, max_fevals=None, time_limit=None, iterations=ITERATIONS, store=True,
+         tuning_cache=None, quiet=True) -> TuneResult:
+    """Tune every variant (or ``variants``) of ``op`` for one problem on one device and store the
+    winner in the tuning cache.  See the module docstring for how failures and timing are handled."""
+    started = time.perf_counter()
+    dev = backends.resolve_device(device)
+    problem = Problem.create(op, input_shape, output_size, dtype, layout)
+    if problem.is_empty:
+        raise ValueError(f"output_size {output_size!r} gives an empty output {problem.output_shape}: nothing to tune")
+    table = variants_for(problem.op, problem.direction)
+    names = list(table) if variants is None else list(variants)
+    for name in names:
+        if name not in table:
+            raise ValueError(f"variants must name variants of {op}, one of {sorted(table)}; got {name!r}")
+    rng = np.random.default_rng()
+
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        params, _kt_ms, evaluated, failures = tune_variant(
+            table[name], problem, dev, strategy=strategy, max_fevals=max_fevals, time_limit=time_limit,
+            iterations=iterations, rng=rng, quiet=quiet)
+        results.append(VariantResult(name, params, None, evaluated, failures, time.perf_counter() - t0))
+    tuned = [r for r in results if r.best_params is not None]
+    if not tuned:
+        raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.describe()}; "
+                           f"failures: {[f for r in results for f in r.failures][:3]}")
+
+    default = dispatch.choose(problem, dev)
+    candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
+    times = race(problem, dev, candidates + [default], rng=rng)
+    for r, t in zip(tuned, times):
+        r.best_time_ms = t
+    winner = min(tuned, key=lambda r: r.best_time_ms)
+
+    tc = tuning_cache or dispatch.tuning_cache()
+    key = dispatch.cache_key(problem, dev)
+    record = cache_mod.make_record(
+        problem, dev.fingerprint, dispatch.kernel_hash(problem),
+        best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
+        runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms}
+                    for r in sorted(tuned, key=lambda r: r.best_time_ms) if r is not winner],
+        extra={"default": {"variant": default.variant.name, "params": default.config, "time_ms": times[-1]},
+               "failures": [dict(f, variant=r.variant) for r in results for f in r.failures],
+               "tuning_seconds": round(time.perf_counter() - started, 3)},
+    )
+    stored = False
+    if store:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", cache_mod.CacheWarning)
+            tc.store(record)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        stored = not any(issubclass(w.category, cache_mod.CacheWarning) for w in caught)
+        dispatch.forget(problem, dev)
+    return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
+                      default.variant.name, default.config, times[-1], time.perf_counter() - started, key, stored)
+
+
+def budget_summary(problem: Problem, device) -> dict:
+    """How many legal configurations each variant has and which strategy the default budget uses."""
+    summary = {}
+    for name, variant in variants_for(problem.op, problem.direction).items():
+        n = len(_legal_points(variant, problem, device))
+        strategy = "brute_force" if n <= BRUTE_FORCE_LIMIT else "random_sample"
+        evals = n if strategy == "brute_force" else min(DEFAULT_MAX_FEVALS, n)
+        summary[name] = {"legal": n, "strategy": strategy, "evaluations": evals}
+    return summary
+
+
+__all__ = ["tune", "TuneResult", "VariantResult", "race", "budget_summary"]
