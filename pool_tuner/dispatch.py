@@ -12,10 +12,11 @@ Decision order (each step is reported by ``explain`` as ``source``):
 With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it first (once) and
 then dispatches from the new record; otherwise calls never block on tuning.
 
-The heuristic default: windows of at least ``LARGE_WINDOW`` elements with short output rows
-(global pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row`` with
-its default configuration, where several lanes share each window; everything else goes to
-``thread_per_output`` with its default configuration.
+The heuristic default: on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output
+rows (global pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``
+with its default configuration, where several lanes share each window; everything else -- and
+everything on CPU devices, where work-group barriers are expensive and one work-item per output
+vectorises best -- goes to ``thread_per_output`` with its default configuration.
 
 Decisions and built kernels are memoised in memory (the cache files are read once, on the first
 miss of the memo), so repeated calls do no file-system access and no recompilation.
@@ -66,9 +67,9 @@ def _largest_window(problem: Problem) -> int:
     return math.prod(variants_mod.max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
 
 
-def heuristic_default(problem: Problem) -> variants_mod.Variant:
+def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     table = variants_mod.variants_for(problem.op, problem.direction)
-    if _largest_window(problem) >= LARGE_WINDOW and problem.out_spatial[-1] <= SHORT_ROW:
+    if device.is_gpu and _largest_window(problem) >= LARGE_WINDOW and problem.out_spatial[-1] <= SHORT_ROW:
         return table["block_per_row"]
     return table["thread_per_output"]
 
@@ -97,7 +98,7 @@ def choose(problem: Problem, device, variant=None, config=None, *, allow_tuning=
 
 
 def _default_choice(problem: Problem, device) -> Choice:
-    chosen = heuristic_default(problem)
+    chosen = heuristic_default(problem, device)
     params = chosen.check_config({}, problem, device.limits, name=f"default config of {chosen.name}")
     return Choice(chosen, tuple(sorted(params.items())), "default")
 

@@ -52,22 +52,41 @@ def _device_input(x, queue, is_device):
     return x if x.offset == 0 else x.copy()
 
 
+_PROBLEMS: dict = {}
+
+
+def _problem(op, x, output_size) -> Problem:
+    """The validated problem for a call, memoised on (op, shape, dtype, output_size) so repeated
+    calls skip validation; unhashable output sizes (lists) are validated every time."""
+    key = (op, x.shape, x.dtype, output_size)
+    try:
+        return _PROBLEMS[key]
+    except KeyError:
+        pass
+    except TypeError:
+        key = None
+    dtype = check_dtype(getattr(x, "dtype", None), "x.dtype")
+    problem = Problem.create(op, x.shape, output_size, dtype, shape_name="x")
+    if key is not None:
+        _PROBLEMS[key] = problem
+    return problem
+
+
 def pool_forward(op: str, x, output_size, *, device=None, variant=None, config=None):
     """Shared body of every forward op."""
     dev, queue, is_device = _locate(x, device)
-    dtype = check_dtype(getattr(x, "dtype", None), "x.dtype")
-    _check_float64(dev, dtype)
-    problem = Problem.create(op, x.shape, output_size, dtype, shape_name="x")
+    problem = _problem(op, x, output_size)
+    _check_float64(dev, problem.dtype)
     choice = dispatch.choose(problem, dev, variant, config)
     if problem.is_empty:
-        out = opencl.cl_array.empty(queue, problem.output_shape, dtype)
+        out = opencl.cl_array.empty(queue, problem.output_shape, problem.dtype)
         return out if is_device else out.get()
     launch = dispatch.prepare(dev, queue.context, problem, choice)
     x_dev = _device_input(x, queue, is_device)
-    out = opencl.cl_array.empty(queue, problem.output_shape, dtype)
+    out = opencl.cl_array.empty(queue, problem.output_shape, problem.dtype)
     if poison_outputs:
         out.fill(np.nan)
-    dev.launch(queue, launch.kernel, launch.groups, launch.block, (x_dev.data, out.data))
+    out.add_event(dev.launch(queue, launch.kernel, launch.groups, launch.block, (x_dev.data, out.data)))
     return out if is_device else out.get()
 
 

@@ -184,9 +184,14 @@ def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETI
 
 def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, variants=None,
          strategy=None, max_fevals=None, time_limit=None, iterations=ITERATIONS, store=True,
-         tuning_cache=None, quiet=True) -> TuneResult:
+         tuning_cache=None, quiet=True, progress=None) -> TuneResult:
     """Tune every variant (or ``variants``) of ``op`` for one problem on one device and store the
-    winner in the tuning cache.  See the module docstring for how failures and timing are handled."""
+    winner in the tuning cache.  See the module docstring for how failures and timing are handled.
+
+    ``strategy`` is a Kernel Tuner strategy name (default: ``brute_force`` for spaces of at most
+    ``BRUTE_FORCE_LIMIT`` legal points, else ``random_sample``); ``max_fevals`` and ``time_limit``
+    (seconds per variant) bound the sampling strategies.  ``progress(variant_name)`` is called after
+    each variant is searched."""
     started = time.perf_counter()
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout)
@@ -206,6 +211,8 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
             table[name], problem, dev, strategy=strategy, max_fevals=max_fevals, time_limit=time_limit,
             iterations=iterations, rng=rng, quiet=quiet)
         results.append(VariantResult(name, params, None, evaluated, failures, time.perf_counter() - t0))
+        if progress is not None:
+            progress(name)
     tuned = [r for r in results if r.best_params is not None]
     if not tuned:
         raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.describe()}; "

@@ -33,16 +33,23 @@ def window_end(o: int, in_size: int, out_size: int) -> int:
     return -((-(o + 1) * in_size) // out_size)
 
 
+#: The int64 window arithmetic computes (o + 1) * I and (i + 1) * O; both must fit in 63 bits.
+MAX_SIZE_PRODUCT = 2**62
+
+
 def _check_sizes(in_size, out_size, *, allow_zero_out: bool):
     for name, value in (("in_size", in_size), ("out_size", out_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    in_size, out_size = int(in_size), int(out_size)
     if in_size < 1:
         raise ValueError(f"in_size must be >= 1, got {in_size}")
     if out_size < (0 if allow_zero_out else 1):
         bound = 0 if allow_zero_out else 1
         raise ValueError(f"out_size must be >= {bound}, got {out_size}")
-    return int(in_size), int(out_size)
+    if (in_size + 1) * (out_size + 1) > MAX_SIZE_PRODUCT:
+        raise ValueError(f"in_size * out_size must stay below 2**62 for exact int64 window math, got {in_size} and {out_size}")
+    return in_size, out_size
 
 
 def pooling_windows(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:

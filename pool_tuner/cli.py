@@ -1,0 +1,198 @@
+"""The ``pool-tuner`` command line: devices, tune, cache, explain, bench.
+
+Every subcommand has ``--help``; any error is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import backends, cache, dispatch, kernel_source, presets
+from .ops import explain
+from .tuner import tune
+
+EXIT_ERROR = 2
+
+
+def parse_shape(text: str, name: str) -> tuple:
+    """``32x2048x7x7`` -> (32, 2048, 7, 7); for output sizes ``None`` entries are allowed (``56xNone``)."""
+    entries = []
+    for token in str(text).lower().split("x"):
+        if token == "none" and name == "--output":
+            entries.append(None)
+            continue
+        try:
+            entries.append(int(token))
+        except ValueError:
+            raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
+    return tuple(entries)
+
+
+def _shapes_from_args(args) -> list:
+    chosen = [a for a in ("input", "preset", "shapes") if getattr(args, a)]
+    if len(chosen) != 1:
+        raise ValueError("give exactly one of --input/--output, --preset or --shapes")
+    if args.preset:
+        return presets.preset_shapes(args.preset)
+    if args.shapes:
+        try:
+            entries = json.loads(Path(args.shapes).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--shapes {args.shapes}: {exc}") from None
+        if not isinstance(entries, list):
+            raise ValueError('--shapes file must hold a JSON list of {"op": ..., "input": [...], "output": [...]}')
+        try:
+            return [(e.get("op", args.op), tuple(e["input"]), tuple(e["output"])) for e in entries]
+        except (AttributeError, KeyError, TypeError):
+            raise ValueError('--shapes file entries must be objects with "input" and "output" lists (and optionally "op")') from None
+    if not args.output:
+        raise ValueError("--input needs --output (e.g. --output 1x1)")
+    return [(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"))]
+
+
+def cmd_devices(args) -> int:
+    default = backends.default_device()
+    for device in backends.all_devices():
+        marks = ["default"] if device is default else []
+        if device.is_simulator:
+            marks.append("simulator, never chosen by default")
+        suffix = f"  ({', '.join(marks)})" if marks else ""
+        print(f"{device.id:14s} {device.name}  [{device.platform_name}]{suffix}")
+    return 0
+
+
+def _format_ms(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def cmd_tune(args) -> int:
+    from tqdm import tqdm
+
+    from .problem import IMPLEMENTED
+
+    shapes = _shapes_from_args(args)
+    device = backends.resolve_device(args.device, "--device")
+    runnable = [s for s in shapes if (s[0], "forward") in IMPLEMENTED]
+    for op, shape, out in shapes:
+        if (op, "forward") not in IMPLEMENTED:
+            print(f"skipping {op} {shape} -> {out}: no kernels for {op} in this version")
+    variant_names = args.variants.split(",") if args.variants else None
+    steps = sum(len(variant_names or dispatch.variants_mod.variants_for(op)) for op, _, _ in runnable)
+    failed = 0
+    with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
+        for op, shape, out in runnable:
+            bar.set_postfix_str(f"{op} {'x'.join(map(str, shape))}")
+            result = tune(op, shape, out, args.dtype, None, device, variants=variant_names, strategy=args.strategy,
+                          max_fevals=args.max_fevals, time_limit=args.time_limit,
+                          progress=lambda _name: bar.update(1))
+            bar.clear()
+            print(_result_table(result))
+            failed += sum(len(v.failures) for v in result.variants)
+    print(f"cache: {dispatch.tuning_cache().path()}")
+    if failed:
+        print(f"{failed} configurations failed to compile, launch or verify and were skipped (see the cache records)")
+    return 0
+
+
+def _result_table(result) -> str:
+    p = result.problem
+    lines = [f"\n{p.op} {'x'.join(map(str, p.input_shape))} -> {'x'.join(map(str, p.output_shape))}"
+             f"  on {result.device}  ({result.seconds:.1f} s)",
+             f"  {'variant':20s} {'best ms':>10s} {'evaluated':>9s} {'failed':>6s}  params"]
+    for v in result.variants:
+        mark = "  <- winner" if v.variant == result.best_variant else ""
+        lines.append(f"  {v.variant:20s} {_format_ms(v.best_time_ms):>10s} {v.evaluated:9d} {len(v.failures):6d}"
+                     f"  {v.best_params}{mark}")
+    lines.append(f"  default {result.default_variant} {result.default_params}: {result.default_time_ms:.4f} ms;"
+                 f" tuned is {result.speedup_over_default:.2f}x faster"
+                 + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
+    return "\n".join(lines)
+
+
+def cmd_cache(args) -> int:
+    table = dispatch.tuning_cache()
+    if args.action == "path":
+        print(f"user cache:    {table.path()}")
+        print(f"shipped cache: {kernel_source.shipped_cache_dir()}")
+    elif args.action == "show":
+        records = sorted(table.records().values(), key=lambda r: r["key"])
+        for r in records:
+            p, best = r["problem"], r["best"]
+            print(f"{p['op']:20s} {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
+                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {json.dumps(best['params'])}  [{r['device'].get('name', '?')}]")
+        print(f"{len(records)} records (user cache {table.path()}, shipped {kernel_source.shipped_cache_dir()})")
+    elif args.action == "clear":
+        table.clear()
+        print(f"cleared {table.path()}")
+    elif args.action == "merge":
+        if not args.files:
+            raise ValueError("cache merge needs at least one cache file to merge")
+        sources = [Path(f) for f in args.files]
+        if args.into:
+            count = cache.merge_files(sources, Path(args.into))
+            print(f"merged {count} records into {args.into}")
+        else:
+            count = table.merge(sources)
+            print(f"merged {count} records into {table.path()}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    info = explain(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"),
+                   args.dtype, None, args.device)
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pool-tuner", description="Autotuned adaptive pooling kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("devices", help="list the devices pool_tuner can use")
+    p.set_defaults(run=cmd_devices)
+
+    p = sub.add_parser("tune", help="tune shapes on a device and store the winners in the cache")
+    p.add_argument("--op", default="adaptive_avg_pool2d", help="op name (default adaptive_avg_pool2d)")
+    p.add_argument("--input", help="input shape, e.g. 32x2048x7x7")
+    p.add_argument("--output", help="output size, e.g. 1x1 or 56xNone")
+    p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS))} or all")
+    p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--variants", help="comma-separated variants to tune (default all)")
+    p.add_argument("--strategy", help="Kernel Tuner strategy (default brute_force for small spaces, else random_sample)")
+    p.add_argument("--max-fevals", type=int, help="configurations per variant for sampling strategies")
+    p.add_argument("--time-limit", type=float, help="seconds per variant for sampling strategies")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_tune)
+
+    p = sub.add_parser("cache", help="inspect or maintain the tuning cache")
+    p.add_argument("action", choices=["show", "path", "clear", "merge"])
+    p.add_argument("files", nargs="*", help="for merge: cache files (records.json) to merge")
+    p.add_argument("--into", help="for merge: destination file (default: the user cache)")
+    p.set_defaults(run=cmd_cache)
+
+    p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")
+    p.add_argument("--op", default="adaptive_avg_pool2d")
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device")
+    p.set_defaults(run=cmd_explain)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
+        print(f"pool-tuner: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

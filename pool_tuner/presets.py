@@ -1,0 +1,32 @@
+"""Model-layer shape presets: the benchmark suite of DESIGN section 9, as data.
+
+Each preset is a list of ``(op, input_shape, output_size)``; ``pool-tuner tune --preset NAME``
+tunes them and ``pool-tuner bench`` measures them.
+"""
+
+from __future__ import annotations
+
+PRESETS = {
+    "resnet50_head": [("adaptive_avg_pool2d", (32, 2048, 7, 7), (1, 1))],
+    "vgg16_256px": [("adaptive_avg_pool2d", (32, 512, 8, 8), (7, 7))],
+    "alexnet_256px": [("adaptive_avg_pool2d", (64, 256, 7, 7), (6, 6))],
+    "pspnet_ppm": [("adaptive_avg_pool2d", (8, 2048, 64, 64), (s, s)) for s in (1, 2, 3, 6)],
+    "spp_net": [("adaptive_max_pool2d", (32, 256, 13, 13), (s, s)) for s in (4, 2, 1)],
+    "se_block": [("adaptive_avg_pool2d", (32, 256, 56, 56), (1, 1))],
+    "coord_attention": [
+        ("adaptive_avg_pool2d", (32, 64, 56, 56), (56, None)),
+        ("adaptive_avg_pool2d", (32, 64, 56, 56), (None, 56)),
+    ],
+    "upsample_area": [("adaptive_avg_pool2d", (16, 64, 5, 5), (7, 7))],
+    "video_head": [("adaptive_avg_pool3d", (8, 2048, 8, 7, 7), (1, 1, 1))],
+    "audio_1d": [("adaptive_avg_pool1d", (32, 512, 1000), (128,))],
+}
+
+
+def preset_shapes(name: str) -> list:
+    """The shapes of a preset, or of every preset for ``"all"``."""
+    if name == "all":
+        return [shape for shapes in PRESETS.values() for shape in shapes]
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS) + ['all']}, got {name!r}")
+    return list(PRESETS[name])
