@@ -33,8 +33,8 @@ def window_end(o: int, in_size: int, out_size: int) -> int:
     return -((-(o + 1) * in_size) // out_size)
 
 
-#: The int64 window arithmetic computes (o + 1) * I and (i + 1) * O; both must fit in 63 bits.
-MAX_SIZE_PRODUCT = 2**62
+#: The int64 window arithmetic computes (o + 1) * I and (i + 1) * O; both must fit in int64.
+MAX_SIZE_PRODUCT = 2**63 - 1
 
 
 def _check_sizes(in_size, out_size, *, allow_zero_out: bool):
@@ -48,7 +48,9 @@ def _check_sizes(in_size, out_size, *, allow_zero_out: bool):
         bound = 0 if allow_zero_out else 1
         raise ValueError(f"out_size must be >= {bound}, got {out_size}")
     if (in_size + 1) * (out_size + 1) > MAX_SIZE_PRODUCT:
-        raise ValueError(f"in_size * out_size must stay below 2**62 for exact int64 window math, got {in_size} and {out_size}")
+        raise ValueError(
+            f"(in_size + 1) * (out_size + 1) must fit in int64 for exact window math, got {in_size} and {out_size}"
+        )
     return in_size, out_size
 
 

@@ -173,3 +173,10 @@ def test_bad_sizes(func, args, exc, match):
 def test_zero_out_size_rejected_where_meaningless(func):
     with pytest.raises(ValueError, match="out_size"):
         func(4, 0)
+
+
+def test_sizes_whose_window_products_overflow_int64_are_refused():
+    with pytest.raises(ValueError, match="must fit in int64"):
+        pooling_windows(2**61, 5)
+    with pytest.raises(ValueError, match="must fit in int64"):
+        inverse_windows(5, 2**61)
