@@ -1,68 +1,112 @@
-/* pool_forward.c -- adaptive pooling forward, every rank, every variant.
+/* pool_forward.c -- adaptive pooling forward: every rank, op, layout and variant.
  *
- * Host defines: N_PLANES, IN_T, IN_H, IN_W, OUT_T, OUT_H, OUT_W (see windows.h), POOL_AVG, one of
- * VARIANT_THREAD_PER_OUTPUT / VARIANT_BLOCK_PER_ROW / VARIANT_SMEM_TILED and that variant's tuning
- * parameters (lower-case, as Kernel Tuner names them).
+ * Host defines: the shape (N_PLANES, N_CHANNELS, IN_T/H/W, OUT_T/H/W; see windows.h), CHANNELS_LAST,
+ * the op (POOL_AVG or POOL_MAX), one VARIANT_* and that variant's tuning parameters (lower-case,
+ * as Kernel Tuner names them).
  *
- * The reduction over a window is spelled through REDUCE_* macros so that every variant reads as
- * "visit the window, then finish":  out[o] = (1 / area(o)) * sum over the window of in.
+ *   avg:  out[o] = (1 / area(o)) * sum over window(o) of in
+ *   max:  out[o] = max over window(o) of in, indices[o] = its position in the plane; NaN wins,
+ *         ties and all -inf windows keep the first position in row-major window order.
  */
 
-#if POOL_AVG
-#define REDUCE_INIT(acc) acc_t acc = (acc_t)0
-#define REDUCE_STEP(acc, value) acc += (value)
-#define REDUCE_MERGE(acc, other) acc += (other)
-#define REDUCE_FINISH(acc, area) ((acc) / (acc_t)(area))
-#else
-#error "pool_forward.c: no POOL_* op define given"
+/* ---------------------------------------------------------------- the reduction */
+typedef struct {
+    acc_t value;
+    index_t position; /* max: plane position of `value`; -1 before the first element */
+} reduction_t;
+
+DEVICE_FN reduction_t reduce_init(void)
+{
+    reduction_t r;
+    r.value = (acc_t)0; /* max: replaced by the first element, since position < 0 */
+    r.position = -1;
+    return r;
+}
+
+#if POOL_MAX
+/* Does (value, position) come before `r` in the max order?  Larger wins, NaN beats numbers,
+ * equal values (or two NaNs) go to the earlier position. */
+DEVICE_FN int max_precedes(acc_t value, index_t position, reduction_t r)
+{
+    if (r.position < 0)
+        return 1;
+    if (IS_NAN(value))
+        return !IS_NAN(r.value) || position < r.position;
+    if (IS_NAN(r.value))
+        return 0;
+    return value > r.value || (value == r.value && position < r.position);
+}
 #endif
 
-/* Reduce output (ot, oh, ow) of the plane starting at `in`, visiting window rows
- * first_row, first_row + row_step, ... (a row is one (t, h) pair of the window).
- * With first_row = 0, row_step = 1 this is the whole window. */
-DEVICE_FN acc_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t ot, index_t oh, index_t ow,
-                                   int first_row, int row_step)
+DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
+{
+#if POOL_AVG
+    r->value += value;
+#else
+    if (max_precedes(value, position, *r)) {
+        r->value = value;
+        r->position = position;
+    }
+#endif
+}
+
+DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
+{
+#if POOL_AVG
+    a.value += b.value;
+#else
+    if (b.position >= 0 && max_precedes(b.value, b.position, a))
+        a = b;
+#endif
+    return a;
+}
+
+/* Write output `offset` of (ot, oh, ow) from its finished reduction. */
+#if POOL_AVG
+#define STORE_RESULT(offset, r, ot, oh, ow) STORE(out, offset, (r).value / (acc_t)window_area(ot, oh, ow))
+#define INDICES_PARAM
+#else
+#define STORE_RESULT(offset, r, ot, oh, ow) \
+    do { STORE(out, offset, (r).value); indices[offset] = (int64_t_)(r).position; } while (0)
+#define INDICES_PARAM , GLOBAL int64_t_* RESTRICT indices
+#endif
+
+/* Reduce output (ot, oh, ow) of `plane`, visiting window rows first_row, first_row + row_step, ...
+ * (a row is one (t, h) pair of the window); first_row = 0, row_step = 1 is the whole window. */
+DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
+                                         index_t oh, index_t ow, int first_row, int row_step)
 {
     const index_t t_start = WINDOW_START(ot, IN_T, OUT_T), t_end = WINDOW_END(ot, IN_T, OUT_T);
     const index_t h_start = WINDOW_START(oh, IN_H, OUT_H), h_end = WINDOW_END(oh, IN_H, OUT_H);
     const index_t w_start = WINDOW_START(ow, IN_W, OUT_W), w_end = WINDOW_END(ow, IN_W, OUT_W);
     const int window_h = (int)(h_end - h_start);
     const int window_rows = (int)(t_end - t_start) * window_h;
-    REDUCE_INIT(acc);
+    reduction_t r = reduce_init();
     for (int row = first_row; row < window_rows; row += row_step) {
         const index_t t = t_start + row / window_h;
         const index_t h = h_start + row % window_h;
-        const GLOBAL scalar_t* in_row = in + IN_OFFSET(t, h, 0);
         for (index_t w = w_start; w < w_end; ++w)
-            REDUCE_STEP(acc, LOAD(in_row, w));
+            reduce_step(&r, LOAD(in, IN_OFFSET(plane, t, h, w)), PLANE_POSITION(t, h, w, IN_H, IN_W));
     }
-    return acc;
-}
-
-DEVICE_FN index_t window_area(index_t ot, index_t oh, index_t ow)
-{
-    return (WINDOW_END(ot, IN_T, OUT_T) - WINDOW_START(ot, IN_T, OUT_T))
-         * (WINDOW_END(oh, IN_H, OUT_H) - WINDOW_START(oh, IN_H, OUT_H))
-         * (WINDOW_END(ow, IN_W, OUT_W) - WINDOW_START(ow, IN_W, OUT_W));
+    return r;
 }
 
 #if VARIANT_THREAD_PER_OUTPUT
-/* Each work-item computes outputs_per_thread outputs, block_size_x apart, so that neighbouring
- * work-items always write neighbouring outputs.  Launch: ceil(OUT_NUMEL / (block_size_x *
- * outputs_per_thread)) groups of block_size_x. */
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out)
+/* Each work-item computes outputs_per_thread outputs, block_size_x apart in memory order, so that
+ * neighbouring work-items always write neighbouring outputs (in channels-last memory they are
+ * neighbouring channels, which also read neighbouring inputs).
+ * Launch: ceil(OUT_NUMEL / (block_size_x * outputs_per_thread)) groups of block_size_x. */
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
 {
     const index_t first = (index_t)GROUP_ID * (block_size_x * outputs_per_thread) + LOCAL_ID_X;
     for (int k = 0; k < outputs_per_thread; ++k) {
         const index_t o = first + (index_t)k * block_size_x;
         if (o >= OUT_NUMEL)
             return;
-        const index_t ow = o % OUT_W;
-        const index_t oh = (o / OUT_W) % OUT_H;
-        const index_t ot = (o / ((index_t)OUT_W * OUT_H)) % OUT_T;
-        const index_t plane = o / OUT_PLANE_SIZE;
-        const acc_t acc = reduce_window_rows(in + plane * IN_PLANE_SIZE, ot, oh, ow, 0, 1);
-        STORE(out, o, REDUCE_FINISH(acc, window_area(ot, oh, ow)));
+        index_t plane, ot, oh, ow;
+        OUT_COORDS(o, plane, ot, oh, ow);
+        const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);
+        STORE_RESULT(o, r, ot, oh, ow);
     }
 }
 #endif
@@ -74,37 +118,36 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
  * Large windows (global pooling) get many lanes; small ones get threads_per_output = 1.
  * Launch: N_PLANES * OUT_T * OUT_H groups of block_size_x. */
 #define LANE_GROUPS (block_size_x / threads_per_output)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
 {
     const index_t row = GROUP_ID;
     const index_t oh = row % OUT_H;
-    const index_t ot = (row / OUT_H) % OUT_T;
+    const index_t ot = row / OUT_H % OUT_T;
     const index_t plane = row / ((index_t)OUT_H * OUT_T);
-    const GLOBAL scalar_t* plane_in = in + plane * IN_PLANE_SIZE;
     const int lane = LOCAL_ID_X % threads_per_output;
     const int lane_group = LOCAL_ID_X / threads_per_output;
 #if threads_per_output > 1
-    LOCAL_MEM acc_t partial[block_size_x];
+    LOCAL_MEM reduction_t partial[block_size_x];
 #endif
     /* Every work-item runs the same number of iterations, so the barriers below are uniform. */
     for (index_t ow0 = 0; ow0 < OUT_W; ow0 += LANE_GROUPS) {
         const index_t ow = ow0 + lane_group;
-        acc_t acc = (acc_t)0;
+        reduction_t r = reduce_init();
         if (ow < OUT_W)
-            acc = reduce_window_rows(plane_in, ot, oh, ow, lane, threads_per_output);
+            r = reduce_window_rows(in, plane, ot, oh, ow, lane, threads_per_output);
 #if threads_per_output > 1
-        partial[LOCAL_ID_X] = acc;
+        partial[LOCAL_ID_X] = r;
         BARRIER();
         for (int stride = threads_per_output / 2; stride > 0; stride /= 2) {
             if (lane < stride)
-                REDUCE_MERGE(partial[LOCAL_ID_X], partial[LOCAL_ID_X + stride]);
+                partial[LOCAL_ID_X] = reduce_merge(partial[LOCAL_ID_X], partial[LOCAL_ID_X + stride]);
             BARRIER();
         }
-        acc = partial[LOCAL_ID_X];
+        r = partial[LOCAL_ID_X];
         BARRIER(); /* partial[] is reused by the next iteration */
 #endif
         if (lane == 0 && ow < OUT_W)
-            STORE(out, OUT_OFFSET(plane, ot, oh, ow), REDUCE_FINISH(acc, window_area(ot, oh, ow)));
+            STORE_RESULT(OUT_OFFSET(plane, ot, oh, ow), r, ot, oh, ow);
     }
 }
 #endif
@@ -120,13 +163,13 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 #define TILES_W ((OUT_W + TILE_W - 1) / TILE_W)
 #define TILES_H ((OUT_H + TILE_H - 1) / TILE_H)
 #define STAGE_SIZE (STAGE_T * STAGE_H * STAGE_W)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
 {
     LOCAL_MEM acc_t stage[STAGE_SIZE];
     const index_t tile = GROUP_ID;
-    const index_t oh0 = (tile / TILES_W) % TILES_H * TILE_H;
+    const index_t oh0 = tile / TILES_W % TILES_H * TILE_H;
     const index_t ow0 = tile % TILES_W * TILE_W;
-    const index_t ot = (tile / ((index_t)TILES_W * TILES_H)) % OUT_T;
+    const index_t ot = tile / ((index_t)TILES_W * TILES_H) % OUT_T;
     const index_t plane = tile / ((index_t)TILES_W * TILES_H * OUT_T);
     const index_t oh_last = (oh0 + TILE_H < OUT_H ? oh0 + TILE_H : OUT_H) - 1;
     const index_t ow_last = (ow0 + TILE_W < OUT_W ? ow0 + TILE_W : OUT_W) - 1;
@@ -135,12 +178,11 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     const index_t t_start = WINDOW_START(ot, IN_T, OUT_T), t_end = WINDOW_END(ot, IN_T, OUT_T);
     const index_t h_start = WINDOW_START(oh0, IN_H, OUT_H), h_end = WINDOW_END(oh_last, IN_H, OUT_H);
     const index_t w_start = WINDOW_START(ow0, IN_W, OUT_W), w_end = WINDOW_END(ow_last, IN_W, OUT_W);
-    const GLOBAL scalar_t* plane_in = in + plane * IN_PLANE_SIZE;
     const int thread = LOCAL_ID_Y * block_size_x + LOCAL_ID_X;
     for (int i = thread; i < STAGE_SIZE; i += block_size_x * block_size_y) {
         const index_t st = i / (STAGE_H * STAGE_W), sh = i / STAGE_W % STAGE_H, sw = i % STAGE_W;
         if (st < t_end - t_start && sh < h_end - h_start && sw < w_end - w_start)
-            stage[i] = LOAD(plane_in, IN_OFFSET(t_start + st, h_start + sh, w_start + sw));
+            stage[i] = LOAD(in, IN_OFFSET(plane, t_start + st, h_start + sh, w_start + sw));
     }
     BARRIER();
 
@@ -150,15 +192,53 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
             const index_t ow = ow0 + LOCAL_ID_X + tx * block_size_x;
             if (oh >= OUT_H || ow >= OUT_W)
                 continue;
-            const index_t h0 = WINDOW_START(oh, IN_H, OUT_H) - h_start, h1 = WINDOW_END(oh, IN_H, OUT_H) - h_start;
-            const index_t w0 = WINDOW_START(ow, IN_W, OUT_W) - w_start, w1 = WINDOW_END(ow, IN_W, OUT_W) - w_start;
-            REDUCE_INIT(acc);
-            for (index_t st = 0; st < t_end - t_start; ++st)
-                for (index_t sh = h0; sh < h1; ++sh)
-                    for (index_t sw = w0; sw < w1; ++sw)
-                        REDUCE_STEP(acc, stage[(st * STAGE_H + sh) * STAGE_W + sw]);
-            STORE(out, OUT_OFFSET(plane, ot, oh, ow), REDUCE_FINISH(acc, window_area(ot, oh, ow)));
+            const index_t h0 = WINDOW_START(oh, IN_H, OUT_H), h1 = WINDOW_END(oh, IN_H, OUT_H);
+            const index_t w0 = WINDOW_START(ow, IN_W, OUT_W), w1 = WINDOW_END(ow, IN_W, OUT_W);
+            reduction_t r = reduce_init();
+            for (index_t t = t_start; t < t_end; ++t)
+                for (index_t h = h0; h < h1; ++h)
+                    for (index_t w = w0; w < w1; ++w)
+                        reduce_step(&r, stage[((t - t_start) * STAGE_H + h - h_start) * STAGE_W + w - w_start],
+                                    PLANE_POSITION(t, h, w, IN_H, IN_W));
+            STORE_RESULT(OUT_OFFSET(plane, ot, oh, ow), r, ot, oh, ow);
         }
     }
+}
+#endif
+
+#if VARIANT_CHANNELS_VECTOR
+/* Channels-last only: a work-item computes vector_width neighbouring channels of one output
+ * position, so every load and store of its inner loop touches vector_width contiguous elements
+ * (vectorised on CPUs, coalesced on GPUs).
+ * Launch: ceil(N * OUT_PLANE_SIZE * CHANNEL_BLOCKS / block_size_x) groups of block_size_x. */
+#define CHANNEL_BLOCKS ((N_CHANNELS + vector_width - 1) / vector_width)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
+{
+    const index_t item = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (item >= (index_t)(N_PLANES / N_CHANNELS) * OUT_PLANE_SIZE * CHANNEL_BLOCKS)
+        return;
+    const index_t c0 = item % CHANNEL_BLOCKS * vector_width;
+    const index_t position = item / CHANNEL_BLOCKS; /* n * OUT_PLANE_SIZE + (ot, oh, ow) */
+    const index_t ow = position % OUT_W, oh = position / OUT_W % OUT_H, ot = position / ((index_t)OUT_W * OUT_H) % OUT_T;
+    const index_t n = position / OUT_PLANE_SIZE;
+    const index_t in_base = n * IN_PLANE_SIZE * N_CHANNELS + c0;
+    const index_t out_base = position * N_CHANNELS + c0;
+    const index_t t0 = WINDOW_START(ot, IN_T, OUT_T), t1 = WINDOW_END(ot, IN_T, OUT_T);
+    const index_t h0 = WINDOW_START(oh, IN_H, OUT_H), h1 = WINDOW_END(oh, IN_H, OUT_H);
+    const index_t w0 = WINDOW_START(ow, IN_W, OUT_W), w1 = WINDOW_END(ow, IN_W, OUT_W);
+    reduction_t r[vector_width];
+    for (int k = 0; k < vector_width; ++k)
+        r[k] = reduce_init();
+    for (index_t t = t0; t < t1; ++t)
+        for (index_t h = h0; h < h1; ++h)
+            for (index_t w = w0; w < w1; ++w) {
+                const index_t pos = PLANE_POSITION(t, h, w, IN_H, IN_W);
+                for (int k = 0; k < vector_width; ++k)
+                    if (N_CHANNELS % vector_width == 0 || c0 + k < N_CHANNELS)
+                        reduce_step(&r[k], LOAD(in, in_base + pos * N_CHANNELS + k), pos);
+            }
+    for (int k = 0; k < vector_width; ++k)
+        if (N_CHANNELS % vector_width == 0 || c0 + k < N_CHANNELS)
+            STORE_RESULT(out_base + k, r[k], ot, oh, ow);
 }
 #endif

@@ -25,7 +25,9 @@ typedef long int64_t_;
 #else
 /* ---------------------------------------------------------------- CUDA */
 #define KERNEL extern "C" __global__
-#define DEVICE_FN static __device__ __forceinline__
+/* `unused`: a helper that one variant does not call must not trip nvcc's #177 warning
+ * (compile-check builds with --Werror all-warnings). */
+#define DEVICE_FN static __device__ __forceinline__ __attribute__((unused))
 #define GLOBAL
 #define LOCAL_MEM __shared__
 #define RESTRICT __restrict__
@@ -45,16 +47,60 @@ typedef int64_t_ index_t;
 typedef int index_t;
 #endif
 
+/* ---------------------------------------------------------------- bits and NaN */
+#ifdef __OPENCL_VERSION__
+#define FLOAT_AS_UINT(x) as_uint(x)
+#define UINT_AS_FLOAT(x) as_float(x)
+#else
+#include <cuda_fp16.h>
+#define FLOAT_AS_UINT(x) __float_as_uint(x)
+#define UINT_AS_FLOAT(x) __uint_as_float(x)
+#endif
+#define IS_NAN(x) isnan(x)
+
 /* ---------------------------------------------------------------- data types
- * scalar_t is the storage type, acc_t the accumulation type; LOAD/STORE convert between them. */
+ * scalar_t is the storage type, acc_t the accumulation type; LOAD/STORE convert between them.
+ * float16 and bfloat16 are stored as such and accumulated in float32; neither needs an optional
+ * OpenCL extension (vload_half/vstore_half are core, bfloat16 is bit shifts on ushort). */
 #if DTYPE_FLOAT64
 typedef double scalar_t;
 typedef double acc_t;
+#define LOAD(ptr, i) ((ptr)[i])
+#define STORE(ptr, i, value) ((ptr)[i] = (value))
+
 #elif DTYPE_FLOAT32
 typedef float scalar_t;
 typedef float acc_t;
+#define LOAD(ptr, i) ((ptr)[i])
+#define STORE(ptr, i, value) ((ptr)[i] = (value))
+
+#elif DTYPE_FLOAT16
+typedef float acc_t;
+#ifdef __OPENCL_VERSION__
+typedef half scalar_t;
+#define LOAD(ptr, i) vload_half((i), (ptr))
+#define STORE(ptr, i, value) vstore_half_rte((value), (i), (ptr))
+#else
+typedef __half scalar_t;
+#define LOAD(ptr, i) __half2float((ptr)[i])
+#define STORE(ptr, i, value) ((ptr)[i] = __float2half_rn(value))
+#endif
+
+#elif DTYPE_BFLOAT16
+typedef unsigned short scalar_t;
+typedef float acc_t;
+/* bfloat16 is the top half of a float32: widen by a shift, narrow with round-to-nearest-even
+ * (NaN kept a quiet NaN of the same sign). */
+DEVICE_FN unsigned short bfloat16_from_float(float value)
+{
+    const unsigned int bits = FLOAT_AS_UINT(value);
+    if (IS_NAN(value))
+        return (unsigned short)((bits >> 16) | 0x0040u);
+    return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+#define LOAD(ptr, i) UINT_AS_FLOAT(((unsigned int)(ptr)[i]) << 16)
+#define STORE(ptr, i, value) ((ptr)[i] = bfloat16_from_float(value))
+
 #else
 #error "pool_tuner: no DTYPE_* define given"
 #endif
-#define LOAD(ptr, i) ((acc_t)(ptr)[i])
-#define STORE(ptr, i, value) ((ptr)[i] = (scalar_t)(value))

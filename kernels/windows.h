@@ -6,6 +6,8 @@
  *
  * Output o of an axis with input size I and output size O pools input [start, end):
  *     start = floor(o * I / O),   end = ceil((o + 1) * I / O)
+ * and input i is pooled by the outputs [floor(i * O / I), ceil((i + 1) * O / I)) -- the same
+ * formulas with I and O swapped, which the gather backward kernels use.
  * Sizes are compile-time defines, so these divisions become multiply-shifts.
  */
 
@@ -14,9 +16,53 @@
 
 #define IN_PLANE_SIZE ((index_t)IN_T * IN_H * IN_W)
 #define OUT_PLANE_SIZE ((index_t)OUT_T * OUT_H * OUT_W)
+#define IN_NUMEL ((index_t)N_PLANES * IN_PLANE_SIZE)
 #define OUT_NUMEL ((index_t)N_PLANES * OUT_PLANE_SIZE)
 
-/* Offset of input element (t, h, w) of a plane, relative to the plane's first element. */
-#define IN_OFFSET(t, h, w) (((index_t)(t) * IN_H + (h)) * IN_W + (w))
-/* Offset of output element (plane, t, h, w). */
-#define OUT_OFFSET(plane, t, h, w) ((((index_t)(plane) * OUT_T + (t)) * OUT_H + (h)) * OUT_W + (w))
+/* Position of element (t, h, w) within its plane, row-major: PyTorch's max-pooling index. */
+#define PLANE_POSITION(t, h, w, H, W) ((((index_t)(t) * (H)) + (h)) * (W) + (w))
+
+/* ---------------------------------------------------------------- memory layout
+ * Logical planes are (batch, channel) pairs: plane = n * N_CHANNELS + c.  Channels-first memory
+ * (N, C, T, H, W) keeps a plane contiguous; channels-last memory (N, T, H, W, C) interleaves the
+ * planes of one batch entry, so neighbouring channels are neighbours in memory. */
+#if CHANNELS_LAST
+#define ELEMENT_STEP ((index_t)N_CHANNELS)
+#define PLANE_BASE(plane, PLANE_SIZE) \
+    ((index_t)(plane) / N_CHANNELS * (PLANE_SIZE) * N_CHANNELS + (index_t)(plane) % N_CHANNELS)
+/* The plane and position of the element at memory offset `offset` of a (T, H, W) grid. */
+#define COORDS_OF(offset, plane, t, h, w, T, H, W)                                 \
+    do {                                                                           \
+        const index_t rest_ = (offset) / N_CHANNELS;                              \
+        w = rest_ % (W);                                                           \
+        h = rest_ / (W) % (H);                                                     \
+        t = rest_ / ((index_t)(W) * (H)) % (T);                                    \
+        plane = rest_ / ((index_t)(W) * (H) * (T)) * N_CHANNELS + (offset) % N_CHANNELS; \
+    } while (0)
+#else
+#define ELEMENT_STEP ((index_t)1)
+#define PLANE_BASE(plane, PLANE_SIZE) ((index_t)(plane) * (PLANE_SIZE))
+#define COORDS_OF(offset, plane, t, h, w, T, H, W)      \
+    do {                                                \
+        w = (offset) % (W);                             \
+        h = (offset) / (W) % (H);                       \
+        t = (offset) / ((index_t)(W) * (H)) % (T);      \
+        plane = (offset) / ((index_t)(W) * (H) * (T));  \
+    } while (0)
+#endif
+
+/* Memory offsets of input and output elements. */
+#define IN_OFFSET(plane, t, h, w) \
+    (PLANE_BASE(plane, IN_PLANE_SIZE) + PLANE_POSITION(t, h, w, IN_H, IN_W) * ELEMENT_STEP)
+#define OUT_OFFSET(plane, t, h, w) \
+    (PLANE_BASE(plane, OUT_PLANE_SIZE) + PLANE_POSITION(t, h, w, OUT_H, OUT_W) * ELEMENT_STEP)
+#define OUT_COORDS(offset, plane, t, h, w) COORDS_OF(offset, plane, t, h, w, OUT_T, OUT_H, OUT_W)
+#define IN_COORDS(offset, plane, t, h, w) COORDS_OF(offset, plane, t, h, w, IN_T, IN_H, IN_W)
+
+/* Number of input elements pooled by output (ot, oh, ow). */
+DEVICE_FN index_t window_area(index_t ot, index_t oh, index_t ow)
+{
+    return (WINDOW_END(ot, IN_T, OUT_T) - WINDOW_START(ot, IN_T, OUT_T))
+         * (WINDOW_END(oh, IN_H, OUT_H) - WINDOW_START(oh, IN_H, OUT_H))
+         * (WINDOW_END(ow, IN_W, OUT_W) - WINDOW_START(ow, IN_W, OUT_W));
+}

@@ -13,12 +13,14 @@ from pathlib import Path
 from . import backends, cache, dispatch, kernel_source, presets
 from .ops import explain
 from .tuner import tune
+from .variants import variants_for
 
 EXIT_ERROR = 2
 
 
 def parse_shape(text: str, name: str) -> tuple:
-    """``32x2048x7x7`` -> (32, 2048, 7, 7); for output sizes ``None`` entries are allowed (``56xNone``)."""
+    """``32x2048x7x7`` -> (32, 2048, 7, 7); output sizes may hold ``None`` entries (``56xNone``), and
+    a single number applies to every pooled axis (``--output 1``)."""
     entries = []
     for token in str(text).lower().split("x"):
         if token == "none" and name == "--output":
@@ -28,6 +30,8 @@ def parse_shape(text: str, name: str) -> tuple:
             entries.append(int(token))
         except ValueError:
             raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
+    if name == "--output" and len(entries) == 1:
+        return entries[0]
     return tuple(entries)
 
 
@@ -71,23 +75,19 @@ def _format_ms(value) -> str:
 def cmd_tune(args) -> int:
     from tqdm import tqdm
 
-    from .problem import IMPLEMENTED
-
     shapes = _shapes_from_args(args)
     device = backends.resolve_device(args.device, "--device")
-    runnable = [s for s in shapes if (s[0], "forward") in IMPLEMENTED]
-    for op, shape, out in shapes:
-        if (op, "forward") not in IMPLEMENTED:
-            print(f"skipping {op} {shape} -> {out}: no kernels for {op} in this version")
+    directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+    jobs = [(op, shape, out, d) for op, shape, out in shapes for d in directions]
     variant_names = args.variants.split(",") if args.variants else None
-    steps = sum(len(variant_names or dispatch.variants_mod.variants_for(op)) for op, _, _ in runnable)
+    steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
     failed = 0
     with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
-        for op, shape, out in runnable:
-            bar.set_postfix_str(f"{op} {'x'.join(map(str, shape))}")
-            result = tune(op, shape, out, args.dtype, None, device, variants=variant_names, strategy=args.strategy,
-                          max_fevals=args.max_fevals, time_limit=args.time_limit,
-                          progress=lambda _name: bar.update(1))
+        for op, shape, out, direction in jobs:
+            bar.set_postfix_str(f"{op} {direction} {'x'.join(map(str, shape))}")
+            result = tune(op, shape, out, args.dtype, args.layout, device, direction=direction,
+                          variants=variant_names, strategy=args.strategy, max_fevals=args.max_fevals,
+                          time_limit=args.time_limit, progress=lambda _name: bar.update(1))
             bar.clear()
             print(_result_table(result))
             failed += sum(len(v.failures) for v in result.variants)
@@ -99,7 +99,7 @@ def cmd_tune(args) -> int:
 
 def _result_table(result) -> str:
     p = result.problem
-    lines = [f"\n{p.op} {'x'.join(map(str, p.input_shape))} -> {'x'.join(map(str, p.output_shape))}"
+    lines = [f"\n{p.op} {p.direction} {p.dtype} {p.layout} {'x'.join(map(str, p.input_shape))} -> {'x'.join(map(str, p.output_shape))}"
              f"  on {result.device}  ({result.seconds:.1f} s)",
              f"  {'variant':20s} {'best ms':>10s} {'evaluated':>9s} {'failed':>6s}  params"]
     for v in result.variants:
@@ -142,7 +142,7 @@ def cmd_cache(args) -> int:
 
 def cmd_explain(args) -> int:
     info = explain(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"),
-                   args.dtype, None, args.device)
+                   args.dtype, args.layout, args.device, direction=args.direction)
     print(json.dumps(info, indent=2))
     return 0
 
@@ -160,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="output size, e.g. 1x1 or 56xNone")
     p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS))} or all")
     p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
+    p.add_argument("--layout", help="memory layout, e.g. NCHW (default, contiguous) or NHWC (channels-last)")
+    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
+                   help="which passes to tune (default both)")
     p.add_argument("--device", help="device id (see `pool-tuner devices`)")
     p.add_argument("--variants", help="comma-separated variants to tune (default all)")
     p.add_argument("--strategy", help="Kernel Tuner strategy (default brute_force for small spaces, else random_sample)")
@@ -180,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--layout", help="e.g. NCHW (default) or NHWC")
+    p.add_argument("--direction", choices=["forward", "backward"], default="forward")
     p.add_argument("--device")
     p.set_defaults(run=cmd_explain)
     return parser

@@ -12,11 +12,13 @@ Decision order (each step is reported by ``explain`` as ``source``):
 With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it first (once) and
 then dispatches from the new record; otherwise calls never block on tuning.
 
-The heuristic default: on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output
-rows (global pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``
-with its default configuration, where several lanes share each window; everything else -- and
-everything on CPU devices, where work-group barriers are expensive and one work-item per output
-vectorises best -- goes to ``thread_per_output`` with its default configuration.
+The heuristic default, always with the variant's default configuration: backward passes use
+``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous channels per
+work-item); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output rows (global
+pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``, where
+several lanes share each window; everything else -- and everything on CPU devices, where
+work-group barriers are expensive and one work-item per output vectorises best -- goes to
+``thread_per_output``.
 
 Decisions and built kernels are memoised in memory (the cache files are read once, on the first
 miss of the memo), so repeated calls do no file-system access and no recompilation.
@@ -68,7 +70,12 @@ def _largest_window(problem: Problem) -> int:
 
 
 def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
+    """The variant used when nothing was tuned (see the module docstring)."""
     table = variants_mod.variants_for(problem.op, problem.direction)
+    if problem.direction == "backward":
+        return table["thread_per_input"]
+    if problem.channels_last:
+        return table["channels_vector"]
     if device.is_gpu and _largest_window(problem) >= LARGE_WINDOW and problem.out_spatial[-1] <= SHORT_ROW:
         return table["block_per_row"]
     return table["thread_per_output"]

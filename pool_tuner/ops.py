@@ -4,113 +4,339 @@ Each call validates all of its arguments (raising ``TypeError``/``ValueError`` t
 argument) before anything is built or launched, asks ``dispatch`` for the variant and configuration,
 and launches the memoised kernel.  numpy in -> numpy out (through the default queue of the chosen
 device); ``pyopencl.array.Array`` in -> array out on the input's own queue, no host round trip.
+
+Memory layout: contiguous (channels-first) and channels-last inputs are recognised from their
+strides and processed in place; the result has the same memory format.  Other strided numpy
+inputs are copied to contiguous first.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
-from . import backends, dispatch
+from . import backends, dispatch, shapes
 from .backends import opencl
-from .problem import Problem, check_dtype
+from .problem import LAYOUT_NAMES, OPS, Problem, check_dtype
 from .variants import variants_for
+from .windows import pooling_windows
 
-#: Set to "1" to fill every output with NaN before its kernel runs, so that an output element a
-#: kernel forgets to write cannot pass a comparison by accident (the test suite sets it).
+#: Set to "1" to fill every output with NaN (indices with INDEX_POISON) before its kernel runs, so
+#: that an element a kernel forgets to write cannot pass a comparison by accident (the test suite
+#: sets it).
 POISON_ENV = "POOL_TUNER_POISON_OUTPUTS"
 poison_outputs = os.environ.get(POISON_ENV) == "1"
+INDEX_POISON = np.iinfo(np.int64).min
+#: bfloat16 travels as its bits; this is its quiet NaN.
+BFLOAT16_NAN_BITS = 0x7FC0
 
 
-def _locate(x, device):
-    """Return ``(device, queue, is_device_array)`` for input ``x`` and the ``device=`` argument."""
+def _locate(x, device, name="x"):
+    """Return ``(device, queue, is_device_array)`` for array argument ``x`` and ``device=``."""
     owner = backends.device_of_array(x)
     if owner is not None:
         if device is not None and backends.resolve_device(device) is not owner:
             raise ValueError(
-                f"device={device!r} does not hold x: x is a pyopencl array on {owner.describe()}; "
-                "pass device=None or that device"
+                f"device={device!r} does not hold {name}: {name} is a pyopencl array on "
+                f"{owner.describe()}; pass device=None or that device"
             )
         return owner, x.queue, True
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a numpy.ndarray or a pyopencl.array.Array, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a numpy.ndarray or a pyopencl.array.Array, got {type(x).__name__}")
     chosen = backends.resolve_device(device)
     return chosen, chosen.queue, False
 
 
-def _check_float64(device, dtype):
+def _c_strides(shape, itemsize) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _same_strides(shape, strides, expected) -> bool:
+    """Strides equal where they matter (axes of size 1 may have any stride)."""
+    return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
+
+
+def memory_layout(x, ndim: int, name: str = "x") -> str | None:
+    """The layout name of ``x``'s memory (``NCHW``-like or ``NHWC``-like), or None for other
+    strides.  Ambiguous cases (one channel, empty arrays) count as contiguous."""
+    shape, itemsize = tuple(x.shape), x.dtype.itemsize
+    contiguous, channels_last = LAYOUT_NAMES[ndim]
+    if math.prod(shape) == 0 or _same_strides(shape, x.strides, _c_strides(shape, itemsize)):
+        return contiguous
+    c = len(shape) - ndim - 1
+    if c < 0:
+        return None
+    memory = shape[:c] + shape[c + 1:] + (shape[c],)
+    mem_strides = _c_strides(memory, itemsize)
+    expected = mem_strides[:c] + (mem_strides[-1],) + mem_strides[c:-1]
+    return channels_last if _same_strides(shape, x.strides, expected) else None
+
+
+def _check_float64(device, dtype, name):
     if dtype == "float64" and not device.supports_float64:
-        raise TypeError(f"x has dtype float64, which {device.describe()} does not support; use float32")
+        raise TypeError(f"{name} has dtype float64, which {device.describe()} does not support; use float32")
 
 
-def _device_input(x, queue, is_device):
-    if not is_device:
-        return opencl.cl_array.to_device(queue, np.ascontiguousarray(x))
-    if not x.flags.c_contiguous:
-        raise ValueError("x must be a C-contiguous pyopencl array (channels-first, no strides)")
-    return x if x.offset == 0 else x.copy()
+class _Call:
+    """One validated call: the problem, device, queue and how arrays cross the host boundary."""
+
+    def __init__(self, problem: Problem, device, queue, is_device: bool):
+        self.problem, self.device, self.queue, self.is_device = problem, device, queue, is_device
+
+    @property
+    def channel_axis(self) -> int:
+        return len(self.problem.input_shape) - self.problem.ndim - 1
+
+    def storage_dtype(self, dtype):
+        """bfloat16 buffers are handled as their uint16 bits on the device."""
+        return np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
+
+    def to_device(self, x, name: str):
+        """``x`` as a device array in the problem's memory order (no copy for device arrays)."""
+        if self.is_device:
+            if x.offset:
+                raise ValueError(f"{name} must start at the beginning of its buffer (offset 0); pass a copy")
+            return x
+        if self.problem.channels_last:
+            x = np.moveaxis(x, self.channel_axis, -1)
+        host = np.ascontiguousarray(x)
+        return opencl.cl_array.to_device(self.queue, host.view(self.storage_dtype(host.dtype)))
+
+    def empty(self, logical_shape, dtype, poison):
+        out = opencl.cl_array.empty(self.queue, self.problem.memory_shape(logical_shape), self.storage_dtype(dtype))
+        if poison_outputs and out.size:
+            out.fill(poison)
+        return out
+
+    def result(self, out, logical_dtype):
+        """The output as the caller expects it: numpy, or a device array with the input's layout."""
+        dtype = np.dtype(logical_dtype)
+        if not self.is_device:
+            host = out.get().view(dtype)
+            return np.moveaxis(host, -1, self.channel_axis) if self.problem.channels_last else host
+        if out.dtype != dtype:
+            out = out.view(dtype)
+        if not self.problem.channels_last:
+            return out
+        return opencl.cl_array.Array(self.queue, _last_axis_to(out.shape, self.channel_axis), dtype,
+                                     data=out.base_data, strides=_last_axis_to(out.strides, self.channel_axis),
+                                     events=out.events)
+
+    def launch(self, choice, buffers):
+        launch = dispatch.prepare(self.device, self.queue.context, self.problem, choice)
+        return self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, [b.data for b in buffers])
+
+
+def _last_axis_to(sequence, axis: int) -> tuple:
+    """Move the last entry of a shape or strides tuple to position ``axis``."""
+    items = list(sequence)
+    items.insert(axis, items.pop())
+    return tuple(items)
 
 
 _PROBLEMS: dict = {}
 
 
-def _problem(op, x, output_size) -> Problem:
-    """The validated problem for a call, memoised on (op, shape, dtype, output_size) so repeated
-    calls skip validation; unhashable output sizes (lists) are validated every time."""
-    key = (op, x.shape, x.dtype, output_size)
+def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
+    """The validated problem of a call, memoised so repeated calls skip validation (keys that are
+    not hashable, e.g. list output sizes, are validated every time)."""
+    ndim = OPS[op][1] if op in OPS else None
+    layout = memory_layout(x, ndim, name) if ndim else None
+    key = (op, direction, x.shape, x.dtype, layout, output_size, input_shape)
     try:
         return _PROBLEMS[key]
     except KeyError:
         pass
     except TypeError:
         key = None
-    dtype = check_dtype(getattr(x, "dtype", None), "x.dtype")
-    problem = Problem.create(op, x.shape, output_size, dtype, shape_name="x")
+    dtype = check_dtype(getattr(x, "dtype", None), f"{name}.dtype")
+    if layout is None:
+        raise ValueError(f"{name} must be contiguous or channels-last; got strides {x.strides} for shape {x.shape}")
+    if direction == "forward":
+        problem = Problem.create(op, x.shape, output_size, dtype, layout, shape_name=name)
+    else:
+        problem = _backward_problem(op, x, input_shape, dtype, layout)
     if key is not None:
         _PROBLEMS[key] = problem
     return problem
 
 
-def pool_forward(op: str, x, output_size, *, device=None, variant=None, config=None):
-    """Shared body of every forward op."""
+def _backward_problem(op, grad_out, input_shape, dtype, layout) -> Problem:
+    _, ndim = OPS[op]
+    batch, spatial = shapes.split_input_shape(input_shape, ndim, "input_shape")
+    grad_shape = tuple(grad_out.shape)
+    if len(grad_shape) != len(batch) + ndim or grad_shape[: len(batch)] != batch:
+        raise ValueError(
+            f"grad_out must have shape {batch} + ({ndim} output sizes) to match input_shape "
+            f"{tuple(input_shape)}, got {grad_shape}"
+        )
+    return Problem.create(op, batch + spatial, grad_shape[len(batch):], dtype, layout, direction="backward",
+                          shape_name="input_shape")
+
+
+def _forward_call(op, x, output_size, device):
+    _, ndim = OPS[op]
     dev, queue, is_device = _locate(x, device)
-    problem = _problem(op, x, output_size)
-    _check_float64(dev, problem.dtype)
+    if not is_device and memory_layout(x, ndim) is None:
+        x = np.ascontiguousarray(x)
+    problem = _problem(op, "forward", x, output_size, "x")
+    _check_float64(dev, problem.dtype, "x")
+    return _Call(problem, dev, queue, is_device), x
+
+
+def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, variant=None, config=None):
+    """Shared body of every forward op."""
+    call, x = _forward_call(op, x, output_size, device)
+    problem = call.problem
+    if problem.kind != "max" and return_indices:
+        raise ValueError("return_indices is only for max pooling")
+    choice = dispatch.choose(problem, call.device, variant, config)
+    nan = BFLOAT16_NAN_BITS if problem.dtype == "bfloat16" else np.nan
+    out = call.empty(problem.output_shape, x.dtype, nan)
+    buffers = [out]
+    if problem.kind == "max":
+        indices = call.empty(problem.output_shape, np.int64, INDEX_POISON)
+        buffers.append(indices)
+    if not problem.is_empty:
+        event = call.launch(choice, [call.to_device(x, "x")] + buffers)
+        for b in buffers:
+            b.add_event(event)
+    values = call.result(out, x.dtype)
+    if problem.kind == "max" and return_indices:
+        return values, call.result(indices, np.int64)
+    return values
+
+
+def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, variant=None, config=None):
+    """Shared body of every backward op."""
+    kind, ndim = OPS[op]
+    dev, queue, is_device = _locate(grad_out, device, "grad_out")
+    if not is_device and memory_layout(grad_out, ndim, "grad_out") is None:
+        grad_out = np.ascontiguousarray(grad_out)
+    if isinstance(input_shape, np.ndarray) or not hasattr(input_shape, "__len__"):
+        raise TypeError(f"input_shape must be a tuple of ints, got {type(input_shape).__name__}")
+    problem = _problem(op, "backward", grad_out, None, "grad_out", tuple(input_shape))
+    _check_float64(dev, problem.dtype, "grad_out")
+    call = _Call(problem, dev, queue, is_device)
+    if kind == "max":
+        indices = _check_indices(indices, grad_out, call)
     choice = dispatch.choose(problem, dev, variant, config)
-    if problem.is_empty:
-        out = opencl.cl_array.empty(queue, problem.output_shape, problem.dtype)
-        return out if is_device else out.get()
-    launch = dispatch.prepare(dev, queue.context, problem, choice)
-    x_dev = _device_input(x, queue, is_device)
-    out = opencl.cl_array.empty(queue, problem.output_shape, problem.dtype)
-    if poison_outputs:
-        out.fill(np.nan)
-    out.add_event(dev.launch(queue, launch.kernel, launch.groups, launch.block, (x_dev.data, out.data)))
-    return out if is_device else out.get()
+    nan = BFLOAT16_NAN_BITS if problem.dtype == "bfloat16" else np.nan
+    grad_in = call.empty(problem.input_shape, grad_out.dtype, nan)
+    if math.prod(problem.input_shape):
+        if problem.is_empty:  # no outputs: nothing flows back
+            grad_in.fill(0)
+        else:
+            args = [call.to_device(grad_out, "grad_out")]
+            if kind == "max":
+                args.append(call.to_device(indices, "indices"))
+            grad_in.add_event(call.launch(choice, args + [grad_in]))
+    return call.result(grad_in, grad_out.dtype)
 
 
-def adaptive_avg_pool1d(x, output_size, *, device=None, variant=None, config=None):
-    """Adaptive average pooling of ``(N, C, L)`` or ``(C, L)`` to ``output_size``."""
-    return pool_forward("adaptive_avg_pool1d", x, output_size, device=device, variant=variant, config=config)
+def _check_indices(indices, grad_out, call):
+    """Max backward's ``indices``: int64, the shape, layout and kind of array of ``grad_out``,
+    and (for numpy) every index inside its output's window -- as the forward pass produces them."""
+    problem = call.problem
+    if indices is None:
+        raise TypeError("indices must be the int64 indices returned by adaptive_max_pool*d(..., return_indices=True)")
+    if call.is_device != (backends.device_of_array(indices) is not None) or not hasattr(indices, "dtype"):
+        raise TypeError(f"indices must be the same kind of array as grad_out ({type(grad_out).__name__}), got {type(indices).__name__}")
+    if call.is_device and backends.device_of_array(indices) is not call.device:
+        raise ValueError("indices must be on the same device as grad_out")
+    if np.dtype(indices.dtype) != np.int64:
+        raise TypeError(f"indices must have dtype int64, got {indices.dtype}")
+    if tuple(indices.shape) != tuple(grad_out.shape):
+        raise ValueError(f"indices must have the shape of grad_out {tuple(grad_out.shape)}, got {tuple(indices.shape)}")
+    if call.is_device and memory_layout(indices, problem.ndim, "indices") != problem.layout:
+        raise ValueError(f"indices must have the memory layout of grad_out ({problem.layout})")
+    if not call.is_device and indices.size:
+        _check_indices_in_windows(indices, problem)
+    return indices
 
 
-def adaptive_avg_pool2d(x, output_size, *, device=None, variant=None, config=None):
-    """Adaptive average pooling of ``(N, C, H, W)`` or ``(C, H, W)`` to ``output_size`` (an int or
-    an ``(H, W)`` pair whose entries may be ``None`` to keep that size)."""
-    return pool_forward("adaptive_avg_pool2d", x, output_size, device=device, variant=variant, config=config)
+def _check_indices_in_windows(indices, problem):
+    """numpy indices only (device arrays are not read back): each inside its output's window.
+    The gather kernels never dereference an index, so a bad one cannot fault -- but it would
+    silently drop a gradient, hence the check."""
+    plane_shape = problem.input_shape[-problem.ndim:]
+    if indices.min() < 0 or indices.max() >= math.prod(plane_shape):
+        raise ValueError(f"indices must lie in [0, {math.prod(plane_shape)}) (positions within the pooled plane)")
+    coords = np.unravel_index(indices, plane_shape)
+    for axis, coord in enumerate(coords):
+        i_size = problem.input_shape[-problem.ndim + axis]
+        o_size = problem.output_shape[-problem.ndim + axis]
+        starts, ends = pooling_windows(i_size, o_size)
+        shape = [1] * indices.ndim
+        shape[indices.ndim - problem.ndim + axis] = o_size
+        if np.any(coord < starts.reshape(shape)) or np.any(coord >= ends.reshape(shape)):
+            raise ValueError("indices must each lie inside their output's pooling window, as returned by the forward pass")
 
 
-def adaptive_avg_pool3d(x, output_size, *, device=None, variant=None, config=None):
-    """Adaptive average pooling of ``(N, C, T, H, W)`` or ``(C, T, H, W)`` to ``output_size``."""
-    return pool_forward("adaptive_avg_pool3d", x, output_size, device=device, variant=variant, config=config)
+def _doc_forward(kind, ndim):
+    shape = {1: "(N, C, L) or (C, L)", 2: "(N, C, H, W) or (C, H, W)", 3: "(N, C, T, H, W) or (C, T, H, W)"}[ndim]
+    what = "average" if kind == "avg" else "max"
+    extra = ("" if kind == "avg" else
+             " With ``return_indices=True`` also returns int64 indices (positions within each pooled "
+             "plane, as PyTorch); NaN wins, ties go to the first position.")
+    return (f"Adaptive {what} pooling of a {shape} array to ``output_size`` (an int, or {ndim} entries "
+            f"that may be ``None`` to keep that size).{extra}")
 
 
-def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, variant=None, config=None) -> dict:
+def _make_forward(op):
+    kind, ndim = OPS[op]
+    if kind == "avg":
+        def forward(x, output_size, *, device=None, variant=None, config=None):
+            return pool_forward(op, x, output_size, device=device, variant=variant, config=config)
+    else:
+        def forward(x, output_size, return_indices=False, *, device=None, variant=None, config=None):
+            return pool_forward(op, x, output_size, return_indices, device=device, variant=variant, config=config)
+    forward.__name__ = forward.__qualname__ = op
+    forward.__doc__ = _doc_forward(kind, ndim)
+    return forward
+
+
+def _make_backward(op):
+    kind, ndim = OPS[op]
+    if kind == "avg":
+        def backward(grad_out, input_shape, *, device=None, variant=None, config=None):
+            return pool_backward(op, grad_out, input_shape, device=device, variant=variant, config=config)
+    else:
+        def backward(grad_out, indices, input_shape, *, device=None, variant=None, config=None):
+            return pool_backward(op, grad_out, input_shape, indices, device=device, variant=variant, config=config)
+    backward.__name__ = backward.__qualname__ = f"{op}_backward"
+    backward.__doc__ = (f"Gradient of {op} with respect to its input, as a deterministic gather "
+                        f"(no atomics: bit-identical across runs and variants).")
+    return backward
+
+
+adaptive_avg_pool1d = _make_forward("adaptive_avg_pool1d")
+adaptive_avg_pool2d = _make_forward("adaptive_avg_pool2d")
+adaptive_avg_pool3d = _make_forward("adaptive_avg_pool3d")
+adaptive_max_pool1d = _make_forward("adaptive_max_pool1d")
+adaptive_max_pool2d = _make_forward("adaptive_max_pool2d")
+adaptive_max_pool3d = _make_forward("adaptive_max_pool3d")
+adaptive_avg_pool1d_backward = _make_backward("adaptive_avg_pool1d")
+adaptive_avg_pool2d_backward = _make_backward("adaptive_avg_pool2d")
+adaptive_avg_pool3d_backward = _make_backward("adaptive_avg_pool3d")
+adaptive_max_pool1d_backward = _make_backward("adaptive_max_pool1d")
+adaptive_max_pool2d_backward = _make_backward("adaptive_max_pool2d")
+adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
+
+
+def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward",
+            variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
-    (``forced``/``cache``/``nearest``/``default``), device, and more.  ``layout=None`` means contiguous channels-first."""
+    (``forced``/``cache``/``nearest``/``default``), device, cache key.  ``layout=None`` means
+    contiguous channels-first; ``direction="backward"`` explains the backward pass."""
     dev = backends.resolve_device(device)
-    problem = Problem.create(op, input_shape, output_size, dtype, layout)
+    problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, allow_tuning=False))
     info["autotune_on_miss"] = os.environ.get(dispatch.AUTOTUNE_ENV) == "1"
     return info
@@ -124,6 +350,3 @@ def devices() -> list:
 def variants(op: str, direction: str = "forward") -> list:
     """Names of the kernel variants available for ``op`` (e.g. ``"adaptive_avg_pool2d"``)."""
     return list(variants_for(op, direction))
-
-
-__all__ = ["adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "explain", "devices", "variants"]

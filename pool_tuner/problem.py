@@ -20,9 +20,14 @@ OPS = {
     f"adaptive_{kind}_pool{ndim}d": (kind, ndim) for kind in ("avg", "max") for ndim in (1, 2, 3)
 }
 DIRECTIONS = ("forward", "backward")
-#: Ops with kernels in this version (the others are listed by ``OPS`` so errors can say so).
-IMPLEMENTED = {("adaptive_avg_pool1d", "forward"), ("adaptive_avg_pool2d", "forward"), ("adaptive_avg_pool3d", "forward")}
-DTYPES = {"float32": "DTYPE_FLOAT32", "float64": "DTYPE_FLOAT64"}
+#: Storage dtypes and their kernel defines; float16/bfloat16 accumulate in float32.
+DTYPES = {
+    "float32": "DTYPE_FLOAT32",
+    "float64": "DTYPE_FLOAT64",
+    "float16": "DTYPE_FLOAT16",
+    "bfloat16": "DTYPE_BFLOAT16",
+}
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 #: Memory layouts by rank: contiguous channels-first, and channels-last.
 LAYOUT_NAMES = {1: ("NCL", "NLC"), 2: ("NCHW", "NHWC"), 3: ("NCDHW", "NDHWC")}
 INT32_LIMIT = 2**31 - 1
@@ -36,15 +41,13 @@ def check_op(op, direction: str = "forward") -> tuple[str, int]:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    if (op, direction) not in IMPLEMENTED:
-        raise ValueError(
-            f"op {op!r} ({direction}) has no kernels in this version of pool_tuner; "
-            f"available: {sorted(o for o, d in IMPLEMENTED if d == direction)}"
-        )
     return OPS[op]
 
 
 def check_dtype(dtype, name: str = "dtype") -> str:
+    """Canonical dtype name; ``"bfloat16"`` is accepted by name and as ``ml_dtypes.bfloat16``."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
     try:
         canonical = np.dtype(dtype).name
     except TypeError:
@@ -55,10 +58,12 @@ def check_dtype(dtype, name: str = "dtype") -> str:
 
 
 def check_layout(layout, ndim: int, name: str = "layout") -> str:
-    contiguous, channels_last = LAYOUT_NAMES[ndim]
-    if layout != contiguous:
-        allowed = f"{contiguous!r} (channels-last {channels_last!r} is not supported yet)"
-        raise ValueError(f"{name} must be {allowed} for {ndim}d pooling, got {layout!r}")
+    if layout not in LAYOUT_NAMES[ndim]:
+        contiguous, channels_last = LAYOUT_NAMES[ndim]
+        raise ValueError(
+            f"{name} must be {contiguous!r} (contiguous) or {channels_last!r} (channels-last) for "
+            f"{ndim}d pooling, got {layout!r}"
+        )
     return layout
 
 
@@ -94,6 +99,21 @@ class Problem:
         return math.prod(self.input_shape[: -self.ndim])
 
     @property
+    def channels(self) -> int:
+        return self.input_shape[-self.ndim - 1]
+
+    @property
+    def channels_last(self) -> bool:
+        return self.layout == LAYOUT_NAMES[self.ndim][1]
+
+    def memory_shape(self, logical_shape) -> tuple:
+        """The shape of ``logical_shape`` (channels-first) in this problem's memory order."""
+        if not self.channels_last:
+            return tuple(logical_shape)
+        c = len(logical_shape) - self.ndim - 1
+        return tuple(logical_shape[:c]) + tuple(logical_shape[c + 1:]) + (logical_shape[c],)
+
+    @property
     def in_spatial(self) -> tuple:
         """Pooled input sizes padded to 3 axes (T, H, W)."""
         return (1,) * (3 - self.ndim) + tuple(self.input_shape[-self.ndim :])
@@ -122,12 +142,17 @@ class Problem:
             DTYPES[self.dtype]: 1,
             "INDEX_64": int(self.index_64),
             f"POOL_{self.kind.upper()}": 1,
+            "CHANNELS_LAST": int(self.channels_last),
             "N_PLANES": self.planes,
+            "N_CHANNELS": self.channels,
             "IN_T": it, "IN_H": ih, "IN_W": iw,
             "OUT_T": ot, "OUT_H": oh, "OUT_W": ow,
         }
 
     def bytes_moved(self) -> int:
-        """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator."""
-        itemsize = np.dtype(self.dtype).itemsize
-        return (math.prod(self.input_shape) + math.prod(self.output_shape)) * itemsize
+        """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator
+        (max pooling also writes, or reads back, one int64 index per output)."""
+        itemsize = ITEMSIZE[self.dtype]
+        values = (math.prod(self.input_shape) + math.prod(self.output_shape)) * itemsize
+        indices = math.prod(self.output_shape) * 8 if self.kind == "max" else 0
+        return values + indices

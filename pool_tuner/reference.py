@@ -19,10 +19,13 @@ import itertools
 
 import numpy as np
 
+from pool_tuner.problem import OPS
 from pool_tuner.shapes import check_int, resolve_output_size, split_input_shape
 from pool_tuner.windows import pooling_windows
 
 __all__ = [
+    "forward",
+    "backward",
     "adaptive_avg_pool",
     "adaptive_max_pool",
     "adaptive_avg_pool_backward",
@@ -40,6 +43,8 @@ def _check_ndim(ndim) -> int:
 def _as_float64(a, name: str) -> np.ndarray:
     """``a`` as a float64 ndarray; rejects non-real-numeric dtypes (bool, complex, object, ...)."""
     arr = np.asarray(a)
+    if arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 widens exactly to float32
+        arr = arr.astype(np.float32)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"{name} must be a real floating-point (or integer) array, got dtype {arr.dtype}")
     return arr.astype(np.float64, copy=False)
@@ -178,3 +183,17 @@ def adaptive_max_pool_backward(grad_out, indices, input_shape, ndim: int) -> np.
     for p in range(planes):
         np.add.at(grad_in[p], idx[p], grads[p])
     return grad_in.reshape(batch + in_spatial)
+
+
+def forward(op: str, x, output_size):
+    """The reference of a public forward op by name: avg -> values, max -> (values, indices)."""
+    kind, ndim = OPS[op]
+    return adaptive_avg_pool(x, output_size, ndim) if kind == "avg" else adaptive_max_pool(x, output_size, ndim)
+
+
+def backward(op: str, grad_out, input_shape, indices=None) -> np.ndarray:
+    """The reference of a public backward op by name (``indices`` for max pooling)."""
+    kind, ndim = OPS[op]
+    if kind == "avg":
+        return adaptive_avg_pool_backward(grad_out, input_shape, ndim)
+    return adaptive_max_pool_backward(grad_out, indices, input_shape, ndim)

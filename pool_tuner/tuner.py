@@ -40,7 +40,13 @@ DEFAULT_TIME_LIMIT = 20.0
 ITERATIONS = 9
 RACE_REPETITIONS = 25
 
-TOLERANCES = {"float32": dict(rtol=1e-5, atol=1e-6), "float64": dict(rtol=1e-12, atol=1e-12)}
+#: Verification tolerances per dtype (float16/bfloat16: a few units of their epsilon).
+TOLERANCES = {
+    "float32": dict(rtol=1e-5, atol=1e-6),
+    "float64": dict(rtol=1e-12, atol=1e-12),
+    "float16": dict(rtol=2e-3, atol=2e-3),
+    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),
+}
 
 
 @dataclasses.dataclass
@@ -87,14 +93,74 @@ def _legal_points(variant, problem, device) -> list:
     return legal
 
 
-def _verifier(expected: np.ndarray, dtype: str):
-    tolerance = TOLERANCES[dtype]
+@dataclasses.dataclass
+class Case:
+    """Kernel arguments for one problem (host arrays in memory order, outputs NaN-poisoned) and
+    the reference answers, in Kernel Tuner's form (None for arguments that are not outputs)."""
 
-    def verify(answer, result_host, atol=None):
-        out = np.asarray(result_host[1]).reshape(expected.shape)
-        return bool(not np.isnan(out).any() and np.allclose(out, expected, **tolerance))
+    args: list
+    answer: list
+    dtype: str
 
-    return verify
+    def verify(self, answer, result_host, atol=None) -> bool:
+        for expected, got in zip(self.answer, result_host):
+            if expected is None:
+                continue
+            got = np.asarray(got).reshape(expected.shape)
+            if expected.dtype == np.int64:
+                if not np.array_equal(got, expected):
+                    return False
+                continue
+            got = _widen(got, self.dtype)
+            if np.isnan(got).any() or not np.allclose(got, expected, **TOLERANCES[self.dtype]):
+                return False
+        return True
+
+
+def _widen(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Device-format floats as float64 (bfloat16 travels as uint16 bits)."""
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return values.astype(np.float64)
+
+
+def _narrow(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values in the device format of ``dtype`` (bfloat16 as uint16 bits, truncated)."""
+    if dtype == "bfloat16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return values.astype(dtype)
+
+
+def make_case(problem: Problem, rng) -> Case:
+    """Random inputs (never zero) for ``problem``, poisoned outputs and the reference answers."""
+    def memory(a):
+        if problem.channels_last:
+            a = np.moveaxis(a, len(problem.input_shape) - problem.ndim - 1, -1)
+        return np.ascontiguousarray(a)
+
+    def random(shape):
+        device_values = _narrow(rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape), problem.dtype)
+        return device_values, _widen(device_values, problem.dtype)
+
+    poison = _narrow(np.full(1, np.nan), problem.dtype)[0]
+    output_size = problem.output_shape[-problem.ndim:]
+    if problem.direction == "forward":
+        x, x_exact = random(problem.input_shape)
+        out = np.full(problem.memory_shape(problem.output_shape), poison)
+        if problem.kind == "avg":
+            expected = reference.forward(problem.op, x_exact, output_size)
+            return Case([memory(x), out], [None, memory(expected)], problem.dtype)
+        values, indices = reference.forward(problem.op, x_exact, output_size)
+        poisoned_indices = np.full(out.shape, np.iinfo(np.int64).min)
+        return Case([memory(x), out, poisoned_indices], [None, memory(values), memory(indices)], problem.dtype)
+    grad, grad_exact = random(problem.output_shape)
+    grad_in = np.full(problem.memory_shape(problem.input_shape), poison)
+    if problem.kind == "avg":
+        expected = reference.backward(problem.op, grad_exact, problem.input_shape)
+        return Case([memory(grad), grad_in], [None, memory(expected)], problem.dtype)
+    _, indices = reference.forward(problem.op, rng.standard_normal(problem.input_shape), output_size)
+    expected = reference.backward(problem.op, grad_exact, problem.input_shape, indices)
+    return Case([memory(grad), memory(indices), grad_in], [None, None, memory(expected)], problem.dtype)
 
 
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
@@ -108,9 +174,7 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
     if not legal:
         return None, None, 0, []
     legal_keys = {_space_key(p) for p in legal}
-    x = (rng.uniform(-2.0, 2.0, problem.input_shape) + 0.5).astype(problem.dtype)
-    expected = reference.adaptive_avg_pool(x, problem.output_shape[-problem.ndim:], problem.ndim)
-    out = np.full(problem.output_shape, np.nan, dtype=problem.dtype)
+    case = make_case(problem, rng)
 
     failures: dict = {}
     building = {}
@@ -139,9 +203,9 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
             try:
                 results, _env = tune_kernel(
                     variant.kernel_name, generate, lambda p: (variant.groups(p, problem), 1),
-                    [x, out], {k: list(v) for k, v in variant.search_space.items()},
+                    case.args, {k: list(v) for k, v in variant.search_space.items()},
                     grid_div_x=[], grid_div_y=[], restrictions=restriction,
-                    answer=[None, expected], verify=_verifier(expected, problem.dtype),
+                    answer=case.answer, verify=case.verify,
                     lang="OpenCL", platform=device.platform_index, device=device.device_index,
                     defines={}, iterations=iterations, strategy=strategy,
                     strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
@@ -167,22 +231,21 @@ def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETI
     """Median kernel time (ms) of each choice, launched interleaved on one queue (events)."""
     rng = rng or np.random.default_rng()
     queue = device.queue
-    x = device.to_device((rng.uniform(-2.0, 2.0, problem.input_shape) + 0.5).astype(problem.dtype))
-    out = device.empty(problem.output_shape, problem.dtype)
+    buffers = [device.to_device(a).data for a in make_case(problem, rng).args]
     launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
     for launch in launches:  # warm-up
-        device.launch(queue, launch.kernel, launch.groups, launch.block, (x.data, out.data))
+        device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
     queue.finish()
     times = [[] for _ in choices]
     for _ in range(repetitions):
         for i, launch in enumerate(launches):
-            event = device.launch(queue, launch.kernel, launch.groups, launch.block, (x.data, out.data))
+            event = device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
             event.wait()
             times[i].append((event.profile.end - event.profile.start) * 1e-6)
     return [float(np.median(t)) for t in times]
 
 
-def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, variants=None,
+def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward", variants=None,
          strategy=None, max_fevals=None, time_limit=None, iterations=ITERATIONS, store=True,
          tuning_cache=None, quiet=True, progress=None) -> TuneResult:
     """Tune every variant (or ``variants``) of ``op`` for one problem on one device and store the
@@ -194,14 +257,14 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     each variant is searched."""
     started = time.perf_counter()
     dev = backends.resolve_device(device)
-    problem = Problem.create(op, input_shape, output_size, dtype, layout)
+    problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     if problem.is_empty:
         raise ValueError(f"output_size {output_size!r} gives an empty output {problem.output_shape}: nothing to tune")
     table = variants_for(problem.op, problem.direction)
     names = list(table) if variants is None else list(variants)
     for name in names:
         if name not in table:
-            raise ValueError(f"variants must name variants of {op}, one of {sorted(table)}; got {name!r}")
+            raise ValueError(f"variants must name variants of {op} {direction}, one of {sorted(table)}; got {name!r}")
     rng = np.random.default_rng()
 
     results = []

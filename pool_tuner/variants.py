@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .problem import Problem, check_op
+from .problem import DIRECTIONS, OPS, Problem, check_op
 from .windows import pooling_windows
 
 
@@ -126,6 +126,55 @@ class Variant:
         }
 
 
+def _acc_bytes(problem: Problem) -> int:
+    """Size of the kernels' accumulator type ``acc_t``: float64 for float64, else float32."""
+    return 8 if problem.dtype == "float64" else 4
+
+
+class _Tiled(Variant):
+    """Shared by the forward and backward tiled variants: a 2-d work-group per tile of the
+    written array, staging in local memory what the tile's windows read."""
+
+    search_space = {
+        "block_size_x": [4, 8, 16, 32, 64],
+        "block_size_y": [1, 2, 4, 8, 16],
+        "tile_x": [1, 2, 4],
+        "tile_y": [1, 2, 4],
+    }
+    default = {"block_size_x": 8, "block_size_y": 8, "tile_x": 1, "tile_y": 1}
+
+    def tiled_axes(self, problem):
+        """``(written sizes, read sizes)`` of the (T, H, W) axes: the tile covers written
+        elements, the stage holds what their windows read."""
+        raise NotImplementedError
+
+    @staticmethod
+    def tile(params):
+        return params["block_size_y"] * params["tile_y"], params["block_size_x"] * params["tile_x"]
+
+    def stage_extent(self, params, problem) -> tuple[int, int, int]:
+        (wt, wh, ww), (rt, rh, rw) = self.tiled_axes(problem)
+        tile_h, tile_w = self.tile(params)
+        # Written index i reads the range pooling_windows(read size, written size)[i]: the windows
+        # in the forward pass, the inverse windows in the backward pass.
+        return (max_window(rt, wt), _max_tile_extent(rh, wh, tile_h), _max_tile_extent(rw, ww, tile_w))
+
+    def groups(self, params, problem):
+        (wt, wh, ww), _ = self.tiled_axes(problem)
+        tile_h, tile_w = self.tile(params)
+        return problem.planes * wt * _ceil_div(wh, tile_h) * _ceil_div(ww, tile_w)
+
+    def local_mem_bytes(self, params, problem):
+        per_element = _acc_bytes(problem)
+        if problem.direction == "backward" and problem.kind == "max":
+            per_element += 8  # the staged int64 indices
+        return math.prod(self.stage_extent(params, problem)) * per_element
+
+    def extra_defines(self, params, problem):
+        st, sh, sw = self.stage_extent(params, problem)
+        return {"STAGE_T": st, "STAGE_H": sh, "STAGE_W": sw}
+
+
 class ThreadPerOutput(Variant):
     name = "thread_per_output"
     summary = "each work-item reduces outputs_per_thread whole windows; neighbours write neighbours"
@@ -161,47 +210,70 @@ class BlockPerRow(Variant):
     def local_mem_bytes(self, params, problem):
         if params["threads_per_output"] == 1:
             return 0
-        return params["block_size_x"] * np.dtype(problem.dtype).itemsize
+        # reduction_t: the accumulator and a position (at most 8 bytes), padded to 16.
+        return params["block_size_x"] * 16
 
 
-class SmemTiled(Variant):
+class SmemTiled(_Tiled):
     name = "smem_tiled"
     summary = "a work-group stages the input under a tile of outputs in local memory, then reduces the tile"
+
+    def tiled_axes(self, problem):
+        return problem.out_spatial, problem.in_spatial
+
+
+class ChannelsVector(Variant):
+    name = "channels_vector"
+    summary = "channels-last only: a work-item reduces vector_width neighbouring channels of one output position"
     search_space = {
-        "block_size_x": [4, 8, 16, 32, 64],
-        "block_size_y": [1, 2, 4, 8, 16],
-        "tile_x": [1, 2, 4],
-        "tile_y": [1, 2, 4],
+        "block_size_x": [32, 64, 128, 256],
+        "vector_width": [1, 2, 4, 8, 16],
     }
-    default = {"block_size_x": 8, "block_size_y": 8, "tile_x": 1, "tile_y": 1}
+    default = {"block_size_x": 64, "vector_width": 4}
 
-    @staticmethod
-    def tile(params):
-        return params["block_size_y"] * params["tile_y"], params["block_size_x"] * params["tile_x"]
-
-    def stage_extent(self, params, problem) -> tuple[int, int, int]:
-        (it, ih, iw), (ot, oh, ow) = problem.in_spatial, problem.out_spatial
-        tile_h, tile_w = self.tile(params)
-        return (max_window(it, ot), _max_tile_extent(ih, oh, tile_h), _max_tile_extent(iw, ow, tile_w))
+    def illegal_reason(self, params, problem, limits):
+        if not problem.channels_last:
+            return "needs a channels-last input (it vectorises over neighbouring channels)"
+        return super().illegal_reason(params, problem, limits)
 
     def groups(self, params, problem):
-        _, oh, ow = problem.out_spatial
-        tile_h, tile_w = self.tile(params)
-        return problem.planes * problem.out_spatial[0] * _ceil_div(oh, tile_h) * _ceil_div(ow, tile_w)
-
-    def local_mem_bytes(self, params, problem):
-        return math.prod(self.stage_extent(params, problem)) * np.dtype(problem.dtype).itemsize
-
-    def extra_defines(self, params, problem):
-        st, sh, sw = self.stage_extent(params, problem)
-        return {"STAGE_T": st, "STAGE_H": sh, "STAGE_W": sw}
+        positions = (problem.planes // max(problem.channels, 1)) * math.prod(problem.out_spatial)
+        return _ceil_div(positions * _ceil_div(problem.channels, params["vector_width"]), params["block_size_x"])
 
 
-_FORWARD = (ThreadPerOutput(), BlockPerRow(), SmemTiled())
-#: (op, direction) -> {variant name: Variant}; every implemented op of ``problem.IMPLEMENTED``.
+class ThreadPerInput(Variant):
+    name = "thread_per_input"
+    template = "pool_backward.c"
+    kernel_name = "pool_backward"
+    summary = "gather: each work-item sums the gradients of the outputs whose windows hold its inputs"
+    search_space = {
+        "block_size_x": [32, 64, 128, 256, 512, 1024],
+        "inputs_per_thread": [1, 2, 4, 8],
+    }
+    default = {"block_size_x": 256, "inputs_per_thread": 1}
+
+    def groups(self, params, problem):
+        per_group = params["block_size_x"] * params["inputs_per_thread"]
+        return _ceil_div(math.prod(problem.input_shape), per_group)
+
+
+class SmemTiledBackward(_Tiled):
+    name = "smem_tiled"
+    template = "pool_backward.c"
+    kernel_name = "pool_backward"
+    summary = "gather: a work-group stages the output gradients over a tile of inputs, then sums from local memory"
+
+    def tiled_axes(self, problem):
+        return problem.in_spatial, problem.out_spatial
+
+
+_FORWARD = (ThreadPerOutput(), BlockPerRow(), SmemTiled(), ChannelsVector())
+_BACKWARD = (ThreadPerInput(), SmemTiledBackward())
+#: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {
-    (op, "forward"): {v.name: v for v in _FORWARD}
-    for op in ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d")
+    (op, direction): {v.name: v for v in (_FORWARD if direction == "forward" else _BACKWARD)}
+    for op in OPS
+    for direction in DIRECTIONS
 }
 
 
@@ -213,5 +285,5 @@ def variants_for(op: str, direction: str = "forward") -> dict:
 def get_variant(op: str, name, direction: str = "forward", argument: str = "variant") -> Variant:
     table = variants_for(op, direction)
     if not isinstance(name, str) or name not in table:
-        raise ValueError(f"{argument} must be one of {sorted(table)} for {op}, got {name!r}")
+        raise ValueError(f"{argument} must be one of {sorted(table)} for {op} {direction}, got {name!r}")
     return table[name]

@@ -1,0 +1,128 @@
+/* pool_backward.c -- adaptive pooling backward as a gather: every rank, op, layout and variant.
+ *
+ * Each work-item owns input gradients and sums the contributions of exactly the outputs whose
+ * windows hold its input, found with the inverse window formula (windows.h).  No atomics: every
+ * grad_in element is written once, by one work-item, in a fixed order -- results are
+ * bit-identical across runs (PyTorch's CUDA backward passes scatter with atomics instead).
+ *
+ *   avg:  grad_in[i] = sum over outputs o with i in window(o) of grad_out[o] / area(o)
+ *   max:  grad_in[i] = sum over outputs o with i in window(o) and indices[o] == i of grad_out[o]
+ *
+ * Host defines: as pool_forward.c (shape, CHANNELS_LAST, POOL_AVG or POOL_MAX, one VARIANT_* and
+ * its tuning parameters).
+ */
+
+#if POOL_AVG
+#define INDICES_PARAM
+#else
+#define INDICES_PARAM const GLOBAL int64_t_* RESTRICT indices,
+#endif
+
+/* Contribution of output (plane, ot, oh, ow), held at `offset`, to the input at plane position
+ * `position`. */
+#if POOL_AVG
+#define CONTRIBUTION(grad, offset, ot, oh, ow, position) ((grad) / (acc_t)window_area(ot, oh, ow))
+#else
+#define CONTRIBUTION(grad, offset, ot, oh, ow, position) \
+    (indices[offset] == (int64_t_)(position) ? (grad) : (acc_t)0)
+#endif
+
+#if VARIANT_THREAD_PER_INPUT
+/* Each work-item computes inputs_per_thread input gradients, block_size_x apart in memory order.
+ * Launch: ceil(IN_NUMEL / (block_size_x * inputs_per_thread)) groups of block_size_x. */
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
+{
+    const index_t first = (index_t)GROUP_ID * (block_size_x * inputs_per_thread) + LOCAL_ID_X;
+    for (int k = 0; k < inputs_per_thread; ++k) {
+        const index_t i = first + (index_t)k * block_size_x;
+        if (i >= IN_NUMEL)
+            return;
+        index_t plane, t, h, w;
+        IN_COORDS(i, plane, t, h, w);
+        const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
+        const index_t ot0 = WINDOW_START(t, OUT_T, IN_T), ot1 = WINDOW_END(t, OUT_T, IN_T);
+        const index_t oh0 = WINDOW_START(h, OUT_H, IN_H), oh1 = WINDOW_END(h, OUT_H, IN_H);
+        const index_t ow0 = WINDOW_START(w, OUT_W, IN_W), ow1 = WINDOW_END(w, OUT_W, IN_W);
+        acc_t sum = (acc_t)0;
+        for (index_t ot = ot0; ot < ot1; ++ot)
+            for (index_t oh = oh0; oh < oh1; ++oh)
+                for (index_t ow = ow0; ow < ow1; ++ow) {
+                    const index_t o = OUT_OFFSET(plane, ot, oh, ow);
+                    sum += CONTRIBUTION(LOAD(grad_out, o), o, ot, oh, ow, position);
+                }
+        STORE(grad_in, i, sum);
+    }
+}
+#endif
+
+#if VARIANT_SMEM_TILED
+/* A work-group computes a tile of TILE_H x TILE_W input gradients of one (plane, t) slice.  It
+ * first stages the output gradients of every output whose window touches the tile -- already
+ * divided by their window area (avg) or paired with their index (max) -- in local memory, then
+ * each work-item gathers tile_y x tile_x inputs from local memory.  Pays off when windows overlap
+ * or outputs outnumber inputs (upsampling).  STAGE_T/H/W bound the staged extent over all tiles.
+ * Launch: N_PLANES * IN_T * TILES_H * TILES_W groups of block_size_x x block_size_y. */
+#define TILE_W (block_size_x * tile_x)
+#define TILE_H (block_size_y * tile_y)
+#define TILES_W ((IN_W + TILE_W - 1) / TILE_W)
+#define TILES_H ((IN_H + TILE_H - 1) / TILE_H)
+#define STAGE_SIZE (STAGE_T * STAGE_H * STAGE_W)
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
+{
+    LOCAL_MEM acc_t stage[STAGE_SIZE];
+#if POOL_MAX
+    LOCAL_MEM int64_t_ stage_index[STAGE_SIZE];
+#endif
+    const index_t tile = GROUP_ID;
+    const index_t h0 = tile / TILES_W % TILES_H * TILE_H;
+    const index_t w0 = tile % TILES_W * TILE_W;
+    const index_t t = tile / ((index_t)TILES_W * TILES_H) % IN_T;
+    const index_t plane = tile / ((index_t)TILES_W * TILES_H * IN_T);
+    const index_t h_last = (h0 + TILE_H < IN_H ? h0 + TILE_H : IN_H) - 1;
+    const index_t w_last = (w0 + TILE_W < IN_W ? w0 + TILE_W : IN_W) - 1;
+
+    /* The staged outputs: every output whose window touches the tile. */
+    const index_t ot_start = WINDOW_START(t, OUT_T, IN_T), ot_end = WINDOW_END(t, OUT_T, IN_T);
+    const index_t oh_start = WINDOW_START(h0, OUT_H, IN_H), oh_end = WINDOW_END(h_last, OUT_H, IN_H);
+    const index_t ow_start = WINDOW_START(w0, OUT_W, IN_W), ow_end = WINDOW_END(w_last, OUT_W, IN_W);
+    const int thread = LOCAL_ID_Y * block_size_x + LOCAL_ID_X;
+    for (int s = thread; s < STAGE_SIZE; s += block_size_x * block_size_y) {
+        const index_t st = s / (STAGE_H * STAGE_W), sh = s / STAGE_W % STAGE_H, sw = s % STAGE_W;
+        if (st < ot_end - ot_start && sh < oh_end - oh_start && sw < ow_end - ow_start) {
+            const index_t ot = ot_start + st, oh = oh_start + sh, ow = ow_start + sw;
+            const index_t o = OUT_OFFSET(plane, ot, oh, ow);
+#if POOL_AVG
+            stage[s] = LOAD(grad_out, o) / (acc_t)window_area(ot, oh, ow);
+#else
+            stage[s] = LOAD(grad_out, o);
+            stage_index[s] = indices[o];
+#endif
+        }
+    }
+    BARRIER();
+
+    for (int ty = 0; ty < tile_y; ++ty) {
+        const index_t h = h0 + LOCAL_ID_Y + ty * block_size_y;
+        for (int tx = 0; tx < tile_x; ++tx) {
+            const index_t w = w0 + LOCAL_ID_X + tx * block_size_x;
+            if (h >= IN_H || w >= IN_W)
+                continue;
+            const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
+            const index_t oh0 = WINDOW_START(h, OUT_H, IN_H), oh1 = WINDOW_END(h, OUT_H, IN_H);
+            const index_t ow0 = WINDOW_START(w, OUT_W, IN_W), ow1 = WINDOW_END(w, OUT_W, IN_W);
+            acc_t sum = (acc_t)0;
+            for (index_t ot = ot_start; ot < ot_end; ++ot)
+                for (index_t oh = oh0; oh < oh1; ++oh)
+                    for (index_t ow = ow0; ow < ow1; ++ow) {
+                        const index_t s = ((ot - ot_start) * STAGE_H + oh - oh_start) * STAGE_W + ow - ow_start;
+#if POOL_AVG
+                        sum += stage[s];
+#else
+                        sum += stage_index[s] == (int64_t_)position ? stage[s] : (acc_t)0;
+#endif
+                    }
+            STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
+        }
+    }
+}
+#endif
