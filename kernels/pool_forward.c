@@ -72,22 +72,40 @@ DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
 #endif
 
 /* Reduce output (ot, oh, ow) of `plane`, visiting window rows first_row, first_row + row_step, ...
- * (a row is one (t, h) pair of the window); first_row = 0, row_step = 1 is the whole window. */
+ * (a row is one (t, h) pair of the window); first_row = 0, row_step = 1 is the whole window.
+ * Variants that call it have a row_lanes tuning parameter (see below). */
 DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
                                          index_t oh, index_t ow, int first_row, int row_step)
 {
-    const index_t t_start = WINDOW_START(ot, IN_T, OUT_T), t_end = WINDOW_END(ot, IN_T, OUT_T);
-    const index_t h_start = WINDOW_START(oh, IN_H, OUT_H), h_end = WINDOW_END(oh, IN_H, OUT_H);
-    const index_t w_start = WINDOW_START(ow, IN_W, OUT_W), w_end = WINDOW_END(ow, IN_W, OUT_W);
+    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
+    const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);
+    const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
     const int window_h = (int)(h_end - h_start);
     const int window_rows = (int)(t_end - t_start) * window_h;
     reduction_t r = reduce_init();
+#if POOL_AVG && row_lanes > 1
+    /* row_lanes independent partial sums per window row: the adds no longer wait on each other
+     * (long rows -- global pooling -- run at load speed instead of add latency). */
+    acc_t lanes[row_lanes];
+    for (int k = 0; k < row_lanes; ++k)
+        lanes[k] = (acc_t)0;
+#endif
     for (int row = first_row; row < window_rows; row += row_step) {
         const index_t t = t_start + row / window_h;
         const index_t h = h_start + row % window_h;
-        for (index_t w = w_start; w < w_end; ++w)
+        index_t w = w_start;
+#if POOL_AVG && row_lanes > 1
+        for (; w + row_lanes <= w_end; w += row_lanes)
+            for (int k = 0; k < row_lanes; ++k)
+                lanes[k] += LOAD(in, IN_OFFSET(plane, t, h, w + k));
+#endif
+        for (; w < w_end; ++w)
             reduce_step(&r, LOAD(in, IN_OFFSET(plane, t, h, w)), PLANE_POSITION(t, h, w, IN_H, IN_W));
     }
+#if POOL_AVG && row_lanes > 1
+    for (int k = 0; k < row_lanes; ++k)
+        r.value += lanes[k];
+#endif
     return r;
 }
 
@@ -175,9 +193,9 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     const index_t ow_last = (ow0 + TILE_W < OUT_W ? ow0 + TILE_W : OUT_W) - 1;
 
     /* The staged rectangle: the union of the tile's windows. */
-    const index_t t_start = WINDOW_START(ot, IN_T, OUT_T), t_end = WINDOW_END(ot, IN_T, OUT_T);
-    const index_t h_start = WINDOW_START(oh0, IN_H, OUT_H), h_end = WINDOW_END(oh_last, IN_H, OUT_H);
-    const index_t w_start = WINDOW_START(ow0, IN_W, OUT_W), w_end = WINDOW_END(ow_last, IN_W, OUT_W);
+    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
+    const index_t h_start = H_WINDOW_START(oh0), h_end = H_WINDOW_END(oh_last);
+    const index_t w_start = W_WINDOW_START(ow0), w_end = W_WINDOW_END(ow_last);
     const int thread = LOCAL_ID_Y * block_size_x + LOCAL_ID_X;
     for (int i = thread; i < STAGE_SIZE; i += block_size_x * block_size_y) {
         const index_t st = i / (STAGE_H * STAGE_W), sh = i / STAGE_W % STAGE_H, sw = i % STAGE_W;
@@ -192,8 +210,8 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
             const index_t ow = ow0 + LOCAL_ID_X + tx * block_size_x;
             if (oh >= OUT_H || ow >= OUT_W)
                 continue;
-            const index_t h0 = WINDOW_START(oh, IN_H, OUT_H), h1 = WINDOW_END(oh, IN_H, OUT_H);
-            const index_t w0 = WINDOW_START(ow, IN_W, OUT_W), w1 = WINDOW_END(ow, IN_W, OUT_W);
+            const index_t h0 = H_WINDOW_START(oh), h1 = H_WINDOW_END(oh);
+            const index_t w0 = W_WINDOW_START(ow), w1 = W_WINDOW_END(ow);
             reduction_t r = reduce_init();
             for (index_t t = t_start; t < t_end; ++t)
                 for (index_t h = h0; h < h1; ++h)
@@ -223,9 +241,9 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     const index_t n = position / OUT_PLANE_SIZE;
     const index_t in_base = n * IN_PLANE_SIZE * N_CHANNELS + c0;
     const index_t out_base = position * N_CHANNELS + c0;
-    const index_t t0 = WINDOW_START(ot, IN_T, OUT_T), t1 = WINDOW_END(ot, IN_T, OUT_T);
-    const index_t h0 = WINDOW_START(oh, IN_H, OUT_H), h1 = WINDOW_END(oh, IN_H, OUT_H);
-    const index_t w0 = WINDOW_START(ow, IN_W, OUT_W), w1 = WINDOW_END(ow, IN_W, OUT_W);
+    const index_t t0 = T_WINDOW_START(ot), t1 = T_WINDOW_END(ot);
+    const index_t h0 = H_WINDOW_START(oh), h1 = H_WINDOW_END(oh);
+    const index_t w0 = W_WINDOW_START(ow), w1 = W_WINDOW_END(ow);
     reduction_t r[vector_width];
     for (int k = 0; k < vector_width; ++k)
         r[k] = reduce_init();

@@ -14,6 +14,32 @@
 #define WINDOW_START(o, I, O) ((index_t)(((index_t)(o) * (I)) / (O)))
 #define WINDOW_END(o, I, O) ((index_t)((((index_t)(o) + 1) * (I) + (O) - 1) / (O)))
 
+/* The forward windows of each axis.  When every window of an axis has the same size K and
+ * consecutive windows start S apart (pool_tuner.fixed_pool_equivalent), the host defines
+ * UNIFORM_<axis> with KERNEL_<axis> and STRIDE_<axis>: window loops then have a compile-time trip
+ * count, which compilers unroll and vectorise. */
+#if UNIFORM_T
+#define T_WINDOW_START(o) ((index_t)(o) * STRIDE_T)
+#define T_WINDOW_END(o) (T_WINDOW_START(o) + KERNEL_T)
+#else
+#define T_WINDOW_START(o) WINDOW_START(o, IN_T, OUT_T)
+#define T_WINDOW_END(o) WINDOW_END(o, IN_T, OUT_T)
+#endif
+#if UNIFORM_H
+#define H_WINDOW_START(o) ((index_t)(o) * STRIDE_H)
+#define H_WINDOW_END(o) (H_WINDOW_START(o) + KERNEL_H)
+#else
+#define H_WINDOW_START(o) WINDOW_START(o, IN_H, OUT_H)
+#define H_WINDOW_END(o) WINDOW_END(o, IN_H, OUT_H)
+#endif
+#if UNIFORM_W
+#define W_WINDOW_START(o) ((index_t)(o) * STRIDE_W)
+#define W_WINDOW_END(o) (W_WINDOW_START(o) + KERNEL_W)
+#else
+#define W_WINDOW_START(o) WINDOW_START(o, IN_W, OUT_W)
+#define W_WINDOW_END(o) WINDOW_END(o, IN_W, OUT_W)
+#endif
+
 #define IN_PLANE_SIZE ((index_t)IN_T * IN_H * IN_W)
 #define OUT_PLANE_SIZE ((index_t)OUT_T * OUT_H * OUT_W)
 #define IN_NUMEL ((index_t)N_PLANES * IN_PLANE_SIZE)
@@ -62,7 +88,7 @@
 /* Number of input elements pooled by output (ot, oh, ow). */
 DEVICE_FN index_t window_area(index_t ot, index_t oh, index_t ow)
 {
-    return (WINDOW_END(ot, IN_T, OUT_T) - WINDOW_START(ot, IN_T, OUT_T))
-         * (WINDOW_END(oh, IN_H, OUT_H) - WINDOW_START(oh, IN_H, OUT_H))
-         * (WINDOW_END(ow, IN_W, OUT_W) - WINDOW_START(ow, IN_W, OUT_W));
+    return (T_WINDOW_END(ot) - T_WINDOW_START(ot))
+         * (H_WINDOW_END(oh) - H_WINDOW_START(oh))
+         * (W_WINDOW_END(ow) - W_WINDOW_START(ow));
 }

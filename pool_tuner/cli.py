@@ -147,6 +147,23 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    names = args.preset.split(",") if args.preset else None
+    if names:
+        for name in names:
+            presets.preset_shapes(name)  # validates the name
+    directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+    report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
+                       progress=None if args.quiet else lambda row: print(
+                           f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr))
+    print(bench.format_table(report))
+    json_path, png_path = bench.save(report, Path(args.out))
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pool-tuner", description="Autotuned adaptive pooling kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="*", help="for merge: cache files (records.json) to merge")
     p.add_argument("--into", help="for merge: destination file (default: the user cache)")
     p.set_defaults(run=cmd_cache)
+
+    p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor")
+    p.add_argument("--preset", help="comma-separated presets (default: the whole suite)")
+    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both")
+    p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--repeat", type=int, default=15, help="interleaved rounds per shape (medians reported)")
+    p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
+    p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")
     p.add_argument("--op", default="adaptive_avg_pool2d")

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from . import shapes
+from .windows import fixed_pool_equivalent
 
 #: op name -> (pooling kind, number of pooled axes)
 OPS = {
@@ -138,6 +139,12 @@ class Problem:
     def defines(self) -> dict:
         """The shape, dtype and index-width ``#define``s every template receives."""
         (it, ih, iw), (ot, oh, ow) = self.in_spatial, self.out_spatial
+        uniform = {}
+        for axis, i, o in zip("THW", self.in_spatial, self.out_spatial):
+            fixed = fixed_pool_equivalent(i, o) if o else None
+            uniform[f"UNIFORM_{axis}"] = int(fixed is not None)
+            if fixed is not None:
+                uniform[f"KERNEL_{axis}"], uniform[f"STRIDE_{axis}"] = fixed[0], fixed[1]
         return {
             DTYPES[self.dtype]: 1,
             "INDEX_64": int(self.index_64),
@@ -147,6 +154,7 @@ class Problem:
             "N_CHANNELS": self.channels,
             "IN_T": it, "IN_H": ih, "IN_W": iw,
             "OUT_T": ot, "OUT_H": oh, "OUT_W": ow,
+            **uniform,
         }
 
     def bytes_moved(self) -> int:

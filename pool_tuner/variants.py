@@ -82,6 +82,9 @@ class Variant:
 
     def illegal_reason(self, params: dict, problem: Problem, limits: DeviceLimits) -> str | None:
         """Why ``params`` cannot run ``problem`` on a device with ``limits``; None when it can."""
+        lanes = params.get("row_lanes", 1)
+        if lanes > 1 and (problem.kind != "avg" or lanes > max_window(problem.in_spatial[-1], problem.out_spatial[-1])):
+            return "row_lanes > 1 needs average pooling with windows at least row_lanes wide"
         threads = math.prod(self.block(params))
         if threads > limits.max_work_group_size:
             return f"work-group of {threads} exceeds the device limit {limits.max_work_group_size}"
@@ -181,8 +184,9 @@ class ThreadPerOutput(Variant):
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "outputs_per_thread": [1, 2, 4, 8],
+        "row_lanes": [1, 4, 8],
     }
-    default = {"block_size_x": 256, "outputs_per_thread": 1}
+    default = {"block_size_x": 256, "outputs_per_thread": 1, "row_lanes": 1}
 
     def groups(self, params, problem):
         per_group = params["block_size_x"] * params["outputs_per_thread"]
@@ -195,8 +199,9 @@ class BlockPerRow(Variant):
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "threads_per_output": [1, 2, 4, 8, 16, 32, 64],
+        "row_lanes": [1, 4, 8],
     }
-    default = {"block_size_x": 64, "threads_per_output": 4}
+    default = {"block_size_x": 64, "threads_per_output": 4, "row_lanes": 1}
 
     def extra_rule(self, params):
         if params["threads_per_output"] > params["block_size_x"]:

@@ -1,0 +1,267 @@
+"""The benchmark suite (DESIGN section 9): pool_tuner against PyTorch and the bandwidth floor.
+
+For each suite shape and direction, in one run on one device: pool_tuner's dispatched (tuned)
+kernel, pool_tuner forced to the heuristic default, and PyTorch on the CPU, timed interleaved --
+one call of each per round in a random order, ``repeat`` rounds, medians -- as wall-clock time of a complete call on
+device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
+the ATen op).  The device's copy bandwidth is measured in the same run with a device-to-device
+buffer copy; a shape's floor is its bytes moved (read + written) over that bandwidth.
+
+Results: a JSON file and a PNG plot (matplotlib, optional).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import backends, dispatch, presets
+from .problem import OPS, Problem
+
+COPY_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    op: str
+    direction: str
+    input_shape: list
+    output_shape: list
+    bytes_moved: int
+    tuned_ms: float
+    default_ms: float
+    torch_ms: float | None
+    source: str
+    variant: str
+    params: dict
+
+    def derived(self, copy_gbs: float) -> dict:
+        gbs = self.bytes_moved / (self.tuned_ms * 1e-3) / 1e9
+        floor_ms = self.bytes_moved / (copy_gbs * 1e9) * 1e3
+        return {
+            "gbs": gbs,
+            "fraction_of_copy": gbs / copy_gbs,
+            "floor_ms": floor_ms,
+            "times_floor": self.tuned_ms / floor_ms,
+            "speedup_vs_torch": None if self.torch_ms is None else self.torch_ms / self.tuned_ms,
+            "tuned_vs_default": self.default_ms / self.tuned_ms,
+        }
+
+
+def copy_bandwidth(device, nbytes: int = COPY_BYTES, repeat: int = 15) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import pyopencl as cl
+
+    queue = device.queue
+    src = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, nbytes)
+    dst = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, nbytes)
+    cl.enqueue_fill_buffer(queue, src, np.float32(1.0), 0, nbytes)
+    cl.enqueue_copy(queue, dst, src)
+    queue.finish()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        cl.enqueue_copy(queue, dst, src)
+        queue.finish()
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / float(np.median(times)) / 1e9
+
+
+def suite(names=None) -> list:
+    """``(name, op, input_shape, output_size)`` of the suite (all presets, or ``names``)."""
+    chosen = names or list(presets.PRESETS)
+    return [(name, op, shape, out) for name in chosen for op, shape, out in presets.preset_shapes(name)]
+
+
+def _torch_call(op, direction, x, output_size, grad, indices):
+    """A zero-argument callable running PyTorch's ATen kernel for this case."""
+    import torch
+    import torch.nn.functional as F
+
+    kind, ndim = OPS[op]
+    xt = torch.from_numpy(x)
+    out_size = tuple(output_size)
+    if ndim == 1:  # ATen implements 1d adaptive pooling through the 2d kernels
+        xt, out_size = xt.unsqueeze(-2), (1,) + out_size
+        grad = None if grad is None else grad[..., None, :]
+        indices = None if indices is None else indices[..., None, :]
+    dims = 2 if ndim <= 2 else 3
+    if direction == "forward":
+        fn = getattr(F, f"adaptive_{kind}_pool{dims}d")
+        return lambda: fn(xt, out_size)
+    gt = torch.from_numpy(np.ascontiguousarray(grad))
+    if kind == "avg":
+        backward = getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
+        return lambda: backward(gt, xt)
+    it = torch.from_numpy(np.ascontiguousarray(indices))
+    backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
+    return lambda: backward(gt, xt, it)
+
+
+def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -> Row:
+    """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case."""
+    import pyopencl.array as cl_array
+
+    import pool_tuner as pt
+
+    problem = Problem.create(op, shape, output_size, direction=direction)
+    out_size = problem.output_shape[-problem.ndim:]
+    queue = device.queue
+    x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(np.float32)
+    grad = indices = None
+    if direction == "forward":
+        fn = getattr(pt, op)
+        args = (cl_array.to_device(queue, x), out_size)
+    else:
+        grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
+        fn = getattr(pt, f"{op}_backward")
+        if problem.kind == "max":
+            _, indices = getattr(pt, op)(x, out_size, return_indices=True)
+            args = (cl_array.to_device(queue, grad), cl_array.to_device(queue, indices), problem.input_shape)
+        else:
+            args = (cl_array.to_device(queue, grad), problem.input_shape)
+    default = dispatch.choose(problem, device, variant=dispatch.heuristic_default(problem, device).name)
+    info = dispatch.describe(problem, device, dispatch.choose(problem, device))
+
+    def ours():
+        fn(*args, device=device)
+        queue.finish()
+
+    def ours_default():
+        fn(*args, device=device, variant=default.variant.name, config=default.config)
+        queue.finish()
+
+    candidates = [ours, ours_default]
+    try:
+        candidates.append(_torch_call(op, direction, x, out_size, grad, indices))
+    except ImportError:
+        pass
+    for call in candidates:  # warm-up: builds, first-touch, allocator pools
+        call()
+        call()
+    times = [[] for _ in candidates]
+    for _ in range(repeat):
+        # A fresh order every round: whatever one call leaves behind (PyTorch's OpenMP threads
+        # spin for a while after a parallel region, caches) hits every candidate alike.
+        for i in rng.permutation(len(candidates)):
+            start = time.perf_counter()
+            candidates[i]()
+            times[i].append(time.perf_counter() - start)
+    medians = [float(np.median(t)) * 1e3 for t in times]
+    return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
+               medians[0], medians[1], medians[2] if len(medians) > 2 else None,
+               info["source"], info["variant"], info["params"])
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v is not None]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
+        progress=None) -> dict:
+    """Run the suite; returns the JSON-ready report."""
+    dev = backends.resolve_device(device)
+    try:
+        import torch
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
+    except ImportError:
+        torch_info = None
+    copy_gbs = copy_bandwidth(dev)
+    rng = np.random.default_rng()
+    rows = []
+    for name, op, shape, out in suite(names):
+        for direction in directions:
+            rows.append(measure(name, op, shape, out, direction, dev, repeat, rng))
+            if progress:
+                progress(rows[-1])
+    report_rows = [dict(dataclasses.asdict(r), **r.derived(copy_gbs)) for r in rows]
+    summary = {}
+    for direction in directions:
+        picked = [r for r in report_rows if r["direction"] == direction]
+        big = [r for r in picked if r["bytes_moved"] >= 64e6]
+        summary[direction] = {
+            "geomean_speedup_vs_torch": geomean(r["speedup_vs_torch"] for r in picked),
+            "geomean_times_floor": geomean(r["times_floor"] for r in picked),
+            "geomean_tuned_vs_default": geomean(r["tuned_vs_default"] for r in picked),
+            "min_fraction_of_copy_at_64MB": min((r["fraction_of_copy"] for r in big), default=None),
+        }
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": dev.describe(),
+        "host": platform.processor() or platform.machine(),
+        "torch": torch_info,
+        "copy_gbs": copy_gbs,
+        "repeat": repeat,
+        "rows": report_rows,
+        "summary": summary,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
+             f"  torch {report['torch']}",
+             f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
+             f" {'%copy':>6s} {'xfloor':>6s} {'vs dflt':>7s}  kernel"]
+    for r in report["rows"]:
+        shape = f"{r['name']} {'x'.join(map(str, r['input_shape']))}->{'x'.join(map(str, r['output_shape'][-3:]))}"
+        torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.3f}"
+        vs = "-" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.2f}x"
+        lines.append(f"{shape:44s} {r['direction']:8s} {r['tuned_ms']:9.3f} {torch_ms:>9s} {vs:>8s} {r['gbs']:7.2f}"
+                     f" {100 * r['fraction_of_copy']:5.0f}% {r['times_floor']:6.2f} {r['tuned_vs_default']:6.2f}x"
+                     f"  {r['variant']} ({r['source']})")
+    for direction, s in report["summary"].items():
+        lines.append(f"{direction}: geomean {s['geomean_speedup_vs_torch']:.2f}x vs torch, "
+                     f"{s['geomean_times_floor']:.2f}x the copy floor, tuned {s['geomean_tuned_vs_default']:.2f}x vs default"
+                     + ("" if s["min_fraction_of_copy_at_64MB"] is None
+                        else f", min {100 * s['min_fraction_of_copy_at_64MB']:.0f}% of copy bandwidth at >=64 MB"))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Bar chart: time over the copy floor per shape and direction, ours against PyTorch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = [f"{r['name']}\n{'x'.join(map(str, r['output_shape'][-3:]))} {r['direction'][:3]}" for r in rows]
+    ours = [r["times_floor"] for r in rows]
+    theirs = [None if r["torch_ms"] is None else r["torch_ms"] / r["floor_ms"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 5))
+    positions = np.arange(len(rows))
+    ax.bar(positions - 0.2, ours, 0.4, label="pool_tuner (tuned)")
+    ax.bar(positions + 0.2, [t or 0 for t in theirs], 0.4, label="PyTorch")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="copy-bandwidth floor")
+    ax.set_yscale("log")
+    ax.set_ylabel("time / bandwidth floor (lower is better)")
+    ax.set_xticks(positions, labels, rotation=90, fontsize=7)
+    ax.set_title(f"{report['device']} - {report['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save(report: dict, directory: Path) -> tuple[Path, Path | None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "bench.json"
+    json_path.write_text(json.dumps(report, indent=1))
+    png_path = directory / "bench.png"
+    try:
+        plot(report, png_path)
+    except ImportError:
+        png_path = None
+    return json_path, png_path
