@@ -128,7 +128,7 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
             args = (cl_array.to_device(queue, grad), cl_array.to_device(queue, indices), problem.input_shape)
         else:
             args = (cl_array.to_device(queue, grad), problem.input_shape)
-    default = dispatch.choose(problem, device, variant=dispatch.heuristic_default(problem, device).name)
+    default = dispatch.default_choice(problem, device)
     info = dispatch.describe(problem, device, dispatch.choose(problem, device))
 
     def ours():

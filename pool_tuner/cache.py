@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import tempfile
+import types
 import warnings
 from pathlib import Path
 
@@ -150,6 +151,12 @@ def _record_problem(key, record) -> str | None:
             return f"has no {field!r} {kind.__name__}"
     if record["key"] != key:
         return f"is stored under a different key than its 'key' field {record['key']!r}"
+    try:
+        own_key = make_key(types.SimpleNamespace(**record["problem"]), record["device"], record["kernel_hash"])
+    except (TypeError, ValueError, AttributeError):
+        return "has a 'problem' or 'device' field that does not describe a problem and a device"
+    if own_key != key:
+        return "has a key that does not match its own problem, device and kernel hash"
     best = record["best"]
     if not isinstance(best.get("variant"), str) or not isinstance(best.get("params"), dict):
         return "has a 'best' without a 'variant' string and a 'params' object"
@@ -354,13 +361,14 @@ class TuningCache:
         """The records for which ``match(record)`` is true (dispatch's nearest-shape search)."""
         return [record for record in self.records().values() if match(record)]
 
-    def store(self, record: dict) -> None:
+    def store(self, record: dict) -> bool:
         """Add ``record`` to the user file and the in-memory table.
 
         Never raises for the file system: a tuning run's result is worth keeping even when the cache
         directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records
         stored meanwhile by other processes are picked up into the table as a side effect.  A record
         that loading would reject (or that is not JSON) raises ``ValueError``/``TypeError`` first.
+        Returns whether the record reached the file.
         """
         record = _normalised(record)
         table = self.records()
@@ -374,8 +382,9 @@ class TuningCache:
                 stacklevel=2,
             )
             table[record["key"]] = record
-            return
+            return False
         table.update(written)
+        return True
 
     def clear(self) -> None:
         """Delete the user file; shipped records are unaffected.  Under the lock, so that it cannot

@@ -13,7 +13,8 @@ from pathlib import Path
 from . import backends, cache, dispatch, kernel_source, presets
 from .ops import explain
 from .tuner import tune
-from .variants import variants_for
+from .problem import Problem
+from .variants import get_variant, variants_for
 
 EXIT_ERROR = 2
 
@@ -30,7 +31,7 @@ def parse_shape(text: str, name: str) -> tuple:
             entries.append(int(token))
         except ValueError:
             raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
-    if name == "--output" and len(entries) == 1:
+    if name == "--output" and len(entries) == 1 and entries[0] is not None:
         return entries[0]
     return tuple(entries)
 
@@ -80,6 +81,10 @@ def cmd_tune(args) -> int:
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
     jobs = [(op, shape, out, d) for op, shape, out in shapes for d in directions]
     variant_names = args.variants.split(",") if args.variants else None
+    for op, shape, out, direction in jobs:  # every argument checked before any tuning starts
+        Problem.create(op, shape, out, args.dtype, args.layout, direction=direction)
+        for name in variant_names or ():
+            get_variant(op, name, direction, argument="--variants")
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
     failed = 0
     with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
@@ -164,8 +169,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line too, like every other error of the command."""
+
+    def error(self, message):
+        self.exit(EXIT_ERROR, f"pool-tuner: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pool-tuner", description="Autotuned adaptive pooling kernels.")
+    parser = _Parser(prog="pool-tuner", description="Autotuned adaptive pooling kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("devices", help="list the devices pool_tuner can use")

@@ -104,7 +104,8 @@ def choose(problem: Problem, device, variant=None, config=None, *, allow_tuning=
     return choice
 
 
-def _default_choice(problem: Problem, device) -> Choice:
+def default_choice(problem: Problem, device) -> Choice:
+    """The heuristic default (never the cache): what tuning compares its winner against."""
     chosen = heuristic_default(problem, device)
     params = chosen.check_config({}, problem, device.limits, name=f"default config of {chosen.name}")
     return Choice(chosen, tuple(sorted(params.items())), "default")
@@ -138,7 +139,7 @@ def _from_cache(problem: Problem, device) -> Choice:
         choice = _choice_from_record(neighbour, problem, device, "nearest")
         if choice is not None:
             return choice
-    return _default_choice(problem, device)
+    return default_choice(problem, device)
 
 
 def _log_distance(a, b) -> float:

@@ -16,11 +16,11 @@ every candidate alike.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 import time
-import warnings
 
 import numpy as np
 
@@ -196,9 +196,11 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
     elif max_fevals or time_limit:
         raise ValueError("max_fevals/time_limit need a sampling strategy (e.g. strategy='random_sample'); brute_force evaluates every configuration")
 
-    with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch, _working_directory(scratch):
+        # Kernel Tuner writes the sources of failing configurations to the working directory.
         kt_cache = os.path.join(scratch, "kernel_tuner_cache.json")
-        while True:
+        while len(failures) < len(legal):
             building.clear()
             try:
                 results, _env = tune_kernel(
@@ -225,6 +227,16 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
     best = min(measured, key=lambda r: float(np.median(r["times"])))
     best_params = {k: int(best[k]) for k in variant.search_space}
     return best_params, float(np.median(best["times"])), len(measured), failure_list
+
+
+@contextlib.contextmanager
+def _working_directory(path):
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
@@ -281,7 +293,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
         raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.describe()}; "
                            f"failures: {[f for r in results for f in r.failures][:3]}")
 
-    default = dispatch.choose(problem, dev)
+    default = dispatch.default_choice(problem, dev)
     candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
     times = race(problem, dev, candidates + [default], rng=rng)
     for r, t in zip(tuned, times):
@@ -301,12 +313,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     )
     stored = False
     if store:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", cache_mod.CacheWarning)
-            tc.store(record)
-        for w in caught:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        stored = not any(issubclass(w.category, cache_mod.CacheWarning) for w in caught)
+        stored = tc.store(record)
         dispatch.forget(problem, dev)
     return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
                       default.variant.name, default.config, times[-1], time.perf_counter() - started, key, stored)

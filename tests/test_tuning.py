@@ -1,0 +1,559 @@
+"""Autotuning, the tuning cache as dispatch sees it, and the hot path (DESIGN section 5).
+
+Every test gets its own user cache (``POOL_TUNER_CACHE_DIR`` under ``tmp_path``) and forgets the
+process-wide dispatch state before and after.  Tuning budgets are tiny: one variant, a few
+configurations, a problem of 2x3x5x7 -> 3x4, so a tune takes seconds.
+"""
+
+import builtins
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import filelock
+import numpy as np
+import pyopencl
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import backends, dispatch, kernel_source, reference, tuner
+from pool_tuner import cache as cache_mod
+from pool_tuner.backends import opencl
+from pool_tuner.cache import CacheWarning
+from pool_tuner.problem import Problem
+from pool_tuner.variants import variants_for
+
+from conftest import random_input
+
+REPO = Path(__file__).resolve().parents[1]
+OP = "adaptive_avg_pool2d"
+SHAPE, OUT = (2, 3, 5, 7), (3, 4)
+NEAR = (2, 3, 6, 7)  # a nearby shape, never tuned
+CHEAP = dict(variants=["thread_per_output"], strategy="random_sample", max_fevals=3)
+#: A complete, legal thread_per_output configuration that is not its default.
+NONDEFAULT = dict(variants_for(OP)["thread_per_output"].default, block_size_x=32, outputs_per_thread=4)
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    """A private, empty user cache; no autotuning; dispatch state forgotten before and after.
+    The working directory is tmp_path too: Kernel Tuner leaves temp_*.c files in the current
+    directory when a configuration fails."""
+    directory = tmp_path / "user_cache"
+    monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(directory))
+    monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
+    monkeypatch.delenv("POOL_TUNER_DEVICE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    dispatch.forget()
+    yield directory
+    dispatch.forget()
+
+
+def device():
+    return backends.resolve_device()
+
+
+def problem(shape=SHAPE, out=OUT):
+    return Problem.create(OP, shape, out)
+
+
+def key_of(shape=SHAPE, out=OUT):
+    return dispatch.cache_key(problem(shape, out), device())
+
+
+def stored_records(directory) -> dict:
+    return json.loads((directory / cache_mod.USER_FILE).read_text())["records"]
+
+
+def make_record(shape=SHAPE, out=OUT, best=None, fingerprint=None):
+    """A well-formed record for this device and kernel code (as ``tune`` would write it)."""
+    p = problem(shape, out)
+    best = best or {"variant": "thread_per_output", "params": dict(NONDEFAULT), "time_ms": 0.01}
+    return cache_mod.make_record(p, fingerprint or device().fingerprint, dispatch.kernel_hash(p), best, [])
+
+
+def write_records(directory, records, schema=cache_mod.SCHEMA_VERSION):
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {"schema": schema, "records": {r["key"]: r for r in records}}
+    (directory / cache_mod.USER_FILE).write_text(json.dumps(payload))
+
+
+def subprocess_env(cache_dir) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["POOL_TUNER_CACHE_DIR"] = str(cache_dir)
+    env.pop("POOL_TUNER_AUTOTUNE", None)
+    return env
+
+
+def run_python(code, cache_dir, cwd, timeout=240):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=subprocess_env(cache_dir), cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def explain(shape=SHAPE, out=OUT):
+    return pt.explain(OP, shape, out)
+
+
+# ---------------------------------------------------------------- 1. tune -> record -> fresh process
+
+
+def test_tune_writes_record_used_by_a_fresh_process(user_cache, tmp_path, rng):
+    assert explain()["source"] == "default"
+    result = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert result.stored is True
+    assert result.cache_key == key_of()
+    assert result.best_variant == "thread_per_output"
+    assert result.best_time_ms > 0 and result.default_time_ms > 0
+
+    records = stored_records(user_cache)
+    assert result.cache_key in records
+    best = records[result.cache_key]["best"]
+    assert (best["variant"], best["params"]) == (result.best_variant, result.best_params)
+    # The same process dispatches from it at once.
+    info = explain()
+    assert (info["source"], info["variant"], info["params"]) == ("cache", result.best_variant, result.best_params)
+
+    x = random_input(rng, SHAPE)
+    np.save(tmp_path / "x.npy", x)
+    proc = run_python(f"""
+        import json
+        import numpy as np
+        import pool_tuner as pt
+        from pool_tuner import reference
+        exact = pt.explain({OP!r}, {SHAPE!r}, {OUT!r})
+        near = pt.explain({OP!r}, {NEAR!r}, {OUT!r})
+        x = np.load("x.npy")
+        y = pt.adaptive_avg_pool2d(x, {OUT!r})
+        error = float(np.abs(y - reference.adaptive_avg_pool(x, {OUT!r}, 2)).max())
+        print(json.dumps({{"exact": exact, "near": near, "error": error}}))
+        """, user_cache, tmp_path)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    exact, near = seen["exact"], seen["near"]
+    assert exact["source"] == "cache"
+    assert exact["cache_key"] == result.cache_key == exact["record_key"]
+    assert (exact["variant"], exact["params"]) == (result.best_variant, result.best_params)
+    assert near["source"] == "nearest"
+    assert near["record_key"] == result.cache_key
+    assert near["cache_key"] != result.cache_key
+    assert (near["variant"], near["params"]) == (result.best_variant, result.best_params)
+    assert seen["error"] < 1e-5
+
+
+def test_tune_reports_speedup_over_the_heuristic_default_even_when_a_record_exists(user_cache):
+    """The race's "default" is the documented heuristic default, not the previous winner
+    (otherwise re-tuning compares a config with itself and the record's "default" lies)."""
+    heuristic = explain()
+    assert heuristic["source"] == "default"
+    assert heuristic["params"] != NONDEFAULT
+    write_records(user_cache, [make_record()])
+    dispatch.forget()
+    assert explain()["source"] == "cache"
+    result = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert (result.default_variant, result.default_params) == (heuristic["variant"], heuristic["params"])
+    assert stored_records(user_cache)[result.cache_key]["default"]["params"] == heuristic["params"]
+
+
+# ---------------------------------------------------------------- 2. stale records
+
+
+def test_changed_kernel_source_makes_the_record_stale(user_cache, monkeypatch):
+    write_records(user_cache, [make_record()])
+    before = explain()
+    assert before["source"] == "cache" and before["params"] == NONDEFAULT
+
+    monkeypatch.setattr(kernel_source, "template_hash", lambda template: "e" * 64)
+    dispatch.forget()
+    after = explain()
+    assert after["cache_key"] != before["cache_key"]
+    assert after["source"] not in ("cache", "nearest")
+    assert after["record_key"] is None
+    # And a fresh record for the new code is used again.
+    write_records(user_cache, [make_record()])
+    dispatch.forget()
+    assert explain()["source"] == "cache"
+
+
+# ---------------------------------------------------------------- 3. cache faults through dispatch
+
+
+def test_good_synthetic_record_is_used(user_cache):
+    """Control for the fault tests below: the records they damage are otherwise used."""
+    write_records(user_cache, [make_record()])
+    info = explain()
+    assert (info["source"], info["params"], info["record_key"]) == ("cache", NONDEFAULT, key_of())
+    near = explain(NEAR)
+    assert (near["source"], near["record_key"]) == ("nearest", key_of())
+
+
+def test_truncated_cache_file_is_a_warning_and_a_miss(user_cache, rng):
+    write_records(user_cache, [make_record()])
+    path = user_cache / cache_mod.USER_FILE
+    path.write_text(path.read_text()[: len(path.read_text()) // 2])
+    with pytest.warns(CacheWarning):
+        info = explain()
+    assert info["source"] == "default"
+    x = random_input(rng, SHAPE)
+    np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, OUT), reference.adaptive_avg_pool(x, OUT, 2),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("payload", [
+    {"schema": cache_mod.SCHEMA_VERSION + 1},
+    {"schema": "1"},
+    {"records": None},
+    ["a", "list"],
+], ids=["newer-schema", "schema-string", "no-schema", "not-an-object"])
+def test_foreign_schema_is_a_warning_and_a_miss(user_cache, payload):
+    record = make_record()
+    if isinstance(payload, dict):
+        payload = {**{"records": {record["key"]: record}}, **payload}
+        if payload["records"] is None:
+            payload["records"] = {record["key"]: record}
+    user_cache.mkdir(parents=True)
+    (user_cache / cache_mod.USER_FILE).write_text(json.dumps(payload))
+    with pytest.warns(CacheWarning):
+        info = explain()
+    assert info["source"] == "default"
+    assert explain(NEAR)["source"] == "default"
+
+
+def _foreign_fingerprint():
+    return dict(device().fingerprint, name="Imaginary GPU 9000", driver="0.0.1")
+
+
+def test_record_of_a_foreign_device_is_not_used(user_cache):
+    foreign = make_record(fingerprint=_foreign_fingerprint())
+    assert foreign["key"] != key_of()
+    write_records(user_cache, [foreign])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a foreign record is normal (merged fleet caches): no warning
+        assert explain()["source"] == "default"
+        assert explain(NEAR)["source"] == "default"
+
+
+@pytest.mark.parametrize("edit", ["device-field", "key-device-hash"])
+def test_record_whose_key_and_device_disagree_is_not_used(user_cache, edit):
+    """A hand-edited record claiming one device in its key and another in its fingerprint."""
+    record = make_record()
+    if edit == "device-field":
+        record["device"] = _foreign_fingerprint()
+    else:
+        ours = f"dev={cache_mod._fingerprint_hash(device().fingerprint)}"
+        foreign = f"dev={cache_mod._fingerprint_hash(_foreign_fingerprint())}"
+        assert ours in record["key"]
+        record["key"] = record["key"].replace(ours, foreign)
+    write_records(user_cache, [record])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        for shape in (SHAPE, NEAR):
+            info = explain(shape)
+            assert info["source"] == "default", (shape, info)
+
+
+@pytest.mark.parametrize("best", [
+    {"variant": "thread_per_output", "params": {"block_size_x": 3, "outputs_per_thread": 1}},
+    {"variant": "thread_per_output", "params": {"block_size_x": 64, "bogus": 2}},
+    {"variant": "thread_per_output", "params": {"block_size_x": True}},
+    {"variant": "no_such_variant", "params": {}},
+], ids=["block_size_x-3", "unknown-param", "bool-param", "unknown-variant"])
+def test_record_with_illegal_config_is_ignored_with_a_warning_and_never_launched(user_cache, monkeypatch, rng, best):
+    bad = dict(best, time_ms=0.01)
+    write_records(user_cache, [make_record(best=bad)])
+    with pytest.warns(CacheWarning):
+        info = explain()
+    assert info["source"] != "cache"
+    assert info["params"] != bad["params"]
+    assert explain(NEAR)["source"] != "nearest"  # not legal there either: passed over
+
+    prepared = []
+    original = dispatch.prepare
+
+    def spy(device_, context, problem_, choice):
+        prepared.append((choice.variant.name, choice.config))
+        return original(device_, context, problem_, choice)
+
+    monkeypatch.setattr(dispatch, "prepare", spy)
+    x = random_input(rng, SHAPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        y = pt.adaptive_avg_pool2d(x, OUT)
+    np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, OUT, 2), rtol=1e-5, atol=1e-6)
+    assert prepared, "the call did not go through dispatch.prepare"
+    assert all((name, params) != (bad["variant"], bad["params"]) for name, params in prepared)
+    assert all(params.get("block_size_x") in (32, 64, 128, 256, 512, 1024) for _, params in prepared)
+
+
+def test_unwritable_cache_dir_keeps_the_result_in_memory(user_cache, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(blocker / "cache"))
+    dispatch.forget()
+    with pytest.warns(CacheWarning):
+        result = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert result.stored is False
+    assert result.best_params is not None and result.cache_key == key_of()
+    assert blocker.read_text() == "not a directory"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        info = explain()
+    assert (info["source"], info["params"]) == ("cache", result.best_params)
+
+
+def test_tune_over_a_corrupt_file_reports_stored_when_it_wrote(user_cache):
+    """A damaged cache file is set aside (with a warning) and the new record is written: the
+    result must say it was stored, or the CLI claims "NOT stored" for a record that is there."""
+    user_cache.mkdir()
+    (user_cache / cache_mod.USER_FILE).write_text('{"schema": 1, "records": {"trunc')
+    with pytest.warns(CacheWarning):
+        result = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert result.cache_key in stored_records(user_cache)
+    assert result.stored is True
+
+
+# ---------------------------------------------------------------- 4. concurrent tuners
+
+
+def test_two_processes_tuning_different_shapes_lose_nothing(user_cache, tmp_path):
+    shapes = [(2, 3, 5, 7), (2, 3, 9, 4)]
+    code = """
+        import sys
+        import pool_tuner as pt
+        shape = tuple(int(n) for n in sys.argv[1].split("x"))
+        result = pt.tune({op!r}, shape, (3, 4), variants=["thread_per_output"], strategy="random_sample", max_fevals=2)
+        assert result.stored, "not stored"
+        print(result.cache_key)
+        """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code.format(op=OP)), "x".join(map(str, s))],
+                              env=subprocess_env(user_cache), cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for s in shapes]
+    keys = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        keys.append(out.strip().splitlines()[-1])
+    assert keys == [key_of(s) for s in shapes]
+    records = stored_records(user_cache)
+    assert set(keys) <= set(records)
+    assert not list(user_cache.glob("*.corrupt-*")) and not list(user_cache.glob("*.tmp"))
+
+
+# ---------------------------------------------------------------- 5. failing configurations
+
+
+@pytest.fixture
+def small_space(monkeypatch):
+    """thread_per_output with a 4-point space (still holding its default configuration)."""
+    variant = variants_for(OP)["thread_per_output"]
+    space = {name: [variant.default[name]] for name in variant.search_space}
+    space.update(block_size_x=[64, 256], outputs_per_thread=[1, 2])
+    assert variant.default["block_size_x"] in space["block_size_x"]
+    assert variant.default["outputs_per_thread"] in space["outputs_per_thread"]
+    monkeypatch.setattr(variant, "search_space", space)
+    return variant
+
+
+@pytest.fixture
+def building(monkeypatch):
+    """The defines of the kernel source rendered last (the configuration Kernel Tuner is on)."""
+    last = {}
+    original = kernel_source.render
+
+    def render(template, defines):
+        last.clear()
+        last.update(defines)
+        return original(template, defines)
+
+    monkeypatch.setattr(kernel_source, "render", render)
+    return last, render
+
+
+def _matches(params, config) -> bool:
+    return all(params.get(k) == v for k, v in config.items())
+
+
+def _failed(result, config):
+    (variant_result,) = result.variants
+    return [f for f in variant_result.failures if _matches(f["params"], config)]
+
+
+def test_config_failing_verification_is_recorded_and_never_selected(user_cache, small_space, building, monkeypatch):
+    last, _ = building
+    bad = {"block_size_x": 64, "outputs_per_thread": 1}
+    checked = []
+
+    original = tuner.Case.verify  # Kernel Tuner's verify= is make_case(...).verify
+
+    def verify(self, *args, **kwargs):
+        config = {k: last.get(k) for k in bad}  # the configuration Kernel Tuner just ran
+        checked.append(config)
+        return False if config == bad else original(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuner.Case, "verify", verify)
+    result = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="brute_force")
+    assert bad in checked
+    assert len(_failed(result, bad)) == 1
+    assert "verif" in _failed(result, bad)[0]["error"].lower()
+    assert not _matches(result.best_params, bad)
+    assert {k: result.best_params[k] for k in bad} in [c for c in checked if c != bad]
+    assert result.variants[0].evaluated == 3
+    record = stored_records(user_cache)[result.cache_key]
+    assert not _matches(record["best"]["params"], bad)
+    assert any(_matches(f["params"], bad) and f["variant"] == "thread_per_output" for f in record["failures"])
+
+
+def test_config_failing_to_compile_is_recorded_and_skipped(user_cache, small_space, building, monkeypatch, capfd):
+    _, render = building
+    bad = {"block_size_x": 256, "outputs_per_thread": 2}
+
+    def broken_render(template, defines):
+        source = render(template, defines)
+        if all(defines.get(k) == v for k, v in bad.items()):
+            source = "#error injected compile failure for this test\n" + source
+        return source
+
+    monkeypatch.setattr(kernel_source, "render", broken_render)
+    result = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="brute_force")
+    capfd.readouterr()  # the compiler's complaints
+    failed = _failed(result, bad)
+    assert len(failed) == 1 and failed[0]["error"]
+    assert not _matches(result.best_params, bad)
+    assert result.variants[0].evaluated == 3
+    assert result.stored
+    assert explain()["params"] == result.best_params
+
+
+@pytest.mark.parametrize("budget", [dict(strategy="brute_force"), dict(strategy="random_sample", max_fevals=3)],
+                         ids=["brute_force", "random_sample"])
+def test_every_config_failing_is_a_clear_error(user_cache, small_space, building, monkeypatch, capfd, budget):
+    _, render = building
+    monkeypatch.setattr(kernel_source, "render", lambda t, d: "#error every configuration is broken\n" + render(t, d))
+    with pytest.raises(RuntimeError, match="no configuration"):
+        pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], **budget)
+    capfd.readouterr()
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+# ---------------------------------------------------------------- 6. POOL_TUNER_AUTOTUNE
+
+
+@pytest.fixture
+def counted_tune(monkeypatch):
+    """Count tuner.tune calls; fail at once if tuning re-enters itself (autotune recursion)."""
+    calls = []
+    depth = [0]
+    original = tuner.tune
+
+    def wrapper(*args, **kwargs):
+        calls.append(args[:3])
+        if depth[0]:
+            raise AssertionError("tune() re-entered itself: autotuning recursed from inside a tuning run")
+        depth[0] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(tuner, "tune", wrapper)
+    return calls
+
+
+def test_autotune_tunes_a_miss_once(user_cache, monkeypatch, rng, counted_tune):
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
+    monkeypatch.setattr(tuner, "DEFAULT_TIME_LIMIT", 5.0)
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    assert explain()["source"] == "default"  # explain reports, never tunes
+    assert counted_tune == []
+    x = random_input(rng, SHAPE)
+    y = pt.adaptive_avg_pool2d(x, OUT)
+    np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, OUT, 2), rtol=1e-5, atol=1e-6)
+    assert len(counted_tune) == 1
+    assert key_of() in stored_records(user_cache)
+    info = explain()
+    assert info["source"] == "cache" and info["autotune_on_miss"] is True
+    pt.adaptive_avg_pool2d(x, OUT)
+    assert len(counted_tune) == 1  # once
+
+
+def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tuned without being asked")
+
+    monkeypatch.setattr(tuner, "tune", forbidden)
+    monkeypatch.setattr(tuner, "tune_variant", forbidden)
+    for value in (None, "0", "", "yes"):
+        if value is None:
+            monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
+        else:
+            monkeypatch.setenv("POOL_TUNER_AUTOTUNE", value)
+        dispatch.forget()
+        x = random_input(rng, SHAPE)
+        np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, OUT), reference.adaptive_avg_pool(x, OUT, 2),
+                                   rtol=1e-5, atol=1e-6)
+        assert explain()["source"] == "default"
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+# ---------------------------------------------------------------- 7. the hot path
+
+
+def test_repeated_calls_touch_no_files_and_build_nothing(user_cache, rng):
+    write_records(user_cache, [make_record()])
+    x = random_input(rng, SHAPE)
+    expected = reference.adaptive_avg_pool(x, OUT, 2)
+    np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, OUT), expected, rtol=1e-5, atol=1e-6)  # first call
+
+    touched = []
+
+    def forbidden(name):
+        def fail(*args, **kwargs):
+            touched.append(name)
+            raise AssertionError(f"hot path called {name}")
+        return fail
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builtins, "open", forbidden("open"))
+        mp.setattr(os, "open", forbidden("os.open"))
+        mp.setattr(os, "replace", forbidden("os.replace"))
+        mp.setattr(os, "listdir", forbidden("os.listdir"))
+        mp.setattr(os, "scandir", forbidden("os.scandir"))
+        for method in ("open", "read_text", "read_bytes", "write_text", "iterdir", "exists", "is_dir", "stat"):
+            mp.setattr(pathlib.Path, method, forbidden(f"Path.{method}"))
+        mp.setattr(filelock, "FileLock", forbidden("FileLock"))
+        mp.setattr(opencl, "_build", forbidden("backends.opencl._build"))
+        mp.setattr(pyopencl, "Program", forbidden("pyopencl.Program"))
+        results = [pt.adaptive_avg_pool2d(x, OUT) for _ in range(3)]
+        assert touched == []
+        # The guards bite: a new shape must build a kernel, which is refused here.
+        with pytest.raises(AssertionError, match="hot path called"):
+            pt.adaptive_avg_pool2d(random_input(rng, (2, 3, 4, 4)), (3, 3))
+        assert touched
+    for y in results:
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert explain()["source"] == "cache"
+
+
+# ---------------------------------------------------------------- 8. budgets
+
+
+@pytest.mark.parametrize("budget", [dict(max_fevals=3), dict(time_limit=1.0)])
+def test_brute_force_with_a_budget_is_an_error(user_cache, budget):
+    name = next(iter(budget))
+    with pytest.raises(ValueError, match=name):
+        pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="brute_force", **budget)
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+def test_tune_rejects_unknown_variant_and_empty_output(user_cache):
+    with pytest.raises(ValueError, match="variants"):
+        pt.tune(OP, SHAPE, OUT, variants=["no_such_variant"])
+    with pytest.raises(ValueError, match="output_size"):
+        pt.tune(OP, SHAPE, (0, 4))
