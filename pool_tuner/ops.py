@@ -88,6 +88,9 @@ class _Call:
 
     def __init__(self, problem: Problem, device, queue, is_device: bool):
         self.problem, self.device, self.queue, self.is_device = problem, device, queue, is_device
+        # numpy arrays used in place by devices that share host memory: device array id -> ndarray
+        self.zero_copy = not is_device and device.shares_host_memory
+        self.host_of: dict = {}
 
     @property
     def channel_axis(self) -> int:
@@ -106,19 +109,35 @@ class _Call:
         if self.problem.channels_last:
             x = np.moveaxis(x, self.channel_axis, -1)
         host = np.ascontiguousarray(x)
-        return opencl.cl_array.to_device(self.queue, host.view(self.storage_dtype(host.dtype)))
+        host = host.view(self.storage_dtype(host.dtype))
+        if self.zero_copy and host.size:
+            return self._keep(self.device.wrap_host(self.queue, host, writable=False), host)
+        return opencl.cl_array.to_device(self.queue, host)
 
     def empty(self, logical_shape, dtype, poison):
-        out = opencl.cl_array.empty(self.queue, self.problem.memory_shape(logical_shape), self.storage_dtype(dtype))
+        shape, storage = self.problem.memory_shape(logical_shape), self.storage_dtype(dtype)
+        if self.zero_copy and math.prod(shape):
+            host = np.empty(shape, storage)
+            out = self._keep(self.device.wrap_host(self.queue, host, writable=True), host)
+        else:
+            out = opencl.cl_array.empty(self.queue, shape, storage)
         if poison_outputs and out.size:
             out.fill(poison)
         return out
+
+    def _keep(self, array, host):
+        self.host_of[id(array)] = (array, host)
+        return array
 
     def result(self, out, logical_dtype):
         """The output as the caller expects it: numpy, or a device array with the input's layout."""
         dtype = np.dtype(logical_dtype)
         if not self.is_device:
-            host = out.get().view(dtype)
+            if id(out) in self.host_of:
+                host = self.device.sync_host(self.queue, out, self.host_of[id(out)][1])
+            else:
+                host = out.get()
+            host = host.view(dtype)
             return np.moveaxis(host, -1, self.channel_axis) if self.problem.channels_last else host
         if out.dtype != dtype:
             out = out.view(dtype)

@@ -157,6 +157,8 @@ class _Tiled(Variant):
 
     def stage_extent(self, params, problem) -> tuple[int, int, int]:
         (wt, wh, ww), (rt, rh, rw) = self.tiled_axes(problem)
+        if 0 in (rt, rh, rw, wt, wh, ww):  # an empty side: nothing is staged (nor launched)
+            return (0, 0, 0)
         tile_h, tile_w = self.tile(params)
         # Written index i reads the range pooling_windows(read size, written size)[i]: the windows
         # in the forward pass, the inverse windows in the backward pass.

@@ -48,6 +48,8 @@ class OpenCLDevice:
             local_mem_size=int(cl_device.local_mem_size),
         )
         self.supports_float64 = bool(cl_device.double_fp_config)
+        # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
+        self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
         self._default_queue = None
 
     def __repr__(self):
@@ -87,6 +89,25 @@ class OpenCLDevice:
 
     def to_device(self, host: np.ndarray, queue=None):
         return cl_array.to_device(queue or self.queue, host)
+
+    @staticmethod
+    def wrap_host(queue, host: np.ndarray, writable: bool):
+        """A device array whose storage *is* the C-contiguous numpy array ``host`` (no copy on
+        devices that share host memory).  ``host`` must outlive every command using it, and is only
+        guaranteed current after ``sync_host``."""
+        flags = cl.mem_flags.USE_HOST_PTR | (cl.mem_flags.READ_WRITE if writable else cl.mem_flags.READ_ONLY)
+        buffer = cl.Buffer(queue.context, flags, hostbuf=host)
+        return cl_array.Array(queue, host.shape, host.dtype, data=buffer)
+
+    @staticmethod
+    def sync_host(queue, array, host: np.ndarray) -> np.ndarray:
+        """Make ``host`` (wrapped by ``wrap_host``) current after the commands on ``array``: map
+        and unmap its buffer, which is free where the device works in host memory."""
+        mapped, event = cl.enqueue_map_buffer(queue, array.base_data, cl.map_flags.READ, 0, host.shape,
+                                              host.dtype, wait_for=array.events)
+        event.wait()
+        mapped.base.release(queue)
+        return host
 
     def empty(self, shape, dtype, queue=None):
         return cl_array.empty(queue or self.queue, shape, dtype)
