@@ -120,7 +120,7 @@ class _Call:
             host = np.empty(shape, storage)
             out = self._keep(self.device.wrap_host(self.queue, host, writable=True), host)
         else:
-            out = opencl.cl_array.empty(self.queue, shape, storage)
+            out = self.device.empty(shape, storage, self.queue)
         if poison_outputs and out.size:
             out.fill(poison)
         return out

@@ -110,7 +110,24 @@ class OpenCLDevice:
         return host
 
     def empty(self, shape, dtype, queue=None):
-        return cl_array.empty(queue or self.queue, shape, dtype)
+        """An uninitialised C-contiguous device array, built through PyOpenCL's fast constructor
+        path: the checked one costs ~15 us of Python per call.  Falls back to
+        ``pyopencl.array.empty`` if that path ever changes."""
+        queue = queue or self.queue
+        dtype = np.dtype(dtype)
+        size = 1
+        strides = []
+        for n in reversed(shape):
+            strides.append(size * dtype.itemsize)
+            size *= n
+        if size == 0:
+            return cl_array.empty(queue, shape, dtype)
+        try:
+            return cl_array.Array(queue, shape, dtype, data=cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize),
+                                  strides=tuple(reversed(strides)), _fast=True, _size=size, _context=queue.context,
+                                  _queue=queue)
+        except TypeError:
+            return cl_array.empty(queue, shape, dtype)
 
     # ------------------------------------------------------------------ kernels
 
