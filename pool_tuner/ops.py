@@ -29,8 +29,9 @@ from .windows import pooling_windows
 POISON_ENV = "POOL_TUNER_POISON_OUTPUTS"
 poison_outputs = os.environ.get(POISON_ENV) == "1"
 INDEX_POISON = np.iinfo(np.int64).min
-#: bfloat16 travels as its bits; this is its quiet NaN.
-BFLOAT16_NAN_BITS = 0x7FC0
+#: Quiet-NaN bit patterns of the 16-bit floats (PyOpenCL cannot fill float16 arrays, and
+#: bfloat16 travels as its bits anyway), used to poison them through a uint16 view.
+NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
 def _locate(x, device, name="x"):
@@ -114,7 +115,7 @@ class _Call:
             return self._keep(self.device.wrap_host(self.queue, host, writable=False), host)
         return opencl.cl_array.to_device(self.queue, host)
 
-    def empty(self, logical_shape, dtype, poison):
+    def empty(self, logical_shape, dtype):
         shape, storage = self.problem.memory_shape(logical_shape), self.storage_dtype(dtype)
         if self.zero_copy and math.prod(shape):
             host = np.empty(shape, storage)
@@ -122,7 +123,11 @@ class _Call:
         else:
             out = self.device.empty(shape, storage, self.queue)
         if poison_outputs and out.size:
-            out.fill(poison)
+            name = np.dtype(dtype).name
+            if name in NAN_BITS:
+                out.view(np.uint16).fill(np.uint16(NAN_BITS[name]))
+            else:
+                out.fill(INDEX_POISON if name == "int64" else np.nan)
         return out
 
     def _keep(self, array, host):
@@ -216,11 +221,10 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
     if problem.kind != "max" and return_indices:
         raise ValueError("return_indices is only for max pooling")
     choice = dispatch.choose(problem, call.device, variant, config)
-    nan = BFLOAT16_NAN_BITS if problem.dtype == "bfloat16" else np.nan
-    out = call.empty(problem.output_shape, x.dtype, nan)
+    out = call.empty(problem.output_shape, x.dtype)
     buffers = [out]
     if problem.kind == "max":
-        indices = call.empty(problem.output_shape, np.int64, INDEX_POISON)
+        indices = call.empty(problem.output_shape, np.int64)
         buffers.append(indices)
     if not problem.is_empty:
         event = call.launch(choice, [call.to_device(x, "x")] + buffers)
@@ -246,8 +250,7 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
     if kind == "max":
         indices = _check_indices(indices, grad_out, call)
     choice = dispatch.choose(problem, dev, variant, config)
-    nan = BFLOAT16_NAN_BITS if problem.dtype == "bfloat16" else np.nan
-    grad_in = call.empty(problem.input_shape, grad_out.dtype, nan)
+    grad_in = call.empty(problem.input_shape, grad_out.dtype)
     if math.prod(problem.input_shape):
         if problem.is_empty:  # no outputs: nothing flows back
             grad_in.fill(0)
