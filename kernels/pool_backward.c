@@ -56,38 +56,23 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
 #endif
 
 #if VARIANT_SMEM_TILED
-/* A work-group computes a tile of TILE_H x TILE_W input gradients of one (plane, t) slice.  It
- * first stages the output gradients of every output whose window touches the tile -- already
- * divided by their window area (avg) or paired with their index (max) -- in local memory, then
- * each work-item gathers tile_y x tile_x inputs from local memory.  Pays off when windows overlap
- * or outputs outnumber inputs (upsampling).  STAGE_T/H/W bound the staged extent over all tiles.
- * Launch: N_PLANES * IN_T * TILES_H * TILES_W groups of block_size_x x block_size_y. */
-#define TILE_W (block_size_x * tile_x)
-#define TILE_H (block_size_y * tile_y)
-#define TILES_W ((IN_W + TILE_W - 1) / TILE_W)
-#define TILES_H ((IN_H + TILE_H - 1) / TILE_H)
-#define STAGE_SIZE (STAGE_T * STAGE_H * STAGE_W)
+/* Tiles of input gradients (tiles.h): the stage holds the gradients of every output whose window
+ * touches the tile -- already divided by their window area (avg) or paired with their index
+ * (max) -- and each work-item then gathers its inputs from it.  Pays off when windows overlap or
+ * outputs outnumber inputs (upsampling). */
 KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
 {
     LOCAL_MEM acc_t stage[STAGE_SIZE];
 #if POOL_MAX
     LOCAL_MEM int64_t_ stage_index[STAGE_SIZE];
 #endif
-    const index_t tile = GROUP_ID;
-    const index_t h0 = tile / TILES_W % TILES_H * TILE_H;
-    const index_t w0 = tile % TILES_W * TILE_W;
-    const index_t t = tile / ((index_t)TILES_W * TILES_H) % IN_T;
-    const index_t plane = tile / ((index_t)TILES_W * TILES_H * IN_T);
-    const index_t h_last = (h0 + TILE_H < IN_H ? h0 + TILE_H : IN_H) - 1;
-    const index_t w_last = (w0 + TILE_W < IN_W ? w0 + TILE_W : IN_W) - 1;
-
-    /* The staged outputs: every output whose window touches the tile. */
+    const tile_t tile = tile_of_group(GROUP_ID);
+    const index_t plane = tile.plane, t = tile.t;
     const index_t ot_start = WINDOW_START(t, OUT_T, IN_T), ot_end = WINDOW_END(t, OUT_T, IN_T);
-    const index_t oh_start = WINDOW_START(h0, OUT_H, IN_H), oh_end = WINDOW_END(h_last, OUT_H, IN_H);
-    const index_t ow_start = WINDOW_START(w0, OUT_W, IN_W), ow_end = WINDOW_END(w_last, OUT_W, IN_W);
-    const int thread = LOCAL_ID_Y * block_size_x + LOCAL_ID_X;
-    for (int s = thread; s < STAGE_SIZE; s += block_size_x * block_size_y) {
-        const index_t st = s / (STAGE_H * STAGE_W), sh = s / STAGE_W % STAGE_H, sw = s % STAGE_W;
+    const index_t oh_start = WINDOW_START(tile.h0, OUT_H, IN_H), oh_end = WINDOW_END(tile.h_last, OUT_H, IN_H);
+    const index_t ow_start = WINDOW_START(tile.w0, OUT_W, IN_W), ow_end = WINDOW_END(tile.w_last, OUT_W, IN_W);
+    for (int s = TILE_THREAD; s < STAGE_SIZE; s += TILE_THREADS) {
+        STAGE_COORDS(s, st, sh, sw);
         if (st < ot_end - ot_start && sh < oh_end - oh_start && sw < ow_end - ow_start) {
             const index_t ot = ot_start + st, oh = oh_start + sh, ow = ow_start + sw;
             const index_t o = OUT_OFFSET(plane, ot, oh, ow);
@@ -102,9 +87,9 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
     BARRIER();
 
     for (int ty = 0; ty < tile_y; ++ty) {
-        const index_t h = h0 + LOCAL_ID_Y + ty * block_size_y;
+        const index_t h = TILE_ROW(tile, ty);
         for (int tx = 0; tx < tile_x; ++tx) {
-            const index_t w = w0 + LOCAL_ID_X + tx * block_size_x;
+            const index_t w = TILE_COL(tile, tx);
             if (h >= IN_H || w >= IN_W)
                 continue;
             const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
@@ -114,7 +99,7 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
             for (index_t ot = ot_start; ot < ot_end; ++ot)
                 for (index_t oh = oh0; oh < oh1; ++oh)
                     for (index_t ow = ow0; ow < ow1; ++ow) {
-                        const index_t s = ((ot - ot_start) * STAGE_H + oh - oh_start) * STAGE_W + ow - ow_start;
+                        const index_t s = STAGE_SLOT(ot - ot_start, oh - oh_start, ow - ow_start);
 #if POOL_AVG
                         sum += stage[s];
 #else

@@ -171,43 +171,27 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 #endif
 
 #if VARIANT_SMEM_TILED
-/* A work-group computes a tile of TILE_H x TILE_W outputs of one (plane, ot) slice.  It first
- * stages the input rectangle that the tile's windows cover into local memory -- overlapping
- * windows then read global memory once -- and then each work-item reduces tile_y x tile_x outputs
- * from local memory.  STAGE_T/H/W (host-computed) bound the staged extent over all tiles.
- * Launch: N_PLANES * OUT_T * TILES_H * TILES_W groups of block_size_x x block_size_y. */
-#define TILE_W (block_size_x * tile_x)
-#define TILE_H (block_size_y * tile_y)
-#define TILES_W ((OUT_W + TILE_W - 1) / TILE_W)
-#define TILES_H ((OUT_H + TILE_H - 1) / TILE_H)
-#define STAGE_SIZE (STAGE_T * STAGE_H * STAGE_W)
+/* Tiles of outputs (tiles.h): the stage holds the input box under the tile's windows, so
+ * overlapping windows read global memory once; each work-item then reduces its outputs from it. */
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
 {
     LOCAL_MEM acc_t stage[STAGE_SIZE];
-    const index_t tile = GROUP_ID;
-    const index_t oh0 = tile / TILES_W % TILES_H * TILE_H;
-    const index_t ow0 = tile % TILES_W * TILE_W;
-    const index_t ot = tile / ((index_t)TILES_W * TILES_H) % OUT_T;
-    const index_t plane = tile / ((index_t)TILES_W * TILES_H * OUT_T);
-    const index_t oh_last = (oh0 + TILE_H < OUT_H ? oh0 + TILE_H : OUT_H) - 1;
-    const index_t ow_last = (ow0 + TILE_W < OUT_W ? ow0 + TILE_W : OUT_W) - 1;
-
-    /* The staged rectangle: the union of the tile's windows. */
+    const tile_t tile = tile_of_group(GROUP_ID);
+    const index_t plane = tile.plane, ot = tile.t;
     const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
-    const index_t h_start = H_WINDOW_START(oh0), h_end = H_WINDOW_END(oh_last);
-    const index_t w_start = W_WINDOW_START(ow0), w_end = W_WINDOW_END(ow_last);
-    const int thread = LOCAL_ID_Y * block_size_x + LOCAL_ID_X;
-    for (int i = thread; i < STAGE_SIZE; i += block_size_x * block_size_y) {
-        const index_t st = i / (STAGE_H * STAGE_W), sh = i / STAGE_W % STAGE_H, sw = i % STAGE_W;
+    const index_t h_start = H_WINDOW_START(tile.h0), h_end = H_WINDOW_END(tile.h_last);
+    const index_t w_start = W_WINDOW_START(tile.w0), w_end = W_WINDOW_END(tile.w_last);
+    for (int s = TILE_THREAD; s < STAGE_SIZE; s += TILE_THREADS) {
+        STAGE_COORDS(s, st, sh, sw);
         if (st < t_end - t_start && sh < h_end - h_start && sw < w_end - w_start)
-            stage[i] = LOAD(in, IN_OFFSET(plane, t_start + st, h_start + sh, w_start + sw));
+            stage[s] = LOAD(in, IN_OFFSET(plane, t_start + st, h_start + sh, w_start + sw));
     }
     BARRIER();
 
     for (int ty = 0; ty < tile_y; ++ty) {
-        const index_t oh = oh0 + LOCAL_ID_Y + ty * block_size_y;
+        const index_t oh = TILE_ROW(tile, ty);
         for (int tx = 0; tx < tile_x; ++tx) {
-            const index_t ow = ow0 + LOCAL_ID_X + tx * block_size_x;
+            const index_t ow = TILE_COL(tile, tx);
             if (oh >= OUT_H || ow >= OUT_W)
                 continue;
             const index_t h0 = H_WINDOW_START(oh), h1 = H_WINDOW_END(oh);
@@ -216,7 +200,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
             for (index_t t = t_start; t < t_end; ++t)
                 for (index_t h = h0; h < h1; ++h)
                     for (index_t w = w0; w < w1; ++w)
-                        reduce_step(&r, stage[((t - t_start) * STAGE_H + h - h_start) * STAGE_W + w - w_start],
+                        reduce_step(&r, stage[STAGE_SLOT(t - t_start, h - h_start, w - w_start)],
                                     PLANE_POSITION(t, h, w, IN_H, IN_W));
             STORE_RESULT(OUT_OFFSET(plane, ot, oh, ow), r, ot, oh, ow);
         }

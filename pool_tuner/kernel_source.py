@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 #: Headers prepended to every template, in this order.
-HEADERS = ("prelude.h", "windows.h")
+HEADERS = ("prelude.h", "windows.h", "tiles.h")
 
 
 def _data_dir(package: str, source_dir: str) -> Path:

@@ -177,7 +177,8 @@ class _Tiled(Variant):
 
     def extra_defines(self, params, problem):
         st, sh, sw = self.stage_extent(params, problem)
-        return {"STAGE_T": st, "STAGE_H": sh, "STAGE_W": sw}
+        (wt, wh, ww), _ = self.tiled_axes(problem)
+        return {"STAGE_T": st, "STAGE_H": sh, "STAGE_W": sw, "WRITE_T": wt, "WRITE_H": wh, "WRITE_W": ww}
 
 
 class ThreadPerOutput(Variant):
