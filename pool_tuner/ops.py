@@ -167,12 +167,20 @@ def _last_axis_to(sequence, axis: int) -> tuple:
 _PROBLEMS: dict = {}
 
 
+def _exact(value):
+    """A memo key that tells apart arguments that merely compare equal (``8.0 == 8``,
+    ``True == 1``), so that a bad argument never reuses a good call's validation."""
+    if isinstance(value, (tuple, list)):
+        return (type(value),) + tuple(_exact(v) for v in value)
+    return (type(value), value)
+
+
 def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
     """The validated problem of a call, memoised so repeated calls skip validation (keys that are
     not hashable, e.g. list output sizes, are validated every time)."""
     ndim = OPS[op][1] if op in OPS else None
     layout = memory_layout(x, ndim, name) if ndim else None
-    key = (op, direction, x.shape, x.dtype, layout, output_size, input_shape)
+    key = (op, direction, x.shape, x.dtype, layout, _exact(output_size), _exact(input_shape))
     try:
         return _PROBLEMS[key]
     except KeyError:
