@@ -1,0 +1,412 @@
+"""The full matrix: every op x direction x dtype x memory layout x legal variant, against the
+float64 reference (DESIGN sections 4 and 8), plus device arrays in channels-last memory and the
+special values of max pooling (ties, NaN, all -inf) and of float16 averaging (near 65504).
+
+One representative non-divisible shape per rank keeps this fast (every problem is one compile);
+the special-value tests reuse those shapes so that they reuse the compiled kernels too.
+"""
+
+import numpy as np
+import pyopencl.array as cl_array
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import backends, reference
+from pool_tuner.ops import memory_layout
+from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
+from pool_tuner.shapes import resolve_output_size
+from pool_tuner.variants import variants_for
+
+from conftest import random_input
+
+torch = pytest.importorskip("torch")
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes ships with the test environment
+    ml_dtypes = None
+
+#: One non-divisible (overlapping windows) problem per rank: (input shape, output size).
+REPRESENTATIVE = {
+    1: ((2, 5, 13), 5),
+    2: ((2, 5, 10, 9), (4, 7)),
+    3: ((2, 3, 5, 6, 7), (3, 4, 2)),
+}
+DTYPES = ["float32", "float64", "float16", "bfloat16"]
+TOLERANCES = {
+    "float64": dict(rtol=1e-12, atol=1e-12),
+    "float32": dict(rtol=1e-5, atol=1e-6),
+    "float16": dict(rtol=2e-3, atol=2e-3),
+    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),
+}
+FLOAT32_TOL = TOLERANCES["float32"]
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        if ml_dtypes is None:
+            pytest.skip("bfloat16 needs ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def to_channels_last(x, ndim):
+    """``x`` (logical channels-first) with channels-last memory: the channel axis (1, or 0 for
+    batch-less inputs) stored last, the logical shape unchanged."""
+    c = x.ndim - ndim - 1
+    return np.moveaxis(np.ascontiguousarray(np.moveaxis(x, c, -1)), -1, c)
+
+
+def in_layout(x, ndim, layout):
+    x = to_channels_last(x, ndim) if layout == LAYOUT_NAMES[ndim][1] else np.ascontiguousarray(x)
+    assert memory_layout(x, ndim) == layout
+    return x
+
+
+def as_float64(a):
+    return np.asarray(a).astype(np.float32).astype(np.float64) if a.dtype.name == "bfloat16" else np.asarray(a, np.float64)
+
+
+def legal_variants(op, direction, shape, output_size, dtype="float32", layout=None):
+    """Names of the variants whose default configuration is legal for the problem on the default
+    device (channels_vector needs channels-last memory)."""
+    limits = backends.default_device().limits
+    problem = Problem.create(op, shape, output_size, dtype, layout, direction=direction)
+    names = []
+    for name, variant in variants_for(op, direction).items():
+        try:
+            variant.check_config({}, problem, limits)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+def forward(op, x, output_size, **kwargs):
+    fn = getattr(pt, op)
+    return fn(x, output_size, True, **kwargs) if OPS[op][0] == "max" else fn(x, output_size, **kwargs)
+
+
+def backward(op, grad_out, input_shape, indices=None, **kwargs):
+    fn = getattr(pt, f"{op}_backward")
+    if OPS[op][0] == "max":
+        return fn(grad_out, indices, input_shape, **kwargs)
+    return fn(grad_out, input_shape, **kwargs)
+
+
+def _matrix():
+    cases = []
+    for op, (kind, ndim) in OPS.items():
+        shape, size = REPRESENTATIVE[ndim]
+        for direction in ("forward", "backward"):
+            for dtype in DTYPES:
+                for layout in LAYOUT_NAMES[ndim]:
+                    for variant in legal_variants(op, direction, shape, size, dtype, layout):
+                        cases.append(pytest.param(op, direction, dtype, layout, variant,
+                                                  id=f"{op}-{direction}-{dtype}-{layout}-{variant}"))
+    return cases
+
+
+def check_result(out, expected, dtype, layout, ndim, exact=False):
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == dtype
+    assert out.shape == expected.shape
+    assert memory_layout(out, ndim) == layout, f"output strides {out.strides} are not {layout}"
+    if layout == LAYOUT_NAMES[ndim][0]:
+        assert out.flags.c_contiguous
+    got = as_float64(out)
+    assert not np.isnan(got).any(), "some outputs were never written (poisoned NaN left)"
+    if exact:
+        np.testing.assert_array_equal(got, expected)
+    else:
+        np.testing.assert_allclose(got, expected, **TOLERANCES[dtype.name])
+
+
+@pytest.mark.parametrize("op,direction,dtype,layout,variant", _matrix())
+def test_every_op_direction_dtype_layout_variant(op, direction, dtype, layout, variant, rng):
+    kind, ndim = OPS[op]
+    shape, size = REPRESENTATIVE[ndim]
+    dt = np_dtype(dtype)
+    x = in_layout(random_input(rng, shape, np.float64).astype(dt), ndim, layout)
+    if direction == "forward":
+        if kind == "avg":
+            out = forward(op, x, size, variant=variant)
+            check_result(out, reference.forward(op, x, size), dt, layout, ndim)
+        else:
+            values, indices = forward(op, x, size, variant=variant)
+            ref_values, ref_indices = reference.forward(op, x, size)  # from the cast values
+            # A maximum is one of the inputs: exact in every dtype.
+            check_result(values, ref_values, dt, layout, ndim, exact=True)
+            assert indices.dtype == np.int64
+            assert memory_layout(indices, ndim) == layout
+            np.testing.assert_array_equal(indices, ref_indices)
+        return
+    out_shape = shape[:-ndim] + resolve_output_size(size, shape[-ndim:])
+    grad_out = in_layout(random_input(rng, out_shape, np.float64).astype(dt), ndim, layout)
+    if kind == "avg":
+        grad_in = backward(op, grad_out, shape, variant=variant)
+        expected = reference.backward(op, grad_out, shape)
+    else:
+        _, ref_indices = reference.forward(op, x, size)
+        indices = in_layout(ref_indices, ndim, layout)
+        grad_in = backward(op, grad_out, shape, indices, variant=variant)
+        expected = reference.backward(op, grad_out, shape, ref_indices)
+    check_result(grad_in, expected, dt, layout, ndim)
+
+
+# ---------------------------------------------------------------- batch-less channels-last
+
+
+def _batchless():
+    cases = []
+    for op, (kind, ndim) in OPS.items():
+        shape, size = REPRESENTATIVE[ndim]
+        layout = LAYOUT_NAMES[ndim][1]
+        for direction in ("forward", "backward"):
+            legal = legal_variants(op, direction, shape[1:], size, layout=layout)
+            # The kernels see a batch-less input as N = 1; what differs is the host's handling of
+            # channel axis 0, which every variant shares: the default one and channels_vector.
+            for variant in [None] + (["channels_vector"] if "channels_vector" in legal else []):
+                cases.append(pytest.param(op, direction, variant, id=f"{op}-{direction}-{variant}"))
+    return cases
+
+
+@pytest.mark.parametrize("op,direction,variant", _batchless())
+def test_batchless_channels_last(op, direction, variant, rng):
+    kind, ndim = OPS[op]
+    shape, size = REPRESENTATIVE[ndim]
+    shape = shape[1:]  # (C, *spatial), channel axis 0
+    layout = LAYOUT_NAMES[ndim][1]
+    x = to_channels_last(random_input(rng, shape), ndim)
+    assert x.strides[0] == 4 and memory_layout(x, ndim) == layout
+    dt = np.dtype(np.float32)
+    if direction == "forward":
+        if kind == "avg":
+            check_result(forward(op, x, size, variant=variant), reference.forward(op, x, size), dt, layout, ndim)
+        else:
+            values, indices = forward(op, x, size, variant=variant)
+            ref_values, ref_indices = reference.forward(op, x, size)
+            check_result(values, ref_values, dt, layout, ndim, exact=True)
+            assert memory_layout(indices, ndim) == layout
+            np.testing.assert_array_equal(indices, ref_indices)
+        return
+    out_shape = shape[:1] + resolve_output_size(size, shape[1:])
+    grad_out = to_channels_last(random_input(rng, out_shape), ndim)
+    if kind == "avg":
+        grad_in = backward(op, grad_out, shape, variant=variant)
+        expected = reference.backward(op, grad_out, shape)
+    else:
+        _, ref_indices = reference.forward(op, x, size)
+        grad_in = backward(op, grad_out, shape, to_channels_last(ref_indices, ndim), variant=variant)
+        expected = reference.backward(op, grad_out, shape, ref_indices)
+    check_result(grad_in, expected, dt, layout, ndim)
+
+
+# ---------------------------------------------------------------- device arrays, channels-last
+
+
+def device_channels_last(queue, x, ndim):
+    """A pyopencl array of logical shape ``x.shape`` over channels-last device memory."""
+    x_cl = to_channels_last(x, ndim)
+    c = x.ndim - ndim - 1
+    memory = cl_array.to_device(queue, np.ascontiguousarray(np.moveaxis(x, c, -1)))
+    x_dev = cl_array.Array(queue, x.shape, x.dtype, data=memory.data, strides=x_cl.strides)
+    assert memory_layout(x_dev, ndim) == LAYOUT_NAMES[ndim][1]
+    return x_dev, memory
+
+
+def device_memory_as_logical(queue, arr, ndim):
+    """Read a channels-last device array back through its memory (strided arrays cannot .get())."""
+    assert isinstance(arr, cl_array.Array)
+    assert memory_layout(arr, ndim) == LAYOUT_NAMES[ndim][1], f"strides {arr.strides}"
+    arr.finish()
+    c = len(arr.shape) - ndim - 1
+    memory_shape = arr.shape[:c] + arr.shape[c + 1:] + (arr.shape[c],)
+    flat = cl_array.Array(queue, memory_shape, arr.dtype, data=arr.base_data).get()
+    return np.moveaxis(flat, -1, c)
+
+
+def _device_cases():
+    cases = []
+    for op, (kind, ndim) in OPS.items():
+        shape, size = REPRESENTATIVE[ndim]
+        legal = legal_variants(op, "forward", shape, size, layout=LAYOUT_NAMES[ndim][1])
+        for variant in [None] + (["channels_vector"] if "channels_vector" in legal else []):
+            cases.append(pytest.param(op, variant, id=f"{op}-{variant}"))
+    return cases
+
+
+@pytest.mark.parametrize("op,variant", _device_cases())
+def test_device_array_channels_last_forward(op, variant, rng):
+    kind, ndim = OPS[op]
+    shape, size = REPRESENTATIVE[ndim]
+    queue = backends.default_device().queue
+    x = random_input(rng, shape)
+    x_dev, _ = device_channels_last(queue, x, ndim)
+    if kind == "avg":
+        out = forward(op, x_dev, size, variant=variant)
+        assert out.queue is queue
+        np.testing.assert_allclose(device_memory_as_logical(queue, out, ndim), reference.forward(op, x, size),
+                                   **FLOAT32_TOL)
+    else:
+        values, indices = forward(op, x_dev, size, variant=variant)
+        ref_values, ref_indices = reference.forward(op, x, size)
+        np.testing.assert_array_equal(device_memory_as_logical(queue, values, ndim), ref_values)
+        assert indices.dtype == np.int64
+        np.testing.assert_array_equal(device_memory_as_logical(queue, indices, ndim), ref_indices)
+
+
+@pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_max_pool3d"])
+def test_device_array_channels_last_backward(op, rng):
+    """Forward and backward on device arrays in channels-last memory, the indices passed on as
+    the forward returned them."""
+    kind, ndim = OPS[op]
+    shape, size = REPRESENTATIVE[ndim]
+    queue = backends.default_device().queue
+    x = random_input(rng, shape)
+    x_dev, _ = device_channels_last(queue, x, ndim)
+    out_shape = shape[:-ndim] + resolve_output_size(size, shape[-ndim:])
+    grad_out = random_input(rng, out_shape)
+    grad_dev, _ = device_channels_last(queue, grad_out, ndim)
+    if kind == "avg":
+        grad_in = backward(op, grad_dev, shape)
+        expected = reference.backward(op, grad_out, shape)
+    else:
+        _, indices = forward(op, x_dev, size)
+        grad_in = backward(op, grad_dev, shape, indices)
+        expected = reference.backward(op, grad_out, shape, reference.forward(op, x, size)[1])
+    np.testing.assert_allclose(device_memory_as_logical(queue, grad_in, ndim), expected, **FLOAT32_TOL)
+
+
+# ---------------------------------------------------------------- max pooling's special values
+
+
+def _max_cases(dtypes=("float32",)):
+    cases = []
+    for op, (kind, ndim) in OPS.items():
+        if kind != "max":
+            continue
+        shape, size = REPRESENTATIVE[ndim]
+        for dtype in dtypes:
+            for layout in LAYOUT_NAMES[ndim]:
+                for variant in legal_variants(op, "forward", shape, size, dtype, layout):
+                    cases.append(pytest.param(op, dtype, layout, variant, id=f"{op}-{dtype}-{layout}-{variant}"))
+    return cases
+
+
+def torch_max(op, x, size):
+    values, indices = getattr(torch.nn.functional, op)(torch.from_numpy(as_float64(x)), size, return_indices=True)
+    return values.numpy(), indices.numpy()
+
+
+def run_max(op, x, size, layout, variant):
+    ndim = OPS[op][1]
+    values, indices = forward(op, in_layout(x, ndim, layout), size, variant=variant)
+    assert memory_layout(values, ndim) == layout
+    return as_float64(values), indices
+
+
+@pytest.mark.parametrize("op,dtype,layout,variant", _max_cases(("float32", "float16")))
+def test_max_ties_go_to_the_first_position(op, dtype, layout, variant, rng):
+    ndim = OPS[op][1]
+    shape, size = REPRESENTATIVE[ndim]
+    dt = np.dtype(dtype)
+    # Three distinct values: nearly every window holds its maximum several times.
+    x = rng.integers(0, 3, size=shape).astype(dt)
+    x[0, 0] = 1  # and one plane of all-equal windows
+    values, indices = run_max(op, x, size, layout, variant)
+    ref_values, ref_indices = reference.forward(op, x, size)
+    np.testing.assert_array_equal(values, ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+    starts = [pt.pooling_windows(i, o)[0] for i, o in zip(shape[-ndim:], ref_values.shape[-ndim:])]
+    first = np.zeros(ref_values.shape[-ndim:], np.int64)
+    for axis, s in enumerate(np.meshgrid(*starts, indexing="ij")):
+        first = first * shape[-ndim + axis] + s
+    np.testing.assert_array_equal(indices[0, 0], first)  # all-equal windows: their first element
+    # PyTorch (CPU) also keeps the first maximum on ties.
+    t_values, t_indices = torch_max(op, x, size)
+    np.testing.assert_array_equal(values, t_values)
+    np.testing.assert_array_equal(indices, t_indices)
+
+
+@pytest.mark.parametrize("op,dtype,layout,variant", _max_cases())
+def test_max_single_nan_wins_with_its_index(op, dtype, layout, variant, rng):
+    ndim = OPS[op][1]
+    shape, size = REPRESENTATIVE[ndim]
+    x = random_input(rng, shape)
+    planes = x.reshape(-1, int(np.prod(shape[-ndim:])))
+    # One NaN per plane, at a random position: no window holds two, so PyTorch (which keeps the
+    # last NaN of a window) agrees with the first-NaN rule.
+    nan_at = rng.integers(0, planes.shape[1], size=planes.shape[0])
+    planes[np.arange(planes.shape[0]), nan_at] = np.nan
+    values, indices = run_max(op, x, size, layout, variant)
+    ref_values, ref_indices = reference.forward(op, x, size)
+    assert np.isnan(values).any() and not np.isnan(values).all()
+    np.testing.assert_array_equal(values, ref_values)  # NaN compares equal to NaN here
+    np.testing.assert_array_equal(indices, ref_indices)
+    nan_windows = np.isnan(values)
+    np.testing.assert_array_equal(indices[nan_windows], np.broadcast_to(
+        nan_at.reshape(shape[:-ndim] + (1,) * ndim), values.shape)[nan_windows])
+    t_values, t_indices = torch_max(op, x, size)
+    np.testing.assert_array_equal(values, t_values)
+    np.testing.assert_array_equal(indices, t_indices)
+
+
+@pytest.mark.parametrize("op,dtype,layout,variant", _max_cases())
+def test_max_several_nans_first_one_wins(op, dtype, layout, variant, rng):
+    """DESIGN: the index of the first NaN in row-major window order (PyTorch CPU keeps the last,
+    so only the values are compared with it)."""
+    ndim = OPS[op][1]
+    shape, size = REPRESENTATIVE[ndim]
+    x = random_input(rng, shape)
+    x[rng.random(shape) < 0.3] = np.nan
+    values, indices = run_max(op, x, size, layout, variant)
+    ref_values, ref_indices = reference.forward(op, x, size)
+    np.testing.assert_array_equal(values, ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+    np.testing.assert_array_equal(np.isnan(values), np.isnan(torch_max(op, x, size)[0]))
+
+
+@pytest.mark.parametrize("op,dtype,layout,variant", _max_cases())
+def test_max_all_minus_inf_windows_give_the_first_position(op, dtype, layout, variant, rng):
+    ndim = OPS[op][1]
+    shape, size = REPRESENTATIVE[ndim]
+    x = random_input(rng, shape)
+    x[0] = -np.inf  # whole planes of -inf
+    x[rng.random(shape) < 0.5] = -np.inf  # and -inf mixed with numbers (some windows all -inf)
+    values, indices = run_max(op, x, size, layout, variant)
+    ref_values, ref_indices = reference.forward(op, x, size)
+    assert np.isneginf(values[0]).all()
+    np.testing.assert_array_equal(values, ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+    t_values, t_indices = torch_max(op, x, size)
+    np.testing.assert_array_equal(values, t_values)
+    np.testing.assert_array_equal(indices, t_indices)
+
+
+# ---------------------------------------------------------------- float16 near its maximum
+
+
+@pytest.mark.parametrize("variant", [None] + pt.variants("adaptive_avg_pool2d"))
+def test_float16_window_of_65000_averages_to_65000(variant):
+    """A 4x4 window sums to 1,040,000 -- far past float16's 65504: the float32 accumulator keeps
+    the mean finite and exact."""
+    layout = "NHWC" if variant == "channels_vector" else "NCHW"
+    x = in_layout(np.full((1, 2, 8, 8), 65000, np.float16), 2, layout)
+    out = pt.adaptive_avg_pool2d(x, (2, 2), variant=variant)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, np.full((1, 2, 2, 2), 65000, np.float16))
+
+
+@pytest.mark.parametrize("op,layout,variant", [
+    pytest.param(op, layout, v, id=f"{op}-{layout}-{v}")
+    for op, (kind, ndim) in OPS.items() if kind == "avg"
+    for layout in LAYOUT_NAMES[ndim]
+    for v in legal_variants(op, "forward", *REPRESENTATIVE[ndim], "float16", layout)
+])
+def test_float16_large_values_average_without_overflow(op, layout, variant, rng):
+    ndim = OPS[op][1]
+    shape, size = REPRESENTATIVE[ndim]
+    x = in_layout(rng.uniform(60000, 65504, size=shape).astype(np.float16), ndim, layout)
+    out = forward(op, x, size, variant=variant)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out.astype(np.float64), reference.forward(op, x, size), **TOLERANCES["float16"])
