@@ -75,13 +75,13 @@ DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
  * (a row is one (t, h) pair of the window); first_row = 0, row_step = 1 is the whole window.
  * Variants that call it have a row_lanes tuning parameter (see below). */
 DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
-                                         index_t oh, index_t ow, int first_row, int row_step)
+                                         index_t oh, index_t ow, index_t first_row, index_t row_step)
 {
     const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
     const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);
     const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
-    const int window_h = (int)(h_end - h_start);
-    const int window_rows = (int)(t_end - t_start) * window_h;
+    const index_t window_h = h_end - h_start;
+    const index_t window_rows = (t_end - t_start) * window_h;
     reduction_t r = reduce_init();
 #if POOL_AVG && row_lanes > 1
     /* row_lanes independent partial sums per window row: the adds no longer wait on each other
@@ -90,7 +90,7 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
     for (int k = 0; k < row_lanes; ++k)
         lanes[k] = (acc_t)0;
 #endif
-    for (int row = first_row; row < window_rows; row += row_step) {
+    for (index_t row = first_row; row < window_rows; row += row_step) {
         const index_t t = t_start + row / window_h;
         const index_t h = h_start + row % window_h;
         index_t w = w_start;

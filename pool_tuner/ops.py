@@ -261,7 +261,7 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
     grad_in = call.empty(problem.input_shape, grad_out.dtype)
     if math.prod(problem.input_shape):
         if problem.is_empty:  # no outputs: nothing flows back
-            grad_in.fill(0)
+            grad_in.view(np.uint8).fill(0)
         else:
             args = [call.to_device(grad_out, "grad_out")]
             if kind == "max":
@@ -298,7 +298,8 @@ def _check_indices_in_windows(indices, problem):
     plane_shape = problem.input_shape[-problem.ndim:]
     if indices.min() < 0 or indices.max() >= math.prod(plane_shape):
         raise ValueError(f"indices must lie in [0, {math.prod(plane_shape)}) (positions within the pooled plane)")
-    coords = np.unravel_index(indices, plane_shape)
+    # Raveled first: numpy 2.4's unravel_index misplaces coordinates of some multi-d inputs.
+    coords = [c.reshape(indices.shape) for c in np.unravel_index(indices.ravel(), plane_shape)]
     for axis, coord in enumerate(coords):
         i_size = problem.input_shape[-problem.ndim + axis]
         o_size = problem.output_shape[-problem.ndim + axis]

@@ -132,8 +132,11 @@ class OpenCLDevice:
     # ------------------------------------------------------------------ kernels
 
     def build(self, context, source: str, kernel_name: str):
-        """Build ``source`` for this device in ``context`` (cached) and return the kernel."""
-        return _build(context, self.cl_device, source, kernel_name)
+        """Build ``source`` for this device in ``context`` (cached) and return the kernel.
+        Oclgrind 21.10 cannot run some optimised LLVM IR (``freeze``, noalias scope intrinsics), so
+        it gets unoptimised builds; its results are exact either way."""
+        options = ("-cl-opt-disable",) if self.is_simulator else ()
+        return _build(context, self.cl_device, source, kernel_name, options)
 
     def kernel_work_group_limit(self, kernel) -> int:
         """The per-kernel work-group limit; on CPU devices it can be below the device maximum."""
@@ -147,8 +150,8 @@ class OpenCLDevice:
 
 
 @functools.lru_cache(maxsize=512)
-def _build(context, cl_device, source: str, kernel_name: str):
-    program = cl.Program(context, source).build(devices=[cl_device])
+def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
+    program = cl.Program(context, source).build(options=list(options), devices=[cl_device])
     return getattr(program, kernel_name)
 
 

