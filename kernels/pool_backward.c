@@ -21,7 +21,7 @@
 /* Contribution of output (plane, ot, oh, ow), held at `offset`, to the input at plane position
  * `position`. */
 #if POOL_AVG
-#define CONTRIBUTION(grad, offset, ot, oh, ow, position) ((grad) / (acc_t)window_area(ot, oh, ow))
+#define CONTRIBUTION(grad, offset, ot, oh, ow, position) ((void)(position), (grad) / (acc_t)window_area(ot, oh, ow))
 #else
 #define CONTRIBUTION(grad, offset, ot, oh, ow, position) \
     (indices[offset] == (int64_t_)(position) ? (grad) : (acc_t)0)
@@ -101,6 +101,7 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
                     for (index_t ow = ow0; ow < ow1; ++ow) {
                         const index_t s = STAGE_SLOT(ot - ot_start, oh - oh_start, ow - ow_start);
 #if POOL_AVG
+                        (void)position;
                         sum += stage[s];
 #else
                         sum += stage_index[s] == (int64_t_)position ? stage[s] : (acc_t)0;

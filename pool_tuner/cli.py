@@ -176,6 +176,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"pool-tuner: error: {message} (see {self.prog} --help)\n")
 
 
+def cmd_compile_check(args) -> int:
+    from . import compile_check
+
+    return compile_check.run(args.arch or compile_check.ARCHS, ops=args.op, directions=args.direction,
+                             dtypes=args.dtype, variants=args.variant, jobs=args.jobs,
+                             batch_size=args.batch_size, nvcc=args.nvcc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pool-tuner", description="Autotuned adaptive pooling kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +234,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", choices=["forward", "backward"], default="forward")
     p.add_argument("--device")
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("compile-check", help="compile every kernel instantiation with nvcc (no GPU needed): "
+                                             "no warnings, no local-memory spills")
+    p.add_argument("backend", choices=["cuda"], help="the backend whose kernels to compile")
+    p.add_argument("--arch", action="append", help="target architecture, repeatable (default sm_75, sm_80, sm_90)")
+    p.add_argument("--op", action="append", help="only this op, repeatable (default every op)")
+    p.add_argument("--direction", action="append", help="only this direction (forward/backward), repeatable")
+    p.add_argument("--dtype", action="append", help="only this dtype, repeatable (default every dtype)")
+    p.add_argument("--variant", action="append", help="only this variant, repeatable (default every variant)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel nvcc runs (default 2)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="instantiations per nvcc run (default 32; 1 compiles each alone)")
+    p.add_argument("--nvcc", help="nvcc to use (default: PATH, $CUDA_HOME, /usr/local/cuda, pip nvidia-cuda-nvcc)")
+    p.set_defaults(run=cmd_compile_check)
     return parser
 
 

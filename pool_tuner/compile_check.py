@@ -9,17 +9,27 @@ directions, dtypes, layouts and variants are covered as soon as they are registe
 
 * every (op, direction) of ``variants.REGISTRY``,
 * every dtype of ``problem.DTYPES``,
-* every layout name of ``problem.LAYOUT_NAMES`` for the op's rank that ``Problem.create`` accepts
-  (the ones it rejects are not implemented and are listed as skipped),
+* every layout name of ``problem.LAYOUT_NAMES`` for the op's rank that ``Problem.create`` accepts,
 * every variant of the op,
 * its default configuration and the smallest and largest point of its search space (the first and
   the last configuration of ``variant.configurations()`` that ``check_config`` accepts under CUDA's
   limits, ``CUDA_LIMITS``),
-* on a small problem with non-divisible, overlapping windows (32-bit indexing) and the same problem
-  with so many planes that it needs 64-bit indexing (nothing is allocated: it is only compiled).
+* on two problems per rank (``PROBLEMS``): one with non-divisible, overlapping windows and 32-bit
+  indexing, and one with uniform windows (the ``UNIFORM_*`` path) and so many planes that it needs
+  64-bit indexing (nothing is allocated: it is only compiled).  Both have windows at least 8 wide
+  along W, so that the largest ``row_lanes`` is legal and compiled.
 
-Identical sources (per architecture) are compiled once.  The last line printed is exactly
-``compiled N instantiations, F failed, S with spills``; the exit status is 0 only when F and S are 0.
+Speed: most of one nvcc run is spent parsing CUDA's headers, so instantiations are compiled in
+batches: one translation unit holds up to ``BATCH_SIZE`` of them, each in a namespace of its own
+with its kernel renamed and its macros ``#undef``-ed after it; ptxas reports each kernel under its
+own name.  When a batch fails, the instantiations its diagnostics point at (by line, or by kernel
+name for ptxas) fail with those diagnostics, renumbered to the lines of their own source, and the
+others are compiled again as a batch; diagnostics that point at no single instantiation (unbalanced
+braces spilling into what follows, say) split the batch in halves instead, down to instantiations
+compiled alone from their plain source.  Identical sources (per architecture) are compiled once.
+
+The last line printed is exactly ``compiled N instantiations, F failed, S with spills``; ``run``
+returns 0 only when F and S are 0.
 """
 
 from __future__ import annotations
@@ -37,6 +47,11 @@ import sys
 import tempfile
 import time
 
+try:  # CPU time of the nvcc runs, where the platform reports it
+    import resource
+except ImportError:  # pragma: no cover - not on POSIX
+    resource = None
+
 from . import kernel_source
 from .problem import DTYPES, INT32_LIMIT, LAYOUT_NAMES, OPS, Problem
 from .variants import REGISTRY, DeviceLimits
@@ -46,22 +61,30 @@ ARCHS = ("sm_75", "sm_80", "sm_90")
 #: The limits legal configurations are chosen under: 1024 threads and 48 KiB of static shared
 #: memory per block hold on every architecture from sm_50 on.
 CUDA_LIMITS = DeviceLimits(max_work_group_size=1024, local_mem_size=48 * 1024)
-#: Representative problems per rank: (input shape, output size) with non-divisible, overlapping
-#: windows along every pooled axis and more than one plane.
-SMALL_PROBLEMS = {
-    1: ((2, 3, 10), (7,)),
-    2: ((2, 3, 10, 9), (4, 7)),
-    3: ((2, 3, 5, 10, 9), (3, 4, 7)),
+#: Per rank: (label, input shape, output size, needs 64-bit indexing).  The 64-bit problems get
+#: their batch axis grown past 2^31 elements (``_index_64_shape``); the shape here is their plane.
+PROBLEMS = {
+    1: (("nonuniform-idx32", (2, 3, 61), (7,), False),
+        ("uniform-idx64", (2, 3, 64), (8,), True)),
+    2: (("nonuniform-idx32", (2, 3, 10, 61), (4, 7), False),
+        ("uniform-idx64", (2, 3, 8, 64), (4, 8), True)),
+    3: (("nonuniform-idx32", (2, 3, 5, 10, 61), (3, 4, 7), False),
+        ("uniform-idx64", (2, 3, 6, 8, 64), (3, 4, 8), True)),
 }
 #: nvcc flags of every compilation (the architecture and file names are added per job).
 NVCC_FLAGS = ("-cubin", "--Werror", "all-warnings", "-Xptxas", "-v")
+#: Instantiations per nvcc run (1: every instantiation compiled alone, from its plain source).
+BATCH_SIZE = 32
 #: Seconds one nvcc run may take before it counts as failed.
-NVCC_TIMEOUT_S = 300
+NVCC_TIMEOUT_S = 600
 #: Lines of compiler output shown per failure.
 ERROR_LINES = 12
 SUMMARY = "compiled {n} instantiations, {failed} failed, {spills} with spills"
 
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_FUNCTION = re.compile(r"Function properties for (\S+)")
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)", re.M)
+_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b.*$", re.M)
 
 
 class NvccNotFoundError(RuntimeError):
@@ -84,7 +107,10 @@ def find_nvcc(nvcc: str | None = None) -> str:
         return found
     roots = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
     candidates = [os.path.join(r, "bin", "nvcc") for r in roots if r]
-    spec = importlib.util.find_spec("nvidia")
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        spec = None
     for root in (spec.submodule_search_locations or []) if spec else []:
         candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "nvcc")))
     for candidate in candidates:
@@ -117,7 +143,7 @@ class Instantiation:
     variant: str
     config_label: str  # "default", "smallest", "largest" or several joined by "+"
     params: tuple  # sorted (name, value) pairs
-    problem_label: str  # "idx32" or "idx64"
+    problem_label: str
     arch: str
     kernel_name: str
     source: str = dataclasses.field(repr=False, compare=False)
@@ -141,71 +167,69 @@ class Result:
         return self.spill_stores > 0 or self.spill_loads > 0
 
 
-def _index_64_shape(input_shape: tuple, ndim: int) -> tuple:
+def _index_64_shape(input_shape: tuple) -> tuple:
     """``input_shape`` with its batch axis grown until the element count needs 64-bit offsets."""
     per_batch = math.prod(input_shape[1:])
     return (INT32_LIMIT // per_batch + 1,) + tuple(input_shape[1:])
 
 
-def problems_for(op: str, direction: str, dtype: str, layout: str, index_64: bool = True) -> list:
-    """``[(label, Problem)]`` for one op/direction/dtype/layout; empty if the layout is rejected.
-    Raises ``ValueError`` if the 64-bit problem does not actually select 64-bit indexing."""
-    ndim = OPS[op][1]
-    shape, output_size = SMALL_PROBLEMS[ndim]
+def problems_for(op: str, direction: str, dtype: str, layout: str) -> list:
+    """``[(label, Problem)]`` for one op/direction/dtype/layout; empty if ``Problem.create`` rejects
+    the combination.  Raises ``ValueError`` if a problem does not get the index width it is for."""
+    found = []
+    for label, shape, output_size, wide in PROBLEMS[OPS[op][1]]:
+        try:
+            problem = Problem.create(op, _index_64_shape(shape) if wide else shape, output_size, dtype,
+                                     layout, direction)
+        except (ValueError, TypeError):
+            return []
+        if problem.index_64 != wide:
+            raise ValueError(f"compile_check: problem {problem.input_shape} -> {problem.output_shape} was meant "
+                             f"for {64 if wide else 32}-bit indexing")
+        found.append((label, problem))
+    return found
+
+
+def _legal(variant, config, problem, limits):
     try:
-        problems = [("idx32", Problem.create(op, shape, output_size, dtype, layout, direction))]
-    except (ValueError, TypeError):
-        return []
-    if problems[0][1].index_64:
-        raise ValueError(f"compile_check: the small {ndim}d problem {shape} unexpectedly needs 64-bit indexing")
-    if index_64:
-        big = Problem.create(op, _index_64_shape(shape, ndim), output_size, dtype, layout, direction)
-        if not big.index_64:
-            raise ValueError(f"compile_check: problem {big.input_shape} does not select 64-bit indexing")
-        problems.append(("idx64", big))
-    return problems
+        return variant.check_config(config, problem, limits)
+    except (ValueError, TypeError) as exc:
+        return exc
 
 
 def representative_configs(variant, problem: Problem, limits: DeviceLimits = CUDA_LIMITS) -> list:
     """``[(label, params)]``: the default, the first and the last legal configuration, merged when
     they coincide (labels joined by ``+``)."""
-    def legal(config):
-        try:
-            return variant.check_config(config, problem, limits)
-        except (ValueError, TypeError):
-            return None
-
-    picks = [("default", legal({}))]
+    picks = [("default", _legal(variant, {}, problem, limits))]
     first = last = None
     for config in variant.configurations():
-        params = legal(config)
-        if params is not None:
+        params = _legal(variant, config, problem, limits)
+        if isinstance(params, dict):
             first = first or params
             last = params
     picks += [("smallest", first), ("largest", last)]
     merged: dict = {}
     for label, params in picks:
-        if params is not None:
+        if isinstance(params, dict):
             key = tuple(sorted(params.items()))
             merged[key] = f"{merged[key]}+{label}" if key in merged else label
     return [(label, dict(key)) for key, label in merged.items()]
 
 
-def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, index_64: bool = True):
-    """Every instantiation to compile, and the notes about what was skipped (layouts rejected by
-    ``Problem.create``, variants with no legal configuration)."""
-    found, notes = [], []
+def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions=None):
+    """Every instantiation to compile, and notes on what was skipped: combinations that
+    ``Problem.create`` rejects, variants with no legal configuration for a problem."""
+    found, rejected, no_config = [], [], {}
     for (op, direction), table in REGISTRY.items():
-        if ops is not None and op not in ops:
+        if (ops is not None and op not in ops) or (directions is not None and direction not in directions):
             continue
-        ndim = OPS[op][1]
         for dtype in DTYPES:
             if dtypes is not None and dtype not in dtypes:
                 continue
-            for layout in LAYOUT_NAMES[ndim]:
-                problems = problems_for(op, direction, dtype, layout, index_64)
+            for layout in LAYOUT_NAMES[OPS[op][1]]:
+                problems = problems_for(op, direction, dtype, layout)
                 if not problems:
-                    notes.append(f"skipped {op}/{direction}/{dtype}/{layout}: not accepted by Problem.create")
+                    rejected.append(f"{op}/{direction}/{dtype}/{layout}")
                     continue
                 for name, variant in table.items():
                     if variants is not None and name not in variants:
@@ -213,8 +237,9 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, index_64: 
                     for problem_label, problem in problems:
                         configs = representative_configs(variant, problem)
                         if not configs:
-                            notes.append(f"skipped {op}/{direction}/{dtype}/{layout}/{name}/{problem_label}: "
-                                         "no legal configuration")
+                            reason = _legal(variant, {}, problem, CUDA_LIMITS)
+                            entry = no_config.setdefault((direction, name, layout), [0, str(reason)])
+                            entry[0] += 1
                         for config_label, params in configs:
                             source = kernel_source.render(variant.template, variant.defines(params, problem))
                             for arch in archs:
@@ -222,14 +247,83 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, index_64: 
                                     op, direction, dtype, layout, name, config_label,
                                     tuple(sorted(params.items())), problem_label, arch,
                                     variant.kernel_name, source))
+    notes = [f"skipped (rejected by Problem.create): {', '.join(rejected)}"] if rejected else []
+    for (direction, name, layout), (count, reason) in no_config.items():
+        notes.append(f"skipped {direction} {name} on {layout} ({count} op/dtype/problem combinations): "
+                     f"no legal configuration ({reason})")
     return found, notes
 
 
 # ---------------------------------------------------------------------- compiling
 
-def compile_source(nvcc: str, source: str, arch: str, kernel_name: str) -> Result:
-    """Compile one source for one architecture; fail on any warning, on a missing entry function,
-    and report ptxas's spill counts."""
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One distinct source to compile for one architecture."""
+
+    arch: str
+    source: str
+    kernel_name: str
+
+
+def _batch_source(jobs: list) -> tuple[str, list]:
+    """One translation unit holding every job's source, and per job ``(tag, renamed kernel, first
+    line, last line)``: where its source lies in the unit (1-based lines)."""
+    includes = []
+    for job in jobs:
+        for line in _INCLUDE.findall(job.source):
+            if line.strip() not in includes:
+                includes.append(line.strip())
+    lines, spans = list(includes), []
+    for k, job in enumerate(jobs):
+        tag = f"pool_tuner_job{k}x"  # unique substring: "job1x" is not in "job11x"
+        renamed = f"{job.kernel_name}_{tag}"
+        lines += [f"#define {job.kernel_name} {renamed}", f"namespace {tag} {{"]
+        first = len(lines) + 1
+        lines += job.source.split("\n")
+        spans.append((tag, renamed, first, len(lines)))
+        macros = sorted(set(_DEFINE.findall(job.source)) | {job.kernel_name})
+        lines += ["}"] + [f"#undef {m}" for m in macros]
+    return "\n".join(lines) + "\n", spans
+
+
+_DIAGNOSTIC = re.compile(r"^kernel\.cu\((\d+)\): ")
+_TAG = re.compile(r"pool_tuner_job(\d+)x")
+_NOISE = re.compile(r"^(\d+ errors? detected in the compilation|Remark: The warnings can be suppressed|"
+                    r"ptxas fatal\s*: Ptx assembly aborted|ptxas info\s*:|\s+\d+ bytes stack frame|\s*$)")
+
+
+def _attribute(output: str, spans: list) -> dict | None:
+    """A failed batch's diagnostics by job: ``{job index: message}`` with the line numbers of the
+    job's own source, or None when some error line cannot be attributed to one job."""
+    blocks, current = [], None
+    for line in output.splitlines():
+        if _NOISE.match(line):  # before the tag test: ptxas's info lines name every kernel
+            current = None
+            continue
+        header = _DIAGNOSTIC.match(line)
+        if header or _TAG.search(line):
+            current = None
+        if header:
+            number = int(header.group(1))
+            owner = next((k for k, (_, _, a, b) in enumerate(spans) if a <= number <= b), None)
+            if owner is None:
+                return None
+            current = [owner, [f"kernel.cu({number - spans[owner][2] + 1}): {line[header.end():]}"]]
+            blocks.append(current)
+        elif _TAG.search(line):
+            blocks.append([int(_TAG.search(line).group(1)), [re.sub(r"_?pool_tuner_job\d+x", "", line)]])
+        elif current is not None:
+            current[1].append(line)
+        else:
+            return None
+    messages: dict = {}
+    for owner, text in blocks:
+        messages.setdefault(owner, []).extend(text)
+    return {k: "\n".join(text) + "\n(diagnosed in a batch; line numbers are those of this instantiation's source)"
+            for k, text in messages.items()}
+
+
+def _nvcc(nvcc: str, source: str, arch: str) -> tuple[int | None, str]:
     with tempfile.TemporaryDirectory(prefix="pool_tuner_nvcc_") as tmp:
         src, cubin = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.cubin")
         with open(src, "w") as f:
@@ -238,50 +332,107 @@ def compile_source(nvcc: str, source: str, arch: str, kernel_name: str) -> Resul
         try:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return Result(False, f"nvcc did not finish in {NVCC_TIMEOUT_S} s")
+            return None, f"nvcc did not finish in {NVCC_TIMEOUT_S} s"
         except OSError as exc:
-            return Result(False, f"nvcc could not be run: {exc}")
+            return None, f"nvcc could not be run: {exc}"
     output = (proc.stdout + proc.stderr).replace(src, "kernel.cu")
-    if proc.returncode != 0:
-        return Result(False, output or f"nvcc exited with status {proc.returncode}")
-    if f"Compiling entry function '{kernel_name}'" not in output:
-        return Result(False, f"no entry function '{kernel_name}' was compiled (is the variant's #if block "
-                             f"selected?)\n{output}")
-    spills = [tuple(map(int, m)) for m in _SPILLS.findall(output)]
-    if not spills:
-        return Result(False, f"no spill report in ptxas's output\n{output}")
-    return Result(True, output, sum(s for s, _ in spills), sum(l for _, l in spills))
+    return proc.returncode, output or f"nvcc exited with status {proc.returncode}"
 
 
-def run(archs=ARCHS, *, ops=None, dtypes=None, variants=None, index_64: bool = True, jobs: int = 2,
-        nvcc: str | None = None, out=None) -> int:
+def _function_spills(output: str) -> dict:
+    """ptxas -v report -> {function name: (spill stores, spill loads)}."""
+    spills, current = {}, None
+    for line in output.splitlines():
+        match = _FUNCTION.search(line)
+        if match:
+            current = match.group(1)
+            continue
+        match = _SPILLS.search(line)
+        if match and current is not None:
+            spills[current] = (int(match.group(1)), int(match.group(2)))
+            current = None
+    return spills
+
+
+def compile_single(nvcc: str, job: Job) -> Result:
+    """Compile one plain source; fail on any warning, on a missing entry function or spill report."""
+    status, output = _nvcc(nvcc, job.source, job.arch)
+    if status != 0:
+        return Result(False, output)
+    if f"Compiling entry function '{job.kernel_name}'" not in output:
+        return Result(False, f"no entry function '{job.kernel_name}' was compiled (is the variant's #if "
+                             f"block selected?)\n{output}")
+    spills = _function_spills(output)
+    if job.kernel_name not in spills:
+        return Result(False, f"no spill report for '{job.kernel_name}' in ptxas's output\n{output}")
+    return Result(True, output, sum(s for s, _ in spills.values()), sum(l for _, l in spills.values()))
+
+
+def compile_jobs(nvcc: str, jobs: list) -> list:
+    """Results of ``jobs`` (all for one architecture), compiled as one batch.  When the batch fails,
+    the jobs its diagnostics point at fail with those diagnostics and the others are compiled again
+    as a batch; diagnostics that point at no single job split the batch in halves instead."""
+    if len(jobs) == 1:
+        return [compile_single(nvcc, jobs[0])]
+    source, spans = _batch_source(jobs)
+    status, output = _nvcc(nvcc, source, jobs[0].arch)
+    if status is None:  # nvcc timed out or could not run: splitting would only repeat that
+        return [Result(False, output) for _ in jobs]
+    spills = _function_spills(output) if status == 0 else {}
+    if status == 0 and all(renamed in spills for _, renamed, _, _ in spans):
+        results = []
+        for tag, _, _, _ in spans:
+            mine = [s for name, s in spills.items() if tag in name]
+            results.append(Result(True, f"(compiled in a batch of {len(jobs)})",
+                                  sum(s for s, _ in mine), sum(l for _, l in mine)))
+        return results
+    blamed = _attribute(output, spans) if status else None
+    if blamed:
+        rest = [job for k, job in enumerate(jobs) if k not in blamed]
+        rest_results = iter(compile_jobs(nvcc, rest) if rest else [])
+        return [Result(False, blamed[k]) if k in blamed else next(rest_results) for k in range(len(jobs))]
+    half = len(jobs) // 2
+    return compile_jobs(nvcc, jobs[:half]) + compile_jobs(nvcc, jobs[half:])
+
+
+def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, jobs: int = 2,
+        batch_size: int = BATCH_SIZE, nvcc: str | None = None, out=None) -> int:
     """Compile every instantiation (see the module docstring); print failures and spills by name and
     the summary line.  Returns 0 when nothing failed or spilled, else 1; raises ``NvccNotFoundError``
-    (a ``RuntimeError``) when no nvcc can be found and ``ValueError`` for unknown filters."""
+    (a ``RuntimeError``) when no nvcc can be found and ``ValueError``/``TypeError`` for bad filters."""
     out = out or sys.stdout
+    archs = (archs,) if isinstance(archs, str) else tuple(archs)
+    for arch in archs:
+        if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+[af]?", arch):
+            raise ValueError(f"archs must be names like sm_80, got {arch!r}")
     _check_filter("ops", ops, sorted({op for op, _ in REGISTRY}))
+    _check_filter("directions", directions, sorted({d for _, d in REGISTRY}))
     _check_filter("dtypes", dtypes, sorted(DTYPES))
     _check_filter("variants", variants, sorted({n for t in REGISTRY.values() for n in t}))
-    archs = tuple(archs)
-    for arch in archs:
-        if not re.fullmatch(r"sm_\d+[af]?", arch):
-            raise ValueError(f"archs must look like sm_80, got {arch!r}")
+    for name, value in (("jobs", jobs), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     nvcc = find_nvcc(nvcc)
     start = time.perf_counter()
-    todo, notes = instantiations(archs, ops, dtypes, variants, index_64)
-    jobs_by_key = {}
-    for inst in todo:
-        jobs_by_key.setdefault((inst.arch, inst.source, inst.kernel_name), None)
-    print(f"compile-check cuda: {len(todo)} instantiations ({len(jobs_by_key)} distinct sources) for "
-          f"{', '.join(archs)} with {nvcc} ({nvcc_version(nvcc)}), {jobs} jobs", file=out, flush=True)
+    cpu_start = _children_cpu_s()
+    todo, notes = instantiations(archs, ops, dtypes, variants, directions)
+    distinct = list(dict.fromkeys(Job(i.arch, i.source, i.kernel_name) for i in todo))
+    print(f"compile-check cuda: {len(todo)} instantiations ({len(distinct)} distinct sources) for "
+          f"{', '.join(archs)} with {nvcc} ({nvcc_version(nvcc)}); {jobs} jobs, batches of {batch_size}",
+          file=out, flush=True)
     for note in notes:
         print(f"note: {note}", file=out)
-    keys = list(jobs_by_key)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = dict(zip(keys, pool.map(lambda k: compile_source(nvcc, k[1], k[0], k[2]), keys)))
+    batches = []
+    for arch in archs:
+        mine = [job for job in distinct if job.arch == arch]
+        batches += [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for batch, batch_results in zip(batches, pool.map(lambda b: compile_jobs(nvcc, b), batches)):
+            results.update(zip(batch, batch_results))
     failed = spilled = 0
     for inst in todo:
-        result = results[(inst.arch, inst.source, inst.kernel_name)]
+        result = results[Job(inst.arch, inst.source, inst.kernel_name)]
         if not result.ok:
             failed += 1
             print(f"FAILED {inst.name}", file=out)
@@ -291,9 +442,17 @@ def run(archs=ARCHS, *, ops=None, dtypes=None, variants=None, index_64: bool = T
             spilled += 1
             print(f"SPILLS {inst.name}: {result.spill_stores} bytes spill stores, "
                   f"{result.spill_loads} bytes spill loads", file=out)
-    print(f"time: {time.perf_counter() - start:.1f} s", file=out)
+    cpu = "" if cpu_start is None else f", {_children_cpu_s() - cpu_start:.1f} s CPU in nvcc"
+    print(f"time: {time.perf_counter() - start:.1f} s wall{cpu}", file=out)
     print(SUMMARY.format(n=len(todo), failed=failed, spills=spilled), file=out, flush=True)
     return 0 if failed == 0 and spilled == 0 else 1
+
+
+def _children_cpu_s() -> float | None:
+    if resource is None:
+        return None
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _check_filter(name: str, chosen, allowed: list) -> None:

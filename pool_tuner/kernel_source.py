@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from importlib import resources
+import importlib
 from pathlib import Path
 
 #: Headers prepended to every template, in this order.
@@ -21,14 +21,16 @@ HEADERS = ("prelude.h", "windows.h", "tiles.h")
 
 
 def _data_dir(package: str, source_dir: str) -> Path:
-    """Directory of a data package: the installed ``pool_tuner.<package>``, or ``<source_dir>/``
-    beside the package when running from a source checkout that was not installed."""
+    """Directory of a data package: the installed ``pool_tuner.<package>`` (a namespace package,
+    so its ``__path__`` is used), or ``<source_dir>/`` beside the package when running from a
+    source checkout that was not installed."""
     try:
-        installed = Path(str(resources.files(f"pool_tuner.{package}")))
-        if installed.is_dir():
-            return installed
+        module = importlib.import_module(f"pool_tuner.{package}")
     except ModuleNotFoundError:
-        pass
+        module = None
+    for entry in getattr(module, "__path__", ()):
+        if Path(entry).is_dir():
+            return Path(entry)
     return Path(__file__).resolve().parent.parent / source_dir
 
 

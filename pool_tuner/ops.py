@@ -3,7 +3,9 @@
 Each call validates all of its arguments (raising ``TypeError``/``ValueError`` that name the
 argument) before anything is built or launched, asks ``dispatch`` for the variant and configuration,
 and launches the memoised kernel.  numpy in -> numpy out (through the default queue of the chosen
-device); ``pyopencl.array.Array`` in -> array out on the input's own queue, no host round trip.
+device); a device array in (``pyopencl.array.Array``, PyCUDA ``GPUArray`` or any
+``__cuda_array_interface__`` object) -> a device array out on the input's own queue/device, no
+host round trip.
 
 Memory layout: contiguous (channels-first) and channels-last inputs are recognised from their
 strides and processed in place; the result has the same memory format.  Other strided numpy
@@ -18,7 +20,6 @@ import os
 import numpy as np
 
 from . import backends, dispatch, shapes
-from .backends import opencl
 from .problem import LAYOUT_NAMES, OPS, Problem, check_dtype
 from .variants import variants_for
 from .windows import pooling_windows
@@ -35,19 +36,21 @@ NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
 def _locate(x, device, name="x"):
-    """Return ``(device, queue, is_device_array)`` for array argument ``x`` and ``device=``."""
+    """Return ``(device, queue, is_device_array, x)`` for array argument ``x`` and ``device=``;
+    a device array comes back as its backend's kernel argument (CUDA: a GPUArray view)."""
     owner = backends.device_of_array(x)
     if owner is not None:
         if device is not None and backends.resolve_device(device) is not owner:
             raise ValueError(
-                f"device={device!r} does not hold {name}: {name} is a pyopencl array on "
+                f"device={device!r} does not hold {name}: {name} is an array on "
                 f"{owner.describe()}; pass device=None or that device"
             )
-        return owner, x.queue, True
+        return owner, owner.queue_of(x), True, owner.wrap_input(x, name)
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray or a pyopencl.array.Array, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a numpy.ndarray or a device array (pyopencl Array, PyCUDA "
+                        f"GPUArray, __cuda_array_interface__), got {type(x).__name__}")
     chosen = backends.resolve_device(device)
-    return chosen, chosen.queue, False
+    return chosen, chosen.queue, False, x
 
 
 def _c_strides(shape, itemsize) -> tuple:
@@ -104,8 +107,6 @@ class _Call:
     def to_device(self, x, name: str):
         """``x`` as a device array in the problem's memory order (no copy for device arrays)."""
         if self.is_device:
-            if x.offset:
-                raise ValueError(f"{name} must start at the beginning of its buffer (offset 0); pass a copy")
             return x
         if self.problem.channels_last:
             x = np.moveaxis(x, self.channel_axis, -1)
@@ -113,7 +114,7 @@ class _Call:
         host = host.view(self.storage_dtype(host.dtype))
         if self.zero_copy and host.size:
             return self._keep(self.device.wrap_host(self.queue, host, writable=False), host)
-        return opencl.cl_array.to_device(self.queue, host)
+        return self.device.to_device(host, self.queue)
 
     def empty(self, logical_shape, dtype):
         shape, storage = self.problem.memory_shape(logical_shape), self.storage_dtype(dtype)
@@ -125,9 +126,9 @@ class _Call:
         if poison_outputs and out.size:
             name = np.dtype(dtype).name
             if name in NAN_BITS:
-                out.view(np.uint16).fill(np.uint16(NAN_BITS[name]))
+                self.device.fill(out.view(np.uint16), np.uint16(NAN_BITS[name]), self.queue)
             else:
-                out.fill(INDEX_POISON if name == "int64" else np.nan)
+                self.device.fill(out, INDEX_POISON if name == "int64" else np.nan, self.queue)
         return out
 
     def _keep(self, array, host):
@@ -141,20 +142,22 @@ class _Call:
             if id(out) in self.host_of:
                 host = self.device.sync_host(self.queue, out, self.host_of[id(out)][1])
             else:
-                host = out.get()
+                host = self.device.to_host(out)
             host = host.view(dtype)
             return np.moveaxis(host, -1, self.channel_axis) if self.problem.channels_last else host
         if out.dtype != dtype:
             out = out.view(dtype)
         if not self.problem.channels_last:
             return out
-        return opencl.cl_array.Array(self.queue, _last_axis_to(out.shape, self.channel_axis), dtype,
-                                     data=out.base_data, strides=_last_axis_to(out.strides, self.channel_axis),
-                                     events=out.events)
+        return self.device.strided_view(out, _last_axis_to(out.shape, self.channel_axis),
+                                        _last_axis_to(out.strides, self.channel_axis))
 
-    def launch(self, choice, buffers):
+    def launch(self, choice, arrays):
+        """Launch ``choice`` on ``arrays`` (inputs, then outputs); the outputs wait for it."""
         launch = dispatch.prepare(self.device, self.queue.context, self.problem, choice)
-        return self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, [b.data for b in buffers])
+        event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, arrays)
+        for array in arrays:
+            self.device.track(array, event)
 
 
 def _last_axis_to(sequence, axis: int) -> tuple:
@@ -214,7 +217,7 @@ def _backward_problem(op, grad_out, input_shape, dtype, layout) -> Problem:
 
 def _forward_call(op, x, output_size, device):
     _, ndim = OPS[op]
-    dev, queue, is_device = _locate(x, device)
+    dev, queue, is_device, x = _locate(x, device)
     if not is_device and memory_layout(x, ndim) is None:
         x = np.ascontiguousarray(x)
     problem = _problem(op, "forward", x, output_size, "x")
@@ -235,9 +238,7 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
         indices = call.empty(problem.output_shape, np.int64)
         buffers.append(indices)
     if not problem.is_empty:
-        event = call.launch(choice, [call.to_device(x, "x")] + buffers)
-        for b in buffers:
-            b.add_event(event)
+        call.launch(choice, [call.to_device(x, "x")] + buffers)
     values = call.result(out, x.dtype)
     if problem.kind == "max" and return_indices:
         return values, call.result(indices, np.int64)
@@ -247,7 +248,7 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
 def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, variant=None, config=None):
     """Shared body of every backward op."""
     kind, ndim = OPS[op]
-    dev, queue, is_device = _locate(grad_out, device, "grad_out")
+    dev, queue, is_device, grad_out = _locate(grad_out, device, "grad_out")
     if not is_device and memory_layout(grad_out, ndim, "grad_out") is None:
         grad_out = np.ascontiguousarray(grad_out)
     if isinstance(input_shape, np.ndarray) or not hasattr(input_shape, "__len__"):
@@ -261,12 +262,12 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
     grad_in = call.empty(problem.input_shape, grad_out.dtype)
     if math.prod(problem.input_shape):
         if problem.is_empty:  # no outputs: nothing flows back
-            grad_in.view(np.uint8).fill(0)
+            dev.fill(grad_in.view(np.uint8), np.uint8(0), queue)
         else:
             args = [call.to_device(grad_out, "grad_out")]
             if kind == "max":
                 args.append(call.to_device(indices, "indices"))
-            grad_in.add_event(call.launch(choice, args + [grad_in]))
+            call.launch(choice, args + [grad_in])
     return call.result(grad_in, grad_out.dtype)
 
 
@@ -278,8 +279,10 @@ def _check_indices(indices, grad_out, call):
         raise TypeError("indices must be the int64 indices returned by adaptive_max_pool*d(..., return_indices=True)")
     if call.is_device != (backends.device_of_array(indices) is not None) or not hasattr(indices, "dtype"):
         raise TypeError(f"indices must be the same kind of array as grad_out ({type(grad_out).__name__}), got {type(indices).__name__}")
-    if call.is_device and backends.device_of_array(indices) is not call.device:
-        raise ValueError("indices must be on the same device as grad_out")
+    if call.is_device:
+        if backends.device_of_array(indices) is not call.device:
+            raise ValueError("indices must be on the same device as grad_out")
+        indices = call.device.wrap_input(indices, "indices")
     if np.dtype(indices.dtype) != np.int64:
         raise TypeError(f"indices must have dtype int64, got {indices.dtype}")
     if tuple(indices.shape) != tuple(grad_out.shape):

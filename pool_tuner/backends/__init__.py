@@ -1,22 +1,25 @@
 """Device backends and device selection.
 
-Each backend module (``opencl``; ``cuda`` later) exposes ``list_devices()`` returning device objects
+Each backend module (``cuda``, ``opencl``) exposes ``list_devices()`` returning device objects
 with the same small interface: ``id``, ``name``, ``limits``, ``fingerprint``, ``build``, ``launch``.
-This module picks one: the ``device=`` argument, else ``POOL_TUNER_DEVICE``, else a GPU, else PoCL's
-CPU device (the embedded default).  The Oclgrind simulator is only ever used when asked for by id.
+This module picks one: the ``device=`` argument, else ``POOL_TUNER_DEVICE``, else a CUDA GPU, else an
+OpenCL GPU, else PoCL's CPU device (the embedded default).  The Oclgrind simulator is only ever used
+when asked for by id.  The CUDA backend is optional (``pool-tuner[cuda]``): without PyCUDA, a driver
+or a GPU it lists no devices, and importing pool_tuner never needs it.
 """
 
 from __future__ import annotations
 
 import os
 
-from . import opencl
+from . import cuda, opencl
 
 ENV_DEVICE = "POOL_TUNER_DEVICE"
 
 
 def all_devices() -> list:
-    return list(opencl.list_devices())
+    """CUDA devices first (none without PyCUDA/driver/GPU), then OpenCL devices."""
+    return list(cuda.list_devices()) + list(opencl.list_devices())
 
 
 def _by_id() -> dict:
@@ -24,10 +27,11 @@ def _by_id() -> dict:
 
 
 def default_device():
-    """The device used when none is named: an OpenCL GPU, else a CPU device (PoCL's), else any
-    non-simulator device."""
+    """The device used when none is named: a CUDA GPU, else an OpenCL GPU, else a CPU device
+    (PoCL's), else any non-simulator device."""
     devices = [d for d in all_devices() if not d.is_simulator]
-    for wanted in (lambda d: d.is_gpu, lambda d: d.is_cpu, lambda d: True):
+    is_cuda = lambda d: getattr(d, "backend", None) == cuda.BACKEND  # noqa: E731
+    for wanted in (lambda d: d.is_gpu and is_cuda(d), lambda d: d.is_gpu, lambda d: d.is_cpu, lambda d: True):
         for device in devices:
             if wanted(device):
                 return device
@@ -56,7 +60,11 @@ def resolve_device(device=None, name: str = "device"):
 
 
 def device_of_array(array):
-    """The device that holds a backend array, or None if ``array`` is not a device array."""
+    """The device that holds a backend array (a ``pyopencl.array.Array``, a PyCUDA ``GPUArray`` or
+    any ``__cuda_array_interface__`` object), or None if ``array`` is not a device array."""
+    owner = cuda.device_of_array(array)
+    if owner is not None:
+        return owner
     if opencl.is_device_array(array):
         for d in opencl.list_devices():
             if d.owns(array):

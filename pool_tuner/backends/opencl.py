@@ -144,9 +144,44 @@ class OpenCLDevice:
 
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
-        """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups)."""
+        """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
+        device arrays or buffers."""
         global_size = (groups * block[0],) + tuple(block[1:])
-        return kernel(queue, global_size, tuple(block), *args, wait_for=wait_for)
+        buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
+        return kernel(queue, global_size, tuple(block), *buffers, wait_for=wait_for)
+
+    # ------------------------------------------------------------------ what ops needs of arrays
+
+    @staticmethod
+    def queue_of(array):
+        return array.queue
+
+    @staticmethod
+    def wrap_input(array, name: str):
+        """A caller's device array as a kernel argument (kernels take no offsets)."""
+        if array.offset:
+            raise ValueError(f"{name} must start at the beginning of its buffer (offset 0); pass a copy")
+        return array
+
+    @staticmethod
+    def track(array, event) -> None:
+        """Let ``array``'s own waits (``finish``, ``get``) include the kernel that writes it."""
+        array.add_event(event)
+
+    @staticmethod
+    def to_host(array) -> np.ndarray:
+        return array.get()
+
+    @staticmethod
+    def fill(array, value, queue=None):
+        array.fill(value, queue=queue)
+        return array
+
+    @staticmethod
+    def strided_view(array, shape, strides):
+        """``array``'s memory seen with another shape and strides (channels-last results)."""
+        return cl_array.Array(array.queue, tuple(shape), array.dtype, data=array.base_data,
+                              strides=tuple(strides), events=array.events)
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,0 +1,452 @@
+"""CUDA backend on PyCUDA (the ``pool-tuner[cuda]`` extra): devices, cached builds, launches, arrays.
+
+The device object has the same small interface as the OpenCL backend's: ``id`` (``cuda:<n>``),
+``name``, ``limits``, ``fingerprint``, ``is_gpu``/``is_cpu``/``is_simulator``, ``supports_float64``,
+``build`` (template text -> kernel, cached), ``kernel_work_group_limit``, ``launch``, plus ``queue``
+(a ``CudaQueue``: context and stream, the counterpart of an OpenCL command queue) and device arrays.
+
+Contexts: every device works in its *primary* context -- the one the CUDA runtime, PyTorch and
+CuPy use -- so pointers from those libraries are valid here without any copy.  Each operation that
+needs a current context pushes the primary context and pops it afterwards (``activated``).
+
+Arrays: ``pycuda.gpuarray.GPUArray`` is the native array type; any object exposing
+``__cuda_array_interface__`` (PyTorch CUDA tensors, CuPy arrays, Numba device arrays, ...) is wrapped
+as a ``GPUArray`` over the same memory (``as_gpuarray``), and results can be handed back in the
+input's own type (``like_input``).  Results stay on the device.
+
+Importing this module never imports PyCUDA: it is loaded on first use, and ``list_devices()``
+returns ``()`` when PyCUDA is not installed, when there is no driver or no GPU, or on any other
+failure (``import_error()`` then says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+
+import numpy as np
+
+from ..variants import DeviceLimits
+
+BACKEND = "cuda"
+#: Extra nvcc options of every runtime build (PyCUDA adds -arch for the device; device code is
+#: optimised by default).
+BUILD_OPTIONS = ()
+#: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
+MAX_GRID_X = 2**31 - 1
+#: ``__cuda_array_interface__`` stream values that need no synchronisation before a launch on the
+#: legacy default stream: None (no stream given) and 1 (the legacy default stream itself).
+_NO_SYNC_STREAMS = (None, 0, 1)
+
+_IMPORT_ERROR: BaseException | None = None
+
+
+@functools.cache
+def _pycuda():
+    """``(driver, gpuarray, SourceModule)``, imported on first use; None if PyCUDA is unusable."""
+    global _IMPORT_ERROR
+    try:
+        import pycuda.driver as drv
+        import pycuda.gpuarray as gpuarray
+        from pycuda.compiler import SourceModule
+
+        drv.init()
+    except Exception as exc:  # noqa: BLE001 - no PyCUDA, no libcuda, no driver, no device, ...
+        _IMPORT_ERROR = exc
+        return None
+    return drv, gpuarray, SourceModule
+
+
+def import_error():
+    """Why the CUDA backend is unavailable (an exception), or None."""
+    _pycuda()
+    return _IMPORT_ERROR
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaQueue:
+    """Where work goes: a context and a stream (``None``: the legacy default stream)."""
+
+    context: object
+    stream: object = None
+
+
+class CudaDevice:
+    """One CUDA device, identified as ``cuda:<ordinal>`` (CUDA's device numbering)."""
+
+    backend = BACKEND
+    is_gpu = True
+    is_cpu = False
+    is_simulator = False
+    supports_float64 = True
+    #: Device memory is separate from host memory (numpy inputs are copied in and out).
+    shares_host_memory = False
+    platform_name = "CUDA"
+
+    def __init__(self, ordinal: int, cu_device):
+        drv = _pycuda()[0]
+        attr = drv.device_attribute
+        self.ordinal = ordinal
+        self.id = f"{BACKEND}:{ordinal}"
+        self.cu_device = cu_device
+        self.name = cu_device.name().strip()
+        self.compute_capability = tuple(cu_device.compute_capability())
+        self.multiprocessors = int(cu_device.get_attribute(attr.MULTIPROCESSOR_COUNT))
+        self.limits = DeviceLimits(
+            max_work_group_size=int(cu_device.get_attribute(attr.MAX_THREADS_PER_BLOCK)),
+            # Static __shared__ arrays are limited to this (48 KiB), whatever the opt-in maximum.
+            local_mem_size=int(cu_device.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK)),
+        )
+        self._context = None
+        self._queue = None
+
+    def __repr__(self):
+        return f"<{self.id} {self.name}>"
+
+    def describe(self) -> str:
+        return f"{self.id} {self.name}"
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        """What identifies this device's performance in the tuning cache."""
+        drv = _pycuda()[0]
+        return {
+            "backend": BACKEND,
+            "name": self.name,
+            "compute_capability": "{}.{}".format(*self.compute_capability),
+            "multiprocessors": self.multiprocessors,
+            "driver": int(drv.get_driver_version()),
+        }
+
+    # ------------------------------------------------------------------ context and queue
+
+    @property
+    def context(self):
+        """The device's primary context, retained on first use (shared with PyTorch/CuPy)."""
+        if self._context is None:
+            self._context = self.cu_device.retain_primary_context()
+        return self._context
+
+    @property
+    def queue(self) -> CudaQueue:
+        """The default queue: the primary context and the legacy default stream."""
+        if self._queue is None:
+            self._queue = CudaQueue(self.context)
+        return self._queue
+
+    @contextlib.contextmanager
+    def activated(self, context=None):
+        """Make ``context`` (default: the primary context) current for the ``with`` block."""
+        context = self.context if context is None else context
+        context.push()
+        try:
+            yield context
+        finally:
+            _pycuda()[0].Context.pop()
+
+    def synchronize(self) -> None:
+        with self.activated() as context:
+            context.synchronize()
+
+    # ------------------------------------------------------------------ arrays
+
+    def owns(self, array) -> bool:
+        """Whether ``array`` (a GPUArray or a ``__cuda_array_interface__`` object) lives on this
+        device; arrays whose device cannot be determined are taken to be on ``cuda:0``."""
+        ordinal = array_device_ordinal(array)
+        return (0 if ordinal is None else ordinal) == self.ordinal
+
+    def to_device(self, host: np.ndarray, queue: CudaQueue | None = None):
+        with self.activated(queue.context if queue else None):
+            return _pycuda()[1].to_gpu(np.ascontiguousarray(host))
+
+    def empty(self, shape, dtype, queue: CudaQueue | None = None):
+        with self.activated(queue.context if queue else None):
+            return _pycuda()[1].empty(tuple(shape), np.dtype(dtype))
+
+    def fill(self, array, value, queue: CudaQueue | None = None):
+        """Fill a GPUArray (used to poison outputs with NaN before a launch)."""
+        with self.activated(queue.context if queue else None):
+            array.fill(array.dtype.type(value), stream=queue.stream if queue else None)
+        return array
+
+    # ------------------------------------------------------------------ what ops needs of arrays
+
+    def queue_of(self, array) -> CudaQueue:
+        return self.queue
+
+    def wrap_input(self, array, name: str):
+        """A caller's array as a C-contiguous GPUArray over the same memory (no copy)."""
+        try:
+            return self.as_gpuarray(array)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    @staticmethod
+    def track(array, launch) -> None:
+        """Nothing to do: work on one stream runs in order."""
+
+    def to_host(self, array) -> np.ndarray:
+        with self.activated():
+            return array.get()
+
+    def strided_view(self, array, shape, strides):
+        """``array``'s memory seen with another shape and strides (channels-last results)."""
+        return _pycuda()[1].GPUArray(tuple(shape), array.dtype, gpudata=array.gpudata, strides=tuple(strides), base=array)
+
+    def as_gpuarray(self, x):
+        """``x`` as a C-contiguous GPUArray over the same memory (no copy); see ``as_gpuarray``."""
+        with self.activated():
+            return as_gpuarray(x)
+
+    # ------------------------------------------------------------------ kernels
+
+    def build(self, context, source: str, kernel_name: str):
+        """Compile ``source`` for this device (cached per context) and return the kernel function.
+        ``context`` is a context of this device (``queue.context``), or None for the primary one."""
+        return _build(self.context if context is None else context, self.ordinal, source, kernel_name)
+
+    def kernel_work_group_limit(self, kernel) -> int:
+        """The most threads per block the built kernel can launch with (register use can lower it)."""
+        drv = _pycuda()[0]
+        with self.activated():
+            return int(kernel.get_attribute(drv.function_attribute.MAX_THREADS_PER_BLOCK))
+
+    def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
+        """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
+        ``(x, y)``) with ``args``: device arrays / pointers (GPUArray, ``DeviceAllocation``,
+        ``__cuda_array_interface__`` objects, ints) or numpy scalars.  Returns a ``CudaLaunch``
+        whose events bracket the kernel on the queue's stream.  ``wait_for`` is accepted for
+        interface parity with OpenCL and ignored: work on one stream runs in order."""
+        queue = queue or self.queue
+        if groups < 1 or groups > MAX_GRID_X:
+            raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
+        drv = _pycuda()[0]
+        block3 = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        values, arg_format = zip(*(_kernel_arg(a) for a in args)) if args else ((), ())
+        arg_format = "".join(arg_format)
+        with self.activated(queue.context):
+            if getattr(kernel, "arg_format", None) != arg_format:
+                kernel.prepare(arg_format)
+            start, end = drv.Event(), drv.Event()
+            start.record(queue.stream)
+            kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+            end.record(queue.stream)
+        return CudaLaunch(start, end)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaLaunch:
+    """The events recorded before and after one kernel launch."""
+
+    start: object
+    end: object
+
+    def wait(self) -> None:
+        self.end.synchronize()
+
+    def elapsed_ms(self) -> float:
+        self.end.synchronize()
+        return float(self.start.time_till(self.end))
+
+
+@functools.lru_cache(maxsize=512)
+def _build(context, ordinal: int, source: str, kernel_name: str):
+    _, _, SourceModule = _pycuda()
+    from ..compile_check import NvccNotFoundError, find_nvcc
+
+    try:
+        nvcc = find_nvcc()
+    except NvccNotFoundError:
+        nvcc = "nvcc"  # PyCUDA's own default; its error message then names the problem
+    context.push()
+    try:
+        # The templates declare their kernels `extern "C"` themselves (prelude.h).
+        module = SourceModule(source, nvcc=nvcc, options=list(BUILD_OPTIONS), no_extern_c=True)
+        return module.get_function(kernel_name)
+    finally:
+        _pycuda()[0].Context.pop()
+
+
+def _kernel_arg(a):
+    """``(value, struct format)`` of one kernel argument for ``Function.prepare``."""
+    if isinstance(a, np.generic):
+        return a, a.dtype.char
+    if isinstance(a, int):
+        return a, "P"
+    gpudata = getattr(a, "gpudata", None)
+    if gpudata is not None:
+        return int(gpudata), "P"
+    interface = cuda_array_interface(a)
+    if interface is not None:
+        return int(interface["data"][0]), "P"
+    try:
+        return int(a), "P"  # DeviceAllocation and other pointer holders
+    except TypeError:
+        raise TypeError(f"cannot pass a {type(a).__name__} to a CUDA kernel") from None
+
+
+# ---------------------------------------------------------------------- device listing
+
+@functools.cache
+def list_devices() -> tuple:
+    """Every CUDA device in CUDA's order; ``()`` when PyCUDA, the driver or a GPU is missing."""
+    loaded = _pycuda()
+    if loaded is None:
+        return ()
+    drv = loaded[0]
+    try:
+        return tuple(CudaDevice(i, drv.Device(i)) for i in range(drv.Device.count()))
+    except Exception as exc:  # noqa: BLE001 - a broken driver must not break import or listing
+        global _IMPORT_ERROR
+        _IMPORT_ERROR = exc
+        return ()
+
+
+# ---------------------------------------------------------------------- arrays of other libraries
+
+def cuda_array_interface(x) -> dict | None:
+    """``x.__cuda_array_interface__``, or None when ``x`` has none (CPU tensors raise, too)."""
+    if isinstance(x, np.ndarray):
+        return None
+    try:
+        interface = x.__cuda_array_interface__
+    except Exception:  # noqa: BLE001 - e.g. torch raises for CPU tensors
+        return None
+    return interface if isinstance(interface, dict) else None
+
+
+def is_device_array(x) -> bool:
+    """Whether ``x`` is a CUDA device array this backend can take (needs no PyCUDA to answer)."""
+    if cuda_array_interface(x) is not None:
+        return True
+    loaded = _pycuda() if "pycuda" in type(x).__module__ else None
+    return loaded is not None and isinstance(x, loaded[1].GPUArray)
+
+
+def _c_contiguous(shape, strides, itemsize) -> bool:
+    expected = itemsize
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def as_gpuarray(x):
+    """``x`` (a GPUArray or an object with ``__cuda_array_interface__``) as a C-contiguous GPUArray
+    over the same device memory; the wrapper keeps ``x`` alive (``base``).  A context of the
+    array's device must be current (``CudaDevice.as_gpuarray`` does that).  Raises ``ValueError``
+    for non-contiguous or masked arrays.  If the producer names a stream other than the legacy
+    default stream, that stream is synchronised first, so that its pending writes are visible."""
+    _, gpuarray, _ = _pycuda()
+    if isinstance(x, gpuarray.GPUArray):
+        if not x.flags.c_contiguous:
+            raise ValueError("x must be a C-contiguous GPUArray (channels-first, no strides)")
+        return x
+    interface = cuda_array_interface(x)
+    if interface is None:
+        raise TypeError(f"x must be a pycuda GPUArray or expose __cuda_array_interface__, got {type(x).__name__}")
+    if interface.get("mask") is not None:
+        raise ValueError("x must not be a masked array")
+    shape = tuple(int(s) for s in interface["shape"])
+    dtype = np.dtype(interface["typestr"])
+    strides = interface.get("strides")
+    if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
+        raise ValueError(f"x must be C-contiguous (channels-first, no strides); it has strides {tuple(strides)}")
+    stream = interface.get("stream")
+    if stream not in _NO_SYNC_STREAMS:
+        _synchronize_stream(int(stream))
+    pointer = int(interface["data"][0])
+    # GPUArray takes any int-convertible pointer as gpudata and does not free what it did not allocate.
+    return gpuarray.GPUArray(shape, dtype, gpudata=pointer, base=x)
+
+
+def like_input(result, x):
+    """``result`` (a GPUArray) in the array type of ``x``, without a copy: a torch tensor for a torch
+    tensor, a CuPy array for a CuPy array, else the GPUArray itself."""
+    module = type(x).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        return torch.as_tensor(result, device=x.device)
+    if module == "cupy":
+        import cupy
+
+        return cupy.asarray(result)
+    return result
+
+
+def array_device_ordinal(x) -> int | None:
+    """The CUDA ordinal of the device holding ``x``, or None if it cannot be told."""
+    device = getattr(x, "device", None)
+    index = getattr(device, "index", None)  # torch.device
+    if isinstance(index, int):
+        return index
+    index = getattr(device, "id", None)  # cupy.cuda.Device
+    if isinstance(index, int):
+        return index
+    interface = cuda_array_interface(x)
+    if interface is not None and interface["data"][0]:
+        return _pointer_device_ordinal(int(interface["data"][0]))
+    gpudata = getattr(x, "gpudata", None)
+    if gpudata is not None:
+        return _pointer_device_ordinal(int(gpudata))
+    return None
+
+
+# cuPointerGetAttribute(..., CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) and cuStreamSynchronize straight
+# from libcuda: PyCUDA wraps neither for foreign pointers/streams.
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+@functools.cache
+def _libcuda():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        try:
+            lib = ctypes.CDLL("nvcuda.dll")
+        except (OSError, AttributeError):
+            return None
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _pointer_device_ordinal(pointer: int) -> int | None:
+    lib = _libcuda()
+    if lib is None:
+        return None
+    ordinal = ctypes.c_int(-1)
+    status = lib.cuPointerGetAttribute(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)
+    return ordinal.value if status == 0 and ordinal.value >= 0 else None
+
+
+def _synchronize_stream(handle: int) -> None:
+    lib = _libcuda()
+    status = lib.cuStreamSynchronize(ctypes.c_void_p(handle)) if lib is not None else -1
+    if status != 0:  # unknown stream or no libcuda: fall back to the whole context
+        _pycuda()[0].Context.synchronize()
+
+
+def device_of_array(x):
+    """The ``CudaDevice`` holding ``x`` (GPUArray or ``__cuda_array_interface__`` object), or None
+    if ``x`` is not a CUDA array.  Raises ``RuntimeError`` for a CUDA array when no CUDA device is
+    usable (PyCUDA missing, ...)."""
+    if not is_device_array(x):
+        return None
+    devices = list_devices()
+    if not devices:
+        raise RuntimeError(
+            f"x is a CUDA array but pool_tuner's CUDA backend is unavailable ({import_error()}); "
+            "install it with `pip install pool-tuner[cuda]`"
+        )
+    ordinal = array_device_ordinal(x)
+    ordinal = 0 if ordinal is None else ordinal
+    for device in devices:
+        if device.ordinal == ordinal:
+            return device
+    raise ValueError(f"x is on CUDA device {ordinal}, which pool_tuner cannot see")
