@@ -1,0 +1,36 @@
+"""`pool-tuner bench` end to end on the cheapest suite shape: JSON, plot and table."""
+
+import json
+
+import pytest
+
+from pool_tuner import bench, cli
+
+
+def test_bench_writes_json_plot_and_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    status = cli.main(["bench", "--preset", "upsample_area", "--repeat", "2", "--out", str(tmp_path), "--quiet"])
+    assert status == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert report["copy_gbs"] > 0
+    rows = report["rows"]
+    assert [r["direction"] for r in rows] == ["forward", "backward"]
+    for r in rows:
+        assert r["input_shape"] == [16, 64, 5, 5] and r["output_shape"] == [16, 64, 7, 7]
+        assert r["tuned_ms"] > 0 and r["default_ms"] > 0 and r["torch_ms"] > 0
+        assert r["speedup_vs_torch"] == pytest.approx(r["torch_ms"] / r["tuned_ms"])
+        assert r["times_floor"] == pytest.approx(r["tuned_ms"] / r["floor_ms"])
+    assert set(report["summary"]) == {"forward", "backward"}
+    table = capsys.readouterr().out
+    assert "upsample_area" in table and "geomean" in table
+
+
+def test_bytes_moved_counts_reads_writes_and_indices():
+    from pool_tuner.problem import Problem
+
+    avg = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7))
+    assert avg.bytes_moved() == (2 * 3 * 10 * 9 + 2 * 3 * 4 * 7) * 4
+    mx = Problem.create("adaptive_max_pool2d", (2, 3, 10, 9), (4, 7))
+    assert mx.bytes_moved() == avg.bytes_moved() + 2 * 3 * 4 * 7 * 8
+    assert bench.geomean([1.0, 4.0]) == pytest.approx(2.0)
