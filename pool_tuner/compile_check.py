@@ -190,29 +190,17 @@ def problems_for(op: str, direction: str, dtype: str, layout: str) -> list:
     return found
 
 
-def _legal(variant, config, problem, limits):
-    try:
-        return variant.check_config(config, problem, limits)
-    except (ValueError, TypeError) as exc:
-        return exc
-
-
 def representative_configs(variant, problem: Problem, limits: DeviceLimits = CUDA_LIMITS) -> list:
     """``[(label, params)]``: the default, the first and the last legal configuration, merged when
     they coincide (labels joined by ``+``)."""
-    picks = [("default", _legal(variant, {}, problem, limits))]
-    first = last = None
-    for config in variant.configurations():
-        params = _legal(variant, config, problem, limits)
-        if isinstance(params, dict):
-            first = first or params
-            last = params
-    picks += [("smallest", first), ("largest", last)]
+    legal = variant.legal_configurations(problem, limits)
+    picks = [("default", variant.check_config({}, problem, limits))] if variant.is_legal({}, problem, limits) else []
+    if legal:
+        picks += [("smallest", legal[0]), ("largest", legal[-1])]
     merged: dict = {}
     for label, params in picks:
-        if isinstance(params, dict):
-            key = tuple(sorted(params.items()))
-            merged[key] = f"{merged[key]}+{label}" if key in merged else label
+        key = tuple(sorted(params.items()))
+        merged[key] = f"{merged[key]}+{label}" if key in merged else label
     return [(label, dict(key)) for key, label in merged.items()]
 
 
@@ -237,8 +225,12 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                     for problem_label, problem in problems:
                         configs = representative_configs(variant, problem)
                         if not configs:
-                            reason = _legal(variant, {}, problem, CUDA_LIMITS)
-                            entry = no_config.setdefault((direction, name, layout), [0, str(reason)])
+                            try:
+                                variant.check_config({}, problem, CUDA_LIMITS)
+                                reason = "no legal point in the search space"
+                            except ValueError as exc:
+                                reason = str(exc)
+                            entry = no_config.setdefault((direction, name, layout), [0, reason])
                             entry[0] += 1
                         for config_label, params in configs:
                             source = kernel_source.render(variant.template, variant.defines(params, problem))

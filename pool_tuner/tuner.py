@@ -83,16 +83,6 @@ def _space_key(params: dict) -> tuple:
     return tuple(sorted(params.items()))
 
 
-def _legal_points(variant, problem, device) -> list:
-    legal = []
-    for config in variant.configurations():
-        try:
-            legal.append(variant.check_config(config, problem, device.limits))
-        except ValueError:
-            continue
-    return legal
-
-
 @dataclasses.dataclass
 class Case:
     """Kernel arguments for one problem (host arrays in memory order, outputs NaN-poisoned) and
@@ -170,7 +160,7 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
     from kernel_tuner import tune_kernel
 
     rng = rng or np.random.default_rng()
-    legal = _legal_points(variant, problem, device)
+    legal = variant.legal_configurations(problem, device.limits)
     if not legal:
         return None, None, 0, []
     legal_keys = {_space_key(p) for p in legal}
@@ -323,7 +313,7 @@ def budget_summary(problem: Problem, device) -> dict:
     """How many legal configurations each variant has and which strategy the default budget uses."""
     summary = {}
     for name, variant in variants_for(problem.op, problem.direction).items():
-        n = len(_legal_points(variant, problem, device))
+        n = len(variant.legal_configurations(problem, device.limits))
         strategy = "brute_force" if n <= BRUTE_FORCE_LIMIT else "random_sample"
         evals = n if strategy == "brute_force" else min(DEFAULT_MAX_FEVALS, n)
         summary[name] = {"legal": n, "strategy": strategy, "evaluations": evals}

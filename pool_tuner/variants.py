@@ -119,6 +119,30 @@ class Variant:
         """Relations between parameters that the search space alone does not express."""
         return None
 
+    def is_legal(self, config: dict, problem: Problem, limits: DeviceLimits) -> bool:
+        try:
+            self.check_config(config, problem, limits)
+        except ValueError:
+            return False
+        return True
+
+    def legal_configurations(self, problem: Problem, limits: DeviceLimits) -> list:
+        """Every legal point of the search space for ``problem``, complete, in search-space order."""
+        return [self.check_config(c, problem, limits) for c in self.configurations() if self.is_legal(c, problem, limits)]
+
+    def representative_configurations(self, problem: Problem, limits: DeviceLimits) -> dict:
+        """``{"default", "smallest", "largest": config}``: the default and the first and last legal
+        points of the space -- those that are legal, duplicates dropped (the first label kept)."""
+        legal = self.legal_configurations(problem, limits)
+        picks = {"default": self.check_config({}, problem, limits)} if self.is_legal({}, problem, limits) else {}
+        if legal:
+            picks.update(smallest=legal[0], largest=legal[-1])
+        unique: dict = {}
+        for label, config in picks.items():
+            if config not in unique.values():
+                unique[label] = config
+        return unique
+
     def defines(self, params: dict, problem: Problem) -> dict:
         """Every ``#define`` of this variant's kernel for ``problem``, tuning parameters last."""
         return {

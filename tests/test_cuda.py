@@ -83,19 +83,7 @@ def from_memory(problem: Problem, memory: np.ndarray, dtype) -> np.ndarray:
 
 def legal_configs(variant, problem, device, which=("default",)):
     """The requested configurations among default / smallest / largest legal, deduplicated."""
-    picks = {}
-    legal = []
-    for config in variant.configurations():
-        try:
-            legal.append(variant.check_config(config, problem, device.limits))
-        except ValueError:
-            pass
-    try:
-        picks["default"] = variant.check_config({}, problem, device.limits)
-    except ValueError:
-        pass
-    if legal:
-        picks["smallest"], picks["largest"] = legal[0], legal[-1]
+    picks = variant.representative_configurations(problem, device.limits)
     unique = []
     for name in which:
         if name in picks and picks[name] not in unique:

@@ -52,7 +52,7 @@ def to_channels_last(x, ndim):
 
 def legal(variant, problem, device=None):
     """Whether ``variant``'s default configuration may run ``problem``."""
-    return _legal(variant, {}, problem, device or backends.default_device())
+    return variant.is_legal({}, problem, (device or backends.default_device()).limits)
 
 
 def variant_inputs(op, shapes):
@@ -120,21 +120,13 @@ def check_max_against_oracles(x, values, indices, output_size, ndim):
 
 def sample_configs(variant, problem, device, count=3):
     """The default, the smallest and largest legal points of the space, and a seeded random few."""
-    legal = [c for c in variant.configurations() if _legal(variant, c, problem, device)]
+    legal = variant.legal_configurations(problem, device.limits)
     picks = [variant.default, legal[0], legal[-1]] + random.Random(f"{variant.name} {problem.input_shape}").sample(legal, min(count, len(legal)))
     unique = []
     for config in picks:
         if config not in unique:
             unique.append(config)
     return unique
-
-
-def _legal(variant, config, problem, device):
-    try:
-        variant.check_config(config, problem, device.limits)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("variant,layout,shape,output_size", variant_inputs(OP2, SHAPES_2D))

