@@ -177,14 +177,15 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
         key = _space_key({k: int(v) for k, v in params.items()})
         return key in legal_keys and key not in failures
 
-    if strategy is None:
+    if strategy == "brute_force" and (max_fevals or time_limit):
+        raise ValueError("max_fevals/time_limit need a sampling strategy (e.g. strategy='random_sample'); "
+                         "brute_force evaluates every configuration")
+    if strategy is None:  # small spaces are searched whole; budgets then have nothing to bound
         strategy = "brute_force" if len(legal) <= BRUTE_FORCE_LIMIT else "random_sample"
     options = {}
     if strategy != "brute_force":
         options["max_fevals"] = min(max_fevals or DEFAULT_MAX_FEVALS, len(legal))
         options["time_limit"] = time_limit or DEFAULT_TIME_LIMIT
-    elif max_fevals or time_limit:
-        raise ValueError("max_fevals/time_limit need a sampling strategy (e.g. strategy='random_sample'); brute_force evaluates every configuration")
 
     results = []
     with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch, _working_directory(scratch):

@@ -552,6 +552,14 @@ def test_brute_force_with_a_budget_is_an_error(user_cache, budget):
     assert not (user_cache / cache_mod.USER_FILE).exists()
 
 
+def test_a_budget_with_the_automatic_strategy_applies_only_where_it_samples(user_cache):
+    """A time limit for a whole run (CLI --time-limit) must not fail on variants whose spaces are
+    small enough to be searched whole (here the backward thread_per_input: 24 points)."""
+    result = pt.tune(OP, SHAPE, OUT, direction="backward", variants=["thread_per_input"], time_limit=5.0)
+    assert result.best_variant == "thread_per_input"
+    assert result.variants[0].evaluated == 24
+
+
 def test_tune_rejects_unknown_variant_and_empty_output(user_cache):
     with pytest.raises(ValueError, match="variants"):
         pt.tune(OP, SHAPE, OUT, variants=["no_such_variant"])
