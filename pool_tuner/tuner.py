@@ -11,7 +11,8 @@ never selected.
 Timing: Kernel Tuner's per-configuration ``times`` are reduced to their median.  The final
 comparison -- each variant's best against the default configuration -- is re-measured by
 ``race``: interleaved launches on one queue, medians of many repetitions, so a noisy machine hurts
-every candidate alike.
+every candidate alike.  The default configuration races too, so the stored winner is never one
+that lost to it.
 """
 
 from __future__ import annotations
@@ -287,8 +288,13 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     default = dispatch.default_choice(problem, dev)
     candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
     times = race(problem, dev, candidates + [default], rng=rng)
+    default_ms = times[-1]
     for r, t in zip(tuned, times):
         r.best_time_ms = t
+        # The default is a point of its variant's space, raced alongside: if the search's pick lost
+        # to it, the default is that variant's best.
+        if r.variant == default.variant.name and default_ms < t:
+            r.best_params, r.best_time_ms = default.config, default_ms
     winner = min(tuned, key=lambda r: r.best_time_ms)
 
     tc = tuning_cache or dispatch.tuning_cache()
@@ -298,7 +304,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
         runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms}
                     for r in sorted(tuned, key=lambda r: r.best_time_ms) if r is not winner],
-        extra={"default": {"variant": default.variant.name, "params": default.config, "time_ms": times[-1]},
+        extra={"default": {"variant": default.variant.name, "params": default.config, "time_ms": default_ms},
                "failures": [dict(f, variant=r.variant) for r in results for f in r.failures],
                "tuning_seconds": round(time.perf_counter() - started, 3)},
     )
@@ -307,18 +313,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
         stored = tc.store(record)
         dispatch.forget(problem, dev)
     return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
-                      default.variant.name, default.config, times[-1], time.perf_counter() - started, key, stored)
+                      default.variant.name, default.config, default_ms, time.perf_counter() - started, key, stored)
 
 
-def budget_summary(problem: Problem, device) -> dict:
-    """How many legal configurations each variant has and which strategy the default budget uses."""
-    summary = {}
-    for name, variant in variants_for(problem.op, problem.direction).items():
-        n = len(variant.legal_configurations(problem, device.limits))
-        strategy = "brute_force" if n <= BRUTE_FORCE_LIMIT else "random_sample"
-        evals = n if strategy == "brute_force" else min(DEFAULT_MAX_FEVALS, n)
-        summary[name] = {"legal": n, "strategy": strategy, "evaluations": evals}
-    return summary
-
-
-__all__ = ["tune", "TuneResult", "VariantResult", "race", "budget_summary"]
+__all__ = ["tune", "TuneResult", "VariantResult", "race"]

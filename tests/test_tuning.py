@@ -565,3 +565,9 @@ def test_tune_rejects_unknown_variant_and_empty_output(user_cache):
         pt.tune(OP, SHAPE, OUT, variants=["no_such_variant"])
     with pytest.raises(ValueError, match="output_size"):
         pt.tune(OP, SHAPE, (0, 4))
+
+
+def test_the_stored_winner_never_lost_to_the_default_in_the_race(user_cache):
+    result = pt.tune(OP, SHAPE, OUT, strategy="random_sample", max_fevals=3)
+    assert result.best_time_ms <= result.default_time_ms
+    assert result.speedup_over_default >= 1.0
