@@ -18,6 +18,12 @@ os.environ.pop("POOL_TUNER_AUTOTUNE", None)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from pool_tuner import kernel_source  # noqa: E402
+
+SHIPPED_CACHE_DIR = kernel_source.shipped_cache_dir()
+_EMPTY_SHIPPED_DIR = tempfile.mkdtemp(prefix="pool_tuner_test_shipped_")
+kernel_source.shipped_cache_dir = lambda: kernel_source.Path(_EMPTY_SHIPPED_DIR)
+
 
 #: Fresh random inputs on every run; POOL_TUNER_TEST_SEED=<n> replays a run (printed in the header).
 RUN_SEED = int(os.environ.get("POOL_TUNER_TEST_SEED", random.randrange(2**31)))
