@@ -81,10 +81,16 @@ def cmd_tune(args) -> int:
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
     jobs = [(op, shape, out, d) for op, shape, out in shapes for d in directions]
     variant_names = args.variants.split(",") if args.variants else None
+    problems = set()
+    unique_jobs = []
     for op, shape, out, direction in jobs:  # every argument checked before any tuning starts
-        Problem.create(op, shape, out, args.dtype, args.layout, direction=direction)
+        problem = Problem.create(op, shape, out, args.dtype, args.layout, direction=direction)
         for name in variant_names or ():
             get_variant(op, name, direction, argument="--variants")
+        if problem not in problems:  # e.g. coord_attention's 56xNone and Nonex56 on 56x56 inputs
+            problems.add(problem)
+            unique_jobs.append((op, shape, out, direction))
+    jobs = unique_jobs
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
     failed = 0
     with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
