@@ -71,11 +71,6 @@ def format_defines(defines: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def body(template: str) -> str:
-    """Prelude, headers and template, without the defines (Kernel Tuner prepends its own)."""
-    return "\n".join(read(name) for name in HEADERS + (template,))
-
-
 def render(template: str, defines: dict) -> str:
-    """The complete program text for one specialised kernel."""
-    return format_defines(defines) + body(template)
+    """The complete program text for one specialised kernel: defines, headers, template."""
+    return format_defines(defines) + "\n".join(read(name) for name in HEADERS + (template,))

@@ -69,9 +69,3 @@ def resolve_output_size(output_size, in_spatial: tuple[int, ...], name: str = "o
         else:
             resolved.append(check_int(entry, f"{name}[{axis}]", minimum=0))
     return tuple(resolved)
-
-
-def output_shape(input_shape, output_size, ndim: int, name: str = "x") -> tuple[int, ...]:
-    """The logical output shape of ``ndim``-d adaptive pooling of an input of ``input_shape``."""
-    batch, spatial = split_input_shape(input_shape, ndim, name)
-    return batch + resolve_output_size(output_size, spatial)

@@ -15,22 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
-    "window_start",
-    "window_end",
     "pooling_windows",
     "inverse_windows",
     "fixed_pool_equivalent",
 ]
-
-
-def window_start(o: int, in_size: int, out_size: int) -> int:
-    """First input index pooled by output ``o``: ``floor(o*I/O)``."""
-    return (o * in_size) // out_size
-
-
-def window_end(o: int, in_size: int, out_size: int) -> int:
-    """One past the last input index pooled by output ``o``: ``ceil((o+1)*I/O)``."""
-    return -((-(o + 1) * in_size) // out_size)
 
 
 #: The int64 window arithmetic computes (o + 1) * I and (i + 1) * O; both must fit in int64.
