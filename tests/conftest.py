@@ -44,3 +44,19 @@ def random_input(rng, shape, dtype=np.float32):
     x = rng.uniform(-2.0, 2.0, size=shape)
     x[np.abs(x) < 1e-3] = 0.5
     return x.astype(dtype)
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    """A private, empty user tuning cache; no autotuning; dispatch state forgotten before and
+    after.  The working directory is tmp_path too, in case Kernel Tuner leaves files there."""
+    from pool_tuner import dispatch
+
+    directory = tmp_path / "user_cache"
+    monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(directory))
+    monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
+    monkeypatch.delenv("POOL_TUNER_DEVICE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    dispatch.forget()
+    yield directory
+    dispatch.forget()

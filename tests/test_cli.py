@@ -21,18 +21,6 @@ CHEAP = ["--direction", "forward", "--variants", "thread_per_output", "--strateg
 SUBCOMMANDS = ["devices", "tune", "cache", "explain", "bench"]
 
 
-@pytest.fixture
-def user_cache(tmp_path, monkeypatch):
-    """A private, empty user cache; dispatch state forgotten before and after; cwd in tmp_path
-    (Kernel Tuner may leave temp files in the working directory)."""
-    directory = tmp_path / "user_cache"
-    monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(directory))
-    monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
-    monkeypatch.delenv("POOL_TUNER_DEVICE", raising=False)
-    monkeypatch.chdir(tmp_path)
-    dispatch.forget()
-    yield directory
-    dispatch.forget()
 
 
 def run(capsys, *argv):

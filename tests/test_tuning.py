@@ -39,19 +39,6 @@ CHEAP = dict(variants=["thread_per_output"], strategy="random_sample", max_feval
 NONDEFAULT = dict(variants_for(OP)["thread_per_output"].default, block_size_x=32, outputs_per_thread=4)
 
 
-@pytest.fixture
-def user_cache(tmp_path, monkeypatch):
-    """A private, empty user cache; no autotuning; dispatch state forgotten before and after.
-    The working directory is tmp_path too: Kernel Tuner leaves temp_*.c files in the current
-    directory when a configuration fails."""
-    directory = tmp_path / "user_cache"
-    monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(directory))
-    monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
-    monkeypatch.delenv("POOL_TUNER_DEVICE", raising=False)
-    monkeypatch.chdir(tmp_path)
-    dispatch.forget()
-    yield directory
-    dispatch.forget()
 
 
 def device():
