@@ -69,8 +69,10 @@ def _same_strides(shape, strides, expected) -> bool:
 def memory_layout(x, ndim: int, name: str = "x") -> str | None:
     """The layout name of ``x``'s memory (``NCHW``-like or ``NHWC``-like), or None for other
     strides.  Ambiguous cases (one channel, empty arrays) count as contiguous."""
-    shape, itemsize = tuple(x.shape), x.dtype.itemsize
     contiguous, channels_last = LAYOUT_NAMES[ndim]
+    if x.flags.c_contiguous:  # the common case, answered by the array itself
+        return contiguous
+    shape, itemsize = tuple(x.shape), x.dtype.itemsize
     if math.prod(shape) == 0 or _same_strides(shape, x.strides, _c_strides(shape, itemsize)):
         return contiguous
     c = len(shape) - ndim - 1

@@ -62,12 +62,9 @@ def resolve_device(device=None, name: str = "device"):
 def device_of_array(array):
     """The device that holds a backend array (a ``pyopencl.array.Array``, a PyCUDA ``GPUArray`` or
     any ``__cuda_array_interface__`` object), or None if ``array`` is not a device array."""
-    owner = cuda.device_of_array(array)
-    if owner is not None:
-        return owner
     if opencl.is_device_array(array):
         for d in opencl.list_devices():
             if d.owns(array):
                 return d
         raise ValueError("x is a pyopencl array on a device that pool_tuner cannot see")
-    return None
+    return cuda.device_of_array(array)
