@@ -183,8 +183,7 @@ def _exact(value):
 def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
     """The validated problem of a call, memoised so repeated calls skip validation (keys that are
     not hashable, e.g. list output sizes, are validated every time)."""
-    ndim = OPS[op][1] if op in OPS else None
-    layout = memory_layout(x, ndim, name) if ndim else None
+    layout = memory_layout(x, OPS[op][1], name)
     key = (op, direction, x.shape, x.dtype, layout, _exact(output_size), _exact(input_shape))
     try:
         return _PROBLEMS[key]
@@ -279,10 +278,11 @@ def _check_indices(indices, grad_out, call):
     problem = call.problem
     if indices is None:
         raise TypeError("indices must be the int64 indices returned by adaptive_max_pool*d(..., return_indices=True)")
-    if call.is_device != (backends.device_of_array(indices) is not None) or not hasattr(indices, "dtype"):
+    owner = backends.device_of_array(indices)
+    if call.is_device != (owner is not None) or not hasattr(indices, "dtype"):
         raise TypeError(f"indices must be the same kind of array as grad_out ({type(grad_out).__name__}), got {type(indices).__name__}")
     if call.is_device:
-        if backends.device_of_array(indices) is not call.device:
+        if owner is not call.device:
             raise ValueError("indices must be on the same device as grad_out")
         indices = call.device.wrap_input(indices, "indices")
     if np.dtype(indices.dtype) != np.int64:
