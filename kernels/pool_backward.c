@@ -29,14 +29,18 @@
 
 #if VARIANT_THREAD_PER_INPUT
 /* Each work-item computes inputs_per_thread input gradients, block_size_x apart in memory order.
+ * The host defines PARTIAL_LAST_GROUP when the grid runs past the last input; without that bounds
+ * check the work-items are branch-free whenever their gather loops vanish (windows.h).
  * Launch: ceil(IN_NUMEL / (block_size_x * inputs_per_thread)) groups of block_size_x. */
 KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
 {
     const index_t first = (index_t)GROUP_ID * (block_size_x * inputs_per_thread) + LOCAL_ID_X;
     for (int k = 0; k < inputs_per_thread; ++k) {
         const index_t i = first + (index_t)k * block_size_x;
+#if PARTIAL_LAST_GROUP
         if (i >= IN_NUMEL)
             return;
+#endif
         index_t plane, t, h, w;
         IN_COORDS(i, plane, t, h, w);
         const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
@@ -44,9 +48,9 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
         const index_t oh0 = WINDOW_START(h, OUT_H, IN_H), oh1 = WINDOW_END(h, OUT_H, IN_H);
         const index_t ow0 = WINDOW_START(w, OUT_W, IN_W), ow1 = WINDOW_END(w, OUT_W, IN_W);
         acc_t sum = (acc_t)0;
-        for (index_t ot = ot0; ot < ot1; ++ot)
-            for (index_t oh = oh0; oh < oh1; ++oh)
-                for (index_t ow = ow0; ow < ow1; ++ow) {
+        for (index_t ot = ot0; ot < ot0 + INVERSE_COUNT(T, ot0, ot1); ++ot)
+            for (index_t oh = oh0; oh < oh0 + INVERSE_COUNT(H, oh0, oh1); ++oh)
+                for (index_t ow = ow0; ow < ow0 + INVERSE_COUNT(W, ow0, ow1); ++ow) {
                     const index_t o = OUT_OFFSET(plane, ot, oh, ow);
                     sum += CONTRIBUTION(LOAD(grad_out, o), o, ot, oh, ow, position);
                 }
@@ -96,9 +100,9 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
             const index_t oh0 = WINDOW_START(h, OUT_H, IN_H), oh1 = WINDOW_END(h, OUT_H, IN_H);
             const index_t ow0 = WINDOW_START(w, OUT_W, IN_W), ow1 = WINDOW_END(w, OUT_W, IN_W);
             acc_t sum = (acc_t)0;
-            for (index_t ot = ot_start; ot < ot_end; ++ot)
-                for (index_t oh = oh0; oh < oh1; ++oh)
-                    for (index_t ow = ow0; ow < ow1; ++ow) {
+            for (index_t ot = ot_start; ot < ot_start + INVERSE_COUNT(T, ot_start, ot_end); ++ot)
+                for (index_t oh = oh0; oh < oh0 + INVERSE_COUNT(H, oh0, oh1); ++oh)
+                    for (index_t ow = ow0; ow < ow0 + INVERSE_COUNT(W, ow0, ow1); ++ow) {
                         const index_t s = STAGE_SLOT(ot - ot_start, oh - oh_start, ow - ow_start);
 #if POOL_AVG
                         (void)position;

@@ -112,15 +112,19 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
 #if VARIANT_THREAD_PER_OUTPUT
 /* Each work-item computes outputs_per_thread outputs, block_size_x apart in memory order, so that
  * neighbouring work-items always write neighbouring outputs (in channels-last memory they are
- * neighbouring channels, which also read neighbouring inputs).
+ * neighbouring channels, which also read neighbouring inputs).  The bounds check is compiled in only
+ * when the grid runs past the last output (host define PARTIAL_LAST_GROUP): branch-free
+ * work-items vectorise on CPUs.
  * Launch: ceil(OUT_NUMEL / (block_size_x * outputs_per_thread)) groups of block_size_x. */
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
 {
     const index_t first = (index_t)GROUP_ID * (block_size_x * outputs_per_thread) + LOCAL_ID_X;
     for (int k = 0; k < outputs_per_thread; ++k) {
         const index_t o = first + (index_t)k * block_size_x;
+#if PARTIAL_LAST_GROUP
         if (o >= OUT_NUMEL)
             return;
+#endif
         index_t plane, ot, oh, ow;
         OUT_COORDS(o, plane, ot, oh, ow);
         const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);

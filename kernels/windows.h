@@ -40,6 +40,12 @@
 #define W_WINDOW_END(o) WINDOW_END(o, IN_W, OUT_W)
 #endif
 
+/* The outputs that pool input i of an axis are [first, last) = the inverse window (above).  The
+ * host defines MAX_INVERSE_WINDOW_<axis>, the most outputs any input of the axis belongs to; when
+ * it is 1 the windows do not overlap and every input has exactly one output, so the gather loops
+ * get the compile-time trip count 1 and vanish (CPU compilers then vectorise across work-items). */
+#define INVERSE_COUNT(axis, first, last) (MAX_INVERSE_WINDOW_##axis == 1 ? 1 : (last) - (first))
+
 #define IN_PLANE_SIZE ((index_t)IN_T * IN_H * IN_W)
 #define OUT_PLANE_SIZE ((index_t)OUT_T * OUT_H * OUT_W)
 #define IN_NUMEL ((index_t)N_PLANES * IN_PLANE_SIZE)

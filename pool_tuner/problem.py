@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from . import shapes
-from .windows import fixed_pool_equivalent
+from .windows import fixed_pool_equivalent, max_window
 
 #: op name -> (pooling kind, number of pooled axes)
 OPS = {
@@ -145,6 +145,10 @@ class Problem:
             uniform[f"UNIFORM_{axis}"] = int(fixed is not None)
             if fixed is not None:
                 uniform[f"KERNEL_{axis}"], uniform[f"STRIDE_{axis}"] = fixed[0], fixed[1]
+            # Bounds for fixed-trip window loops: the most inputs one output pools, and the most
+            # outputs that pool one input.
+            uniform[f"MAX_WINDOW_{axis}"] = max_window(i, o)
+            uniform[f"MAX_INVERSE_WINDOW_{axis}"] = max_window(o, i) if o else 0
         return {
             DTYPES[self.dtype]: 1,
             "INDEX_64": int(self.index_64),

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .problem import DIRECTIONS, OPS, Problem, check_op
-from .windows import pooling_windows
+from .windows import max_window, pooling_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +30,6 @@ class DeviceLimits:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def max_window(in_size: int, out_size: int) -> int:
-    """Largest window along one axis (0 for an empty output)."""
-    starts, ends = pooling_windows(in_size, out_size)
-    return int((ends - starts).max(initial=0))
 
 
 def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
@@ -219,6 +213,10 @@ class ThreadPerOutput(Variant):
         per_group = params["block_size_x"] * params["outputs_per_thread"]
         return _ceil_div(math.prod(problem.output_shape), per_group)
 
+    def extra_defines(self, params, problem):
+        per_group = params["block_size_x"] * params["outputs_per_thread"]
+        return {"PARTIAL_LAST_GROUP": int(math.prod(problem.output_shape) % per_group != 0)}
+
 
 class BlockPerRow(Variant):
     name = "block_per_row"
@@ -287,6 +285,10 @@ class ThreadPerInput(Variant):
     def groups(self, params, problem):
         per_group = params["block_size_x"] * params["inputs_per_thread"]
         return _ceil_div(math.prod(problem.input_shape), per_group)
+
+    def extra_defines(self, params, problem):
+        per_group = params["block_size_x"] * params["inputs_per_thread"]
+        return {"PARTIAL_LAST_GROUP": int(math.prod(problem.input_shape) % per_group != 0)}
 
 
 class SmemTiledBackward(_Tiled):

@@ -18,6 +18,7 @@ __all__ = [
     "pooling_windows",
     "inverse_windows",
     "fixed_pool_equivalent",
+    "max_window",
 ]
 
 
@@ -50,6 +51,24 @@ def pooling_windows(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray
     starts = (o * in_size) // out_size if out_size else o
     ends = -((-(o + 1) * in_size) // out_size) if out_size else o
     return starts.astype(np.int64), ends.astype(np.int64)
+
+
+#: Above this many outputs ``max_window`` returns its closed-form bound instead of scanning.
+EXACT_MAX_WINDOW_LIMIT = 1 << 16
+
+
+def max_window(in_size: int, out_size: int) -> int:
+    """Largest window along one axis (0 for an empty output); ``max_window(O, I)`` is the most
+    outputs any one input belongs to.  Kernels loop a fixed ``max_window`` times with a mask, so
+    this must never be too small; for more than ``EXACT_MAX_WINDOW_LIMIT`` outputs it is the
+    bound ``ceil(I/O) + 1`` (exact when ``O`` divides ``I``), never less than the true maximum."""
+    in_size, out_size = _check_sizes(in_size, out_size, allow_zero_out=True)
+    if out_size == 0:
+        return 0
+    if out_size > EXACT_MAX_WINDOW_LIMIT:
+        return -(-in_size // out_size) + (in_size % out_size != 0)
+    starts, ends = pooling_windows(in_size, out_size)
+    return int((ends - starts).max())
 
 
 def inverse_windows(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
