@@ -116,3 +116,40 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
     }
 }
 #endif
+
+#if VARIANT_PLANE_SCATTER
+/* One work-item per plane scatters its outputs' gradients into its own input plane, outputs in
+ * row-major order: every input receives its terms in the order the gather variants sum them, from
+ * the same starting 0, so the results are bit-identical to theirs -- and no two work-items share an
+ * element, so no atomics.  Each output's term (avg: gradient / area) is computed once rather than
+ * once per input; the innermost loop walks a window row, contiguous in channels-first memory, which
+ * CPU compilers vectorise.  The plane is accumulated in place, so the host allows it only where
+ * storage and accumulator types agree (float32, float64).
+ * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
+{
+    const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (plane >= N_PLANES)
+        return;
+    const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    for (index_t p = 0; p < IN_PLANE_SIZE; ++p)
+        grad_in[base + p * ELEMENT_STEP] = (acc_t)0;
+    for (index_t ot = 0; ot < OUT_T; ++ot)
+        for (index_t oh = 0; oh < OUT_H; ++oh)
+            for (index_t ow = 0; ow < OUT_W; ++ow) {
+                const index_t o = OUT_OFFSET(plane, ot, oh, ow);
+#if POOL_AVG
+                const acc_t term = LOAD(grad_out, o) / (acc_t)window_area(ot, oh, ow);
+                const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
+                for (index_t t = T_WINDOW_START(ot); t < T_WINDOW_END(ot); ++t)
+                    for (index_t h = H_WINDOW_START(oh); h < H_WINDOW_END(oh); ++h) {
+                        const index_t row = IN_OFFSET(plane, t, h, 0);
+                        for (index_t w = w_start; w < w_end; ++w)
+                            grad_in[row + w * ELEMENT_STEP] += term;
+                    }
+#else
+                grad_in[base + (index_t)indices[o] * ELEMENT_STEP] += LOAD(grad_out, o);
+#endif
+            }
+}
+#endif

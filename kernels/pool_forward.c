@@ -38,15 +38,18 @@ DEVICE_FN int max_precedes(acc_t value, index_t position, reduction_t r)
 }
 #endif
 
+/* Add one element.  Every caller visits a window in increasing position order, so an element that
+ * only ties the running maximum (or is a second NaN) never wins, and max_precedes reduces to a
+ * branch-free test that CPU compilers vectorise across work-items. */
 DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
 {
 #if POOL_AVG
+    (void)position;
     r->value += value;
 #else
-    if (max_precedes(value, position, *r)) {
-        r->value = value;
-        r->position = position;
-    }
+    const int wins = (r->position < 0) | (IS_NAN(value) & !IS_NAN(r->value)) | (value > r->value);
+    r->value = wins ? value : r->value;
+    r->position = wins ? position : r->position;
 #endif
 }
 

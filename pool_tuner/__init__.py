@@ -20,6 +20,7 @@ from .ops import (
     adaptive_max_pool3d_backward,
     devices,
     explain,
+    release_memory,
     variants,
 )
 from .tuner import tune
@@ -44,6 +45,7 @@ __all__ = [
     "explain",
     "fixed_pool_equivalent",
     "pooling_windows",
+    "release_memory",
     "tune",
     "variants",
 ]

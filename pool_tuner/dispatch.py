@@ -13,7 +13,8 @@ With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it
 then dispatches from the new record; otherwise calls never block on tuning.
 
 The heuristic default, always with the variant's default configuration: backward passes use
-``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous channels per
+``plane_scatter`` on CPU devices where it is legal (float32/float64: a work-item per plane, whose
+sequential scatter runs at memory speed on a CPU), else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous channels per
 work-item); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output rows (global
 pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``, where
 several lanes share each window; everything else -- and everything on CPU devices, where
@@ -73,6 +74,9 @@ def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     """The variant used when nothing was tuned (see the module docstring)."""
     table = variants_mod.variants_for(problem.op, problem.direction)
     if problem.direction == "backward":
+        scatter = table["plane_scatter"]
+        if device.is_cpu and scatter.illegal_reason(scatter.default, problem, device.limits) is None:
+            return scatter
         return table["thread_per_input"]
     if problem.channels_last:
         return table["channels_vector"]

@@ -301,8 +301,25 @@ class SmemTiledBackward(_Tiled):
         return problem.in_spatial, problem.out_spatial
 
 
+class PlaneScatter(Variant):
+    name = "plane_scatter"
+    template = "pool_backward.c"
+    kernel_name = "pool_backward"
+    summary = "a work-item per plane adds each output's gradient over its window, outputs in order (float32/float64)"
+    search_space = {"block_size_x": [1, 4, 16, 64]}
+    default = {"block_size_x": 16}
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.dtype not in ("float32", "float64"):
+            return "accumulates in the stored gradient, so it needs float32 or float64"
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
 _FORWARD = (ThreadPerOutput(), BlockPerRow(), SmemTiled(), ChannelsVector())
-_BACKWARD = (ThreadPerInput(), SmemTiledBackward())
+_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter())
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {
     (op, direction): {v.name: v for v in (_FORWARD if direction == "forward" else _BACKWARD)}

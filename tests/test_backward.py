@@ -147,6 +147,7 @@ NON_DIVISIBLE = [((2, 5, 13), 5), ((2, 5, 10, 9), (4, 7)), ((1, 2, 5, 5), (7, 7)
 #: Besides every variant's default: configurations that change how work is split.
 EXTRA_CONFIGS = {
     "thread_per_input": [{"block_size_x": 32, "inputs_per_thread": 8}],
+    "plane_scatter": [{"block_size_x": 1}],
     "smem_tiled": [{"block_size_x": 4, "block_size_y": 2, "tile_x": 2, "tile_y": 4},
                    {"block_size_x": 16, "block_size_y": 1, "tile_x": 1, "tile_y": 1}],
 }

@@ -224,6 +224,26 @@ def _run_raw_case(spec, device) -> str | None:
     return None
 
 
+def _keep_buffers_alive(device) -> None:
+    """Work around an Oclgrind 21.10 bookkeeping bug: when a released buffer's number is reused by
+    a larger buffer, the uninitialised-value plugin keeps the old, smaller shadow memory, so a
+    kernel that reads back what it wrote (``plane_scatter``) is flagged past the old size -- the
+    first flagged offset is exactly the released buffer's byte size.  Holding every buffer of the
+    worker until it exits means numbers are never reused."""
+    held = []
+
+    def holding(make):
+        def wrapper(*args, **kwargs):
+            array = make(*args, **kwargs)
+            held.append(array)
+            return array
+
+        return wrapper
+
+    device.empty = holding(device.empty)
+    device.to_device = holding(device.to_device)
+
+
 def worker_main(spec_path: str, result_path: str) -> None:
     """Run every spec of ``spec_path`` on the Oclgrind device; one JSON line per spec to
     ``result_path`` (written and flushed as each finishes, so a crash loses nothing before it)."""
@@ -236,6 +256,7 @@ def worker_main(spec_path: str, result_path: str) -> None:
 
     specs = json.loads(Path(spec_path).read_text())
     device = next(d for d in pt.devices() if d.is_simulator)
+    _keep_buffers_alive(device)
     with open(result_path, "a") as results:
         for spec in specs:
             start = time.perf_counter()

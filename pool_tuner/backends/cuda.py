@@ -166,6 +166,11 @@ class CudaDevice:
         with self.activated(queue.context if queue else None):
             return _pycuda()[1].empty(tuple(shape), np.dtype(dtype))
 
+    @staticmethod
+    def release_memory() -> int:
+        """Nothing to free: CUDA results are fresh allocations (see the OpenCL backend's pool)."""
+        return 0
+
     def fill(self, array, value, queue: CudaQueue | None = None):
         """Fill a GPUArray (used to poison outputs with NaN before a launch)."""
         with self.activated(queue.context if queue else None):

@@ -1,0 +1,79 @@
+"""The OpenCL memory pool for large results: reuse is correct, memory can be released, and the
+pool is used only where it is safe (the device's own queue) and wanted."""
+
+import gc
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.array as cl_array
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import backends, ops, reference
+from pool_tuner.backends import opencl
+
+from conftest import random_input
+
+# 8 x 64 x 32 x 32 float32 = 2 MiB: above opencl.POOL_MIN_BYTES.
+LARGE = (8, 64, 32, 32)
+
+
+@pytest.fixture
+def device():
+    device = backends.resolve_device(None)
+    if device.backend != "opencl":
+        pytest.skip("the memory pool belongs to the OpenCL backend")
+    device.release_memory()
+    yield device
+    device.release_memory()
+
+
+@pytest.fixture(params=[True, False], ids=["poisoned", "not-poisoned"])
+def poisoning(request, monkeypatch):
+    """Reuse must be correct whether or not the outputs are filled with NaN first."""
+    monkeypatch.setattr(ops, "poison_outputs", request.param)
+
+
+def test_large_results_reuse_freed_memory_and_stay_exact(device, poisoning, rng):
+    assert np.prod(LARGE) * 4 >= opencl.POOL_MIN_BYTES
+    pointers = []
+    for _ in range(3):
+        grad = random_input(rng, LARGE[:2] + (5, 7))
+        result = pt.adaptive_avg_pool2d_backward(cl_array.to_device(device.queue, grad), LARGE)
+        np.testing.assert_allclose(result.get(), reference.adaptive_avg_pool_backward(grad, LARGE, 2), rtol=1e-5, atol=1e-6)
+        pointers.append(result.base_data.int_ptr if result.base_data is not None else result.data.int_ptr)
+        del result
+        gc.collect()
+    # The second and third results were carved from the memory the first one gave back.
+    assert pointers[1] == pointers[0] and pointers[2] == pointers[0]
+
+
+def test_release_memory_frees_what_the_pool_holds(device, rng):
+    x = cl_array.to_device(device.queue, random_input(rng, LARGE[:2] + (64, 64)))
+    result = pt.adaptive_avg_pool2d_backward(pt.adaptive_avg_pool2d(x, (5, 7)), x.shape)
+    assert device.release_memory() == 0  # still referenced: nothing to free
+    del result
+    gc.collect()
+    assert pt.release_memory() >= 1
+    assert pt.release_memory() == 0
+
+
+def test_small_results_and_foreign_queues_get_fresh_buffers(device, rng):
+    small = cl_array.to_device(device.queue, random_input(rng, (2, 3, 8, 8)))
+    pt.adaptive_avg_pool2d(small, 3)
+    own_queue = cl.CommandQueue(device.queue.context)
+    grad = cl_array.to_device(own_queue, random_input(rng, LARGE[:2] + (5, 7)))
+    result = pt.adaptive_avg_pool2d_backward(grad, LARGE)
+    assert result.queue is own_queue
+    del result
+    gc.collect()
+    assert device.release_memory() == 0
+
+
+def test_pool_can_be_turned_off(device, monkeypatch, rng):
+    monkeypatch.setenv(opencl.MEMORY_POOL_ENV, "0")
+    grad = cl_array.to_device(device.queue, random_input(rng, LARGE[:2] + (5, 7)))
+    result = pt.adaptive_avg_pool2d_backward(grad, LARGE)
+    del result
+    gc.collect()
+    assert device.release_memory() == 0
