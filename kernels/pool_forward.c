@@ -74,38 +74,91 @@ DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
 #define INDICES_PARAM , GLOBAL int64_t_* RESTRICT indices
 #endif
 
-/* Reduce output (ot, oh, ow) of `plane`, visiting window rows first_row, first_row + row_step, ...
- * (a row is one (t, h) pair of the window); first_row = 0, row_step = 1 is the whole window.
- * Variants that call it have a row_lanes tuning parameter (see below). */
+/* With one output column, every window row spans its whole input row, so in channels-first memory
+ * the rows of a window follow each other: its (t) slabs are single runs of window_h * IN_W elements
+ * (global pooling: one run per plane), long enough for row_lanes to pay. */
+#define CONTIGUOUS_WINDOW_ROWS (OUT_W == 1 && !CHANNELS_LAST)
+
+#if POOL_MAX
+/* The larger of m and v where a NaN wins and stays: the value-only maximum of the two-pass max. */
+DEVICE_FN acc_t max_or_nan(acc_t m, acc_t v)
+{
+    return (v > m || IS_NAN(v)) ? v : m;
+}
+#endif
+
+/* The runs of one window that reduce_window_rows visits: its rows first_row, first_row + row_step,
+ * ... (a row is one (t, h) pair), or with first_row = 0, row_step = 1 and CONTIGUOUS_WINDOW_ROWS
+ * its whole (t) slabs.  Run `run` starts at plane position RUN_POSITION(run). */
+#define WINDOW_RUNS                                                                                       \
+    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);                                 \
+    const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);                                 \
+    const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);                                 \
+    const index_t window_h = h_end - h_start;                                                             \
+    const int slab_runs = CONTIGUOUS_WINDOW_ROWS && first_row == 0 && row_step == 1;                      \
+    const index_t runs = slab_runs ? t_end - t_start : (t_end - t_start) * window_h;                      \
+    const index_t run_length = slab_runs ? window_h * IN_W : w_end - w_start;                             \
+    const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE)
+#define RUN_POSITION(run)                                                                                 \
+    (slab_runs ? PLANE_POSITION(t_start + (run), h_start, 0, IN_H, IN_W)                                  \
+               : PLANE_POSITION(t_start + (run) / window_h, h_start + (run) % window_h, w_start, IN_H, IN_W))
+#define RUN_ELEMENT(position, j) LOAD(in, plane_base + ((position) + (j)) * ELEMENT_STEP)
+
+/* Reduce output (ot, oh, ow) of `plane` over the runs above.
+ *
+ * row_lanes > 1 keeps row_lanes independent partial results along each run (lane k takes elements
+ * k, k + row_lanes, ...), so the steps no longer wait on each other and CPU compilers turn the lanes
+ * into vector operations.  Average pooling sums into the lanes.  Max pooling takes two passes: the
+ * maximum over value-only lanes (a NaN wins), then the first position, in window order, holding
+ * it (or holding a NaN) -- the first-position rule without tracking positions in the hot loop. */
 DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
                                          index_t oh, index_t ow, index_t first_row, index_t row_step)
 {
-    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
-    const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);
-    const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
-    const index_t window_h = h_end - h_start;
-    const index_t window_rows = (t_end - t_start) * window_h;
+    WINDOW_RUNS;
     reduction_t r = reduce_init();
-#if POOL_AVG && row_lanes > 1
-    /* row_lanes independent partial sums per window row: the adds no longer wait on each other
-     * (long rows -- global pooling -- run at load speed instead of add latency). */
+#if row_lanes > 1 && POOL_MAX
+    if (first_row >= runs)
+        return r;
+    const acc_t first = RUN_ELEMENT(RUN_POSITION(first_row), 0);
+    acc_t lanes[row_lanes];
+    for (int k = 0; k < row_lanes; ++k)
+        lanes[k] = first;
+#elif row_lanes > 1
     acc_t lanes[row_lanes];
     for (int k = 0; k < row_lanes; ++k)
         lanes[k] = (acc_t)0;
 #endif
-    for (index_t row = first_row; row < window_rows; row += row_step) {
-        const index_t t = t_start + row / window_h;
-        const index_t h = h_start + row % window_h;
-        index_t w = w_start;
-#if POOL_AVG && row_lanes > 1
-        for (; w + row_lanes <= w_end; w += row_lanes)
+    for (index_t run = first_row; run < runs; run += row_step) {
+        const index_t position = RUN_POSITION(run);
+        index_t j = 0;
+#if row_lanes > 1
+        for (; j + row_lanes <= run_length; j += row_lanes)
             for (int k = 0; k < row_lanes; ++k)
-                lanes[k] += LOAD(in, IN_OFFSET(plane, t, h, w + k));
+#if POOL_MAX
+                lanes[k] = max_or_nan(lanes[k], RUN_ELEMENT(position, j + k));
+#else
+                lanes[k] += RUN_ELEMENT(position, j + k);
 #endif
-        for (; w < w_end; ++w)
-            reduce_step(&r, LOAD(in, IN_OFFSET(plane, t, h, w)), PLANE_POSITION(t, h, w, IN_H, IN_W));
+#endif
+        for (; j < run_length; ++j)
+            reduce_step(&r, RUN_ELEMENT(position, j), position + j);
     }
-#if POOL_AVG && row_lanes > 1
+#if row_lanes > 1 && POOL_MAX
+    acc_t best = r.position < 0 ? first : r.value;
+    for (int k = 0; k < row_lanes; ++k)
+        best = max_or_nan(best, lanes[k]);
+    for (index_t run = first_row; run < runs; run += row_step) {
+        const index_t position = RUN_POSITION(run);
+        for (index_t j = 0; j < run_length; ++j) {
+            const acc_t value = RUN_ELEMENT(position, j);
+            if (value == best || (IS_NAN(value) && IS_NAN(best))) {
+                r.value = value;
+                r.position = position + j;
+                return r;
+            }
+        }
+    }
+#elif row_lanes > 1
     for (int k = 0; k < row_lanes; ++k)
         r.value += lanes[k];
 #endif

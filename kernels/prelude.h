@@ -51,12 +51,15 @@ typedef int index_t;
 #ifdef __OPENCL_VERSION__
 #define FLOAT_AS_UINT(x) as_uint(x)
 #define UINT_AS_FLOAT(x) as_float(x)
+/* x != x is true exactly for NaN (no fast-math flags are ever passed); PoCL compiles isnan() as an
+ * out-of-line call, which keeps its loops from vectorising. */
+#define IS_NAN(x) ((x) != (x))
 #else
 #include <cuda_fp16.h>
 #define FLOAT_AS_UINT(x) __float_as_uint(x)
 #define UINT_AS_FLOAT(x) __uint_as_float(x)
-#endif
 #define IS_NAN(x) isnan(x)
+#endif
 
 /* ---------------------------------------------------------------- data types
  * scalar_t is the storage type, acc_t the accumulation type; LOAD/STORE convert between them.

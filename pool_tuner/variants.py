@@ -40,6 +40,15 @@ def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
     return int((ends[last] - starts[first]).max(initial=0))
 
 
+def _longest_run(problem: Problem) -> int:
+    """Longest run of a window that the forward kernels reduce in one go: a window row, or with one
+    output column in channels-first memory a whole slab of rows (CONTIGUOUS_WINDOW_ROWS)."""
+    (_, ih, iw), (_, oh, ow) = problem.in_spatial, problem.out_spatial
+    if ow == 1 and not problem.channels_last:
+        return max_window(ih, oh) * iw
+    return max_window(iw, ow)
+
+
 class Variant:
     """Base class; subclasses fill in the class attributes and the three methods."""
 
@@ -77,8 +86,8 @@ class Variant:
     def illegal_reason(self, params: dict, problem: Problem, limits: DeviceLimits) -> str | None:
         """Why ``params`` cannot run ``problem`` on a device with ``limits``; None when it can."""
         lanes = params.get("row_lanes", 1)
-        if lanes > 1 and (problem.kind != "avg" or lanes > max_window(problem.in_spatial[-1], problem.out_spatial[-1])):
-            return "row_lanes > 1 needs average pooling with windows at least row_lanes wide"
+        if lanes > 1 and lanes > _longest_run(problem):
+            return "row_lanes must not exceed the longest contiguous run of a window (kernels.pool_forward.c)"
         threads = math.prod(self.block(params))
         if threads > limits.max_work_group_size:
             return f"work-group of {threads} exceeds the device limit {limits.max_work_group_size}"
@@ -205,7 +214,7 @@ class ThreadPerOutput(Variant):
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "outputs_per_thread": [1, 2, 4, 8],
-        "row_lanes": [1, 4, 8],
+        "row_lanes": [1, 4, 8, 16],
     }
     default = {"block_size_x": 256, "outputs_per_thread": 1, "row_lanes": 1}
 
@@ -224,7 +233,7 @@ class BlockPerRow(Variant):
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "threads_per_output": [1, 2, 4, 8, 16, 32, 64],
-        "row_lanes": [1, 4, 8],
+        "row_lanes": [1, 4, 8, 16],
     }
     default = {"block_size_x": 64, "threads_per_output": 4, "row_lanes": 1}
 

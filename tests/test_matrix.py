@@ -383,6 +383,38 @@ def test_max_all_minus_inf_windows_give_the_first_position(op, dtype, layout, va
     np.testing.assert_array_equal(indices, t_indices)
 
 
+# ---------------------------------------------------------------- the two-pass max of row_lanes > 1
+
+#: Long window rows (and, with one output column, whole-plane runs) so the lanes really run.
+LANE_SHAPES = {1: ((2, 3, 41), 3), 2: ((2, 3, 9, 37), (2, 1)), 3: ((1, 2, 3, 5, 29), (2, 2, 3))}
+LANE_CONFIGS = {
+    "thread_per_output": {"block_size_x": 32, "outputs_per_thread": 1, "row_lanes": 4},
+    "block_per_row": {"block_size_x": 32, "threads_per_output": 2, "row_lanes": 8},
+}
+LANE_CASES = [pytest.param(op, layout, variant, id=f"{op}-{layout}-{variant}")
+              for op, (kind, ndim) in OPS.items() if kind == "max"
+              for layout in LAYOUT_NAMES[ndim] for variant in LANE_CONFIGS]
+
+
+@pytest.mark.parametrize("op,layout,variant", LANE_CASES)
+@pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
+def test_max_with_row_lanes_keeps_the_first_position(op, layout, variant, fill, rng):
+    """row_lanes > 1 finds the maximum first and its position in a second pass: ties, several NaNs
+    and -inf windows must still give the first position in window order."""
+    ndim = OPS[op][1]
+    shape, size = LANE_SHAPES[ndim]
+    if fill == "ties":
+        x = rng.integers(0, 3, size=shape).astype(np.float32)
+    else:
+        x = random_input(rng, shape)
+        x[rng.random(shape) < 0.3] = np.nan if fill == "nans" else -np.inf
+        x[0, 0] = np.nan if fill == "nans" else -np.inf  # a whole plane of them
+    values, indices = forward(op, in_layout(x, ndim, layout), size, variant=variant, config=LANE_CONFIGS[variant])
+    ref_values, ref_indices = reference.forward(op, x, size)
+    np.testing.assert_array_equal(as_float64(values), ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+
+
 # ---------------------------------------------------------------- float16 near its maximum
 
 
