@@ -102,9 +102,16 @@ class _Call:
     def channel_axis(self) -> int:
         return len(self.problem.input_shape) - self.problem.ndim - 1
 
-    def storage_dtype(self, dtype):
-        """bfloat16 buffers are handled as their uint16 bits on the device."""
-        return np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
+    @staticmethod
+    def storage_dtype(dtype):
+        """bfloat16 buffers are handled as their uint16 bits on the device (memoised: this is on
+        every call's path, and ``dtype.name`` builds a string)."""
+        try:
+            return _STORAGE_DTYPES[dtype]
+        except KeyError:
+            storage = np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
+            _STORAGE_DTYPES[dtype] = storage
+            return storage
 
     def to_device(self, x, name: str):
         """``x`` as a device array in the problem's memory order (no copy for device arrays)."""
@@ -160,6 +167,9 @@ class _Call:
         event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, arrays)
         for array in arrays:
             self.device.track(array, event)
+
+
+_STORAGE_DTYPES: dict = {}
 
 
 def _last_axis_to(sequence, axis: int) -> tuple:

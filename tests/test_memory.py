@@ -1,5 +1,5 @@
-"""The OpenCL memory pool for large results: reuse is correct, memory can be released, and the
-pool is used only where it is safe (the device's own queue) and wanted."""
+"""The OpenCL memory pool for results: reuse is correct, memory can be released, and the pool is
+used only where it is safe (the device's own queue) and wanted."""
 
 import gc
 
@@ -14,7 +14,7 @@ from pool_tuner.backends import opencl
 
 from conftest import random_input
 
-# 8 x 64 x 32 x 32 float32 = 2 MiB: above opencl.POOL_MIN_BYTES.
+# 8 x 64 x 32 x 32 float32 = 2 MiB: large enough that page faults of fresh memory would matter.
 LARGE = (8, 64, 32, 32)
 
 
@@ -35,7 +35,6 @@ def poisoning(request, monkeypatch):
 
 
 def test_large_results_reuse_freed_memory_and_stay_exact(device, poisoning, rng):
-    assert np.prod(LARGE) * 4 >= opencl.POOL_MIN_BYTES
     pointers = []
     for _ in range(3):
         grad = random_input(rng, LARGE[:2] + (5, 7))
@@ -50,17 +49,25 @@ def test_large_results_reuse_freed_memory_and_stay_exact(device, poisoning, rng)
 
 def test_release_memory_frees_what_the_pool_holds(device, rng):
     x = cl_array.to_device(device.queue, random_input(rng, LARGE[:2] + (64, 64)))
-    result = pt.adaptive_avg_pool2d_backward(pt.adaptive_avg_pool2d(x, (5, 7)), x.shape)
+    pooled = pt.adaptive_avg_pool2d(x, (5, 7))
+    result = pt.adaptive_avg_pool2d_backward(pooled, x.shape)
     assert device.release_memory() == 0  # still referenced: nothing to free
-    del result
+    del pooled, result
     gc.collect()
     assert pt.release_memory() >= 1
     assert pt.release_memory() == 0
 
 
-def test_small_results_and_foreign_queues_get_fresh_buffers(device, rng):
+def test_small_results_are_pooled_too(device, rng):
     small = cl_array.to_device(device.queue, random_input(rng, (2, 3, 8, 8)))
-    pt.adaptive_avg_pool2d(small, 3)
+    result = pt.adaptive_avg_pool2d(small, 3)
+    np.testing.assert_allclose(result.get(), reference.adaptive_avg_pool(small.get(), 3, 2), rtol=1e-5, atol=1e-6)
+    del result
+    gc.collect()
+    assert device.release_memory() >= 1
+
+
+def test_foreign_queues_get_fresh_buffers(device, rng):
     own_queue = cl.CommandQueue(device.queue.context)
     grad = cl_array.to_device(own_queue, random_input(rng, LARGE[:2] + (5, 7)))
     result = pt.adaptive_avg_pool2d_backward(grad, LARGE)

@@ -26,8 +26,6 @@ else:
 
 BACKEND = "opencl"
 SIMULATOR_PLATFORMS = ("Oclgrind",)
-#: Results of at least this many bytes come from a memory pool (see ``OpenCLDevice.empty``).
-POOL_MIN_BYTES = 1 << 20
 #: Set to 0 to allocate every result afresh.
 MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
 
@@ -118,16 +116,15 @@ class OpenCLDevice:
     def empty(self, shape, dtype, queue=None):
         """An uninitialised C-contiguous device array.
 
-        Results of ``POOL_MIN_BYTES`` or more on the device's own queue come from a
-        ``pyopencl.tools.MemoryPool``:
-        memory of arrays that were freed is reused instead of fresh memory being mapped, which on
-        host-memory devices (PoCL) costs a page fault per 4 KiB at first touch -- 80 ms of a 100 ms
-        call writing 268 MB.  Freed memory stays held for reuse (like PyTorch's CUDA caching
-        allocator) until ``pool_tuner.release_memory()``; ``POOL_TUNER_MEMORY_POOL=0`` turns the
-        pool off.  Only the device's in-order queue has a pool, so reused memory is never still in
-        use by a pending command on another queue (arrays on a caller's own queue get fresh
-        buffers).  Smaller arrays are fresh buffers made through PyOpenCL's fast constructor path
-        (the checked one costs ~15 us of Python per call)."""
+        Arrays made on the device's own queue come from a ``pyopencl.tools.MemoryPool``: memory
+        of arrays that were freed is reused instead of fresh memory being mapped, which on
+        host-memory devices (PoCL) costs a page fault per 4 KiB at first touch -- 80 ms of a
+        100 ms call writing 268 MB -- and a buffer creation and release per call (~10 us).
+        Freed memory stays held for reuse (like PyTorch's CUDA caching allocator) until
+        ``pool_tuner.release_memory()``; ``POOL_TUNER_MEMORY_POOL=0`` turns the pool off.  Only
+        the device's in-order queue has a pool, so reused memory is never still in use by a pending
+        command on another queue (arrays on a caller's own queue get fresh buffers).  The array is
+        made through PyOpenCL's fast constructor path (the checked one costs ~15 us per call)."""
         queue = queue or self.queue
         dtype = np.dtype(dtype)
         size = 1
@@ -137,19 +134,19 @@ class OpenCLDevice:
             size *= n
         if size == 0:
             return cl_array.empty(queue, shape, dtype)
-        if (queue is self._default_queue and size * dtype.itemsize >= POOL_MIN_BYTES
-                and os.environ.get(MEMORY_POOL_ENV, "1") != "0"):
+        if queue is self._default_queue and os.environ.get(MEMORY_POOL_ENV, "1") != "0":
             if self._pool is None:
                 import pyopencl.tools as cl_tools
 
                 self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
-            return cl_array.empty(queue, shape, dtype, allocator=self._pool)
+            data = self._pool.allocate(size * dtype.itemsize)
+        else:
+            data = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize)
         try:
-            return cl_array.Array(queue, shape, dtype, data=cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize),
-                                  strides=tuple(reversed(strides)), _fast=True, _size=size, _context=queue.context,
-                                  _queue=queue)
-        except TypeError:
-            return cl_array.empty(queue, shape, dtype)
+            return cl_array.Array(queue, shape, dtype, data=data, strides=tuple(reversed(strides)), _fast=True,
+                                  _size=size, _context=queue.context, _queue=queue)
+        except TypeError:  # the fast path changed: the checked constructor
+            return cl_array.Array(queue, shape, dtype, data=data)
 
     def release_memory(self) -> int:
         """Free the memory the pool holds for reuse; returns the number of blocks freed."""
