@@ -174,7 +174,11 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
         building["params"] = {k: int(v) for k, v in params.items()}
         return kernel_source.render(variant.template, variant.defines(building["params"], problem))
 
+    names = list(variant.search_space)
+
     def restriction(params):
+        if not isinstance(params, dict):  # a one-parameter space: Kernel Tuner passes the bare value
+            params = {names[0]: params}
         key = _space_key({k: int(v) for k, v in params.items()})
         return key in legal_keys and key not in failures
 

@@ -547,6 +547,14 @@ def test_a_budget_with_the_automatic_strategy_applies_only_where_it_samples(user
     assert result.variants[0].evaluated == 24
 
 
+def test_a_one_parameter_space_is_tuned_whole(user_cache):
+    """plane_scatter's space has one parameter, for which Kernel Tuner calls restrictions with the
+    bare value instead of a dict."""
+    result = pt.tune(OP, SHAPE, OUT, direction="backward", variants=["plane_scatter"])
+    assert result.best_variant == "plane_scatter"
+    assert result.variants[0].evaluated == len(variants_for(OP, "backward")["plane_scatter"].search_space["block_size_x"])
+
+
 def test_tune_rejects_unknown_variant_and_empty_output(user_cache):
     with pytest.raises(ValueError, match="variants"):
         pt.tune(OP, SHAPE, OUT, variants=["no_such_variant"])
