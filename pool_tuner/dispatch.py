@@ -14,8 +14,8 @@ then dispatches from the new record; otherwise calls never block on tuning.
 
 The heuristic default, always with the variant's default configuration: backward passes use
 ``plane_scatter`` on CPU devices where it is legal (float32/float64: a work-item per plane, whose
-sequential scatter runs at memory speed on a CPU), else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous channels per
-work-item); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output rows (global
+sequential scatter runs at memory speed on a CPU), else ``thread_per_input``; channels-last
+forward passes use ``channels_vector`` (contiguous channels per work-item); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output rows (global
 pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``, where
 several lanes share each window; everything else -- and everything on CPU devices, where
 work-group barriers are expensive and one work-item per output vectorises best -- goes to
