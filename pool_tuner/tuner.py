@@ -22,6 +22,7 @@ import dataclasses
 import os
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
@@ -278,9 +279,17 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     results = []
     for name in names:
         t0 = time.perf_counter()
-        params, _kt_ms, evaluated, failures = tune_variant(
-            table[name], problem, dev, strategy=strategy, max_fevals=max_fevals, time_limit=time_limit,
-            iterations=iterations, rng=rng, quiet=quiet)
+        try:
+            params, _kt_ms, evaluated, failures = tune_variant(
+                table[name], problem, dev, strategy=strategy, max_fevals=max_fevals, time_limit=time_limit,
+                iterations=iterations, rng=rng, quiet=quiet)
+        except (ValueError, TypeError):  # our own argument errors (e.g. a budget with brute_force)
+            raise
+        except Exception as exc:  # the search itself broke: the other variants still count
+            error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"tuning variant {name!r} of {problem.op} {problem.direction} failed and is left out: "
+                          f"{error}", RuntimeWarning, stacklevel=2)
+            params, evaluated, failures = None, 0, [{"params": None, "error": error}]
         results.append(VariantResult(name, params, None, evaluated, failures, time.perf_counter() - t0))
         if progress is not None:
             progress(name)

@@ -555,6 +555,27 @@ def test_a_one_parameter_space_is_tuned_whole(user_cache):
     assert result.variants[0].evaluated == len(variants_for(OP, "backward")["plane_scatter"].search_space["block_size_x"])
 
 
+def test_a_variant_whose_search_breaks_is_left_out_with_a_warning(user_cache, monkeypatch):
+    """A search that raises (here: as Kernel Tuner did on one-parameter spaces) costs only its own
+    variant; the others are still tuned, raced and stored."""
+    real = tuner.tune_variant
+
+    def breaking(variant, *args, **kwargs):
+        if variant.name == "block_per_row":
+            raise AttributeError("'int' object has no attribute 'items'")
+        return real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune_variant", breaking)
+    with pytest.warns(RuntimeWarning, match="block_per_row.*AttributeError"):
+        result = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output", "block_per_row"], strategy="random_sample",
+                         max_fevals=3)
+    broken = next(v for v in result.variants if v.variant == "block_per_row")
+    assert broken.best_params is None and "AttributeError" in broken.failures[0]["error"]
+    assert result.best_variant == "thread_per_output" and result.stored
+    record = stored_records(user_cache)[result.cache_key]
+    assert any(f["variant"] == "block_per_row" for f in record["failures"])
+
+
 def test_tune_rejects_unknown_variant_and_empty_output(user_cache):
     with pytest.raises(ValueError, match="variants"):
         pt.tune(OP, SHAPE, OUT, variants=["no_such_variant"])
