@@ -165,6 +165,43 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
     return r;
 }
 
+/* Small uniform windows (every window KERNEL_T x KERNEL_H x KERNEL_W, at most 64 elements) are
+ * reduced by fully unrolled straight-line code from the window's corner, with the running result
+ * in plain scalars: the form that CPU compilers vectorise across work-items (PoCL leaves the
+ * general run loops above scalar even when their trip counts are constants). */
+#if UNIFORM_T && UNIFORM_H && UNIFORM_W
+#define SMALL_UNIFORM_WINDOW (KERNEL_T * KERNEL_H * KERNEL_W <= 64)
+#else
+#define SMALL_UNIFORM_WINDOW 0
+#endif
+#if SMALL_UNIFORM_WINDOW
+DEVICE_FN reduction_t reduce_small_uniform_window(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
+                                                  index_t oh, index_t ow)
+{
+    const index_t corner = PLANE_POSITION(T_WINDOW_START(ot), H_WINDOW_START(oh), W_WINDOW_START(ow), IN_H, IN_W);
+    const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    acc_t value = LOAD(in, plane_base + corner * ELEMENT_STEP);
+    index_t position = corner;
+#pragma unroll
+    for (int k = 1; k < KERNEL_T * KERNEL_H * KERNEL_W; ++k) {
+        const index_t p = corner + PLANE_POSITION(k / (KERNEL_H * KERNEL_W), k / KERNEL_W % KERNEL_H, k % KERNEL_W, IN_H, IN_W);
+        const acc_t v = LOAD(in, plane_base + p * ELEMENT_STEP);
+#if POOL_AVG
+        value += v;
+#else
+        /* In window order: only a larger value or a first NaN takes over (the reduce_step rule). */
+        const int wins = (IS_NAN(v) & !IS_NAN(value)) | (v > value);
+        value = wins ? v : value;
+        position = wins ? p : position;
+#endif
+    }
+    reduction_t r;
+    r.value = value;
+    r.position = position;
+    return r;
+}
+#endif
+
 #if VARIANT_THREAD_PER_OUTPUT
 /* Each work-item computes outputs_per_thread outputs, block_size_x apart in memory order, so that
  * neighbouring work-items always write neighbouring outputs (in channels-last memory they are
@@ -183,7 +220,11 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 #endif
         index_t plane, ot, oh, ow;
         OUT_COORDS(o, plane, ot, oh, ow);
+#if SMALL_UNIFORM_WINDOW && row_lanes == 1
+        const reduction_t r = reduce_small_uniform_window(in, plane, ot, oh, ow);
+#else
         const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);
+#endif
         STORE_RESULT(o, r, ot, oh, ow);
     }
 }

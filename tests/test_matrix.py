@@ -396,20 +396,33 @@ LANE_CASES = [pytest.param(op, layout, variant, id=f"{op}-{layout}-{variant}")
               for layout in LAYOUT_NAMES[ndim] for variant in LANE_CONFIGS]
 
 
+#: Uniform windows of at most 64 elements: thread_per_output's unrolled straight-line path.
+SMALL_UNIFORM_SHAPES = {1: ((2, 3, 12), 4), 2: ((2, 3, 8, 9), (4, 3)), 3: ((1, 2, 4, 6, 9), (2, 3, 3))}
+LANE_CONFIGS["thread_per_output-small-uniform"] = {"block_size_x": 32, "outputs_per_thread": 1, "row_lanes": 1}
+LANE_CASES += [pytest.param(op, layout, "thread_per_output-small-uniform", id=f"{op}-{layout}-small-uniform")
+               for op, (kind, ndim) in OPS.items() if kind == "max" for layout in LAYOUT_NAMES[ndim]]
+
+
 @pytest.mark.parametrize("op,layout,variant", LANE_CASES)
 @pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
 def test_max_with_row_lanes_keeps_the_first_position(op, layout, variant, fill, rng):
-    """row_lanes > 1 finds the maximum first and its position in a second pass: ties, several NaNs
-    and -inf windows must still give the first position in window order."""
+    """row_lanes > 1 finds the maximum first and its position in a second pass, and small uniform
+    windows reduce in unrolled straight-line code: ties, several NaNs and -inf windows must still
+    give the first position in window order."""
     ndim = OPS[op][1]
-    shape, size = LANE_SHAPES[ndim]
+    small_uniform = variant.endswith("small-uniform")
+    shape, size = (SMALL_UNIFORM_SHAPES if small_uniform else LANE_SHAPES)[ndim]
+    config = LANE_CONFIGS[variant]
+    variant = "thread_per_output" if small_uniform else variant
+    if small_uniform:
+        assert all(pt.fixed_pool_equivalent(i, o) for i, o in zip(shape[-ndim:], np.broadcast_to(size, (ndim,))))
     if fill == "ties":
         x = rng.integers(0, 3, size=shape).astype(np.float32)
     else:
         x = random_input(rng, shape)
         x[rng.random(shape) < 0.3] = np.nan if fill == "nans" else -np.inf
         x[0, 0] = np.nan if fill == "nans" else -np.inf  # a whole plane of them
-    values, indices = forward(op, in_layout(x, ndim, layout), size, variant=variant, config=LANE_CONFIGS[variant])
+    values, indices = forward(op, in_layout(x, ndim, layout), size, variant=variant, config=config)
     ref_values, ref_indices = reference.forward(op, x, size)
     np.testing.assert_array_equal(as_float64(values), ref_values)
     np.testing.assert_array_equal(indices, ref_indices)
