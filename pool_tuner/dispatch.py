@@ -12,11 +12,12 @@ Decision order (each step is reported by ``explain`` as ``source``):
 With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it first (once) and
 then dispatches from the new record; otherwise calls never block on tuning.
 
-The heuristic default, always with the variant's default configuration: backward passes use
-``plane_scatter`` on CPU devices where it is legal (float32/float64: a work-item per plane, whose
-sequential scatter runs at memory speed on a CPU), else ``thread_per_input``; channels-last
-forward passes use ``channels_vector`` (contiguous channels per work-item); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output rows (global
-pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``, where
+The heuristic default, always with the variant's default configuration for the problem
+(``Variant.default_for``): backward passes use ``plane_scatter`` on CPU devices where it is legal
+(float32/float64: a work-item per plane, whose sequential scatter runs at memory speed on a CPU),
+else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
+channels per work-item); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output
+rows (global pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``, where
 several lanes share each window; everything else -- and everything on CPU devices, where
 work-group barriers are expensive and one work-item per output vectorises best -- goes to
 ``thread_per_output``.
@@ -75,7 +76,7 @@ def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     table = variants_mod.variants_for(problem.op, problem.direction)
     if problem.direction == "backward":
         scatter = table["plane_scatter"]
-        if device.is_cpu and scatter.illegal_reason(scatter.default, problem, device.limits) is None:
+        if device.is_cpu and scatter.is_legal({}, problem, device.limits):
             return scatter
         return table["thread_per_input"]
     if problem.channels_last:

@@ -145,9 +145,8 @@ class Problem:
             uniform[f"UNIFORM_{axis}"] = int(fixed is not None)
             if fixed is not None:
                 uniform[f"KERNEL_{axis}"], uniform[f"STRIDE_{axis}"] = fixed[0], fixed[1]
-            # Bounds for fixed-trip window loops: the most inputs one output pools, and the most
-            # outputs that pool one input.
-            uniform[f"MAX_WINDOW_{axis}"] = max_window(i, o)
+            # The most outputs that pool one input: at 1 the gather loops of the axis vanish
+            # (INVERSE_COUNT in windows.h).
             uniform[f"MAX_INVERSE_WINDOW_{axis}"] = max_window(o, i) if o else 0
         return {
             DTYPES[self.dtype]: 1,

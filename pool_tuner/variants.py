@@ -11,6 +11,7 @@ The tuner searches the space; dispatch validates whatever it is about to launch 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -40,9 +41,11 @@ def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
     return int((ends[last] - starts[first]).max(initial=0))
 
 
+@functools.lru_cache(maxsize=1024)
 def _longest_run(problem: Problem) -> int:
     """Longest run of a window that the forward kernels reduce in one go: a window row, or with one
-    output column in channels-first memory a whole slab of rows (CONTIGUOUS_WINDOW_ROWS)."""
+    output column in channels-first memory a whole slab of rows (CONTIGUOUS_WINDOW_ROWS).
+    Memoised: ``check_config`` asks twice per configuration (default and legality)."""
     (_, ih, iw), (_, oh, ow) = problem.in_spatial, problem.out_spatial
     if ow == 1 and not problem.channels_last:
         return max_window(ih, oh) * iw

@@ -59,9 +59,9 @@ EXACT_MAX_WINDOW_LIMIT = 1 << 16
 
 def max_window(in_size: int, out_size: int) -> int:
     """Largest window along one axis (0 for an empty output); ``max_window(O, I)`` is the most
-    outputs any one input belongs to.  Kernels loop a fixed ``max_window`` times with a mask, so
-    this must never be too small; for more than ``EXACT_MAX_WINDOW_LIMIT`` outputs it is the
-    bound ``ceil(I/O) + 1`` (exact when ``O`` divides ``I``), never less than the true maximum."""
+    outputs any one input belongs to.  Kernels drop an axis's gather loop when that is 1, so it
+    must never be too small; for more than ``EXACT_MAX_WINDOW_LIMIT`` outputs it is the bound
+    ``ceil(I/O) + 1`` (exact when ``O`` divides ``I``), never less than the true maximum."""
     in_size, out_size = _check_sizes(in_size, out_size, allow_zero_out=True)
     if out_size == 0:
         return 0

@@ -9,7 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from pool_tuner.windows import fixed_pool_equivalent, inverse_windows, pooling_windows
+from pool_tuner import windows
+from pool_tuner.windows import fixed_pool_equivalent, inverse_windows, max_window, pooling_windows
 
 SIZES = range(1, 65)
 
@@ -99,6 +100,22 @@ def test_inverse_windows_exhaustive(in_size):
         o = np.arange(out_size)[None, :]
         claimed = (first[:, None] <= o) & (o < last[:, None])
         assert np.array_equal(member, claimed), (in_size, out_size)
+
+
+def test_max_window_exact_and_bound(monkeypatch):
+    """Exact by scanning; past EXACT_MAX_WINDOW_LIMIT outputs a closed-form bound that is never
+    below the true maximum (a gather loop is dropped when the inverse window's maximum is 1) and is
+    exact whenever O divides I."""
+    exact = {(i, o): max_window(i, o) for i in range(1, 65) for o in range(0, 65)}
+    for (i, o), value in exact.items():
+        starts, ends = pooling_windows(i, o)
+        assert value == int((ends - starts).max(initial=0))
+    monkeypatch.setattr(windows, "EXACT_MAX_WINDOW_LIMIT", 0)
+    for (i, o), value in exact.items():
+        bound = max_window(i, o)
+        assert bound >= value and bound <= value + 1
+        if o and i % o == 0:
+            assert bound == value
 
 
 def test_explicit_cases():
