@@ -165,39 +165,43 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
     return r;
 }
 
-/* Small uniform windows (every window KERNEL_T x KERNEL_H x KERNEL_W, at most 64 elements) are
- * reduced by fully unrolled straight-line code from the window's corner, with the running result
- * in plain scalars: the form that CPU compilers vectorise across work-items (PoCL leaves the
- * general run loops above scalar even when their trip counts are constants). */
-#if UNIFORM_T && UNIFORM_H && UNIFORM_W
-#define SMALL_UNIFORM_WINDOW (KERNEL_T * KERNEL_H * KERNEL_W <= 64)
-#else
-#define SMALL_UNIFORM_WINDOW 0
-#endif
-#if SMALL_UNIFORM_WINDOW
-DEVICE_FN reduction_t reduce_small_uniform_window(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
-                                                  index_t oh, index_t ow)
+/* Small windows (every window inside a box of MAX_WINDOW_T x MAX_WINDOW_H x MAX_WINDOW_W, at most
+ * SMALL_WINDOW_LIMIT elements) are reduced by fully unrolled straight-line code over that box, with
+ * the running result in plain scalars: the form that CPU compilers vectorise across work-items (PoCL
+ * leaves the general run loops above scalar even when their trip counts are constants).  Along an
+ * axis whose windows differ in size, a box tap past the window's end is clamped to its last element
+ * (a load that is always in bounds): average pooling masks it out, and max pooling needs no mask,
+ * since a repeat of an element visited just before it never takes over (the reduce_step rule). */
+#define SMALL_WINDOW_LIMIT 64
+#define SMALL_WINDOW (MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W <= SMALL_WINDOW_LIMIT)
+/* Tap k of a box axis for the window [start, end): start + k, clamped to end - 1. */
+#define BOX_TAP(start, end, k, UNIFORM) ((UNIFORM) || (start) + (k) < (end) ? (start) + (k) : (end) - 1)
+#define IN_WINDOW(start, end, k, UNIFORM) ((UNIFORM) || (start) + (k) < (end))
+#if SMALL_WINDOW
+DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
+                                          index_t oh, index_t ow)
 {
-    const index_t corner = PLANE_POSITION(T_WINDOW_START(ot), H_WINDOW_START(oh), W_WINDOW_START(ow), IN_H, IN_W);
+    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
+    const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);
+    const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
     const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
-    acc_t value = LOAD(in, plane_base + corner * ELEMENT_STEP);
-    index_t position = corner;
+    const index_t corner = PLANE_POSITION(t_start, h_start, w_start, IN_H, IN_W);
+    reduction_t r = reduce_init();
+    reduce_step(&r, LOAD(in, plane_base + corner * ELEMENT_STEP), corner);
 #pragma unroll
-    for (int k = 1; k < KERNEL_T * KERNEL_H * KERNEL_W; ++k) {
-        const index_t p = corner + PLANE_POSITION(k / (KERNEL_H * KERNEL_W), k / KERNEL_W % KERNEL_H, k % KERNEL_W, IN_H, IN_W);
+    for (int k = 1; k < MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W; ++k) {
+        const int kt = k / (MAX_WINDOW_H * MAX_WINDOW_W), kh = k / MAX_WINDOW_W % MAX_WINDOW_H, kw = k % MAX_WINDOW_W;
+        const index_t p = PLANE_POSITION(BOX_TAP(t_start, t_end, kt, UNIFORM_T), BOX_TAP(h_start, h_end, kh, UNIFORM_H),
+                                         BOX_TAP(w_start, w_end, kw, UNIFORM_W), IN_H, IN_W);
         const acc_t v = LOAD(in, plane_base + p * ELEMENT_STEP);
 #if POOL_AVG
-        value += v;
+        const int inside = IN_WINDOW(t_start, t_end, kt, UNIFORM_T) & IN_WINDOW(h_start, h_end, kh, UNIFORM_H)
+                         & IN_WINDOW(w_start, w_end, kw, UNIFORM_W);
+        reduce_step(&r, inside ? v : (acc_t)0, p);
 #else
-        /* In window order: only a larger value or a first NaN takes over (the reduce_step rule). */
-        const int wins = (IS_NAN(v) & !IS_NAN(value)) | (v > value);
-        value = wins ? v : value;
-        position = wins ? p : position;
+        reduce_step(&r, v, p);
 #endif
     }
-    reduction_t r;
-    r.value = value;
-    r.position = position;
     return r;
 }
 #endif
@@ -220,8 +224,8 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 #endif
         index_t plane, ot, oh, ow;
         OUT_COORDS(o, plane, ot, oh, ow);
-#if SMALL_UNIFORM_WINDOW && row_lanes == 1
-        const reduction_t r = reduce_small_uniform_window(in, plane, ot, oh, ow);
+#if SMALL_WINDOW && row_lanes == 1
+        const reduction_t r = reduce_small_window(in, plane, ot, oh, ow);
 #else
         const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);
 #endif

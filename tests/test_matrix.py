@@ -6,6 +6,8 @@ One representative non-divisible shape per rank keeps this fast (every problem i
 the special-value tests reuse those shapes so that they reuse the compiled kernels too.
 """
 
+import math
+
 import numpy as np
 import pyopencl.array as cl_array
 import pytest
@@ -16,6 +18,7 @@ from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
 from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
+from pool_tuner.windows import max_window
 
 from conftest import random_input
 
@@ -396,26 +399,41 @@ LANE_CASES = [pytest.param(op, layout, variant, id=f"{op}-{layout}-{variant}")
               for layout in LAYOUT_NAMES[ndim] for variant in LANE_CONFIGS]
 
 
-#: Uniform windows of at most 64 elements: thread_per_output's unrolled straight-line path.
-SMALL_UNIFORM_SHAPES = {1: ((2, 3, 12), 4), 2: ((2, 3, 8, 9), (4, 3)), 3: ((1, 2, 4, 6, 9), (2, 3, 3))}
-LANE_CONFIGS["thread_per_output-small-uniform"] = {"block_size_x": 32, "outputs_per_thread": 1, "row_lanes": 1}
-LANE_CASES += [pytest.param(op, layout, "thread_per_output-small-uniform", id=f"{op}-{layout}-small-uniform")
-               for op, (kind, ndim) in OPS.items() if kind == "max" for layout in LAYOUT_NAMES[ndim]]
+#: Windows inside a box of at most 64 elements: thread_per_output's unrolled straight-line path,
+#: with uniform windows and with windows of different sizes (whose box taps are clamped).
+SMALL_WINDOW_SHAPES = {
+    "small-uniform": {1: ((2, 3, 12), 4), 2: ((2, 3, 8, 9), (4, 3)), 3: ((1, 2, 4, 6, 9), (2, 3, 3))},
+    "small-nonuniform": {1: ((2, 3, 13), 5), 2: ((2, 3, 7, 9), (5, 4)), 3: ((1, 2, 5, 6, 7), (3, 4, 4))},
+}
+SMALL_WINDOW_CONFIG = {"block_size_x": 32, "outputs_per_thread": 1, "row_lanes": 1}
+for _kind in SMALL_WINDOW_SHAPES:
+    LANE_CONFIGS[f"thread_per_output-{_kind}"] = SMALL_WINDOW_CONFIG
+    LANE_CASES += [pytest.param(op, layout, f"thread_per_output-{_kind}", id=f"{op}-{layout}-{_kind}")
+                   for op, (kind, ndim) in OPS.items() if kind == "max" for layout in LAYOUT_NAMES[ndim]]
+
+
+def _small_window_case(variant, ndim):
+    """(shape, size, variant) of a LANE_CASES variant, checking that a small-window shape takes the path."""
+    small = variant.removeprefix("thread_per_output-")
+    if small not in SMALL_WINDOW_SHAPES:
+        return (*LANE_SHAPES[ndim], variant)
+    shape, size = SMALL_WINDOW_SHAPES[small][ndim]
+    pairs = list(zip(shape[-ndim:], np.broadcast_to(size, (ndim,))))
+    assert math.prod(max_window(i, int(o)) for i, o in pairs) <= 64
+    uniform = all(pt.fixed_pool_equivalent(i, int(o)) for i, o in pairs)
+    assert uniform == (small == "small-uniform")
+    return shape, size, "thread_per_output"
 
 
 @pytest.mark.parametrize("op,layout,variant", LANE_CASES)
 @pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
 def test_max_with_row_lanes_keeps_the_first_position(op, layout, variant, fill, rng):
-    """row_lanes > 1 finds the maximum first and its position in a second pass, and small uniform
-    windows reduce in unrolled straight-line code: ties, several NaNs and -inf windows must still
-    give the first position in window order."""
+    """row_lanes > 1 finds the maximum first and its position in a second pass, and small windows
+    reduce in unrolled straight-line code over a clamped box: ties, several NaNs and -inf windows
+    must still give the first position in window order."""
     ndim = OPS[op][1]
-    small_uniform = variant.endswith("small-uniform")
-    shape, size = (SMALL_UNIFORM_SHAPES if small_uniform else LANE_SHAPES)[ndim]
     config = LANE_CONFIGS[variant]
-    variant = "thread_per_output" if small_uniform else variant
-    if small_uniform:
-        assert all(pt.fixed_pool_equivalent(i, o) for i, o in zip(shape[-ndim:], np.broadcast_to(size, (ndim,))))
+    shape, size, variant = _small_window_case(variant, ndim)
     if fill == "ties":
         x = rng.integers(0, 3, size=shape).astype(np.float32)
     else:
@@ -426,6 +444,21 @@ def test_max_with_row_lanes_keeps_the_first_position(op, layout, variant, fill, 
     ref_values, ref_indices = reference.forward(op, x, size)
     np.testing.assert_array_equal(as_float64(values), ref_values)
     np.testing.assert_array_equal(indices, ref_indices)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("op,layout,small", [
+    pytest.param(op, layout, small, id=f"{op}-{layout}-{small}")
+    for op, (kind, ndim) in OPS.items() if kind == "avg" for layout in LAYOUT_NAMES[ndim]
+    for small in SMALL_WINDOW_SHAPES])
+def test_avg_small_windows_count_each_element_once(op, layout, small, dtype, rng):
+    """The unrolled small-window path loads clamped repeats past a short window's end and must mask
+    them out of the sum: every mean matches the reference."""
+    ndim = OPS[op][1]
+    shape, size, variant = _small_window_case(f"thread_per_output-{small}", ndim)
+    x = in_layout(random_input(rng, shape, np_dtype(dtype)), ndim, layout)
+    out = forward(op, x, size, variant=variant, config=SMALL_WINDOW_CONFIG)
+    np.testing.assert_allclose(as_float64(out), reference.forward(op, x, size), **TOLERANCES[dtype])
 
 
 # ---------------------------------------------------------------- float16 near its maximum
