@@ -91,9 +91,20 @@ def choose(problem: Problem, device, variant=None, config=None, *, allow_tuning=
     if variant is not None or config is not None:
         if variant is None:
             raise ValueError("config= needs variant= too: configurations belong to one variant")
-        chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
-        params = chosen.check_config({} if config is None else config, problem, device.limits)
-        return Choice(chosen, tuple(sorted(params.items())), "forced")
+        try:
+            # Value types are part of the key: True == 1, but True is not a legal value.
+            forced_key = (device.id, problem, variant,
+                          None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items())))
+            choice = _FORCED.get(forced_key)
+        except (TypeError, AttributeError):  # unhashable or not a dict: let validation explain
+            forced_key, choice = None, None
+        if choice is None:
+            chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
+            params = chosen.check_config({} if config is None else config, problem, device.limits)
+            choice = Choice(chosen, tuple(sorted(params.items())), "forced")
+            if forced_key is not None:
+                _FORCED[forced_key] = choice
+        return choice
     memo_key = (device.id, problem)
     choice = _DECISIONS.get(memo_key)
     if choice is None:
@@ -173,6 +184,8 @@ def _neighbours(problem: Problem, device, table) -> list:
 
 
 _DECISIONS: dict = {}
+#: Validated forced choices: checking a configuration costs ~100 us, as much as a small kernel.
+_FORCED: dict = {}
 _TUNING_CACHE = None
 
 
@@ -190,6 +203,7 @@ def forget(problem: Problem | None = None, device=None) -> None:
     global _TUNING_CACHE
     if problem is None:
         _DECISIONS.clear()
+        _FORCED.clear()
         _TUNING_CACHE = None
     else:
         _DECISIONS.pop((device.id, problem), None)

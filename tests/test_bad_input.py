@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import dispatch
+from pool_tuner import backends, dispatch
 from pool_tuner.backends.opencl import OpenCLDevice
+from pool_tuner.problem import Problem
 
 OP2 = "adaptive_avg_pool2d"
 GOOD = np.ones((2, 3, 8, 8), np.float32)
@@ -77,3 +78,12 @@ def test_array_on_another_device_is_refused():
     x = cl_array.to_device(backends.default_device().queue, GOOD)
     with pytest.raises(ValueError, match="does not hold x"):
         pt.adaptive_avg_pool2d(x, 2, device=others[0].id)
+
+
+
+def test_a_validated_forced_config_does_not_vouch_for_an_equal_bool():
+    """Forced choices are memoised after validation; True == 1, but True is still refused."""
+    problem, device = Problem.create(OP2, GOOD.shape, (2, 2)), backends.default_device()
+    dispatch.choose(problem, device, "thread_per_output", {"row_lanes": 1})
+    with pytest.raises(ValueError, match=r"config\['row_lanes'\] must be one of"):
+        dispatch.choose(problem, device, "thread_per_output", {"row_lanes": True})
