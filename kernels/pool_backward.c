@@ -27,10 +27,17 @@
     (indices[offset] == (int64_t_)(position) ? (grad) : (acc_t)0)
 #endif
 
+#define INVERSE_BOX_T MAX_INVERSE_WINDOW_T
+#define INVERSE_BOX_H MAX_INVERSE_WINDOW_H
+#define INVERSE_BOX_W MAX_INVERSE_WINDOW_W
+#define SMALL_INVERSE_WINDOW (INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W <= SMALL_BOX_LIMIT)
+
 #if VARIANT_THREAD_PER_INPUT
 /* Each work-item computes inputs_per_thread input gradients, block_size_x apart in memory order.
- * The host defines PARTIAL_LAST_GROUP when the grid runs past the last input; without that bounds
- * check the work-items are branch-free whenever their gather loops vanish (windows.h).
+ * When every inverse window fits a box of at most SMALL_BOX_LIMIT outputs (windows.h), the gather
+ * is unrolled straight-line code over that box, otherwise loops (which vanish along axes whose
+ * windows do not overlap).  The host defines PARTIAL_LAST_GROUP when the grid runs past the last
+ * input; without that bounds check the work-items are branch-free, which CPU compilers vectorise.
  * Launch: ceil(IN_NUMEL / (block_size_x * inputs_per_thread)) groups of block_size_x. */
 KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
 {
@@ -48,12 +55,28 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
         const index_t oh0 = WINDOW_START(h, OUT_H, IN_H), oh1 = WINDOW_END(h, OUT_H, IN_H);
         const index_t ow0 = WINDOW_START(w, OUT_W, IN_W), ow1 = WINDOW_END(w, OUT_W, IN_W);
         acc_t sum = (acc_t)0;
+#if SMALL_INVERSE_WINDOW
+        /* Straight-line code over the box, in the loops' order; a repeat adds +0, which leaves every
+         * sum bit-identical to the loops' (a sum that starts at +0 never becomes -0). */
+#pragma unroll
+        for (int k = 0; k < INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W; ++k) {
+            const int kt = k / (INVERSE_BOX_H * INVERSE_BOX_W), kh = k / INVERSE_BOX_W % INVERSE_BOX_H, kw = k % INVERSE_BOX_W;
+            const index_t ot = BOX_TAP(ot0, ot1, kt, INVERSE_BOX_T == 1), oh = BOX_TAP(oh0, oh1, kh, INVERSE_BOX_H == 1),
+                          ow = BOX_TAP(ow0, ow1, kw, INVERSE_BOX_W == 1);
+            const index_t o = OUT_OFFSET(plane, ot, oh, ow);
+            const acc_t term = CONTRIBUTION(LOAD(grad_out, o), o, ot, oh, ow, position);
+            const int real = IN_WINDOW(ot0, ot1, kt, INVERSE_BOX_T == 1) & IN_WINDOW(oh0, oh1, kh, INVERSE_BOX_H == 1)
+                           & IN_WINDOW(ow0, ow1, kw, INVERSE_BOX_W == 1);
+            sum += real ? term : (acc_t)0;
+        }
+#else
         for (index_t ot = ot0; ot < ot0 + INVERSE_COUNT(T, ot0, ot1); ++ot)
             for (index_t oh = oh0; oh < oh0 + INVERSE_COUNT(H, oh0, oh1); ++oh)
                 for (index_t ow = ow0; ow < ow0 + INVERSE_COUNT(W, ow0, ow1); ++ow) {
                     const index_t o = OUT_OFFSET(plane, ot, oh, ow);
                     sum += CONTRIBUTION(LOAD(grad_out, o), o, ot, oh, ow, position);
                 }
+#endif
         STORE(grad_in, i, sum);
     }
 }

@@ -166,17 +166,13 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
 }
 
 /* Small windows (every window inside a box of MAX_WINDOW_T x MAX_WINDOW_H x MAX_WINDOW_W, at most
- * SMALL_WINDOW_LIMIT elements) are reduced by fully unrolled straight-line code over that box, with
+ * SMALL_BOX_LIMIT elements) are reduced by fully unrolled straight-line code over that box, with
  * the running result in plain scalars: the form that CPU compilers vectorise across work-items (PoCL
  * leaves the general run loops above scalar even when their trip counts are constants).  Along an
  * axis whose windows differ in size, a box tap past the window's end is clamped to its last element
  * (a load that is always in bounds): average pooling masks it out, and max pooling needs no mask,
  * since a repeat of an element visited just before it never takes over (the reduce_step rule). */
-#define SMALL_WINDOW_LIMIT 64
-#define SMALL_WINDOW (MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W <= SMALL_WINDOW_LIMIT)
-/* Tap k of a box axis for the window [start, end): start + k, clamped to end - 1. */
-#define BOX_TAP(start, end, k, UNIFORM) ((UNIFORM) || (start) + (k) < (end) ? (start) + (k) : (end) - 1)
-#define IN_WINDOW(start, end, k, UNIFORM) ((UNIFORM) || (start) + (k) < (end))
+#define SMALL_WINDOW (MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W <= SMALL_BOX_LIMIT)
 #if SMALL_WINDOW
 DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
                                           index_t oh, index_t ow)

@@ -46,6 +46,16 @@
  * get the compile-time trip count 1 and vanish (CPU compilers then vectorise across work-items). */
 #define INVERSE_COUNT(axis, first, last) (MAX_INVERSE_WINDOW_##axis == 1 ? 1 : (last) - (first))
 
+/* Boxes: a loop over every window of an axis can become straight-line code over a box of the
+ * axis's longest window (MAX_WINDOW_<axis>, or MAX_INVERSE_WINDOW_<axis> for the inverse windows):
+ * tap k of the window [start, end) is start + k, clamped to end - 1 past a shorter window's end
+ * (a repeat, always in bounds), and IN_WINDOW tells the real taps from the repeats.  Along an axis
+ * whose windows all have the box's size (EXACT) neither needs a comparison.  Kernels unroll boxes
+ * of at most SMALL_BOX_LIMIT taps. */
+#define SMALL_BOX_LIMIT 256
+#define BOX_TAP(start, end, k, EXACT) ((EXACT) || (start) + (k) < (end) ? (start) + (k) : (end) - 1)
+#define IN_WINDOW(start, end, k, EXACT) ((EXACT) || (start) + (k) < (end))
+
 #define IN_PLANE_SIZE ((index_t)IN_T * IN_H * IN_W)
 #define OUT_PLANE_SIZE ((index_t)OUT_T * OUT_H * OUT_W)
 #define IN_NUMEL ((index_t)N_PLANES * IN_PLANE_SIZE)

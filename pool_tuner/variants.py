@@ -41,6 +41,16 @@ def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
     return int((ends[last] - starts[first]).max(initial=0))
 
 
+#: Kernels unroll windows that fit a box of at most this many elements (SMALL_BOX_LIMIT in
+#: kernels/windows.h; a test keeps the two equal).
+SMALL_BOX_LIMIT = 256
+
+
+def _window_box(problem: Problem) -> int:
+    """Elements of the box that holds every forward window (the unrolled small-window path)."""
+    return math.prod(max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
+
+
 @functools.lru_cache(maxsize=1024)
 def _longest_run(problem: Problem) -> int:
     """Longest run of a window that the forward kernels reduce in one go: a window row, or with one
@@ -224,14 +234,15 @@ class ThreadPerOutput(Variant):
         "row_lanes": [1, 4, 8, 16],
     }
     default = {"block_size_x": 256, "outputs_per_thread": 1, "row_lanes": 1}
-    #: Windows whose runs (kernels/pool_forward.c) have at least this many elements default to
-    #: LONG_RUN_LANES lanes: on PoCL the tuner picked 8 or 16 lanes for every suite shape with runs
-    #: of 49 or more, and 2-4x speed-ups over one lane (global, pyramid and 3-d head pooling).
+    #: Windows too large for the unrolled small-window path whose runs (kernels/pool_forward.c)
+    #: have at least this many elements default to LONG_RUN_LANES lanes: on PoCL the tuner picked
+    #: 8 or 16 lanes for such suite shapes, 2-4x faster than one lane (global, pyramid and 3-d head
+    #: pooling).  Windows that fit the box run fastest unrolled, which needs one lane.
     LONG_RUN = 32
     LONG_RUN_LANES = 8
 
     def default_for(self, problem):
-        if _longest_run(problem) >= self.LONG_RUN:
+        if _window_box(problem) > SMALL_BOX_LIMIT and _longest_run(problem) >= self.LONG_RUN:
             return {**self.default, "row_lanes": self.LONG_RUN_LANES}
         return self.default
 

@@ -399,7 +399,7 @@ LANE_CASES = [pytest.param(op, layout, variant, id=f"{op}-{layout}-{variant}")
               for layout in LAYOUT_NAMES[ndim] for variant in LANE_CONFIGS]
 
 
-#: Windows inside a box of at most 64 elements: thread_per_output's unrolled straight-line path,
+#: Windows inside a box of at most 256 elements (SMALL_BOX_LIMIT): thread_per_output's unrolled straight-line path,
 #: with uniform windows and with windows of different sizes (whose box taps are clamped).
 SMALL_WINDOW_SHAPES = {
     "small-uniform": {1: ((2, 3, 12), 4), 2: ((2, 3, 8, 9), (4, 3)), 3: ((1, 2, 4, 6, 9), (2, 3, 3))},
@@ -419,7 +419,7 @@ def _small_window_case(variant, ndim):
         return (*LANE_SHAPES[ndim], variant)
     shape, size = SMALL_WINDOW_SHAPES[small][ndim]
     pairs = list(zip(shape[-ndim:], np.broadcast_to(size, (ndim,))))
-    assert math.prod(max_window(i, int(o)) for i, o in pairs) <= 64
+    assert math.prod(max_window(i, int(o)) for i, o in pairs) <= 256
     uniform = all(pt.fixed_pool_equivalent(i, int(o)) for i, o in pairs)
     assert uniform == (small == "small-uniform")
     return shape, size, "thread_per_output"

@@ -26,7 +26,7 @@ from pool_tuner import cache as cache_mod
 from pool_tuner.backends import opencl
 from pool_tuner.cache import CacheWarning
 from pool_tuner.problem import Problem
-from pool_tuner.variants import variants_for
+from pool_tuner.variants import SMALL_BOX_LIMIT, variants_for
 
 from conftest import random_input
 
@@ -587,3 +587,23 @@ def test_the_stored_winner_never_lost_to_the_default_in_the_race(user_cache):
     result = pt.tune(OP, SHAPE, OUT, strategy="random_sample", max_fevals=3)
     assert result.best_time_ms <= result.default_time_ms
     assert result.speedup_over_default >= 1.0
+
+
+@pytest.mark.parametrize("input_shape,output_size,lanes", [
+    ((32, 2048, 7, 7), (1, 1), 1),        # 49-element windows: the unrolled small-window path
+    ((32, 256, 13, 13), (1, 1), 1),       # 169 elements: still unrolled
+    ((8, 2048, 8, 7, 7), (1, 1, 1), 8),   # 392-element slabs of 49-element runs: lanes
+    ((8, 64, 64, 64), (1, 1), 8),         # whole 4096-element planes: lanes
+    ((2, 3, 64, 64), (6, 6), 1),          # 12-element runs: too short for lanes
+])
+def test_thread_per_output_default_lanes_follow_the_window(input_shape, output_size, lanes):
+    """One lane (the unrolled path) while a window fits SMALL_BOX_LIMIT, lanes for long runs beyond."""
+    op = f"adaptive_avg_pool{len(output_size)}d"
+    problem = Problem.create(op, input_shape, output_size)
+    assert variants_for(op)["thread_per_output"].default_for(problem)["row_lanes"] == lanes
+
+
+def test_small_box_limit_is_the_kernels():
+    """The host's SMALL_BOX_LIMIT decides defaults; the kernels' decides which code runs."""
+    header = kernel_source.read("windows.h")
+    assert f"#define SMALL_BOX_LIMIT {SMALL_BOX_LIMIT}\n" in header
