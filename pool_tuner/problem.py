@@ -146,7 +146,9 @@ class Problem:
             if fixed is not None:
                 uniform[f"KERNEL_{axis}"], uniform[f"STRIDE_{axis}"] = fixed[0], fixed[1]
             # The longest window: the box that the small-window path of the forward kernel unrolls.
-            uniform[f"MAX_WINDOW_{axis}"] = max_window(i, o) if o else 0
+            # A uniform axis's box must be exactly its kernel (its taps are not clamped), and past
+            # EXACT_MAX_WINDOW_LIMIT outputs max_window is only a bound.
+            uniform[f"MAX_WINDOW_{axis}"] = fixed[0] if fixed is not None else max_window(i, o) if o else 0
             # The most outputs that pool one input: at 1 the gather loops of the axis vanish
             # (INVERSE_COUNT in windows.h).
             uniform[f"MAX_INVERSE_WINDOW_{axis}"] = max_window(o, i) if o else 0

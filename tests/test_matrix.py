@@ -18,7 +18,7 @@ from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
 from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
-from pool_tuner.windows import max_window
+from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
 from conftest import random_input
 
@@ -488,3 +488,20 @@ def test_float16_large_values_average_without_overflow(op, layout, variant, rng)
     out = forward(op, x, size, variant=variant)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out.astype(np.float64), reference.forward(op, x, size), **TOLERANCES["float16"])
+
+
+@pytest.mark.parametrize("op", ["adaptive_avg_pool1d", "adaptive_max_pool1d"])
+def test_small_window_box_of_a_uniform_axis_past_the_exact_max_window_limit(op, rng):
+    """Past EXACT_MAX_WINDOW_LIMIT outputs max_window is a bound (4 for 140001 -> 70000), but these
+    windows are uniform (kernel 3, stride 2): the unrolled box must still be exactly 3 taps wide."""
+    size = 70000
+    assert size > EXACT_MAX_WINDOW_LIMIT and pt.fixed_pool_equivalent(2 * size + 1, size) == (3, 2, 0)
+    x = random_input(rng, (1, 2, 2 * size + 1))
+    out = forward(op, x, size, variant="thread_per_output", config=SMALL_WINDOW_CONFIG)
+    if OPS[op][0] == "max":
+        values, indices = out
+        ref_values, ref_indices = reference.forward(op, x, size)
+        np.testing.assert_array_equal(as_float64(values), ref_values)
+        np.testing.assert_array_equal(indices, ref_indices)
+    else:
+        np.testing.assert_allclose(as_float64(out), reference.forward(op, x, size), **FLOAT32_TOL)
