@@ -281,6 +281,36 @@ class BlockPerRow(Variant):
         return params["block_size_x"] * 16
 
 
+class PlaneReduce(Variant):
+    name = "plane_reduce"
+    summary = ("global pooling: a work-group per plane, work-item j takes every block_size_x-th element "
+               "from j (contiguous loads across work-items), then one merges the partials (channels-first)")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (contiguous planes)"
+        if problem.out_spatial != (1, 1, 1):
+            return "only for global pooling (every output size 1)"
+        if params["block_size_x"] > math.prod(problem.in_spatial):
+            return "block_size_x must not exceed the plane size (every work-item needs an element)"
+        return super().illegal_reason(params, problem, limits)
+
+    def default_for(self, problem):
+        """64 work-items, or the most that the plane has elements for."""
+        plane = math.prod(problem.in_spatial)
+        fitting = [b for b in self.search_space["block_size_x"] if b <= min(plane, self.default["block_size_x"])]
+        return {"block_size_x": fitting[-1]} if fitting else self.default
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
+        return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+
+
 class SmemTiled(_Tiled):
     name = "smem_tiled"
     summary = "a work-group stages the input under a tile of outputs in local memory, then reduces the tile"
@@ -355,7 +385,7 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
-_FORWARD = (ThreadPerOutput(), BlockPerRow(), SmemTiled(), ChannelsVector())
+_FORWARD = (ThreadPerOutput(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter())
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {

@@ -466,13 +466,14 @@ def test_avg_small_windows_count_each_element_once(op, layout, small, dtype, rng
 
 @pytest.mark.parametrize("variant", [None] + pt.variants("adaptive_avg_pool2d"))
 def test_float16_window_of_65000_averages_to_65000(variant):
-    """A 4x4 window sums to 1,040,000 -- far past float16's 65504: the float32 accumulator keeps
-    the mean finite and exact."""
+    """A 4x4 window sums to 1,040,000 (plane_reduce, global pooling only: 8x8 to 4,160,000) -- far
+    past float16's 65504: the float32 accumulator keeps the mean finite and exact."""
     layout = "NHWC" if variant == "channels_vector" else "NCHW"
+    size = (1, 1) if variant == "plane_reduce" else (2, 2)
     x = in_layout(np.full((1, 2, 8, 8), 65000, np.float16), 2, layout)
-    out = pt.adaptive_avg_pool2d(x, (2, 2), variant=variant)
+    out = pt.adaptive_avg_pool2d(x, size, variant=variant)
     assert out.dtype == np.float16
-    np.testing.assert_array_equal(out, np.full((1, 2, 2, 2), 65000, np.float16))
+    np.testing.assert_array_equal(out, np.full((1, 2, *size), 65000, np.float16))
 
 
 @pytest.mark.parametrize("op,layout,variant", [
@@ -505,3 +506,48 @@ def test_small_window_box_of_a_uniform_axis_past_the_exact_max_window_limit(op, 
         np.testing.assert_array_equal(indices, ref_indices)
     else:
         np.testing.assert_allclose(as_float64(out), reference.forward(op, x, size), **FLOAT32_TOL)
+
+
+# ---------------------------------------------------------------- plane_reduce (global pooling only)
+
+#: Global pooling whose planes (37, 63, 105 elements) leave a tail for every block size tried.
+GLOBAL_SHAPES = {1: (2, 3, 37), 2: (2, 3, 7, 9), 3: (1, 2, 3, 5, 7)}
+PLANE_REDUCE_CONFIGS = [{"block_size_x": 8}, {"block_size_x": 32}]
+
+
+@pytest.mark.parametrize("config", PLANE_REDUCE_CONFIGS, ids=lambda c: f"block{c['block_size_x']}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_plane_reduce_matches_the_reference(op, dtype, config, rng):
+    """Every op and dtype: the interleaved partials and their merge give the reference's means, and
+    exactly its maxima and first positions."""
+    kind, ndim = OPS[op]
+    shape = GLOBAL_SHAPES[ndim]
+    x = random_input(rng, shape, np_dtype(dtype))
+    out = forward(op, x, (1,) * ndim, variant="plane_reduce", config=config)
+    if kind == "avg":
+        np.testing.assert_allclose(as_float64(out), reference.forward(op, x, (1,) * ndim), **TOLERANCES[dtype])
+    else:
+        ref_values, ref_indices = reference.forward(op, x, (1,) * ndim)
+        np.testing.assert_array_equal(as_float64(out[0]), ref_values)
+        np.testing.assert_array_equal(out[1], ref_indices)
+
+
+@pytest.mark.parametrize("config", PLANE_REDUCE_CONFIGS, ids=lambda c: f"block{c['block_size_x']}")
+@pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
+@pytest.mark.parametrize("op", [op for op, (kind, _) in OPS.items() if kind == "max"])
+def test_plane_reduce_max_keeps_the_first_position(op, fill, config, rng):
+    """The partials' positions interleave (work-item j holds j, j + block, ...), so the merge needs
+    the full first-position rule: ties, NaNs and all -inf planes."""
+    ndim = OPS[op][1]
+    shape = GLOBAL_SHAPES[ndim]
+    if fill == "ties":
+        x = rng.integers(0, 3, size=shape).astype(np.float32)
+    else:
+        x = random_input(rng, shape)
+        x[rng.random(shape) < 0.3] = np.nan if fill == "nans" else -np.inf
+        x[0, 0] = np.nan if fill == "nans" else -np.inf
+    values, indices = forward(op, x, (1,) * ndim, variant="plane_reduce", config=config)
+    ref_values, ref_indices = reference.forward(op, x, (1,) * ndim)
+    np.testing.assert_array_equal(as_float64(values), ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)

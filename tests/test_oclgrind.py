@@ -77,6 +77,8 @@ SHAPES = {  # tiny, odd, non-divisible; 2d also upsamples (O > I)
     2: [((2, 3, 5, 7), (3, 4)), ((1, 3, 3, 2), (4, 5))],
     3: [((1, 2, 3, 5, 4), (2, 3, 3))],
 }
+#: For variants that run global pooling only (plane_reduce), which no shape above is.
+GLOBAL_SHAPES = {1: [((2, 3, 11), (1,))], 2: [((1, 3, 5, 7), (1, 1))], 3: [((1, 2, 3, 5, 4), (1, 1, 1))]}
 HALF_DTYPES = ("float16", "bfloat16")
 TOLERANCE = {  # (rtol, atol): float32 as DESIGN 8; half types: one rounding of a float32 result
     "float32": (1e-5, 1e-6),
@@ -408,10 +410,14 @@ def _cases() -> list:
         ndim = OPS[op][1]
         for name, variant in table.items():
             for layout in LAYOUT_NAMES[ndim]:
-                for shape, size in SHAPES[ndim]:
-                    problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
-                    for label, config in variant.representative_configurations(problem, limits).items():
-                        add(op, direction, name, label, config, shape, size, layout, "float32")
+                for shapes in (SHAPES[ndim], GLOBAL_SHAPES[ndim]):
+                    added = len(specs)
+                    for shape, size in shapes:
+                        problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
+                        for label, config in variant.representative_configurations(problem, limits).items():
+                            add(op, direction, name, label, config, shape, size, layout, "float32")
+                    if len(specs) > added:
+                        break
                 # float16 / bfloat16: 2d, first shape, default config (or the smallest if illegal)
                 if ndim == 2:
                     shape, size = SHAPES[2][0]
