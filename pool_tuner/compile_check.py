@@ -17,7 +17,9 @@ directions, dtypes, layouts and variants are covered as soon as they are registe
 * on two problems per rank (``PROBLEMS``): one with non-divisible, overlapping windows and 32-bit
   indexing, and one with uniform windows (the ``UNIFORM_*`` path) and so many planes that it needs
   64-bit indexing (nothing is allocated: it is only compiled).  Both have windows at least 8 wide
-  along W, so that the largest ``row_lanes`` is legal and compiled.
+  along W, so that the largest ``row_lanes`` is legal and compiled.  A variant with no legal
+  configuration on either (global pooling only) gets global pooling in both widths instead
+  (``GLOBAL_PROBLEMS``).
 
 Speed: most of one nvcc run is spent parsing CUDA's headers, so instantiations are compiled in
 batches: one translation unit holds up to ``BATCH_SIZE`` of them, each in a namespace of its own
@@ -70,6 +72,13 @@ PROBLEMS = {
         ("uniform-idx64", (2, 3, 8, 64), (4, 8), True)),
     3: (("nonuniform-idx32", (2, 3, 5, 10, 61), (3, 4, 7), False),
         ("uniform-idx64", (2, 3, 6, 8, 64), (3, 4, 8), True)),
+}
+#: Per rank, global pooling in both index widths: compiled for the variants that have no legal
+#: configuration on ``PROBLEMS`` (plane_reduce runs global pooling only).
+GLOBAL_PROBLEMS = {
+    1: (("global-idx32", (2, 3, 300), (1,), False), ("global-idx64", (2, 3, 300), (1,), True)),
+    2: (("global-idx32", (2, 3, 17, 19), (1, 1), False), ("global-idx64", (2, 3, 17, 19), (1, 1), True)),
+    3: (("global-idx32", (2, 3, 3, 7, 13), (1, 1, 1), False), ("global-idx64", (2, 3, 3, 7, 13), (1, 1, 1), True)),
 }
 #: nvcc flags of every compilation (the architecture and file names are added per job).
 NVCC_FLAGS = ("-cubin", "--Werror", "all-warnings", "-Xptxas", "-v")
@@ -173,11 +182,12 @@ def _index_64_shape(input_shape: tuple) -> tuple:
     return (INT32_LIMIT // per_batch + 1,) + tuple(input_shape[1:])
 
 
-def problems_for(op: str, direction: str, dtype: str, layout: str) -> list:
-    """``[(label, Problem)]`` for one op/direction/dtype/layout; empty if ``Problem.create`` rejects
-    the combination.  Raises ``ValueError`` if a problem does not get the index width it is for."""
+def problems_for(op: str, direction: str, dtype: str, layout: str, table=PROBLEMS) -> list:
+    """``[(label, Problem)]`` of ``table`` for one op/direction/dtype/layout; empty if
+    ``Problem.create`` rejects the combination.  Raises ``ValueError`` if a problem does not get the
+    index width it is for."""
     found = []
-    for label, shape, output_size, wide in PROBLEMS[OPS[op][1]]:
+    for label, shape, output_size, wide in table[OPS[op][1]]:
         try:
             problem = Problem.create(op, _index_64_shape(shape) if wide else shape, output_size, dtype,
                                      layout, direction)
@@ -222,7 +232,11 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                 for name, variant in table.items():
                     if variants is not None and name not in variants:
                         continue
-                    for problem_label, problem in problems:
+                    if not any(representative_configs(variant, problem) for _, problem in problems):
+                        problems_here = problems_for(op, direction, dtype, layout, GLOBAL_PROBLEMS)
+                    else:
+                        problems_here = problems
+                    for problem_label, problem in problems_here:
                         configs = representative_configs(variant, problem)
                         if not configs:
                             try:

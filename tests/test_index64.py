@@ -223,7 +223,8 @@ def _real_cases():
         for kind in ("avg", "max"):
             op = f"adaptive_{kind}_pool{ndim}d"
             for direction in ("forward", "backward"):
-                names = list(REGISTRY[(op, direction)]) if ndim == 1 else [None]
+                # every variant but plane_reduce (global pooling only: these windows are not)
+                names = [n for n in REGISTRY[(op, direction)] if n != "plane_reduce"] if ndim == 1 else [None]
                 for name in names:
                     layouts = [LAYOUT_NAMES[ndim][1]] if name == "channels_vector" else [LAYOUT_NAMES[ndim][0]]
                     for layout in layouts:
@@ -284,6 +285,8 @@ def _forced_cases():
             layouts = {1: LAYOUT_NAMES[1][:1], 2: LAYOUT_NAMES[2], 3: LAYOUT_NAMES[3][1:]}[ndim]
             if name == "channels_vector":
                 layouts = LAYOUT_NAMES[ndim][1:]
+            if name == "plane_reduce":  # channels-first global pooling only
+                layouts = LAYOUT_NAMES[ndim][:1]
             for layout in layouts:
                 cases.append(pytest.param(op, direction, name, layout, id=f"{op}-{direction}-{name}-{layout}"))
     return cases
@@ -299,6 +302,8 @@ def test_64_bit_kernels_of_every_variant(op, direction, variant, layout, monkeyp
     monkeypatch.setattr(Problem, "index_64", property(lambda self: True))
     kind, ndim = OPS[op]
     shape, size = FORCED_SHAPES[ndim]
+    if variant == "plane_reduce":  # global pooling only
+        size = (1,) * ndim
     out_shape = shape[:2] + size
     fn = getattr(pt, op if direction == "forward" else f"{op}_backward")
     if direction == "forward":

@@ -77,8 +77,9 @@ SHAPES = {  # tiny, odd, non-divisible; 2d also upsamples (O > I)
     2: [((2, 3, 5, 7), (3, 4)), ((1, 3, 3, 2), (4, 5))],
     3: [((1, 2, 3, 5, 4), (2, 3, 3))],
 }
-#: For variants that run global pooling only (plane_reduce), which no shape above is.
-GLOBAL_SHAPES = {1: [((2, 3, 11), (1,))], 2: [((1, 3, 5, 7), (1, 1))], 3: [((1, 2, 3, 5, 4), (1, 1, 1))]}
+#: For variants that run global pooling only (plane_reduce), which no shape above is; planes of
+#: more than 256 elements, so that the default, smallest and largest configurations all differ.
+GLOBAL_SHAPES = {1: [((1, 2, 300), (1,))], 2: [((1, 2, 17, 19), (1, 1))], 3: [((1, 2, 3, 7, 13), (1, 1, 1))]}
 HALF_DTYPES = ("float16", "bfloat16")
 TOLERANCE = {  # (rtol, atol): float32 as DESIGN 8; half types: one rounding of a float32 result
     "float32": (1e-5, 1e-6),
@@ -474,7 +475,9 @@ def test_every_variant_is_covered():
         for name in table:
             mine = [s for s in CASES.values() if (s["op"], s["direction"], s["variant"]) == (op, direction, name)]
             layouts = {s["layout"] for s in mine if s["dtype"] == "float32"}
-            expected = {LAYOUT_NAMES[OPS[op][1]][1]} if name == "channels_vector" else set(LAYOUT_NAMES[OPS[op][1]])
+            channels_first, channels_last = LAYOUT_NAMES[OPS[op][1]]
+            expected = {"channels_vector": {channels_last}, "plane_reduce": {channels_first}}.get(
+                name, {channels_first, channels_last})
             assert layouts == expected, (op, direction, name, layouts)
             assert {s["id"].split("-")[3] for s in mine} >= {"smallest", "largest"}, (op, direction, name)
     for direction in ("forward", "backward"):
