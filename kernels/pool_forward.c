@@ -182,8 +182,9 @@ DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, in
     const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
     const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
     const index_t corner = PLANE_POSITION(t_start, h_start, w_start, IN_H, IN_W);
-    reduction_t r = reduce_init();
-    reduce_step(&r, LOAD(in, plane_base + corner * ELEMENT_STEP), corner);
+    reduction_t r;
+    r.value = LOAD(in, plane_base + corner * ELEMENT_STEP);
+    r.position = corner;
 #pragma unroll
     for (int k = 1; k < MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W; ++k) {
         const int kt = k / (MAX_WINDOW_H * MAX_WINDOW_W), kh = k / MAX_WINDOW_W % MAX_WINDOW_H, kw = k % MAX_WINDOW_W;
