@@ -99,7 +99,7 @@ def _check(got, expected, dtype, what, magnitude=None, terms=1):
 def _terms(in_spatial, out_spatial, direction) -> int:
     """The most terms one result sums: the largest window (forward) or inverse window (backward)."""
     pairs = zip(in_spatial, out_spatial) if direction == "forward" else zip(out_spatial, in_spatial)
-    return int(np.prod([max_window(i, o) if o else 0 for i, o in pairs]))
+    return int(np.prod([max_window(i, o) if i and o else 0 for i, o in pairs]))
 
 
 def _setup(draw_problem, data, direction):
