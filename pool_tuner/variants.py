@@ -46,9 +46,12 @@ def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
 SMALL_BOX_LIMIT = 256
 
 
+@functools.lru_cache(maxsize=1024)
 def _window_box(problem: Problem) -> int:
-    """Elements of the box that holds every forward window (the unrolled small-window path)."""
-    return math.prod(max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
+    """Elements of the box that the kernels unroll for every forward window: the product of the
+    ``MAX_WINDOW_*`` defines they are built with (memoised, like ``_longest_run``)."""
+    defines = problem.defines()
+    return math.prod(defines[f"MAX_WINDOW_{axis}"] for axis in "THW")
 
 
 @functools.lru_cache(maxsize=1024)
