@@ -232,12 +232,11 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                 for name, variant in table.items():
                     if variants is not None and name not in variants:
                         continue
-                    if not any(representative_configs(variant, problem) for _, problem in problems):
-                        problems_here = problems_for(op, direction, dtype, layout, GLOBAL_PROBLEMS)
-                    else:
-                        problems_here = problems
-                    for problem_label, problem in problems_here:
-                        configs = representative_configs(variant, problem)
+                    picks = [(label, problem, representative_configs(variant, problem)) for label, problem in problems]
+                    if not any(configs for _, _, configs in picks):
+                        picks = [(label, problem, representative_configs(variant, problem))
+                                 for label, problem in problems_for(op, direction, dtype, layout, GLOBAL_PROBLEMS)]
+                    for problem_label, problem, configs in picks:
                         if not configs:
                             try:
                                 variant.check_config({}, problem, CUDA_LIMITS)
