@@ -425,6 +425,18 @@ def _small_window_case(variant, ndim):
     return shape, size, "thread_per_output"
 
 
+def special_max_input(rng, shape, fill):
+    """float32 input for the first-position rule: "ties" (values 0-2), or 30 % "nans" or
+    "minus_inf" among random numbers, with a whole plane of them."""
+    if fill == "ties":
+        return rng.integers(0, 3, size=shape).astype(np.float32)
+    x = random_input(rng, shape)
+    special = np.nan if fill == "nans" else -np.inf
+    x[rng.random(shape) < 0.3] = special
+    x[0, 0] = special
+    return x
+
+
 @pytest.mark.parametrize("op,layout,variant", LANE_CASES)
 @pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
 def test_max_with_row_lanes_keeps_the_first_position(op, layout, variant, fill, rng):
@@ -434,12 +446,7 @@ def test_max_with_row_lanes_keeps_the_first_position(op, layout, variant, fill, 
     ndim = OPS[op][1]
     config = LANE_CONFIGS[variant]
     shape, size, variant = _small_window_case(variant, ndim)
-    if fill == "ties":
-        x = rng.integers(0, 3, size=shape).astype(np.float32)
-    else:
-        x = random_input(rng, shape)
-        x[rng.random(shape) < 0.3] = np.nan if fill == "nans" else -np.inf
-        x[0, 0] = np.nan if fill == "nans" else -np.inf  # a whole plane of them
+    x = special_max_input(rng, shape, fill)
     values, indices = forward(op, in_layout(x, ndim, layout), size, variant=variant, config=config)
     ref_values, ref_indices = reference.forward(op, x, size)
     np.testing.assert_array_equal(as_float64(values), ref_values)
@@ -541,12 +548,7 @@ def test_plane_reduce_max_keeps_the_first_position(op, fill, config, rng):
     the full first-position rule: ties, NaNs and all -inf planes."""
     ndim = OPS[op][1]
     shape = GLOBAL_SHAPES[ndim]
-    if fill == "ties":
-        x = rng.integers(0, 3, size=shape).astype(np.float32)
-    else:
-        x = random_input(rng, shape)
-        x[rng.random(shape) < 0.3] = np.nan if fill == "nans" else -np.inf
-        x[0, 0] = np.nan if fill == "nans" else -np.inf
+    x = special_max_input(rng, shape, fill)
     values, indices = forward(op, x, (1,) * ndim, variant="plane_reduce", config=config)
     ref_values, ref_indices = reference.forward(op, x, (1,) * ndim)
     np.testing.assert_array_equal(as_float64(values), ref_values)
