@@ -38,6 +38,16 @@ DEVICE_FN int max_precedes(acc_t value, index_t position, reduction_t r)
 }
 #endif
 
+#if POOL_MAX
+/* Does `value`, visited after the element holding `best`, take over as the maximum?  Larger wins
+ * and a NaN beats numbers; an equal value (or a second NaN) never does, which keeps the first
+ * position.  Branch-free, so CPU compilers vectorise it. */
+DEVICE_FN int max_takes_over(acc_t value, acc_t best)
+{
+    return (IS_NAN(value) & !IS_NAN(best)) | (value > best);
+}
+#endif
+
 /* Add one element.  Every caller visits a window in increasing position order, so an element that
  * only ties the running maximum (or is a second NaN) never wins, and max_precedes reduces to a
  * branch-free test that CPU compilers vectorise across work-items. */
@@ -47,7 +57,7 @@ DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
     (void)position;
     r->value += value;
 #else
-    const int wins = (r->position < 0) | (IS_NAN(value) & !IS_NAN(r->value)) | (value > r->value);
+    const int wins = (r->position < 0) | max_takes_over(value, r->value);
     r->value = wins ? value : r->value;
     r->position = wins ? position : r->position;
 #endif
@@ -227,6 +237,71 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);
 #endif
         STORE_RESULT(o, r, ot, oh, ow);
+    }
+}
+#endif
+
+#if VARIANT_THREAD_PER_ROW
+/* The separable form, channels-first: each work-item computes one output row (plane, ot, oh).  It
+ * reduces the input rows of the row's window column by column into a private row of column
+ * partials -- a loop over whole input rows, contiguous and of constant length, which CPU compilers
+ * vectorise within the work-item, without the scalar tails of windows' edges -- then each output
+ * reduces its window's columns.  Max: a column partial is the column's first maximum (its rows
+ * visited in order), and the window's first maximum in row-major order is the earliest of its
+ * columns' first maxima, which reduce_merge picks.  The host bounds the private row's size; the
+ * row loops stay loops ("unroll 1": vectorising does not need unrolling, and GPU compilers would
+ * otherwise try to keep the whole row in registers).
+ * Launch: ceil(N_PLANES * OUT_T * OUT_H / block_size_x) groups of block_size_x. */
+#define OUT_ROWS ((index_t)N_PLANES * OUT_T * OUT_H)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_PARAM)
+{
+    const index_t row = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+#if PARTIAL_LAST_GROUP
+    if (row >= OUT_ROWS)
+        return;
+#endif
+    const index_t oh = row % OUT_H, ot = row / OUT_H % OUT_T, plane = row / ((index_t)OUT_H * OUT_T);
+    const index_t t_start = T_WINDOW_START(ot), h_start = H_WINDOW_START(oh);
+    const index_t window_h = H_WINDOW_END(oh) - h_start;
+    const index_t window_rows = (T_WINDOW_END(ot) - t_start) * window_h;
+    const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    acc_t column_value[IN_W];
+#if POOL_MAX
+    index_t column_position[IN_W];
+#endif
+    const index_t first_row = PLANE_POSITION(t_start, h_start, 0, IN_H, IN_W);
+#pragma unroll 1
+    for (int w = 0; w < IN_W; ++w) {
+        column_value[w] = LOAD(in, plane_base + first_row + w);
+#if POOL_MAX
+        column_position[w] = first_row + w;
+#endif
+    }
+    for (index_t k = 1; k < window_rows; ++k) {
+        const index_t input_row = PLANE_POSITION(t_start + k / window_h, h_start + k % window_h, 0, IN_H, IN_W);
+#pragma unroll 1
+        for (int w = 0; w < IN_W; ++w) {
+            const acc_t value = LOAD(in, plane_base + input_row + w);
+#if POOL_AVG
+            column_value[w] += value;
+#else
+            const int wins = max_takes_over(value, column_value[w]);
+            column_value[w] = wins ? value : column_value[w];
+            column_position[w] = wins ? input_row + w : column_position[w];
+#endif
+        }
+    }
+    for (index_t ow = 0; ow < OUT_W; ++ow) {
+        reduction_t r = reduce_init();
+        for (index_t w = W_WINDOW_START(ow); w < W_WINDOW_END(ow); ++w) {
+            reduction_t column = reduce_init();
+            column.value = column_value[w];
+#if POOL_MAX
+            column.position = column_position[w];
+#endif
+            r = reduce_merge(r, column);
+        }
+        STORE_RESULT(OUT_OFFSET(plane, ot, oh, ow), r, ot, oh, ow);
     }
 }
 #endif

@@ -258,6 +258,40 @@ class ThreadPerOutput(Variant):
         return {"PARTIAL_LAST_GROUP": int(math.prod(problem.output_shape) % per_group != 0)}
 
 
+class ThreadPerRow(Variant):
+    name = "thread_per_row"
+    summary = ("separable, channels-first: each work-item sums its output row's window rows column by column "
+               "(whole input rows, vectorised), then reduces each output's columns")
+    search_space = {"block_size_x": [1, 4, 16, 64, 256]}
+    default = {"block_size_x": 16}
+    #: Bytes of the private row of column partials (kernels/pool_forward.c) a work-item may hold.
+    ROW_BYTES_LIMIT = 16384
+
+    @staticmethod
+    def row_bytes(problem) -> int:
+        per_column = _acc_bytes(problem) + (8 if problem.kind == "max" else 0)  # value, max: position
+        return problem.in_spatial[2] * per_column
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (contiguous input rows)"
+        if self.row_bytes(problem) > self.ROW_BYTES_LIMIT:
+            return (f"input rows of {problem.in_spatial[2]} elements need {self.row_bytes(problem)} bytes of "
+                    f"column partials per work-item; the limit is {self.ROW_BYTES_LIMIT}")
+        return super().illegal_reason(params, problem, limits)
+
+    @staticmethod
+    def rows(problem) -> int:
+        (ot, oh, _) = problem.out_spatial
+        return problem.planes * ot * oh
+
+    def groups(self, params, problem):
+        return _ceil_div(self.rows(problem), params["block_size_x"])
+
+    def extra_defines(self, params, problem):
+        return {"PARTIAL_LAST_GROUP": int(self.rows(problem) % params["block_size_x"] != 0)}
+
+
 class BlockPerRow(Variant):
     name = "block_per_row"
     summary = "a work-group per output row; threads_per_output lanes split each window and tree-reduce"
@@ -388,7 +422,7 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
-_FORWARD = (ThreadPerOutput(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector())
+_FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter())
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {

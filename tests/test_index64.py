@@ -223,8 +223,15 @@ def _real_cases():
         for kind in ("avg", "max"):
             op = f"adaptive_{kind}_pool{ndim}d"
             for direction in ("forward", "backward"):
-                # every variant but plane_reduce (global pooling only: these windows are not)
-                names = [n for n in REGISTRY[(op, direction)] if n != "plane_reduce"] if ndim == 1 else [None]
+                # 1d: every variant but plane_reduce (global pooling only: these windows are not) and
+                # thread_per_row (a 46340-element row exceeds its private row); 2d: thread_per_row
+                # too, whose window rows run along the long axis H
+                if ndim == 1:
+                    names = [n for n in REGISTRY[(op, direction)] if n not in ("plane_reduce", "thread_per_row")]
+                elif ndim == 2 and direction == "forward":
+                    names = [None, "thread_per_row"]
+                else:
+                    names = [None]
                 for name in names:
                     layouts = [LAYOUT_NAMES[ndim][1]] if name == "channels_vector" else [LAYOUT_NAMES[ndim][0]]
                     for layout in layouts:
@@ -285,7 +292,7 @@ def _forced_cases():
             layouts = {1: LAYOUT_NAMES[1][:1], 2: LAYOUT_NAMES[2], 3: LAYOUT_NAMES[3][1:]}[ndim]
             if name == "channels_vector":
                 layouts = LAYOUT_NAMES[ndim][1:]
-            if name == "plane_reduce":  # channels-first global pooling only
+            if name in ("plane_reduce", "thread_per_row"):  # channels-first only
                 layouts = LAYOUT_NAMES[ndim][:1]
             for layout in layouts:
                 cases.append(pytest.param(op, direction, name, layout, id=f"{op}-{direction}-{name}-{layout}"))
