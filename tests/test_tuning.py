@@ -275,7 +275,8 @@ def test_record_with_illegal_config_is_ignored_with_a_warning_and_never_launched
     np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, OUT, 2), rtol=1e-5, atol=1e-6)
     assert prepared, "the call did not go through dispatch.prepare"
     assert all((name, params) != (bad["variant"], bad["params"]) for name, params in prepared)
-    assert all(params.get("block_size_x") in (32, 64, 128, 256, 512, 1024) for _, params in prepared)
+    problem, limits = Problem.create("adaptive_avg_pool2d", SHAPE, OUT), backends.default_device().limits
+    assert all(variants_for("adaptive_avg_pool2d")[name].is_legal(params, problem, limits) for name, params in prepared)
 
 
 def test_unwritable_cache_dir_keeps_the_result_in_memory(user_cache, tmp_path, monkeypatch):
@@ -607,3 +608,22 @@ def test_small_box_limit_is_the_kernels():
     """The host's SMALL_BOX_LIMIT decides defaults; the kernels' decides which code runs."""
     header = kernel_source.read("windows.h")
     assert f"#define SMALL_BOX_LIMIT {SMALL_BOX_LIMIT}\n" in header
+
+
+@pytest.mark.parametrize("op,shape,out,expected", [
+    ("adaptive_avg_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_row"),    # pyramid level
+    ("adaptive_avg_pool2d", (2, 8, 7, 7), (6, 6), "thread_per_row"),      # alexnet-like
+    ("adaptive_avg_pool3d", (1, 2, 8, 9, 10), (2, 3, 4), "thread_per_row"),
+    ("adaptive_avg_pool2d", (2, 8, 56, 56), (1, 1), "thread_per_output"),  # global: one output row
+    ("adaptive_avg_pool2d", (2, 8, 64, 64), (1, 6), "thread_per_output"),  # one output row
+    ("adaptive_avg_pool2d", (2, 8, 5, 5), (7, 7), "thread_per_output"),    # upsampling along H
+    ("adaptive_max_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_output"),  # max
+    ("adaptive_avg_pool1d", (2, 8, 1000), (128,), "thread_per_output"),    # 1-d: one output row
+    ("adaptive_avg_pool2d", (2, 8, 6, 5000), (3, 3), "thread_per_output"),  # rows past thread_per_row's limit
+])
+def test_cpu_heuristic_default_sends_multi_row_average_pooling_to_thread_per_row(op, shape, out, expected):
+    """The documented CPU rule of dispatch.heuristic_default for channels-first forward passes."""
+    dev = backends.default_device()
+    if not dev.is_cpu:
+        pytest.skip(f"a rule for CPU devices; the default device is {dev.describe()}")
+    assert dispatch.heuristic_default(Problem.create(op, shape, out), dev).name == expected
