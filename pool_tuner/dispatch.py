@@ -17,14 +17,14 @@ The heuristic default, always with the variant's default configuration for the p
 (float32/float64: a work-item per plane, whose sequential scatter runs at memory speed on a CPU),
 else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
 channels per work-item); on CPU devices, channels-first average pooling with more than one output
-row per plane and no upsampling along the rows' axes (T, H) goes to ``thread_per_row`` (whole
-input rows per work-item, vectorised: 2-5x faster than ``thread_per_output`` on PoCL for the
-suite's vgg16, alexnet and pyramid-pooling layers; slower for global pooling, max pooling and
-upsampling, which keep ``thread_per_output``); on GPUs, windows of at least ``LARGE_WINDOW`` elements with short output
-rows (global pooling, squeeze-excitation, pyramid pooling's coarse levels) go to ``block_per_row``, where
-several lanes share each window; everything else -- and everything on CPU devices, where
-work-group barriers are expensive and one work-item per output vectorises best -- goes to
-``thread_per_output``.
+row per plane and no upsampling along the rows' axes (T, H) goes to ``thread_per_row`` where it is
+legal (input rows within its private-row limit): whole input rows per work-item, vectorised, 2-5x
+faster than ``thread_per_output`` on PoCL for the suite's vgg16, alexnet and pyramid-pooling
+layers, and slower for global pooling, max pooling and upsampling; on GPUs, windows of at least
+``LARGE_WINDOW`` elements with short output rows (global pooling, squeeze-excitation, pyramid
+pooling's coarse levels) go to ``block_per_row``, where several lanes share each window;
+everything else goes to ``thread_per_output`` -- on CPUs, where work-group barriers are expensive,
+one work-item per output vectorises best.
 
 Decisions and built kernels are memoised in memory (the cache files are read once, on the first
 miss of the memo), so repeated calls do no file-system access and no recompilation.

@@ -260,8 +260,8 @@ class ThreadPerOutput(Variant):
 
 class ThreadPerRow(Variant):
     name = "thread_per_row"
-    summary = ("separable, channels-first: each work-item sums its output row's window rows column by column "
-               "(whole input rows, vectorised), then reduces each output's columns")
+    summary = ("separable, channels-first: each work-item reduces its output row's window rows column by column "
+               "(whole input rows, vectorised), then each output its window's columns")
     search_space = {"block_size_x": [1, 4, 16, 64, 256]}
     default = {"block_size_x": 16}
     #: Bytes of the private row of column partials (kernels/pool_forward.c) a work-item may hold.

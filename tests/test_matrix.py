@@ -553,3 +553,24 @@ def test_plane_reduce_max_keeps_the_first_position(op, fill, config, rng):
     ref_values, ref_indices = reference.forward(op, x, (1,) * ndim)
     np.testing.assert_array_equal(as_float64(values), ref_values)
     np.testing.assert_array_equal(indices, ref_indices)
+
+
+# ---------------------------------------------------------------- thread_per_row at its row limit
+
+
+@pytest.mark.parametrize("op,columns", [("adaptive_avg_pool2d", 4096), ("adaptive_max_pool2d", 1365)])
+def test_thread_per_row_at_the_private_row_limit(op, columns, rng):
+    """The widest rows thread_per_row accepts (16 KiB of partials: 4096 float32 values, or 1365
+    value-position pairs for max) run and match the reference; one column more is refused."""
+    shape, size = (1, 2, 5, columns), (2, 7)
+    x = random_input(rng, shape)
+    result = forward(op, x, size, variant="thread_per_row")
+    expected = reference.forward(op, x, size)
+    if OPS[op][0] == "max":
+        np.testing.assert_array_equal(result[0], expected[0])
+        np.testing.assert_array_equal(result[1], expected[1])
+    else:
+        np.testing.assert_allclose(result, expected, **FLOAT32_TOL)
+    with pytest.raises(ValueError, match="column partials per work-item; the limit is 16384"):
+        forward(op, random_input(rng, (1, 2, 5, columns + 1)), size, variant="thread_per_row")
+

@@ -620,6 +620,8 @@ def test_small_box_limit_is_the_kernels():
     ("adaptive_max_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_output"),  # max
     ("adaptive_avg_pool1d", (2, 8, 1000), (128,), "thread_per_output"),    # 1-d: one output row
     ("adaptive_avg_pool2d", (2, 8, 6, 5000), (3, 3), "thread_per_output"),  # rows past thread_per_row's limit
+    ("adaptive_avg_pool2d", (2, 8, 64, 5), (6, 7), "thread_per_row"),      # upsampling along W only
+    ("adaptive_avg_pool3d", (1, 2, 2, 9, 10), (3, 3, 4), "thread_per_output"),  # upsampling along T
 ])
 def test_cpu_heuristic_default_sends_multi_row_average_pooling_to_thread_per_row(op, shape, out, expected):
     """The documented CPU rule of dispatch.heuristic_default for channels-first forward passes."""
@@ -627,3 +629,13 @@ def test_cpu_heuristic_default_sends_multi_row_average_pooling_to_thread_per_row
     if not dev.is_cpu:
         pytest.skip(f"a rule for CPU devices; the default device is {dev.describe()}")
     assert dispatch.heuristic_default(Problem.create(op, shape, out), dev).name == expected
+
+
+@pytest.mark.parametrize("columns,expected", [(2048, "thread_per_row"), (2049, "thread_per_output")])
+def test_cpu_heuristic_default_respects_the_private_row_limit_in_float64(columns, expected):
+    """float64 partials are 8 bytes: 2048 columns fill the 16 KiB row exactly, one more does not fit."""
+    dev = backends.default_device()
+    if not dev.is_cpu or not dev.supports_float64:
+        pytest.skip(f"a rule for CPU devices with float64; the default device is {dev.describe()}")
+    problem = Problem.create("adaptive_avg_pool2d", (1, 2, 6, columns), (3, 3), "float64")
+    assert dispatch.heuristic_default(problem, dev).name == expected
