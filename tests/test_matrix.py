@@ -124,6 +124,22 @@ def check_result(out, expected, dtype, layout, ndim, exact=False):
         np.testing.assert_allclose(got, expected, **TOLERANCES[dtype.name])
 
 
+def check_forward(op, out, x, size, layout):
+    """A forward result against the reference on the same (cast) input: means within the dtype's
+    tolerance; maxima -- one of the inputs, so exact in every dtype -- and their int64 first
+    positions exactly, in the input's layout."""
+    kind, ndim = OPS[op]
+    expected = reference.forward(op, x, size)
+    if kind == "avg":
+        check_result(out, expected, x.dtype, layout, ndim)
+        return
+    (values, indices), (ref_values, ref_indices) = out, expected
+    check_result(values, ref_values, x.dtype, layout, ndim, exact=True)
+    assert indices.dtype == np.int64
+    assert memory_layout(indices, ndim) == layout
+    np.testing.assert_array_equal(indices, ref_indices)
+
+
 @pytest.mark.parametrize("op,direction,dtype,layout,variant", _matrix())
 def test_every_op_direction_dtype_layout_variant(op, direction, dtype, layout, variant, rng):
     kind, ndim = OPS[op]
@@ -131,17 +147,7 @@ def test_every_op_direction_dtype_layout_variant(op, direction, dtype, layout, v
     dt = np_dtype(dtype)
     x = in_layout(random_input(rng, shape, np.float64).astype(dt), ndim, layout)
     if direction == "forward":
-        if kind == "avg":
-            out = forward(op, x, size, variant=variant)
-            check_result(out, reference.forward(op, x, size), dt, layout, ndim)
-        else:
-            values, indices = forward(op, x, size, variant=variant)
-            ref_values, ref_indices = reference.forward(op, x, size)  # from the cast values
-            # A maximum is one of the inputs: exact in every dtype.
-            check_result(values, ref_values, dt, layout, ndim, exact=True)
-            assert indices.dtype == np.int64
-            assert memory_layout(indices, ndim) == layout
-            np.testing.assert_array_equal(indices, ref_indices)
+        check_forward(op, forward(op, x, size, variant=variant), x, size, layout)
         return
     out_shape = shape[:-ndim] + resolve_output_size(size, shape[-ndim:])
     grad_out = in_layout(random_input(rng, out_shape, np.float64).astype(dt), ndim, layout)
@@ -528,16 +534,11 @@ PLANE_REDUCE_CONFIGS = [{"block_size_x": 8}, {"block_size_x": 32}]
 def test_plane_reduce_matches_the_reference(op, dtype, config, rng):
     """Every op and dtype: the interleaved partials and their merge give the reference's means, and
     exactly its maxima and first positions."""
-    kind, ndim = OPS[op]
+    ndim = OPS[op][1]
     shape = GLOBAL_SHAPES[ndim]
     x = random_input(rng, shape, np_dtype(dtype))
     out = forward(op, x, (1,) * ndim, variant="plane_reduce", config=config)
-    if kind == "avg":
-        np.testing.assert_allclose(as_float64(out), reference.forward(op, x, (1,) * ndim), **TOLERANCES[dtype])
-    else:
-        ref_values, ref_indices = reference.forward(op, x, (1,) * ndim)
-        np.testing.assert_array_equal(as_float64(out[0]), ref_values)
-        np.testing.assert_array_equal(out[1], ref_indices)
+    check_forward(op, out, x, (1,) * ndim, LAYOUT_NAMES[ndim][0])
 
 
 @pytest.mark.parametrize("config", PLANE_REDUCE_CONFIGS, ids=lambda c: f"block{c['block_size_x']}")
@@ -564,13 +565,7 @@ def test_thread_per_row_at_the_private_row_limit(op, columns, rng):
     value-position pairs for max) run and match the reference; one column more is refused."""
     shape, size = (1, 2, 5, columns), (2, 7)
     x = random_input(rng, shape)
-    result = forward(op, x, size, variant="thread_per_row")
-    expected = reference.forward(op, x, size)
-    if OPS[op][0] == "max":
-        np.testing.assert_array_equal(result[0], expected[0])
-        np.testing.assert_array_equal(result[1], expected[1])
-    else:
-        np.testing.assert_allclose(result, expected, **FLOAT32_TOL)
+    check_forward(op, forward(op, x, size, variant="thread_per_row"), x, size, "NCHW")
     with pytest.raises(ValueError, match="column partials per work-item; the limit is 16384"):
         forward(op, random_input(rng, (1, 2, 5, columns + 1)), size, variant="thread_per_row")
 
