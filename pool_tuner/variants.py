@@ -176,6 +176,12 @@ class Variant:
         }
 
 
+def _output_rows(problem: Problem) -> int:
+    """Output rows (plane, ot, oh) of a problem: the unit of work of the row variants."""
+    ot, oh, _ = problem.out_spatial
+    return problem.planes * ot * oh
+
+
 def _acc_bytes(problem: Problem) -> int:
     """Size of the kernels' accumulator type ``acc_t``: float64 for float64, else float32."""
     return 8 if problem.dtype == "float64" else 4
@@ -280,16 +286,11 @@ class ThreadPerRow(Variant):
                     f"column partials per work-item; the limit is {self.ROW_BYTES_LIMIT}")
         return super().illegal_reason(params, problem, limits)
 
-    @staticmethod
-    def rows(problem) -> int:
-        (ot, oh, _) = problem.out_spatial
-        return problem.planes * ot * oh
-
     def groups(self, params, problem):
-        return _ceil_div(self.rows(problem), params["block_size_x"])
+        return _ceil_div(_output_rows(problem), params["block_size_x"])
 
     def extra_defines(self, params, problem):
-        return {"PARTIAL_LAST_GROUP": int(self.rows(problem) % params["block_size_x"] != 0)}
+        return {"PARTIAL_LAST_GROUP": int(_output_rows(problem) % params["block_size_x"] != 0)}
 
 
 class BlockPerRow(Variant):
@@ -308,8 +309,7 @@ class BlockPerRow(Variant):
         return None
 
     def groups(self, params, problem):
-        _, oh, _ = problem.out_spatial
-        return problem.planes * problem.out_spatial[0] * oh
+        return _output_rows(problem)
 
     def local_mem_bytes(self, params, problem):
         if params["threads_per_output"] == 1:
