@@ -163,7 +163,7 @@ class _Call:
 
     def launch(self, choice, arrays):
         """Launch ``choice`` on ``arrays`` (inputs, then outputs); the outputs wait for it."""
-        launch = dispatch.prepare(self.device, self.queue.context, self.problem, choice)
+        launch = dispatch.prepare(self.device, self.device.context_of(self.queue), self.problem, choice)
         event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, arrays)
         for array in arrays:
             self.device.track(array, event)
@@ -184,17 +184,18 @@ _PROBLEMS: dict = {}
 
 def _exact(value):
     """A memo key that tells apart arguments that merely compare equal (``8.0 == 8``,
-    ``True == 1``), so that a bad argument never reuses a good call's validation."""
+    ``True == 1``), so that a bad argument never reuses a good call's validation: a sequence's key
+    holds its elements' types (a nested sequence is never a valid size, so never gets stored)."""
     if isinstance(value, (tuple, list)):
-        return (type(value),) + tuple(_exact(v) for v in value)
+        return (type(value), value, tuple(map(type, value)))
     return (type(value), value)
 
 
 def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
-    """The validated problem of a call, memoised so repeated calls skip validation (keys that are
-    not hashable, e.g. list output sizes, are validated every time)."""
-    layout = memory_layout(x, OPS[op][1], name)
-    key = (op, direction, x.shape, x.dtype, layout, _exact(output_size), _exact(input_shape))
+    """The validated problem of a call, memoised on the array's shape, strides and dtype so that
+    repeated calls skip validation and layout detection (keys that are not hashable, e.g. list
+    output sizes, are validated every time)."""
+    key = (op, direction, x.shape, x.strides, x.dtype, _exact(output_size), _exact(input_shape))
     try:
         return _PROBLEMS[key]
     except KeyError:
@@ -202,6 +203,7 @@ def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
     except TypeError:
         key = None
     dtype = check_dtype(getattr(x, "dtype", None), f"{name}.dtype")
+    layout = memory_layout(x, OPS[op][1], name)
     if layout is None:
         raise ValueError(f"{name} must be contiguous or channels-last; got strides {x.strides} for shape {x.shape}")
     if direction == "forward":

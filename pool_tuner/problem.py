@@ -76,6 +76,24 @@ class Problem:
     layout: str
     input_shape: tuple
     output_shape: tuple
+    # Derived once, when the problem is made: a problem is consulted several times on every call's
+    # path (and hashed as a key of the dispatch memos), where each property call or tuple hash
+    # costs microseconds with the cold caches that follow a blocking wait.
+    kind: str = dataclasses.field(init=False, repr=False, compare=False)
+    ndim: int = dataclasses.field(init=False, repr=False, compare=False)
+    channels_last: bool = dataclasses.field(init=False, repr=False, compare=False)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        kind, ndim = OPS[self.op]
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "ndim", ndim)
+        object.__setattr__(self, "channels_last", self.layout == LAYOUT_NAMES[ndim][1])
+        object.__setattr__(self, "_hash", hash((self.op, self.direction, self.dtype, self.layout,
+                                                 self.input_shape, self.output_shape)))
+
+    def __hash__(self):
+        return self._hash
 
     @classmethod
     def create(cls, op, input_shape, output_size, dtype="float32", layout=None, direction="forward", shape_name="input_shape"):
@@ -88,24 +106,12 @@ class Problem:
         return cls(op, direction, dtype, layout, batch + spatial, batch + out_spatial)
 
     @property
-    def kind(self) -> str:
-        return OPS[self.op][0]
-
-    @property
-    def ndim(self) -> int:
-        return OPS[self.op][1]
-
-    @property
     def planes(self) -> int:
         return math.prod(self.input_shape[: -self.ndim])
 
     @property
     def channels(self) -> int:
         return self.input_shape[-self.ndim - 1]
-
-    @property
-    def channels_last(self) -> bool:
-        return self.layout == LAYOUT_NAMES[self.ndim][1]
 
     def memory_shape(self, logical_shape) -> tuple:
         """The shape of ``logical_shape`` (channels-first) in this problem's memory order."""

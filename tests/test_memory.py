@@ -2,6 +2,9 @@
 used only where it is safe (the device's own queue) and wanted."""
 
 import gc
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pyopencl as cl
@@ -78,9 +81,19 @@ def test_foreign_queues_get_fresh_buffers(device, rng):
 
 
 def test_pool_can_be_turned_off(device, monkeypatch, rng):
-    monkeypatch.setenv(opencl.MEMORY_POOL_ENV, "0")
+    monkeypatch.setattr(opencl, "memory_pool_enabled", False)
     grad = cl_array.to_device(device.queue, random_input(rng, LARGE[:2] + (5, 7)))
     result = pt.adaptive_avg_pool2d_backward(grad, LARGE)
     del result
     gc.collect()
     assert device.release_memory() == 0
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True), (None, True)])
+def test_pool_switch_is_read_from_the_environment_at_import(value, enabled):
+    env = {k: v for k, v in os.environ.items() if k != opencl.MEMORY_POOL_ENV}
+    if value is not None:
+        env[opencl.MEMORY_POOL_ENV] = value
+    code = "from pool_tuner.backends import opencl; print(opencl.memory_pool_enabled)"
+    printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert printed.stdout.strip() == str(enabled)

@@ -63,7 +63,11 @@ def device_of_array(array):
     """The device that holds a backend array (a ``pyopencl.array.Array``, a PyCUDA ``GPUArray`` or
     any ``__cuda_array_interface__`` object), or None if ``array`` is not a device array."""
     if opencl.is_device_array(array):
-        for d in opencl.list_devices():
+        devices = opencl.list_devices()
+        for d in devices:  # the common case first: an array on a device's default queue
+            if d.holds_default_queue_of(array):
+                return d
+        for d in devices:
             if d.owns(array):
                 return d
         raise ValueError("x is a pyopencl array on a device that pool_tuner cannot see")

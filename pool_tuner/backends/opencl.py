@@ -26,8 +26,9 @@ else:
 
 BACKEND = "opencl"
 SIMULATOR_PLATFORMS = ("Oclgrind",)
-#: Set to 0 to allocate every result afresh.
+#: Set to 0 (before importing pool_tuner) to allocate every result afresh.
 MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
+memory_pool_enabled = os.environ.get(MEMORY_POOL_ENV, "1") != "0"
 
 
 class OpenCLDevice:
@@ -54,6 +55,7 @@ class OpenCLDevice:
         # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
         self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
         self._default_queue = None
+        self._default_context = None
         self._pool = None  # the MemoryPool of the default queue, made on first use
 
     def __repr__(self):
@@ -82,11 +84,21 @@ class OpenCLDevice:
     def queue(self):
         """The default queue (own context, profiling enabled), created on first use."""
         if self._default_queue is None:
-            context = cl.Context([self.cl_device])
+            self._default_context = cl.Context([self.cl_device])
             self._default_queue = cl.CommandQueue(
-                context, properties=cl.command_queue_properties.PROFILING_ENABLE
+                self._default_context, properties=cl.command_queue_properties.PROFILING_ENABLE
             )
         return self._default_queue
+
+    def context_of(self, queue):
+        """``queue``'s context.  PyOpenCL answers ``queue.context`` with a new wrapper object on
+        every call (an info query); the default queue's is kept, as it is on every call's path."""
+        return self._default_context if queue is self._default_queue else queue.context
+
+    def holds_default_queue_of(self, array) -> bool:
+        """Whether ``array`` lives on this device's default queue: an identity test, the cheap
+        first try of ``backends.device_of_array``."""
+        return array.queue is self._default_queue and array.queue is not None
 
     def owns(self, array) -> bool:
         return array.queue.device.int_ptr == self.cl_device.int_ptr
@@ -121,20 +133,22 @@ class OpenCLDevice:
         host-memory devices (PoCL) costs a page fault per 4 KiB at first touch -- 80 ms of a
         100 ms call writing 268 MB -- and a buffer creation and release per call (~10 us).
         Freed memory stays held for reuse (like PyTorch's CUDA caching allocator) until
-        ``pool_tuner.release_memory()``; ``POOL_TUNER_MEMORY_POOL=0`` turns the pool off.  Only
-        the device's in-order queue has a pool, so reused memory is never still in use by a pending
-        command on another queue (arrays on a caller's own queue get fresh buffers).  The array is
-        made through PyOpenCL's fast constructor path (the checked one costs ~15 us per call)."""
+        ``pool_tuner.release_memory()``; ``POOL_TUNER_MEMORY_POOL=0`` (read at import) turns the
+        pool off.  Only the device's in-order queue has a pool, so reused memory is never still in
+        use by a pending command on another queue (arrays on a caller's own queue get fresh
+        buffers).
+
+        This is on every call's path, and right after a blocking wait the host runs it with cold
+        caches, where each Python step costs several times its warm price: the array is made
+        through PyOpenCL's fast constructor path (the checked one costs ~15 us warm), with its
+        strides memoised per shape and no environment or context queries."""
         queue = queue or self.queue
         dtype = np.dtype(dtype)
-        size = 1
-        strides = []
-        for n in reversed(shape):
-            strides.append(size * dtype.itemsize)
-            size *= n
+        shape = tuple(shape)
+        strides, size = _contiguous_layout(shape, dtype.itemsize)
         if size == 0:
             return cl_array.empty(queue, shape, dtype)
-        if queue is self._default_queue and os.environ.get(MEMORY_POOL_ENV, "1") != "0":
+        if queue is self._default_queue and memory_pool_enabled:
             if self._pool is None:
                 import pyopencl.tools as cl_tools
 
@@ -143,8 +157,8 @@ class OpenCLDevice:
         else:
             data = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize)
         try:
-            return cl_array.Array(queue, shape, dtype, data=data, strides=tuple(reversed(strides)), _fast=True,
-                                  _size=size, _context=queue.context, _queue=queue)
+            return cl_array.Array(queue, shape, dtype, data=data, strides=strides, _fast=True, _size=size,
+                                  _context=self.context_of(queue), _queue=queue)
         except TypeError:  # the fast path changed: the checked constructor
             return cl_array.Array(queue, shape, dtype, data=data)
 
@@ -209,6 +223,16 @@ class OpenCLDevice:
         """``array``'s memory seen with another shape and strides (channels-last results)."""
         return cl_array.Array(array.queue, tuple(shape), array.dtype, data=array.base_data,
                               strides=tuple(strides), events=array.events)
+
+
+@functools.lru_cache(maxsize=1024)
+def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
+    """``(strides, size)`` of a C-contiguous array of ``shape``."""
+    strides, size = [], 1
+    for n in reversed(shape):
+        strides.append(size * itemsize)
+        size *= n
+    return tuple(reversed(strides)), size
 
 
 @functools.lru_cache(maxsize=512)
