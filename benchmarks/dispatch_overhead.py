@@ -2,12 +2,18 @@
 
 Both sides enqueue the same built kernel on the same device arrays; the library side additionally
 validates arguments, looks up the memoised decision and allocates the output.  What is timed is
-the host time of the enqueueing call itself (the queue is drained outside the timed region), so
-the kernel's own run time -- identical on both sides and noisy on a shared CPU -- does not enter.
-Calls are interleaved (raw, library, raw, ...) and timed with perf_counter; the report gives
-medians and their difference.
+the host time of the enqueueing call itself, so the kernel's own run time -- identical on both
+sides and noisy on a shared CPU -- does not enter.  Two ways of calling, each interleaved (raw,
+library, raw, ...) and timed with perf_counter, reported as medians and their difference:
 
-    python benchmarks/dispatch_overhead.py [--repeat 2000]
+* drained: the queue is drained before every call, so each call starts right after a blocking
+  wait -- where the host's caches are cold and each Python step costs several times its warm
+  price (on the 2-core VM this was measured on, 3-10x);
+* pipelined: batches of calls enqueued back to back, as a model's forward pass makes them, while
+  the device runs the earlier ones; the first call of each batch (which follows a drain) is not
+  counted.
+
+    python benchmarks/dispatch_overhead.py [--repeat 2000] [--batch 8]
 """
 
 import argparse
@@ -26,6 +32,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=2000)
     parser.add_argument("--input", default="16x64x5x5")
     parser.add_argument("--output", default="7x7")
+    parser.add_argument("--batch", type=int, default=8, help="calls per batch of the pipelined measurement")
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.input.split("x"))
     out_size = tuple(int(s) for s in args.output.split("x"))
@@ -60,13 +67,23 @@ def main():
         queue.finish()
         raw_t.append(t1 - t0)
         lib_t.append(t3 - t2)
-    raw_med, lib_med = np.median(raw_t) * 1e6, np.median(lib_t) * 1e6
+    raw_piped, lib_piped = [], []
+    for _ in range(max(1, args.repeat // args.batch)):
+        for call, times in ((raw, raw_piped), (library, lib_piped)):
+            queue.finish()
+            for k in range(args.batch):
+                t0 = time.perf_counter()
+                call()
+                if k:
+                    times.append(time.perf_counter() - t0)
+    queue.finish()
     info = pt.explain("adaptive_avg_pool2d", shape, out_size)
     print(f"device {device.describe()}; {args.input} -> {args.output}; dispatch source={info['source']} "
           f"variant={info['variant']}")
-    print(f"raw enqueue     median {raw_med:8.1f} us")
-    print(f"library call    median {lib_med:8.1f} us")
-    print(f"overhead    median {lib_med - raw_med:8.1f} us per call ({args.repeat} interleaved pairs)")
+    for mode, raw_times, lib_times in (("drained", raw_t, lib_t), ("pipelined", raw_piped, lib_piped)):
+        raw_med, lib_med = np.median(raw_times) * 1e6, np.median(lib_times) * 1e6
+        print(f"{mode:9s}  raw enqueue median {raw_med:6.1f} us  library call median {lib_med:6.1f} us  "
+              f"overhead {lib_med - raw_med:6.1f} us  ({len(lib_times)} calls each)")
 
 
 if __name__ == "__main__":

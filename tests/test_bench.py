@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import pool_tuner as pt
 from pool_tuner import bench, cli
 
 
@@ -34,3 +35,32 @@ def test_bytes_moved_counts_reads_writes_and_indices():
     mx = Problem.create("adaptive_max_pool2d", (2, 3, 10, 9), (4, 7))
     assert mx.bytes_moved() == avg.bytes_moved() + 2 * 3 * 4 * 7 * 8
     assert bench.geomean([1.0, 4.0]) == pytest.approx(2.0)
+
+
+def test_scripts_in_benchmarks_run(tmp_path):
+    """The scripts in benchmarks/ run to the end on the default device and print their reports
+    (a smoke test: tiny repeat counts, nothing timed is asserted)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "dispatch_overhead.py"
+    if not script.exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+    done = subprocess.run([sys.executable, str(script), "--repeat", "16", "--batch", "4"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    for mode in ("drained", "pipelined"):
+        line = re.search(rf"^{mode} +raw enqueue median +([\d.]+) us +library call median +([\d.]+) us +"
+                         rf"overhead +(-?[\d.]+) us", done.stdout, re.M)
+        assert line, done.stdout
+        assert float(line.group(1)) > 0 and float(line.group(2)) > 0
+
+    script = script.with_name("variant_timings.py")
+    done = subprocess.run([sys.executable, str(script), "--repeat", "1"], capture_output=True, text=True,
+                          timeout=300, check=True)
+    timed = re.findall(r"^  (\w+) +([\d.]+) ms", done.stdout, re.M)
+    names = {name for name, _ in timed}
+    # every variant legal for a contiguous input (channels_vector is for channels-last ones)
+    assert names == set(pt.variants("adaptive_avg_pool2d")) - {"channels_vector"}, done.stdout
+    assert all(float(ms) > 0 for _, ms in timed)
