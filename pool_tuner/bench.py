@@ -2,7 +2,8 @@
 
 For each suite shape and direction, in one run on one device: pool_tuner's dispatched (tuned)
 kernel, pool_tuner forced to the heuristic default, and PyTorch on the CPU, timed interleaved --
-one call of each per round in a random order, ``repeat`` rounds, medians -- as wall-clock time of a complete call on
+one timed call of each per round in a random order, each after a pause and untimed calls of its
+own (``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
 device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
 the ATen op).  The device's copy bandwidth is measured in the same run with a device-to-device
 buffer copy; a shape's floor is its bytes moved (read + written) over that bandwidth.
@@ -26,6 +27,24 @@ from . import backends, dispatch, presets
 from .problem import OPS, Problem
 
 COPY_BYTES = 256 * 2**20
+#: Each timed call follows a pause of SETTLE_S and UNTIMED_CALLS calls of the same candidate, so
+#: that every candidate is timed in its own steady state -- as in a loop of calls -- undisturbed by
+#: the one before.  Measured on the 2-core machine this was built on: after a parallel region
+#: PyTorch's OpenMP threads keep spinning (libgomp's default spin-wait) and take CPU time from
+#: whatever runs next -- a pool_tuner call started right after a PyTorch call took up to 1.7x its
+#: time (audio_1d 9.7 vs 5.6 ms; se_block 4.9 vs 3.8 ms), still 1.2x after 5 ms, and its settled
+#: time after 10 ms.  The pause busy-waits: after a sleep, when the host has gone idle, PyTorch's
+#: next calls wait for their threads to be woken (upsample_area: 7.4 ms instead of 0.3 ms for the
+#: first call, over 2 ms in a third of the second calls; none after a busy-wait).
+SETTLE_S = 0.02
+UNTIMED_CALLS = 2
+
+
+def _settle(seconds: float) -> None:
+    """Busy-wait ``seconds`` (see SETTLE_S for why not sleep)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 @dataclasses.dataclass
@@ -149,9 +168,12 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
         call()
     times = [[] for _ in candidates]
     for _ in range(repeat):
-        # A fresh order every round: whatever one call leaves behind (PyTorch's OpenMP threads
-        # spin for a while after a parallel region, caches) hits every candidate alike.
+        # A fresh order every round; each candidate's timed call follows a settling pause and
+        # untimed calls of its own (see SETTLE_S).
         for i in rng.permutation(len(candidates)):
+            _settle(SETTLE_S)
+            for _ in range(UNTIMED_CALLS):
+                candidates[i]()
             start = time.perf_counter()
             candidates[i]()
             times[i].append(time.perf_counter() - start)
