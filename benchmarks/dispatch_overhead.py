@@ -3,15 +3,15 @@
 Both sides enqueue the same built kernel on the same device arrays; the library side additionally
 validates arguments, looks up the memoised decision and allocates the output.  What is timed is
 the host time of the enqueueing call itself, so the kernel's own run time -- identical on both
-sides and noisy on a shared CPU -- does not enter.  Two ways of calling, each interleaved (raw,
-library, raw, ...) and timed with perf_counter, reported as medians and their difference:
+sides and noisy on a shared CPU -- does not enter.  Two ways of calling, timed with perf_counter
+and reported as medians and their difference:
 
-* drained: the queue is drained before every call, so each call starts right after a blocking
-  wait -- where the host's caches are cold and each Python step costs several times its warm
+* drained: raw and library calls alternate, and the queue is drained before every call, so each
+  call starts right after a blocking wait -- where the host's caches are cold and each Python step costs several times its warm
   price (on the 2-core VM this was measured on, 3-10x);
-* pipelined: batches of calls enqueued back to back, as a model's forward pass makes them, while
-  the device runs the earlier ones; the first call of each batch (which follows a drain) is not
-  counted.
+* pipelined: batches of raw and of library calls alternate; the calls of a batch are enqueued back
+  to back, as a model's forward pass makes them, while the device runs the earlier ones; the first
+  call of each batch (which follows a drain) is not counted.
 
     python benchmarks/dispatch_overhead.py [--repeat 2000] [--batch 8]
 """
@@ -34,6 +34,8 @@ def main():
     parser.add_argument("--output", default="7x7")
     parser.add_argument("--batch", type=int, default=8, help="calls per batch of the pipelined measurement")
     args = parser.parse_args()
+    if args.batch < 2:
+        parser.error("--batch must be at least 2 (the first call of each batch is not counted)")
     shape = tuple(int(s) for s in args.input.split("x"))
     out_size = tuple(int(s) for s in args.output.split("x"))
 

@@ -2,8 +2,8 @@
 
 For each suite shape and direction, in one run on one device: pool_tuner's dispatched (tuned)
 kernel, pool_tuner forced to the heuristic default, and PyTorch on the CPU, timed interleaved --
-one timed call of each per round in a random order, each after a pause and untimed calls of its
-own (``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
+one timed call of each per round in a random order, each after a pause and ``UNTIMED_CALLS``
+untimed calls of its own (see ``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
 device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
 the ATen op).  The device's copy bandwidth is measured in the same run with a device-to-device
 buffer copy; a shape's floor is its bytes moved (read + written) over that bandwidth.
@@ -27,15 +27,20 @@ from . import backends, dispatch, presets
 from .problem import OPS, Problem
 
 COPY_BYTES = 256 * 2**20
-#: Each timed call follows a pause of SETTLE_S and UNTIMED_CALLS calls of the same candidate, so
-#: that every candidate is timed in its own steady state -- as in a loop of calls -- undisturbed by
-#: the one before.  Measured on the 2-core machine this was built on: after a parallel region
-#: PyTorch's OpenMP threads keep spinning (libgomp's default spin-wait) and take CPU time from
-#: whatever runs next -- a pool_tuner call started right after a PyTorch call took up to 1.7x its
-#: time (audio_1d 9.7 vs 5.6 ms; se_block 4.9 vs 3.8 ms), still 1.2x after 5 ms, and its settled
-#: time after 10 ms.  The pause busy-waits: after a sleep, when the host has gone idle, PyTorch's
-#: next calls wait for their threads to be woken (upsample_area: 7.4 ms instead of 0.3 ms for the
-#: first call, over 2 ms in a third of the second calls; none after a busy-wait).
+#: How each timed call is prepared: a busy-wait of SETTLE_S, then UNTIMED_CALLS calls of the same
+#: candidate, then the timed call.  So every candidate is timed in its own steady state, as in a
+#: loop of calls of that one operation -- not as it would run amid other work.  Observed on the
+#: 2-core machine this was built on:
+#:
+#: * After its calls PyTorch's OpenMP threads keep spinning (libgomp's default spin-wait) and take
+#:   CPU time from whatever runs next: a pool_tuner call started right after a PyTorch call took up
+#:   to 1.7x its time (audio_1d 9.7 vs 5.6 ms, se_block 4.9 vs 3.8 ms), 1.2x after 5 ms, and its
+#:   usual time after 10 ms.  PoCL's threads did not slow PyTorch that way.  The pause lets the
+#:   spinning end before the next candidate's calls.
+#: * A PyTorch call made after a pause took longer than one made right after another (upsample_area
+#:   0.54 instead of 0.19 ms after a 20 ms busy-wait; 7.4 ms after a 20 ms sleep, and over 2 ms for
+#:   a third of the second calls after a sleep, none after a busy-wait).  The untimed calls absorb
+#:   this, and the pause busy-waits rather than sleeps.
 SETTLE_S = 0.02
 UNTIMED_CALLS = 2
 
@@ -226,6 +231,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "torch": torch_info,
         "copy_gbs": copy_gbs,
         "repeat": repeat,
+        "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
         "rows": report_rows,
         "summary": summary,
     }

@@ -163,7 +163,7 @@ class _Call:
 
     def launch(self, choice, arrays):
         """Launch ``choice`` on ``arrays`` (inputs, then outputs); the outputs wait for it."""
-        launch = dispatch.prepare(self.device, self.device.context_of(self.queue), self.problem, choice)
+        launch = dispatch.prepare(self.device, self.queue.context, self.problem, choice)
         event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, arrays)
         for array in arrays:
             self.device.track(array, event)
@@ -187,7 +187,7 @@ def _exact(value):
     ``True == 1``), so that a bad argument never reuses a good call's validation: a sequence's key
     holds its elements' types (a nested sequence is never a valid size, so never gets stored)."""
     if isinstance(value, (tuple, list)):
-        return (type(value), value, tuple(map(type, value)))
+        return (type(value), tuple(value), tuple(map(type, value)))
     return (type(value), value)
 
 

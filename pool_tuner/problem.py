@@ -50,9 +50,13 @@ def check_dtype(dtype, name: str = "dtype") -> str:
     if isinstance(dtype, str) and dtype in DTYPES:
         return dtype
     try:
-        canonical = np.dtype(dtype).name
+        numpy_dtype = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{name} must be one of {sorted(DTYPES)}, got {dtype!r}") from None
+    canonical = numpy_dtype.name
+    if not numpy_dtype.isnative:  # the kernels read native-order bytes
+        raise TypeError(f"{name} must be in native byte order, got {numpy_dtype.str}; convert with "
+                        f".astype({canonical!r})")
     if canonical not in DTYPES:
         raise TypeError(f"{name} must be one of {sorted(DTYPES)}, got {canonical}")
     return canonical
@@ -76,16 +80,13 @@ class Problem:
     layout: str
     input_shape: tuple
     output_shape: tuple
-    # Derived once, when the problem is made: a problem is consulted several times on every call's
-    # path (and hashed as a key of the dispatch memos), where each property call or tuple hash
-    # costs microseconds with the cold caches that follow a blocking wait.
-    kind: str = dataclasses.field(init=False, repr=False, compare=False)
-    ndim: int = dataclasses.field(init=False, repr=False, compare=False)
-    channels_last: bool = dataclasses.field(init=False, repr=False, compare=False)
-    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        kind, ndim = OPS[self.op]
+        # Derived once, when the problem is made, as plain attributes (not fields: equality, hash,
+        # pickling and ``dataclasses.fields`` see only the six above).  A problem is consulted
+        # several times on every call's path and hashed as a key of the dispatch memos, where each
+        # property call or tuple hash costs microseconds with the cold caches after a blocking wait.
+        kind, ndim = check_op(self.op, self.direction)
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "ndim", ndim)
         object.__setattr__(self, "channels_last", self.layout == LAYOUT_NAMES[ndim][1])
@@ -94,6 +95,10 @@ class Problem:
 
     def __hash__(self):
         return self._hash
+
+    def __reduce__(self):
+        """Pickle the six fields only: the hash of strings differs between processes."""
+        return (Problem, (self.op, self.direction, self.dtype, self.layout, self.input_shape, self.output_shape))
 
     @classmethod
     def create(cls, op, input_shape, output_size, dtype="float32", layout=None, direction="forward", shape_name="input_shape"):

@@ -243,7 +243,7 @@ def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETI
     rng = rng or np.random.default_rng()
     queue = device.queue
     buffers = [device.to_device(a).data for a in make_case(problem, rng).args]
-    launches = [dispatch.prepare(device, device.context_of(queue), problem, c) for c in choices]
+    launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
     for launch in launches:  # warm-up
         device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
     queue.finish()

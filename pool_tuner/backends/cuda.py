@@ -179,10 +179,6 @@ class CudaDevice:
 
     # ------------------------------------------------------------------ what ops needs of arrays
 
-    @staticmethod
-    def context_of(queue: CudaQueue):
-        return queue.context
-
     def queue_of(self, array) -> CudaQueue:
         return self.queue
 

@@ -55,7 +55,6 @@ class OpenCLDevice:
         # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
         self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
         self._default_queue = None
-        self._default_context = None
         self._pool = None  # the MemoryPool of the default queue, made on first use
 
     def __repr__(self):
@@ -84,16 +83,11 @@ class OpenCLDevice:
     def queue(self):
         """The default queue (own context, profiling enabled), created on first use."""
         if self._default_queue is None:
-            self._default_context = cl.Context([self.cl_device])
+            context = cl.Context([self.cl_device])
             self._default_queue = cl.CommandQueue(
-                self._default_context, properties=cl.command_queue_properties.PROFILING_ENABLE
+                context, properties=cl.command_queue_properties.PROFILING_ENABLE
             )
         return self._default_queue
-
-    def context_of(self, queue):
-        """``queue``'s context.  PyOpenCL answers ``queue.context`` with a new wrapper object on
-        every call (an info query); the default queue's is kept, as it is on every call's path."""
-        return self._default_context if queue is self._default_queue else queue.context
 
     def holds_default_queue_of(self, array) -> bool:
         """Whether ``array`` lives on this device's default queue: an identity test, the cheap
@@ -141,7 +135,7 @@ class OpenCLDevice:
         This is on every call's path, and right after a blocking wait the host runs it with cold
         caches, where each Python step costs several times its warm price: the array is made
         through PyOpenCL's fast constructor path (the checked one costs ~15 us warm), with its
-        strides memoised per shape and no environment or context queries."""
+        strides memoised per shape and no environment lookup."""
         queue = queue or self.queue
         dtype = np.dtype(dtype)
         shape = tuple(shape)
@@ -158,7 +152,7 @@ class OpenCLDevice:
             data = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize)
         try:
             return cl_array.Array(queue, shape, dtype, data=data, strides=strides, _fast=True, _size=size,
-                                  _context=self.context_of(queue), _queue=queue)
+                                  _context=queue.context, _queue=queue)
         except TypeError:  # the fast path changed: the checked constructor
             return cl_array.Array(queue, shape, dtype, data=data)
 
