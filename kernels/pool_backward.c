@@ -140,6 +140,53 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARA
 }
 #endif
 
+#if VARIANT_THREAD_PER_ROW
+/* Average pooling, channels-first, no input in more than two windows along W (the host checks):
+ * each work-item writes one input row (plane, t, h), left to right, each element once.  The
+ * row's inputs are pooled by the outputs ot in [ot0, ot1), oh in [oh0, oh1) and, along W, by one
+ * output column ow or, where neighbouring windows overlap, by ow and ow + 1.  Walking the columns
+ * in order, the run of inputs only ow pools all get one value -- the sum over (ot, oh) of ow's
+ * terms, computed once and stored along the run (contiguous stores) -- and the inputs ow shares
+ * with ow + 1 get both columns' terms.  Every sum starts from 0 and adds its terms in the order
+ * the gather variants do (ot, oh, then ow), so the results are bit-identical to theirs.
+ * Launch: ceil(N_PLANES * IN_T * IN_H / block_size_x) groups of block_size_x. */
+#define IN_ROWS ((index_t)N_PLANES * IN_T * IN_H)
+#define ROW_TERM(ot, oh, ow) \
+    CONTRIBUTION(LOAD(grad_out, OUT_OFFSET(plane, ot, oh, ow)), OUT_OFFSET(plane, ot, oh, ow), ot, oh, ow, 0)
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_PARAM GLOBAL scalar_t* RESTRICT grad_in)
+{
+    const index_t row = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+#if PARTIAL_LAST_GROUP
+    if (row >= IN_ROWS)
+        return;
+#endif
+    const index_t h = row % IN_H, t = row / IN_H % IN_T, plane = row / ((index_t)IN_H * IN_T);
+    const index_t ot0 = WINDOW_START(t, OUT_T, IN_T), ot1 = ot0 + INVERSE_COUNT(T, ot0, WINDOW_END(t, OUT_T, IN_T));
+    const index_t oh0 = WINDOW_START(h, OUT_H, IN_H), oh1 = oh0 + INVERSE_COUNT(H, oh0, WINDOW_END(h, OUT_H, IN_H));
+    const index_t base = IN_OFFSET(plane, t, h, 0);
+    index_t w = 0;
+    for (index_t ow = 0; ow < OUT_W; ++ow) {
+        const index_t window_end = W_WINDOW_END(ow);
+        const index_t run_end = ow + 1 < OUT_W && W_WINDOW_START(ow + 1) < window_end ? W_WINDOW_START(ow + 1) : window_end;
+        acc_t run_value = (acc_t)0;
+        for (index_t ot = ot0; ot < ot1; ++ot)
+            for (index_t oh = oh0; oh < oh1; ++oh)
+                run_value += ROW_TERM(ot, oh, ow);
+        for (; w < run_end; ++w)
+            STORE(grad_in, base + w, run_value);
+        for (; w < window_end; ++w) { /* pooled by ow and ow + 1 */
+            acc_t sum = (acc_t)0;
+            for (index_t ot = ot0; ot < ot1; ++ot)
+                for (index_t oh = oh0; oh < oh1; ++oh) {
+                    sum += ROW_TERM(ot, oh, ow);
+                    sum += ROW_TERM(ot, oh, ow + 1);
+                }
+            STORE(grad_in, base + w, sum);
+        }
+    }
+}
+#endif
+
 #if VARIANT_PLANE_SCATTER
 /* One work-item per plane scatters its outputs' gradients into its own input plane, outputs in
  * row-major order: every input receives its terms in the order the gather variants sum them, from

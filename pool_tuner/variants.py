@@ -182,6 +182,12 @@ def _output_rows(problem: Problem) -> int:
     return problem.planes * ot * oh
 
 
+def _input_rows(problem: Problem) -> int:
+    """Input rows (plane, t, h) of a problem: the unit of work of the backward row variant."""
+    it, ih, _ = problem.in_spatial
+    return problem.planes * it * ih
+
+
 def _acc_bytes(problem: Problem) -> int:
     """Size of the kernels' accumulator type ``acc_t``: float64 for float64, else float32."""
     return 8 if problem.dtype == "float64" else 4
@@ -405,6 +411,32 @@ class SmemTiledBackward(_Tiled):
         return problem.in_spatial, problem.out_spatial
 
 
+class ThreadPerRowBackward(Variant):
+    name = "thread_per_row"
+    template = "pool_backward.c"
+    kernel_name = "pool_backward"
+    summary = ("average pooling, channels-first: each work-item writes one input row once, a run of equal "
+               "values per output column (no input in more than two windows along W)")
+    search_space = {"block_size_x": [1, 4, 16, 64, 256]}
+    default = {"block_size_x": 16}
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.kind != "avg":
+            return "is for average pooling (its runs share one value)"
+        if problem.channels_last:
+            return "needs channels-first memory (contiguous input rows)"
+        (_, _, iw), (_, _, ow) = problem.in_spatial, problem.out_spatial
+        if ow and max_window(ow, iw) > 2:
+            return "needs every input in at most two windows along W (no upsampling along W)"
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(_input_rows(problem), params["block_size_x"])
+
+    def extra_defines(self, params, problem):
+        return {"PARTIAL_LAST_GROUP": int(_input_rows(problem) % params["block_size_x"] != 0)}
+
+
 class PlaneScatter(Variant):
     name = "plane_scatter"
     template = "pool_backward.c"
@@ -423,7 +455,7 @@ class PlaneScatter(Variant):
 
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector())
-_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter())
+_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward())
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {
     (op, direction): {v.name: v for v in (_FORWARD if direction == "forward" else _BACKWARD)}

@@ -479,8 +479,11 @@ def test_every_variant_is_covered():
             expected = {"channels_vector": {channels_last}, "plane_reduce": {channels_first},
                         "thread_per_row": {channels_first}}.get(
                 name, {channels_first, channels_last})
+            if (direction, name) == ("backward", "thread_per_row") and OPS[op][0] == "max":
+                expected = set()  # average pooling only
             assert layouts == expected, (op, direction, name, layouts)
-            assert {s["id"].split("-")[3] for s in mine} >= {"smallest", "largest"}, (op, direction, name)
+            if expected:
+                assert {s["id"].split("-")[3] for s in mine} >= {"smallest", "largest"}, (op, direction, name)
     for direction in ("forward", "backward"):
         dtypes = {s["dtype"] for s in CASES.values() if s["direction"] == direction}
         assert dtypes == {"float32", *HALF_DTYPES}
