@@ -135,7 +135,7 @@ class _Call:
         if poison_outputs and out.size:
             name = np.dtype(dtype).name
             if name in NAN_BITS:
-                self.device.fill(out.view(np.uint16), np.uint16(NAN_BITS[name]), self.queue)
+                self.device.fill_bits(out, NAN_BITS[name], self.queue)
             else:
                 self.device.fill(out, INDEX_POISON if name == "int64" else np.nan, self.queue)
         return out

@@ -83,7 +83,7 @@ def run(module, x, grad_seed=0):
     """Output (values, indices or None) and the input gradient for a fixed random grad_out."""
     out = module(x)
     values, indices = out if isinstance(out, tuple) else (out, None)
-    g = torch.randn(values.shape, generator=torch.Generator().manual_seed(grad_seed)).to(values.dtype)
+    g = torch.randn(values.shape, generator=torch.Generator().manual_seed(grad_seed)).to(values.device, values.dtype)
     (grad,) = torch.autograd.grad(values, x, g)
     return values, indices, grad
 

@@ -172,9 +172,19 @@ class CudaDevice:
         return 0
 
     def fill(self, array, value, queue: CudaQueue | None = None):
-        """Fill a GPUArray (used to poison outputs with NaN before a launch)."""
+        """Fill a GPUArray (used to poison outputs with NaN before a launch).  PyCUDA has no fill
+        kernel for float16, so a float16 array is filled through its bits."""
+        if array.dtype == np.float16:
+            return self.fill_bits(array, np.array(value, np.float16).view(np.uint16)[()], queue)
         with self.activated(queue.context if queue else None):
             array.fill(array.dtype.type(value), stream=queue.stream if queue else None)
+        return array
+
+    def fill_bits(self, array, bits, queue: CudaQueue | None = None):
+        """Fill an array of 16-bit elements with the bit pattern ``bits`` (a float16 or bfloat16
+        NaN); the uint16 view is made inside the context, as PyCUDA needs one to make it."""
+        with self.activated(queue.context if queue else None):
+            array.view(np.uint16).fill(np.uint16(bits), stream=queue.stream if queue else None)
         return array
 
     # ------------------------------------------------------------------ what ops needs of arrays
@@ -358,6 +368,11 @@ def as_gpuarray(x):
         raise ValueError("x must not be a masked array")
     shape = tuple(int(s) for s in interface["shape"])
     dtype = np.dtype(interface["typestr"])
+    if dtype.kind == "V" and dtype.itemsize == 2 and str(getattr(x, "dtype", "")).endswith("bfloat16"):
+        # A bfloat16 tensor exports itself as two raw bytes ("<V2"); its own dtype says what they are.
+        import ml_dtypes
+
+        dtype = np.dtype(ml_dtypes.bfloat16)
     strides = interface.get("strides")
     if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
         raise ValueError(f"x must be C-contiguous (channels-first, no strides); it has strides {tuple(strides)}")

@@ -213,6 +213,13 @@ class OpenCLDevice:
         return array
 
     @staticmethod
+    def fill_bits(array, bits, queue=None):
+        """Fill an array of 16-bit elements with the bit pattern ``bits`` (PyOpenCL cannot fill
+        float16 arrays, and bfloat16 is stored as its bits anyway)."""
+        array.view(np.uint16).fill(np.uint16(bits), queue=queue)
+        return array
+
+    @staticmethod
     def strided_view(array, shape, strides):
         """``array``'s memory seen with another shape and strides (channels-last results)."""
         return cl_array.Array(array.queue, tuple(shape), array.dtype, data=array.base_data,
