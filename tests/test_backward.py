@@ -61,7 +61,8 @@ SHAPES = {
 }
 def legal_variants(op, shape, size):
     """The backward variants whose default configuration can run this problem on the default device
-    (thread_per_row: average pooling without upsampling along W; the others: every problem)."""
+    (thread_per_row: average pooling, no input in more than two windows along W; the others: every
+    problem)."""
     problem = Problem.create(op, shape, size, direction="backward")
     limits = backends.default_device().limits
     return [name for name, variant in variants_for(op, "backward").items()
