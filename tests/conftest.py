@@ -18,7 +18,9 @@ os.environ.pop("POOL_TUNER_AUTOTUNE", None)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pool_tuner import kernel_source  # noqa: E402
+from pool_tuner import backends, kernel_source  # noqa: E402
+from pool_tuner.problem import Problem  # noqa: E402
+from pool_tuner.variants import variants_for  # noqa: E402
 
 SHIPPED_CACHE_DIR = kernel_source.shipped_cache_dir()
 _EMPTY_SHIPPED_DIR = tempfile.mkdtemp(prefix="pool_tuner_test_shipped_")
@@ -60,3 +62,18 @@ def user_cache(tmp_path, monkeypatch):
     dispatch.forget()
     yield directory
     dispatch.forget()
+
+
+def legal_variants(op, direction, shape, output_size, dtype="float32", layout=None):
+    """Names of the variants whose default configuration is legal for the problem on the default
+    device (channels_vector needs channels-last memory)."""
+    limits = backends.default_device().limits
+    problem = Problem.create(op, shape, output_size, dtype, layout, direction=direction)
+    names = []
+    for name, variant in variants_for(op, direction).items():
+        try:
+            variant.check_config({}, problem, limits)
+        except ValueError:
+            continue
+        names.append(name)
+    return names

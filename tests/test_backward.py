@@ -9,11 +9,9 @@ import pool_tuner as pt
 from pool_tuner import backends, dispatch, reference
 from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.ops import memory_layout
-from pool_tuner.problem import Problem
 from pool_tuner.shapes import resolve_output_size
-from pool_tuner.variants import variants_for
 
-from conftest import random_input
+from conftest import legal_variants, random_input
 
 torch = pytest.importorskip("torch")
 
@@ -59,22 +57,14 @@ SHAPES = {
         ((1, 2, 4, 4, 4), 0),
     ],
 }
-def legal_variants(op, shape, size):
-    """The backward variants whose default configuration can run this problem on the default device
-    (thread_per_row: average pooling, no input in more than two windows along W; the others: every
-    problem)."""
-    problem = Problem.create(op, shape, size, direction="backward")
-    limits = backends.default_device().limits
-    return [name for name, variant in variants_for(op, "backward").items()
-            if variant.illegal_reason(variant.default, problem, limits) is None]
-
-
 CASES = [
     pytest.param(kind, ndim, shape, size, variant, id=f"{kind}{ndim}d-{shape}->{size}-{variant}")
     for kind in ("avg", "max")
     for ndim, shapes in SHAPES.items()
     for shape, size in shapes
-    for variant in legal_variants(f"adaptive_{kind}_pool{ndim}d", shape, size)
+    # every variant that can run the problem (backward thread_per_row: average pooling, no input in
+    # more than two windows along W)
+    for variant in legal_variants(f"adaptive_{kind}_pool{ndim}d", "backward", shape, size)
 ]
 
 
@@ -175,7 +165,7 @@ def test_backward_is_bit_identical_across_runs_and_variants(kind, shape, size, r
     grad_out = random_input(rng, out_shape_of(shape, size, ndim))
     indices = our_forward_indices(op, x, size) if kind == "max" else None
     results = {}
-    for variant in legal_variants(op, shape, size):
+    for variant in legal_variants(op, "backward", shape, size):
         first = run_backward(op, grad_out, shape, indices, variant=variant)
         again = run_backward(op, grad_out, shape, indices, variant=variant)
         assert np.array_equal(first, again), f"{variant}: two runs differ"

@@ -15,12 +15,11 @@ import pytest
 import pool_tuner as pt
 from pool_tuner import backends, reference
 from pool_tuner.ops import memory_layout
-from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
+from pool_tuner.problem import LAYOUT_NAMES, OPS
 from pool_tuner.shapes import resolve_output_size
-from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
-from conftest import random_input
+from conftest import legal_variants, random_input
 
 torch = pytest.importorskip("torch")
 try:
@@ -67,21 +66,6 @@ def in_layout(x, ndim, layout):
 
 def as_float64(a):
     return np.asarray(a).astype(np.float32).astype(np.float64) if a.dtype.name == "bfloat16" else np.asarray(a, np.float64)
-
-
-def legal_variants(op, direction, shape, output_size, dtype="float32", layout=None):
-    """Names of the variants whose default configuration is legal for the problem on the default
-    device (channels_vector needs channels-last memory)."""
-    limits = backends.default_device().limits
-    problem = Problem.create(op, shape, output_size, dtype, layout, direction=direction)
-    names = []
-    for name, variant in variants_for(op, direction).items():
-        try:
-            variant.check_config({}, problem, limits)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
 
 
 def forward(op, x, output_size, **kwargs):
