@@ -53,14 +53,6 @@ def _locate(x, device, name="x"):
     return chosen, chosen.queue, False, x
 
 
-def _c_strides(shape, itemsize) -> tuple:
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def _same_strides(shape, strides, expected) -> bool:
     """Strides equal where they matter (axes of size 1 may have any stride)."""
     return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
@@ -73,13 +65,13 @@ def memory_layout(x, ndim: int, name: str = "x") -> str | None:
     if x.flags.c_contiguous:  # the common case, answered by the array itself
         return contiguous
     shape, itemsize = tuple(x.shape), x.dtype.itemsize
-    if math.prod(shape) == 0 or _same_strides(shape, x.strides, _c_strides(shape, itemsize)):
+    if math.prod(shape) == 0 or _same_strides(shape, x.strides, shapes.c_strides(shape, itemsize)):
         return contiguous
     c = len(shape) - ndim - 1
     if c < 0:
         return None
     memory = shape[:c] + shape[c + 1:] + (shape[c],)
-    mem_strides = _c_strides(memory, itemsize)
+    mem_strides = shapes.c_strides(memory, itemsize)
     expected = mem_strides[:c] + (mem_strides[-1],) + mem_strides[c:-1]
     return channels_last if _same_strides(shape, x.strides, expected) else None
 

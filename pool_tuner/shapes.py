@@ -69,3 +69,12 @@ def resolve_output_size(output_size, in_spatial: tuple[int, ...], name: str = "o
         else:
             resolved.append(check_int(entry, f"{name}[{axis}]", minimum=0))
     return tuple(resolved)
+
+
+def c_strides(shape, itemsize: int) -> tuple:
+    """Byte strides of a C-contiguous array of ``shape`` (an axis of size 0 counts as size 1)."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

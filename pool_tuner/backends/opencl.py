@@ -9,10 +9,12 @@ device's default context and a profiling-enabled queue.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import numpy as np
 
+from ..shapes import c_strides
 from ..variants import DeviceLimits
 
 try:  # PyOpenCL is a hard dependency, but keep a clear message if the install is broken.
@@ -229,11 +231,7 @@ class OpenCLDevice:
 @functools.lru_cache(maxsize=1024)
 def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
     """``(strides, size)`` of a C-contiguous array of ``shape``."""
-    strides, size = [], 1
-    for n in reversed(shape):
-        strides.append(size * itemsize)
-        size *= n
-    return tuple(reversed(strides)), size
+    return c_strides(shape, itemsize), math.prod(shape)
 
 
 @functools.lru_cache(maxsize=512)
