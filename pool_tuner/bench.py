@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import backends, dispatch, presets
+from .backends import opencl
 from .problem import OPS, Problem
 
 COPY_BYTES = 256 * 2**20
@@ -232,6 +233,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "copy_gbs": copy_gbs,
         "repeat": repeat,
         "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
+        "pocl_affinity": opencl.pocl_affinity if getattr(dev, "is_pocl", False) else None,
         "rows": report_rows,
         "summary": summary,
     }
@@ -239,7 +241,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
 
 def format_table(report: dict) -> str:
     lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
-             f"  torch {report['torch']}",
+             f"  torch {report['torch']}" + (f"\nPoCL: {report['pocl_affinity']}" if report.get("pocl_affinity") else ""),
              f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
              f" {'%copy':>6s} {'xfloor':>6s} {'vs dflt':>7s}  kernel"]
     for r in report["rows"]:

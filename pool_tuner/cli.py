@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from . import backends, cache, dispatch, kernel_source, presets
+from .backends import opencl
 from .ops import explain
 from .tuner import tune
 from .problem import Problem
@@ -66,6 +67,8 @@ def cmd_devices(args) -> int:
             marks.append("simulator, never chosen by default")
         suffix = f"  ({', '.join(marks)})" if marks else ""
         print(f"{device.id:14s} {device.name}  [{device.platform_name}]{suffix}")
+    if any(getattr(d, "is_pocl", False) for d in backends.all_devices()):
+        print(f"PoCL: {opencl.pocl_affinity}")
     return 0
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import bench, cli
+from pool_tuner import backends, bench, cli
+from pool_tuner.backends import opencl
 
 
 def test_bench_writes_json_plot_and_table(tmp_path, capsys):
@@ -16,6 +17,8 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert report["copy_gbs"] > 0
     assert report["method"] == {"settle_s": bench.SETTLE_S, "untimed_calls": bench.UNTIMED_CALLS}
+    on_pocl = pt.devices() and getattr(backends.default_device(), "is_pocl", False)
+    assert report["pocl_affinity"] == (opencl.pocl_affinity if on_pocl else None)
     rows = report["rows"]
     assert [r["direction"] for r in rows] == ["forward", "backward"]
     for r in rows:

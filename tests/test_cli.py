@@ -12,6 +12,7 @@ import pytest
 import pool_tuner as pt
 from pool_tuner import backends, cli, dispatch, kernel_source
 from pool_tuner import cache as cache_mod
+from pool_tuner.backends import opencl
 from pool_tuner.problem import Problem
 from pool_tuner.variants import variants_for
 
@@ -77,6 +78,9 @@ def test_devices_lists_every_device_and_marks_the_default(capsys, user_cache):
     assert code == 0 and err == ""
     lines = out.strip().splitlines()
     devices = pt.devices()
+    if any(getattr(device, "is_pocl", False) for device in devices):
+        # After the devices, a line says whether PoCL's worker threads were asked to be pinned.
+        assert lines.pop() == f"PoCL: {opencl.pocl_affinity}"
     assert len(lines) == len(devices)
     for device, line in zip(devices, lines):
         assert line.startswith(device.id) and device.name in line
