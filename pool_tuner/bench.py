@@ -233,7 +233,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "copy_gbs": copy_gbs,
         "repeat": repeat,
         "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
-        "pocl_affinity": opencl.pocl_affinity if getattr(dev, "is_pocl", False) else None,
+        "pocl_affinity": opencl.pocl_affinity() if dev.is_pocl and dev.is_cpu else None,
         "rows": report_rows,
         "summary": summary,
     }
@@ -241,9 +241,11 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
 
 def format_table(report: dict) -> str:
     lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
-             f"  torch {report['torch']}" + (f"\nPoCL: {report['pocl_affinity']}" if report.get("pocl_affinity") else ""),
+             f"  torch {report['torch']}",
              f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
              f" {'%copy':>6s} {'xfloor':>6s} {'vs dflt':>7s}  kernel"]
+    if report.get("pocl_affinity"):
+        lines.insert(1, f"PoCL: {report['pocl_affinity']}")
     for r in report["rows"]:
         shape = f"{r['name']} {'x'.join(map(str, r['input_shape']))}->{'x'.join(map(str, r['output_shape'][-3:]))}"
         torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.3f}"

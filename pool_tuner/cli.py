@@ -61,14 +61,15 @@ def _shapes_from_args(args) -> list:
 
 def cmd_devices(args) -> int:
     default = backends.default_device()
-    for device in backends.all_devices():
+    devices = backends.all_devices()
+    for device in devices:
         marks = ["default"] if device is default else []
         if device.is_simulator:
             marks.append("simulator, never chosen by default")
         suffix = f"  ({', '.join(marks)})" if marks else ""
         print(f"{device.id:14s} {device.name}  [{device.platform_name}]{suffix}")
-    if any(getattr(d, "is_pocl", False) for d in backends.all_devices()):
-        print(f"PoCL: {opencl.pocl_affinity}")
+    if any(d.is_pocl and d.is_cpu for d in devices):
+        print(f"PoCL: {opencl.pocl_affinity()}")
     return 0
 
 

@@ -17,8 +17,8 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert report["copy_gbs"] > 0
     assert report["method"] == {"settle_s": bench.SETTLE_S, "untimed_calls": bench.UNTIMED_CALLS}
-    on_pocl = pt.devices() and getattr(backends.default_device(), "is_pocl", False)
-    assert report["pocl_affinity"] == (opencl.pocl_affinity if on_pocl else None)
+    device = backends.default_device()
+    assert report["pocl_affinity"] == (opencl.pocl_affinity() if device.is_pocl and device.is_cpu else None)
     rows = report["rows"]
     assert [r["direction"] for r in rows] == ["forward", "backward"]
     for r in rows:
@@ -29,6 +29,8 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert set(report["summary"]) == {"forward", "backward"}
     table = capsys.readouterr().out
     assert "upsample_area" in table and "geomean" in table
+    if report["pocl_affinity"]:
+        assert f"PoCL: {report['pocl_affinity']}" in table.splitlines()
 
 
 def test_bytes_moved_counts_reads_writes_and_indices():

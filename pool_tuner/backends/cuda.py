@@ -80,6 +80,7 @@ class CudaDevice:
     is_gpu = True
     is_cpu = False
     is_simulator = False
+    is_pocl = False
     supports_float64 = True
     #: Device memory is separate from host memory (numpy inputs are copied in and out).
     shares_host_memory = False

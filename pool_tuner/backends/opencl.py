@@ -34,36 +34,72 @@ MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
 memory_pool_enabled = os.environ.get(MEMORY_POOL_ENV, "1") != "0"
 
 POCL_AFFINITY_ENV = "POCL_AFFINITY"
+#: Set beside a POCL_AFFINITY that pool_tuner set, so that a child process inheriting both checks
+#: again whether pinning is safe for it rather than taking the value for the user's own.
+POCL_AFFINITY_MARK_ENV = "POOL_TUNER_SET_POCL_AFFINITY"
+#: PoCL variables that change how many worker threads it starts (or CPUs it counts).
+POCL_WORKER_COUNT_ENVS = ("POCL_MAX_PTHREAD_COUNT", "POCL_PTHREAD_MIN_THREADS", "POCL_CPU_MAX_CU_COUNT",
+                          "POCL_CPU_MIN_CU_COUNT")
 
 
-def pin_pocl_threads(environ=os.environ) -> str:
-    """Ask PoCL to pin its CPU driver's worker threads (worker i to CPU i), unless that is unsafe or
-    the user chose otherwise; return what was decided, in words (``pool-tuner devices`` prints it).
+def online_cpus() -> int:
+    """How many CPUs are online (os.cpu_count() can be overridden on Python 3.13+)."""
+    try:
+        return int(os.sysconf("SC_NPROCESSORS_ONLN"))
+    except (AttributeError, ValueError, OSError):
+        return os.cpu_count() or 0
+
+
+def pocl_pinning_hazard(environ) -> str | None:
+    """Why pinning PoCL's workers (worker i to CPU i) could fail in this process, or None.
+
+    PoCL starts one worker per CPU it counts and, pinning, moves worker i to CPU i: a CPU outside
+    the process's cgroup cpuset (or offline) makes it abort the whole process ("PTHREAD ERROR ...
+    Invalid argument"; so did POCL_MAX_PTHREAD_COUNT=4 on 2 CPUs), and one outside a `taskset`
+    mask moves the worker out of the mask.  So pinning is safe only where the process may run on
+    every online CPU 0, 1, ... and no variable changes the number of workers.  (PoCL falls back to 8
+    workers where hwloc finds no CPUs; that cannot be seen from here.)"""
+    for name in POCL_WORKER_COUNT_ENVS:
+        if name in environ:
+            return f"{name} is set"
+    if not hasattr(os, "sched_getaffinity"):
+        return "no CPU affinity on this platform"
+    if os.sched_getaffinity(0) != set(range(online_cpus())):
+        return "this process may not run on every CPU"
+    return None
+
+
+def request_pocl_affinity(environ=os.environ) -> str:
+    """Ask PoCL to pin its CPU driver's worker threads by setting ``POCL_AFFINITY=1``, unless the
+    user set the variable or pinning could fail (pocl_pinning_hazard); return what was decided, in
+    words (``pool-tuner devices`` and ``bench.json`` show it).
 
     Why: unpinned, PoCL's workers sleep between kernels and wake wherever the scheduler puts them.
     On the 2-core machine the benchmarks ran on, a small kernel then took twice as long after a
     blocking wait (upsample_area: 220 us by its own OpenCL event, 120 us pinned), and whole calls
-    on small layers ran 1.3-1.9x faster pinned (README, "Performance").
+    on small layers ran 1.3-1.9x faster pinned (README, "Devices").
 
-    PoCL reads ``POCL_AFFINITY`` once, when the process first lists OpenCL platforms, so this runs
-    at import; a process that listed them before importing pool_tuner keeps what it had.  Pinning
-    is only asked for when it cannot fail: PoCL aborts the whole process if a worker's CPU is not
-    one it may run on, so the variable is left alone unless the process may run on every CPU from
-    0 to os.cpu_count() - 1 and no ``POCL_MAX_PTHREAD_COUNT`` asks for a different number of workers.
-    A ``POCL_AFFINITY`` already set (to 0, say) is always respected."""
-    if POCL_AFFINITY_ENV in environ:
-        return f"{POCL_AFFINITY_ENV}={environ[POCL_AFFINITY_ENV]} as set before pool_tuner was imported"
-    if "POCL_MAX_PTHREAD_COUNT" in environ:
-        return f"{POCL_AFFINITY_ENV} not set by pool_tuner: POCL_MAX_PTHREAD_COUNT is set"
-    if not hasattr(os, "sched_getaffinity"):
-        return f"{POCL_AFFINITY_ENV} not set by pool_tuner: no CPU affinity on this platform"
-    if os.sched_getaffinity(0) != set(range(os.cpu_count() or 0)):
-        return f"{POCL_AFFINITY_ENV} not set by pool_tuner: this process may not run on every CPU"
-    environ[POCL_AFFINITY_ENV] = "1"
-    return f"{POCL_AFFINITY_ENV}=1 set by pool_tuner at import: PoCL pins its worker threads (if it started after that)"
+    PoCL reads the variable once, when the process first lists OpenCL devices, so list_devices
+    calls this just before; a program that listed them before keeps what it had.  The variable
+    stays set, with POCL_AFFINITY_MARK_ENV beside it, so child processes inherit both and check
+    again, dropping both where pinning is not safe for them."""
+    set_by_us = environ.get(POCL_AFFINITY_MARK_ENV) == "1" and environ.get(POCL_AFFINITY_ENV) == "1"
+    if POCL_AFFINITY_ENV in environ and not set_by_us:
+        return f"{POCL_AFFINITY_ENV}={environ[POCL_AFFINITY_ENV]!r} as set by the user"
+    hazard = pocl_pinning_hazard(environ)
+    if hazard is not None:
+        if set_by_us:  # inherited from a process where pinning was safe
+            del environ[POCL_AFFINITY_ENV], environ[POCL_AFFINITY_MARK_ENV]
+        return f"{POCL_AFFINITY_ENV} not set by pool_tuner: {hazard}"
+    environ[POCL_AFFINITY_ENV] = environ[POCL_AFFINITY_MARK_ENV] = "1"
+    return (f"{POCL_AFFINITY_ENV}=1 set by pool_tuner: PoCL pins its worker threads"
+            " (unless this process listed OpenCL devices before)")
 
 
-pocl_affinity = pin_pocl_threads()
+@functools.cache
+def pocl_affinity() -> str:
+    """What request_pocl_affinity decided for this process (decided once, on first call)."""
+    return request_pocl_affinity()
 
 
 class OpenCLDevice:
@@ -279,6 +315,7 @@ def list_devices() -> tuple:
     """Every OpenCL device of every platform, in ICD order (stable for a given installation)."""
     if cl is None:
         return ()
+    pocl_affinity()  # before PoCL starts, which reads it
     found = []
     try:
         platforms = cl.get_platforms()
