@@ -67,10 +67,14 @@ def user_cache(tmp_path, monkeypatch):
 def legal_variants(op, direction, shape, output_size, dtype="float32", layout=None):
     """Names of the variants whose default configuration is legal for the problem on the default
     device (channels_vector needs channels-last memory)."""
+    return variants_legal_for(Problem.create(op, shape, output_size, dtype, layout, direction=direction))
+
+
+def variants_legal_for(problem):
+    """legal_variants of a Problem already made."""
     limits = backends.default_device().limits
-    problem = Problem.create(op, shape, output_size, dtype, layout, direction=direction)
     names = []
-    for name, variant in variants_for(op, direction).items():
+    for name, variant in variants_for(problem.op, problem.direction).items():
         try:
             variant.check_config({}, problem, limits)
         except ValueError:

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pool_tuner as pt
-from pool_tuner import backends, ops, reference
+from pool_tuner import ops, reference
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
-from pool_tuner.variants import variants_for
 from pool_tuner.windows import max_window
+
+from conftest import variants_legal_for
 
 #: (rtol, atol): DESIGN 8 -- float64 1e-12, float32 1e-5, float16 by its epsilon (float32 accumulation).
 TOLERANCE = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-6), "float16": (2.0**-10, 1e-4)}
@@ -61,18 +62,6 @@ def _random(rng, shape, dtype):
     return x.astype(dtype)
 
 
-def _legal_variants(op, direction, problem):
-    device = backends.default_device()
-    legal = []
-    for name, variant in variants_for(op, direction).items():
-        try:
-            variant.check_config({}, problem, device.limits)
-        except ValueError:
-            continue
-        legal.append(name)
-    return legal
-
-
 #: Unit roundoff of the accumulation: float32 for float32 and float16 storage.
 ACCUMULATION_EPS = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-24}
 
@@ -111,7 +100,7 @@ def _setup(draw_problem, data, direction):
     # Empty arrays and single channels are ambiguous: the library treats them as contiguous.
     actual_layout = ops.memory_layout(x, ndim)
     problem = Problem.create(op, in_shape, out_shape[-ndim:], dtype, actual_layout, direction=direction)
-    variant = data.draw(st.sampled_from(_legal_variants(op, direction, problem)), label="variant")
+    variant = data.draw(st.sampled_from(variants_legal_for(problem)), label="variant")
     return op, ndim, in_shape, size, out_shape, dtype, actual_layout, x, rng, variant
 
 
@@ -183,8 +172,8 @@ def test_avg_backward_is_the_adjoint_of_the_forward(drawn, data):
     forward_problem = Problem.create(op, in_shape, out_shape[-ndim:], "float64", ops.memory_layout(x, ndim))
     backward_problem = Problem.create(op, in_shape, out_shape[-ndim:], "float64", ops.memory_layout(g, ndim),
                                       direction="backward")
-    fv = data.draw(st.sampled_from(_legal_variants(op, "forward", forward_problem)), label="forward variant")
-    bv = data.draw(st.sampled_from(_legal_variants(op, "backward", backward_problem)), label="backward variant")
+    fv = data.draw(st.sampled_from(variants_legal_for(forward_problem)), label="forward variant")
+    bv = data.draw(st.sampled_from(variants_legal_for(backward_problem)), label="backward variant")
     y = getattr(pt, op)(x, size, variant=fv)
     gx = getattr(pt, f"{op}_backward")(g, in_shape, variant=bv)
     lhs, rhs = float(np.sum(y * g)), float(np.sum(x * gx))
