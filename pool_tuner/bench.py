@@ -6,7 +6,8 @@ one timed call of each per round in a random order, each after a pause and ``UNT
 untimed calls of its own (see ``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
 device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
 the ATen op).  The device's copy bandwidth is measured in the same run with a device-to-device
-buffer copy; a shape's floor is its bytes moved (read + written) over that bandwidth.
+copy -- the fastest of a buffer copy and two copy kernels (see ``memory_bandwidth``); a shape's floor
+is its bytes moved (read + written) over that bandwidth.
 
 Results: a JSON file and a PNG plot (matplotlib, optional).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backends, dispatch, presets
+from . import backends, dispatch, kernel_source, presets
 from .backends import opencl
 from .problem import OPS, Problem
 
@@ -81,23 +82,65 @@ class Row:
         }
 
 
-def copy_bandwidth(device, nbytes: int = COPY_BYTES, repeat: int = 15) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+#: The copies that ``memory_bandwidth`` times; the fastest is the device's copy bandwidth.
+COPY_METHODS = ("enqueue_copy", "copy_kernel", "copy_kernel_streaming")
+#: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
+STREAMS = COPY_METHODS + ("read_kernel", "write_kernel")
+READ_RUN = 64  #: elements each work-item of the read kernel sums (kernels/bandwidth.cl)
+
+
+def memory_bandwidth(device, nbytes: int = COPY_BYTES, repeat: int = 15) -> dict:
+    """``{stream: GB/s}`` for each of ``STREAMS`` over ``nbytes`` buffers, interleaved, medians
+    of ``repeat`` rounds.  A copy counts bytes read plus bytes written: ``enqueue_copy``
+    (clEnqueueCopyBuffer) and two copy kernels (kernels/bandwidth.cl; on CPUs they use every
+    compute unit, where PoCL's buffer copy uses one thread; ``copy_kernel_streaming`` stores past
+    the caches).  ``read_kernel`` reads the buffer (and writes a 64th of it), ``write_kernel`` fills
+    it.  Every stream is first checked to do what it says."""
     import pyopencl as cl
 
     queue = device.queue
-    src = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, nbytes)
-    dst = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, nbytes)
-    cl.enqueue_fill_buffer(queue, src, np.float32(1.0), 0, nbytes)
-    cl.enqueue_copy(queue, dst, src)
-    queue.finish()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        cl.enqueue_copy(queue, dst, src)
+    block, fill_value = (256,), np.float32(0.5)
+    count = max(nbytes // (4 * READ_RUN * block[0]), 1) * READ_RUN * block[0]  # whole groups
+    src = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
+    dst = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
+    host = np.random.default_rng().uniform(1.0, 2.0, count).astype(np.float32)
+    cl.enqueue_copy(queue, src, host)
+    source = kernel_source.read("bandwidth.cl")
+    kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
+    sums = count // READ_RUN
+
+    def stream(name):
+        if name == "enqueue_copy":
+            cl.enqueue_copy(queue, dst, src)
+        elif name == "read_kernel":
+            device.launch(queue, kernels["read"], sums // block[0], block, (src, dst))
+        elif name == "write_kernel":
+            device.launch(queue, kernels["write"], count // block[0], block, (dst, fill_value))
+        else:
+            kernel = kernels["copy_streaming" if name == "copy_kernel_streaming" else "copy"]
+            device.launch(queue, kernel, count // block[0], block, (src, dst))
         queue.finish()
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / float(np.median(times)) / 1e9
+
+    expected = {name: host for name in COPY_METHODS}
+    expected["read_kernel"] = host.reshape(sums, READ_RUN).sum(axis=1, dtype=np.float64)
+    expected["write_kernel"] = np.full(count, fill_value)
+    for name in STREAMS:  # warm-up, and proof that each stream does its work
+        cl.enqueue_fill_buffer(queue, dst, np.float32(0.0), 0, count * 4)
+        stream(name)
+        result = np.empty(count, np.float32)
+        cl.enqueue_copy(queue, result, dst)
+        want = expected[name]
+        if not np.allclose(result[: want.size], want, rtol=1e-5, atol=0):
+            raise RuntimeError(f"the benchmark's {name} did not do its work on {device.describe()}")
+    moved = {name: 2 * count * 4 for name in COPY_METHODS}
+    moved.update(read_kernel=(count + sums) * 4, write_kernel=count * 4)
+    times = {name: [] for name in STREAMS}
+    for _ in range(repeat):
+        for name in STREAMS:
+            start = time.perf_counter()
+            stream(name)
+            times[name].append(time.perf_counter() - start)
+    return {name: moved[name] / float(np.median(t)) / 1e9 for name, t in times.items()}
 
 
 def suite(names=None) -> list:
@@ -206,7 +249,8 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
     except ImportError:
         torch_info = None
-    copy_gbs = copy_bandwidth(dev)
+    streams = memory_bandwidth(dev)
+    copy_gbs = max(streams[name] for name in COPY_METHODS)
     rng = np.random.default_rng()
     rows = []
     for name, op, shape, out in suite(names):
@@ -231,6 +275,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "host": platform.processor() or platform.machine(),
         "torch": torch_info,
         "copy_gbs": copy_gbs,
+        "memory_gbs": streams,
         "repeat": repeat,
         "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
         "pocl_affinity": opencl.pocl_affinity() if dev.is_pocl and dev.is_cpu else None,
@@ -240,8 +285,10 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
 
 
 def format_table(report: dict) -> str:
+    streams = ", ".join(f"{name} {gbs:.1f}" for name, gbs in report["memory_gbs"].items())
     lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
              f"  torch {report['torch']}",
+             f"memory GB/s: {streams} (the floor is the fastest copy)",
              f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
              f" {'%copy':>6s} {'xfloor':>6s} {'vs dflt':>7s}  kernel"]
     if report.get("pocl_affinity"):

@@ -15,7 +15,9 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert status == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 1000
-    assert report["copy_gbs"] > 0
+    assert list(report["memory_gbs"]) == list(bench.STREAMS)
+    assert all(gbs > 0 for gbs in report["memory_gbs"].values())
+    assert report["copy_gbs"] == max(report["memory_gbs"][name] for name in bench.COPY_METHODS)
     assert report["method"] == {"settle_s": bench.SETTLE_S, "untimed_calls": bench.UNTIMED_CALLS}
     device = backends.default_device()
     assert report["pocl_affinity"] == (opencl.pocl_affinity() if device.is_pocl and device.is_cpu else None)
@@ -29,6 +31,8 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert set(report["summary"]) == {"forward", "backward"}
     table = capsys.readouterr().out
     assert "upsample_area" in table and "geomean" in table
+    assert f"copy bandwidth {report['copy_gbs']:.1f} GB/s" in table
+    assert f"memory GB/s: enqueue_copy {report['memory_gbs']['enqueue_copy']:.1f}, " in table
     if report["pocl_affinity"]:
         assert f"PoCL: {report['pocl_affinity']}" in table.splitlines()
 
@@ -71,3 +75,18 @@ def test_scripts_in_benchmarks_run(tmp_path):
     names = {name for name, _ in timed}
     assert "thread_per_output" in names and names <= set(pt.variants("adaptive_avg_pool2d")), done.stdout
     assert all(float(ms) > 0 for _, ms in timed)
+
+
+def test_memory_bandwidth_times_every_stream_and_checks_its_work(monkeypatch):
+    device = backends.default_device()
+    streams = bench.memory_bandwidth(device, nbytes=1 << 20, repeat=1)
+    assert list(streams) == list(bench.STREAMS) and all(gbs > 0 for gbs in streams.values())
+    from pool_tuner import kernel_source
+
+    source = kernel_source.read("bandwidth.cl")
+    for broken, stream in (("dst[i] = src[i];", "copy_kernel"), ("run += vload8", "read_kernel")):
+        assert broken in source
+        wrong = source.replace(broken, {"copy_kernel": "dst[i] = src[i] + 1.0f;", "read_kernel": "run -= vload8"}[stream])
+        monkeypatch.setattr(kernel_source, "read", lambda name, wrong=wrong: wrong)
+        with pytest.raises(RuntimeError, match=f"the benchmark's {stream} did not do its work"):
+            bench.memory_bandwidth(device, nbytes=1 << 20, repeat=1)
