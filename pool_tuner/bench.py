@@ -241,6 +241,9 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         progress=None) -> dict:
     """Run the suite; returns the JSON-ready report."""
     dev = backends.resolve_device(device)
+    if dev.backend != opencl.BACKEND:
+        raise ValueError(f"device must be an OpenCL device for pool-tuner bench (its arrays, copies and timings are "
+                         f"PyOpenCL's), got {dev.backend} device {dev.id!r}")
     try:
         import torch
 

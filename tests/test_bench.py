@@ -90,3 +90,13 @@ def test_memory_bandwidth_times_every_stream_and_checks_its_work(monkeypatch):
         monkeypatch.setattr(kernel_source, "read", lambda name, wrong=wrong: wrong)
         with pytest.raises(RuntimeError, match=f"the benchmark's {stream} did not do its work"):
             bench.memory_bandwidth(device, nbytes=1 << 20, repeat=1)
+
+
+def test_bench_refuses_a_non_opencl_device_before_running(monkeypatch, capsys):
+    class CudaLike:
+        backend, id = "cuda", "cuda:0"
+
+    monkeypatch.setattr(backends, "resolve_device", lambda device: CudaLike())
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda *a, **k: pytest.fail("bench ran on a CUDA device"))
+    assert cli.main(["bench", "--preset", "upsample_area", "--device", "cuda:0", "--repeat", "1"]) == 2
+    assert "device must be an OpenCL device for pool-tuner bench" in capsys.readouterr().err
