@@ -32,8 +32,8 @@ __kernel void copy_streaming(__global const float* restrict src, __global float*
 }
 
 /* Work-item i sums elements [READ_RUN * i, READ_RUN * (i + 1)) by vector loads of 8 (the form
- * that read fastest on PoCL, as fast as the suite's read-mostly kernels). */
-#define READ_RUN 64
+ * that read fastest on PoCL, as fast as the suite's read-mostly kernels); the host defines
+ * READ_RUN, a multiple of 8. */
 __kernel void read(__global const float* restrict src, __global float* restrict sums)
 {
     const size_t i = get_global_id(0);

@@ -28,7 +28,8 @@ from . import backends, dispatch, kernel_source, presets
 from .backends import opencl
 from .problem import OPS, Problem
 
-COPY_BYTES = 256 * 2**20
+#: Size of each buffer that ``memory_bandwidth`` streams through: far past the caches.
+STREAM_BYTES = 256 * 2**20
 #: How each timed call is prepared: a busy-wait of SETTLE_S, then UNTIMED_CALLS calls of the same
 #: candidate, then the timed call.  So every candidate is timed in its own steady state, as in a
 #: loop of calls of that one operation -- not as it would run amid other work.  Observed on the
@@ -86,34 +87,52 @@ class Row:
 COPY_METHODS = ("enqueue_copy", "copy_kernel", "copy_kernel_streaming")
 #: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
 STREAMS = COPY_METHODS + ("read_kernel", "write_kernel")
-READ_RUN = 64  #: elements each work-item of the read kernel sums (kernels/bandwidth.cl)
+#: Elements each work-item of kernels/bandwidth.cl's read kernel sums (passed as a define).
+READ_RUN = 64
+#: Buffer size for simulators (Oclgrind interprets every work-item: 64 KiB copies take 40 ms).
+SIMULATOR_STREAM_BYTES = 2**20
 
 
-def memory_bandwidth(device, nbytes: int = COPY_BYTES, repeat: int = 15) -> dict:
-    """``{stream: GB/s}`` for each of ``STREAMS`` over ``nbytes`` buffers, interleaved, medians
-    of ``repeat`` rounds.  A copy counts bytes read plus bytes written: ``enqueue_copy``
-    (clEnqueueCopyBuffer) and two copy kernels (kernels/bandwidth.cl; on CPUs they use every
-    compute unit, where PoCL's buffer copy uses one thread; ``copy_kernel_streaming`` stores past
-    the caches).  ``read_kernel`` reads the buffer (and writes a 64th of it), ``write_kernel`` fills
-    it.  Every stream is first checked to do what it says."""
+def _stream_elements(device, nbytes: int, unit: int) -> int:
+    """float32 elements per stream buffer: ``nbytes`` (a simulator: SIMULATOR_STREAM_BYTES), at most
+    a quarter of the device's memory and its largest allocation, rounded down to a multiple of
+    ``unit`` (at least one)."""
+    cl_device = device.cl_device
+    if device.is_simulator:
+        nbytes = min(nbytes, SIMULATOR_STREAM_BYTES)
+    nbytes = min(nbytes, cl_device.max_mem_alloc_size, cl_device.global_mem_size // 4)
+    return max(nbytes // (4 * unit), 1) * unit
+
+
+def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> dict:
+    """``{stream: GB/s}`` for each of ``STREAMS``, on two buffers of about ``nbytes`` (see
+    ``_stream_elements``), interleaved, medians of ``repeat`` rounds.  A copy counts bytes read
+    plus bytes written: ``enqueue_copy`` (clEnqueueCopyBuffer) and two copy kernels
+    (kernels/bandwidth.cl; on CPUs they use every compute unit, where PoCL's buffer copy uses one
+    thread; ``copy_kernel_streaming`` stores past the caches).  ``read_kernel`` reads a buffer
+    (and writes a 64th as much), ``write_kernel`` fills one.  Every stream is first checked to do
+    its work: a stream that did not would time nothing."""
     import pyopencl as cl
 
     queue = device.queue
-    block, fill_value = (256,), np.float32(0.5)
-    count = max(nbytes // (4 * READ_RUN * block[0]), 1) * READ_RUN * block[0]  # whole groups
+    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth.cl")
+    kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
+    # Work-groups of a power of two that every kernel can run (256 at most).
+    limit = min([256] + [device.kernel_work_group_limit(k) for k in kernels.values()])
+    block = (1 << (limit.bit_length() - 1),)
+    count = _stream_elements(device, nbytes, READ_RUN * 256)  # whole groups of any block up to 256
+    read_sums = count // READ_RUN
     src = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
     dst = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
-    host = np.random.default_rng().uniform(1.0, 2.0, count).astype(np.float32)
+    host = np.random.default_rng().random(count, dtype=np.float32) + np.float32(1.0)
     cl.enqueue_copy(queue, src, host)
-    source = kernel_source.read("bandwidth.cl")
-    kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
-    sums = count // READ_RUN
+    fill_value = np.float32(0.5)
 
     def stream(name):
         if name == "enqueue_copy":
             cl.enqueue_copy(queue, dst, src)
         elif name == "read_kernel":
-            device.launch(queue, kernels["read"], sums // block[0], block, (src, dst))
+            device.launch(queue, kernels["read"], read_sums // block[0], block, (src, dst))
         elif name == "write_kernel":
             device.launch(queue, kernels["write"], count // block[0], block, (dst, fill_value))
         else:
@@ -121,19 +140,22 @@ def memory_bandwidth(device, nbytes: int = COPY_BYTES, repeat: int = 15) -> dict
             device.launch(queue, kernel, count // block[0], block, (src, dst))
         queue.finish()
 
-    expected = {name: host for name in COPY_METHODS}
-    expected["read_kernel"] = host.reshape(sums, READ_RUN).sum(axis=1, dtype=np.float64)
-    expected["write_kernel"] = np.full(count, fill_value)
+    result = np.empty(count, np.float32)
     for name in STREAMS:  # warm-up, and proof that each stream does its work
         cl.enqueue_fill_buffer(queue, dst, np.float32(0.0), 0, count * 4)
         stream(name)
-        result = np.empty(count, np.float32)
         cl.enqueue_copy(queue, result, dst)
-        want = expected[name]
-        if not np.allclose(result[: want.size], want, rtol=1e-5, atol=0):
+        if name == "read_kernel":
+            done = np.allclose(result[:read_sums], host.reshape(read_sums, READ_RUN).sum(axis=1, dtype=np.float64),
+                               rtol=1e-5, atol=0)
+        elif name == "write_kernel":
+            done = bool((result == fill_value).all())
+        else:
+            done = np.array_equal(result, host)
+        if not done:
             raise RuntimeError(f"the benchmark's {name} did not do its work on {device.describe()}")
     moved = {name: 2 * count * 4 for name in COPY_METHODS}
-    moved.update(read_kernel=(count + sums) * 4, write_kernel=count * 4)
+    moved.update(read_kernel=(count + read_sums) * 4, write_kernel=count * 4)
     times = {name: [] for name in STREAMS}
     for _ in range(repeat):
         for name in STREAMS:

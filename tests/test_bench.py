@@ -100,3 +100,19 @@ def test_bench_refuses_a_non_opencl_device_before_running(monkeypatch, capsys):
     monkeypatch.setattr(bench, "memory_bandwidth", lambda *a, **k: pytest.fail("bench ran on a CUDA device"))
     assert cli.main(["bench", "--preset", "upsample_area", "--device", "cuda:0", "--repeat", "1"]) == 2
     assert "device must be an OpenCL device for pool-tuner bench" in capsys.readouterr().err
+
+
+def test_stream_buffers_fit_the_device_and_stay_small_on_simulators():
+    from types import SimpleNamespace
+
+    def device(simulator, alloc, memory):
+        return SimpleNamespace(is_simulator=simulator,
+                               cl_device=SimpleNamespace(max_mem_alloc_size=alloc, global_mem_size=memory))
+
+    unit = bench.READ_RUN * 256
+    big = 2**40
+    assert bench._stream_elements(device(False, big, big), bench.STREAM_BYTES, unit) * 4 == bench.STREAM_BYTES
+    assert bench._stream_elements(device(True, big, big), bench.STREAM_BYTES, unit) * 4 == bench.SIMULATOR_STREAM_BYTES
+    assert bench._stream_elements(device(False, 2**27, big), bench.STREAM_BYTES, unit) * 4 == 2**27
+    assert bench._stream_elements(device(False, big, 2**28), bench.STREAM_BYTES, unit) * 4 == 2**26
+    assert bench._stream_elements(device(False, big, big), 1000, unit) == unit  # at least one unit
