@@ -175,10 +175,17 @@ class Problem:
             **uniform,
         }
 
-    def bytes_moved(self) -> int:
-        """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator
-        (max pooling also writes, or reads back, one int64 index per output)."""
+    def bytes_read_written(self) -> tuple[int, int]:
+        """``(bytes read, bytes written)`` by an ideal kernel.  Forward reads the input and writes
+        the output (max pooling also its int64 indices); backward reads the output gradient (max:
+        and the indices) and writes the input gradient."""
         itemsize = ITEMSIZE[self.dtype]
-        values = (math.prod(self.input_shape) + math.prod(self.output_shape)) * itemsize
+        inputs, outputs = math.prod(self.input_shape) * itemsize, math.prod(self.output_shape) * itemsize
         indices = math.prod(self.output_shape) * 8 if self.kind == "max" else 0
-        return values + indices
+        if self.direction == "forward":
+            return inputs, outputs + indices
+        return outputs + indices, inputs
+
+    def bytes_moved(self) -> int:
+        """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator."""
+        return sum(self.bytes_read_written())

@@ -28,6 +28,11 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
         assert r["tuned_ms"] > 0 and r["default_ms"] > 0 and r["torch_ms"] > 0
         assert r["speedup_vs_torch"] == pytest.approx(r["torch_ms"] / r["tuned_ms"])
         assert r["times_floor"] == pytest.approx(r["tuned_ms"] / r["floor_ms"])
+        assert r["bytes_read"] + r["bytes_written"] == r["bytes_moved"]
+        streams = report["memory_gbs"]
+        assert r["stream_floor_ms"] == pytest.approx(max(r["floor_ms"], r["bytes_read"] / streams["read_kernel"] / 1e6,
+                                                         r["bytes_written"] / streams["write_kernel"] / 1e6))
+        assert r["times_stream_floor"] == pytest.approx(r["tuned_ms"] / r["stream_floor_ms"])
     assert set(report["summary"]) == {"forward", "backward"}
     table = capsys.readouterr().out
     assert "upsample_area" in table and "geomean" in table
@@ -44,6 +49,11 @@ def test_bytes_moved_counts_reads_writes_and_indices():
     assert avg.bytes_moved() == (2 * 3 * 10 * 9 + 2 * 3 * 4 * 7) * 4
     mx = Problem.create("adaptive_max_pool2d", (2, 3, 10, 9), (4, 7))
     assert mx.bytes_moved() == avg.bytes_moved() + 2 * 3 * 4 * 7 * 8
+    inputs, outputs, indices = 2 * 3 * 10 * 9 * 4, 2 * 3 * 4 * 7 * 4, 2 * 3 * 4 * 7 * 8
+    assert avg.bytes_read_written() == (inputs, outputs)
+    assert mx.bytes_read_written() == (inputs, outputs + indices)
+    backward = Problem.create("adaptive_max_pool2d", (2, 3, 10, 9), (4, 7), direction="backward")
+    assert backward.bytes_read_written() == (outputs + indices, inputs)
     assert bench.geomean([1.0, 4.0]) == pytest.approx(2.0)
 
 
