@@ -5,9 +5,9 @@ kernel, pool_tuner forced to the heuristic default, and PyTorch on the CPU, time
 one timed call of each per round in a random order, each after a pause and ``UNTIMED_CALLS``
 untimed calls of its own (see ``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
 device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
-the ATen op).  The device's copy bandwidth is measured in the same run with a device-to-device
-copy -- the fastest of a buffer copy and two copy kernels (see ``memory_bandwidth``); a shape's floor
-is its bytes moved (read + written) over that bandwidth.
+the ATen op).  The device's memory streams are measured in the same run, before and after the
+suite (``memory_bandwidth``; each keeps the faster): a shape's floor is its bytes moved (read +
+written) over the fastest copy, its stream floor also counts its reads and writes alone.
 
 Results: a JSON file and a PNG plot (matplotlib, optional).
 """
@@ -285,8 +285,9 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
     except ImportError:
         torch_info = None
-    streams = memory_bandwidth(dev)
-    copy_gbs = max(streams[name] for name in COPY_METHODS)
+    # The streams are timed before and after the suite and each keeps the faster median: a shared
+    # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
+    streams_before = memory_bandwidth(dev)
     rng = np.random.default_rng()
     rows = []
     for name, op, shape, out in suite(names):
@@ -294,6 +295,9 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
             rows.append(measure(name, op, shape, out, direction, dev, repeat, rng))
             if progress:
                 progress(rows[-1])
+    streams_after = memory_bandwidth(dev)
+    streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
+    copy_gbs = max(streams[name] for name in COPY_METHODS)
     report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
     summary = {}
     for direction in directions:
@@ -313,6 +317,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "torch": torch_info,
         "copy_gbs": copy_gbs,
         "memory_gbs": streams,
+        "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
         "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
         "pocl_affinity": opencl.pocl_affinity() if dev.is_pocl and dev.is_cpu else None,
@@ -325,7 +330,8 @@ def format_table(report: dict) -> str:
     streams = ", ".join(f"{name} {gbs:.1f}" for name, gbs in report["memory_gbs"].items())
     lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
              f"  torch {report['torch']}",
-             f"memory GB/s: {streams} (floor: the fastest copy; stream floor: also reads and writes alone)",
+             f"memory GB/s, the faster of before and after the suite: {streams} (floor: the fastest copy;"
+             f" stream floor: also reads and writes alone)",
              f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
              f" {'%copy':>6s} {'xfloor':>6s} {'xstream':>7s} {'vs dflt':>7s}  kernel"]
     if report.get("pocl_affinity"):

@@ -16,6 +16,8 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert list(report["memory_gbs"]) == list(bench.STREAMS)
+    before, after = report["memory_gbs_before_and_after"]
+    assert report["memory_gbs"] == {name: max(before[name], after[name]) for name in bench.STREAMS}
     assert all(gbs > 0 for gbs in report["memory_gbs"].values())
     assert report["copy_gbs"] == max(report["memory_gbs"][name] for name in bench.COPY_METHODS)
     assert report["method"] == {"settle_s": bench.SETTLE_S, "untimed_calls": bench.UNTIMED_CALLS}
@@ -37,7 +39,7 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "upsample_area" in table and "geomean" in table
     assert f"copy bandwidth {report['copy_gbs']:.1f} GB/s" in table
-    assert f"memory GB/s: enqueue_copy {report['memory_gbs']['enqueue_copy']:.1f}, " in table
+    assert f"suite: enqueue_copy {report['memory_gbs']['enqueue_copy']:.1f}, " in table
     if report["pocl_affinity"]:
         assert f"PoCL: {report['pocl_affinity']}" in table.splitlines()
 
