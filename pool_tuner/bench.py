@@ -354,7 +354,8 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Bar chart: time over the copy floor per shape and direction, ours against PyTorch."""
+    """Bar chart: time over the copy floor per shape and direction, ours against PyTorch, with each
+    shape's stream floor marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,11 +370,13 @@ def plot(report: dict, path: Path) -> None:
     ax.bar(positions - 0.2, ours, 0.4, label="pool_tuner (tuned)")
     ax.bar(positions + 0.2, [t or 0 for t in theirs], 0.4, label="PyTorch")
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="copy-bandwidth floor")
+    ax.scatter(positions, [r["stream_floor_ms"] / r["floor_ms"] for r in rows], marker="_", s=200, color="black",
+               zorder=3, label="stream floor (reads, writes alone)")
     ax.set_yscale("log")
     ax.set_ylabel("time / bandwidth floor (lower is better)")
     ax.set_xticks(positions, labels, rotation=90, fontsize=7)
     ax.set_title(f"{report['device']} - {report['date']}")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, covering none
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
