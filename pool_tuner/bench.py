@@ -75,8 +75,8 @@ class Row:
     def derived(self, streams: dict) -> dict:
         """Speeds and floors from the device's memory streams (``memory_bandwidth``).  The floor is
         the shape's bytes over the fastest copy; the stream floor is the largest of that floor and
-        the times its reads alone and its writes alone take at the read and write streams' speeds
-        (a kernel that only reads, or mostly writes, cannot go faster than those)."""
+        the times its reads alone and its writes alone take at the read and write streams' speeds,
+        which no kernel moving those bytes beats unless its data stays in a cache."""
         copy_gbs = max(streams[name] for name in COPY_METHODS)
         gbs = self.bytes_moved / (self.tuned_ms * 1e-3) / 1e9
         floor_ms = self.bytes_moved / (copy_gbs * 1e9) * 1e3
