@@ -77,7 +77,7 @@ class Row:
         the shape's bytes over the fastest copy; the stream floor is the largest of that floor and
         the times its reads alone and its writes alone take at the read and write streams' speeds,
         which no kernel moving those bytes beats unless its data stays in a cache."""
-        copy_gbs = max(streams[name] for name in COPY_METHODS)
+        copy_gbs = copy_bandwidth(streams)
         gbs = self.bytes_moved / (self.tuned_ms * 1e-3) / 1e9
         floor_ms = self.bytes_moved / (copy_gbs * 1e9) * 1e3
         stream_floor_ms = max(floor_ms, self.bytes_read / (streams["read_kernel"] * 1e6),
@@ -102,6 +102,11 @@ STREAMS = COPY_METHODS + ("read_kernel", "write_kernel")
 READ_RUN = 64
 #: Buffer size for simulators (Oclgrind interprets every work-item: 64 KiB copies take 40 ms).
 SIMULATOR_STREAM_BYTES = 2**20
+
+
+def copy_bandwidth(streams: dict) -> float:
+    """The device's copy bandwidth, the floor's: the fastest copy among ``streams`` (GB/s)."""
+    return max(streams[name] for name in COPY_METHODS)
 
 
 def _stream_elements(device, nbytes: int, unit: int) -> int:
@@ -297,7 +302,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
                 progress(rows[-1])
     streams_after = memory_bandwidth(dev)
     streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
-    copy_gbs = max(streams[name] for name in COPY_METHODS)
+    copy_gbs = copy_bandwidth(streams)
     report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
     summary = {}
     for direction in directions:
