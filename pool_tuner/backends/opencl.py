@@ -305,9 +305,14 @@ def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
+def _program(context, cl_device, source: str, options: tuple):
+    """One build per program text, whichever of its kernels are asked for (bandwidth.cl has four)."""
+    return cl.Program(context, source).build(options=list(options), devices=[cl_device])
+
+
+@functools.lru_cache(maxsize=512)
 def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
-    program = cl.Program(context, source).build(options=list(options), devices=[cl_device])
-    return getattr(program, kernel_name)
+    return cl.Kernel(_program(context, cl_device, source, options), kernel_name)
 
 
 @functools.cache
