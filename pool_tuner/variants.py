@@ -274,10 +274,14 @@ class ThreadPerRow(Variant):
     name = "thread_per_row"
     summary = ("separable, channels-first: each work-item reduces its output row's window rows column by column "
                "(whole input rows, vectorised), then each output its window's columns")
-    search_space = {"block_size_x": [1, 4, 16, 64, 256]}
-    default = {"block_size_x": 16}
+    #: unrolled_columns = 1 sums each window's column partials in straight-line code over the widest
+    #: window (average pooling only): faster on long 1-d rows, slower on some 2-d layers, so tuned.
+    search_space = {"block_size_x": [1, 4, 16, 64, 256], "unrolled_columns": [0, 1]}
+    default = {"block_size_x": 16, "unrolled_columns": 0}
     #: Bytes of the private row of column partials (kernels/pool_forward.c) a work-item may hold.
     ROW_BYTES_LIMIT = 16384
+    #: Widest window (in columns) that unrolled_columns unrolls.
+    UNROLLED_COLUMNS_LIMIT = 32
 
     @staticmethod
     def row_bytes(problem) -> int:
@@ -290,6 +294,13 @@ class ThreadPerRow(Variant):
         if self.row_bytes(problem) > self.ROW_BYTES_LIMIT:
             return (f"input rows of {problem.in_spatial[2]} elements need {self.row_bytes(problem)} bytes of "
                     f"column partials per work-item; the limit is {self.ROW_BYTES_LIMIT}")
+        if params["unrolled_columns"]:
+            if problem.kind != "avg":
+                return "unrolled_columns is for average pooling (max pooling merges positions)"
+            widest = problem.defines()["MAX_WINDOW_W"]
+            if widest > self.UNROLLED_COLUMNS_LIMIT:
+                return (f"unrolled_columns unrolls at most {self.UNROLLED_COLUMNS_LIMIT} columns; "
+                        f"windows here are up to {widest} wide")
         return super().illegal_reason(params, problem, limits)
 
     def groups(self, params, problem):

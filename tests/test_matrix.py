@@ -553,3 +553,31 @@ def test_thread_per_row_at_the_private_row_limit(op, columns, rng):
     with pytest.raises(ValueError, match="column partials per work-item; the limit is 16384"):
         forward(op, random_input(rng, (1, 2, 5, columns + 1)), size, variant="thread_per_row")
 
+
+
+# ---------------------------------------------------------------- thread_per_row's unrolled columns
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op,shape,size", [
+    ("adaptive_avg_pool1d", (2, 3, 1000), 128),          # the audio layer's windows (8 or 9 wide)
+    ("adaptive_avg_pool2d", (2, 3, 5, 64), (2, 2)),      # 32 columns: the widest it unrolls
+    ("adaptive_avg_pool2d", (1, 2, 7, 5), (3, 7)),       # upsampling: windows of 1 or 2 columns
+    ("adaptive_avg_pool3d", (1, 2, 4, 6, 50), (2, 3, 3)),  # overlapping windows of 17 or 18 columns
+])
+def test_thread_per_row_unrolled_columns(op, shape, size, dtype, rng):
+    """unrolled_columns = 1 sums each window's column partials over the widest window with the
+    taps past its end masked: every window width, in every dtype, against the reference."""
+    x = random_input(rng, shape, np.float64).astype(np_dtype(dtype))
+    out = forward(op, x, size, variant="thread_per_row", config={"block_size_x": 4, "unrolled_columns": 1})
+    check_forward(op, out, x, size, LAYOUT_NAMES[OPS[op][1]][0])
+
+
+@pytest.mark.parametrize("op,shape,size,message", [
+    ("adaptive_avg_pool2d", (1, 2, 5, 66), (2, 2), "unrolls at most 32 columns; windows here are up to 33 wide"),
+    ("adaptive_max_pool2d", (1, 2, 5, 9), (2, 2), "unrolled_columns is for average pooling"),
+])
+def test_thread_per_row_unrolled_columns_refused(op, shape, size, message, rng):
+    with pytest.raises(ValueError, match=message):
+        forward(op, random_input(rng, shape), size, variant="thread_per_row",
+                config={"block_size_x": 4, "unrolled_columns": 1})
