@@ -293,10 +293,14 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     }
     for (index_t ow = 0; ow < OUT_W; ++ow) {
 #if unrolled_columns
+#if POOL_MAX
+#error "unrolled_columns is for average pooling (the host refuses it for max pooling)"
+#endif
         /* Average pooling over a window at most MAX_WINDOW_W columns wide: one straight-line sum
-         * over that many partials, the taps past the window's end masked to 0 (never read).  A
-         * per-output loop of varying length leaves CPU compilers scalar code; this form they turn
-         * into vector loads (1-d rows: 1.4x on 32x512x1000 -> 128 on PoCL). */
+         * over that many partials, the taps past the window's end masked to 0 (never read), in
+         * the loop's order from 0, so bit-identical to it.  A per-output loop of varying length
+         * leaves CPU compilers scalar code; this form they turn into vector loads.  Faster on
+         * some shapes and slower on others (README, Kernel variants), so it is tuned. */
         const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
         reduction_t sum = reduce_init();
 #pragma unroll

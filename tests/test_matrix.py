@@ -13,9 +13,10 @@ import pyopencl.array as cl_array
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import backends, reference
+from pool_tuner import backends, kernel_source, reference
 from pool_tuner.ops import memory_layout
-from pool_tuner.problem import LAYOUT_NAMES, OPS
+from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
+from pool_tuner.variants import variants_for
 from pool_tuner.shapes import resolve_output_size
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
@@ -562,15 +563,28 @@ def test_thread_per_row_at_the_private_row_limit(op, columns, rng):
 @pytest.mark.parametrize("op,shape,size", [
     ("adaptive_avg_pool1d", (2, 3, 1000), 128),          # the audio layer's windows (8 or 9 wide)
     ("adaptive_avg_pool2d", (2, 3, 5, 64), (2, 2)),      # 32 columns: the widest it unrolls
+    ("adaptive_avg_pool2d", (1, 2, 5, 92), (2, 3)),      # 31 or 32 columns
     ("adaptive_avg_pool2d", (1, 2, 7, 5), (3, 7)),       # upsampling: windows of 1 or 2 columns
     ("adaptive_avg_pool3d", (1, 2, 4, 6, 50), (2, 3, 3)),  # overlapping windows of 17 or 18 columns
 ])
 def test_thread_per_row_unrolled_columns(op, shape, size, dtype, rng):
     """unrolled_columns = 1 sums each window's column partials over the widest window with the
     taps past its end masked: every window width, in every dtype, against the reference."""
+    config = {"block_size_x": 4, "unrolled_columns": 1}
     x = random_input(rng, shape, np.float64).astype(np_dtype(dtype))
-    out = forward(op, x, size, variant="thread_per_row", config={"block_size_x": 4, "unrolled_columns": 1})
+    problem = Problem.create(op, shape, size, dtype=dtype)
+    variant = variants_for(op)["thread_per_row"]
+    assert "#define unrolled_columns 1" in kernel_source.render(variant.template, variant.defines(config, problem))
+    out = forward(op, x, size, variant="thread_per_row", config=config)
     check_forward(op, out, x, size, LAYOUT_NAMES[OPS[op][1]][0])
+
+
+def test_thread_per_row_record_without_unrolled_columns_gets_the_loop():
+    """A configuration from before the parameter existed (a cached record) runs the loop form."""
+    problem = Problem.create("adaptive_avg_pool1d", (2, 3, 1000), 128)
+    variant = variants_for("adaptive_avg_pool1d")["thread_per_row"]
+    config = variant.check_config({"block_size_x": 4}, problem, backends.default_device().limits)
+    assert config == {"block_size_x": 4, "unrolled_columns": 0}
 
 
 @pytest.mark.parametrize("op,shape,size,message", [
