@@ -47,11 +47,16 @@ SMALL_BOX_LIMIT = 256
 
 
 @functools.lru_cache(maxsize=1024)
-def _window_box(problem: Problem) -> int:
-    """Elements of the box that the kernels unroll for every forward window: the product of the
-    ``MAX_WINDOW_*`` defines they are built with (memoised, like ``_longest_run``)."""
+def _max_windows(problem: Problem) -> tuple[int, int, int]:
+    """The ``MAX_WINDOW_T``, ``_H``, ``_W`` defines the forward kernels are built with: the widest
+    window along each axis (memoised, like ``_longest_run``)."""
     defines = problem.defines()
-    return math.prod(defines[f"MAX_WINDOW_{axis}"] for axis in "THW")
+    return tuple(defines[f"MAX_WINDOW_{axis}"] for axis in "THW")
+
+
+def _window_box(problem: Problem) -> int:
+    """Elements of the box that the kernels unroll for every forward window."""
+    return math.prod(_max_windows(problem))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -297,7 +302,7 @@ class ThreadPerRow(Variant):
         if params["unrolled_columns"]:
             if problem.kind != "avg":
                 return "unrolled_columns is for average pooling (max pooling merges positions)"
-            widest = problem.defines()["MAX_WINDOW_W"]
+            widest = _max_windows(problem)[2]
             if widest > self.UNROLLED_COLUMNS_LIMIT:
                 return (f"unrolled_columns unrolls at most {self.UNROLLED_COLUMNS_LIMIT} columns; "
                         f"windows here are up to {widest} wide")

@@ -16,8 +16,8 @@ import pool_tuner as pt
 from pool_tuner import backends, kernel_source, reference
 from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
-from pool_tuner.variants import variants_for
 from pool_tuner.shapes import resolve_output_size
+from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
 from conftest import legal_variants, random_input
@@ -553,7 +553,6 @@ def test_thread_per_row_at_the_private_row_limit(op, columns, rng):
     check_forward(op, forward(op, x, size, variant="thread_per_row"), x, size, "NCHW")
     with pytest.raises(ValueError, match="column partials per work-item; the limit is 16384"):
         forward(op, random_input(rng, (1, 2, 5, columns + 1)), size, variant="thread_per_row")
-
 
 
 # ---------------------------------------------------------------- thread_per_row's unrolled columns
