@@ -14,6 +14,11 @@ Arrays: ``pycuda.gpuarray.GPUArray`` is the native array type; any object exposi
 as a ``GPUArray`` over the same memory (``as_gpuarray``), and results can be handed back in the
 input's own type (``like_input``).  Results stay on the device.
 
+Foreign streams: ``CudaDevice.driver_target`` builds the same kernels for ``backends.cuda_driver``,
+which launches them through the driver API on any stream handle (PyTorch's current stream, a
+stream being captured into a CUDA graph) with no PyCUDA object made or freed per call -- the path
+of CUDA tensors from ``pool_tuner.torch``.  PyCUDA compiles for both paths (``_compile``).
+
 Importing this module never imports PyCUDA: it is loaded on first use, and ``list_devices()``
 returns ``()`` when PyCUDA is not installed, when there is no driver or no GPU, or on any other
 failure (``import_error()`` then says why).
@@ -29,6 +34,7 @@ import functools
 import numpy as np
 
 from ..variants import DeviceLimits
+from . import cuda_driver
 
 BACKEND = "cuda"
 #: Extra nvcc options of every runtime build (PyCUDA adds -arch for the device; device code is
@@ -45,18 +51,19 @@ _IMPORT_ERROR: BaseException | None = None
 
 @functools.cache
 def _pycuda():
-    """``(driver, gpuarray, SourceModule)``, imported on first use; None if PyCUDA is unusable."""
+    """``(driver, gpuarray, compile)`` (``compile``: ``pycuda.compiler.compile``), imported on first
+    use; None if PyCUDA is unusable."""
     global _IMPORT_ERROR
     try:
         import pycuda.driver as drv
         import pycuda.gpuarray as gpuarray
-        from pycuda.compiler import SourceModule
+        from pycuda.compiler import compile as compile_source
 
         drv.init()
     except Exception as exc:  # noqa: BLE001 - no PyCUDA, no libcuda, no driver, no device, ...
         _IMPORT_ERROR = exc
         return None
-    return drv, gpuarray, SourceModule
+    return drv, gpuarray, compile_source
 
 
 def import_error():
@@ -252,6 +259,12 @@ class CudaDevice:
             end.record(queue.stream)
         return CudaLaunch(start, end)
 
+    @functools.cached_property
+    def driver_target(self) -> "CudaDriverTarget":
+        """This device as a build target of the driver-API launch path (``backends.cuda_driver``),
+        which launches on any stream handle and makes no PyCUDA object per call."""
+        return CudaDriverTarget(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class CudaLaunch:
@@ -268,22 +281,66 @@ class CudaLaunch:
         return float(self.start.time_till(self.end))
 
 
+class CudaDriverTarget:
+    """What ``dispatch.prepare`` needs to build a kernel for the driver-API launch path of one
+    device: ``build`` gives a ``cuda_driver.DriverKernel`` (compiled by PyCUDA, loaded into the
+    primary context through the driver API, never through PyCUDA's context stack), and
+    ``prepared`` fixes grid, block and argument layout as a ``cuda_driver.PreparedLaunch``.
+    Pass the target itself as ``dispatch.prepare``'s context: its launches are memoised apart from
+    PyCUDA-built ones."""
+
+    def __init__(self, device: CudaDevice):
+        self.device = device
+
+    def describe(self) -> str:
+        return f"{self.device.describe()} (driver-API launches)"
+
+    def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
+        return _build_for_driver(self.device.ordinal, _arch(self.device.compute_capability), source, kernel_name)
+
+    @staticmethod
+    def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
+        return kernel.max_threads_per_block
+
+    @staticmethod
+    def prepared(kernel: cuda_driver.DriverKernel, groups: int, block: tuple, n_pointers: int):
+        """A ``PreparedLaunch`` of ``groups`` blocks of shape ``block`` taking ``n_pointers``
+        device pointers."""
+        if groups < 1 or groups > MAX_GRID_X:
+            raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
+        return cuda_driver.PreparedLaunch(kernel, groups, block, n_pointers)
+
+
 @functools.lru_cache(maxsize=512)
 def _build(context, ordinal: int, source: str, kernel_name: str):
-    _, _, SourceModule = _pycuda()
+    image = _compile(source, _arch(_pycuda()[0].Device(ordinal).compute_capability()))
+    context.push()
+    try:
+        return _pycuda()[0].module_from_buffer(image).get_function(kernel_name)
+    finally:
+        _pycuda()[0].Context.pop()
+
+
+@functools.lru_cache(maxsize=512)
+def _build_for_driver(ordinal: int, arch: str, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
+    return cuda_driver.load_kernel(ordinal, _compile(source, arch), kernel_name)
+
+
+def _arch(compute_capability) -> str:
+    return "sm_{}{}".format(*compute_capability)
+
+
+def _compile(source: str, arch: str) -> bytes:
+    """The cubin of ``source`` for ``arch``, compiled by PyCUDA (through its on-disk cache).  The
+    architecture is given, so that compiling needs no current context."""
     from ..compile_check import NvccNotFoundError, find_nvcc
 
     try:
         nvcc = find_nvcc()
     except NvccNotFoundError:
         nvcc = "nvcc"  # PyCUDA's own default; its error message then names the problem
-    context.push()
-    try:
-        # The templates declare their kernels `extern "C"` themselves (prelude.h).
-        module = SourceModule(source, nvcc=nvcc, options=list(BUILD_OPTIONS), no_extern_c=True)
-        return module.get_function(kernel_name)
-    finally:
-        _pycuda()[0].Context.pop()
+    # The templates declare their kernels `extern "C"` themselves (prelude.h).
+    return _pycuda()[2](source, nvcc=nvcc, options=list(BUILD_OPTIONS), no_extern_c=True, arch=arch)
 
 
 def _kernel_arg(a):
@@ -423,22 +480,8 @@ def array_device_ordinal(x) -> int | None:
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
-@functools.cache
-def _libcuda():
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        try:
-            lib = ctypes.CDLL("nvcuda.dll")
-        except (OSError, AttributeError):
-            return None
-    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-    lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-    return lib
-
-
 def _pointer_device_ordinal(pointer: int) -> int | None:
-    lib = _libcuda()
+    lib = cuda_driver.library()
     if lib is None:
         return None
     ordinal = ctypes.c_int(-1)
@@ -447,7 +490,7 @@ def _pointer_device_ordinal(pointer: int) -> int | None:
 
 
 def _synchronize_stream(handle: int) -> None:
-    lib = _libcuda()
+    lib = cuda_driver.library()
     status = lib.cuStreamSynchronize(ctypes.c_void_p(handle)) if lib is not None else -1
     if status != 0:  # unknown stream or no libcuda: fall back to the whole context
         _pycuda()[0].Context.synchronize()
@@ -459,15 +502,21 @@ def device_of_array(x):
     usable (PyCUDA missing, ...)."""
     if not is_device_array(x):
         return None
+    ordinal = array_device_ordinal(x)
+    return device_by_ordinal(0 if ordinal is None else ordinal)
+
+
+def device_by_ordinal(ordinal: int, name: str = "x"):
+    """The ``CudaDevice`` with CUDA ordinal ``ordinal``, which holds array ``name``.  Raises
+    ``RuntimeError`` when no CUDA device is usable (PyCUDA missing, ...), ``ValueError`` for an
+    ordinal pool_tuner does not list."""
     devices = list_devices()
     if not devices:
         raise RuntimeError(
-            f"x is a CUDA array but pool_tuner's CUDA backend is unavailable ({import_error()}); "
+            f"{name} is a CUDA array but pool_tuner's CUDA backend is unavailable ({import_error()}); "
             "install it with `pip install pool-tuner[cuda]`"
         )
-    ordinal = array_device_ordinal(x)
-    ordinal = 0 if ordinal is None else ordinal
     for device in devices:
         if device.ordinal == ordinal:
             return device
-    raise ValueError(f"x is on CUDA device {ordinal}, which pool_tuner cannot see")
+    raise ValueError(f"{name} is on CUDA device {ordinal}, which pool_tuner cannot see")

@@ -1,0 +1,121 @@
+"""Stand-ins for a CUDA GPU, so that the driver-API launch path runs without one: ``FakeDriver``
+plays libcuda (per-thread current contexts, loaded modules, launches whose arguments it reads back
+from the ctypes argument array as the driver would), ``fake_cuda_device`` makes a real
+``CudaDevice`` without PyCUDA."""
+
+import ctypes
+import threading
+
+from pool_tuner.backends import cuda
+from pool_tuner.variants import DeviceLimits
+
+PRIMARY_CONTEXT = 0xC0
+OTHER_CONTEXT = 0xD0
+MAX_THREADS = 1024
+
+
+def _target(argument):
+    """The ctypes object behind an argument passed directly or through ``ctypes.byref``."""
+    return getattr(argument, "_obj", argument)
+
+
+class FakeDriver:
+    """Records driver calls; each launch as a dict with the pointers read through ``kernelParams``."""
+
+    def __init__(self):
+        self.calls = []
+        self.launches = []
+        self.modules = []
+        self.launch_status = 0
+        self.max_threads = MAX_THREADS
+        self._local = threading.local()
+        self.on_get_current = None  # called inside cuCtxGetCurrent (tests use it to force thread switches)
+
+    # contexts: a per-thread stack, as the driver keeps one
+    def _stack(self):
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+    def set_current(self, context):
+        self._local.stack = [] if context is None else [context]
+
+    def current(self):
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    def cuInit(self, flags):
+        self.calls.append("cuInit")
+        return 0
+
+    def cuDeviceGet(self, device, ordinal):
+        _target(device).value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, context, device):
+        self.calls.append(("cuDevicePrimaryCtxRetain", _target(device).value))
+        _target(context).value = PRIMARY_CONTEXT
+        return 0
+
+    def cuCtxGetCurrent(self, out):
+        if self.on_get_current is not None:
+            self.on_get_current()
+        _target(out).value = self.current()
+        return 0
+
+    def cuCtxPushCurrent_v2(self, context):
+        self.calls.append(("push", context))
+        self._stack().append(context)
+        return 0
+
+    def cuCtxPopCurrent_v2(self, out):
+        self.calls.append("pop")
+        _target(out).value = self._stack().pop()
+        return 0
+
+    def cuModuleLoadData(self, module, image):
+        self.modules.append((bytes(image), self.current()))
+        _target(module).value = 0x100 + len(self.modules)
+        return 0
+
+    def cuModuleGetFunction(self, function, module, name):
+        self.calls.append(("cuModuleGetFunction", _target(module).value, name))
+        _target(function).value = 0xF000 + len(self.modules)
+        return 0
+
+    def cuFuncGetAttribute(self, value, attribute, function):
+        assert attribute == 0  # CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        _target(value).value = self.max_threads
+        return 0
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        slots = [ctypes.c_void_p.from_address(ctypes.addressof(params) + i * ctypes.sizeof(ctypes.c_void_p)).value
+                 for i in range(len(params))]
+        self.launches.append({
+            "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "shared": shared,
+            "stream": stream, "extra": extra, "params_address": ctypes.addressof(params),
+            "pointers": [ctypes.c_uint64.from_address(slot).value for slot in slots],
+            "context": self.current(), "thread": threading.get_ident(),
+        })
+        return self.launch_status
+
+    def cuGetErrorName(self, status, out):
+        _target(out).value = b"CUDA_ERROR_FAKE"
+        return 0
+
+
+def fake_cuda_device(ordinal=0, compute_capability=(9, 0)):
+    """A real ``CudaDevice`` (its driver target, describe, ...) whose attributes are set by hand
+    instead of read through PyCUDA."""
+    device = object.__new__(cuda.CudaDevice)
+    device.ordinal = ordinal
+    device.id = f"cuda:{ordinal}"
+    device.name = "Fake GPU"
+    device.cu_device = None
+    device.compute_capability = compute_capability
+    device.multiprocessors = 132
+    device.limits = DeviceLimits(max_work_group_size=MAX_THREADS, local_mem_size=48 * 1024)
+    device._context = device._queue = None
+    device.__dict__["fingerprint"] = {"backend": "cuda", "name": device.name, "compute_capability": "9.0",
+                                      "multiprocessors": 132, "driver": 13000}
+    return device

@@ -1,0 +1,158 @@
+"""The driver-API launch path (``backends.cuda_driver`` and ``CudaDevice.driver_target``) against a
+fake libcuda (tests/cuda_fakes.py): argument marshalling, stream handles, contexts, threads,
+memoised builds.  Runs everywhere; what only a GPU can show is in tests/test_cuda.py."""
+
+import threading
+import time
+
+import pytest
+
+from pool_tuner import dispatch, kernel_source
+from pool_tuner.backends import cuda, cuda_driver
+from pool_tuner.problem import Problem
+
+from cuda_fakes import MAX_THREADS, OTHER_CONTEXT, PRIMARY_CONTEXT, FakeDriver, fake_cuda_device
+
+KERNEL = cuda_driver.DriverKernel(ordinal=0, context=PRIMARY_CONTEXT, function=0xF00D, name="pool_forward",
+                                  max_threads_per_block=MAX_THREADS)
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(cuda_driver, "library", lambda: fake)
+    cuda_driver.primary_context.cache_clear()
+    cuda._build_for_driver.cache_clear()
+    yield fake
+    cuda_driver.primary_context.cache_clear()
+    cuda._build_for_driver.cache_clear()
+
+
+def test_launch_passes_pointers_grid_block_and_stream_handle(driver):
+    driver.set_current(PRIMARY_CONTEXT)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 37, (128, 2), 3, lib=driver)
+    launch(0x5EED, 0x7000, 0x8000, 2**63 + 8)
+    (record,) = driver.launches
+    assert record["function"] == 0xF00D
+    assert record["grid"] == (37, 1, 1) and record["block"] == (128, 2, 1) and record["shared"] == 0
+    assert record["stream"] == 0x5EED and record["extra"] is None
+    assert record["pointers"] == [0x7000, 0x8000, 2**63 + 8]  # full 64-bit device pointers
+    assert record["context"] == PRIMARY_CONTEXT
+    assert not [c for c in driver.calls if c == "pop" or c[0] == "push"], "no push when the primary context is current"
+
+
+def test_every_call_reuses_the_argument_array(driver):
+    """No per-call ctypes array: the driver sees the same kernelParams each time, new values in it."""
+    driver.set_current(PRIMARY_CONTEXT)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    for i in range(3):
+        launch(0, 0x1000 * (i + 1), 0x1100 * (i + 1))
+    assert len({r["params_address"] for r in driver.launches}) == 1
+    assert [r["pointers"] for r in driver.launches] == [[0x1000 * k, 0x1100 * k] for k in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("current", [None, OTHER_CONTEXT], ids=["fresh-thread", "other-device-current"])
+def test_launch_makes_the_primary_context_current_and_restores_the_thread(driver, current):
+    driver.set_current(current)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    launch(0, 1, 2)
+    assert driver.launches[0]["context"] == PRIMARY_CONTEXT
+    assert driver.calls == [("push", PRIMARY_CONTEXT), "pop"]
+    assert driver.current() == current
+
+
+def test_failed_launch_raises_and_still_restores_the_context(driver):
+    driver.set_current(None)
+    driver.launch_status = 719
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    with pytest.raises(cuda_driver.DriverError, match=r"cuLaunchKernel\(pool_forward\) failed: CUDA_ERROR_FAKE \(719\)"):
+        launch(0, 1, 2)
+    assert driver.current() is None
+
+
+def test_wrong_number_of_pointers_is_a_type_error(driver):
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    with pytest.raises(TypeError, match="takes 2 device pointers, got 3"):
+        launch(0, 1, 2, 3)
+    assert not driver.launches
+
+
+def test_concurrent_launches_never_launch_another_threads_pointers(driver):
+    """The argument slots are shared; each launch must carry its own thread's pointers even when
+    the interpreter switches threads between filling the slots and launching."""
+    driver.set_current(PRIMARY_CONTEXT)
+    driver.on_get_current = lambda: time.sleep(0)  # a thread switch between fill and launch
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    pointers = {}
+
+    def worker(base):
+        driver.set_current(PRIMARY_CONTEXT)
+        pointers[threading.get_ident()] = [base, base + 1]
+        for _ in range(300):
+            launch(0, base, base + 1)
+
+    threads = [threading.Thread(target=worker, args=(0x10000 * (k + 1),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(driver.launches) == 1200
+    assert all(r["pointers"] == pointers[r["thread"]] for r in driver.launches)
+
+
+def test_load_kernel_loads_into_the_primary_context(driver):
+    driver.set_current(None)
+    kernel = cuda_driver.load_kernel(0, b"\x7fELF-cubin", "pool_backward")
+    assert driver.modules == [(b"\x7fELF-cubin", PRIMARY_CONTEXT)]
+    assert ("cuModuleGetFunction", 0x101, b"pool_backward") in driver.calls
+    assert kernel == cuda_driver.DriverKernel(0, PRIMARY_CONTEXT, 0xF001, "pool_backward", MAX_THREADS)
+    assert driver.current() is None
+    cuda_driver.load_kernel(0, b"other", "pool_forward")
+    assert driver.calls.count(("cuDevicePrimaryCtxRetain", 0)) == 1  # retained once per device
+
+
+def _problem_and_choice(device, shape=(2, 3, 10, 9), size=(4, 7)):
+    problem = Problem.create("adaptive_avg_pool2d", shape, size)
+    return problem, dispatch.choose(problem, device, "thread_per_output", allow_tuning=False)
+
+
+def test_driver_target_builds_once_per_kernel_without_pycuda(driver, monkeypatch):
+    compiled = []
+
+    def fake_compile(source, arch):
+        compiled.append(arch)
+        return b"cubin of " + source.encode()[-16:]
+
+    def no_pycuda():
+        raise AssertionError("the driver path must not use PyCUDA beyond its compiler")
+
+    monkeypatch.setattr(cuda, "_compile", fake_compile)
+    monkeypatch.setattr(cuda, "_pycuda", no_pycuda)
+    device = fake_cuda_device()
+    target = device.driver_target
+    assert target is device.driver_target
+    problem, choice = _problem_and_choice(device)
+    launch = dispatch.prepare(target, target, problem, choice)
+    again = dispatch.prepare(target, target, problem, choice)
+    assert again is launch and compiled == ["sm_90"] and len(driver.modules) == 1
+    assert isinstance(launch.kernel, cuda_driver.DriverKernel) and launch.kernel.context == PRIMARY_CONTEXT
+    variant, params = choice.variant, choice.config
+    assert (launch.groups, launch.block) == (variant.groups(params, problem), variant.block(params))
+    source = kernel_source.render(variant.template, variant.defines(params, problem))
+    assert driver.modules[0][0] == b"cubin of " + source.encode()[-16:]
+
+
+def test_driver_target_refuses_blocks_the_loaded_kernel_cannot_run(driver, monkeypatch):
+    monkeypatch.setattr(cuda, "_compile", lambda source, arch: b"cubin")
+    driver.max_threads = 64  # register pressure: fewer threads than the device's limit
+    device = fake_cuda_device()
+    problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7))
+    choice = dispatch.choose(problem, device, "thread_per_output", {"block_size_x": 128}, allow_tuning=False)
+    with pytest.raises(ValueError, match="at most 64"):
+        dispatch.prepare(device.driver_target, device.driver_target, problem, choice)
+
+
+def test_prepared_launch_checks_the_grid(driver):
+    with pytest.raises(ValueError, match="1 to"):
+        cuda.CudaDriverTarget.prepared(KERNEL, 0, (32,), 2)
+    assert isinstance(cuda.CudaDriverTarget.prepared(KERNEL, 5, (32,), 2), cuda_driver.PreparedLaunch)
