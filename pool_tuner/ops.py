@@ -40,17 +40,22 @@ def _locate(x, device, name="x"):
     a device array comes back as its backend's kernel argument (CUDA: a GPUArray view)."""
     owner = backends.device_of_array(x)
     if owner is not None:
-        if device is not None and backends.resolve_device(device) is not owner:
-            raise ValueError(
-                f"device={device!r} does not hold {name}: {name} is an array on "
-                f"{owner.describe()}; pass device=None or that device"
-            )
+        check_device_option(owner, device, name)
         return owner, owner.queue_of(x), True, owner.wrap_input(x, name)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray or a device array (pyopencl Array, PyCUDA "
                         f"GPUArray, __cuda_array_interface__), got {type(x).__name__}")
     chosen = backends.resolve_device(device)
     return chosen, chosen.queue, False, x
+
+
+def check_device_option(owner, device, name: str) -> None:
+    """A ``device=`` argument, when given, must be the device that holds array ``name``."""
+    if device is not None and backends.resolve_device(device) is not owner:
+        raise ValueError(
+            f"device={device!r} does not hold {name}: {name} is an array on "
+            f"{owner.describe()}; pass device=None or that device"
+        )
 
 
 def _same_strides(shape, strides, expected) -> bool:
@@ -61,11 +66,16 @@ def _same_strides(shape, strides, expected) -> bool:
 def memory_layout(x, ndim: int, name: str = "x") -> str | None:
     """The layout name of ``x``'s memory (``NCHW``-like or ``NHWC``-like), or None for other
     strides.  Ambiguous cases (one channel, empty arrays) count as contiguous."""
-    contiguous, channels_last = LAYOUT_NAMES[ndim]
     if x.flags.c_contiguous:  # the common case, answered by the array itself
-        return contiguous
-    shape, itemsize = tuple(x.shape), x.dtype.itemsize
-    if math.prod(shape) == 0 or _same_strides(shape, x.strides, shapes.c_strides(shape, itemsize)):
+        return LAYOUT_NAMES[ndim][0]
+    return strides_layout(tuple(x.shape), x.strides, x.dtype.itemsize, ndim)
+
+
+def strides_layout(shape: tuple, strides, itemsize: int, ndim: int) -> str | None:
+    """The layout name of memory with ``shape`` and ``strides`` (in units of ``itemsize``: bytes
+    for numpy, elements for torch with ``itemsize=1``), or None; see ``memory_layout``."""
+    contiguous, channels_last = LAYOUT_NAMES[ndim]
+    if math.prod(shape) == 0 or _same_strides(shape, strides, shapes.c_strides(shape, itemsize)):
         return contiguous
     c = len(shape) - ndim - 1
     if c < 0:
@@ -73,7 +83,7 @@ def memory_layout(x, ndim: int, name: str = "x") -> str | None:
     memory = shape[:c] + shape[c + 1:] + (shape[c],)
     mem_strides = shapes.c_strides(memory, itemsize)
     expected = mem_strides[:c] + (mem_strides[-1],) + mem_strides[c:-1]
-    return channels_last if _same_strides(shape, x.strides, expected) else None
+    return channels_last if _same_strides(shape, strides, expected) else None
 
 
 def _check_float64(device, dtype, name):

@@ -20,8 +20,8 @@ backward::
 * CPU tensors cross to numpy without copies (bfloat16 through its int16 bits and
   ``ml_dtypes.bfloat16``); channels-last inputs (``torch.channels_last``/``channels_last_3d``)
   give channels-last results; other strides are copied to contiguous by pool_tuner.  CUDA
-  tensors are handed to pool_tuner's CUDA backend by pointer (``__cuda_array_interface__``,
-  C-contiguous as that backend takes them), ordered against PyTorch's current stream.
+  tensors go through ``pool_tuner.torch_cuda``: results from PyTorch's caching allocator, kernels
+  launched on PyTorch's current stream, from any thread and inside CUDA graph capture.
 * Indices are int64 positions within each pooled plane/volume, exactly as PyTorch's.
 
 Importing ``pool_tuner`` never imports torch; importing this module does.
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from . import ops as _ops
+from . import torch_cuda as _torch_cuda
 
 __all__ = [
     "AdaptiveAvgPool1d",
@@ -77,81 +78,33 @@ def _check_tensor(t, name: str):
 
 
 def _to_array(t: torch.Tensor):
-    """The array pool_tuner's ops take for tensor ``t``, sharing its memory: a numpy view of a
-    CPU tensor (bfloat16 as ``ml_dtypes.bfloat16``; pool_tuner copies other strides than
-    contiguous and channels-last itself), or for a CUDA tensor the tensor itself, C-contiguous
-    as the CUDA backend requires (read through ``__cuda_array_interface__``)."""
-    t = t.detach()
-    if t.is_cuda:
-        return t.contiguous()
-    t = t.resolve_conj().resolve_neg()  # no-ops for ordinary tensors
+    """The numpy array pool_tuner's ops take for CPU tensor ``t``, sharing its memory (bfloat16 as
+    ``ml_dtypes.bfloat16``; pool_tuner copies other strides than contiguous and channels-last
+    itself)."""
+    t = t.detach().resolve_conj().resolve_neg()  # no-ops for ordinary tensors
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(_bfloat16())
     return t.numpy()
 
 
-class _CudaInt16View:
-    """An int16 ``__cuda_array_interface__`` of a bfloat16 device array ("<V2", which
-    ``torch.as_tensor`` cannot import); keeps the array alive as long as the tensor made from it."""
-
-    def __init__(self, array):
-        self.array = array
-        self.__cuda_array_interface__ = dict(array.__cuda_array_interface__, typestr="<i2")
-
-
 def _to_tensor(array, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory (a numpy result, or a CUDA backend's device array or
-    tensor), on ``like``'s device with ``dtype`` (default: ``like``'s dtype)."""
-    dtype = like.dtype if dtype is None else dtype
-    if isinstance(array, np.ndarray):
-        if dtype == torch.bfloat16:
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(array)
+    """A tensor sharing ``array``'s memory: a numpy result of a CPU call as a tensor with
+    ``dtype`` (default: ``like``'s dtype); a CUDA call's results already are tensors."""
     if isinstance(array, torch.Tensor):
-        tensor = array
-    elif hasattr(array, "__cuda_array_interface__"):
-        if array.__cuda_array_interface__.get("typestr", "").endswith("V2"):
-            array = _CudaInt16View(array)
-        tensor = torch.as_tensor(array, device=like.device)
-    else:
-        raise TypeError(f"pool_tuner returned a {type(array).__name__}, which pool_tuner.torch cannot wrap as a tensor")
-    if tensor.dtype != dtype and tensor.element_size() == torch.empty((), dtype=dtype).element_size():
-        tensor = tensor.view(dtype)  # bfloat16 as its 16-bit pattern
-    memory_format = _channels_last_format(like)
-    return tensor if memory_format is None else tensor.contiguous(memory_format=memory_format)
-
-
-def _channels_last_format(t: torch.Tensor):
-    """For a CUDA tensor in channels-last memory (which reaches the CUDA backend as a contiguous
-    copy), the memory format its results must get back; None otherwise."""
-    if not t.is_cuda or t.is_contiguous():
-        return None
-    for memory_format, rank in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if t.dim() == rank and t.is_contiguous(memory_format=memory_format):
-            return memory_format
-    return None
+        return array
+    dtype = like.dtype if dtype is None else dtype
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _call(fn, tensors, *args, **kwargs):
-    """Run pool_tuner ``fn`` on ``tensors`` (as arrays) and ``args``.
-
-    CUDA: the backend launches on the legacy default stream.  When PyTorch's current stream is
-    another one, the default stream first waits for it (the inputs are written), the inputs'
-    memory is marked as in use on the default stream, and afterwards the current stream waits for
-    the default stream (the results are written) -- event waits, no host synchronisation."""
-    arrays = [_to_array(t) for t in tensors]
-    if not tensors[0].is_cuda:
-        return fn(*arrays, *args, **kwargs)
-    current = torch.cuda.current_stream(tensors[0].device)
-    default = torch.cuda.default_stream(tensors[0].device)
-    if current == default:
-        return fn(*arrays, *args, **kwargs)
-    default.wait_stream(current)
-    for a in arrays:
-        a.record_stream(default)
-    result = fn(*arrays, *args, **kwargs)
-    current.wait_stream(default)
-    return result
+    """Run pool_tuner ``fn`` on ``tensors`` and ``args``: CPU tensors as numpy views through
+    ``fn`` itself; CUDA tensors through ``pool_tuner.torch_cuda`` (PyTorch's allocator and current
+    stream, any thread, CUDA graphs), which returns tensors."""
+    if tensors[0].is_cuda:
+        return _torch_cuda.call(fn, tensors, args[0], kwargs)
+    return fn(*[_to_array(t) for t in tensors], *args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------

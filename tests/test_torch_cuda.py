@@ -1,0 +1,204 @@
+"""``pool_tuner.torch_cuda``, the CUDA-tensor path of pool_tuner.torch, without a GPU: CPU tensors
+stand in for CUDA ones, a fake libcuda (tests/cuda_fakes.py) records the launches, and PyTorch's
+current stream is a stub.  Checks what the plan decides once per call signature (problem, layout,
+result shapes and strides, kernel, grid) and what each call does (pointers, stream handle, fresh
+results from torch, nothing rebuilt); the kernels' numbers are checked on a GPU in test_cuda.py."""
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pool_tuner import backends, dispatch, ops, torch_cuda  # noqa: E402
+from pool_tuner.backends import cuda, cuda_driver  # noqa: E402
+
+from cuda_fakes import PRIMARY_CONTEXT, FakeDriver, fake_cuda_device  # noqa: E402
+
+NONE = {"device": None, "variant": None, "config": None}
+STREAM = 0x5EED
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake GPU: the fake driver, one fake CudaDevice, PyCUDA's compiler stubbed and the rest of
+    PyCUDA unreachable, PyTorch's current stream a settable handle."""
+    driver = FakeDriver()
+    driver.set_current(PRIMARY_CONTEXT)
+    device = fake_cuda_device()
+    streams = []
+
+    def no_pycuda():
+        raise AssertionError("the torch CUDA path must not use PyCUDA beyond its compiler")
+
+    monkeypatch.setattr(cuda_driver, "library", lambda: driver)
+    monkeypatch.setattr(cuda, "list_devices", lambda: (device,))
+    monkeypatch.setattr(cuda, "_compile", lambda source, arch: b"cubin:" + source.encode())
+    monkeypatch.setattr(cuda, "_pycuda", no_pycuda)
+    monkeypatch.setattr(torch_cuda, "current_raw_stream", lambda index: streams.append(index) or driver.stream)
+    monkeypatch.setattr(torch_cuda, "_PLANS", {})
+    driver.stream = STREAM
+    driver.device, driver.stream_requests = device, streams
+    cuda_driver.primary_context.cache_clear()
+    cuda._build_for_driver.cache_clear()
+    yield driver
+    cuda_driver.primary_context.cache_clear()
+    cuda._build_for_driver.cache_clear()
+
+
+def _x(shape, dtype=torch.float32):
+    return torch.rand(shape, dtype=dtype) + 0.5
+
+
+def _expected_launch(device, problem):
+    """(groups, block) of the dispatched kernel, as pool_tuner.ops would launch it."""
+    choice = dispatch.choose(problem, device, allow_tuning=False)
+    return choice.variant.groups(choice.config, problem), choice.variant.block(choice.config)
+
+
+def test_forward_launches_on_the_current_stream_into_a_fresh_torch_result(gpu):
+    x = _x((2, 3, 10, 9))
+    out = torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 3, 4, 7) and out.dtype == torch.float32
+    assert out.is_contiguous()
+    assert torch.isnan(out).all(), "the result was poisoned before the launch (the fake kernel writes nothing)"
+    (launch,) = gpu.launches
+    assert launch["pointers"] == [x.data_ptr(), out.data_ptr()]
+    assert launch["stream"] == STREAM and launch["context"] == PRIMARY_CONTEXT
+    groups, block = _expected_launch(gpu.device, ops.Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7)))
+    assert launch["grid"] == (groups, 1, 1) and launch["block"] == block + (1,) * (3 - len(block))
+
+
+def test_a_repeated_signature_is_one_lookup_and_one_launch(gpu, monkeypatch):
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    choices = []
+    monkeypatch.setattr(dispatch, "choose", lambda *a, **k: choices.append(a))
+    monkeypatch.setattr(ops.Problem, "create", lambda *a, **k: choices.append(a))
+    gpu.stream = 0xBEEF  # the current stream may change between calls: it is asked for each time
+    outs = [torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9))], (4, 7), NONE) for _ in range(3)]
+    assert not choices, "a cache hit validated or dispatched again"
+    assert len(gpu.modules) == 1 and len(gpu.launches) == 4
+    assert len({launch["params_address"] for launch in gpu.launches}) == 1, "one argument array for every call"
+    assert [launch["stream"] for launch in gpu.launches] == [STREAM] + [0xBEEF] * 3
+    assert [launch["pointers"][1] for launch in gpu.launches[1:]] == [o.data_ptr() for o in outs]
+    assert len(torch_cuda._PLANS) == 1
+
+
+def test_signatures_differ_by_strides_dtype_size_and_options(gpu):
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x.to(memory_format=torch.channels_last)], (4, 7), NONE)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x.half()], (4, 7), NONE)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 6), NONE)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], [4, 7], NONE)  # a list: a key of its own, same result
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), dict(NONE, variant="thread_per_output",
+                                                                 config={"block_size_x": 64}))
+    assert len(torch_cuda._PLANS) == 6
+    assert gpu.launches[-1]["block"][0] == 64
+
+
+@pytest.mark.parametrize("shape,size,memory_format", [
+    ((2, 6, 10, 9), (4, 7), torch.channels_last),
+    ((1, 4, 5, 6, 7), (3, 4, 2), torch.channels_last_3d),
+])
+def test_channels_last_is_read_in_place_and_gives_channels_last_results(gpu, shape, size, memory_format):
+    x = _x(shape).to(memory_format=memory_format)
+    fn = ops.adaptive_max_pool2d if len(shape) == 4 else ops.adaptive_max_pool3d
+    values, indices = torch_cuda.call(fn, [x], size, NONE)
+    expected = torch.empty(values.shape).to(memory_format=memory_format).stride()
+    assert values.stride() == expected and indices.stride() == expected and indices.dtype == torch.int64
+    assert (indices == ops.INDEX_POISON).all()
+    assert gpu.launches[0]["pointers"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr()]
+
+
+def test_channels_last_1d_memory_keeps_its_layout(gpu):
+    x = _x((2, 13, 5)).transpose(1, 2)  # (N, C, L) stored as (N, L, C)
+    out = torch_cuda.call(ops.adaptive_avg_pool1d, [x], (4,), NONE)
+    assert out.shape == (2, 5, 4) and out.stride() == (20, 1, 5)
+    assert gpu.launches[0]["pointers"][0] == x.data_ptr()
+
+
+def test_other_strides_are_copied_to_contiguous_first(gpu):
+    x = _x((2, 3, 9, 10)).transpose(2, 3)
+    out = torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    assert out.is_contiguous()
+    (launch,) = gpu.launches
+    assert launch["pointers"][0] != x.data_ptr()
+
+
+def test_max_backward_takes_indices_into_grad_outs_layout(gpu):
+    grad_out = _x((2, 6, 4, 7)).to(memory_format=torch.channels_last)
+    indices = torch.zeros((2, 6, 4, 7), dtype=torch.int64)  # contiguous: copied to channels-last
+    grad_in = torch_cuda.call(ops.adaptive_max_pool2d_backward, [grad_out, indices], (2, 6, 10, 9), NONE)
+    assert grad_in.shape == (2, 6, 10, 9)
+    assert grad_in.stride() == torch.empty(2, 6, 10, 9).to(memory_format=torch.channels_last).stride()
+    pointers = gpu.launches[0]["pointers"]
+    assert pointers[0] == grad_out.data_ptr() and pointers[1] != indices.data_ptr() and pointers[2] == grad_in.data_ptr()
+    indices_cl = indices.to(memory_format=torch.channels_last)
+    torch_cuda.call(ops.adaptive_max_pool2d_backward, [grad_out, indices_cl], (2, 6, 10, 9), NONE)
+    assert gpu.launches[1]["pointers"][1] == indices_cl.data_ptr()
+
+
+def test_avg_backward(gpu):
+    grad_out = _x((2, 3, 4, 7), torch.bfloat16)
+    grad_in = torch_cuda.call(ops.adaptive_avg_pool2d_backward, [grad_out], (2, 3, 10, 9), NONE)
+    assert grad_in.shape == (2, 3, 10, 9) and grad_in.dtype == torch.bfloat16 and grad_in.is_contiguous()
+    problem = ops.Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7), "bfloat16", direction="backward")
+    groups, block = _expected_launch(gpu.device, problem)
+    assert gpu.launches[0]["grid"][0] == groups and gpu.launches[0]["pointers"] == [grad_out.data_ptr(), grad_in.data_ptr()]
+
+
+def test_empty_batches_launch_nothing(gpu):
+    out = torch_cuda.call(ops.adaptive_avg_pool2d, [_x((0, 3, 10, 9))], (4, 7), NONE)
+    grad_in = torch_cuda.call(ops.adaptive_avg_pool2d_backward, [_x((0, 3, 4, 7))], (0, 3, 10, 9), NONE)
+    assert out.shape == (0, 3, 4, 7) and grad_in.shape == (0, 3, 10, 9) and not gpu.launches
+
+
+def test_bad_arguments_raise_before_any_launch(gpu):
+    x = _x((2, 3, 10, 9))
+    other = next(d.id for d in backends.all_devices() if d is not gpu.device)
+    with pytest.raises(ValueError, match=f"device='{other}' does not hold x"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), dict(NONE, device=other))
+    with pytest.raises(ValueError, match="output_size"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7, 1), NONE)
+    with pytest.raises(TypeError, match="indices must be an int64 tensor"):
+        torch_cuda.call(ops.adaptive_max_pool2d_backward, [_x((2, 3, 4, 7)), _x((2, 3, 4, 7))], (2, 3, 10, 9), NONE)
+    with pytest.raises(ValueError, match="indices must have the shape of grad_out"):
+        torch_cuda.call(ops.adaptive_max_pool2d_backward, [_x((2, 3, 4, 7)), torch.zeros((2, 3, 4, 6), dtype=torch.int64)],
+                        (2, 3, 10, 9), NONE)
+    with pytest.raises(ValueError, match="block_size_x"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), dict(NONE, variant="thread_per_output",
+                                                                     config={"block_size_x": 3}))
+    assert not gpu.launches and not torch_cuda._PLANS
+
+
+def test_unhashable_options_are_validated_on_every_call(gpu):
+    options = dict(NONE, variant="thread_per_output", config={"block_size_x": [64]})
+    for _ in range(2):
+        with pytest.raises((TypeError, ValueError), match="block_size_x"):
+            torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9))], (4, 7), options)
+
+
+def test_a_thread_without_a_current_context_launches_in_the_primary_context(gpu):
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)  # the first call builds, here
+
+    def worker():
+        gpu.set_current(None)  # a fresh thread: no context until something makes one current
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+        assert gpu.current() is None
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert [launch["context"] for launch in gpu.launches] == [PRIMARY_CONTEXT] * 2
+    assert gpu.calls[-2:] == [("push", PRIMARY_CONTEXT), "pop"]
+
+
+def test_float_dtypes_reach_the_problem(gpu):
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9), dtype)], (4, 7), NONE)
+    assert [plan.problem.dtype for plan in torch_cuda._PLANS.values()] == ["float64", "float16", "bfloat16"]
+    for (module, _), define in zip(gpu.modules, (b"DTYPE_FLOAT64 1", b"DTYPE_FLOAT16 1", b"DTYPE_BFLOAT16 1")):
+        assert define in module
