@@ -314,6 +314,186 @@ def test_torch_cuda_tensors_are_wrapped_and_returned_as_tensors(device, rng):
         device.as_gpuarray(x.transpose(2, 3))
 
 
+# ---------------------------------------------------------------------- pool_tuner.torch on CUDA tensors (GPU)
+#
+# The driver-API path (pool_tuner.torch_cuda): results from PyTorch's allocator, launches on its
+# current stream, no PyCUDA object per call.  Its logic is checked without a GPU in
+# test_torch_cuda.py; these check what only a GPU shows.
+
+def _torch_cuda():
+    """torch with CUDA, or skip with the reason."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA support (torch.cuda.is_available() is False)")
+    return torch
+
+
+def _cuda_tensor(torch, rng, shape, dtype="float32"):
+    """A fresh random CUDA tensor and its values as float64 (after rounding to ``dtype``)."""
+    x = torch.from_numpy(random_input(rng, shape, np.float64)).to("cuda", getattr(torch, dtype))
+    return x, x.double().cpu().numpy()
+
+
+def _check_forward_backward(torch, rng, kind, dtype, shape=(2, 3, 10, 9), size=(4, 7), pool=None):
+    """pool_tuner.torch's 2d pooling of ``kind`` forward and backward on a CUDA tensor against the
+    float64 reference."""
+    import pool_tuner.torch as ptt
+
+    op = f"adaptive_{kind}_pool2d"
+    x, x64 = _cuda_tensor(torch, rng, shape, dtype)
+    x.requires_grad_()
+    pool = pool or getattr(ptt, op)
+    y = pool(x, size)
+    grad, g64 = _cuda_tensor(torch, rng, tuple(y.shape), dtype)
+    (grad_in,) = torch.autograd.grad(y, x, grad)
+    tolerance = TOLERANCES[dtype]
+    if kind == "avg":
+        np.testing.assert_allclose(y.detach().double().cpu().numpy(), reference.forward(op, x64, size), **tolerance)
+        expected = reference.backward(op, g64, shape)
+    else:
+        values, indices = reference.forward(op, x64, size)
+        np.testing.assert_array_equal(y.detach().double().cpu().numpy(), values)
+        expected = reference.backward(op, g64, shape, indices)
+    np.testing.assert_allclose(grad_in.double().cpu().numpy(), expected, **tolerance)
+
+
+@needs_gpu
+def test_torch_all_dtypes_forward_and_backward_in_one_process(rng):
+    """float32, float64, float16 and then bfloat16 in the same process, forward and backward
+    (bfloat16 used to fail here with ``cuCtxGetDevice failed`` after the other dtypes had run)."""
+    torch = _torch_cuda()
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        for kind in ("avg", "max"):
+            _check_forward_backward(torch, rng, kind, dtype)
+
+
+@needs_gpu
+def test_torch_calls_make_no_pycuda_object_once_warm(rng, monkeypatch):
+    """After one call of each signature, forward and backward (backward on autograd's thread) run
+    with PyCUDA unreachable: nothing on the call path touches it."""
+    torch = _torch_cuda()
+    for kind in ("avg", "max"):
+        _check_forward_backward(torch, rng, kind, "float32")
+
+    def no_pycuda():
+        raise AssertionError("a warm pool_tuner.torch call used PyCUDA")
+
+    monkeypatch.setattr(cuda, "_pycuda", no_pycuda)
+    for kind in ("avg", "max"):
+        _check_forward_backward(torch, rng, kind, "float32")
+
+
+@needs_gpu
+def test_torch_training_does_not_leak_device_memory(capfd):
+    """1000 SGD steps of conv -> pool_tuner's AdaptiveAvgPool2d((5, 7)) -> linear: the device's
+    free memory stays within 64 MiB of where it was after warm-up, and nothing is reported about
+    allocations that could not be freed (backward runs on PyTorch's autograd thread)."""
+    import warnings
+
+    import pool_tuner.torch as ptt
+
+    torch = _torch_cuda()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), ptt.AdaptiveAvgPool2d((5, 7)),
+                                torch.nn.Flatten(), torch.nn.Linear(64 * 5 * 7, 10)).cuda()
+    optimiser = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, 23, 37, device="cuda")
+    target = torch.randint(0, 10, (32,), device="cuda")
+
+    def step():
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), target).backward()
+        optimiser.step()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        for _ in range(1000):
+            step()
+        torch.cuda.synchronize()
+        free_after = torch.cuda.mem_get_info()[0]
+    lost = (free_before - free_after) / 2**20
+    assert lost <= 64, f"device free memory fell by {lost:.0f} MiB over 1000 steps"
+    messages = [str(w.message) for w in caught] + [capfd.readouterr().err]
+    assert not any("could not be cleaned up" in m or "out-of-thread" in m for m in messages), messages
+
+
+@needs_gpu
+def test_torch_cuda_graph_capture_and_replay(rng):
+    """Forward and backward captured with torch.cuda.graph after a warm-up on a side stream (as
+    PyTorch prescribes); replays on new inputs match the reference."""
+    import pool_tuner.torch as ptt
+
+    torch = _torch_cuda()
+    op, size, shape = "adaptive_avg_pool2d", (4, 7), (2, 3, 10, 9)
+    x = torch.zeros(shape, device="cuda", requires_grad=True)
+    grad = torch.zeros((2, 3) + size, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.autograd.grad(ptt.adaptive_avg_pool2d(x, size), x, grad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ptt.adaptive_avg_pool2d(x, size)
+        (grad_in,) = torch.autograd.grad(y, x, grad)
+    for _ in range(2):
+        x32, g32 = random_input(rng, shape), random_input(rng, (2, 3) + size)
+        with torch.no_grad():
+            x.copy_(torch.from_numpy(x32))
+            grad.copy_(torch.from_numpy(g32))
+        graph.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_allclose(y.detach().double().cpu().numpy(),
+                                   reference.forward(op, x32.astype(np.float64), size), **TOLERANCES["float32"])
+        np.testing.assert_allclose(grad_in.double().cpu().numpy(),
+                                   reference.backward(op, g32.astype(np.float64), shape), **TOLERANCES["float32"])
+
+
+@needs_gpu
+def test_torch_calls_from_a_fresh_thread_on_its_own_stream(rng):
+    """A DataLoader-like worker thread (no CUDA work done on it before) runs seen and new
+    signatures on a stream of its own, forward and backward (backward on autograd's thread), and
+    the results match.  Afterwards the worker's current CUDA context is the device's primary one
+    (PyTorch's runtime calls bind it; the launch path pushes it only for a launch that finds
+    another or none current, and pops it again)."""
+    import ctypes
+    import threading
+
+    from pool_tuner.backends import cuda_driver
+
+    torch = _torch_cuda()
+    _check_forward_backward(torch, rng, "avg", "float32")  # a signature seen on the main thread
+    errors, contexts = [], []
+
+    def current_context():
+        context = ctypes.c_void_p()
+        cuda_driver.check(cuda_driver.library().cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        return context.value
+
+    def worker():
+        try:
+            contexts.append(current_context())
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                _check_forward_backward(torch, rng, "avg", "float32")  # seen
+                _check_forward_backward(torch, rng, "max", "float16", shape=(3, 5, 17, 6), size=(5, 4))  # new
+            contexts.append(current_context())
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    print(f"worker thread's current context: at start {contexts[0]}, after the calls {contexts[1]}")
+    assert contexts[1] == cuda_driver.primary_context(torch.cuda.current_device())
+
+
 # ---------------------------------------------------------------------- listing (everywhere)
 
 def test_importing_pool_tuner_does_not_import_pycuda():
