@@ -45,18 +45,23 @@ def call(fn, tensors, size, options: dict):
     of a backward one) and pool_tuner's keyword ``options`` (``device``, ``variant``,
     ``config``).  Returns what ``fn`` returns, as tensors: the result, or a max forward's
     ``(values, indices)``."""
+    results = plan(fn, tensors, size, options)(tensors)
+    return results if len(results) == 2 else results[0]
+
+
+def plan(fn, tensors, size, options: dict) -> "_Plan":
+    """The plan of a call signature (see ``call``), made and memoised on its first use."""
     try:
         key = (fn, ops._exact(size), _options_key(options),
                *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
-        plan = _PLANS.get(key)
+        found = _PLANS.get(key)
     except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
-        key = plan = None
-    if plan is None:
-        plan = _Plan(fn, tensors, size, options)
+        key = found = None
+    if found is None:
+        found = _Plan(fn, tensors, size, options)
         if key is not None:
-            _PLANS[key] = plan
-    results = plan(tensors)
-    return results if len(results) == 2 else results[0]
+            _PLANS[key] = found
+    return found
 
 
 def _options_key(options: dict) -> tuple:

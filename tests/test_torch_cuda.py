@@ -202,3 +202,14 @@ def test_float_dtypes_reach_the_problem(gpu):
     assert [plan.problem.dtype for plan in torch_cuda._PLANS.values()] == ["float64", "float16", "bfloat16"]
     for (module, _), define in zip(gpu.modules, (b"DTYPE_FLOAT64 1", b"DTYPE_FLOAT16 1", b"DTYPE_BFLOAT16 1")):
         assert define in module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the benchmark measures instead of refusing")
+def test_call_overhead_benchmark_refuses_without_a_gpu():
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "cuda_call_overhead.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr, result.stderr
