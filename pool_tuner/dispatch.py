@@ -205,10 +205,23 @@ def tuning_cache() -> cache_mod.TuningCache:
     return _TUNING_CACHE
 
 
+#: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s plans);
+#: ``forget`` empties them whole, whatever it forgets.
+_DEPENDENT_MEMOS: list = []
+
+
+def register_dependent_memo(table: dict) -> None:
+    """Have ``forget`` empty ``table`` too: its entries hold decisions of this module."""
+    _DEPENDENT_MEMOS.append(table)
+
+
 def forget(problem: Problem | None = None, device=None) -> None:
     """Drop memoised decisions (all, or one problem's) so the next call consults the cache again;
-    with no arguments also re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed)."""
+    with no arguments also re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed).
+    Dependent memo tables (``register_dependent_memo``) are emptied either way."""
     global _TUNING_CACHE
+    for table in _DEPENDENT_MEMOS:
+        table.clear()
     if problem is None:
         _DECISIONS.clear()
         _FORCED.clear()

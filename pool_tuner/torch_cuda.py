@@ -37,6 +37,7 @@ _SIGNATURES = {getattr(ops, op + suffix): (op, direction)
                for op in OPS for suffix, direction in (("", "forward"), ("_backward", "backward"))}
 
 _PLANS: dict = {}
+dispatch.register_dependent_memo(_PLANS)  # a plan holds a decision: forgotten with it (after tuning)
 
 
 def call(fn, tensors, size, options: dict):

@@ -36,14 +36,17 @@ def gpu(monkeypatch):
     monkeypatch.setattr(cuda, "_compile", lambda source, arch: b"cubin:" + source.encode())
     monkeypatch.setattr(cuda, "_pycuda", no_pycuda)
     monkeypatch.setattr(torch_cuda, "current_raw_stream", lambda index: streams.append(index) or driver.stream)
-    monkeypatch.setattr(torch_cuda, "_PLANS", {})
     driver.stream = STREAM
     driver.device, driver.stream_requests = device, streams
-    cuda_driver.primary_context.cache_clear()
-    cuda._build_for_driver.cache_clear()
+    _forget_builds_and_plans()
     yield driver
+    _forget_builds_and_plans()
+
+
+def _forget_builds_and_plans():
     cuda_driver.primary_context.cache_clear()
     cuda._build_for_driver.cache_clear()
+    torch_cuda._PLANS.clear()
 
 
 def _x(shape, dtype=torch.float32):
@@ -213,3 +216,13 @@ def test_call_overhead_benchmark_refuses_without_a_gpu():
     script = pathlib.Path(__file__).parent.parent / "benchmarks" / "cuda_call_overhead.py"
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr, result.stderr
+
+
+def test_forgetting_decisions_forgets_plans(gpu):
+    """After tuning (which calls dispatch.forget), the next call must dispatch again."""
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    assert torch_cuda._PLANS
+    problem = next(iter(torch_cuda._PLANS.values())).problem
+    dispatch.forget(problem, gpu.device)
+    assert not torch_cuda._PLANS
