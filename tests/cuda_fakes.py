@@ -15,8 +15,16 @@ MAX_THREADS = 1024
 
 
 def _target(argument):
-    """The ctypes object behind an argument passed directly or through ``ctypes.byref``."""
+    """The ctypes object behind an argument passed directly, through ``ctypes.byref`` or as a
+    ``ctypes.pointer``."""
+    if hasattr(argument, "contents"):
+        return argument.contents
     return getattr(argument, "_obj", argument)
+
+
+def _value(argument):
+    """A plain value, whether passed as a Python int (declared argument types) or a ctypes object."""
+    return getattr(argument, "value", argument)
 
 
 class FakeDriver:
@@ -88,7 +96,12 @@ class FakeDriver:
         _target(value).value = self.max_threads
         return 0
 
+    def __getitem__(self, name):
+        """``lib[name]``: a function object of its own (ctypes hands out a new one each time)."""
+        return FakeFunction(getattr(self, name))
+
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        function, gx, gy, gz, bx, by, bz, shared, stream = map(_value, (function, gx, gy, gz, bx, by, bz, shared, stream))
         slots = [ctypes.c_void_p.from_address(ctypes.addressof(params) + i * ctypes.sizeof(ctypes.c_void_p)).value
                  for i in range(len(params))]
         self.launches.append({
@@ -102,6 +115,16 @@ class FakeDriver:
     def cuGetErrorName(self, status, out):
         _target(out).value = b"CUDA_ERROR_FAKE"
         return 0
+
+
+class FakeFunction:
+    """A driver function as ``lib[name]`` gives it: with a settable ``restype``."""
+
+    def __init__(self, function):
+        self.function, self.restype = function, None
+
+    def __call__(self, *args):
+        return self.function(*args)
 
 
 def fake_cuda_device(ordinal=0, compute_capability=(9, 0)):
