@@ -2,6 +2,10 @@
 fake libcuda (tests/cuda_fakes.py): argument marshalling, stream handles, contexts, threads,
 memoised builds.  Runs everywhere; what only a GPU can show is in tests/test_cuda.py."""
 
+import ctypes
+import pathlib
+import shutil
+import subprocess
 import threading
 import time
 
@@ -156,3 +160,60 @@ def test_prepared_launch_checks_the_grid(driver):
     with pytest.raises(ValueError, match="1 to"):
         cuda.CudaDriverTarget.prepared(KERNEL, 0, (32,), 2)
     assert isinstance(cuda.CudaDriverTarget.prepared(KERNEL, 5, (32,), 2), cuda_driver.PreparedLaunch)
+
+
+# ---------------------------------------------------------------------- through a real C ABI
+
+class _RecordedLaunch(ctypes.Structure):
+    """``struct launch`` of tests/data/stub_libcuda.c."""
+
+    _fields_ = [("function", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p), ("pointers", ctypes.c_uint64 * 4),
+                ("context", ctypes.c_void_p), ("extra", ctypes.c_void_p)]
+
+
+@pytest.fixture(scope="module")
+def stub_libcuda(tmp_path_factory):
+    """tests/data/stub_libcuda.c built as a shared library, signatures declared as for libcuda."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler on PATH to build the stub libcuda")
+    library = tmp_path_factory.mktemp("stub_libcuda") / "libstubcuda.so"
+    source = pathlib.Path(__file__).parent / "data" / "stub_libcuda.c"
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return cuda_driver.declare_signatures(ctypes.CDLL(str(library)))
+
+
+def test_launch_arguments_cross_a_c_abi_intact(stub_libcuda):
+    """Grid, block, stream, 64-bit pointers and a 64-bit context handle arrive in C as given, on
+    both paths (context pushed for the launch, and already current)."""
+    lib = stub_libcuda
+    ctypes.c_int.in_dll(lib, "n_pointers").value = 3
+    context = 0xC0000000C0  # above 2^32: a handle truncated to an int would not compare equal
+    kernel = cuda_driver.DriverKernel(0, context, 0xF00D, "pool_forward", 1024)
+    launch = cuda_driver.PreparedLaunch(kernel, 2**31 - 1, (128, 4), 3, lib=lib)
+    recorded = _RecordedLaunch.in_dll(lib, "last_launch")
+    pushes = ctypes.c_int.in_dll(lib, "pushes")
+    pointers = [2**63 + 8, 0x1000, 0xDEADBEEF0000]
+
+    launch(0x7FFF00001234, *pointers)  # this thread has no current context: pushed and popped
+    assert (recorded.function, list(recorded.grid), list(recorded.block)) == (0xF00D, [2**31 - 1, 1, 1], [128, 4, 1])
+    assert (recorded.shared, recorded.stream, recorded.extra) == (0, 0x7FFF00001234, None)
+    assert list(recorded.pointers)[:3] == pointers and recorded.context == context
+    assert pushes.value == 1 and ctypes.c_int.in_dll(lib, "pops").value == 1
+
+    cuda_driver.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")  # now current already
+    launch(0, 1, 2, 3)
+    assert list(recorded.pointers)[:3] == [1, 2, 3] and recorded.stream is None and recorded.context == context
+    assert pushes.value == 2, "a launch in the current primary context pushes nothing"
+    cuda_driver.check(lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+
+
+def test_load_kernel_through_a_c_abi(stub_libcuda, monkeypatch):
+    monkeypatch.setattr(cuda_driver, "library", lambda: stub_libcuda)
+    cuda_driver.primary_context.cache_clear()
+    try:
+        kernel = cuda_driver.load_kernel(3, b"\x7fELF cubin", "pool_backward")
+    finally:
+        cuda_driver.primary_context.cache_clear()
+    assert kernel == cuda_driver.DriverKernel(3, 0xC0000000C3, 0xF00D, "pool_backward", 1024)

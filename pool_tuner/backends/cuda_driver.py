@@ -72,11 +72,17 @@ def library():
             lib = ctypes.CDLL(name)
         except OSError:
             continue
-        for function, argtypes in _SIGNATURES.items():
-            getattr(lib, function).argtypes = argtypes
-            getattr(lib, function).restype = ctypes.c_int
-        return lib
+        return declare_signatures(lib)
     return None
+
+
+def declare_signatures(lib):
+    """Declare the argument and result types of the driver functions pool_tuner calls on ``lib``
+    (libcuda, or a stand-in with the same symbols); returns ``lib``."""
+    for function, argtypes in _SIGNATURES.items():
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = ctypes.c_int
+    return lib
 
 
 def _driver():

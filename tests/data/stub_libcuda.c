@@ -1,0 +1,50 @@
+/* A stand-in for libcuda with the symbols pool_tuner's driver-API launch path calls, for checking
+ * through a real C ABI (no GPU) how ctypes passes their arguments.  Launches are recorded, not run:
+ * the test reads `last_launch` and `pushes` back through ctypes.  Contexts: one per thread. */
+#include <stdint.h>
+#include <string.h>
+
+struct launch {
+    void *function;
+    unsigned grid[3], block[3], shared;
+    void *stream;
+    uint64_t pointers[4];
+    void *context;
+    void *extra;
+};
+
+struct launch last_launch;
+int pushes, pops;
+static __thread void *stack[8];
+static __thread int depth;
+
+int cuInit(unsigned flags) { return 0; }
+int cuGetErrorName(int status, const char **name) { *name = "CUDA_ERROR_STUB"; return 0; }
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **context, int device) { *context = (void *)(uintptr_t)(0xC0000000C0ull + device); return 0; }
+int cuCtxGetCurrent(void **context) { *context = depth ? stack[depth - 1] : 0; return 0; }
+int cuCtxPushCurrent_v2(void *context) { ++pushes; stack[depth++] = context; return 0; }
+int cuCtxPopCurrent_v2(void **context) { ++pops; *context = stack[--depth]; return 0; }
+int cuModuleLoadData(void **module, const void *image) { *module = (void *)image; return 0; }
+int cuModuleGetFunction(void **function, void *module, const char *name) { *function = (void *)0xF00Dull; return 0; }
+int cuFuncGetAttribute(int *value, int attribute, void *function) { *value = 1024; return 0; }
+int cuPointerGetAttribute(void *data, int attribute, uint64_t pointer) { return 1; }
+int cuStreamSynchronize(void *stream) { return 0; }
+
+/* Reads as many pointers as the test says the kernel takes (`n_pointers`). */
+int n_pointers;
+int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void *stream, void **params, void **extra)
+{
+    memset(&last_launch, 0, sizeof last_launch);
+    last_launch.function = function;
+    last_launch.grid[0] = gx; last_launch.grid[1] = gy; last_launch.grid[2] = gz;
+    last_launch.block[0] = bx; last_launch.block[1] = by; last_launch.block[2] = bz;
+    last_launch.shared = shared;
+    last_launch.stream = stream;
+    for (int i = 0; i < n_pointers && i < 4; ++i)
+        last_launch.pointers[i] = *(uint64_t *)params[i];
+    last_launch.context = depth ? stack[depth - 1] : 0;
+    last_launch.extra = extra;
+    return 0;
+}
