@@ -99,7 +99,7 @@ class _Plan:
         op, direction = _SIGNATURES[fn]
         kind, ndim = OPS[op]
         first, name = tensors[0], ("x" if direction == "forward" else "grad_out")
-        index = first.device.index
+        index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
         device = cuda.device_by_ordinal(0 if index is None else index, name)
         ops.check_device_option(device, options.get("device"), name)
         layout = _layout(first, ndim)
