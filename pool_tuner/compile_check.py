@@ -365,8 +365,8 @@ def compile_single(nvcc: str, job: Job) -> Result:
     if status != 0:
         return Result(False, output)
     if f"Compiling entry function '{job.kernel_name}'" not in output:
-        return Result(False, f"no entry function '{job.kernel_name}' was compiled (is the variant's #if "
-                             f"block selected?)\n{output}")
+        return Result(False, f"no entry function '{job.kernel_name}' was compiled (does the variant's "
+                             f"kernel file define it?)\n{output}")
     spills = _function_spills(output)
     if job.kernel_name not in spills:
         return Result(False, f"no spill report for '{job.kernel_name}' in ptxas's output\n{output}")
