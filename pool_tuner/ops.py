@@ -234,8 +234,6 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
     """Shared body of every forward op."""
     call, x = _forward_call(op, x, output_size, device)
     problem = call.problem
-    if problem.kind != "max" and return_indices:
-        raise ValueError("return_indices is only for max pooling")
     choice = dispatch.choose(problem, call.device, variant, config)
     out = call.empty(problem.output_shape, x.dtype)
     buffers = [out]
