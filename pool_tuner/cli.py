@@ -8,16 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from . import backends, cache, dispatch, kernel_source, presets
 from .backends import opencl
 from .ops import explain
 from .tuner import tune
-from .problem import Problem
+from .problem import OPS, Problem
 from .variants import get_variant, variants_for
 
 EXIT_ERROR = 2
+OP_NAMES = sorted(OPS)
 
 
 def parse_shape(text: str, name: str) -> tuple:
@@ -32,9 +34,20 @@ def parse_shape(text: str, name: str) -> tuple:
             entries.append(int(token))
         except ValueError:
             raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
+    check_sizes(entries, name, text)
     if name == "--output" and len(entries) == 1 and entries[0] is not None:
         return entries[0]
     return tuple(entries)
+
+
+def check_sizes(entries, name: str, given) -> None:
+    """Input sizes must be positive, output sizes >= 0 (0: an empty output) or None (keep that size),
+    checked here so that the message names the command-line option rather than the library argument."""
+    if name.startswith("--output"):
+        if any(e is not None and (not isinstance(e, int) or e < 0) for e in entries):
+            raise ValueError(f"{name} sizes must be integers >= 0 or None (e.g. 1x1 or 56xNone), got {given!r}")
+    elif any(not isinstance(e, int) or e < 1 for e in entries):
+        raise ValueError(f"{name} sizes must be positive integers (e.g. 32x2048x7x7), got {given!r}")
 
 
 def _shapes_from_args(args) -> list:
@@ -51,9 +64,13 @@ def _shapes_from_args(args) -> list:
         if not isinstance(entries, list):
             raise ValueError('--shapes file must hold a JSON list of {"op": ..., "input": [...], "output": [...]}')
         try:
-            return [(e.get("op", args.op), tuple(e["input"]), tuple(e["output"])) for e in entries]
+            shapes = [(e.get("op", args.op), tuple(e["input"]), tuple(e["output"])) for e in entries]
         except (AttributeError, KeyError, TypeError):
             raise ValueError('--shapes file entries must be objects with "input" and "output" lists (and optionally "op")') from None
+        for i, (_, shape, out) in enumerate(shapes):
+            check_sizes(shape, f"--shapes entry {i} input", list(shape))
+            check_sizes(out, f"--shapes entry {i} output", list(out))
+        return shapes
     if not args.output:
         raise ValueError("--input needs --output (e.g. --output 1x1)")
     return [(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"))]
@@ -202,9 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_devices)
 
     p = sub.add_parser("tune", help="tune shapes on a device and store the winners in the cache")
-    p.add_argument("--op", default="adaptive_avg_pool2d", help="op name (default adaptive_avg_pool2d)")
-    p.add_argument("--input", help="input shape, e.g. 32x2048x7x7")
-    p.add_argument("--output", help="output size, e.g. 1x1 or 56xNone")
+    p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
+                   help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
+    p.add_argument("--input", help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
+    p.add_argument("--output", help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
     p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS))} or all")
     p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
@@ -220,36 +238,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_tune)
 
     p = sub.add_parser("cache", help="inspect or maintain the tuning cache")
-    p.add_argument("action", choices=["show", "path", "clear", "merge"])
+    p.add_argument("action", choices=["show", "path", "clear", "merge"],
+                   help="show: list the records; path: where the caches are; clear: delete the user cache; "
+                        "merge: fold other cache files in")
     p.add_argument("files", nargs="*", help="for merge: cache files (records.json) to merge")
     p.add_argument("--into", help="for merge: destination file (default: the user cache)")
     p.set_defaults(run=cmd_cache)
 
     p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor")
     p.add_argument("--preset", help="comma-separated presets (default: the whole suite)")
-    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both")
-    p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
+                   help="which passes to benchmark (default both)")
+    p.add_argument("--device", help="OpenCL device id (see `pool-tuner devices`)")
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
     p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")
-    p.add_argument("--op", default="adaptive_avg_pool2d")
-    p.add_argument("--input", required=True)
-    p.add_argument("--output", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--layout", help="e.g. NCHW (default) or NHWC")
-    p.add_argument("--direction", choices=["forward", "backward"], default="forward")
-    p.add_argument("--device")
+    p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
+                   help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
+    p.add_argument("--input", required=True, help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
+    p.add_argument("--output", required=True,
+                   help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
+    p.add_argument("--layout", help="memory layout, e.g. NCHW (default, contiguous) or NHWC (channels-last)")
+    p.add_argument("--direction", choices=["forward", "backward"], default="forward",
+                   help="which pass to explain (default forward)")
+    p.add_argument("--device", help="device id (see `pool-tuner devices`; default: the default device)")
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("compile-check", help="compile every kernel instantiation with nvcc (no GPU needed): "
                                              "no warnings, no local-memory spills")
     p.add_argument("backend", choices=["cuda"], help="the backend whose kernels to compile")
     p.add_argument("--arch", action="append", help="target architecture, repeatable (default sm_75, sm_80, sm_90)")
-    p.add_argument("--op", action="append", help="only this op, repeatable (default every op)")
+    p.add_argument("--op", action="append", choices=OP_NAMES, metavar="OP",
+                   help=f"only this op ({', '.join(OP_NAMES)}), repeatable (default every op)")
     p.add_argument("--direction", action="append", help="only this direction (forward/backward), repeatable")
     p.add_argument("--dtype", action="append", help="only this dtype, repeatable (default every dtype)")
     p.add_argument("--variant", action="append", help="only this variant, repeatable (default every variant)")
@@ -261,13 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    """A warning as one line, like the command's errors: what happened, not where in pool_tuner's
+    source it was raised (``warnings.showwarning`` while the command runs).  Through tqdm, so that an
+    active progress bar is redrawn below it instead of being broken."""
+    from tqdm import tqdm
+
+    tqdm.write(f"pool-tuner: warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:
-        print(f"pool-tuner: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    with warnings.catch_warnings():
+        warnings.showwarning = _print_warning
+        try:
+            return args.run(args)
+        except (ValueError, TypeError, OSError, RuntimeError) as exc:
+            print(f"pool-tuner: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The ``pool-tuner`` command line (DESIGN section 6), end to end: through ``cli.main`` in this
 process and through real ``python -m pool_tuner.cli`` subprocesses.  Tuning budgets are tiny."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -256,11 +257,12 @@ SHAPE_ARGS = ["--input", "2x3x5x7", "--output", "3x4"]
 
 @pytest.mark.parametrize("argv, mentions", [
     (["tune", "--input", "2x3xfivex7", "--output", "3x4"], "--input"),
-    (["tune", "--input", "2x3x5x7", "--output", "3x-4"], "output_size"),
+    (["tune", "--input", "2x3x5x7", "--output", "3x-4"], "--output sizes must be integers >= 0 or None"),
+    (["tune", "--input", "8x64x-10x9", "--output", "1x1"], "--input sizes must be positive integers"),
+    (["tune", "--input", "8x64x0x9", "--output", "1x1"], "--input sizes must be positive integers"),
+    (["explain", "--input", "0x3x5x7", "--output", "1x1"], "--input sizes must be positive integers"),
     (["explain", "--input", "2x3x5x7", "--output", "3xx4"], "--output"),
     (["explain", "--input", "2xNonex5x7", "--output", "3x4"], "--input"),
-    (["tune", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS], "op"),
-    (["explain", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS], "op"),
     (["tune", "--preset", "no_such_preset"], "preset"),
     (["tune", "--input", "2x3x5x7"], "--output"),
     (["tune"], "--preset"),
@@ -273,8 +275,8 @@ SHAPE_ARGS = ["--input", "2x3x5x7", "--output", "3x4"]
     (["cache", "merge", "missing_records.json"], "missing_records.json"),
     (["cache", "merge", "missing_records.json", "--into", "merged.json"], "missing_records.json"),
     (["cache", "merge"], "merge"),
-], ids=["bad-shape", "negative-output", "bad-output-text", "none-in-input", "tune-unknown-op",
-        "explain-unknown-op", "unknown-preset", "missing-output", "no-shapes", "two-shape-sources",
+], ids=["bad-shape", "negative-output", "negative-input", "zero-input", "explain-zero-input", "bad-output-text",
+        "none-in-input", "unknown-preset", "missing-output", "no-shapes", "two-shape-sources",
         "missing-shapes-file", "unknown-variant", "brute-force-budget", "unknown-device", "bad-dtype",
         "merge-missing-file", "merge-missing-file-into", "merge-nothing"])
 def test_errors_are_one_line_and_exit_2(capsys, user_cache, argv, mentions):
@@ -286,7 +288,8 @@ def test_errors_are_one_line_and_exit_2(capsys, user_cache, argv, mentions):
 
 
 def test_shapes_file_with_bad_content(capsys, user_cache, tmp_path):
-    for content in ('{"input": [2, 3, 5, 7]}', '[{"input": [2, 3, 5, 7]}]', "[1, 2]", "not json"):
+    for content in ('{"input": [2, 3, 5, 7]}', '[{"input": [2, 3, 5, 7]}]', "[1, 2]", "not json",
+                    '[{"input": [2, 3, -5, 7], "output": [1, 1]}]', '[{"input": [2, 3, 5, 7], "output": [1, -1]}]'):
         (tmp_path / "shapes.json").write_text(content)
         code, _, err = run(capsys, "tune", "--shapes", tmp_path / "shapes.json")
         line = assert_one_error_line(code, err)
@@ -295,11 +298,53 @@ def test_shapes_file_with_bad_content(capsys, user_cache, tmp_path):
 
 def test_argparse_errors_exit_2(capsys):
     for argv in (["explain", "--input", "2x3x5x7"], ["frobnicate"], ["cache", "vacuum"],
-                 ["tune", "--max-fevals", "many"]):
+                 ["tune", "--max-fevals", "many"], ["tune", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS],
+                 ["explain", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS]):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
         assert exit_info.value.code == 2
-        assert "error:" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("pool-tuner: error:"), err
+        if "--op" in argv:  # the allowed ops are named
+            assert "argument --op: invalid choice: 'adaptive_foo_pool2d'" in err and "adaptive_max_pool3d" in err
+
+
+def _subcommand_parsers():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+@pytest.mark.parametrize("name", ["devices", "tune", "cache", "explain", "bench", "compile-check"])
+def test_every_option_has_help_text(name):
+    parser = _subcommand_parsers()[name]
+    undocumented = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize("name", ["tune", "explain", "compile-check"])
+def test_op_options_list_the_ops(name, capsys):
+    (op,) = [a for a in _subcommand_parsers()[name]._actions if "--op" in a.option_strings]
+    assert op.choices == sorted(pt.problem.OPS)
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    shown = capsys.readouterr().out
+    assert all(op_name in shown for op_name in pt.problem.OPS)
+
+
+# ---------------------------------------------------------------- warnings
+
+
+def test_warnings_are_one_clean_line(capsys, user_cache):
+    user_cache.mkdir()
+    (user_cache / cache_mod.USER_FILE).write_text("{not json")
+    code, out, err = run(capsys, "cache", "show")
+    assert code == 0
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"pool-tuner: warning: pool_tuner tuning cache {user_cache / cache_mod.USER_FILE}: "
+                               f"not valid JSON")
+    assert "cache.py" not in err and "warnings.warn" not in err and "CacheWarning" not in err
 
 
 # ---------------------------------------------------------------- real subprocesses
@@ -326,3 +371,12 @@ def test_subprocess_error_is_one_line_and_exit_2(user_cache, tmp_path):
     line = assert_one_error_line(proc.returncode, proc.stderr)
     assert "no_such_preset" in line
     assert proc.stdout == ""
+
+
+def test_subprocess_warning_is_one_clean_line(user_cache, tmp_path):
+    user_cache.mkdir()
+    (user_cache / cache_mod.USER_FILE).write_text("{not json")
+    proc = run_subprocess(user_cache, tmp_path, "cache", "show")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.strip("\n").splitlines()
+    assert line.startswith("pool-tuner: warning: pool_tuner tuning cache ") and "not valid JSON" in line
