@@ -19,6 +19,8 @@ from .problem import OPS, Problem
 from .variants import get_variant, variants_for
 
 EXIT_ERROR = 2
+#: Exit status after Ctrl-C, as shells report a process ended by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
 OP_NAMES = sorted(OPS)
 
 
@@ -113,16 +115,21 @@ def cmd_tune(args) -> int:
             unique_jobs.append((op, shape, out, direction))
     jobs = unique_jobs
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
-    failed = 0
-    with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
-        for op, shape, out, direction in jobs:
-            bar.set_postfix_str(f"{op} {direction} {'x'.join(map(str, shape))}")
-            result = tune(op, shape, out, args.dtype, args.layout, device, direction=direction,
-                          variants=variant_names, strategy=args.strategy, max_fevals=args.max_fevals,
-                          time_limit=args.time_limit, progress=lambda _name: bar.update(1))
-            bar.clear()
-            print(_result_table(result))
-            failed += sum(len(v.failures) for v in result.variants)
+    failed = finished = 0
+    try:
+        with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
+            for op, shape, out, direction in jobs:
+                bar.set_postfix_str(f"{op} {direction} {'x'.join(map(str, shape))}")
+                result = tune(op, shape, out, args.dtype, args.layout, device, direction=direction,
+                              variants=variant_names, strategy=args.strategy, max_fevals=args.max_fevals,
+                              time_limit=args.time_limit, progress=lambda _name: bar.update(1))
+                bar.clear()
+                print(_result_table(result))
+                failed += sum(len(v.failures) for v in result.variants)
+                finished += 1
+    except KeyboardInterrupt as stop:  # what was kept, for main's one line
+        kept = f"{finished} of {len(jobs)} tuning jobs finished and kept in {dispatch.tuning_cache().path()}"
+        raise KeyboardInterrupt(f"{kept}; {stop}" if str(stop) else kept) from None
     print(f"cache: {dispatch.tuning_cache().path()}")
     if failed:
         print(f"{failed} configurations failed to compile, launch or verify and were skipped (see the cache records)")
@@ -133,14 +140,25 @@ def _result_table(result) -> str:
     p = result.problem
     lines = [f"\n{p.op} {p.direction} {p.dtype} {p.layout} {'x'.join(map(str, p.input_shape))} -> {'x'.join(map(str, p.output_shape))}"
              f"  on {result.device}  ({result.seconds:.1f} s)",
-             f"  {'variant':20s} {'best ms':>10s} {'evaluated':>9s} {'failed':>6s}  params"]
+             f"  {'variant':20s} {'kernel ms':>10s} {'evaluated':>9s} {'failed':>6s}  params"]
     for v in result.variants:
+        if v.not_applicable:
+            lines.append(f"  {v.variant:20s} {'-':>10s}  not applicable: {v.not_applicable}")
+            continue
         mark = "  <- winner" if v.variant == result.best_variant else ""
         lines.append(f"  {v.variant:20s} {_format_ms(v.best_time_ms):>10s} {v.evaluated:9d} {len(v.failures):6d}"
-                     f"  {v.best_params}{mark}")
-    lines.append(f"  default {result.default_variant} {result.default_params}: {result.default_time_ms:.4f} ms;"
-                 f" tuned is {result.speedup_over_default:.2f}x faster"
-                 + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
+                     f"  {v.best_params if v.best_params else 'none ran correctly'}{mark}")
+    lines.append("  kernel ms: the kernel alone (median of its launches, timed by OpenCL events); a library call "
+                 "adds its dispatch and any host transfers")
+    default = f"the default {result.default_variant} {result.default_params} ({result.default_time_ms:.4f} ms)"
+    if result.kept_default:
+        verdict = f"{default} is the best configuration found: kept"
+    elif result.speedup_over_default >= 1:
+        verdict = f"tuned: {result.speedup_over_default:.2f}x faster than {default}"
+    else:  # the default's variant was not among those searched (--variants)
+        verdict = (f"tuned among the variants asked for: {1 / result.speedup_over_default:.2f}x slower than {default}, "
+                   f"whose variant was not searched")
+    lines.append(f"  {verdict}" + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
     return "\n".join(lines)
 
 
@@ -150,11 +168,20 @@ def cmd_cache(args) -> int:
         print(f"user cache:    {table.path()}")
         print(f"shipped cache: {kernel_source.shipped_cache_dir()}")
     elif args.action == "show":
-        records = sorted(table.records().values(), key=lambda r: r["key"])
+        def order(record):  # a shape's forward and backward records side by side
+            p = record["problem"]
+            return p["op"], p["dtype"], p["layout"], p["input_shape"], p["output_shape"], p["direction"]
+
+        records = sorted(table.records().values(), key=order)
+        if records:
+            print(f"{'op':20s} {'pass':8s} {'dtype':8s} {'layout':6s} {'input':>18s}    {'output':16s} {'variant':18s}"
+                  f" {'kernel ms':>12s}  params  [device]")
         for r in records:
             p, best = r["problem"], r["best"]
-            print(f"{p['op']:20s} {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
-                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {json.dumps(best['params'])}  [{r['device'].get('name', '?')}]")
+            print(f"{p['op']:20s} {p['direction']:8s} {p['dtype']:8s} {p['layout']:6s}"
+                  f" {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
+                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {json.dumps(best['params'])}"
+                  f"  [{r['device'].get('name', '?')}]" + _partial_note(r))
         print(f"{len(records)} records (user cache {table.path()}, shipped {kernel_source.shipped_cache_dir()})")
     elif args.action == "clear":
         table.clear()
@@ -170,6 +197,17 @@ def cmd_cache(args) -> int:
             count = table.merge(sources)
             print(f"merged {count} records into {table.path()}")
     return 0
+
+
+def _partial_note(record) -> str:
+    """What an interrupted tuning's record covered (nothing for a full tuning)."""
+    if not cache.is_partial(record):
+        return ""
+    partial = record["partial"]
+    cut = partial.get("variant_interrupted")
+    return (f"  PARTIAL (tuning interrupted): {len(partial.get('variants_searched', []))} variants searched"
+            + (f", {cut} cut short" if cut else "")
+            + f", {len(partial.get('variants_not_searched', []))} not searched")
 
 
 def cmd_explain(args) -> int:
@@ -304,6 +342,9 @@ def main(argv=None) -> int:
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             print(f"pool-tuner: error: {exc}", file=sys.stderr)
             return EXIT_ERROR
+        except KeyboardInterrupt as stop:  # Ctrl-C: one line saying what was kept, no traceback
+            print("pool-tuner: interrupted" + (f": {stop}" if str(stop) else ""), file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_tune_shape_prints_table_with_winner_and_speedup(capsys, user_cache):
     assert code == 0, err
     assert "adaptive_avg_pool2d" in out and "2x3x5x7 -> 2x3x3x4" in out
     assert "thread_per_output" in out and "<- winner" in out
-    assert "x faster" in out
+    assert "than the default" in out  # the verdict on the winner against the heuristic default
     assert "NOT stored" not in out
     assert f"cache: {user_cache / cache_mod.USER_FILE}" in out
     assert "tuning" not in err  # --quiet: no progress bar
@@ -130,6 +131,96 @@ def test_tune_preset(capsys, user_cache):
     assert code == 0, err
     assert "16x64x5x5 -> 16x64x7x7" in out and "<- winner" in out
     assert list(user_records(user_cache)) == [key_of(OP, (16, 64, 5, 5), (7, 7))]
+
+
+def test_tune_table_gives_reasons_kernel_time_and_a_kept_default(capsys, user_cache):
+    """Inapplicable variants say why (no 'None' params), and the times are labelled kernel times."""
+    code, out, err = run(capsys, "tune", "--input", "2x3x5x7", "--output", "3x4", "--direction", "forward",
+                         "--variants", "thread_per_output,plane_reduce,channels_vector",
+                         "--strategy", "random_sample", "--max-fevals", "2", "--quiet")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert any(line.split()[:2] == ["variant", "kernel"] and "ms" in line for line in lines)
+    assert "kernel ms: the kernel alone" in out and "best ms" not in out
+    (plane_reduce,) = [line for line in lines if line.strip().startswith("plane_reduce")]
+    assert plane_reduce.split()[1:] == ["-", "not", "applicable:", "only", "for", "global", "pooling", "(every",
+                                        "output", "size", "1)"]
+    (channels_vector,) = [line for line in lines if line.strip().startswith("channels_vector")]
+    assert "not applicable: needs a channels-last input" in channels_vector and "None" not in channels_vector
+
+
+def test_tune_table_says_when_the_default_was_kept(capsys, user_cache, monkeypatch):
+    """A search that finds only the default configuration keeps it, and says so."""
+    default = dispatch.default_choice(Problem.create(OP, (2, 3, 5, 7), (3, 4)), backends.resolve_device())
+    monkeypatch.setattr(default.variant, "search_space", {k: [v] for k, v in default.config.items()})
+    code, out, err = run(capsys, "tune", "--input", "2x3x5x7", "--output", "3x4", "--direction", "forward",
+                         "--variants", default.variant.name, "--quiet")
+    assert code == 0, err
+    assert f"the default {default.variant.name} {default.config}" in out
+    assert "is the best configuration found: kept" in out and "faster" not in out
+
+
+INTERRUPT_SHAPES = [{"input": [2, 3, 5, 7], "output": [3, 4]}, {"input": [2, 3, 6, 7], "output": [3, 4]}]
+
+
+def test_ctrl_c_keeps_finished_shapes_and_the_partial_one_and_exits_130(capsys, user_cache, tmp_path, monkeypatch):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(INTERRUPT_SHAPES))
+    from pool_tuner import tuner
+
+    original, second_shape_calls = tuner.Case.verify, []
+
+    def verify(self, *args, **kwargs):  # Ctrl-C in Kernel Tuner's loop, on the second shape's 3rd check
+        if self.args[0].shape == (2, 3, 6, 7):
+            second_shape_calls.append(1)
+            if len(second_shape_calls) == 3:
+                raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuner.Case, "verify", verify)
+    code, out, err = run(capsys, "tune", "--shapes", shapes, *CHEAP, "--quiet")
+    assert code == cli.EXIT_INTERRUPTED == 130
+    (line,) = err.strip("\n").splitlines()
+    assert line.startswith(f"pool-tuner: interrupted: 1 of 2 tuning jobs finished and kept in {user_cache / cache_mod.USER_FILE}; "
+                           f"tuning adaptive_avg_pool2d forward float32 NCHW 2x3x6x7 -> 2x3x3x4 was interrupted: stored "
+                           f"the best configuration measured so far"), line
+    assert out.count("<- winner") == 1 and "2x3x5x7 -> 2x3x3x4" in out
+    records = user_records(user_cache)
+    finished, cut = records[key_of(OP, (2, 3, 5, 7), (3, 4))], records[key_of(OP, (2, 3, 6, 7), (3, 4))]
+    assert not cache_mod.is_partial(finished) and cache_mod.is_partial(cut)
+    assert cut["partial"]["variant_interrupted"] == "thread_per_output"
+
+    code, out, _ = run(capsys, "cache", "show")
+    (finished_row,) = [row for row in out.splitlines() if "2x3x5x7" in row]
+    (cut_row,) = [row for row in out.splitlines() if "2x3x6x7" in row]
+    assert "PARTIAL" not in finished_row
+    assert "PARTIAL (tuning interrupted): 0 variants searched, thread_per_output cut short, 0 not searched" in cut_row
+    assert json.loads(run(capsys, "explain", "--input", "2x3x6x7", "--output", "3x4")[1])["partial"] == cut["partial"]
+
+
+def test_a_real_sigint_during_tune_exits_130_with_one_line(user_cache, tmp_path):
+    """SIGINT sent to the process itself while Kernel Tuner checks a configuration."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from pool_tuner import cli, tuner
+        original, calls = tuner.Case.verify, []
+        def verify(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return original(self, *args, **kwargs)
+        tuner.Case.verify = verify
+        sys.exit(cli.main(sys.argv[1:]))
+    """)
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(user_cache))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", script, "tune", *SHAPE_ARGS, *CHEAP], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, proc.stderr
+    lines = proc.stderr.strip("\n").splitlines()
+    assert lines[-1].startswith("pool-tuner: interrupted: 0 of 1 tuning jobs finished"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert all("pool-tuner" not in line for line in lines[:-1])  # before it at most the progress bar
 
 
 # ---------------------------------------------------------------- cache
@@ -353,7 +444,7 @@ def test_warnings_are_one_clean_line(capsys, user_cache):
 def test_subprocess_tune_show_explain(user_cache, tmp_path):
     tuned = run_subprocess(user_cache, tmp_path, "tune", "--input", "2x3x5x7", "--output", "3x4", *CHEAP, "--quiet")
     assert tuned.returncode == 0, tuned.stderr
-    assert "<- winner" in tuned.stdout and "faster" in tuned.stdout
+    assert "<- winner" in tuned.stdout and "the default" in tuned.stdout
     key = key_of(OP, (2, 3, 5, 7), (3, 4))
     assert key in user_records(user_cache)
 
