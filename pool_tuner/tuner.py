@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import tempfile
 import time
@@ -52,6 +53,10 @@ DEFAULT_TIME_LIMIT = 20.0
 #: Kernel Tuner launches per configuration (median taken) and race repetitions per candidate.
 ITERATIONS = 9
 RACE_REPETITIONS = 25
+
+#: Where ``autotune`` says that a call is tuning its shape (at WARNING level: shown on stderr even
+#: when the application configures no logging).
+log = logging.getLogger("pool_tuner")
 
 #: Verification tolerances per dtype (float16/bfloat16: a few units of their epsilon).
 TOLERANCES = {
@@ -449,4 +454,24 @@ def _keep_partial(problem: Problem, dev, names: list, results: list, interrupted
     return TuningInterrupted(f"tuning {what} was interrupted: {kept}", result)
 
 
-__all__ = ["tune", "TuneResult", "TuningInterrupted", "VariantResult", "race"]
+def autotune(problem: Problem, device) -> None:
+    """Tune ``problem`` on ``device`` for a call that found no record (``POOL_TUNER_AUTOTUNE=1``),
+    saying on the ``pool_tuner`` logger, before and after, what the call is waiting for: tuning is
+    seconds to minutes of compiling and timing, and a call that blocks that long without a word
+    looks hung.  Runs once per shape and process (dispatch memoises the decision)."""
+    what = (f"{problem.op} {problem.direction} {problem.dtype} {problem.layout} "
+            f"{'x'.join(map(str, problem.input_shape))} -> {'x'.join(map(str, problem.output_shape))}")
+    variants = variants_for(problem.op, problem.direction).values()
+    legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
+    searched = sum(n if n <= BRUTE_FORCE_LIMIT else min(DEFAULT_MAX_FEVALS, n) for n in legal)
+    log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for %s on %s: tuning it now, before this "
+                "call returns -- up to %d configurations of %d variants to compile, time and verify (on PoCL's CPU "
+                "device about half a second each)", what, device.describe(), searched, sum(1 for n in legal if n))
+    result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
+                  problem.layout, device, direction=problem.direction)
+    log.warning("pool_tuner: tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
+                result.best_params, result.best_time_ms,
+                "stored in the tuning cache" if result.stored else "kept in memory only (the cache could not be written)")
+
+
+__all__ = ["autotune", "tune", "TuneResult", "TuningInterrupted", "VariantResult", "race"]

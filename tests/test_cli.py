@@ -259,6 +259,25 @@ def test_cache_show_and_clear_after_a_real_tune(capsys, user_cache, tmp_path):
     assert pt.explain(OP, (2, 3, 5, 7), (3, 4))["source"] != "cache"
 
 
+def test_cache_show_tells_the_directions_of_a_shape_apart(capsys, user_cache):
+    forward = synthetic_record((2, 3, 5, 7))
+    problem = Problem.create(OP, (2, 3, 5, 7), (3, 4), direction="backward")
+    best = {"variant": "thread_per_input", "params": variants_for(OP, "backward")["thread_per_input"].default,
+            "time_ms": 0.02}
+    backward = cache_mod.make_record(problem, backends.resolve_device().fingerprint, dispatch.kernel_hash(problem),
+                                     best, [])
+    table = cache_mod.TuningCache(kernel_source.shipped_cache_dir(), user_cache)
+    table.store(forward)
+    table.store(backward)
+    code, out, err = run(capsys, "cache", "show")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split()[:7] == ["op", "pass", "dtype", "layout", "input", "output", "variant"]
+    rows = [line for line in lines if "2x3x5x7" in line]
+    assert [row.split()[:4] for row in rows] == [[OP, "backward", "float32", "NCHW"], [OP, "forward", "float32", "NCHW"]]
+    assert "thread_per_input" in rows[0] and "thread_per_output" in rows[1]
+
+
 def test_cache_clear_on_a_missing_cache_is_fine(capsys, user_cache):
     code, out, err = run(capsys, "cache", "clear")
     assert code == 0 and err == ""

@@ -453,7 +453,7 @@ def counted_tune(monkeypatch):
     return calls
 
 
-def test_autotune_tunes_a_miss_once(user_cache, monkeypatch, rng, counted_tune):
+def test_autotune_tunes_a_miss_once_and_says_so(user_cache, monkeypatch, rng, counted_tune, caplog):
     monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
     monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
     monkeypatch.setattr(tuner, "DEFAULT_TIME_LIMIT", 5.0)
@@ -461,14 +461,37 @@ def test_autotune_tunes_a_miss_once(user_cache, monkeypatch, rng, counted_tune):
     assert explain()["source"] == "default"  # explain reports, never tunes
     assert counted_tune == []
     x = random_input(rng, SHAPE)
+    caplog.set_level("WARNING", logger="pool_tuner")
     y = pt.adaptive_avg_pool2d(x, OUT)
     np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, OUT, 2), rtol=1e-5, atol=1e-6)
     assert len(counted_tune) == 1
     assert key_of() in stored_records(user_cache)
     info = explain()
     assert info["source"] == "cache" and info["autotune_on_miss"] is True
+    # Before and after the tuning, one message each on the pool_tuner logger, naming the shape.
+    legal = [v for v in variants_for(OP).values() if v.is_legal({}, problem(), device().limits)]
+    starting, done = [r.getMessage() for r in caplog.records if r.name == "pool_tuner"]
+    assert starting.startswith("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
+                               "forward float32 NCHW 2x3x5x7 -> 2x3x3x4 on ")
+    assert f"tuning it now, before this call returns -- up to {len(legal)} configurations of {len(legal)} variants" in starting
+    record = stored_records(user_cache)[key_of()]
+    assert done.startswith("pool_tuner: tuned adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4 in ")
+    assert f": {record['best']['variant']} {record['best']['params']}" in done and "stored in the tuning cache" in done
+    caplog.clear()
     pt.adaptive_avg_pool2d(x, OUT)
     assert len(counted_tune) == 1  # once
+    assert caplog.records == []
+
+
+def test_autotune_retunes_a_shape_whose_record_is_partial(user_cache, monkeypatch, rng, counted_tune):
+    write_records(user_cache, [dict(make_record(), partial={"variants_searched": []})])
+    assert explain()["partial"] == {"variants_searched": []}
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    pt.adaptive_avg_pool2d(random_input(rng, SHAPE), OUT)
+    assert len(counted_tune) == 1
+    assert explain()["partial"] is None and not cache_mod.is_partial(stored_records(user_cache)[key_of()])
 
 
 def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
