@@ -283,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--into", help="for merge: destination file (default: the user cache)")
     p.set_defaults(run=cmd_cache)
 
-    p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor")
+    p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor",
+                       description='Benchmark the suite against PyTorch and the copy-bandwidth floor. Needs PyTorch '
+                                   '(pip install "pool-tuner[bench]"), which it times beside pool_tuner.')
     p.add_argument("--preset", help="comma-separated presets (default: the whole suite)")
     p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
                    help="which passes to benchmark (default both)")
