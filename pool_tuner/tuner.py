@@ -421,12 +421,17 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
                       key, stored, partial)
 
 
+def _title(problem: Problem) -> str:
+    """``adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4``: the problem, for messages."""
+    return (f"{problem.op} {problem.direction} {problem.dtype} {problem.layout} "
+            f"{'x'.join(map(str, problem.input_shape))} -> {'x'.join(map(str, problem.output_shape))}")
+
+
 def _keep_partial(problem: Problem, dev, names: list, results: list, interrupted: VariantResult | None, default, tc,
                   started: float) -> TuningInterrupted:
     """After Ctrl-C: store the best configuration measured so far as a partial record (unless the
     cache holds a full tuning of the problem) and return the ``TuningInterrupted`` to raise."""
-    what = (f"{problem.op} {problem.direction} {problem.dtype} {problem.layout} "
-            f"{'x'.join(map(str, problem.input_shape))} -> {'x'.join(map(str, problem.output_shape))}")
+    what = _title(problem)
     searched = [r.variant for r in results]
     results = results + ([interrupted] if interrupted is not None else [])
     if not any(r.best_params is not None for r in results):
@@ -459,8 +464,7 @@ def autotune(problem: Problem, device) -> None:
     saying on the ``pool_tuner`` logger, before and after, what the call is waiting for: tuning is
     seconds to minutes of compiling and timing, and a call that blocks that long without a word
     looks hung.  Runs once per shape and process (dispatch memoises the decision)."""
-    what = (f"{problem.op} {problem.direction} {problem.dtype} {problem.layout} "
-            f"{'x'.join(map(str, problem.input_shape))} -> {'x'.join(map(str, problem.output_shape))}")
+    what = _title(problem)
     variants = variants_for(problem.op, problem.direction).values()
     legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
     searched = sum(n if n <= BRUTE_FORCE_LIMIT else min(DEFAULT_MAX_FEVALS, n) for n in legal)
