@@ -9,6 +9,7 @@ the ATen op).  The device's memory streams are measured in the same run, before 
 suite (``memory_bandwidth``; each keeps the faster): a shape's floor is its bytes moved (read +
 written) over the fastest copy, its stream floor also counts its reads and writes alone.
 
+PyTorch is required (``pip install "pool-tuner[bench]"``): its times are half of every comparison.
 Results: a JSON file and a PNG plot (matplotlib, optional).
 """
 
@@ -67,7 +68,7 @@ class Row:
     bytes_written: int
     tuned_ms: float
     default_ms: float
-    torch_ms: float | None
+    torch_ms: float
     source: str
     variant: str
     params: dict
@@ -89,7 +90,7 @@ class Row:
             "times_floor": self.tuned_ms / floor_ms,
             "stream_floor_ms": stream_floor_ms,
             "times_stream_floor": self.tuned_ms / stream_floor_ms,
-            "speedup_vs_torch": None if self.torch_ms is None else self.torch_ms / self.tuned_ms,
+            "speedup_vs_torch": self.torch_ms / self.tuned_ms,
             "tuned_vs_default": self.default_ms / self.tuned_ms,
         }
 
@@ -181,6 +182,17 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> di
     return {name: moved[name] / float(np.median(t)) / 1e9 for name, t in times.items()}
 
 
+def require_torch():
+    """The ``torch`` module; a RuntimeError saying how to install it when it is missing, raised
+    before any work: without PyTorch the suite's side-by-side columns would be empty."""
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError('pool-tuner bench times PyTorch beside pool_tuner and needs it installed: '
+                           'pip install "pool-tuner[bench]"') from None
+    return torch
+
+
 def suite(names=None) -> list:
     """``(name, op, input_shape, output_size)`` of the suite (all presets, or ``names``)."""
     chosen = names or list(presets.PRESETS)
@@ -245,11 +257,7 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
         fn(*args, device=device, variant=default.variant.name, config=default.config)
         queue.finish()
 
-    candidates = [ours, ours_default]
-    try:
-        candidates.append(_torch_call(op, direction, x, out_size, grad, indices))
-    except ImportError:
-        pass
+    candidates = [ours, ours_default, _torch_call(op, direction, x, out_size, grad, indices)]
     for call in candidates:  # warm-up: builds, first-touch, allocator pools
         call()
         call()
@@ -266,30 +274,26 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
             times[i].append(time.perf_counter() - start)
     medians = [float(np.median(t)) * 1e3 for t in times]
     return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
-               *problem.bytes_read_written(), medians[0], medians[1], medians[2] if len(medians) > 2 else None,
+               *problem.bytes_read_written(), *medians,
                info["source"], info["variant"], info["params"])
 
 
 def geomean(values) -> float:
-    values = [v for v in values if v is not None]
+    values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
         progress=None) -> dict:
     """Run the suite; returns the JSON-ready report."""
+    torch = require_torch()
     dev = backends.resolve_device(device)
     if dev.backend != opencl.BACKEND:
         raise ValueError(f"device must be an OpenCL device for pool-tuner bench (its arrays, copies and timings are "
                          f"PyOpenCL's), got {dev.backend} device {dev.id!r}")
-    try:
-        import torch
-
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
-    except ImportError:
-        torch_info = None
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
     # The streams are timed before and after the suite and each keeps the faster median: a shared
     # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
     streams_before = memory_bandwidth(dev)
@@ -331,59 +335,88 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     }
 
 
+def _shape_label(row: dict, separator: str = "->") -> str:
+    return f"{'x'.join(map(str, row['input_shape']))}{separator}{'x'.join(map(str, row['output_shape']))}"
+
+
+#: The table's columns: header, width, and how a row's cell is written.
+COLUMNS = [
+    ("pass", 8, lambda r: r["direction"]),
+    ("pool_tuner ms", 13, lambda r: f"{r['tuned_ms']:.3f}"),
+    ("PyTorch ms", 10, lambda r: f"{r['torch_ms']:.3f}"),
+    ("vs PyTorch", 10, lambda r: f"{r['speedup_vs_torch']:.2f}x"),
+    ("GB/s", 7, lambda r: f"{r['gbs']:.2f}"),
+    ("% of copy", 9, lambda r: f"{100 * r['fraction_of_copy']:.0f}%"),
+    ("x floor", 7, lambda r: f"{r['times_floor']:.2f}"),
+    ("x stream floor", 14, lambda r: f"{r['times_stream_floor']:.2f}"),
+    ("tuned vs default", 16, lambda r: f"{r['tuned_vs_default']:.2f}x"),
+]
+LEGEND = """\
+pool_tuner ms, PyTorch ms: median wall-clock time of one whole call on data already on the device
+vs PyTorch: PyTorch ms / pool_tuner ms (above 1x: pool_tuner is faster)
+GB/s: bytes read + written per second; % of copy: that against the device's fastest copy
+x floor: time / the copy floor (the bytes moved at copy speed); x stream floor: time / the stream
+  floor (also the reads alone at read speed and the writes alone at write speed); 1.00 is at the floor
+tuned vs default: the heuristic default's time / the dispatched kernel's (above 1x: tuning helped)
+kernel: the dispatched variant, and where dispatch took it from (cache, nearest tuned shape, default)"""
+
+
 def format_table(report: dict) -> str:
+    """The report as a table a person reads at a glance, with a legend of its columns below it."""
     streams = ", ".join(f"{name} {gbs:.1f}" for name, gbs in report["memory_gbs"].items())
+    shapes = [f"{r['name']} {_shape_label(r)}" for r in report["rows"]]
+    width = max([len("shape")] + [len(s) for s in shapes])
     lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
              f"  torch {report['torch']}",
              f"memory GB/s, the faster of before and after the suite: {streams} (floor: the fastest copy;"
              f" stream floor: also reads and writes alone)",
-             f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
-             f" {'%copy':>6s} {'xfloor':>6s} {'xstream':>7s} {'vs dflt':>7s}  kernel"]
+             f"{'shape':{width}s} " + " ".join(f"{h:>{w}s}" for h, w, _ in COLUMNS) + "  kernel"]
     if report.get("pocl_affinity"):
         lines.insert(1, f"PoCL: {report['pocl_affinity']}")
-    for r in report["rows"]:
-        shape = f"{r['name']} {'x'.join(map(str, r['input_shape']))}->{'x'.join(map(str, r['output_shape'][-3:]))}"
-        torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.3f}"
-        vs = "-" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.2f}x"
-        lines.append(f"{shape:44s} {r['direction']:8s} {r['tuned_ms']:9.3f} {torch_ms:>9s} {vs:>8s} {r['gbs']:7.2f}"
-                     f" {100 * r['fraction_of_copy']:5.0f}% {r['times_floor']:6.2f} {r['times_stream_floor']:7.2f}"
-                     f" {r['tuned_vs_default']:6.2f}x"
-                     f"  {r['variant']} ({r['source']})")
+    for shape, r in zip(shapes, report["rows"]):
+        lines.append(f"{shape:{width}s} " + " ".join(f"{cell(r):>{w}s}" for _, w, cell in COLUMNS)
+                     + f"  {r['variant']} ({r['source']})")
     for direction, s in report["summary"].items():
-        lines.append(f"{direction}: geomean {s['geomean_speedup_vs_torch']:.2f}x vs torch, "
+        lines.append(f"{direction}: geomean {s['geomean_speedup_vs_torch']:.2f}x vs PyTorch, "
                      f"{s['geomean_times_floor']:.2f}x the copy floor, {s['geomean_times_stream_floor']:.2f}x the stream floor, "
                      f"tuned {s['geomean_tuned_vs_default']:.2f}x vs default"
                      + ("" if s["min_fraction_of_copy_at_64MB"] is None
                         else f", min {100 * s['min_fraction_of_copy_at_64MB']:.0f}% of copy bandwidth at >=64 MB"))
-    return "\n".join(lines)
+    return "\n".join(lines + ["", LEGEND])
 
 
 def plot(report: dict, path: Path) -> None:
-    """Bar chart: time over the copy floor per shape and direction, ours against PyTorch, with each
-    shape's stream floor marked."""
+    """Bar chart of milliseconds per call, ours beside PyTorch's, for each shape and direction, with
+    each shape's copy floor and stream floor marked across its pair of bars and the speed-up above."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     rows = report["rows"]
-    labels = [f"{r['name']}\n{'x'.join(map(str, r['output_shape'][-3:]))} {r['direction'][:3]}" for r in rows]
-    ours = [r["times_floor"] for r in rows]
-    theirs = [None if r["torch_ms"] is None else r["torch_ms"] / r["floor_ms"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 5))
+    labels = [f"{r['name']}\n{_shape_label(r, chr(10) + '-> ')}\n{r['direction']}" for r in rows]
     positions = np.arange(len(rows))
-    ax.bar(positions - 0.2, ours, 0.4, label="pool_tuner (tuned)")
-    ax.bar(positions + 0.2, [t or 0 for t in theirs], 0.4, label="PyTorch")
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="copy-bandwidth floor")
-    ax.scatter(positions, [r["stream_floor_ms"] / r["floor_ms"] for r in rows], marker="_", s=200, color="black",
-               zorder=3, label="stream floor (reads, writes alone)")
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.15 * len(rows) + 3), 6))
+    ours = ax.bar(positions - 0.2, [r["tuned_ms"] for r in rows], 0.4, label="pool_tuner (dispatched)")
+    ax.bar(positions + 0.2, [r["torch_ms"] for r in rows], 0.4, label="PyTorch")
+    for floor, style in (("floor_ms", dict(color="black", linestyle="--", linewidth=1.5, label="copy floor")),
+                         ("stream_floor_ms", dict(color="red", linewidth=3, label="stream floor (reads, writes alone)"))):
+        ax.hlines([r[floor] for r in rows], positions - 0.45, positions + 0.45, zorder=3, **style)
+    for bar, r in zip(ours, rows):
+        top = max(r["tuned_ms"], r["torch_ms"])
+        ax.annotate(f"{r['speedup_vs_torch']:.2f}x", (bar.get_x() + 0.4, top), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize=7)
     ax.set_yscale("log")
-    ax.set_ylabel("time / bandwidth floor (lower is better)")
-    ax.set_xticks(positions, labels, rotation=90, fontsize=7)
-    ax.set_title(f"{report['device']} - {report['date']}")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.set_ylabel("milliseconds per call (log scale; lower is better)")
+    ax.set_xticks(positions, labels, fontsize=7)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.margins(y=0.12)
+    ax.set_title(f"{report['device']} - {report['date']}\n(above each pair: PyTorch ms / pool_tuner ms)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, covering none
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # nothing cut off, however long the labels
     plt.close(fig)
 
 

@@ -163,6 +163,8 @@ def _record_problem(key, record) -> str | None:
     time_ms = best.get("time_ms")
     if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)) or not math.isfinite(time_ms):
         return f"has a 'best' whose 'time_ms' is not a finite number: {time_ms!r}"
+    if not isinstance(record.get("partial", {}), (dict, type(None))):
+        return "has a 'partial' field that is not an object"
     return None
 
 
@@ -215,8 +217,21 @@ def _lock(path: Path) -> filelock.FileLock:
     return filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
 
 
-def _is_faster(new: dict, old: dict) -> bool:
-    return new["best"]["time_ms"] < old["best"]["time_ms"]
+def is_partial(record: dict) -> bool:
+    """Whether ``record`` holds an interrupted tuning: the best configuration measured before Ctrl-C,
+    with a ``"partial"`` field saying what was covered (see ``tuner``)."""
+    return record.get("partial") is not None
+
+
+def _replaces(new: dict, old: dict | None, faster_only: bool) -> bool:
+    """Whether ``new`` takes the place of ``old``, a record of the same key: a full tuning always
+    replaces a partial one and is never replaced by one; otherwise ``new`` wins if it is faster or,
+    without ``faster_only``, always."""
+    if old is None:
+        return True
+    if is_partial(new) != is_partial(old):
+        return is_partial(old)
+    return not faster_only or new["best"]["time_ms"] < old["best"]["time_ms"]
 
 
 def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, int]:
@@ -247,7 +262,7 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
             )
         changed = 0
         for key, record in incoming.items():
-            if key not in records or not faster_only or _is_faster(record, records[key]):
+            if _replaces(record, records.get(key), faster_only):
                 records[key] = record
                 changed += 1
         _write_atomic(path, records)
@@ -285,14 +300,14 @@ def _merge(sources: list, destination: Path) -> tuple[dict, int]:
         if problems:
             warnings.warn(f"pool_tuner tuning cache {source}: {_describe(problems)}; not merged", CacheWarning)
         for key, record in records.items():
-            if key not in incoming or _is_faster(record, incoming[key]):
+            if _replaces(record, incoming.get(key), faster_only=True):
                 incoming[key] = record
     return _update_file(destination, incoming, faster_only=True)
 
 
 def merge_files(sources: list, destination) -> int:
     """Merge cache files (e.g. tuned on other machines) into ``destination``, keeping the faster
-    record for equal keys; return how many records were added or replaced.
+    record for equal keys (a full tuning over a partial one); return how many records were added or replaced.
 
     Unusable records of a source are skipped with a ``CacheWarning``; a source or destination that
     cannot be read or written raises ``OSError``.
@@ -362,7 +377,8 @@ class TuningCache:
         return [record for record in self.records().values() if match(record)]
 
     def store(self, record: dict) -> bool:
-        """Add ``record`` to the user file and the in-memory table.
+        """Add ``record`` to the user file and the in-memory table (a partial record -- an
+        interrupted tuning -- never replaces a full one: see ``is_partial``).
 
         Never raises for the file system: a tuning run's result is worth keeping even when the cache
         directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records

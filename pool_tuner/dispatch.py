@@ -9,8 +9,9 @@ Decision order (each step is reported by ``explain`` as ``source``):
    for this shape; records that are not legal here are passed over;
 4. ``default`` -- the documented heuristic below.
 
-With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it first (once) and
-then dispatches from the new record; otherwise calls never block on tuning.
+With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record (or only a partial one, from
+an interrupted tuning) tunes it first (once, saying so on the ``pool_tuner`` logger) and then
+dispatches from the new record; otherwise calls never block on tuning.
 
 The heuristic default, always with the variant's default configuration for the problem
 (``Variant.default_for``): backward passes use ``plane_scatter`` on CPU devices where it is legal
@@ -117,11 +118,11 @@ def choose(problem: Problem, device, variant=None, config=None, *, allow_tuning=
     choice = _DECISIONS.get(memo_key)
     if choice is None:
         choice = _from_cache(problem, device)
-        if choice.source != "cache" and allow_tuning and os.environ.get(AUTOTUNE_ENV) == "1":
-            from .tuner import tune  # tuner builds on this module
+        untuned = choice.source != "cache" or cache_mod.is_partial(tuning_cache().lookup(choice.record_key))
+        if untuned and allow_tuning and os.environ.get(AUTOTUNE_ENV) == "1":
+            from .tuner import autotune  # tuner builds on this module
 
-            tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
-                 problem.layout, device)
+            autotune(problem, device)
             choice = _from_cache(problem, device)
         if allow_tuning:
             _DECISIONS[memo_key] = choice

@@ -234,8 +234,6 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
     """Shared body of every forward op."""
     call, x = _forward_call(op, x, output_size, device)
     problem = call.problem
-    if problem.kind != "max" and return_indices:
-        raise ValueError("return_indices is only for max pooling")
     choice = dispatch.choose(problem, call.device, variant, config)
     out = call.empty(problem.output_shape, x.dtype)
     buffers = [out]
@@ -373,11 +371,15 @@ adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward",
             variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
-    (``forced``/``cache``/``nearest``/``default``), device, cache key.  ``layout=None`` means
+    (``forced``/``cache``/``nearest``/``default``), device, cache key, and ``partial``: for a
+    decision from an interrupted tuning's record, what that tuning covered (else None).  ``layout=None`` means
     contiguous channels-first; ``direction="backward"`` explains the backward pass."""
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, allow_tuning=False))
+    record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
+    # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
+    info["partial"] = None if record is None else record.get("partial")
     info["autotune_on_miss"] = os.environ.get(dispatch.AUTOTUNE_ENV) == "1"
     return info
 
