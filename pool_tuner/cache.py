@@ -1,5 +1,8 @@
 """The tuning cache: the best configuration found for each (problem, device, kernel code).
 
+Cache identity lives here: ``kernel_hash`` (the kernel code of an op and direction) and
+``cache_key`` (problem, device fingerprint and kernel hash; ``make_key`` builds the text).
+
 This is pool_tuner's own cache, not Kernel Tuner's cache file: Kernel Tuner's file knows nothing of
 kernel sources and has no locking.  Each record is one JSON object, keyed by ``make_key``; a cache
 file (``records.json``) is ``{"schema": SCHEMA_VERSION, "records": {key: record, ...}}``.
@@ -36,6 +39,9 @@ from pathlib import Path
 import filelock
 import platformdirs
 
+from . import kernel_source
+from .variants import variants_for
+
 SCHEMA_VERSION = 1
 USER_FILE = "records.json"
 #: Seconds a writer waits for another process's lock.  Writers hold it for milliseconds, so a lock
@@ -45,6 +51,8 @@ LOCK_TIMEOUT_S = 60
 RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str, "best": dict}
 #: At most this many malformed records are named in one warning.
 MAX_NAMED = 5
+#: Compiler options of every build (part of the kernel hash in cache keys).
+BUILD_OPTIONS = ""
 
 
 class CacheWarning(UserWarning):
@@ -87,6 +95,21 @@ def make_key(problem, device_fingerprint: dict, kernel_hash: str) -> str:
         f"dev={_fingerprint_hash(device_fingerprint)}",
         f"src={kernel_hash[:16]}",
     ])
+
+
+def kernel_hash(problem) -> str:
+    """sha256 over the templates of every variant of the problem's op and direction and the build
+    options: any change to the kernel code makes the records tuned on the old code misses."""
+    templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()})
+    digest = hashlib.sha256(BUILD_OPTIONS.encode())
+    for template in templates:
+        digest.update(kernel_source.template_hash(template).encode())
+    return digest.hexdigest()
+
+
+def cache_key(problem, device) -> str:
+    """The key of ``problem`` tuned on ``device`` with the current kernel code."""
+    return make_key(problem, device.fingerprint, kernel_hash(problem))
 
 
 def _shape_text(shape) -> str:

@@ -34,6 +34,8 @@ from . import kernel_source
 from .problem import Problem
 from .variants import variants_for
 
+#: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
+AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
 #: Search spaces with at most this many legal points are searched exhaustively by default.
 BRUTE_FORCE_LIMIT = 30
 #: Default budget for larger spaces: random sampling of this many configurations per variant.
@@ -207,8 +209,7 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
                     case.args, {k: list(v) for k, v in variant.search_space.items()},
                     grid_div_x=[], grid_div_y=[], restrictions=restriction,
                     answer=case.answer, verify=case.verify,
-                    lang="OpenCL", platform=device.platform_index, device=device.device_index,
-                    defines={}, iterations=iterations, strategy=strategy,
+                    **device.kernel_tuner_arguments(), defines={}, iterations=iterations, strategy=strategy,
                     strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
                 )
                 break
@@ -239,20 +240,19 @@ def _working_directory(path):
 
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
-    """Median kernel time (ms) of each choice, launched interleaved on one queue (events)."""
+    """Median kernel time (ms) of each choice, launched interleaved on one queue and timed by the
+    device (``timed_launch``)."""
     rng = rng or np.random.default_rng()
     queue = device.queue
-    buffers = [device.to_device(a).data for a in make_case(problem, rng).args]
+    arrays = [device.to_device(a, queue) for a in make_case(problem, rng).args]
     launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
     for launch in launches:  # warm-up
-        device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
-    queue.finish()
+        device.launch(queue, launch.kernel, launch.groups, launch.block, arrays)
+    device.synchronize(queue)
     times = [[] for _ in choices]
     for _ in range(repetitions):
         for i, launch in enumerate(launches):
-            event = device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
-            event.wait()
-            times[i].append((event.profile.end - event.profile.start) * 1e-6)
+            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block, arrays))
     return [float(np.median(t)) for t in times]
 
 
@@ -313,9 +313,9 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     winner = min(tuned, key=lambda r: r.best_time_ms)
 
     tc = tuning_cache or dispatch.tuning_cache()
-    key = dispatch.cache_key(problem, dev)
+    key = cache_mod.cache_key(problem, dev)
     record = cache_mod.make_record(
-        problem, dev.fingerprint, dispatch.kernel_hash(problem),
+        problem, dev.fingerprint, cache_mod.kernel_hash(problem),
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
         runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms}
                     for r in sorted(tuned, key=lambda r: r.best_time_ms) if r is not winner],
@@ -331,4 +331,15 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
                       default.variant.name, default.config, default_ms, time.perf_counter() - started, key, stored)
 
 
-__all__ = ["tune", "TuneResult", "VariantResult", "race"]
+def tune_on_miss(problem: Problem, device) -> bool:
+    """The calls' tune-on-miss (``dispatch.choose``'s ``on_miss``): with ``POOL_TUNER_AUTOTUNE=1``
+    tune ``problem`` on ``device`` and return True, else return False.  Dispatch memoises the
+    decision that follows, so a problem is tuned once per process."""
+    if os.environ.get(AUTOTUNE_ENV) != "1":
+        return False
+    tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype, problem.layout,
+         device, direction=problem.direction)
+    return True
+
+
+__all__ = ["tune", "tune_on_miss", "TuneResult", "VariantResult", "race", "AUTOTUNE_ENV"]

@@ -50,7 +50,7 @@ def problem(shape=SHAPE, out=OUT):
 
 
 def key_of(shape=SHAPE, out=OUT):
-    return dispatch.cache_key(problem(shape, out), device())
+    return cache_mod.cache_key(problem(shape, out), device())
 
 
 def stored_records(directory) -> dict:
@@ -61,7 +61,7 @@ def make_record(shape=SHAPE, out=OUT, best=None, fingerprint=None):
     """A well-formed record for this device and kernel code (as ``tune`` would write it)."""
     p = problem(shape, out)
     best = best or {"variant": "thread_per_output", "params": dict(NONDEFAULT), "time_ms": 0.01}
-    return cache_mod.make_record(p, fingerprint or device().fingerprint, dispatch.kernel_hash(p), best, [])
+    return cache_mod.make_record(p, fingerprint or device().fingerprint, cache_mod.kernel_hash(p), best, [])
 
 
 def write_records(directory, records, schema=cache_mod.SCHEMA_VERSION):
