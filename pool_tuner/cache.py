@@ -41,6 +41,7 @@ import platformdirs
 
 from . import kernel_source
 from .variants import variants_for
+from .version import __version__
 
 SCHEMA_VERSION = 1
 USER_FILE = "records.json"
@@ -149,17 +150,11 @@ def make_record(
 
 
 def _versions() -> dict:
-    # Imported here, not at module level: the package imports this module while it initialises, and
-    # ``__version__`` is only defined once that is done.
-    try:
-        from . import __version__ as pool_tuner_version
-    except ImportError:
-        pool_tuner_version = "unknown"
     try:
         kernel_tuner_version = importlib.metadata.version("kernel_tuner")
     except importlib.metadata.PackageNotFoundError:
         kernel_tuner_version = "not installed"
-    return {"pool_tuner": pool_tuner_version, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
+    return {"pool_tuner": __version__, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
 
 
 def _record_problem(key, record) -> str | None:

@@ -273,7 +273,7 @@ class CudaDevice:
             raise ValueError(f"{name}: {exc}") from None
 
     @staticmethod
-    def track(array, launch) -> None:
+    def track(array, handle) -> None:
         """Nothing to do: work on one stream runs in order."""
 
     def to_host(self, array) -> np.ndarray:

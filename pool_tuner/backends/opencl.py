@@ -320,9 +320,10 @@ class OpenCLDevice:
         return array
 
     @staticmethod
-    def track(array, event) -> None:
-        """Let ``array``'s own waits (``finish``, ``get``) include the kernel that writes it."""
-        array.add_event(event)
+    def track(array, handle) -> None:
+        """Let ``array``'s own waits (``finish``, ``get``) include the kernel (the event ``handle``)
+        that writes it."""
+        array.add_event(handle)
 
     @staticmethod
     def to_host(array) -> np.ndarray:
@@ -416,16 +417,16 @@ def unknown_id_message(text: str) -> str | None:
             f"opencl:<platform>:<device>, one of {[d.id for d in devices]}")
 
 
-def device_of_array(array):
+def device_of_array(x):
     """The device of a ``pyopencl.array.Array`` (None for other objects)."""
-    if not is_device_array(array):
+    if not is_device_array(x):
         return None
     devices = list_devices()
     for d in devices:  # the common case first: an array on a device's default queue
-        if d.holds_default_queue_of(array):
+        if d.holds_default_queue_of(x):
             return d
     for d in devices:
-        if d.owns(array):
+        if d.owns(x):
             return d
     raise ValueError("x is a pyopencl array on a device that pool_tuner cannot see")
 
