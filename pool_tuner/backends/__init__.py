@@ -56,11 +56,10 @@ def resolve_device(device=None, name: str = "device"):
         if candidate.id == device:
             return candidate
     prefix = device.split(":", 1)[0]
-    for backend in BACKENDS:
-        hint = backend.unknown_id_message(device) if backend.BACKEND == prefix else None
-        if hint:
-            raise ValueError(f"{name}={device!r}: {hint}")
-    raise ValueError(f"{name} must be one of the available device ids {sorted(d.id for d in devices)}, got {device!r}")
+    hints = [backend.unknown_id_message(device) for backend in BACKENDS if backend.BACKEND == prefix]
+    hint = "".join(f"; {h}" for h in hints if h)
+    raise ValueError(f"{name} must be one of the available device ids {sorted(d.id for d in devices)}, "
+                     f"got {device!r}{hint}")
 
 
 def device_of_array(array):

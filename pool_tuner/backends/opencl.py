@@ -404,17 +404,15 @@ _NUMERIC_ID = re.compile(rf"{BACKEND}:(\d+):(\d+)")
 def unknown_id_message(text: str) -> str | None:
     """An id of the older numeric form ``opencl:<platform index>:<device index>``: that numbering
     changes when an OpenCL driver is installed (PoCL was ``opencl:0:0``, then ``opencl:1:0`` beside
-    Oclgrind), so it is refused, naming the device at that position now and every id."""
+    Oclgrind), so it is refused, naming the device at that position now."""
     match = _NUMERIC_ID.fullmatch(text)
     if match is None:
         return None
     p_index, d_index = int(match[1]), int(match[2])
-    devices = list_devices()
-    here = [d for d in devices if (d.platform_index, d.device_index) == (p_index, d_index)]
-    now = f"that position is now {here[0].id!r} ({here[0].name})" if here else "no device is at that position now"
-    return (f"numeric OpenCL ids (platform index:device index) changed meaning whenever another OpenCL "
-            f"driver was installed and are no longer accepted; {now}; ids are "
-            f"opencl:<platform>:<device>, one of {[d.id for d in devices]}")
+    here = [d for d in list_devices() if (d.platform_index, d.device_index) == (p_index, d_index)]
+    now = f"{text} is now {here[0].id!r} ({here[0].name})" if here else "no device is at that position now"
+    return (f"numeric OpenCL ids (opencl:<platform index>:<device index>) are no longer accepted, as the "
+            f"platform index changed whenever another OpenCL driver was installed; {now}")
 
 
 def device_of_array(x):
