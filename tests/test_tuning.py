@@ -471,6 +471,19 @@ def test_autotune_tunes_a_miss_once(user_cache, monkeypatch, rng, counted_tune):
     assert len(counted_tune) == 1  # once
 
 
+def test_autotune_tunes_the_direction_of_the_call(user_cache, monkeypatch, rng):
+    """A backward call's miss tunes the backward problem (it once tuned the forward one)."""
+    asked = []
+    monkeypatch.setattr(tuner, "tune", lambda *args, **kwargs: asked.append((args, kwargs)))
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    grad = random_input(rng, SHAPE[:2] + OUT)
+    np.testing.assert_allclose(pt.adaptive_avg_pool2d_backward(grad, SHAPE),
+                               reference.backward("adaptive_avg_pool2d", grad.astype(np.float64), SHAPE),
+                               rtol=1e-5, atol=1e-6)
+    assert [(args[:3], kwargs.get("direction")) for args, kwargs in asked] == [
+        (("adaptive_avg_pool2d", SHAPE, OUT), "backward")]
+
+
 def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
     def forbidden(*args, **kwargs):
         raise AssertionError("tuned without being asked")
