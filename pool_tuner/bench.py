@@ -1,11 +1,12 @@
-"""The benchmark suite (DESIGN section 9): pool_tuner against PyTorch and the bandwidth floor.
+"""The benchmark suite: pool_tuner against PyTorch and the bandwidth floor.
 
 For each suite shape and direction, in one run on one device: pool_tuner's dispatched (tuned)
-kernel, pool_tuner forced to the heuristic default, and PyTorch on the CPU, timed interleaved --
-one timed call of each per round in a random order, each after a pause and ``UNTIMED_CALLS``
-untimed calls of its own (see ``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
-device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
-the ATen op).  The device's memory streams are measured in the same run, before and after the
+kernel, pool_tuner forced to the heuristic default, and PyTorch (on the device's ``torch_device``,
+the CPU for OpenCL devices), timed interleaved -- one timed call of each per round in a random
+order, each after a pause and ``UNTIMED_CALLS`` untimed calls of its own (see ``SETTLE_S``),
+``repeat`` rounds, medians -- as wall-clock time of a complete call on device-resident data (ours:
+a library call on the device's arrays, then waiting for its queue; PyTorch: the ATen op, then
+waiting for its device).  Devices are used only through the contract of ``backends.base``.  The device's memory streams are measured in the same run, before and after the
 suite (``memory_bandwidth``; each keeps the faster): a shape's floor is its bytes moved (read +
 written) over the fastest copy, its stream floor also counts its reads and writes alone.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import platform
@@ -26,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from . import backends, dispatch, kernel_source, presets
-from .backends import opencl
 from .problem import OPS, Problem
 
 #: Size of each buffer that ``memory_bandwidth`` streams through: far past the caches.
@@ -96,10 +97,10 @@ class Row:
 
 
 #: The copies that ``memory_bandwidth`` times; the fastest is the device's copy bandwidth.
-COPY_METHODS = ("enqueue_copy", "copy_kernel", "copy_kernel_streaming")
+COPY_METHODS = ("buffer_copy", "copy_kernel", "copy_kernel_streaming")
 #: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
 STREAMS = COPY_METHODS + ("read_kernel", "write_kernel")
-#: Elements each work-item of kernels/bandwidth.cl's read kernel sums (passed as a define).
+#: Elements each work-item of the bandwidth kernels' read kernel sums (passed as a define).
 READ_RUN = 64
 #: Buffer size for simulators (Oclgrind interprets every work-item: 64 KiB copies take 40 ms).
 SIMULATOR_STREAM_BYTES = 2**20
@@ -114,40 +115,37 @@ def _stream_elements(device, nbytes: int, unit: int) -> int:
     """float32 elements per stream buffer: ``nbytes`` (a simulator: SIMULATOR_STREAM_BYTES), at most
     a quarter of the device's memory and its largest allocation, rounded down to a multiple of
     ``unit`` (at least one)."""
-    cl_device = device.cl_device
     if device.is_simulator:
         nbytes = min(nbytes, SIMULATOR_STREAM_BYTES)
-    nbytes = min(nbytes, cl_device.max_mem_alloc_size, cl_device.global_mem_size // 4)
+    nbytes = min(nbytes, device.max_allocation_bytes, device.memory_bytes // 4)
     return max(nbytes // (4 * unit), 1) * unit
 
 
 def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> dict:
     """``{stream: GB/s}`` for each of ``STREAMS``, on two buffers of about ``nbytes`` (see
     ``_stream_elements``), interleaved, medians of ``repeat`` rounds.  A copy counts bytes read
-    plus bytes written: ``enqueue_copy`` (clEnqueueCopyBuffer) and two copy kernels
-    (kernels/bandwidth.cl; on CPUs they use every compute unit, where PoCL's buffer copy uses one
-    thread; ``copy_kernel_streaming`` stores past the caches).  ``read_kernel`` reads a buffer
-    (and writes a 64th as much), ``write_kernel`` fills one.  Every stream is first checked to do
-    its work: a stream that did not would time nothing."""
-    import pyopencl as cl
-
+    plus bytes written: ``buffer_copy`` (the backend's own copy: clEnqueueCopyBuffer,
+    cuMemcpyDtoDAsync) and two copy kernels (``kernels/bandwidth.cl`` and ``.cu``; on CPUs they use
+    every compute unit, where PoCL's buffer copy uses one thread; ``copy_kernel_streaming`` stores
+    past the caches).  ``read_kernel`` reads a buffer (and writes a 64th as much),
+    ``write_kernel`` fills one.  Every stream is first checked to do its work: a stream that did not
+    would time nothing."""
     queue = device.queue
-    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth.cl")
+    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.source_suffix)
     kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
     # Work-groups of a power of two that every kernel can run (256 at most).
     limit = min([256] + [device.kernel_work_group_limit(k) for k in kernels.values()])
     block = (1 << (limit.bit_length() - 1),)
     count = _stream_elements(device, nbytes, READ_RUN * 256)  # whole groups of any block up to 256
     read_sums = count // READ_RUN
-    src = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
-    dst = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
     host = np.random.default_rng().random(count, dtype=np.float32) + np.float32(1.0)
-    cl.enqueue_copy(queue, src, host)
+    src = device.to_device(host, queue)
+    dst = device.empty((count,), np.float32, queue)
     fill_value = np.float32(0.5)
 
     def stream(name):
-        if name == "enqueue_copy":
-            cl.enqueue_copy(queue, dst, src)
+        if name == "buffer_copy":
+            device.copy(dst, src, queue)
         elif name == "read_kernel":
             device.launch(queue, kernels["read"], read_sums // block[0], block, (src, dst))
         elif name == "write_kernel":
@@ -155,13 +153,12 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> di
         else:
             kernel = kernels["copy_streaming" if name == "copy_kernel_streaming" else "copy"]
             device.launch(queue, kernel, count // block[0], block, (src, dst))
-        queue.finish()
+        device.synchronize(queue)
 
-    result = np.empty(count, np.float32)
     for name in STREAMS:  # warm-up, and proof that each stream does its work
-        cl.enqueue_fill_buffer(queue, dst, np.float32(0.0), 0, count * 4)
+        device.fill(dst, np.float32(0.0), queue)
         stream(name)
-        cl.enqueue_copy(queue, result, dst)
+        result = device.to_host(dst)
         if name == "read_kernel":
             done = np.allclose(result[:read_sums], host.reshape(read_sums, READ_RUN).sum(axis=1, dtype=np.float64),
                                rtol=1e-5, atol=0)
@@ -199,13 +196,18 @@ def suite(names=None) -> list:
     return [(name, op, shape, out) for name in chosen for op, shape, out in presets.preset_shapes(name)]
 
 
-def _torch_call(op, direction, x, output_size, grad, indices):
-    """A zero-argument callable running PyTorch's ATen kernel for this case."""
+def _torch_call(op, direction, x, output_size, grad, indices, torch_device: str):
+    """A zero-argument callable running PyTorch's ATen kernel for this case on ``torch_device``
+    (``"cpu"``, ``"cuda:0"``) and waiting for it to finish."""
     import torch
     import torch.nn.functional as F
 
     kind, ndim = OPS[op]
-    xt = torch.from_numpy(x)
+
+    def tensor(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(torch_device)
+
+    xt = tensor(x)
     out_size = tuple(output_size)
     if ndim == 1:  # ATen implements 1d adaptive pooling through the 2d kernels
         xt, out_size = xt.unsqueeze(-2), (1,) + out_size
@@ -214,20 +216,26 @@ def _torch_call(op, direction, x, output_size, grad, indices):
     dims = 2 if ndim <= 2 else 3
     if direction == "forward":
         fn = getattr(F, f"adaptive_{kind}_pool{dims}d")
-        return lambda: fn(xt, out_size)
-    gt = torch.from_numpy(np.ascontiguousarray(grad))
-    if kind == "avg":
-        backward = getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
-        return lambda: backward(gt, xt)
-    it = torch.from_numpy(np.ascontiguousarray(indices))
-    backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
-    return lambda: backward(gt, xt, it)
+        run = functools.partial(fn, xt, out_size)
+    elif kind == "avg":
+        gt, backward = tensor(grad), getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
+        run = functools.partial(backward, gt, xt)
+    else:
+        gt, it = tensor(grad), tensor(indices)
+        backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
+        run = functools.partial(backward, gt, xt, it)
+    if xt.device.type != "cuda":
+        return run
+
+    def run_and_wait():
+        run()
+        torch.cuda.synchronize(xt.device)
+
+    return run_and_wait
 
 
 def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -> Row:
     """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case."""
-    import pyopencl.array as cl_array
-
     import pool_tuner as pt
 
     problem = Problem.create(op, shape, output_size, direction=direction)
@@ -237,27 +245,27 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
     grad = indices = None
     if direction == "forward":
         fn = getattr(pt, op)
-        args = (cl_array.to_device(queue, x), out_size)
+        args = (device.to_device(x, queue), out_size)
     else:
         grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
         fn = getattr(pt, f"{op}_backward")
         if problem.kind == "max":
-            _, indices = getattr(pt, op)(x, out_size, return_indices=True)
-            args = (cl_array.to_device(queue, grad), cl_array.to_device(queue, indices), problem.input_shape)
+            _, indices = getattr(pt, op)(x, out_size, return_indices=True, device=device)
+            args = (device.to_device(grad, queue), device.to_device(indices, queue), problem.input_shape)
         else:
-            args = (cl_array.to_device(queue, grad), problem.input_shape)
+            args = (device.to_device(grad, queue), problem.input_shape)
     default = dispatch.default_choice(problem, device)
     info = dispatch.describe(problem, device, dispatch.choose(problem, device))
 
     def ours():
         fn(*args, device=device)
-        queue.finish()
+        device.synchronize(queue)
 
     def ours_default():
         fn(*args, device=device, variant=default.variant.name, config=default.config)
-        queue.finish()
+        device.synchronize(queue)
 
-    candidates = [ours, ours_default, _torch_call(op, direction, x, out_size, grad, indices)]
+    candidates = [ours, ours_default, _torch_call(op, direction, x, out_size, grad, indices, device.torch_device)]
     for call in candidates:  # warm-up: builds, first-touch, allocator pools
         call()
         call()
@@ -288,9 +296,6 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     """Run the suite; returns the JSON-ready report."""
     torch = require_torch()
     dev = backends.resolve_device(device)
-    if dev.backend != opencl.BACKEND:
-        raise ValueError(f"device must be an OpenCL device for pool-tuner bench (its arrays, copies and timings are "
-                         f"PyOpenCL's), got {dev.backend} device {dev.id!r}")
     if torch_threads:
         torch.set_num_threads(torch_threads)
     torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
@@ -329,7 +334,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
         "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
-        "pocl_affinity": opencl.pocl_affinity() if dev.is_pocl and dev.is_cpu else None,
+        "runtime_note": dev.runtime_note,
         "rows": report_rows,
         "summary": summary,
     }
@@ -371,8 +376,8 @@ def format_table(report: dict) -> str:
              f"memory GB/s, the faster of before and after the suite: {streams} (floor: the fastest copy;"
              f" stream floor: also reads and writes alone)",
              f"{'shape':{width}s} " + " ".join(f"{h:>{w}s}" for h, w, _ in COLUMNS) + "  kernel"]
-    if report.get("pocl_affinity"):
-        lines.insert(1, f"PoCL: {report['pocl_affinity']}")
+    if report.get("runtime_note"):
+        lines.insert(1, report["runtime_note"])
     for shape, r in zip(shapes, report["rows"]):
         lines.append(f"{shape:{width}s} " + " ".join(f"{cell(r):>{w}s}" for _, w, cell in COLUMNS)
                      + f"  {r['variant']} ({r['source']})")

@@ -1,5 +1,8 @@
 """The tuning cache: the best configuration found for each (problem, device, kernel code).
 
+Cache identity lives here: ``kernel_hash`` (the kernel code of an op and direction) and
+``cache_key`` (problem, device fingerprint and kernel hash; ``make_key`` builds the text).
+
 This is pool_tuner's own cache, not Kernel Tuner's cache file: Kernel Tuner's file knows nothing of
 kernel sources and has no locking.  Each record is one JSON object, keyed by ``make_key``; a cache
 file (``records.json``) is ``{"schema": SCHEMA_VERSION, "records": {key: record, ...}}``.
@@ -36,6 +39,10 @@ from pathlib import Path
 import filelock
 import platformdirs
 
+from . import kernel_source
+from .variants import variants_for
+from .version import __version__
+
 SCHEMA_VERSION = 1
 USER_FILE = "records.json"
 #: Seconds a writer waits for another process's lock.  Writers hold it for milliseconds, so a lock
@@ -45,6 +52,8 @@ LOCK_TIMEOUT_S = 60
 RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str, "best": dict}
 #: At most this many malformed records are named in one warning.
 MAX_NAMED = 5
+#: Compiler options of every build (part of the kernel hash in cache keys).
+BUILD_OPTIONS = ""
 
 
 class CacheWarning(UserWarning):
@@ -89,6 +98,21 @@ def make_key(problem, device_fingerprint: dict, kernel_hash: str) -> str:
     ])
 
 
+def kernel_hash(problem) -> str:
+    """sha256 over the templates of every variant of the problem's op and direction and the build
+    options: any change to the kernel code makes the records tuned on the old code misses."""
+    templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()})
+    digest = hashlib.sha256(BUILD_OPTIONS.encode())
+    for template in templates:
+        digest.update(kernel_source.template_hash(template).encode())
+    return digest.hexdigest()
+
+
+def cache_key(problem, device) -> str:
+    """The key of ``problem`` tuned on ``device`` with the current kernel code."""
+    return make_key(problem, device.fingerprint, kernel_hash(problem))
+
+
 def _shape_text(shape) -> str:
     return "x".join(str(int(n)) for n in shape)
 
@@ -126,17 +150,11 @@ def make_record(
 
 
 def _versions() -> dict:
-    # Imported here, not at module level: the package imports this module while it initialises, and
-    # ``__version__`` is only defined once that is done.
-    try:
-        from . import __version__ as pool_tuner_version
-    except ImportError:
-        pool_tuner_version = "unknown"
     try:
         kernel_tuner_version = importlib.metadata.version("kernel_tuner")
     except importlib.metadata.PackageNotFoundError:
         kernel_tuner_version = "not installed"
-    return {"pool_tuner": pool_tuner_version, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
+    return {"pool_tuner": __version__, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
 
 
 def _record_problem(key, record) -> str | None:

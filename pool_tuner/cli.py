@@ -12,7 +12,6 @@ import warnings
 from pathlib import Path
 
 from . import backends, cache, dispatch, kernel_source, presets
-from .backends import opencl
 from .ops import explain
 from .tuner import tune
 from .problem import OPS, Problem
@@ -81,14 +80,15 @@ def _shapes_from_args(args) -> list:
 def cmd_devices(args) -> int:
     default = backends.default_device()
     devices = backends.all_devices()
+    width = max(len(d.id) for d in devices)
     for device in devices:
         marks = ["default"] if device is default else []
         if device.is_simulator:
             marks.append("simulator, never chosen by default")
         suffix = f"  ({', '.join(marks)})" if marks else ""
-        print(f"{device.id:14s} {device.name}  [{device.platform_name}]{suffix}")
-    if any(d.is_pocl and d.is_cpu for d in devices):
-        print(f"PoCL: {opencl.pocl_affinity()}")
+        print(f"{device.id:{width}s}  {device.name}  [{device.platform_name}]{suffix}")
+    for note in dict.fromkeys(d.runtime_note for d in devices if d.runtime_note):
+        print(note)
     return 0
 
 

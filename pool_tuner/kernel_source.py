@@ -16,7 +16,7 @@ and tuning parameters all arrive as ``#define`` lines, so one rendered program i
 kernel.
 
 Kernel identity in the tuning cache: ``template_hash(template)`` is the sha256 of every file of one
-variant's program, and the cache key's kernel hash (``dispatch.kernel_hash``) combines those of
+variant's program, and the cache key's kernel hash (``cache.kernel_hash``) combines those of
 *every* variant of the problem's direction.  A record ranks all the variants of its direction
 against each other (its best, default and runners-up), so editing any one of them -- or a header --
 can change which wins: the whole direction's code identifies the record, and the key stays one per

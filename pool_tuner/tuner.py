@@ -44,6 +44,8 @@ from . import kernel_source
 from .problem import Problem
 from .variants import variants_for
 
+#: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
+AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
 #: Search spaces with at most this many legal points are searched exhaustively by default.
 BRUTE_FORCE_LIMIT = 30
 #: Default budget for larger spaces: random sampling of this many configurations per variant.
@@ -249,8 +251,7 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
                         case.args, {k: list(v) for k, v in variant.search_space.items()},
                         grid_div_x=[], grid_div_y=[], restrictions=restriction,
                         answer=case.answer, verify=case.verify,
-                        lang="OpenCL", platform=device.platform_index, device=device.device_index,
-                        defines={}, iterations=iterations, strategy=strategy,
+                        **device.kernel_tuner_arguments(), defines={}, iterations=iterations, strategy=strategy,
                         strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
                     )
                     break
@@ -299,20 +300,19 @@ def _working_directory(path):
 
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
-    """Median kernel time (ms) of each choice, launched interleaved on one queue (events)."""
+    """Median kernel time (ms) of each choice, launched interleaved on one queue and timed by the
+    device (``timed_launch``)."""
     rng = rng or np.random.default_rng()
     queue = device.queue
-    buffers = [device.to_device(a).data for a in make_case(problem, rng).args]
+    arrays = [device.to_device(a, queue) for a in make_case(problem, rng).args]
     launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
     for launch in launches:  # warm-up
-        device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
-    queue.finish()
+        device.launch(queue, launch.kernel, launch.groups, launch.block, arrays)
+    device.synchronize(queue)
     times = [[] for _ in choices]
     for _ in range(repetitions):
         for i, launch in enumerate(launches):
-            event = device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
-            event.wait()
-            times[i].append((event.profile.end - event.profile.start) * 1e-6)
+            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block, arrays))
     return [float(np.median(t)) for t in times]
 
 
@@ -402,9 +402,9 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
     """Store the best of ``results`` (in ``tc``, unless it is None) and return the ``TuneResult``."""
     tuned = sorted((r for r in results if r.best_params is not None), key=lambda r: r.best_time_ms)
     winner = tuned[0]
-    key = dispatch.cache_key(problem, dev)
+    key = cache_mod.cache_key(problem, dev)
     record = cache_mod.make_record(
-        problem, dev.fingerprint, dispatch.kernel_hash(problem),
+        problem, dev.fingerprint, cache_mod.kernel_hash(problem),
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
         runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms} for r in tuned[1:]],
         extra={"default": default_entry,
@@ -443,7 +443,7 @@ def _keep_partial(problem: Problem, dev, names: list, results: list, interrupted
         "variants_not_searched": names[len(results):],
         "timing": "Kernel Tuner's medians; not raced against the default",
     }
-    existing = None if tc is None else tc.lookup(dispatch.cache_key(problem, dev))
+    existing = None if tc is None else tc.lookup(cache_mod.cache_key(problem, dev))
     if existing is not None and not cache_mod.is_partial(existing):
         tc = None  # a full tuning is worth more than an interrupted one
     default_entry = {"variant": default.variant.name, "params": default.config, "time_ms": None}
@@ -478,4 +478,15 @@ def autotune(problem: Problem, device) -> None:
                 "stored in the tuning cache" if result.stored else "kept in memory only (the cache could not be written)")
 
 
-__all__ = ["autotune", "tune", "TuneResult", "TuningInterrupted", "VariantResult", "race"]
+def tune_on_miss(problem: Problem, device) -> bool:
+    """The calls' tune-on-miss (``dispatch.choose``'s ``on_miss``): with ``POOL_TUNER_AUTOTUNE=1``
+    tune ``problem`` on ``device`` (``autotune``) and return True, else return False.  Dispatch
+    memoises the decision that follows, so a problem is tuned once per process."""
+    if os.environ.get(AUTOTUNE_ENV) != "1":
+        return False
+    autotune(problem, device)
+    return True
+
+
+__all__ = ["autotune", "tune", "tune_on_miss", "TuneResult", "TuningInterrupted", "VariantResult", "race",
+           "AUTOTUNE_ENV"]

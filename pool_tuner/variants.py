@@ -10,10 +10,10 @@ The tuner searches the space; dispatch validates whatever it is about to launch 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,13 +21,8 @@ from . import kernel_source
 from .problem import DIRECTIONS, OPS, Problem, check_op
 from .windows import max_window, pooling_windows
 
-
-@dataclasses.dataclass(frozen=True)
-class DeviceLimits:
-    """The device properties that decide whether a configuration can launch."""
-
-    max_work_group_size: int
-    local_mem_size: int
+if TYPE_CHECKING:  # the limits come with a device; variants only read them
+    from .backends.base import DeviceLimits
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -43,7 +43,7 @@ def run_subprocess(cache_dir, cwd, *argv, timeout=240):
 
 
 def key_of(op, shape, out):
-    return dispatch.cache_key(Problem.create(op, shape, out), backends.resolve_device())
+    return cache_mod.cache_key(Problem.create(op, shape, out), backends.resolve_device())
 
 
 def user_records(directory) -> dict:
@@ -55,7 +55,7 @@ def synthetic_record(shape, out=(3, 4), params=None, time_ms=0.01):
     default = variants_for(OP)["thread_per_output"].default
     best = {"variant": "thread_per_output", "time_ms": time_ms,
             "params": dict(default, **(params or {"block_size_x": 32, "outputs_per_thread": 4}))}
-    return cache_mod.make_record(problem, backends.resolve_device().fingerprint, dispatch.kernel_hash(problem), best, [])
+    return cache_mod.make_record(problem, backends.resolve_device().fingerprint, cache_mod.kernel_hash(problem), best, [])
 
 
 def shipped_count(tmp_path) -> int:
@@ -83,6 +83,7 @@ def test_devices_lists_every_device_and_marks_the_default(capsys, user_cache):
     if any(device.is_pocl and device.is_cpu for device in devices):
         # After the devices, a line says whether PoCL's worker threads were asked to be pinned.
         assert lines.pop() == f"PoCL: {opencl.pocl_affinity()}"
+    assert "opencl:pocl:0" in [device.id for device in devices]  # ids name the platform, not its position
     assert len(lines) == len(devices)
     for device, line in zip(devices, lines):
         assert line.startswith(device.id) and device.name in line

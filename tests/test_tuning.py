@@ -50,7 +50,7 @@ def problem(shape=SHAPE, out=OUT):
 
 
 def key_of(shape=SHAPE, out=OUT):
-    return dispatch.cache_key(problem(shape, out), device())
+    return cache_mod.cache_key(problem(shape, out), device())
 
 
 def stored_records(directory) -> dict:
@@ -61,7 +61,7 @@ def make_record(shape=SHAPE, out=OUT, best=None, fingerprint=None):
     """A well-formed record for this device and kernel code (as ``tune`` would write it)."""
     p = problem(shape, out)
     best = best or {"variant": "thread_per_output", "params": dict(NONDEFAULT), "time_ms": 0.01}
-    return cache_mod.make_record(p, fingerprint or device().fingerprint, dispatch.kernel_hash(p), best, [])
+    return cache_mod.make_record(p, fingerprint or device().fingerprint, cache_mod.kernel_hash(p), best, [])
 
 
 def write_records(directory, records, schema=cache_mod.SCHEMA_VERSION):
@@ -492,6 +492,19 @@ def test_autotune_retunes_a_shape_whose_record_is_partial(user_cache, monkeypatc
     pt.adaptive_avg_pool2d(random_input(rng, SHAPE), OUT)
     assert len(counted_tune) == 1
     assert explain()["partial"] is None and not cache_mod.is_partial(stored_records(user_cache)[key_of()])
+
+
+def test_autotune_tunes_the_direction_of_the_call(user_cache, monkeypatch, rng):
+    """A backward call's miss tunes the backward problem (it once tuned the forward one)."""
+    asked = []
+    monkeypatch.setattr(tuner, "tune", lambda *args, **kwargs: asked.append((args, kwargs)))
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    grad = random_input(rng, SHAPE[:2] + OUT)
+    np.testing.assert_allclose(pt.adaptive_avg_pool2d_backward(grad, SHAPE),
+                               reference.backward("adaptive_avg_pool2d", grad.astype(np.float64), SHAPE),
+                               rtol=1e-5, atol=1e-6)
+    assert [(args[:3], kwargs.get("direction")) for args, kwargs in asked] == [
+        (("adaptive_avg_pool2d", SHAPE, OUT), "backward")]
 
 
 def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
