@@ -112,7 +112,7 @@ class DecomposedPool(torch.nn.Module):
     def forward(self, input):
         spatial = tuple(input.shape[input.dim() - self.ndim:])
         output_size = resolve_output_size(self.output_size, spatial, f"{self.name}.output_size")
-        return decompose(self.kind, self.ndim, input, output_size, self.name)
+        return decompose(self.kind, self.ndim, input, output_size, f"layer {self.name!r}")
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.ndim}d, output_size={self.output_size!r}, name={self.name!r}"
