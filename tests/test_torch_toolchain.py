@@ -5,6 +5,7 @@ onnxruntime), TorchScript's refusal, and the import/argument errors a PyTorch us
 Compilations are the cost here (each inductor compile takes tens of seconds on two cores): the
 broad matrix runs on the "aot_eager" backend, and one test compiles with inductor."""
 
+import copy
 import subprocess
 import sys
 
@@ -177,14 +178,16 @@ def test_inductor_training_runs_pool_tuner_backward(rng):
         torch.nn.Conv2d(2, 4, 3), torch.nn.AdaptiveMaxPool2d((5, 7)), torch.nn.ReLU(),
         torch.nn.AdaptiveAvgPool2d((3, 4)), torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 4, 2),
     )
-    model = ptt.replace_pooling(__import__("copy").deepcopy(reference))
+    model = ptt.replace_pooling(copy.deepcopy(reference))
     compiled = torch.compile(model, fullgraph=True)
     x, target = tensor(rng, (2, 2, 12, 11)), tensor(rng, (2, 2))
     losses = {}
     for name, net, params in (("eager", reference, reference), ("compiled", compiled, model)):
         optimizer = torch.optim.SGD(params.parameters(), lr=0.05)
         losses[name] = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        # A fresh compile cache: a cached graph would hide a change to the ops' autograd formulas.
+        with torch._inductor.utils.fresh_cache(), \
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             for _ in range(3):
                 optimizer.zero_grad()
                 loss = F.mse_loss(net(x), target)
@@ -199,6 +202,27 @@ def test_inductor_training_runs_pool_tuner_backward(rng):
     np.testing.assert_allclose(losses["compiled"], losses["eager"], rtol=1e-5)
     for p, q in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA tensors need a CUDA GPU: torch.cuda.is_available() is False"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_tensors_go_through_the_same_ops(kind, rng):
+    """opcheck on CUDA (channels-last: the CUDA backend works on contiguous copies, the results
+    come back in the memory format the fake implementation promised) and a compiled call."""
+    x = tensor(rng, (2, 3, 10, 9), channels_last=True, ndim=2).cuda()
+    torch.library.opcheck(ptt._OPS[kind, 2, False], (x.requires_grad_(), [5, 7], ""))
+    compiled = torch.compile(getattr(ptt, f"adaptive_{kind}_pool2d"), fullgraph=True, backend="aot_eager")
+    y = compiled(x, (5, 7))
+    expected = torch_pool(kind, 2)(x, (5, 7))
+    assert y.is_cuda and y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, expected, **FLOAT32_TOL)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.sum(), x)[0], **FLOAT32_TOL)
 
 
 # ---------------------------------------------------------------------------------------------
