@@ -5,9 +5,9 @@
  * as WRITE_T/H/W (the output forward, the input gradient backward).  It first stages what the
  * tile reads, a STAGE_T x STAGE_H x STAGE_W box (host-computed bound over all tiles), in local
  * memory; then each work-item computes tile_y x tile_x elements from there.
- * Launch: N_PLANES * WRITE_T * TILES_H * TILES_W groups.
+ * Launch: N_PLANES * WRITE_T * TILES_H * TILES_W groups.  Only the tiled variants' programs include
+ * this header (pool_tuner/kernel_source.py).
  */
-#if VARIANT_SMEM_TILED
 #define TILE_W (block_size_x * tile_x)
 #define TILE_H (block_size_y * tile_y)
 #define TILES_W ((WRITE_W + TILE_W - 1) / TILE_W)
@@ -42,4 +42,3 @@ DEVICE_FN tile_t tile_of_group(index_t group)
 /* Element (ty, tx) of this work-item's tile_y x tile_x share of the tile. */
 #define TILE_ROW(tile, ty) ((tile).h0 + LOCAL_ID_Y + (ty) * block_size_y)
 #define TILE_COL(tile, tx) ((tile).w0 + LOCAL_ID_X + (tx) * block_size_x)
-#endif

@@ -108,3 +108,28 @@ DEVICE_FN index_t window_area(index_t ot, index_t oh, index_t ow)
          * (H_WINDOW_END(oh) - H_WINDOW_START(oh))
          * (W_WINDOW_END(ow) - W_WINDOW_START(ow));
 }
+
+/* A box of input elements of one plane: [t_start, t_end) x [h_start, h_end) x [w_start, w_end). */
+typedef struct {
+    index_t t_start, t_end, h_start, h_end, w_start, w_end;
+} box_t;
+
+/* The window of output (ot, oh, ow). */
+DEVICE_FN box_t window_box(index_t ot, index_t oh, index_t ow)
+{
+    box_t box;
+    box.t_start = T_WINDOW_START(ot), box.t_end = T_WINDOW_END(ot);
+    box.h_start = H_WINDOW_START(oh), box.h_end = H_WINDOW_END(oh);
+    box.w_start = W_WINDOW_START(ow), box.w_end = W_WINDOW_END(ow);
+    return box;
+}
+
+/* The one element at plane position `position`. */
+DEVICE_FN box_t element_box(index_t position)
+{
+    box_t box;
+    box.t_start = position / ((index_t)IN_H * IN_W), box.t_end = box.t_start + 1;
+    box.h_start = position / IN_W % IN_H, box.h_end = box.h_start + 1;
+    box.w_start = position % IN_W, box.w_end = box.w_start + 1;
+    return box;
+}

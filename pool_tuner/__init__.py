@@ -24,9 +24,8 @@ from .ops import (
     variants,
 )
 from .tuner import tune
+from .version import __version__
 from .windows import fixed_pool_equivalent, pooling_windows
-
-__version__ = "0.1.0"
 
 __all__ = [
     "adaptive_avg_pool1d",

@@ -1,14 +1,16 @@
-"""The benchmark suite (DESIGN section 9): pool_tuner against PyTorch and the bandwidth floor.
+"""The benchmark suite: pool_tuner against PyTorch and the bandwidth floor.
 
 For each suite shape and direction, in one run on one device: pool_tuner's dispatched (tuned)
-kernel, pool_tuner forced to the heuristic default, and PyTorch on the CPU, timed interleaved --
-one timed call of each per round in a random order, each after a pause and ``UNTIMED_CALLS``
-untimed calls of its own (see ``SETTLE_S``), ``repeat`` rounds, medians -- as wall-clock time of a complete call on
-device-resident data (ours: a library call on ``pyopencl`` arrays plus ``queue.finish()``; PyTorch:
-the ATen op).  The device's memory streams are measured in the same run, before and after the
+kernel, pool_tuner forced to the heuristic default, and PyTorch (on the device's ``torch_device``,
+the CPU for OpenCL devices), timed interleaved -- one timed call of each per round in a random
+order, each after a pause and ``UNTIMED_CALLS`` untimed calls of its own (see ``SETTLE_S``),
+``repeat`` rounds, medians -- as wall-clock time of a complete call on device-resident data (ours:
+a library call on the device's arrays, then waiting for its queue; PyTorch: the ATen op, then
+waiting for its device).  Devices are used only through the contract of ``backends.base``.  The device's memory streams are measured in the same run, before and after the
 suite (``memory_bandwidth``; each keeps the faster): a shape's floor is its bytes moved (read +
 written) over the fastest copy, its stream floor also counts its reads and writes alone.
 
+PyTorch is required (``pip install "pool-tuner[bench]"``): its times are half of every comparison.
 Results: a JSON file and a PNG plot (matplotlib, optional).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import platform
@@ -25,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from . import backends, dispatch, kernel_source, presets
-from .backends import opencl
 from .problem import OPS, Problem
 
 #: Size of each buffer that ``memory_bandwidth`` streams through: far past the caches.
@@ -67,7 +69,7 @@ class Row:
     bytes_written: int
     tuned_ms: float
     default_ms: float
-    torch_ms: float | None
+    torch_ms: float
     source: str
     variant: str
     params: dict
@@ -89,16 +91,16 @@ class Row:
             "times_floor": self.tuned_ms / floor_ms,
             "stream_floor_ms": stream_floor_ms,
             "times_stream_floor": self.tuned_ms / stream_floor_ms,
-            "speedup_vs_torch": None if self.torch_ms is None else self.torch_ms / self.tuned_ms,
+            "speedup_vs_torch": self.torch_ms / self.tuned_ms,
             "tuned_vs_default": self.default_ms / self.tuned_ms,
         }
 
 
 #: The copies that ``memory_bandwidth`` times; the fastest is the device's copy bandwidth.
-COPY_METHODS = ("enqueue_copy", "copy_kernel", "copy_kernel_streaming")
+COPY_METHODS = ("buffer_copy", "copy_kernel", "copy_kernel_streaming")
 #: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
 STREAMS = COPY_METHODS + ("read_kernel", "write_kernel")
-#: Elements each work-item of kernels/bandwidth.cl's read kernel sums (passed as a define).
+#: Elements each work-item of the bandwidth kernels' read kernel sums (passed as a define).
 READ_RUN = 64
 #: Buffer size for simulators (Oclgrind interprets every work-item: 64 KiB copies take 40 ms).
 SIMULATOR_STREAM_BYTES = 2**20
@@ -113,40 +115,37 @@ def _stream_elements(device, nbytes: int, unit: int) -> int:
     """float32 elements per stream buffer: ``nbytes`` (a simulator: SIMULATOR_STREAM_BYTES), at most
     a quarter of the device's memory and its largest allocation, rounded down to a multiple of
     ``unit`` (at least one)."""
-    cl_device = device.cl_device
     if device.is_simulator:
         nbytes = min(nbytes, SIMULATOR_STREAM_BYTES)
-    nbytes = min(nbytes, cl_device.max_mem_alloc_size, cl_device.global_mem_size // 4)
+    nbytes = min(nbytes, device.max_allocation_bytes, device.memory_bytes // 4)
     return max(nbytes // (4 * unit), 1) * unit
 
 
 def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> dict:
     """``{stream: GB/s}`` for each of ``STREAMS``, on two buffers of about ``nbytes`` (see
     ``_stream_elements``), interleaved, medians of ``repeat`` rounds.  A copy counts bytes read
-    plus bytes written: ``enqueue_copy`` (clEnqueueCopyBuffer) and two copy kernels
-    (kernels/bandwidth.cl; on CPUs they use every compute unit, where PoCL's buffer copy uses one
-    thread; ``copy_kernel_streaming`` stores past the caches).  ``read_kernel`` reads a buffer
-    (and writes a 64th as much), ``write_kernel`` fills one.  Every stream is first checked to do
-    its work: a stream that did not would time nothing."""
-    import pyopencl as cl
-
+    plus bytes written: ``buffer_copy`` (the backend's own copy: clEnqueueCopyBuffer,
+    cuMemcpyDtoDAsync) and two copy kernels (``kernels/bandwidth.cl`` and ``.cu``; on CPUs they use
+    every compute unit, where PoCL's buffer copy uses one thread; ``copy_kernel_streaming`` stores
+    past the caches).  ``read_kernel`` reads a buffer (and writes a 64th as much),
+    ``write_kernel`` fills one.  Every stream is first checked to do its work: a stream that did not
+    would time nothing."""
     queue = device.queue
-    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth.cl")
+    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.source_suffix)
     kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
     # Work-groups of a power of two that every kernel can run (256 at most).
     limit = min([256] + [device.kernel_work_group_limit(k) for k in kernels.values()])
     block = (1 << (limit.bit_length() - 1),)
     count = _stream_elements(device, nbytes, READ_RUN * 256)  # whole groups of any block up to 256
     read_sums = count // READ_RUN
-    src = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
-    dst = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, count * 4)
     host = np.random.default_rng().random(count, dtype=np.float32) + np.float32(1.0)
-    cl.enqueue_copy(queue, src, host)
+    src = device.to_device(host, queue)
+    dst = device.empty((count,), np.float32, queue)
     fill_value = np.float32(0.5)
 
     def stream(name):
-        if name == "enqueue_copy":
-            cl.enqueue_copy(queue, dst, src)
+        if name == "buffer_copy":
+            device.copy(dst, src, queue)
         elif name == "read_kernel":
             device.launch(queue, kernels["read"], read_sums // block[0], block, (src, dst))
         elif name == "write_kernel":
@@ -154,13 +153,12 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> di
         else:
             kernel = kernels["copy_streaming" if name == "copy_kernel_streaming" else "copy"]
             device.launch(queue, kernel, count // block[0], block, (src, dst))
-        queue.finish()
+        device.synchronize(queue)
 
-    result = np.empty(count, np.float32)
     for name in STREAMS:  # warm-up, and proof that each stream does its work
-        cl.enqueue_fill_buffer(queue, dst, np.float32(0.0), 0, count * 4)
+        device.fill(dst, np.float32(0.0), queue)
         stream(name)
-        cl.enqueue_copy(queue, result, dst)
+        result = device.to_host(dst)
         if name == "read_kernel":
             done = np.allclose(result[:read_sums], host.reshape(read_sums, READ_RUN).sum(axis=1, dtype=np.float64),
                                rtol=1e-5, atol=0)
@@ -181,19 +179,35 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> di
     return {name: moved[name] / float(np.median(t)) / 1e9 for name, t in times.items()}
 
 
+def require_torch():
+    """The ``torch`` module; a RuntimeError saying how to install it when it is missing, raised
+    before any work: without PyTorch the suite's side-by-side columns would be empty."""
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError('pool-tuner bench times PyTorch beside pool_tuner and needs it installed: '
+                           'pip install "pool-tuner[bench]"') from None
+    return torch
+
+
 def suite(names=None) -> list:
     """``(name, op, input_shape, output_size)`` of the suite (all presets, or ``names``)."""
     chosen = names or list(presets.PRESETS)
     return [(name, op, shape, out) for name in chosen for op, shape, out in presets.preset_shapes(name)]
 
 
-def _torch_call(op, direction, x, output_size, grad, indices):
-    """A zero-argument callable running PyTorch's ATen kernel for this case."""
+def _torch_call(op, direction, x, output_size, grad, indices, torch_device: str):
+    """A zero-argument callable running PyTorch's ATen kernel for this case on ``torch_device``
+    (``"cpu"``, ``"cuda:0"``) and waiting for it to finish."""
     import torch
     import torch.nn.functional as F
 
     kind, ndim = OPS[op]
-    xt = torch.from_numpy(x)
+
+    def tensor(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(torch_device)
+
+    xt = tensor(x)
     out_size = tuple(output_size)
     if ndim == 1:  # ATen implements 1d adaptive pooling through the 2d kernels
         xt, out_size = xt.unsqueeze(-2), (1,) + out_size
@@ -202,20 +216,26 @@ def _torch_call(op, direction, x, output_size, grad, indices):
     dims = 2 if ndim <= 2 else 3
     if direction == "forward":
         fn = getattr(F, f"adaptive_{kind}_pool{dims}d")
-        return lambda: fn(xt, out_size)
-    gt = torch.from_numpy(np.ascontiguousarray(grad))
-    if kind == "avg":
-        backward = getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
-        return lambda: backward(gt, xt)
-    it = torch.from_numpy(np.ascontiguousarray(indices))
-    backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
-    return lambda: backward(gt, xt, it)
+        run = functools.partial(fn, xt, out_size)
+    elif kind == "avg":
+        gt, backward = tensor(grad), getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
+        run = functools.partial(backward, gt, xt)
+    else:
+        gt, it = tensor(grad), tensor(indices)
+        backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
+        run = functools.partial(backward, gt, xt, it)
+    if xt.device.type != "cuda":
+        return run
+
+    def run_and_wait():
+        run()
+        torch.cuda.synchronize(xt.device)
+
+    return run_and_wait
 
 
 def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -> Row:
     """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case."""
-    import pyopencl.array as cl_array
-
     import pool_tuner as pt
 
     problem = Problem.create(op, shape, output_size, direction=direction)
@@ -225,31 +245,27 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
     grad = indices = None
     if direction == "forward":
         fn = getattr(pt, op)
-        args = (cl_array.to_device(queue, x), out_size)
+        args = (device.to_device(x, queue), out_size)
     else:
         grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
         fn = getattr(pt, f"{op}_backward")
         if problem.kind == "max":
-            _, indices = getattr(pt, op)(x, out_size, return_indices=True)
-            args = (cl_array.to_device(queue, grad), cl_array.to_device(queue, indices), problem.input_shape)
+            _, indices = getattr(pt, op)(x, out_size, return_indices=True, device=device)
+            args = (device.to_device(grad, queue), device.to_device(indices, queue), problem.input_shape)
         else:
-            args = (cl_array.to_device(queue, grad), problem.input_shape)
+            args = (device.to_device(grad, queue), problem.input_shape)
     default = dispatch.default_choice(problem, device)
     info = dispatch.describe(problem, device, dispatch.choose(problem, device))
 
     def ours():
         fn(*args, device=device)
-        queue.finish()
+        device.synchronize(queue)
 
     def ours_default():
         fn(*args, device=device, variant=default.variant.name, config=default.config)
-        queue.finish()
+        device.synchronize(queue)
 
-    candidates = [ours, ours_default]
-    try:
-        candidates.append(_torch_call(op, direction, x, out_size, grad, indices))
-    except ImportError:
-        pass
+    candidates = [ours, ours_default, _torch_call(op, direction, x, out_size, grad, indices, device.torch_device)]
     for call in candidates:  # warm-up: builds, first-touch, allocator pools
         call()
         call()
@@ -266,30 +282,23 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
             times[i].append(time.perf_counter() - start)
     medians = [float(np.median(t)) * 1e3 for t in times]
     return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
-               *problem.bytes_read_written(), medians[0], medians[1], medians[2] if len(medians) > 2 else None,
+               *problem.bytes_read_written(), *medians,
                info["source"], info["variant"], info["params"])
 
 
 def geomean(values) -> float:
-    values = [v for v in values if v is not None]
+    values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
         progress=None) -> dict:
     """Run the suite; returns the JSON-ready report."""
+    torch = require_torch()
     dev = backends.resolve_device(device)
-    if dev.backend != opencl.BACKEND:
-        raise ValueError(f"device must be an OpenCL device for pool-tuner bench (its arrays, copies and timings are "
-                         f"PyOpenCL's), got {dev.backend} device {dev.id!r}")
-    try:
-        import torch
-
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
-    except ImportError:
-        torch_info = None
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
     # The streams are timed before and after the suite and each keeps the faster median: a shared
     # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
     streams_before = memory_bandwidth(dev)
@@ -325,65 +334,94 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
         "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
-        "pocl_affinity": opencl.pocl_affinity() if dev.is_pocl and dev.is_cpu else None,
+        "runtime_note": dev.runtime_note,
         "rows": report_rows,
         "summary": summary,
     }
 
 
+def _shape_label(row: dict, separator: str = "->") -> str:
+    return f"{'x'.join(map(str, row['input_shape']))}{separator}{'x'.join(map(str, row['output_shape']))}"
+
+
+#: The table's columns: header, width, and how a row's cell is written.
+COLUMNS = [
+    ("pass", 8, lambda r: r["direction"]),
+    ("pool_tuner ms", 13, lambda r: f"{r['tuned_ms']:.3f}"),
+    ("PyTorch ms", 10, lambda r: f"{r['torch_ms']:.3f}"),
+    ("vs PyTorch", 10, lambda r: f"{r['speedup_vs_torch']:.2f}x"),
+    ("GB/s", 7, lambda r: f"{r['gbs']:.2f}"),
+    ("% of copy", 9, lambda r: f"{100 * r['fraction_of_copy']:.0f}%"),
+    ("x floor", 7, lambda r: f"{r['times_floor']:.2f}"),
+    ("x stream floor", 14, lambda r: f"{r['times_stream_floor']:.2f}"),
+    ("tuned vs default", 16, lambda r: f"{r['tuned_vs_default']:.2f}x"),
+]
+LEGEND = """\
+pool_tuner ms, PyTorch ms: median wall-clock time of one whole call on data already on the device
+vs PyTorch: PyTorch ms / pool_tuner ms (above 1x: pool_tuner is faster)
+GB/s: bytes read + written per second; % of copy: that against the device's fastest copy
+x floor: time / the copy floor (the bytes moved at copy speed); x stream floor: time / the stream
+  floor (also the reads alone at read speed and the writes alone at write speed); 1.00 is at the floor
+tuned vs default: the heuristic default's time / the dispatched kernel's (above 1x: tuning helped)
+kernel: the dispatched variant, and where dispatch took it from (cache, nearest tuned shape, default)"""
+
+
 def format_table(report: dict) -> str:
+    """The report as a table a person reads at a glance, with a legend of its columns below it."""
     streams = ", ".join(f"{name} {gbs:.1f}" for name, gbs in report["memory_gbs"].items())
+    shapes = [f"{r['name']} {_shape_label(r)}" for r in report["rows"]]
+    width = max([len("shape")] + [len(s) for s in shapes])
     lines = [f"{report['date']}  device {report['device']}  copy bandwidth {report['copy_gbs']:.1f} GB/s"
              f"  torch {report['torch']}",
              f"memory GB/s, the faster of before and after the suite: {streams} (floor: the fastest copy;"
              f" stream floor: also reads and writes alone)",
-             f"{'shape':44s} {'dir':8s} {'ours ms':>9s} {'torch ms':>9s} {'vs torch':>8s} {'GB/s':>7s}"
-             f" {'%copy':>6s} {'xfloor':>6s} {'xstream':>7s} {'vs dflt':>7s}  kernel"]
-    if report.get("pocl_affinity"):
-        lines.insert(1, f"PoCL: {report['pocl_affinity']}")
-    for r in report["rows"]:
-        shape = f"{r['name']} {'x'.join(map(str, r['input_shape']))}->{'x'.join(map(str, r['output_shape'][-3:]))}"
-        torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.3f}"
-        vs = "-" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.2f}x"
-        lines.append(f"{shape:44s} {r['direction']:8s} {r['tuned_ms']:9.3f} {torch_ms:>9s} {vs:>8s} {r['gbs']:7.2f}"
-                     f" {100 * r['fraction_of_copy']:5.0f}% {r['times_floor']:6.2f} {r['times_stream_floor']:7.2f}"
-                     f" {r['tuned_vs_default']:6.2f}x"
-                     f"  {r['variant']} ({r['source']})")
+             f"{'shape':{width}s} " + " ".join(f"{h:>{w}s}" for h, w, _ in COLUMNS) + "  kernel"]
+    if report.get("runtime_note"):
+        lines.insert(1, report["runtime_note"])
+    for shape, r in zip(shapes, report["rows"]):
+        lines.append(f"{shape:{width}s} " + " ".join(f"{cell(r):>{w}s}" for _, w, cell in COLUMNS)
+                     + f"  {r['variant']} ({r['source']})")
     for direction, s in report["summary"].items():
-        lines.append(f"{direction}: geomean {s['geomean_speedup_vs_torch']:.2f}x vs torch, "
+        lines.append(f"{direction}: geomean {s['geomean_speedup_vs_torch']:.2f}x vs PyTorch, "
                      f"{s['geomean_times_floor']:.2f}x the copy floor, {s['geomean_times_stream_floor']:.2f}x the stream floor, "
                      f"tuned {s['geomean_tuned_vs_default']:.2f}x vs default"
                      + ("" if s["min_fraction_of_copy_at_64MB"] is None
                         else f", min {100 * s['min_fraction_of_copy_at_64MB']:.0f}% of copy bandwidth at >=64 MB"))
-    return "\n".join(lines)
+    return "\n".join(lines + ["", LEGEND])
 
 
 def plot(report: dict, path: Path) -> None:
-    """Bar chart: time over the copy floor per shape and direction, ours against PyTorch, with each
-    shape's stream floor marked."""
+    """Bar chart of milliseconds per call, ours beside PyTorch's, for each shape and direction, with
+    each shape's copy floor and stream floor marked across its pair of bars and the speed-up above."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     rows = report["rows"]
-    labels = [f"{r['name']}\n{'x'.join(map(str, r['output_shape'][-3:]))} {r['direction'][:3]}" for r in rows]
-    ours = [r["times_floor"] for r in rows]
-    theirs = [None if r["torch_ms"] is None else r["torch_ms"] / r["floor_ms"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 5))
+    labels = [f"{r['name']}\n{_shape_label(r, chr(10) + '-> ')}\n{r['direction']}" for r in rows]
     positions = np.arange(len(rows))
-    ax.bar(positions - 0.2, ours, 0.4, label="pool_tuner (tuned)")
-    ax.bar(positions + 0.2, [t or 0 for t in theirs], 0.4, label="PyTorch")
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="copy-bandwidth floor")
-    ax.scatter(positions, [r["stream_floor_ms"] / r["floor_ms"] for r in rows], marker="_", s=200, color="black",
-               zorder=3, label="stream floor (reads, writes alone)")
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.15 * len(rows) + 3), 6))
+    ours = ax.bar(positions - 0.2, [r["tuned_ms"] for r in rows], 0.4, label="pool_tuner (dispatched)")
+    ax.bar(positions + 0.2, [r["torch_ms"] for r in rows], 0.4, label="PyTorch")
+    for floor, style in (("floor_ms", dict(color="black", linestyle="--", linewidth=1.5, label="copy floor")),
+                         ("stream_floor_ms", dict(color="red", linewidth=3, label="stream floor (reads, writes alone)"))):
+        ax.hlines([r[floor] for r in rows], positions - 0.45, positions + 0.45, zorder=3, **style)
+    for bar, r in zip(ours, rows):
+        top = max(r["tuned_ms"], r["torch_ms"])
+        ax.annotate(f"{r['speedup_vs_torch']:.2f}x", (bar.get_x() + 0.4, top), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize=7)
     ax.set_yscale("log")
-    ax.set_ylabel("time / bandwidth floor (lower is better)")
-    ax.set_xticks(positions, labels, rotation=90, fontsize=7)
-    ax.set_title(f"{report['device']} - {report['date']}")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.set_ylabel("milliseconds per call (log scale; lower is better)")
+    ax.set_xticks(positions, labels, fontsize=7)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.margins(y=0.12)
+    ax.set_title(f"{report['device']} - {report['date']}\n(above each pair: PyTorch ms / pool_tuner ms)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, covering none
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # nothing cut off, however long the labels
     plt.close(fig)
 
 

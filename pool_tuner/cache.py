@@ -1,5 +1,8 @@
 """The tuning cache: the best configuration found for each (problem, device, kernel code).
 
+Cache identity lives here: ``kernel_hash`` (the kernel code of an op and direction) and
+``cache_key`` (problem, device fingerprint and kernel hash; ``make_key`` builds the text).
+
 This is pool_tuner's own cache, not Kernel Tuner's cache file: Kernel Tuner's file knows nothing of
 kernel sources and has no locking.  Each record is one JSON object, keyed by ``make_key``; a cache
 file (``records.json``) is ``{"schema": SCHEMA_VERSION, "records": {key: record, ...}}``.
@@ -36,6 +39,10 @@ from pathlib import Path
 import filelock
 import platformdirs
 
+from . import kernel_source
+from .variants import variants_for
+from .version import __version__
+
 SCHEMA_VERSION = 1
 USER_FILE = "records.json"
 #: Seconds a writer waits for another process's lock.  Writers hold it for milliseconds, so a lock
@@ -45,6 +52,8 @@ LOCK_TIMEOUT_S = 60
 RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str, "best": dict}
 #: At most this many malformed records are named in one warning.
 MAX_NAMED = 5
+#: Compiler options of every build (part of the kernel hash in cache keys).
+BUILD_OPTIONS = ""
 
 
 class CacheWarning(UserWarning):
@@ -89,6 +98,21 @@ def make_key(problem, device_fingerprint: dict, kernel_hash: str) -> str:
     ])
 
 
+def kernel_hash(problem) -> str:
+    """sha256 over the templates of every variant of the problem's op and direction and the build
+    options: any change to the kernel code makes the records tuned on the old code misses."""
+    templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()})
+    digest = hashlib.sha256(BUILD_OPTIONS.encode())
+    for template in templates:
+        digest.update(kernel_source.template_hash(template).encode())
+    return digest.hexdigest()
+
+
+def cache_key(problem, device) -> str:
+    """The key of ``problem`` tuned on ``device`` with the current kernel code."""
+    return make_key(problem, device.fingerprint, kernel_hash(problem))
+
+
 def _shape_text(shape) -> str:
     return "x".join(str(int(n)) for n in shape)
 
@@ -126,17 +150,11 @@ def make_record(
 
 
 def _versions() -> dict:
-    # Imported here, not at module level: the package imports this module while it initialises, and
-    # ``__version__`` is only defined once that is done.
-    try:
-        from . import __version__ as pool_tuner_version
-    except ImportError:
-        pool_tuner_version = "unknown"
     try:
         kernel_tuner_version = importlib.metadata.version("kernel_tuner")
     except importlib.metadata.PackageNotFoundError:
         kernel_tuner_version = "not installed"
-    return {"pool_tuner": pool_tuner_version, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
+    return {"pool_tuner": __version__, "kernel_tuner": kernel_tuner_version, "python": platform.python_version()}
 
 
 def _record_problem(key, record) -> str | None:
@@ -163,6 +181,8 @@ def _record_problem(key, record) -> str | None:
     time_ms = best.get("time_ms")
     if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)) or not math.isfinite(time_ms):
         return f"has a 'best' whose 'time_ms' is not a finite number: {time_ms!r}"
+    if not isinstance(record.get("partial", {}), (dict, type(None))):
+        return "has a 'partial' field that is not an object"
     return None
 
 
@@ -215,8 +235,21 @@ def _lock(path: Path) -> filelock.FileLock:
     return filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
 
 
-def _is_faster(new: dict, old: dict) -> bool:
-    return new["best"]["time_ms"] < old["best"]["time_ms"]
+def is_partial(record: dict) -> bool:
+    """Whether ``record`` holds an interrupted tuning: the best configuration measured before Ctrl-C,
+    with a ``"partial"`` field saying what was covered (see ``tuner``)."""
+    return record.get("partial") is not None
+
+
+def _replaces(new: dict, old: dict | None, faster_only: bool) -> bool:
+    """Whether ``new`` takes the place of ``old``, a record of the same key: a full tuning always
+    replaces a partial one and is never replaced by one; otherwise ``new`` wins if it is faster or,
+    without ``faster_only``, always."""
+    if old is None:
+        return True
+    if is_partial(new) != is_partial(old):
+        return is_partial(old)
+    return not faster_only or new["best"]["time_ms"] < old["best"]["time_ms"]
 
 
 def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, int]:
@@ -247,7 +280,7 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
             )
         changed = 0
         for key, record in incoming.items():
-            if key not in records or not faster_only or _is_faster(record, records[key]):
+            if _replaces(record, records.get(key), faster_only):
                 records[key] = record
                 changed += 1
         _write_atomic(path, records)
@@ -285,14 +318,14 @@ def _merge(sources: list, destination: Path) -> tuple[dict, int]:
         if problems:
             warnings.warn(f"pool_tuner tuning cache {source}: {_describe(problems)}; not merged", CacheWarning)
         for key, record in records.items():
-            if key not in incoming or _is_faster(record, incoming[key]):
+            if _replaces(record, incoming.get(key), faster_only=True):
                 incoming[key] = record
     return _update_file(destination, incoming, faster_only=True)
 
 
 def merge_files(sources: list, destination) -> int:
     """Merge cache files (e.g. tuned on other machines) into ``destination``, keeping the faster
-    record for equal keys; return how many records were added or replaced.
+    record for equal keys (a full tuning over a partial one); return how many records were added or replaced.
 
     Unusable records of a source are skipped with a ``CacheWarning``; a source or destination that
     cannot be read or written raises ``OSError``.
@@ -362,7 +395,8 @@ class TuningCache:
         return [record for record in self.records().values() if match(record)]
 
     def store(self, record: dict) -> bool:
-        """Add ``record`` to the user file and the in-memory table.
+        """Add ``record`` to the user file and the in-memory table (a partial record -- an
+        interrupted tuning -- never replaces a full one: see ``is_partial``).
 
         Never raises for the file system: a tuning run's result is worth keeping even when the cache
         directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records

@@ -8,16 +8,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from . import backends, cache, dispatch, kernel_source, presets
-from .backends import opencl
 from .ops import explain
 from .tuner import tune
-from .problem import Problem
+from .problem import OPS, Problem
 from .variants import get_variant, variants_for
 
 EXIT_ERROR = 2
+#: Exit status after Ctrl-C, as shells report a process ended by SIGINT (128 + 2).
+EXIT_INTERRUPTED = 130
+OP_NAMES = sorted(OPS)
 
 
 def parse_shape(text: str, name: str) -> tuple:
@@ -32,9 +35,20 @@ def parse_shape(text: str, name: str) -> tuple:
             entries.append(int(token))
         except ValueError:
             raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
+    check_sizes(entries, name, text)
     if name == "--output" and len(entries) == 1 and entries[0] is not None:
         return entries[0]
     return tuple(entries)
+
+
+def check_sizes(entries, name: str, given) -> None:
+    """Input sizes must be positive, output sizes >= 0 (0: an empty output) or None (keep that size),
+    checked here so that the message names the command-line option rather than the library argument."""
+    if name.startswith("--output"):
+        if any(e is not None and (not isinstance(e, int) or e < 0) for e in entries):
+            raise ValueError(f"{name} sizes must be integers >= 0 or None (e.g. 1x1 or 56xNone), got {given!r}")
+    elif any(not isinstance(e, int) or e < 1 for e in entries):
+        raise ValueError(f"{name} sizes must be positive integers (e.g. 32x2048x7x7), got {given!r}")
 
 
 def _shapes_from_args(args) -> list:
@@ -51,9 +65,13 @@ def _shapes_from_args(args) -> list:
         if not isinstance(entries, list):
             raise ValueError('--shapes file must hold a JSON list of {"op": ..., "input": [...], "output": [...]}')
         try:
-            return [(e.get("op", args.op), tuple(e["input"]), tuple(e["output"])) for e in entries]
+            shapes = [(e.get("op", args.op), tuple(e["input"]), tuple(e["output"])) for e in entries]
         except (AttributeError, KeyError, TypeError):
             raise ValueError('--shapes file entries must be objects with "input" and "output" lists (and optionally "op")') from None
+        for i, (_, shape, out) in enumerate(shapes):
+            check_sizes(shape, f"--shapes entry {i} input", list(shape))
+            check_sizes(out, f"--shapes entry {i} output", list(out))
+        return shapes
     if not args.output:
         raise ValueError("--input needs --output (e.g. --output 1x1)")
     return [(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"))]
@@ -62,14 +80,15 @@ def _shapes_from_args(args) -> list:
 def cmd_devices(args) -> int:
     default = backends.default_device()
     devices = backends.all_devices()
+    width = max(len(d.id) for d in devices)
     for device in devices:
         marks = ["default"] if device is default else []
         if device.is_simulator:
             marks.append("simulator, never chosen by default")
         suffix = f"  ({', '.join(marks)})" if marks else ""
-        print(f"{device.id:14s} {device.name}  [{device.platform_name}]{suffix}")
-    if any(d.is_pocl and d.is_cpu for d in devices):
-        print(f"PoCL: {opencl.pocl_affinity()}")
+        print(f"{device.id:{width}s}  {device.name}  [{device.platform_name}]{suffix}")
+    for note in dict.fromkeys(d.runtime_note for d in devices if d.runtime_note):
+        print(note)
     return 0
 
 
@@ -96,16 +115,21 @@ def cmd_tune(args) -> int:
             unique_jobs.append((op, shape, out, direction))
     jobs = unique_jobs
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
-    failed = 0
-    with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
-        for op, shape, out, direction in jobs:
-            bar.set_postfix_str(f"{op} {direction} {'x'.join(map(str, shape))}")
-            result = tune(op, shape, out, args.dtype, args.layout, device, direction=direction,
-                          variants=variant_names, strategy=args.strategy, max_fevals=args.max_fevals,
-                          time_limit=args.time_limit, progress=lambda _name: bar.update(1))
-            bar.clear()
-            print(_result_table(result))
-            failed += sum(len(v.failures) for v in result.variants)
+    failed = finished = 0
+    try:
+        with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
+            for op, shape, out, direction in jobs:
+                bar.set_postfix_str(f"{op} {direction} {'x'.join(map(str, shape))}")
+                result = tune(op, shape, out, args.dtype, args.layout, device, direction=direction,
+                              variants=variant_names, strategy=args.strategy, max_fevals=args.max_fevals,
+                              time_limit=args.time_limit, progress=lambda _name: bar.update(1))
+                bar.clear()
+                print(_result_table(result))
+                failed += sum(len(v.failures) for v in result.variants)
+                finished += 1
+    except KeyboardInterrupt as stop:  # what was kept, for main's one line
+        kept = f"{finished} of {len(jobs)} tuning jobs finished and kept in {dispatch.tuning_cache().path()}"
+        raise KeyboardInterrupt(f"{kept}; {stop}" if str(stop) else kept) from None
     print(f"cache: {dispatch.tuning_cache().path()}")
     if failed:
         print(f"{failed} configurations failed to compile, launch or verify and were skipped (see the cache records)")
@@ -116,14 +140,25 @@ def _result_table(result) -> str:
     p = result.problem
     lines = [f"\n{p.op} {p.direction} {p.dtype} {p.layout} {'x'.join(map(str, p.input_shape))} -> {'x'.join(map(str, p.output_shape))}"
              f"  on {result.device}  ({result.seconds:.1f} s)",
-             f"  {'variant':20s} {'best ms':>10s} {'evaluated':>9s} {'failed':>6s}  params"]
+             f"  {'variant':20s} {'kernel ms':>10s} {'evaluated':>9s} {'failed':>6s}  params"]
     for v in result.variants:
+        if v.not_applicable:
+            lines.append(f"  {v.variant:20s} {'-':>10s}  not applicable: {v.not_applicable}")
+            continue
         mark = "  <- winner" if v.variant == result.best_variant else ""
         lines.append(f"  {v.variant:20s} {_format_ms(v.best_time_ms):>10s} {v.evaluated:9d} {len(v.failures):6d}"
-                     f"  {v.best_params}{mark}")
-    lines.append(f"  default {result.default_variant} {result.default_params}: {result.default_time_ms:.4f} ms;"
-                 f" tuned is {result.speedup_over_default:.2f}x faster"
-                 + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
+                     f"  {v.best_params if v.best_params else 'none ran correctly'}{mark}")
+    lines.append("  kernel ms: the kernel alone (median of its launches, timed by OpenCL events); a library call "
+                 "adds its dispatch and any host transfers")
+    default = f"the default {result.default_variant} {result.default_params} ({result.default_time_ms:.4f} ms)"
+    if result.kept_default:
+        verdict = f"{default} is the best configuration found: kept"
+    elif result.speedup_over_default >= 1:
+        verdict = f"tuned: {result.speedup_over_default:.2f}x faster than {default}"
+    else:  # the default's variant was not among those searched (--variants)
+        verdict = (f"tuned among the variants asked for: {1 / result.speedup_over_default:.2f}x slower than {default}, "
+                   f"whose variant was not searched")
+    lines.append(f"  {verdict}" + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
     return "\n".join(lines)
 
 
@@ -133,11 +168,20 @@ def cmd_cache(args) -> int:
         print(f"user cache:    {table.path()}")
         print(f"shipped cache: {kernel_source.shipped_cache_dir()}")
     elif args.action == "show":
-        records = sorted(table.records().values(), key=lambda r: r["key"])
+        def order(record):  # a shape's forward and backward records side by side
+            p = record["problem"]
+            return p["op"], p["dtype"], p["layout"], p["input_shape"], p["output_shape"], p["direction"]
+
+        records = sorted(table.records().values(), key=order)
+        if records:
+            print(f"{'op':20s} {'pass':8s} {'dtype':8s} {'layout':6s} {'input':>18s}    {'output':16s} {'variant':18s}"
+                  f" {'kernel ms':>12s}  params  [device]")
         for r in records:
             p, best = r["problem"], r["best"]
-            print(f"{p['op']:20s} {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
-                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {json.dumps(best['params'])}  [{r['device'].get('name', '?')}]")
+            print(f"{p['op']:20s} {p['direction']:8s} {p['dtype']:8s} {p['layout']:6s}"
+                  f" {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
+                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {json.dumps(best['params'])}"
+                  f"  [{r['device'].get('name', '?')}]" + _partial_note(r))
         print(f"{len(records)} records (user cache {table.path()}, shipped {kernel_source.shipped_cache_dir()})")
     elif args.action == "clear":
         table.clear()
@@ -153,6 +197,17 @@ def cmd_cache(args) -> int:
             count = table.merge(sources)
             print(f"merged {count} records into {table.path()}")
     return 0
+
+
+def _partial_note(record) -> str:
+    """What an interrupted tuning's record covered (nothing for a full tuning)."""
+    if not cache.is_partial(record):
+        return ""
+    partial = record["partial"]
+    cut = partial.get("variant_interrupted")
+    return (f"  PARTIAL (tuning interrupted): {len(partial.get('variants_searched', []))} variants searched"
+            + (f", {cut} cut short" if cut else "")
+            + f", {len(partial.get('variants_not_searched', []))} not searched")
 
 
 def cmd_explain(args) -> int:
@@ -202,9 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_devices)
 
     p = sub.add_parser("tune", help="tune shapes on a device and store the winners in the cache")
-    p.add_argument("--op", default="adaptive_avg_pool2d", help="op name (default adaptive_avg_pool2d)")
-    p.add_argument("--input", help="input shape, e.g. 32x2048x7x7")
-    p.add_argument("--output", help="output size, e.g. 1x1 or 56xNone")
+    p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
+                   help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
+    p.add_argument("--input", help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
+    p.add_argument("--output", help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
     p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS))} or all")
     p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
@@ -220,36 +276,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_tune)
 
     p = sub.add_parser("cache", help="inspect or maintain the tuning cache")
-    p.add_argument("action", choices=["show", "path", "clear", "merge"])
+    p.add_argument("action", choices=["show", "path", "clear", "merge"],
+                   help="show: list the records; path: where the caches are; clear: delete the user cache; "
+                        "merge: fold other cache files in")
     p.add_argument("files", nargs="*", help="for merge: cache files (records.json) to merge")
     p.add_argument("--into", help="for merge: destination file (default: the user cache)")
     p.set_defaults(run=cmd_cache)
 
-    p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor")
+    p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor",
+                       description='Benchmark the suite against PyTorch and the copy-bandwidth floor. Needs PyTorch '
+                                   '(pip install "pool-tuner[bench]"), which it times beside pool_tuner.')
     p.add_argument("--preset", help="comma-separated presets (default: the whole suite)")
-    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both")
-    p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
+                   help="which passes to benchmark (default both)")
+    p.add_argument("--device", help="OpenCL device id (see `pool-tuner devices`)")
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
     p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")
-    p.add_argument("--op", default="adaptive_avg_pool2d")
-    p.add_argument("--input", required=True)
-    p.add_argument("--output", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--layout", help="e.g. NCHW (default) or NHWC")
-    p.add_argument("--direction", choices=["forward", "backward"], default="forward")
-    p.add_argument("--device")
+    p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
+                   help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
+    p.add_argument("--input", required=True, help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
+    p.add_argument("--output", required=True,
+                   help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
+    p.add_argument("--layout", help="memory layout, e.g. NCHW (default, contiguous) or NHWC (channels-last)")
+    p.add_argument("--direction", choices=["forward", "backward"], default="forward",
+                   help="which pass to explain (default forward)")
+    p.add_argument("--device", help="device id (see `pool-tuner devices`; default: the default device)")
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("compile-check", help="compile every kernel instantiation with nvcc (no GPU needed): "
                                              "no warnings, no local-memory spills")
     p.add_argument("backend", choices=["cuda"], help="the backend whose kernels to compile")
     p.add_argument("--arch", action="append", help="target architecture, repeatable (default sm_75, sm_80, sm_90)")
-    p.add_argument("--op", action="append", help="only this op, repeatable (default every op)")
+    p.add_argument("--op", action="append", choices=OP_NAMES, metavar="OP",
+                   help=f"only this op ({', '.join(OP_NAMES)}), repeatable (default every op)")
     p.add_argument("--direction", action="append", help="only this direction (forward/backward), repeatable")
     p.add_argument("--dtype", action="append", help="only this dtype, repeatable (default every dtype)")
     p.add_argument("--variant", action="append", help="only this variant, repeatable (default every variant)")
@@ -261,13 +326,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    """A warning as one line, like the command's errors: what happened, not where in pool_tuner's
+    source it was raised (``warnings.showwarning`` while the command runs).  Through tqdm, so that an
+    active progress bar is redrawn below it instead of being broken."""
+    from tqdm import tqdm
+
+    tqdm.write(f"pool-tuner: warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:
-        print(f"pool-tuner: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    with warnings.catch_warnings():
+        warnings.showwarning = _print_warning
+        try:
+            return args.run(args)
+        except (ValueError, TypeError, OSError, RuntimeError) as exc:
+            print(f"pool-tuner: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        except KeyboardInterrupt as stop:  # Ctrl-C: one line saying what was kept, no traceback
+            print("pool-tuner: interrupted" + (f": {stop}" if str(stop) else ""), file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -38,12 +38,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import glob
-import importlib.util
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,7 +53,9 @@ except ImportError:  # pragma: no cover - not on POSIX
 
 from . import kernel_source
 from .problem import DTYPES, INT32_LIMIT, LAYOUT_NAMES, OPS, Problem
-from .variants import REGISTRY, DeviceLimits
+from .backends.base import DeviceLimits
+from .backends.cuda import NvccNotFoundError, find_nvcc
+from .variants import REGISTRY
 
 #: Architectures compiled by default: Turing, Ampere, Hopper.
 ARCHS = ("sm_75", "sm_80", "sm_90")
@@ -94,40 +93,6 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _FUNCTION = re.compile(r"Function properties for (\S+)")
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)", re.M)
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b.*$", re.M)
-
-
-class NvccNotFoundError(RuntimeError):
-    pass
-
-
-# ---------------------------------------------------------------------- finding nvcc
-
-def find_nvcc(nvcc: str | None = None) -> str:
-    """Path of the nvcc to use: ``nvcc`` if given (a name on PATH or a path), else ``nvcc`` on PATH,
-    else ``$CUDA_HOME``/``$CUDA_PATH``/``/usr/local/cuda`` ``bin/nvcc``, else the one of the PyPI
-    package ``nvidia-cuda-nvcc``.  Raises ``NvccNotFoundError`` with a one-line message."""
-    if nvcc is not None:
-        found = shutil.which(nvcc)
-        if found is None:
-            raise NvccNotFoundError(f"nvcc not found: {nvcc!r} is not an executable file or a command on PATH")
-        return found
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    roots = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
-    candidates = [os.path.join(r, "bin", "nvcc") for r in roots if r]
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        spec = None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "nvcc")))
-    for candidate in candidates:
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    raise NvccNotFoundError(
-        "nvcc not found: put the CUDA toolkit's bin/ on PATH, set CUDA_HOME, or `pip install nvidia-cuda-nvcc`"
-    )
 
 
 def nvcc_version(nvcc: str) -> str:
@@ -365,8 +330,8 @@ def compile_single(nvcc: str, job: Job) -> Result:
     if status != 0:
         return Result(False, output)
     if f"Compiling entry function '{job.kernel_name}'" not in output:
-        return Result(False, f"no entry function '{job.kernel_name}' was compiled (is the variant's #if "
-                             f"block selected?)\n{output}")
+        return Result(False, f"no entry function '{job.kernel_name}' was compiled (does the variant's "
+                             f"kernel file define it?)\n{output}")
     spills = _function_spills(output)
     if job.kernel_name not in spills:
         return Result(False, f"no spill report for '{job.kernel_name}' in ptxas's output\n{output}")

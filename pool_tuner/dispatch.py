@@ -9,8 +9,10 @@ Decision order (each step is reported by ``explain`` as ``source``):
    for this shape; records that are not legal here are passed over;
 4. ``default`` -- the documented heuristic below.
 
-With ``POOL_TUNER_AUTOTUNE=1`` a call whose problem has no exact record tunes it first (once) and
-then dispatches from the new record; otherwise calls never block on tuning.
+The caller may pass ``on_miss``, called when a problem has no exact record, or only a partial one
+from an interrupted tuning, before its decision is memoised (``ops`` passes the tune-on-miss of
+``POOL_TUNER_AUTOTUNE=1``, which says so on the ``pool_tuner`` logger, so that this module needs
+nothing of the tuner, which builds on it); otherwise calls never block on tuning.
 
 The heuristic default, always with the variant's default configuration for the problem
 (``Variant.default_for``): backward passes use ``plane_scatter`` on CPU devices where it is legal
@@ -26,16 +28,15 @@ pooling's coarse levels) go to ``block_per_row``, where several lanes share each
 everything else goes to ``thread_per_output`` -- on CPUs, where work-group barriers are expensive,
 one work-item per output vectorises best.
 
-Decisions and built kernels are memoised in memory (the cache files are read once, on the first
-miss of the memo), so repeated calls do no file-system access and no recompilation.
+Decisions and built kernels are memoised in memory by one ``Dispatcher`` (the cache files are read
+once, on the first miss of the memo), so repeated calls do no file-system access and no
+recompilation; ``forget()`` clears all of it.  The module's functions are that dispatcher's methods.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
-import os
 import warnings
 
 from . import cache as cache_mod
@@ -45,9 +46,6 @@ from .problem import Problem
 
 LARGE_WINDOW = 32
 SHORT_ROW = 4
-AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
-#: Compiler options of every build (part of the kernel hash in cache keys).
-BUILD_OPTIONS = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,40 +92,6 @@ def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     return table["thread_per_output"]
 
 
-def choose(problem: Problem, device, variant=None, config=None, *, allow_tuning=True) -> Choice:
-    """Decide variant and configuration for ``problem`` on ``device`` (validating forced ones)."""
-    if variant is not None or config is not None:
-        if variant is None:
-            raise ValueError("config= needs variant= too: configurations belong to one variant")
-        try:
-            # Value types are part of the key: True == 1, but True is not a legal value.
-            forced_key = (device.id, problem, variant,
-                          None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items())))
-            choice = _FORCED.get(forced_key)
-        except (TypeError, AttributeError):  # unhashable or not a dict: let validation explain
-            forced_key, choice = None, None
-        if choice is None:
-            chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
-            params = chosen.check_config({} if config is None else config, problem, device.limits)
-            choice = Choice(chosen, tuple(sorted(params.items())), "forced")
-            if forced_key is not None:
-                _FORCED[forced_key] = choice
-        return choice
-    memo_key = (device.id, problem)
-    choice = _DECISIONS.get(memo_key)
-    if choice is None:
-        choice = _from_cache(problem, device)
-        if choice.source != "cache" and allow_tuning and os.environ.get(AUTOTUNE_ENV) == "1":
-            from .tuner import tune  # tuner builds on this module
-
-            tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
-                 problem.layout, device)
-            choice = _from_cache(problem, device)
-        if allow_tuning:
-            _DECISIONS[memo_key] = choice
-    return choice
-
-
 def default_choice(problem: Problem, device) -> Choice:
     """The heuristic default (never the cache): what tuning compares its winner against."""
     chosen = heuristic_default(problem, device)
@@ -149,30 +113,13 @@ def _choice_from_record(record: dict, problem: Problem, device, source: str) -> 
     return Choice(variant, tuple(sorted(params.items())), source, record["key"])
 
 
-def _from_cache(problem: Problem, device) -> Choice:
-    table = tuning_cache()
-    key = cache_key(problem, device)
-    record = table.lookup(key)
-    if record is not None:
-        choice = _choice_from_record(record, problem, device, "cache")
-        if choice is not None:
-            return choice
-        warnings.warn(f"tuning-cache record {key} names a configuration that is not legal here; ignored",
-                      cache_mod.CacheWarning, stacklevel=3)
-    for _distance, neighbour in _neighbours(problem, device, table):
-        choice = _choice_from_record(neighbour, problem, device, "nearest")
-        if choice is not None:
-            return choice
-    return default_choice(problem, device)
-
-
 def _log_distance(a, b) -> float:
     return math.sqrt(sum((math.log(max(x, 1)) - math.log(max(y, 1))) ** 2 for x, y in zip(a, b)))
 
 
 def _neighbours(problem: Problem, device, table) -> list:
     """Records of other shapes of the same op on the same device and kernel code, nearest first."""
-    fingerprint, code = device.fingerprint, kernel_hash(problem)
+    fingerprint, code = device.fingerprint, cache_mod.kernel_hash(problem)
     wanted = {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout}
 
     def same_family(record):
@@ -191,80 +138,127 @@ def _neighbours(problem: Problem, device, table) -> list:
     return scored
 
 
-_DECISIONS: dict = {}
-#: Validated forced choices: checking a configuration costs ~100 us, as much as a small kernel.
-_FORCED: dict = {}
-_TUNING_CACHE = None
+class Dispatcher:
+    """The process's dispatch state: memoised decisions, validated forced choices, built kernels
+    (``Launch`` per context) and the open tuning cache -- all cleared by ``forget()``."""
+
+    def __init__(self):
+        self._decisions: dict = {}
+        #: Validated forced choices: checking a configuration costs ~100 us, as much as a small kernel.
+        self._forced: dict = {}
+        self._launches: dict = {}
+        self._tuning_cache: cache_mod.TuningCache | None = None
+        #: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s
+        #: plans): ``forget`` empties them whole, whatever it forgets.
+        self._dependent_memos: list = []
+
+    def register_dependent_memo(self, table: dict) -> None:
+        """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher."""
+        self._dependent_memos.append(table)
+
+    def tuning_cache(self) -> cache_mod.TuningCache:
+        """The process-wide tuning cache (shipped database + user cache), opened on first use."""
+        if self._tuning_cache is None:
+            self._tuning_cache = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
+        return self._tuning_cache
+
+    def forget(self, problem: Problem | None = None, device=None) -> None:
+        """Drop one problem's memoised decision on ``device``, so its next call consults the cache
+        again (after tuning it); with no arguments drop everything -- decisions, forced choices,
+        built kernels -- and re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed).
+        Dependent memo tables (``register_dependent_memo``) are emptied either way."""
+        for table in self._dependent_memos:
+            table.clear()
+        if problem is None:
+            self._decisions.clear()
+            self._forced.clear()
+            self._launches.clear()
+            self._tuning_cache = None
+        else:
+            self._decisions.pop((device.id, problem), None)
+
+    def choose(self, problem: Problem, device, variant=None, config=None, *, on_miss=None,
+               memoise: bool = True) -> Choice:
+        """Decide variant and configuration for ``problem`` on ``device`` (validating forced ones).
+
+        ``on_miss(problem, device)``, when given, is called once a problem has no exact record,
+        before its decision is memoised; when it returns true (it tuned the problem), the cache is
+        consulted again.  ``memoise=False`` decides without remembering (``explain``), so that a
+        later call still gets its ``on_miss``."""
+        if variant is not None or config is not None:
+            return self._forced_choice(problem, device, variant, config)
+        memo_key = (device.id, problem)
+        choice = self._decisions.get(memo_key)
+        if choice is None:
+            choice = self._from_cache(problem, device)
+            untuned = choice.source != "cache" or cache_mod.is_partial(self.tuning_cache().lookup(choice.record_key))
+            if untuned and on_miss is not None and on_miss(problem, device):
+                choice = self._from_cache(problem, device)
+            if memoise:
+                self._decisions[memo_key] = choice
+        return choice
+
+    def _forced_choice(self, problem: Problem, device, variant, config) -> Choice:
+        if variant is None:
+            raise ValueError("config= needs variant= too: configurations belong to one variant")
+        try:
+            # Value types are part of the key: True == 1, but True is not a legal value.
+            forced_key = (device.id, problem, variant,
+                          None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items())))
+            choice = self._forced.get(forced_key)
+        except (TypeError, AttributeError):  # unhashable or not a dict: let validation explain
+            forced_key, choice = None, None
+        if choice is None:
+            chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
+            params = chosen.check_config({} if config is None else config, problem, device.limits)
+            choice = Choice(chosen, tuple(sorted(params.items())), "forced")
+            if forced_key is not None:
+                self._forced[forced_key] = choice
+        return choice
+
+    def _from_cache(self, problem: Problem, device) -> Choice:
+        table = self.tuning_cache()
+        key = cache_mod.cache_key(problem, device)
+        record = table.lookup(key)
+        if record is not None:
+            choice = _choice_from_record(record, problem, device, "cache")
+            if choice is not None:
+                return choice
+            warnings.warn(f"tuning-cache record {key} names a configuration that is not legal here; ignored",
+                          cache_mod.CacheWarning, stacklevel=3)
+        for _distance, neighbour in _neighbours(problem, device, table):
+            choice = _choice_from_record(neighbour, problem, device, "nearest")
+            if choice is not None:
+                return choice
+        return default_choice(problem, device)
+
+    def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
+        """The built kernel and grid for ``choice`` (memoised per context)."""
+        key = (context, problem, choice.variant.name, choice.params)
+        launch = self._launches.get(key)
+        if launch is None:
+            params = choice.config
+            variant = choice.variant
+            source = kernel_source.render(variant.template, variant.defines(params, problem))
+            kernel = device.build(context, source, variant.kernel_name)
+            block = variant.block(params)
+            threads = block[0] * block[1]
+            limit = device.kernel_work_group_limit(kernel)
+            if threads > limit:
+                raise ValueError(
+                    f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
+                    f"built kernel allows at most {limit} on {device.describe()}"
+                )
+            launch = self._launches[key] = Launch(kernel, variant.groups(params, problem), block)
+        return launch
 
 
-def tuning_cache() -> cache_mod.TuningCache:
-    """The process-wide tuning cache (shipped database + user cache), opened on first use."""
-    global _TUNING_CACHE
-    if _TUNING_CACHE is None:
-        _TUNING_CACHE = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
-    return _TUNING_CACHE
-
-
-#: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s plans);
-#: ``forget`` empties them whole, whatever it forgets.
-_DEPENDENT_MEMOS: list = []
-
-
-def register_dependent_memo(table: dict) -> None:
-    """Have ``forget`` empty ``table`` too: its entries hold decisions of this module."""
-    _DEPENDENT_MEMOS.append(table)
-
-
-def forget(problem: Problem | None = None, device=None) -> None:
-    """Drop memoised decisions (all, or one problem's) so the next call consults the cache again;
-    with no arguments also re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed).
-    Dependent memo tables (``register_dependent_memo``) are emptied either way."""
-    global _TUNING_CACHE
-    for table in _DEPENDENT_MEMOS:
-        table.clear()
-    if problem is None:
-        _DECISIONS.clear()
-        _FORCED.clear()
-        _TUNING_CACHE = None
-    else:
-        _DECISIONS.pop((device.id, problem), None)
-
-
-def kernel_hash(problem: Problem) -> str:
-    """sha256 over the templates of every variant of the op and the build options."""
-    templates = sorted({v.template for v in variants_mod.variants_for(problem.op, problem.direction).values()})
-    digest = hashlib.sha256(BUILD_OPTIONS.encode())
-    for template in templates:
-        digest.update(kernel_source.template_hash(template).encode())
-    return digest.hexdigest()
-
-
-def cache_key(problem: Problem, device) -> str:
-    return cache_mod.make_key(problem, device.fingerprint, kernel_hash(problem))
-
-
-_LAUNCHES: dict = {}
-
-
-def prepare(device, context, problem: Problem, choice: Choice) -> Launch:
-    """The built kernel and grid for ``choice`` (memoised per context)."""
-    key = (context, problem, choice.variant.name, choice.params)
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        params = choice.config
-        variant = choice.variant
-        source = kernel_source.render(variant.template, variant.defines(params, problem))
-        kernel = device.build(context, source, variant.kernel_name)
-        block = variant.block(params)
-        threads = block[0] * block[1]
-        limit = device.kernel_work_group_limit(kernel)
-        if threads > limit:
-            raise ValueError(
-                f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
-                f"built kernel allows at most {limit} on {device.describe()}"
-            )
-        launch = _LAUNCHES[key] = Launch(kernel, variant.groups(params, problem), block)
-    return launch
+DISPATCHER = Dispatcher()
+choose = DISPATCHER.choose
+prepare = DISPATCHER.prepare
+forget = DISPATCHER.forget
+tuning_cache = DISPATCHER.tuning_cache
+register_dependent_memo = DISPATCHER.register_dependent_memo
 
 
 def describe(problem: Problem, device, choice: Choice) -> dict:
@@ -279,7 +273,7 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "params": choice.config,
         "source": choice.source,
         "device": device.describe(),
-        "cache_key": cache_key(problem, device),
+        "cache_key": cache_mod.cache_key(problem, device),
         "record_key": choice.record_key,
         "index_bits": 64 if problem.index_64 else 32,
     }

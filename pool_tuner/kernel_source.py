@@ -1,12 +1,26 @@
-"""Kernel templates: locating them, rendering them with ``#define``s, hashing them.
+"""Kernel sources: locating them, putting a variant's program together, hashing it.
 
-A kernel program is the text ``defines + prelude.h + windows.h + <template>``: one template per op
-family and direction (``pool_forward.c``, ...), written once for CUDA and OpenCL C; the prelude maps
-the few differences.  Shapes, dtype, index width, variant and tuning parameters all arrive as
-``#define`` lines, so one rendered program is one specialised kernel.
+``kernels/`` holds one file per variant and direction (``forward/<variant>.c``,
+``backward/<variant>.c``), each written once for CUDA and OpenCL C over shared headers:
 
-The sha256 of the templates is part of every tuning-cache key: editing a kernel makes its tuned
-records stale.
+* ``prelude.h``    -- the only place where CUDA and OpenCL C differ;
+* ``windows.h``    -- window bounds and memory offsets;
+* ``operators.h``  -- the pooling op as a small operator (identity, map, combine, finish, and for
+  selecting ops such as max the position rule): the only file that names an op;
+* ``reduction.h``  -- forward: reducing windows through the operator;
+* ``gradients.h``  -- backward: routing gradients through the operator;
+* ``tiles.h``      -- the tiles of the tiled variants (only their programs include it).
+
+A program is ``defines + headers + variant file`` (``program_files``): shapes, dtype, op, index width
+and tuning parameters all arrive as ``#define`` lines, so one rendered program is one specialised
+kernel.
+
+Kernel identity in the tuning cache: ``template_hash(template)`` is the sha256 of every file of one
+variant's program, and the cache key's kernel hash (``cache.kernel_hash``) combines those of
+*every* variant of the problem's direction.  A record ranks all the variants of its direction
+against each other (its best, default and runners-up), so editing any one of them -- or a header --
+can change which wins: the whole direction's code identifies the record, and the key stays one per
+problem.
 """
 
 from __future__ import annotations
@@ -16,8 +30,12 @@ import hashlib
 import importlib
 from pathlib import Path
 
-#: Headers prepended to every template, in this order.
-HEADERS = ("prelude.h", "windows.h", "tiles.h")
+#: Headers at the start of every program, in this order.
+HEADERS = ("prelude.h", "windows.h", "operators.h")
+#: Headers of one direction's programs, after HEADERS.
+DIRECTION_HEADERS = {"forward": ("reduction.h",), "backward": ("gradients.h",)}
+#: Variants (in either direction) that tile the array they write: their programs include tiles.h.
+TILED_VARIANTS = ("smem_tiled",)
 
 
 def _data_dir(package: str, source_dir: str) -> Path:
@@ -53,11 +71,28 @@ def read(name: str) -> str:
         raise FileNotFoundError(f"pool_tuner kernel source {name!r} not found in {kernel_dir()}") from None
 
 
+def variant_file(direction: str, variant: str) -> str:
+    """The file of one variant's kernel, relative to ``kernels/``: its program's ``template``."""
+    return f"{direction}/{variant}.c"
+
+
+def program_files(template: str) -> tuple:
+    """Every file of the program of ``template`` (a variant's file, ``"<direction>/<variant>.c"``),
+    in order: the headers, then the variant's file."""
+    direction, _, file = template.partition("/")
+    if direction not in DIRECTION_HEADERS or not file.endswith(".c"):
+        raise ValueError(f"template must be '<direction>/<variant>.c' with direction one of "
+                         f"{sorted(DIRECTION_HEADERS)}, got {template!r}")
+    tiles = ("tiles.h",) if file[: -len(".c")] in TILED_VARIANTS else ()
+    return HEADERS + DIRECTION_HEADERS[direction] + tiles + (template,)
+
+
 @functools.cache
 def template_hash(template: str) -> str:
-    """sha256 over the headers and one template: identifies the kernel code of a cache record."""
+    """sha256 over every file of one variant's program (``program_files``): with the other
+    variants' of its direction, the kernel code of a cache record."""
     digest = hashlib.sha256()
-    for name in HEADERS + (template,):
+    for name in program_files(template):
         digest.update(name.encode() + b"\0" + read(name).encode() + b"\0")
     return digest.hexdigest()
 
@@ -72,5 +107,5 @@ def format_defines(defines: dict) -> str:
 
 
 def render(template: str, defines: dict) -> str:
-    """The complete program text for one specialised kernel: defines, headers, template."""
-    return format_defines(defines) + "\n".join(read(name) for name in HEADERS + (template,))
+    """The complete program text for one specialised kernel: defines, headers, the variant's file."""
+    return format_defines(defines) + "\n".join(read(name) for name in program_files(template))

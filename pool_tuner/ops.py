@@ -1,8 +1,9 @@
 """The public pooling functions: validate, dispatch, launch.
 
 Each call validates all of its arguments (raising ``TypeError``/``ValueError`` that name the
-argument) before anything is built or launched, asks ``dispatch`` for the variant and configuration,
-and launches the memoised kernel.  numpy in -> numpy out (through the default queue of the chosen
+argument) before anything is built or launched, asks ``dispatch`` for the variant and configuration
+(handing it the tuner's tune-on-miss, ``POOL_TUNER_AUTOTUNE=1``), and launches the memoised kernel.
+Devices are used only through the contract of ``backends.base``.  numpy in -> numpy out (through the default queue of the chosen
 device); a device array in (``pyopencl.array.Array``, PyCUDA ``GPUArray`` or any
 ``__cuda_array_interface__`` object) -> a device array out on the input's own queue/device, no
 host round trip.
@@ -19,7 +20,7 @@ import os
 
 import numpy as np
 
-from . import backends, dispatch, shapes
+from . import backends, dispatch, shapes, tuner
 from .problem import LAYOUT_NAMES, OPS, Problem, check_dtype
 from .variants import variants_for
 from .windows import pooling_windows
@@ -244,9 +245,7 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
     """Shared body of every forward op."""
     call, x = _forward_call(op, x, output_size, device)
     problem = call.problem
-    if problem.kind != "max" and return_indices:
-        raise ValueError("return_indices is only for max pooling")
-    choice = dispatch.choose(problem, call.device, variant, config)
+    choice = dispatch.choose(problem, call.device, variant, config, on_miss=tuner.tune_on_miss)
     out = call.empty(problem.output_shape, x.dtype)
     buffers = [out]
     if problem.kind == "max":
@@ -273,7 +272,7 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
     call = _Call(problem, dev, queue, is_device)
     if kind == "max":
         indices = _check_indices(indices, grad_out, call)
-    choice = dispatch.choose(problem, dev, variant, config)
+    choice = dispatch.choose(problem, dev, variant, config, on_miss=tuner.tune_on_miss)
     grad_in = call.empty(problem.input_shape, grad_out.dtype)
     if math.prod(problem.input_shape):
         if problem.is_empty:  # no outputs: nothing flows back
@@ -383,12 +382,16 @@ adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward",
             variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
-    (``forced``/``cache``/``nearest``/``default``), device, cache key.  ``layout=None`` means
+    (``forced``/``cache``/``nearest``/``default``), device, cache key, and ``partial``: for a
+    decision from an interrupted tuning's record, what that tuning covered (else None).  ``layout=None`` means
     contiguous channels-first; ``direction="backward"`` explains the backward pass."""
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
-    info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, allow_tuning=False))
-    info["autotune_on_miss"] = os.environ.get(dispatch.AUTOTUNE_ENV) == "1"
+    info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, memoise=False))
+    record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
+    # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
+    info["partial"] = None if record is None else record.get("partial")
+    info["autotune_on_miss"] = os.environ.get(tuner.AUTOTUNE_ENV) == "1"
     return info
 
 
@@ -400,7 +403,8 @@ def release_memory() -> int:
 
 
 def devices() -> list:
-    """Every device pool_tuner can run on, with stable ids (``opencl:<platform>:<device>``)."""
+    """Every device pool_tuner can run on, with ids that keep their meaning when other drivers are
+    installed (``cuda:<ordinal>``, ``opencl:<platform>:<device>`` such as ``opencl:pocl:0``)."""
     return backends.all_devices()
 
 

@@ -53,6 +53,10 @@ def resolve_output_size(output_size, in_spatial: tuple[int, ...], name: str = "o
         raise TypeError(f"{name} must be an int or a sequence of {ndim} ints/None, got None")
     if isinstance(output_size, numbers.Integral) and not isinstance(output_size, bool):
         entries = (output_size,) * ndim
+    elif isinstance(output_size, (str, bytes, bytearray)):  # sequences, but of characters or byte codes
+        raise TypeError(
+            f"{name} must be an int or a sequence of {ndim} ints/None, got {type(output_size).__name__} {output_size!r}"
+        )
     else:
         try:
             entries = tuple(output_size)

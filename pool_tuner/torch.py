@@ -1,41 +1,62 @@
-"""PyTorch integration: autograd Functions, functional forms and ``nn.Module``s.
+"""PyTorch integration: ``torch.library`` custom ops, functional forms and ``nn.Module``s.
 
 Drop-in replacements for ``torch.nn.AdaptiveAvgPool{1,2,3}d`` / ``AdaptiveMaxPool{1,2,3}d`` and
 ``torch.nn.functional.adaptive_{avg,max}_pool{1,2,3}d`` that run pool_tuner's kernels, forward and
 backward::
 
     import pool_tuner.torch as ptt
-    pool = ptt.AdaptiveAvgPool2d((5, 7))          # repr: AdaptiveAvgPool2d(output_size=(5, 7))
+    pool = ptt.AdaptiveAvgPool2d((5, 7))   # repr: pool_tuner.torch.AdaptiveAvgPool2d(output_size=(5, 7))
     y = ptt.adaptive_max_pool2d(x, 3, return_indices=True)
 
-* Same constructor arguments, ``repr`` and results as PyTorch's (the modules subclass PyTorch's,
-  so ``isinstance(m, torch.nn.AdaptiveAvgPool2d)`` holds); keyword-only ``device=``/``variant=``/
-  ``config=`` choose the pool_tuner device and force the forward kernel (gradients use the
-  dispatched backward kernels of the same device).
+* Same constructor arguments, attributes and results as PyTorch's (the modules subclass PyTorch's,
+  so ``isinstance(m, torch.nn.AdaptiveAvgPool2d)`` holds); the repr names the class as
+  ``pool_tuner.torch.…`` so that a printed model shows which layers run pool_tuner.  Keyword-only
+  ``device=``/``variant=``/``config=`` choose the pool_tuner device and force the forward kernel
+  (gradients use the dispatched backward kernels of the same device).
+* The kernels are custom operators ``torch.ops.pool_tuner.adaptive_{avg,max}_pool{1,2,3}d`` and
+  ``…_backward`` (``torch.library.custom_op``), with fake implementations (shape, dtype, memory
+  format) and autograd registered on the op: ``torch.compile(fullgraph=True)`` and
+  ``torch.export`` see them as single graph nodes, forward and backward.  The pool_tuner options
+  travel in the schema as one string (``_encode_options``), so they survive compile and export.
 * Gradients come from pool_tuner's deterministic gather kernels (no atomics), so they are
   bit-identical across runs and work under ``torch.use_deterministic_algorithms(True)``.
 * Double backward: the avg backward ("adaptive unpooling") is linear and its adjoint is the
   forward, so its own backward runs the forward kernel; the max backward's backward is a gather
   by index.  ``gradcheck`` and ``gradgradcheck`` pass for all six ops (max: on tie-free inputs).
 * CPU tensors cross to numpy without copies (bfloat16 through its int16 bits and
-  ``ml_dtypes.bfloat16``); channels-last inputs (``torch.channels_last``/``channels_last_3d``)
-  give channels-last results; other strides are copied to contiguous by pool_tuner.  CUDA
-  tensors go through ``pool_tuner.torch_cuda``: results from PyTorch's caching allocator, kernels
-  launched on PyTorch's current stream, from any thread and inside CUDA graph capture.
+  ``ml_dtypes.bfloat16``); channels-last inputs (``torch.channels_last``/``channels_last_3d``,
+  and likewise channel-innermost 1d and batch-less tensors) give channels-last results; other
+  strides are copied to contiguous by pool_tuner.  CUDA tensors go through
+  ``pool_tuner.torch_cuda``: results from PyTorch's caching allocator, kernels launched on
+  PyTorch's current stream, from any thread and inside CUDA graph capture.
 * Indices are int64 positions within each pooled plane/volume, exactly as PyTorch's.
+* During ``torch.onnx.export`` the functional forms and modules trace an exact decomposition into
+  standard ONNX operators instead (``pool_tuner.onnx``): ONNX runtimes cannot run pool_tuner.
+* TorchScript is refused with a message pointing to ``torch.compile`` / ``torch.export``.
 
 Importing ``pool_tuner`` never imports torch; importing this module does.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError as error:  # only torch itself missing, not something torch imports
+    if error.name != "torch":
+        raise
+    raise ImportError(
+        'pool_tuner.torch needs PyTorch, which is not installed: pip install "pool-tuner[torch]"'
+    ) from error
 
 from . import ops as _ops
 from . import torch_cuda as _torch_cuda
+from .shapes import RANK_NAMES, resolve_output_size
 
 __all__ = [
     "AdaptiveAvgPool1d",
@@ -54,6 +75,14 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+KINDS = ("avg", "max")
+NDIMS = (1, 2, 3)
+#: What TorchScript users are told to use instead (modules refuse ``torch.jit.script``).
+NO_TORCHSCRIPT = (
+    "pool_tuner.torch layers cannot be compiled by torch.jit.script (TorchScript cannot call "
+    "pool_tuner's Python host code); use torch.compile(model) to compile, torch.export.export(model, "
+    "args) to export a graph, or pool_tuner.onnx.export / torch.onnx.export for ONNX"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,6 +127,39 @@ def _to_tensor(array, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+# --------------------------------------------------------------------------------------------
+# Memory format: the fake (meta) implementations and the real ones must agree on the strides of
+# every result, so both derive them from here.
+
+
+def _is_channels_last(t: torch.Tensor, ndim: int) -> bool:
+    """Whether pool_tuner reads ``t`` as channels-last, and so writes results channels-last: the
+    channel axis innermost in memory, the others in order (``torch.channels_last`` for 4-d,
+    ``channels_last_3d`` for 5-d, and the same for 1d and batch-less inputs).  Contiguous wins
+    ties, as in ``pool_tuner.ops.memory_layout``; any other strides are copied to contiguous."""
+    return not t.is_contiguous() and t.movedim(t.dim() - ndim - 1, -1).is_contiguous()
+
+
+def _empty(shape, like: torch.Tensor, dtype, channels_last: bool, ndim: int) -> torch.Tensor:
+    """An uninitialised result of ``shape`` on ``like``'s device, channels-last or contiguous."""
+    if not channels_last:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    c = len(shape) - ndim - 1
+    memory = list(shape[:c]) + list(shape[c + 1:]) + [shape[c]]
+    return torch.empty(memory, dtype=dtype, device=like.device).movedim(-1, c)
+
+
+def _in_layout(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
+    """``t`` in the memory format its fake implementation promised.  Both paths already write
+    results in the layout pool_tuner read the input in (``ops.strides_layout``, which agrees with
+    ``_is_channels_last``), so this copies nothing unless the two rules ever part."""
+    if _is_channels_last(t, ndim) == channels_last and (channels_last or t.is_contiguous()):
+        return t
+    out = _empty(t.shape, t, t.dtype, channels_last, ndim)
+    out.copy_(t)
+    return out
+
+
 def _call(fn, tensors, *args, **kwargs):
     """Run pool_tuner ``fn`` on ``tensors`` and ``args``: CPU tensors as numpy views through
     ``fn`` itself; CUDA tensors through ``pool_tuner.torch_cuda`` (PyTorch's allocator and current
@@ -108,178 +170,256 @@ def _call(fn, tensors, *args, **kwargs):
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd Functions
-#
-# ``opts`` holds the pool_tuner keyword arguments of the forward kernel (``device``,
-# ``variant``, ``config``); every other kernel of the graph gets ``device`` only (a forced
-# variant or config names a forward kernel of one shape).
+# pool_tuner options as one schema string: '' (all defaults) or JSON of the options set, so a
+# compiled or exported graph carries them as a constant argument of the op.
 
 
-def _backward_opts(opts: dict) -> dict:
-    return {"device": opts.get("device")}
+@torch.compiler.assume_constant_result  # a constant of the graph: torch.compile does not trace json
+def _encode_options(device=None, variant=None, config=None) -> str:
+    options = {"device": getattr(device, "id", device), "variant": variant, "config": config}
+    options = {name: value for name, value in options.items() if value is not None}
+    if not options:
+        return ""
+    try:
+        return json.dumps(options, sort_keys=True)
+    except TypeError as error:
+        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): {error}") from None
 
 
-def _op(kind: str, ndim: int, backward: bool = False):
+@functools.lru_cache(maxsize=256)
+def _decode_options(options: str) -> tuple:
+    """The ``(name, value)`` keyword arguments of pool_tuner's ops that ``options`` encodes."""
+    return tuple(json.loads(options).items()) if options else ()
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_options(options: str) -> str:
+    """The options of every kernel of the graph but the forward: the device only (a forced
+    variant or config names a forward kernel of one shape)."""
+    return _encode_options(device=dict(_decode_options(options)).get("device"))
+
+
+# --------------------------------------------------------------------------------------------
+# The custom ops: torch.ops.pool_tuner.adaptive_{avg,max}_pool{1,2,3}d and ..._backward
+
+
+def _kernel(kind: str, ndim: int, backward: bool = False):
     return getattr(_ops, f"adaptive_{kind}_pool{ndim}d" + ("_backward" if backward else ""))
 
 
-class _AvgPool(torch.autograd.Function):
-    """y = adaptive_avg_pool(x); dx = adaptive_avg_pool_backward(dy)."""
-
-    @staticmethod
-    def forward(x, ndim, output_size, opts):
-        return _to_tensor(_call(_op("avg", ndim), [x], output_size, **opts), x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.ndim, _, ctx.opts = inputs
-        ctx.input_shape = tuple(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_in = _AvgUnpool.apply(grad_out, ctx.ndim, ctx.input_shape, _backward_opts(ctx.opts))
-        return grad_in, None, None, None
+def _op_name(kind: str, ndim: int, backward: bool = False) -> str:
+    return f"pool_tuner::adaptive_{kind}_pool{ndim}d" + ("_backward" if backward else "")
 
 
-class _AvgUnpool(torch.autograd.Function):
-    """The avg backward as a differentiable op: linear in ``grad_out``, with the forward pooling
-    (to the output size of ``grad_out``) as its adjoint -- so double backward runs the forward."""
+_SCHEMAS = {
+    ("avg", False): "(Tensor input, SymInt[] output_size, str options) -> Tensor",
+    ("max", False): "(Tensor input, SymInt[] output_size, str options) -> (Tensor, Tensor)",
+    ("avg", True): "(Tensor grad_out, SymInt[] input_shape, str options) -> Tensor",
+    ("max", True): "(Tensor grad_out, Tensor indices, SymInt[] input_shape, str options) -> Tensor",
+}
 
-    @staticmethod
-    def forward(grad_out, ndim, input_shape, opts):
-        return _to_tensor(_call(_op("avg", ndim, backward=True), [grad_out], input_shape, **opts), grad_out)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        grad_out, ctx.ndim, _, ctx.opts = inputs
-        ctx.output_size = tuple(grad_out.shape[grad_out.dim() - ctx.ndim:])
-
-    @staticmethod
-    def backward(ctx, grad_grad_in):
-        grad_grad_out = _AvgPool.apply(grad_grad_in, ctx.ndim, ctx.output_size, ctx.opts)
-        return grad_grad_out, None, None, None
+#: (kind, ndim, backward) -> the registered op (a ``torch.library.CustomOpDef``)
+_OPS: dict = {}
 
 
-class _MaxPool(torch.autograd.Function):
-    """(y, indices) = adaptive_max_pool(x); dx = adaptive_max_pool_backward(dy, indices)."""
-
-    @staticmethod
-    def forward(x, ndim, output_size, opts):
-        values, indices = _call(_op("max", ndim), [x], output_size, True, **opts)
-        return _to_tensor(values, x), _to_tensor(indices, x, torch.int64)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.ndim, _, ctx.opts = inputs
-        ctx.input_shape = tuple(x.shape)
-        ctx.save_for_backward(output[1])
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_indices):
-        (indices,) = ctx.saved_tensors
-        grad_in = _MaxUnpool.apply(grad_out, indices, ctx.ndim, ctx.input_shape, _backward_opts(ctx.opts))
-        return grad_in, None, None, None
+def _define(kind: str, ndim: int, backward: bool, real, fake):
+    op = torch.library.custom_op(_op_name(kind, ndim, backward), real, mutates_args=(),
+                                 device_types=("cpu", "cuda"), schema=_SCHEMAS[kind, backward])
+    op.register_fake(fake)
+    _OPS[kind, ndim, backward] = op
+    return op
 
 
-class _MaxUnpool(torch.autograd.Function):
-    """The max backward as a differentiable op: linear in ``grad_out``; its adjoint gathers
-    ``grad_grad_in`` at the indices, plane by plane (pure index math, deterministic)."""
+def _register(kind: str, ndim: int):
+    """Define the forward and backward ops of one (kind, ndim) and wire their autograd."""
+    forward_kernel, backward_kernel = _kernel(kind, ndim), _kernel(kind, ndim, backward=True)
 
-    @staticmethod
-    def forward(grad_out, indices, ndim, input_shape, opts):
-        grad_in = _call(_op("max", ndim, backward=True), [grad_out, indices], input_shape, **opts)
-        return _to_tensor(grad_in, grad_out)
+    def output_shape(input, output_size):
+        return list(input.shape[: input.dim() - ndim]) + list(output_size)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, indices, ctx.ndim, input_shape, _ = inputs
-        ctx.input_shape = tuple(input_shape)
-        ctx.save_for_backward(indices)
+    if kind == "avg":
+        def forward(input, output_size, options):
+            result = _call(forward_kernel, [input], tuple(output_size), **dict(_decode_options(options)))
+            return _in_layout(_to_tensor(result, input), _is_channels_last(input, ndim), ndim)
 
-    @staticmethod
-    def backward(ctx, grad_grad_in):
-        (indices,) = ctx.saved_tensors
-        batch = ctx.input_shape[: len(ctx.input_shape) - ctx.ndim]
-        plane = math.prod(ctx.input_shape[len(batch):])
-        flat_in = grad_grad_in.reshape(batch + (plane,))
-        flat_idx = indices.reshape(batch + (math.prod(indices.shape[len(batch):]),))
-        grad_grad_out = torch.gather(flat_in, -1, flat_idx).reshape(indices.shape)
-        return grad_grad_out, None, None, None, None
+        def forward_fake(input, output_size, options):
+            return _empty(output_shape(input, output_size), input, input.dtype, _is_channels_last(input, ndim), ndim)
+
+        def backward(grad_out, input_shape, options):
+            result = _call(backward_kernel, [grad_out], tuple(input_shape), **dict(_decode_options(options)))
+            return _in_layout(_to_tensor(result, grad_out), _is_channels_last(grad_out, ndim), ndim)
+    else:
+        def forward(input, output_size, options):
+            values, indices = _call(forward_kernel, [input], tuple(output_size), True, **dict(_decode_options(options)))
+            channels_last = _is_channels_last(input, ndim)
+            return (_in_layout(_to_tensor(values, input), channels_last, ndim),
+                    _in_layout(_to_tensor(indices, input, torch.int64), channels_last, ndim))
+
+        def forward_fake(input, output_size, options):
+            shape, channels_last = output_shape(input, output_size), _is_channels_last(input, ndim)
+            return (_empty(shape, input, input.dtype, channels_last, ndim),
+                    _empty(shape, input, torch.int64, channels_last, ndim))
+
+        def backward(grad_out, indices, input_shape, options):
+            result = _call(backward_kernel, [grad_out, indices], tuple(input_shape), **dict(_decode_options(options)))
+            return _in_layout(_to_tensor(result, grad_out), _is_channels_last(grad_out, ndim), ndim)
+
+    def backward_fake(grad_out, *rest):
+        input_shape = rest[-2]
+        return _empty(list(input_shape), grad_out, grad_out.dtype, _is_channels_last(grad_out, ndim), ndim)
+
+    forward_op = _define(kind, ndim, False, forward, forward_fake)
+    backward_op = _define(kind, ndim, True, backward, backward_fake)
+
+    def forward_setup(ctx, inputs, output):
+        input, _, ctx.options = inputs
+        ctx.input_shape = list(input.shape)
+        if kind == "max":
+            ctx.save_for_backward(output[1])
+
+    if kind == "avg":
+        def forward_grad(ctx, grad_out):
+            return backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options)), None, None
+
+        def backward_setup(ctx, inputs, output):
+            grad_out, _, ctx.options = inputs
+            ctx.output_size = list(grad_out.shape[grad_out.dim() - ndim:])
+
+        def backward_grad(ctx, grad_grad_in):
+            """Adaptive unpooling is linear; its adjoint is the forward pooling."""
+            return forward_op(grad_grad_in, ctx.output_size, ctx.options), None, None
+    else:
+        def forward_grad(ctx, grad_out, _grad_indices):
+            (indices,) = ctx.saved_tensors
+            return backward_op(grad_out, indices, ctx.input_shape, _backward_options(ctx.options)), None, None
+
+        def backward_setup(ctx, inputs, output):
+            _, indices, input_shape, _ = inputs
+            ctx.input_shape = list(input_shape)
+            ctx.save_for_backward(indices)
+
+        def backward_grad(ctx, grad_grad_in):
+            """The max backward scatters grad_out to the argmax positions; its adjoint gathers
+            grad_grad_in at the indices, plane by plane (pure index math, deterministic)."""
+            (indices,) = ctx.saved_tensors
+            batch = ctx.input_shape[: len(ctx.input_shape) - ndim]
+            flat_in = grad_grad_in.reshape(batch + [math.prod(ctx.input_shape[len(batch):])])
+            flat_idx = indices.reshape(batch + [math.prod(indices.shape[len(batch):])])
+            return torch.gather(flat_in, -1, flat_idx).reshape(indices.shape), None, None, None
+
+    forward_op.register_autograd(forward_grad, setup_context=forward_setup)
+    backward_op.register_autograd(backward_grad, setup_context=backward_setup)
+
+
+for _kind in KINDS:
+    for _ndim in NDIMS:
+        _register(_kind, _ndim)
 
 
 # --------------------------------------------------------------------------------------------
 # Functional forms (torch.nn.functional's signatures, plus pool_tuner's keyword arguments)
 
 
-def _options(device, variant, config) -> dict:
-    return {"device": device, "variant": variant, "config": config}
-
-
-def _eager(fn):
-    """Keep ``torch.compile`` out of pool_tuner's host code: it runs eagerly, between graphs."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return fn if disable is None else disable(fn)
-
-
-@_eager
-def _avg(ndim, input, output_size, opts):
+def _check_input(input, ndim: int, output_size) -> list:
+    """Validate a functional call's arguments, named as the caller wrote them, and return the
+    output size with ``None`` entries resolved (ints, or SymInts of dynamic input sizes)."""
     _check_tensor(input, "input")
-    return _AvgPool.apply(input, ndim, output_size, opts)
+    if input.dim() not in (ndim + 1, ndim + 2):
+        raise ValueError(f"input must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
+                         f"got shape {tuple(input.shape)}")
+    spatial = tuple(input.shape[input.dim() - ndim:])
+    if any(size == 0 for size in spatial):
+        raise ValueError(f"input has a pooled dimension of size 0 (shape {tuple(input.shape)}); "
+                         f"pooled dimensions must be >= 1")
+    return list(resolve_output_size(output_size, spatial, "output_size"))
 
 
-@_eager
-def _max(ndim, input, output_size, return_indices, opts):
-    _check_tensor(input, "input")
-    values, indices = _MaxPool.apply(input, ndim, output_size, opts)
+def _exported_to_onnx() -> bool:
+    return torch.onnx.is_in_onnx_export()
+
+
+def _check_no_functorch_transform():
+    """torch.func transforms (grad, vmap, jacrev, ...) cannot run custom ops whose autograd is
+    registered with ``register_autograd`` (PyTorch 2.13); say so instead of PyTorch's message
+    about ``setup_context``."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError(
+            "pool_tuner.torch pooling cannot run inside torch.func transforms (grad, vmap, jacrev, ...): its "
+            "kernels are torch.library custom ops, which PyTorch's transforms do not differentiate; use "
+            "torch.autograd.grad / .backward() for gradients"
+        )
+
+
+def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
+    output_size = _check_input(input, ndim, output_size)
+    _check_no_functorch_transform()
+    if _exported_to_onnx():
+        from .onnx import decompose  # torch.onnx.export: standard ONNX operators, see pool_tuner.onnx
+
+        if return_indices:
+            raise ValueError(f"adaptive_max_pool{ndim}d with return_indices=True cannot be exported to ONNX "
+                             f"(pool_tuner.onnx exports values only)")
+        return decompose(kind, ndim, input, output_size, f"pool_tuner.torch.adaptive_{kind}_pool{ndim}d")
+    op = _OPS[kind, ndim, False]
+    if kind == "avg":
+        return op(input, output_size, options)
+    values, indices = op(input, output_size, options)
     return (values, indices) if return_indices else values
 
 
 def adaptive_avg_pool1d(input, output_size, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_avg_pool1d`` on pool_tuner's kernels; ``device=`` (a
     pool_tuner device id), ``variant=`` and ``config=`` are passed to ``pool_tuner.adaptive_avg_pool1d``."""
-    return _avg(1, input, output_size, _options(device, variant, config))
+    return _pool("avg", 1, input, output_size, False, _encode_options(device, variant, config))
 
 
 def adaptive_avg_pool2d(input, output_size, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_avg_pool2d`` on pool_tuner's kernels (see ``adaptive_avg_pool1d``)."""
-    return _avg(2, input, output_size, _options(device, variant, config))
+    return _pool("avg", 2, input, output_size, False, _encode_options(device, variant, config))
 
 
 def adaptive_avg_pool3d(input, output_size, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_avg_pool3d`` on pool_tuner's kernels (see ``adaptive_avg_pool1d``)."""
-    return _avg(3, input, output_size, _options(device, variant, config))
+    return _pool("avg", 3, input, output_size, False, _encode_options(device, variant, config))
 
 
 def adaptive_max_pool1d(input, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_max_pool1d`` on pool_tuner's kernels: returns the pooled
     values, and with ``return_indices=True`` also their int64 indices, as PyTorch."""
-    return _max(1, input, output_size, return_indices, _options(device, variant, config))
+    return _pool("max", 1, input, output_size, return_indices, _encode_options(device, variant, config))
 
 
 def adaptive_max_pool2d(input, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_max_pool2d`` on pool_tuner's kernels (see ``adaptive_max_pool1d``)."""
-    return _max(2, input, output_size, return_indices, _options(device, variant, config))
+    return _pool("max", 2, input, output_size, return_indices, _encode_options(device, variant, config))
 
 
 def adaptive_max_pool3d(input, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_max_pool3d`` on pool_tuner's kernels (see ``adaptive_max_pool1d``)."""
-    return _max(3, input, output_size, return_indices, _options(device, variant, config))
+    return _pool("max", 3, input, output_size, return_indices, _encode_options(device, variant, config))
 
 
 # --------------------------------------------------------------------------------------------
-# Modules: subclasses of PyTorch's, so constructor arguments, attributes, repr and isinstance
-# checks are PyTorch's own.
+# Modules: subclasses of PyTorch's, so constructor arguments, attributes and isinstance checks
+# are PyTorch's own.
 
 
-class _PoolTunerOptions:
-    """Keyword-only pool_tuner options of a module, shown in its repr only when set."""
+class _PoolTunerModule:
+    """What the six modules share: keyword-only pool_tuner options (shown in the repr only when
+    set), a repr that says the layer is pool_tuner's, and a clear refusal of TorchScript."""
+
+    kind: str
+    ndim: int
 
     def _set_options(self, device, variant, config):
         self.device, self.variant, self.config = device, variant, config
 
-    def _options(self) -> dict:
-        return _options(self.device, self.variant, self.config)
+    def forward(self, input):
+        return _pool(self.kind, self.ndim, input, self.output_size, getattr(self, "return_indices", False),
+                     _encode_options(self.device, self.variant, self.config))
+
+    def _get_name(self) -> str:
+        return f"pool_tuner.torch.{type(self).__name__}"
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
@@ -288,74 +428,73 @@ class _PoolTunerOptions:
                 text += f", {name}={getattr(self, name)!r}"
         return text
 
+    def __prepare_scriptable__(self):
+        """Called by ``torch.jit.script`` on every submodule before compiling it."""
+        raise RuntimeError(NO_TORCHSCRIPT)
 
-class AdaptiveAvgPool1d(_PoolTunerOptions, torch.nn.AdaptiveAvgPool1d):
+
+class AdaptiveAvgPool1d(_PoolTunerModule, torch.nn.AdaptiveAvgPool1d):
     """``torch.nn.AdaptiveAvgPool1d`` on pool_tuner's kernels."""
 
+    kind, ndim = "avg", 1
+
     def __init__(self, output_size, *, device=None, variant=None, config=None):
         super().__init__(output_size)
         self._set_options(device, variant, config)
 
-    def forward(self, input):
-        return _avg(1, input, self.output_size, self._options())
 
-
-class AdaptiveAvgPool2d(_PoolTunerOptions, torch.nn.AdaptiveAvgPool2d):
+class AdaptiveAvgPool2d(_PoolTunerModule, torch.nn.AdaptiveAvgPool2d):
     """``torch.nn.AdaptiveAvgPool2d`` on pool_tuner's kernels."""
 
+    kind, ndim = "avg", 2
+
     def __init__(self, output_size, *, device=None, variant=None, config=None):
         super().__init__(output_size)
         self._set_options(device, variant, config)
 
-    def forward(self, input):
-        return _avg(2, input, self.output_size, self._options())
 
-
-class AdaptiveAvgPool3d(_PoolTunerOptions, torch.nn.AdaptiveAvgPool3d):
+class AdaptiveAvgPool3d(_PoolTunerModule, torch.nn.AdaptiveAvgPool3d):
     """``torch.nn.AdaptiveAvgPool3d`` on pool_tuner's kernels."""
 
+    kind, ndim = "avg", 3
+
     def __init__(self, output_size, *, device=None, variant=None, config=None):
         super().__init__(output_size)
         self._set_options(device, variant, config)
 
-    def forward(self, input):
-        return _avg(3, input, self.output_size, self._options())
 
-
-class AdaptiveMaxPool1d(_PoolTunerOptions, torch.nn.AdaptiveMaxPool1d):
+class AdaptiveMaxPool1d(_PoolTunerModule, torch.nn.AdaptiveMaxPool1d):
     """``torch.nn.AdaptiveMaxPool1d`` on pool_tuner's kernels."""
 
+    kind, ndim = "max", 1
+
     def __init__(self, output_size, return_indices=False, *, device=None, variant=None, config=None):
         super().__init__(output_size, return_indices)
         self._set_options(device, variant, config)
 
-    def forward(self, input):
-        return _max(1, input, self.output_size, self.return_indices, self._options())
 
-
-class AdaptiveMaxPool2d(_PoolTunerOptions, torch.nn.AdaptiveMaxPool2d):
+class AdaptiveMaxPool2d(_PoolTunerModule, torch.nn.AdaptiveMaxPool2d):
     """``torch.nn.AdaptiveMaxPool2d`` on pool_tuner's kernels."""
 
+    kind, ndim = "max", 2
+
     def __init__(self, output_size, return_indices=False, *, device=None, variant=None, config=None):
         super().__init__(output_size, return_indices)
         self._set_options(device, variant, config)
 
-    def forward(self, input):
-        return _max(2, input, self.output_size, self.return_indices, self._options())
 
-
-class AdaptiveMaxPool3d(_PoolTunerOptions, torch.nn.AdaptiveMaxPool3d):
+class AdaptiveMaxPool3d(_PoolTunerModule, torch.nn.AdaptiveMaxPool3d):
     """``torch.nn.AdaptiveMaxPool3d`` on pool_tuner's kernels."""
 
+    kind, ndim = "max", 3
+
     def __init__(self, output_size, return_indices=False, *, device=None, variant=None, config=None):
         super().__init__(output_size, return_indices)
         self._set_options(device, variant, config)
 
-    def forward(self, input):
-        return _max(3, input, self.output_size, self.return_indices, self._options())
 
-
-_REPLACEMENTS = {
+#: PyTorch's layer class -> pool_tuner's
+REPLACEMENTS = {
     torch.nn.AdaptiveAvgPool1d: AdaptiveAvgPool1d,
     torch.nn.AdaptiveAvgPool2d: AdaptiveAvgPool2d,
     torch.nn.AdaptiveAvgPool3d: AdaptiveAvgPool3d,
@@ -365,23 +504,30 @@ _REPLACEMENTS = {
 }
 
 
+def swap_layers(model: torch.nn.Module, swap) -> torch.nn.Module:
+    """Replace, in place, every submodule ``m`` of ``model`` (``model`` itself included) by
+    ``swap(qualified_name, m)``; returns the (new) root.  Shared by ``replace_pooling`` and
+    ``pool_tuner.onnx``."""
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            replacement = swap(f"{parent_name}.{name}" if parent_name else name, child)
+            if replacement is not child:
+                setattr(parent, name, replacement)
+    return swap("", model)
+
+
 def replace_pooling(model: torch.nn.Module, *, device=None, variant=None, config=None) -> torch.nn.Module:
     """Swap every PyTorch adaptive pooling layer inside ``model`` (in place, ``model`` itself
     included) for pool_tuner's equivalent with the same arguments; returns the (new) model.
     Layers that are already pool_tuner's, and subclasses of PyTorch's, are left alone."""
 
-    def swap(module):
-        cls = _REPLACEMENTS.get(type(module))
+    def swap(_name, module):
+        cls = REPLACEMENTS.get(type(module))
         if cls is None:
             return module
-        args = (module.output_size,) if cls.__name__.startswith("AdaptiveAvg") else (module.output_size, module.return_indices)
+        args = (module.output_size,) if cls.kind == "avg" else (module.output_size, module.return_indices)
         new = cls(*args, device=device, variant=variant, config=config)
         new.train(module.training)
         return new
 
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            replacement = swap(child)
-            if replacement is not child:
-                setattr(parent, name, replacement)
-    return swap(model)
+    return swap_layers(model, swap)

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from . import dispatch, ops, shapes
+from . import dispatch, ops, shapes, tuner
 from .backends import cuda
 from .problem import LAYOUT_NAMES, OPS, Problem
 
@@ -115,7 +115,8 @@ class _Plan:
             if kind == "max":
                 inputs.append(_indices_copy(tensors[1], first, problem))
         self.problem = problem
-        self.choice = dispatch.choose(problem, device, options.get("variant"), options.get("config"))
+        self.choice = dispatch.choose(problem, device, options.get("variant"), options.get("config"),
+                                      on_miss=tuner.tune_on_miss)
         self.inputs = None if inputs == [None] * len(inputs) else tuple(inputs)
         self.outputs = tuple((shape, _strides(problem, shape), dtype) for shape, dtype in results)
         self.zero_fill = problem.is_empty and direction == "backward" and math.prod(problem.input_shape) > 0

@@ -15,12 +15,22 @@ every candidate alike.  The default configuration races too, so the stored winne
 configuration of the default's variant that lost to it.  A search restricted with ``variants=``
 to other variants stores the best of those, as asked, even if the default beat it; the reported
 speed-up over the default (``TuneResult.speedup_over_default``, the CLI's last line) shows that.
+
+Interruption (Ctrl-C): ``KeyboardInterrupt`` reaches us from inside Kernel Tuner's loop or a
+PyOpenCL call, which neither catches it.  Kernel Tuner appends every configuration it measured to
+its cache file as it goes, so the interrupted variant's measurements are read back from there;
+``tune`` then stores the best configuration measured so far -- over the variants searched whole and
+the interrupted one -- as a record marked ``"partial"`` (what was covered, timed by Kernel Tuner
+alone, never raced against the default), unless the cache already holds a full tuning of the shape,
+and raises ``TuningInterrupted``.  A later full tuning of the shape replaces a partial record; a
+partial one never replaces a full one (``cache``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import tempfile
 import time
@@ -34,6 +44,8 @@ from . import kernel_source
 from .problem import Problem
 from .variants import variants_for
 
+#: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
+AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
 #: Search spaces with at most this many legal points are searched exhaustively by default.
 BRUTE_FORCE_LIMIT = 30
 #: Default budget for larger spaces: random sampling of this many configurations per variant.
@@ -43,6 +55,10 @@ DEFAULT_TIME_LIMIT = 20.0
 #: Kernel Tuner launches per configuration (median taken) and race repetitions per candidate.
 ITERATIONS = 9
 RACE_REPETITIONS = 25
+
+#: Where ``autotune`` says that a call is tuning its shape (at WARNING level: shown on stderr even
+#: when the application configures no logging).
+log = logging.getLogger("pool_tuner")
 
 #: Verification tolerances per dtype (float16/bfloat16: a few units of their epsilon).
 TOLERANCES = {
@@ -57,10 +73,12 @@ TOLERANCES = {
 class VariantResult:
     variant: str
     best_params: dict | None
-    best_time_ms: float | None  # race median of the best configuration
+    best_time_ms: float | None  # race median of the best configuration (Kernel Tuner's in a partial result)
     evaluated: int
     failures: list  # [{"params": ..., "error": ...}]
     seconds: float
+    #: Why the variant cannot run the problem at all (its refusal of its default configuration), or None.
+    not_applicable: str | None = None
 
 
 @dataclasses.dataclass
@@ -77,10 +95,35 @@ class TuneResult:
     seconds: float
     cache_key: str
     stored: bool
+    #: What an interrupted tuning covered (the record's ``"partial"`` field), None for a full one.
+    partial: dict | None = None
 
     @property
-    def speedup_over_default(self) -> float:
-        return self.default_time_ms / self.best_time_ms
+    def speedup_over_default(self) -> float | None:
+        """Default time over the winner's (None for a partial result: the default was not timed)."""
+        return None if self.default_time_ms is None else self.default_time_ms / self.best_time_ms
+
+    @property
+    def kept_default(self) -> bool:
+        """Whether the winner is the heuristic default configuration itself."""
+        return (self.best_variant, self.best_params) == (self.default_variant, self.default_params)
+
+
+class TuningInterrupted(KeyboardInterrupt):
+    """Ctrl-C while tuning.  ``tune`` stored what had been measured first (see the module
+    docstring); ``result`` is that partial ``TuneResult``, or None when nothing had been measured."""
+
+    def __init__(self, message: str, result: TuneResult | None = None):
+        super().__init__(message)
+        self.result = result
+
+
+class _SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during one variant's search, carrying ``tune_variant``'s result over what it measured."""
+
+    def __init__(self, measured: tuple):
+        super().__init__()
+        self.measured = measured
 
 
 def _space_key(params: dict) -> tuple:
@@ -199,25 +242,43 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
     with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch, _working_directory(scratch):
         # Kernel Tuner writes the sources of failing configurations to the working directory.
         kt_cache = os.path.join(scratch, "kernel_tuner_cache.json")
-        while len(failures) < len(legal):
-            building.clear()
-            try:
-                results, _env = tune_kernel(
-                    variant.kernel_name, generate, lambda p: (variant.groups(p, problem), 1),
-                    case.args, {k: list(v) for k, v in variant.search_space.items()},
-                    grid_div_x=[], grid_div_y=[], restrictions=restriction,
-                    answer=case.answer, verify=case.verify,
-                    lang="OpenCL", platform=device.platform_index, device=device.device_index,
-                    defines={}, iterations=iterations, strategy=strategy,
-                    strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
-                )
-                break
-            except Exception as exc:  # noqa: BLE001 - any failure of one configuration
-                params = building.get("params")
-                if params is None or _space_key(params) in failures:
-                    raise
-                failures[_space_key(params)] = f"{type(exc).__name__}: {exc}".strip()[:500]
+        try:
+            while len(failures) < len(legal):
+                building.clear()
+                try:
+                    results, _env = tune_kernel(
+                        variant.kernel_name, generate, lambda p: (variant.groups(p, problem), 1),
+                        case.args, {k: list(v) for k, v in variant.search_space.items()},
+                        grid_div_x=[], grid_div_y=[], restrictions=restriction,
+                        answer=case.answer, verify=case.verify,
+                        **device.kernel_tuner_arguments(), defines={}, iterations=iterations, strategy=strategy,
+                        strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
+                    )
+                    break
+                except Exception as exc:  # noqa: BLE001 - any failure of one configuration
+                    params = building.get("params")
+                    if params is None or _space_key(params) in failures:
+                        raise
+                    failures[_space_key(params)] = f"{type(exc).__name__}: {exc}".strip()[:500]
+        except KeyboardInterrupt:
+            raise _SearchInterrupted(_best_measured(_measured_so_far(kt_cache), variant, failures)) from None
+    return _best_measured(results, variant, failures)
 
+
+def _measured_so_far(kt_cache: str) -> list:
+    """The configurations in Kernel Tuner's cache file, which it appends to after each one (and
+    leaves unclosed when interrupted, which its reader allows); none if there is no readable file."""
+    from kernel_tuner.util import read_cache
+
+    try:
+        return list(read_cache(kt_cache, open_cache=False)["cache"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _best_measured(results: list, variant, failures: dict) -> tuple[dict | None, float | None, int, list]:
+    """``tune_variant``'s result over Kernel Tuner's ``results``: the best of the configurations
+    measured and not failed, by their median time."""
     measured = [r for r in results if isinstance(r.get("times"), list) and r.get("times")
                 and _space_key({k: int(r[k]) for k in variant.search_space}) not in failures]
     failure_list = [{"params": dict(k), "error": e} for k, e in failures.items()]
@@ -239,20 +300,19 @@ def _working_directory(path):
 
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
-    """Median kernel time (ms) of each choice, launched interleaved on one queue (events)."""
+    """Median kernel time (ms) of each choice, launched interleaved on one queue and timed by the
+    device (``timed_launch``)."""
     rng = rng or np.random.default_rng()
     queue = device.queue
-    buffers = [device.to_device(a).data for a in make_case(problem, rng).args]
+    arrays = [device.to_device(a, queue) for a in make_case(problem, rng).args]
     launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
     for launch in launches:  # warm-up
-        device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
-    queue.finish()
+        device.launch(queue, launch.kernel, launch.groups, launch.block, arrays)
+    device.synchronize(queue)
     times = [[] for _ in choices]
     for _ in range(repetitions):
         for i, launch in enumerate(launches):
-            event = device.launch(queue, launch.kernel, launch.groups, launch.block, buffers)
-            event.wait()
-            times[i].append((event.profile.end - event.profile.start) * 1e-6)
+            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block, arrays))
     return [float(np.median(t)) for t in times]
 
 
@@ -277,32 +337,27 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
         if name not in table:
             raise ValueError(f"variants must name variants of {op} {direction}, one of {sorted(table)}; got {name!r}")
     rng = np.random.default_rng()
+    tc = tuning_cache or dispatch.tuning_cache()
+    default = dispatch.default_choice(problem, dev)
+    options = dict(strategy=strategy, max_fevals=max_fevals, time_limit=time_limit, iterations=iterations, rng=rng,
+                   quiet=quiet)
 
     results = []
-    for name in names:
-        t0 = time.perf_counter()
-        try:
-            params, _kt_ms, evaluated, failures = tune_variant(
-                table[name], problem, dev, strategy=strategy, max_fevals=max_fevals, time_limit=time_limit,
-                iterations=iterations, rng=rng, quiet=quiet)
-        except (ValueError, TypeError):  # our own argument errors (e.g. a budget with brute_force)
-            raise
-        except Exception as exc:  # the search itself broke: the other variants still count
-            error = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"tuning variant {name!r} of {problem.op} {problem.direction} failed and is left out: "
-                          f"{error}", RuntimeWarning, stacklevel=2)
-            params, evaluated, failures = None, 0, [{"params": None, "error": error}]
-        results.append(VariantResult(name, params, None, evaluated, failures, time.perf_counter() - t0))
-        if progress is not None:
-            progress(name)
-    tuned = [r for r in results if r.best_params is not None]
-    if not tuned:
-        raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.describe()}; "
-                           f"failures: {[f for r in results for f in r.failures][:3]}")
-
-    default = dispatch.default_choice(problem, dev)
-    candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
-    times = race(problem, dev, candidates + [default], rng=rng)
+    try:
+        for name in names:
+            results.append(_search(table[name], problem, dev, options))
+            if progress is not None:
+                progress(name)
+        tuned = [r for r in results if r.best_params is not None]
+        if not tuned:
+            raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.describe()}; "
+                               f"failures: {[f for r in results for f in r.failures][:3]}")
+        candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
+        times = race(problem, dev, candidates + [default], rng=rng)
+    except KeyboardInterrupt as stop:
+        interrupted = getattr(stop, "result", None)  # the variant whose search was cut short
+        raise _keep_partial(problem, dev, names, results, interrupted, default, tc if store else None,
+                            started) from None
     default_ms = times[-1]
     for r, t in zip(tuned, times):
         r.best_time_ms = t
@@ -310,25 +365,128 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
         # to it, the default is that variant's best.
         if r.variant == default.variant.name and default_ms < t:
             r.best_params, r.best_time_ms = default.config, default_ms
-    winner = min(tuned, key=lambda r: r.best_time_ms)
+    default_entry = {"variant": default.variant.name, "params": default.config, "time_ms": default_ms}
+    return _finish(problem, dev, results, default, default_entry, tc if store else None, started)
 
-    tc = tuning_cache or dispatch.tuning_cache()
-    key = dispatch.cache_key(problem, dev)
+
+def _search(variant, problem: Problem, dev, options: dict) -> VariantResult:
+    """One variant's search as a ``VariantResult`` (best time: Kernel Tuner's median, until raced)."""
+    t0 = time.perf_counter()
+    if not variant.legal_configurations(problem, dev.limits):
+        return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, dev.limits))
+    try:
+        params, kt_ms, evaluated, failures = tune_variant(variant, problem, dev, **options)
+    except (ValueError, TypeError):  # our own argument errors (e.g. a budget with brute_force)
+        raise
+    except _SearchInterrupted as stop:
+        stop.result = VariantResult(variant.name, *stop.measured, time.perf_counter() - t0)
+        raise
+    except Exception as exc:  # the search itself broke: the other variants still count
+        error = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"tuning variant {variant.name!r} of {problem.op} {problem.direction} failed and is left out: "
+                      f"{error}", RuntimeWarning, stacklevel=3)
+        params, kt_ms, evaluated, failures = None, None, 0, [{"params": None, "error": error}]
+    return VariantResult(variant.name, params, kt_ms, evaluated, failures, time.perf_counter() - t0)
+
+
+def _refusal(variant, problem: Problem, limits) -> str:
+    """Why ``variant`` has no legal configuration for ``problem``: its refusal of its default
+    configuration (variants refuse a problem as a whole, e.g. plane_reduce all but global pooling)."""
+    params = dict(variant.default_for(problem))
+    return (variant.extra_rule(params) or variant.illegal_reason(params, problem, limits)
+            or "no configuration of its search space is legal for this problem")
+
+
+def _finish(problem: Problem, dev, results: list, default, default_entry: dict, tc, started: float,
+            partial: dict | None = None) -> TuneResult:
+    """Store the best of ``results`` (in ``tc``, unless it is None) and return the ``TuneResult``."""
+    tuned = sorted((r for r in results if r.best_params is not None), key=lambda r: r.best_time_ms)
+    winner = tuned[0]
+    key = cache_mod.cache_key(problem, dev)
     record = cache_mod.make_record(
-        problem, dev.fingerprint, dispatch.kernel_hash(problem),
+        problem, dev.fingerprint, cache_mod.kernel_hash(problem),
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
-        runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms}
-                    for r in sorted(tuned, key=lambda r: r.best_time_ms) if r is not winner],
-        extra={"default": {"variant": default.variant.name, "params": default.config, "time_ms": default_ms},
+        runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms} for r in tuned[1:]],
+        extra={"default": default_entry,
                "failures": [dict(f, variant=r.variant) for r in results for f in r.failures],
-               "tuning_seconds": round(time.perf_counter() - started, 3)},
+               "tuning_seconds": round(time.perf_counter() - started, 3),
+               **({} if partial is None else {"partial": partial})},
     )
     stored = False
-    if store:
+    if tc is not None:
         stored = tc.store(record)
         dispatch.forget(problem, dev)
     return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
-                      default.variant.name, default.config, default_ms, time.perf_counter() - started, key, stored)
+                      default.variant.name, default.config, default_entry["time_ms"], time.perf_counter() - started,
+                      key, stored, partial)
 
 
-__all__ = ["tune", "TuneResult", "VariantResult", "race"]
+def _title(problem: Problem) -> str:
+    """``adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4``: the problem, for messages."""
+    return (f"{problem.op} {problem.direction} {problem.dtype} {problem.layout} "
+            f"{'x'.join(map(str, problem.input_shape))} -> {'x'.join(map(str, problem.output_shape))}")
+
+
+def _keep_partial(problem: Problem, dev, names: list, results: list, interrupted: VariantResult | None, default, tc,
+                  started: float) -> TuningInterrupted:
+    """After Ctrl-C: store the best configuration measured so far as a partial record (unless the
+    cache holds a full tuning of the problem) and return the ``TuningInterrupted`` to raise."""
+    what = _title(problem)
+    searched = [r.variant for r in results]
+    results = results + ([interrupted] if interrupted is not None else [])
+    if not any(r.best_params is not None for r in results):
+        return TuningInterrupted(f"tuning {what} was interrupted before a configuration had been measured; "
+                                 f"nothing of it stored")
+    partial = {
+        "variants_searched": searched,
+        "variant_interrupted": None if interrupted is None else interrupted.variant,
+        "variants_not_searched": names[len(results):],
+        "timing": "Kernel Tuner's medians; not raced against the default",
+    }
+    existing = None if tc is None else tc.lookup(cache_mod.cache_key(problem, dev))
+    if existing is not None and not cache_mod.is_partial(existing):
+        tc = None  # a full tuning is worth more than an interrupted one
+    default_entry = {"variant": default.variant.name, "params": default.config, "time_ms": None}
+    result = _finish(problem, dev, results, default, default_entry, tc, started, partial)
+    if result.stored:
+        kept = (f"stored the best configuration measured so far ({result.best_variant} {result.best_params}, "
+                f"{result.best_time_ms:.4f} ms) as a partial record, "
+                f"{len(searched)} of {len(names)} variants searched whole")
+    elif existing is not None and tc is None:
+        kept = "the cache's full tuning of it is kept"
+    else:
+        kept = "its partial result was not stored"
+    return TuningInterrupted(f"tuning {what} was interrupted: {kept}", result)
+
+
+def autotune(problem: Problem, device) -> None:
+    """Tune ``problem`` on ``device`` for a call that found no record (``POOL_TUNER_AUTOTUNE=1``),
+    saying on the ``pool_tuner`` logger, before and after, what the call is waiting for: tuning is
+    seconds to minutes of compiling and timing, and a call that blocks that long without a word
+    looks hung.  Runs once per shape and process (dispatch memoises the decision)."""
+    what = _title(problem)
+    variants = variants_for(problem.op, problem.direction).values()
+    legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
+    searched = sum(n if n <= BRUTE_FORCE_LIMIT else min(DEFAULT_MAX_FEVALS, n) for n in legal)
+    log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for %s on %s: tuning it now, before this "
+                "call returns -- up to %d configurations of %d variants to compile, time and verify (on PoCL's CPU "
+                "device about half a second each)", what, device.describe(), searched, sum(1 for n in legal if n))
+    result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
+                  problem.layout, device, direction=problem.direction)
+    log.warning("pool_tuner: tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
+                result.best_params, result.best_time_ms,
+                "stored in the tuning cache" if result.stored else "kept in memory only (the cache could not be written)")
+
+
+def tune_on_miss(problem: Problem, device) -> bool:
+    """The calls' tune-on-miss (``dispatch.choose``'s ``on_miss``): with ``POOL_TUNER_AUTOTUNE=1``
+    tune ``problem`` on ``device`` (``autotune``) and return True, else return False.  Dispatch
+    memoises the decision that follows, so a problem is tuned once per process."""
+    if os.environ.get(AUTOTUNE_ENV) != "1":
+        return False
+    autotune(problem, device)
+    return True
+
+
+__all__ = ["autotune", "tune", "tune_on_miss", "TuneResult", "TuningInterrupted", "VariantResult", "race",
+           "AUTOTUNE_ENV"]

@@ -10,23 +10,19 @@ The tuner searches the space; dispatch validates whatever it is about to launch 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import kernel_source
 from .problem import DIRECTIONS, OPS, Problem, check_op
 from .windows import max_window, pooling_windows
 
-
-@dataclasses.dataclass(frozen=True)
-class DeviceLimits:
-    """The device properties that decide whether a configuration can launch."""
-
-    max_work_group_size: int
-    local_mem_size: int
+if TYPE_CHECKING:  # the limits come with a device; variants only read them
+    from .backends.base import DeviceLimits
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -74,9 +70,8 @@ class Variant:
     """Base class; subclasses fill in the class attributes and the three methods."""
 
     name: str
+    direction = "forward"
     summary: str
-    template = "pool_forward.c"
-    kernel_name = "pool_forward"
     #: Tuning parameters and their candidate values, in Kernel Tuner's form.
     search_space: dict
     #: The configuration used when nothing was tuned (see ``dispatch``).
@@ -98,6 +93,15 @@ class Variant:
 
     # ------------------------------------------------------------------ shared logic
 
+    @property
+    def template(self) -> str:
+        """The variant's kernel file, ``kernels/<direction>/<name>.c`` (``kernel_source``)."""
+        return kernel_source.variant_file(self.direction, self.name)
+
+    @property
+    def kernel_name(self) -> str:
+        return f"pool_{self.direction}"
+
     def configurations(self):
         """Every point of the search space (legal or not), as dicts."""
         names = list(self.search_space)
@@ -108,7 +112,7 @@ class Variant:
         """Why ``params`` cannot run ``problem`` on a device with ``limits``; None when it can."""
         lanes = params.get("row_lanes", 1)
         if lanes > 1 and lanes > _longest_run(problem):
-            return "row_lanes must not exceed the longest contiguous run of a window (kernels.pool_forward.c)"
+            return "row_lanes must not exceed the longest contiguous run of a window (kernels/reduction.h)"
         threads = math.prod(self.block(params))
         if threads > limits.max_work_group_size:
             return f"work-group of {threads} exceeds the device limit {limits.max_work_group_size}"
@@ -175,7 +179,6 @@ class Variant:
         """Every ``#define`` of this variant's kernel for ``problem``, tuning parameters last."""
         return {
             **problem.defines(),
-            f"VARIANT_{self.name.upper()}": 1,
             **self.extra_defines(params, problem),
             **params,
         }
@@ -254,7 +257,7 @@ class ThreadPerOutput(Variant):
         "row_lanes": [1, 4, 8, 16],
     }
     default = {"block_size_x": 256, "outputs_per_thread": 1, "row_lanes": 1}
-    #: Windows too large for the unrolled small-window path whose runs (kernels/pool_forward.c)
+    #: Windows too large for the unrolled small-window path whose runs (kernels/reduction.h)
     #: have at least this many elements default to LONG_RUN_LANES lanes: on PoCL the tuner picked
     #: 8 or 16 lanes for such suite shapes, 2-4x faster than one lane (global, pyramid and 3-d head
     #: pooling).  Windows that fit the box run fastest unrolled, which needs one lane.
@@ -283,7 +286,7 @@ class ThreadPerRow(Variant):
     #: window (average pooling only): faster on long 1-d rows, slower on some 2-d layers, so tuned.
     search_space = {"block_size_x": [1, 4, 16, 64, 256], "unrolled_columns": [0, 1]}
     default = {"block_size_x": 16, "unrolled_columns": 0}
-    #: Bytes of the private row of column partials (kernels/pool_forward.c) a work-item may hold.
+    #: Bytes of the private row of column partials (kernels/forward/thread_per_row.c) a work-item may hold.
     ROW_BYTES_LIMIT = 16384
     #: Widest window (in columns) that unrolled_columns unrolls.
     UNROLLED_COLUMNS_LIMIT = 32
@@ -399,8 +402,7 @@ class ChannelsVector(Variant):
 
 class ThreadPerInput(Variant):
     name = "thread_per_input"
-    template = "pool_backward.c"
-    kernel_name = "pool_backward"
+    direction = "backward"
     summary = "gather: each work-item sums the gradients of the outputs whose windows hold its inputs"
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
@@ -419,8 +421,7 @@ class ThreadPerInput(Variant):
 
 class SmemTiledBackward(_Tiled):
     name = "smem_tiled"
-    template = "pool_backward.c"
-    kernel_name = "pool_backward"
+    direction = "backward"
     summary = "gather: a work-group stages the output gradients over a tile of inputs, then sums from local memory"
 
     def tiled_axes(self, problem):
@@ -429,8 +430,7 @@ class SmemTiledBackward(_Tiled):
 
 class ThreadPerRowBackward(Variant):
     name = "thread_per_row"
-    template = "pool_backward.c"
-    kernel_name = "pool_backward"
+    direction = "backward"
     summary = ("average pooling, channels-first: each work-item writes one input row once, a run of equal "
                "values per output column (no input in more than two windows along W)")
     search_space = {"block_size_x": [1, 4, 16, 64, 256]}
@@ -457,8 +457,7 @@ class ThreadPerRowBackward(Variant):
 
 class PlaneScatter(Variant):
     name = "plane_scatter"
-    template = "pool_backward.c"
-    kernel_name = "pool_backward"
+    direction = "backward"
     summary = "a work-item per plane adds each output's gradient over its window, outputs in order (float32/float64)"
     search_space = {"block_size_x": [1, 4, 16, 64]}
     default = {"block_size_x": 16}

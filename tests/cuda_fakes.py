@@ -7,7 +7,7 @@ import ctypes
 import threading
 
 from pool_tuner.backends import cuda
-from pool_tuner.variants import DeviceLimits
+from pool_tuner.backends.base import DeviceLimits
 
 PRIMARY_CONTEXT = 0xC0
 OTHER_CONTEXT = 0xD0

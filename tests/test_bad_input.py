@@ -1,5 +1,7 @@
 """Every bad argument raises TypeError/ValueError naming the argument, before any kernel is built."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,12 @@ def no_kernel_may_run(monkeypatch):
         (lambda: pt.adaptive_avg_pool2d(GOOD, (2, 2, 2)), ValueError, "output_size must have 2 entries"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, None), TypeError, "output_size must be an int"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, True), TypeError, "output_size must be an int"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, b"47"), TypeError, "output_size must be an int or a sequence of 2 ints/None, got bytes"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, bytearray(b"47")), TypeError, "output_size must be an int or a sequence"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, "47"), TypeError, "output_size must be an int or a sequence of 2 ints/None, got str"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, "4x7"), TypeError, "output_size must be an int or a sequence"),
+        (lambda: pt.explain(OP2, (2, 3, 8, 8), b"47"), TypeError, "output_size must be an int or a sequence"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, 2, return_indices=True), TypeError, "return_indices"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="fastest"), ValueError, "variant must be one of"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, 2, config={"block_size_x": 64}), ValueError, "config= needs variant="),
         (lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"tile": 2}), ValueError, "unknown parameters"),
@@ -98,3 +106,129 @@ def test_a_validated_forced_config_does_not_vouch_for_an_equal_bool():
     dispatch.choose(problem, device, "thread_per_output", {"row_lanes": 1})
     with pytest.raises(ValueError, match=r"config\['row_lanes'\] must be one of"):
         dispatch.choose(problem, device, "thread_per_output", {"row_lanes": True})
+
+
+# ---------------------------------------------------------------- the README's error table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+G_SHAPE, G = (2, 3, 8, 8), np.ones((2, 3, 4, 4), np.float32)
+IDX = np.zeros((2, 3, 4, 4), np.int64)
+
+
+def _float64_on_a_device_without_doubles():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backends.default_device(), "supports_float64", False)
+        pt.adaptive_avg_pool2d(GOOD.astype(np.float64), 2)
+
+
+def _device_array_with_other_strides():
+    import pyopencl.array as cl_array
+
+    x = cl_array.to_device(backends.default_device().queue, GOOD).transpose((0, 1, 3, 2))
+    pt.adaptive_avg_pool2d(x, 2)
+
+
+def _array_on_another_device():
+    import pyopencl.array as cl_array
+
+    others = [d for d in pt.devices() if d is not backends.default_device() and d.backend == "opencl"]
+    x = cl_array.to_device(backends.default_device().queue, GOOD)
+    pt.adaptive_avg_pool2d(x, 2, device=others[0].id if others else "opencl:99:0")  # no other: an unknown id
+
+
+def _unknown_device_in_the_environment():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("POOL_TUNER_DEVICE", "opencl:99:99")
+        pt.adaptive_avg_pool2d(GOOD, 2)
+
+
+#: Each row of the README's error table (its first column) -> the exception of each part of the
+#: row ("TypeError / ValueError" rows: one per part) and calls making each mistake it lists.
+README_ERRORS = {
+    "`x`/`grad_out` not a numpy or pyopencl array; integer, bool or complex dtype; float64 on a device without doubles": [
+        (TypeError, lambda: pt.adaptive_avg_pool2d([[1.0]], 1)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d_backward(G.tolist(), G_SHAPE)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD.astype(np.int16), 1)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD.astype(bool), 1)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD.astype(np.complex64), 1)),
+        (TypeError, _float64_on_a_device_without_doubles),
+    ],
+    "wrong rank; zero-size pooled dimension; device arrays neither contiguous nor channels-last": [
+        (ValueError, lambda: pt.adaptive_avg_pool2d(np.ones((8, 8), np.float32), 1)),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 8, 0), np.float32), 1)),
+        (ValueError, _device_array_with_other_strides),
+    ],
+    "`output_size` of the wrong type (float, bool, None, str, bytes)": [
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2.0)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, (2, False))),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, None)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, "47")),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, b"47")),
+    ],
+    "`output_size` negative or with the wrong number of entries": [
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (-1, 2))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (2,))),
+    ],
+    "backward `input_shape` with non-integers / of the wrong rank / not matching `grad_out`": [
+        (TypeError, lambda: pt.adaptive_avg_pool2d_backward(G, (2, 3, 8.0, 8))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d_backward(G, (8, 8))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d_backward(G, (2, 4, 8, 8))),
+    ],
+    "max backward `indices` missing or not int64": [
+        (TypeError, lambda: pt.adaptive_max_pool2d_backward(G, None, G_SHAPE)),
+        (TypeError, lambda: pt.adaptive_max_pool2d_backward(G, IDX.astype(np.int32), G_SHAPE)),
+    ],
+    "max backward `indices` of the wrong shape, outside `[0, plane size)` or outside its output's window (numpy inputs)": [
+        (ValueError, lambda: pt.adaptive_max_pool2d_backward(G, IDX[:, :, :3], G_SHAPE)),
+        (ValueError, lambda: pt.adaptive_max_pool2d_backward(G, IDX + 64, G_SHAPE)),
+        (ValueError, lambda: pt.adaptive_max_pool2d_backward(G, IDX + 63, G_SHAPE)),
+    ],
+    "`return_indices` for average pooling (an unexpected keyword, as in PyTorch)": [
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, return_indices=True)),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, True)),
+    ],
+    "unknown op, layout, variant or device id (`device=` or `POOL_TUNER_DEVICE`); an array on another device than `device=`": [
+        (ValueError, lambda: pt.explain("adaptive_mean_pool2d", G_SHAPE, 2)),
+        (ValueError, lambda: pt.explain(OP2, G_SHAPE, 2, layout="NWHC")),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="fastest")),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, device="opencl:99:0")),
+        (ValueError, _unknown_device_in_the_environment),
+        (ValueError, _array_on_another_device),
+    ],
+    "`config` not a dict": [
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config=[64])),
+    ],
+    "`config` with unknown parameters, values outside the search space, or illegal for the shape/device; `config` without `variant`": [
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"tile": 2})),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"block_size_x": 100})),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="plane_reduce", config={"block_size_x": 64})),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, config={"block_size_x": 64})),
+    ],
+    "a `dtype` name outside float32/float64/float16/bfloat16": [
+        (TypeError, lambda: pt.explain(OP2, G_SHAPE, 2, dtype="int8")),
+    ],
+}
+
+
+def readme_error_table() -> dict:
+    """``{first column: exception column}`` of the README's table under "## Errors"."""
+    if not README.exists():  # tests run from an installed copy without the checkout
+        pytest.skip("README.md not found beside tests/")
+    section = README.read_text().split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): cells[1].strip() for cells in rows[1:] if not set(cells[0]) <= set("-")}
+
+
+def test_the_readme_error_table_lists_the_cases_tested_here():
+    assert list(readme_error_table()) == list(README_ERRORS)
+
+
+@pytest.mark.parametrize("row", list(README_ERRORS), ids=[f"row{i}" for i in range(len(README_ERRORS))])
+def test_every_readme_error_row_raises_what_it_says(row):
+    claimed = [name.strip(" `") for name in readme_error_table()[row].split("/")]
+    cases = README_ERRORS[row]
+    expected = [exc for exc, _ in cases]
+    assert claimed == [exc.__name__ for exc in dict.fromkeys(expected)]
+    for exc, call in cases:
+        with pytest.raises(exc):
+            call()

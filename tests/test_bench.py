@@ -1,6 +1,8 @@
 """`pool-tuner bench` end to end on the cheapest suite shape: JSON, plot and table."""
 
+import dataclasses
 import json
+import sys
 
 import pytest
 
@@ -22,7 +24,7 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert report["copy_gbs"] == max(report["memory_gbs"][name] for name in bench.COPY_METHODS)
     assert report["method"] == {"settle_s": bench.SETTLE_S, "untimed_calls": bench.UNTIMED_CALLS}
     device = backends.default_device()
-    assert report["pocl_affinity"] == (opencl.pocl_affinity() if device.is_pocl and device.is_cpu else None)
+    assert report["runtime_note"] == (f"PoCL: {opencl.pocl_affinity()}" if device.is_pocl and device.is_cpu else None)
     rows = report["rows"]
     assert [r["direction"] for r in rows] == ["forward", "backward"]
     for r in rows:
@@ -37,11 +39,12 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
         assert r["times_stream_floor"] == pytest.approx(r["tuned_ms"] / r["stream_floor_ms"])
     assert set(report["summary"]) == {"forward", "backward"}
     table = capsys.readouterr().out
-    assert "upsample_area" in table and "geomean" in table
+    assert "upsample_area 16x64x5x5->16x64x7x7" in table and "geomean" in table
+    assert "pool_tuner ms" in table and "PyTorch ms" in table and "x stream floor" in table
     assert f"copy bandwidth {report['copy_gbs']:.1f} GB/s" in table
-    assert f"suite: enqueue_copy {report['memory_gbs']['enqueue_copy']:.1f}, " in table
-    if report["pocl_affinity"]:
-        assert f"PoCL: {report['pocl_affinity']}" in table.splitlines()
+    assert f"suite: buffer_copy {report['memory_gbs']['buffer_copy']:.1f}, " in table
+    if report["runtime_note"]:
+        assert report["runtime_note"] in table.splitlines()
 
 
 def test_bytes_moved_counts_reads_writes_and_indices():
@@ -104,22 +107,11 @@ def test_memory_bandwidth_times_every_stream_and_checks_its_work(monkeypatch):
             bench.memory_bandwidth(device, nbytes=1 << 20, repeat=1)
 
 
-def test_bench_refuses_a_non_opencl_device_before_running(monkeypatch, capsys):
-    class CudaLike:
-        backend, id = "cuda", "cuda:0"
-
-    monkeypatch.setattr(backends, "resolve_device", lambda device: CudaLike())
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda *a, **k: pytest.fail("bench ran on a CUDA device"))
-    assert cli.main(["bench", "--preset", "upsample_area", "--device", "cuda:0", "--repeat", "1"]) == 2
-    assert "device must be an OpenCL device for pool-tuner bench" in capsys.readouterr().err
-
-
 def test_stream_buffers_fit_the_device_and_stay_small_on_simulators():
     from types import SimpleNamespace
 
     def device(simulator, alloc, memory):
-        return SimpleNamespace(is_simulator=simulator,
-                               cl_device=SimpleNamespace(max_mem_alloc_size=alloc, global_mem_size=memory))
+        return SimpleNamespace(is_simulator=simulator, max_allocation_bytes=alloc, memory_bytes=memory)
 
     unit = bench.READ_RUN * 256
     big = 2**40
@@ -128,3 +120,77 @@ def test_stream_buffers_fit_the_device_and_stay_small_on_simulators():
     assert bench._stream_elements(device(False, 2**27, big), bench.STREAM_BYTES, unit) * 4 == 2**27
     assert bench._stream_elements(device(False, big, 2**28), bench.STREAM_BYTES, unit) * 4 == 2**26
     assert bench._stream_elements(device(False, big, big), 1000, unit) == unit  # at least one unit
+
+
+def synthetic_report():
+    """A report of two rows as ``run`` makes it, without running anything."""
+    streams = {"enqueue_copy": 10.0, "copy_kernel": 20.0, "copy_kernel_streaming": 25.0, "read_kernel": 15.0,
+               "write_kernel": 12.0}
+    rows = [bench.Row("upsample_area", "adaptive_avg_pool2d", direction, [16, 64, 5, 5], [16, 64, 7, 7], 3_000_000,
+                      1_000_000, 2_000_000, tuned, default, torch_ms, "cache", "thread_per_row", {"block_size_x": 16})
+            for direction, tuned, default, torch_ms in (("forward", 0.12, 0.2, 0.3), ("backward", 0.4, 0.4, 0.2))]
+    report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
+    summary = {r["direction"]: {"geomean_speedup_vs_torch": r["speedup_vs_torch"], "geomean_times_floor": r["times_floor"],
+                                "geomean_times_stream_floor": r["times_stream_floor"],
+                                "geomean_tuned_vs_default": r["tuned_vs_default"], "min_fraction_of_copy_at_64MB": None}
+               for r in report_rows}
+    return {"date": "2026-11-23T00:00:00+00:00", "device": "opencl:0:0 test", "torch": {"version": "2"},
+            "copy_gbs": bench.copy_bandwidth(streams), "memory_gbs": streams, "runtime_note": None,
+            "rows": report_rows, "summary": summary}
+
+
+def test_table_keeps_the_batch_and_has_readable_headers_and_a_legend():
+    table = bench.format_table(synthetic_report())
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("shape"))
+    for column in ("pass", "pool_tuner ms", "PyTorch ms", "vs PyTorch", "GB/s", "% of copy", "x floor",
+                   "x stream floor", "tuned vs default", "kernel"):
+        assert column in header
+    for cryptic in ("%copy", "xfloor", "xstream", "vs dflt", "ours ms"):
+        assert cryptic not in header
+    forward = next(line for line in lines if " forward " in line)
+    assert forward.startswith("upsample_area 16x64x5x5->16x64x7x7 ")
+    assert forward.split()[2:7] == ["forward", "0.120", "0.300", "2.50x", f"{3_000_000 / 0.12e-3 / 1e9:.2f}"]
+    legend = table.split("\n\n", 1)[1]
+    for column in ("pool_tuner ms, PyTorch ms:", "vs PyTorch:", "GB/s:", "% of copy:", "x floor:", "x stream floor:",
+                   "tuned vs default:", "kernel:"):
+        assert column in legend
+
+
+def test_plot_shows_milliseconds_full_labels_and_both_floors(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    shown = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kwargs: shown.update(figure=fig, kwargs=kwargs))
+    report = synthetic_report()
+    bench.plot(report, tmp_path / "bench.png")
+    (ax,) = shown["figure"].axes
+    assert "milliseconds" in ax.get_ylabel()
+    heights = sorted(round(bar.get_height(), 6) for bar in ax.patches)
+    assert heights == sorted([0.12, 0.3, 0.4, 0.2])
+    labels = [label.get_text() for label in ax.get_xticklabels()]
+    assert labels[0].split("\n") == ["upsample_area", "16x64x5x5", "-> 16x64x7x7", "forward"]
+    assert labels[1].endswith("backward")
+    floors = {c.get_label(): c for c in ax.collections}
+    stream = floors["stream floor (reads, writes alone)"]
+    assert stream.get_linewidth()[0] >= 3 and len(stream.get_segments()) == 2
+    (y0, y1), = {tuple(seg[:, 1]) for seg in stream.get_segments()[:1]}
+    assert y0 == y1 == pytest.approx(report["rows"][0]["stream_floor_ms"])
+    assert len(floors["copy floor"].get_segments()) == 2
+    assert shown["kwargs"].get("bbox_inches") == "tight"  # labels are never cut off
+
+
+def test_bench_without_torch_says_how_to_install_it_before_any_work(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda *a, **k: pytest.fail("bench ran without torch"))
+    monkeypatch.setattr(backends, "resolve_device", lambda *a, **k: pytest.fail("bench ran without torch"))
+    assert cli.main(["bench", "--preset", "upsample_area", "--repeat", "1"]) == cli.EXIT_ERROR
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "needs it installed" in line and 'pip install "pool-tuner[bench]"' in line
+
+
+def test_bench_help_says_torch_is_needed(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert 'pip install "pool-tuner[bench]"' in " ".join(capsys.readouterr().out.split())

@@ -404,3 +404,45 @@ def test_clear_removes_user_records_only(tmp_path):
         assert view.lookup(shipped["key"])["best"]["variant"] == "shipped"
         assert view.lookup(record(width=9)["key"]) is None
     assert (tmp_path / "shipped" / "db.json").exists()
+
+
+# ---------------------------------------------------------------- partial records (interrupted tunings)
+
+
+def partial(record_, **covered):
+    return dict(record_, partial=covered or {"variants_searched": ["thread_per_output"]})
+
+
+def test_a_partial_record_never_replaces_a_full_one_and_a_full_one_always_replaces_a_partial(tmp_path):
+    table = fresh(tmp_path)
+    full = record(time_ms=1.0)
+    assert not cache.is_partial(full) and cache.is_partial(partial(full))
+    table.store(full)
+    table.store(partial(record(time_ms=0.5)))  # faster, but interrupted: the full tuning stays
+    for reader in (table, fresh(tmp_path)):
+        assert not cache.is_partial(reader.lookup(full["key"]))
+        assert reader.lookup(full["key"])["best"]["time_ms"] == 1.0
+    other = record(width=9)
+    table.store(partial(other))
+    table.store(partial(record(width=9, time_ms=3.0)))  # a newer partial replaces an older partial
+    assert table.lookup(other["key"])["best"]["time_ms"] == 3.0
+    table.store(record(width=9, time_ms=2.0))  # slower than the partial, but a full tuning
+    for reader in (table, fresh(tmp_path)):
+        assert not cache.is_partial(reader.lookup(other["key"]))
+
+
+def test_merge_prefers_a_full_record_to_a_faster_partial_one(tmp_path):
+    write_file(tmp_path / "a.json", [record(time_ms=1.0)])
+    write_file(tmp_path / "b.json", [partial(record(time_ms=0.1))])
+    destination = tmp_path / "merged.json"
+    assert merge_files([tmp_path / "b.json", tmp_path / "a.json"], destination) == 1
+    merge_files([tmp_path / "b.json"], destination)
+    (kept,) = json.loads(destination.read_text())["records"].values()
+    assert not cache.is_partial(kept) and kept["best"]["time_ms"] == 1.0
+
+
+def test_a_partial_field_that_is_not_an_object_is_malformed(tmp_path):
+    bad = dict(record(), partial="yes")
+    write_file(tmp_path / "user" / cache.USER_FILE, [bad])
+    with pytest.warns(CacheWarning, match="'partial' field that is not an object"):
+        assert fresh(tmp_path).lookup(bad["key"]) is None

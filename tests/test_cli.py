@@ -1,10 +1,12 @@
 """The ``pool-tuner`` command line (DESIGN section 6), end to end: through ``cli.main`` in this
 process and through real ``python -m pool_tuner.cli`` subprocesses.  Tuning budgets are tiny."""
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ def run_subprocess(cache_dir, cwd, *argv, timeout=240):
 
 
 def key_of(op, shape, out):
-    return dispatch.cache_key(Problem.create(op, shape, out), backends.resolve_device())
+    return cache_mod.cache_key(Problem.create(op, shape, out), backends.resolve_device())
 
 
 def user_records(directory) -> dict:
@@ -53,7 +55,7 @@ def synthetic_record(shape, out=(3, 4), params=None, time_ms=0.01):
     default = variants_for(OP)["thread_per_output"].default
     best = {"variant": "thread_per_output", "time_ms": time_ms,
             "params": dict(default, **(params or {"block_size_x": 32, "outputs_per_thread": 4}))}
-    return cache_mod.make_record(problem, backends.resolve_device().fingerprint, dispatch.kernel_hash(problem), best, [])
+    return cache_mod.make_record(problem, backends.resolve_device().fingerprint, cache_mod.kernel_hash(problem), best, [])
 
 
 def shipped_count(tmp_path) -> int:
@@ -81,6 +83,7 @@ def test_devices_lists_every_device_and_marks_the_default(capsys, user_cache):
     if any(device.is_pocl and device.is_cpu for device in devices):
         # After the devices, a line says whether PoCL's worker threads were asked to be pinned.
         assert lines.pop() == f"PoCL: {opencl.pocl_affinity()}"
+    assert "opencl:pocl:0" in [device.id for device in devices]  # ids name the platform, not its position
     assert len(lines) == len(devices)
     for device, line in zip(devices, lines):
         assert line.startswith(device.id) and device.name in line
@@ -97,7 +100,7 @@ def test_tune_shape_prints_table_with_winner_and_speedup(capsys, user_cache):
     assert code == 0, err
     assert "adaptive_avg_pool2d" in out and "2x3x5x7 -> 2x3x3x4" in out
     assert "thread_per_output" in out and "<- winner" in out
-    assert "x faster" in out
+    assert "than the default" in out  # the verdict on the winner against the heuristic default
     assert "NOT stored" not in out
     assert f"cache: {user_cache / cache_mod.USER_FILE}" in out
     assert "tuning" not in err  # --quiet: no progress bar
@@ -129,6 +132,96 @@ def test_tune_preset(capsys, user_cache):
     assert code == 0, err
     assert "16x64x5x5 -> 16x64x7x7" in out and "<- winner" in out
     assert list(user_records(user_cache)) == [key_of(OP, (16, 64, 5, 5), (7, 7))]
+
+
+def test_tune_table_gives_reasons_kernel_time_and_a_kept_default(capsys, user_cache):
+    """Inapplicable variants say why (no 'None' params), and the times are labelled kernel times."""
+    code, out, err = run(capsys, "tune", "--input", "2x3x5x7", "--output", "3x4", "--direction", "forward",
+                         "--variants", "thread_per_output,plane_reduce,channels_vector",
+                         "--strategy", "random_sample", "--max-fevals", "2", "--quiet")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert any(line.split()[:2] == ["variant", "kernel"] and "ms" in line for line in lines)
+    assert "kernel ms: the kernel alone" in out and "best ms" not in out
+    (plane_reduce,) = [line for line in lines if line.strip().startswith("plane_reduce")]
+    assert plane_reduce.split()[1:] == ["-", "not", "applicable:", "only", "for", "global", "pooling", "(every",
+                                        "output", "size", "1)"]
+    (channels_vector,) = [line for line in lines if line.strip().startswith("channels_vector")]
+    assert "not applicable: needs a channels-last input" in channels_vector and "None" not in channels_vector
+
+
+def test_tune_table_says_when_the_default_was_kept(capsys, user_cache, monkeypatch):
+    """A search that finds only the default configuration keeps it, and says so."""
+    default = dispatch.default_choice(Problem.create(OP, (2, 3, 5, 7), (3, 4)), backends.resolve_device())
+    monkeypatch.setattr(default.variant, "search_space", {k: [v] for k, v in default.config.items()})
+    code, out, err = run(capsys, "tune", "--input", "2x3x5x7", "--output", "3x4", "--direction", "forward",
+                         "--variants", default.variant.name, "--quiet")
+    assert code == 0, err
+    assert f"the default {default.variant.name} {default.config}" in out
+    assert "is the best configuration found: kept" in out and "faster" not in out
+
+
+INTERRUPT_SHAPES = [{"input": [2, 3, 5, 7], "output": [3, 4]}, {"input": [2, 3, 6, 7], "output": [3, 4]}]
+
+
+def test_ctrl_c_keeps_finished_shapes_and_the_partial_one_and_exits_130(capsys, user_cache, tmp_path, monkeypatch):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(INTERRUPT_SHAPES))
+    from pool_tuner import tuner
+
+    original, second_shape_calls = tuner.Case.verify, []
+
+    def verify(self, *args, **kwargs):  # Ctrl-C in Kernel Tuner's loop, on the second shape's 3rd check
+        if self.args[0].shape == (2, 3, 6, 7):
+            second_shape_calls.append(1)
+            if len(second_shape_calls) == 3:
+                raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(tuner.Case, "verify", verify)
+    code, out, err = run(capsys, "tune", "--shapes", shapes, *CHEAP, "--quiet")
+    assert code == cli.EXIT_INTERRUPTED == 130
+    (line,) = err.strip("\n").splitlines()
+    assert line.startswith(f"pool-tuner: interrupted: 1 of 2 tuning jobs finished and kept in {user_cache / cache_mod.USER_FILE}; "
+                           f"tuning adaptive_avg_pool2d forward float32 NCHW 2x3x6x7 -> 2x3x3x4 was interrupted: stored "
+                           f"the best configuration measured so far"), line
+    assert out.count("<- winner") == 1 and "2x3x5x7 -> 2x3x3x4" in out
+    records = user_records(user_cache)
+    finished, cut = records[key_of(OP, (2, 3, 5, 7), (3, 4))], records[key_of(OP, (2, 3, 6, 7), (3, 4))]
+    assert not cache_mod.is_partial(finished) and cache_mod.is_partial(cut)
+    assert cut["partial"]["variant_interrupted"] == "thread_per_output"
+
+    code, out, _ = run(capsys, "cache", "show")
+    (finished_row,) = [row for row in out.splitlines() if "2x3x5x7" in row]
+    (cut_row,) = [row for row in out.splitlines() if "2x3x6x7" in row]
+    assert "PARTIAL" not in finished_row
+    assert "PARTIAL (tuning interrupted): 0 variants searched, thread_per_output cut short, 0 not searched" in cut_row
+    assert json.loads(run(capsys, "explain", "--input", "2x3x6x7", "--output", "3x4")[1])["partial"] == cut["partial"]
+
+
+def test_a_real_sigint_during_tune_exits_130_with_one_line(user_cache, tmp_path):
+    """SIGINT sent to the process itself while Kernel Tuner checks a configuration."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from pool_tuner import cli, tuner
+        original, calls = tuner.Case.verify, []
+        def verify(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return original(self, *args, **kwargs)
+        tuner.Case.verify = verify
+        sys.exit(cli.main(sys.argv[1:]))
+    """)
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(user_cache))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", script, "tune", *SHAPE_ARGS, *CHEAP], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, proc.stderr
+    lines = proc.stderr.strip("\n").splitlines()
+    assert lines[-1].startswith("pool-tuner: interrupted: 0 of 1 tuning jobs finished"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert all("pool-tuner" not in line for line in lines[:-1])  # before it at most the progress bar
 
 
 # ---------------------------------------------------------------- cache
@@ -165,6 +258,25 @@ def test_cache_show_and_clear_after_a_real_tune(capsys, user_cache, tmp_path):
     assert "2x3x5x7" not in out
     assert out.strip().splitlines()[-1].startswith(f"{shipped} records")
     assert pt.explain(OP, (2, 3, 5, 7), (3, 4))["source"] != "cache"
+
+
+def test_cache_show_tells_the_directions_of_a_shape_apart(capsys, user_cache):
+    forward = synthetic_record((2, 3, 5, 7))
+    problem = Problem.create(OP, (2, 3, 5, 7), (3, 4), direction="backward")
+    best = {"variant": "thread_per_input", "params": variants_for(OP, "backward")["thread_per_input"].default,
+            "time_ms": 0.02}
+    backward = cache_mod.make_record(problem, backends.resolve_device().fingerprint, dispatch.kernel_hash(problem),
+                                     best, [])
+    table = cache_mod.TuningCache(kernel_source.shipped_cache_dir(), user_cache)
+    table.store(forward)
+    table.store(backward)
+    code, out, err = run(capsys, "cache", "show")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split()[:7] == ["op", "pass", "dtype", "layout", "input", "output", "variant"]
+    rows = [line for line in lines if "2x3x5x7" in line]
+    assert [row.split()[:4] for row in rows] == [[OP, "backward", "float32", "NCHW"], [OP, "forward", "float32", "NCHW"]]
+    assert "thread_per_input" in rows[0] and "thread_per_output" in rows[1]
 
 
 def test_cache_clear_on_a_missing_cache_is_fine(capsys, user_cache):
@@ -256,11 +368,12 @@ SHAPE_ARGS = ["--input", "2x3x5x7", "--output", "3x4"]
 
 @pytest.mark.parametrize("argv, mentions", [
     (["tune", "--input", "2x3xfivex7", "--output", "3x4"], "--input"),
-    (["tune", "--input", "2x3x5x7", "--output", "3x-4"], "output_size"),
+    (["tune", "--input", "2x3x5x7", "--output", "3x-4"], "--output sizes must be integers >= 0 or None"),
+    (["tune", "--input", "8x64x-10x9", "--output", "1x1"], "--input sizes must be positive integers"),
+    (["tune", "--input", "8x64x0x9", "--output", "1x1"], "--input sizes must be positive integers"),
+    (["explain", "--input", "0x3x5x7", "--output", "1x1"], "--input sizes must be positive integers"),
     (["explain", "--input", "2x3x5x7", "--output", "3xx4"], "--output"),
     (["explain", "--input", "2xNonex5x7", "--output", "3x4"], "--input"),
-    (["tune", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS], "op"),
-    (["explain", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS], "op"),
     (["tune", "--preset", "no_such_preset"], "preset"),
     (["tune", "--input", "2x3x5x7"], "--output"),
     (["tune"], "--preset"),
@@ -273,8 +386,8 @@ SHAPE_ARGS = ["--input", "2x3x5x7", "--output", "3x4"]
     (["cache", "merge", "missing_records.json"], "missing_records.json"),
     (["cache", "merge", "missing_records.json", "--into", "merged.json"], "missing_records.json"),
     (["cache", "merge"], "merge"),
-], ids=["bad-shape", "negative-output", "bad-output-text", "none-in-input", "tune-unknown-op",
-        "explain-unknown-op", "unknown-preset", "missing-output", "no-shapes", "two-shape-sources",
+], ids=["bad-shape", "negative-output", "negative-input", "zero-input", "explain-zero-input", "bad-output-text",
+        "none-in-input", "unknown-preset", "missing-output", "no-shapes", "two-shape-sources",
         "missing-shapes-file", "unknown-variant", "brute-force-budget", "unknown-device", "bad-dtype",
         "merge-missing-file", "merge-missing-file-into", "merge-nothing"])
 def test_errors_are_one_line_and_exit_2(capsys, user_cache, argv, mentions):
@@ -286,7 +399,8 @@ def test_errors_are_one_line_and_exit_2(capsys, user_cache, argv, mentions):
 
 
 def test_shapes_file_with_bad_content(capsys, user_cache, tmp_path):
-    for content in ('{"input": [2, 3, 5, 7]}', '[{"input": [2, 3, 5, 7]}]', "[1, 2]", "not json"):
+    for content in ('{"input": [2, 3, 5, 7]}', '[{"input": [2, 3, 5, 7]}]', "[1, 2]", "not json",
+                    '[{"input": [2, 3, -5, 7], "output": [1, 1]}]', '[{"input": [2, 3, 5, 7], "output": [1, -1]}]'):
         (tmp_path / "shapes.json").write_text(content)
         code, _, err = run(capsys, "tune", "--shapes", tmp_path / "shapes.json")
         line = assert_one_error_line(code, err)
@@ -295,11 +409,53 @@ def test_shapes_file_with_bad_content(capsys, user_cache, tmp_path):
 
 def test_argparse_errors_exit_2(capsys):
     for argv in (["explain", "--input", "2x3x5x7"], ["frobnicate"], ["cache", "vacuum"],
-                 ["tune", "--max-fevals", "many"]):
+                 ["tune", "--max-fevals", "many"], ["tune", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS],
+                 ["explain", "--op", "adaptive_foo_pool2d", *SHAPE_ARGS]):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
         assert exit_info.value.code == 2
-        assert "error:" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("pool-tuner: error:"), err
+        if "--op" in argv:  # the allowed ops are named
+            assert "argument --op: invalid choice: 'adaptive_foo_pool2d'" in err and "adaptive_max_pool3d" in err
+
+
+def _subcommand_parsers():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+@pytest.mark.parametrize("name", ["devices", "tune", "cache", "explain", "bench", "compile-check"])
+def test_every_option_has_help_text(name):
+    parser = _subcommand_parsers()[name]
+    undocumented = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize("name", ["tune", "explain", "compile-check"])
+def test_op_options_list_the_ops(name, capsys):
+    (op,) = [a for a in _subcommand_parsers()[name]._actions if "--op" in a.option_strings]
+    assert op.choices == sorted(pt.problem.OPS)
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    shown = capsys.readouterr().out
+    assert all(op_name in shown for op_name in pt.problem.OPS)
+
+
+# ---------------------------------------------------------------- warnings
+
+
+def test_warnings_are_one_clean_line(capsys, user_cache):
+    user_cache.mkdir()
+    (user_cache / cache_mod.USER_FILE).write_text("{not json")
+    code, out, err = run(capsys, "cache", "show")
+    assert code == 0
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"pool-tuner: warning: pool_tuner tuning cache {user_cache / cache_mod.USER_FILE}: "
+                               f"not valid JSON")
+    assert "cache.py" not in err and "warnings.warn" not in err and "CacheWarning" not in err
 
 
 # ---------------------------------------------------------------- real subprocesses
@@ -308,7 +464,7 @@ def test_argparse_errors_exit_2(capsys):
 def test_subprocess_tune_show_explain(user_cache, tmp_path):
     tuned = run_subprocess(user_cache, tmp_path, "tune", "--input", "2x3x5x7", "--output", "3x4", *CHEAP, "--quiet")
     assert tuned.returncode == 0, tuned.stderr
-    assert "<- winner" in tuned.stdout and "faster" in tuned.stdout
+    assert "<- winner" in tuned.stdout and "the default" in tuned.stdout
     key = key_of(OP, (2, 3, 5, 7), (3, 4))
     assert key in user_records(user_cache)
 
@@ -326,3 +482,12 @@ def test_subprocess_error_is_one_line_and_exit_2(user_cache, tmp_path):
     line = assert_one_error_line(proc.returncode, proc.stderr)
     assert "no_such_preset" in line
     assert proc.stdout == ""
+
+
+def test_subprocess_warning_is_one_clean_line(user_cache, tmp_path):
+    user_cache.mkdir()
+    (user_cache / cache_mod.USER_FILE).write_text("{not json")
+    proc = run_subprocess(user_cache, tmp_path, "cache", "show")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stderr.strip("\n").splitlines()
+    assert line.startswith("pool-tuner: warning: pool_tuner tuning cache ") and "not valid JSON" in line

@@ -164,7 +164,7 @@ def test_a_broken_variant_is_reported_by_name_and_fails_the_run(monkeypatch, bre
 
     def broken_render(template, defines):
         source = render(template, defines)
-        if defines.get("VARIANT_SMEM_TILED"):
+        if template == "forward/smem_tiled.c":
             source += BROKEN[breakage]
         return source
 

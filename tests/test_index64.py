@@ -152,8 +152,9 @@ def built_sources(monkeypatch):
         return original(self, context, source, kernel_name)
 
     monkeypatch.setattr(OpenCLDevice, "build", recording_build)
-    monkeypatch.setattr(dispatch, "_LAUNCHES", {})
-    return sources
+    dispatch.forget()
+    yield sources
+    dispatch.forget()
 
 
 @pytest.mark.parametrize("length,size,width", [(46339, 46339, 32), (46340, 46341, 64)])

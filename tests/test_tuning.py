@@ -50,7 +50,7 @@ def problem(shape=SHAPE, out=OUT):
 
 
 def key_of(shape=SHAPE, out=OUT):
-    return dispatch.cache_key(problem(shape, out), device())
+    return cache_mod.cache_key(problem(shape, out), device())
 
 
 def stored_records(directory) -> dict:
@@ -61,7 +61,7 @@ def make_record(shape=SHAPE, out=OUT, best=None, fingerprint=None):
     """A well-formed record for this device and kernel code (as ``tune`` would write it)."""
     p = problem(shape, out)
     best = best or {"variant": "thread_per_output", "params": dict(NONDEFAULT), "time_ms": 0.01}
-    return cache_mod.make_record(p, fingerprint or device().fingerprint, dispatch.kernel_hash(p), best, [])
+    return cache_mod.make_record(p, fingerprint or device().fingerprint, cache_mod.kernel_hash(p), best, [])
 
 
 def write_records(directory, records, schema=cache_mod.SCHEMA_VERSION):
@@ -453,7 +453,7 @@ def counted_tune(monkeypatch):
     return calls
 
 
-def test_autotune_tunes_a_miss_once(user_cache, monkeypatch, rng, counted_tune):
+def test_autotune_tunes_a_miss_once_and_says_so(user_cache, monkeypatch, rng, counted_tune, caplog):
     monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
     monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
     monkeypatch.setattr(tuner, "DEFAULT_TIME_LIMIT", 5.0)
@@ -461,14 +461,50 @@ def test_autotune_tunes_a_miss_once(user_cache, monkeypatch, rng, counted_tune):
     assert explain()["source"] == "default"  # explain reports, never tunes
     assert counted_tune == []
     x = random_input(rng, SHAPE)
+    caplog.set_level("WARNING", logger="pool_tuner")
     y = pt.adaptive_avg_pool2d(x, OUT)
     np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, OUT, 2), rtol=1e-5, atol=1e-6)
     assert len(counted_tune) == 1
     assert key_of() in stored_records(user_cache)
     info = explain()
     assert info["source"] == "cache" and info["autotune_on_miss"] is True
+    # Before and after the tuning, one message each on the pool_tuner logger, naming the shape.
+    legal = [v for v in variants_for(OP).values() if v.is_legal({}, problem(), device().limits)]
+    starting, done = [r.getMessage() for r in caplog.records if r.name == "pool_tuner"]
+    assert starting.startswith("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
+                               "forward float32 NCHW 2x3x5x7 -> 2x3x3x4 on ")
+    assert f"tuning it now, before this call returns -- up to {len(legal)} configurations of {len(legal)} variants" in starting
+    record = stored_records(user_cache)[key_of()]
+    assert done.startswith("pool_tuner: tuned adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4 in ")
+    assert f": {record['best']['variant']} {record['best']['params']}" in done and "stored in the tuning cache" in done
+    caplog.clear()
     pt.adaptive_avg_pool2d(x, OUT)
     assert len(counted_tune) == 1  # once
+    assert caplog.records == []
+
+
+def test_autotune_retunes_a_shape_whose_record_is_partial(user_cache, monkeypatch, rng, counted_tune):
+    write_records(user_cache, [dict(make_record(), partial={"variants_searched": []})])
+    assert explain()["partial"] == {"variants_searched": []}
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    pt.adaptive_avg_pool2d(random_input(rng, SHAPE), OUT)
+    assert len(counted_tune) == 1
+    assert explain()["partial"] is None and not cache_mod.is_partial(stored_records(user_cache)[key_of()])
+
+
+def test_autotune_tunes_the_direction_of_the_call(user_cache, monkeypatch, rng):
+    """A backward call's miss tunes the backward problem (it once tuned the forward one)."""
+    asked = []
+    monkeypatch.setattr(tuner, "tune", lambda *args, **kwargs: asked.append((args, kwargs)))
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    grad = random_input(rng, SHAPE[:2] + OUT)
+    np.testing.assert_allclose(pt.adaptive_avg_pool2d_backward(grad, SHAPE),
+                               reference.backward("adaptive_avg_pool2d", grad.astype(np.float64), SHAPE),
+                               rtol=1e-5, atol=1e-6)
+    assert [(args[:3], kwargs.get("direction")) for args, kwargs in asked] == [
+        (("adaptive_avg_pool2d", SHAPE, OUT), "backward")]
 
 
 def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
@@ -639,3 +675,83 @@ def test_cpu_heuristic_default_respects_the_private_row_limit_in_float64(columns
         pytest.skip(f"a rule for CPU devices with float64; the default device is {dev.describe()}")
     problem = Problem.create("adaptive_avg_pool2d", (1, 2, 6, columns), (3, 3), "float64")
     assert dispatch.heuristic_default(problem, dev).name == expected
+
+
+# ---------------------------------------------------------------- Ctrl-C while tuning
+
+TWO_VARIANTS = dict(variants=["thread_per_output", "block_per_row"], strategy="random_sample", max_fevals=3)
+
+
+def interrupt_variant(patch, building, owner, name, variant, calls):
+    """Make ``owner.name`` raise KeyboardInterrupt, as Ctrl-C would there, on its ``calls``-th call
+    while ``variant``'s kernels are on (by the defines rendered last).  Returns the configurations of
+    ``variant`` that the calls before saw."""
+    last, _ = building
+    original, seen = getattr(owner, name), []
+    space = variants_for(OP)[variant].search_space
+
+    def interrupting(*args, **kwargs):
+        if last.get(f"VARIANT_{variant.upper()}"):
+            if len(seen) + 1 == calls:
+                raise KeyboardInterrupt
+            seen.append({k: last[k] for k in space})
+        return original(*args, **kwargs)
+
+    patch.setattr(owner, name, interrupting)
+    return seen
+
+
+def test_ctrl_c_inside_kernel_tuners_loop_stores_the_best_so_far_as_partial(user_cache, building):
+    # Verification runs inside Kernel Tuner's loop after each configuration (and its warm-up run).
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(
+            tuner.TuningInterrupted, match="interrupted: stored the best configuration measured so far") as caught:
+        verified = interrupt_variant(patch, building, tuner.Case, "verify", "block_per_row", 3)
+        pt.tune(OP, SHAPE, OUT, **TWO_VARIANTS)
+    assert isinstance(caught.value, KeyboardInterrupt)
+    result = caught.value.result
+    searched, cut = result.variants
+    assert (searched.variant, searched.evaluated, cut.variant) == ("thread_per_output", 3, "block_per_row")
+    measured = [dict(t) for t in {tuple(sorted(c.items())) for c in verified}]
+    assert cut.evaluated == len(measured) >= 1 and cut.best_params in measured
+    assert result.partial == {"variants_searched": ["thread_per_output"], "variant_interrupted": "block_per_row",
+                              "variants_not_searched": [], "timing": "Kernel Tuner's medians; not raced against the default"}
+    assert result.default_time_ms is None and result.speedup_over_default is None and result.stored
+    record = stored_records(user_cache)[key_of()]
+    assert cache_mod.is_partial(record) and record["partial"] == result.partial
+    assert record["best"] == {"variant": result.best_variant, "params": result.best_params, "time_ms": result.best_time_ms}
+    assert result.best_time_ms == min(searched.best_time_ms, cut.best_time_ms)
+    info = explain()
+    assert (info["source"], info["params"], info["partial"]) == ("cache", result.best_params, result.partial)
+
+    # A later full tuning replaces it; an interrupted one after that leaves the full one alone.
+    full = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert full.partial is None and not cache_mod.is_partial(stored_records(user_cache)[key_of()])
+    assert explain()["partial"] is None
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(
+            tuner.TuningInterrupted, match="the cache's full tuning of it is kept") as caught:
+        interrupt_variant(patch, building, tuner.Case, "verify", "thread_per_output", 3)
+        pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert caught.value.result.partial and not caught.value.result.stored
+    assert stored_records(user_cache)[key_of()]["best"]["params"] == full.best_params
+    assert explain()["partial"] is None
+
+
+def test_ctrl_c_inside_a_pyopencl_build_keeps_the_finished_variant(user_cache, monkeypatch, building):
+    """Ctrl-C inside PyOpenCL while building block_per_row's first kernel: none of its
+    configurations has been measured, thread_per_output's search counts."""
+    interrupt_variant(monkeypatch, building, pyopencl.Program, "build", "block_per_row", 1)
+    with pytest.raises(tuner.TuningInterrupted) as caught:
+        pt.tune(OP, SHAPE, OUT, **TWO_VARIANTS)
+    result = caught.value.result
+    assert result.best_variant == "thread_per_output"
+    assert [(v.variant, v.evaluated) for v in result.variants] == [("thread_per_output", 3), ("block_per_row", 0)]
+    assert result.partial["variant_interrupted"] == "block_per_row"
+    assert cache_mod.is_partial(stored_records(user_cache)[key_of()])
+
+
+def test_ctrl_c_before_anything_was_measured_stores_nothing(user_cache, monkeypatch, building):
+    interrupt_variant(monkeypatch, building, tuner.Case, "verify", "thread_per_output", 1)
+    with pytest.raises(tuner.TuningInterrupted, match="before a configuration had been measured; nothing") as caught:
+        pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert caught.value.result is None
+    assert not (user_cache / cache_mod.USER_FILE).exists()

@@ -1,9 +1,11 @@
 """CUDA backend on PyCUDA (the ``pool-tuner[cuda]`` extra): devices, cached builds, launches, arrays.
 
-The device object has the same small interface as the OpenCL backend's: ``id`` (``cuda:<n>``),
-``name``, ``limits``, ``fingerprint``, ``is_gpu``/``is_cpu``/``is_simulator``, ``supports_float64``,
-``build`` (template text -> kernel, cached), ``kernel_work_group_limit``, ``launch``, plus ``queue``
-(a ``CudaQueue``: context and stream, the counterpart of an OpenCL command queue) and device arrays.
+Implements the device contract of ``backends.base``: ``id`` (``cuda:<n>``, CUDA's numbering),
+``fingerprint``, ``limits``, ``build`` (template text -> kernel, cached), ``launch`` and
+``timed_launch`` (CUDA events), arrays, and Kernel Tuner's arguments (its PyCUDA backend).  A
+device's ``queue`` is a ``CudaQueue`` (context and stream), the counterpart of an OpenCL command
+queue.  What identifies a device (``CudaProperties``) is read once, when it is listed; identity,
+fingerprint, limits and Kernel Tuner's arguments need no PyCUDA afterwards.
 
 Contexts: every device works in its *primary* context -- the one the CUDA runtime, PyTorch and
 CuPy use -- so pointers from those libraries are valid here without any copy.  Each operation that
@@ -30,11 +32,15 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import glob
+import importlib.util
+import os
+import shutil
 
 import numpy as np
 
-from ..variants import DeviceLimits
 from . import cuda_driver
+from .base import DeviceLimits
 
 BACKEND = "cuda"
 #: Extra nvcc options of every runtime build (PyCUDA adds -arch for the device; device code is
@@ -45,6 +51,8 @@ MAX_GRID_X = 2**31 - 1
 #: ``__cuda_array_interface__`` stream values that need no synchronisation before a launch on the
 #: legacy default stream: None (no stream given) and 1 (the legacy default stream itself).
 _NO_SYNC_STREAMS = (None, 0, 1)
+
+_NOT_HOST_MEMORY = "CUDA device memory is not host memory: copy numpy arrays with to_device"
 
 _IMPORT_ERROR: BaseException | None = None
 
@@ -72,6 +80,13 @@ def import_error():
     return _IMPORT_ERROR
 
 
+def unknown_id_message(text: str) -> str | None:
+    """A ``cuda:...`` id that names no device: why, when the backend itself is unavailable."""
+    if import_error() is None:
+        return None
+    return f"the CUDA backend is unavailable ({import_error()}); install it with `pip install pool-tuner[cuda]`"
+
+
 @dataclasses.dataclass(frozen=True)
 class CudaQueue:
     """Where work goes: a context and a stream (``None``: the legacy default stream)."""
@@ -80,35 +95,67 @@ class CudaQueue:
     stream: object = None
 
 
+@dataclasses.dataclass(frozen=True)
+class CudaProperties:
+    """What pool_tuner reads of a CUDA device, once, when listing it."""
+
+    name: str
+    compute_capability: tuple
+    multiprocessors: int
+    max_threads_per_block: int
+    #: Static __shared__ arrays are limited to this (48 KiB), whatever the opt-in maximum.
+    max_shared_memory_per_block: int
+    total_memory: int
+    driver_version: int
+
+    @classmethod
+    def query(cls, cu_device) -> CudaProperties:
+        drv = _pycuda()[0]
+        attr = drv.device_attribute
+        return cls(
+            name=cu_device.name().strip(),
+            compute_capability=tuple(cu_device.compute_capability()),
+            multiprocessors=int(cu_device.get_attribute(attr.MULTIPROCESSOR_COUNT)),
+            max_threads_per_block=int(cu_device.get_attribute(attr.MAX_THREADS_PER_BLOCK)),
+            max_shared_memory_per_block=int(cu_device.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK)),
+            total_memory=int(cu_device.total_memory()),
+            driver_version=int(drv.get_driver_version()),
+        )
+
+
 class CudaDevice:
     """One CUDA device, identified as ``cuda:<ordinal>`` (CUDA's device numbering)."""
 
     backend = BACKEND
+    source_suffix = ".cu"
     is_gpu = True
     is_cpu = False
     is_simulator = False
-    is_pocl = False
     supports_float64 = True
     #: Device memory is separate from host memory (numpy inputs are copied in and out).
     shares_host_memory = False
     platform_name = "CUDA"
+    #: Nothing set up in this process changes a CUDA device's timings.
+    runtime_note = None
 
-    def __init__(self, ordinal: int, cu_device):
-        drv = _pycuda()[0]
-        attr = drv.device_attribute
+    def __init__(self, ordinal: int, properties: CudaProperties):
         self.ordinal = ordinal
         self.id = f"{BACKEND}:{ordinal}"
-        self.cu_device = cu_device
-        self.name = cu_device.name().strip()
-        self.compute_capability = tuple(cu_device.compute_capability())
-        self.multiprocessors = int(cu_device.get_attribute(attr.MULTIPROCESSOR_COUNT))
+        self.torch_device = f"cuda:{ordinal}"
+        self.properties = properties
+        self.name = properties.name
         self.limits = DeviceLimits(
-            max_work_group_size=int(cu_device.get_attribute(attr.MAX_THREADS_PER_BLOCK)),
-            # Static __shared__ arrays are limited to this (48 KiB), whatever the opt-in maximum.
-            local_mem_size=int(cu_device.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK)),
+            max_work_group_size=properties.max_threads_per_block,
+            local_mem_size=properties.max_shared_memory_per_block,
         )
+        self.memory_bytes = self.max_allocation_bytes = properties.total_memory
         self._context = None
         self._queue = None
+
+    @functools.cached_property
+    def cu_device(self):
+        """PyCUDA's ``Device``."""
+        return _pycuda()[0].Device(self.ordinal)
 
     def __repr__(self):
         return f"<{self.id} {self.name}>"
@@ -119,14 +166,19 @@ class CudaDevice:
     @functools.cached_property
     def fingerprint(self) -> dict:
         """What identifies this device's performance in the tuning cache."""
-        drv = _pycuda()[0]
+        p = self.properties
         return {
             "backend": BACKEND,
             "name": self.name,
-            "compute_capability": "{}.{}".format(*self.compute_capability),
-            "multiprocessors": self.multiprocessors,
-            "driver": int(drv.get_driver_version()),
+            "compute_capability": "{}.{}".format(*p.compute_capability),
+            "multiprocessors": p.multiprocessors,
+            "driver": p.driver_version,
         }
+
+    def kernel_tuner_arguments(self) -> dict:
+        """Kernel Tuner's PyCUDA backend on this ordinal: ``lang="PYCUDA"``, because plain ``"CUDA"``
+        makes Kernel Tuner pick cuda-python first, which pool_tuner does not depend on."""
+        return {"lang": "PYCUDA", "device": self.ordinal}
 
     # ------------------------------------------------------------------ context and queue
 
@@ -154,8 +206,12 @@ class CudaDevice:
         finally:
             _pycuda()[0].Context.pop()
 
-    def synchronize(self) -> None:
-        with self.activated() as context:
+    def synchronize(self, queue: CudaQueue | None = None) -> None:
+        """Wait for the queue's stream (default: the whole primary context)."""
+        if queue is not None and queue.stream is not None:
+            queue.stream.synchronize()
+            return
+        with self.activated(queue.context if queue else None) as context:
             context.synchronize()
 
     # ------------------------------------------------------------------ arrays
@@ -173,6 +229,22 @@ class CudaDevice:
     def empty(self, shape, dtype, queue: CudaQueue | None = None):
         with self.activated(queue.context if queue else None):
             return _pycuda()[1].empty(tuple(shape), np.dtype(dtype))
+
+    def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
+        """cuMemcpyDtoDAsync of ``source`` into ``destination`` on the queue's stream."""
+        with self.activated(queue.context if queue else None):
+            _pycuda()[0].memcpy_dtod_async(destination.gpudata, source.gpudata, source.nbytes,
+                                           queue.stream if queue else None)
+
+    @staticmethod
+    def wrap_host(queue, host: np.ndarray, writable: bool):
+        """Never called: ``shares_host_memory`` is False, so ops copies numpy arrays in and out."""
+        raise NotImplementedError(_NOT_HOST_MEMORY)
+
+    @staticmethod
+    def sync_host(queue, array, host: np.ndarray) -> np.ndarray:
+        """Never called (see ``wrap_host``)."""
+        raise NotImplementedError(_NOT_HOST_MEMORY)
 
     @staticmethod
     def release_memory() -> int:
@@ -208,7 +280,7 @@ class CudaDevice:
             raise ValueError(f"{name}: {exc}") from None
 
     @staticmethod
-    def track(array, launch) -> None:
+    def track(array, handle) -> None:
         """Nothing to do: work on one stream runs in order."""
 
     def to_host(self, array) -> np.ndarray:
@@ -258,6 +330,10 @@ class CudaDevice:
             kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
             end.record(queue.stream)
         return CudaLaunch(start, end)
+
+    def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
+        """``launch`` and wait; the kernel's time in ms between the events around it."""
+        return self.launch(queue, kernel, groups, block, args).elapsed_ms()
 
     @functools.cached_property
     def driver_target(self) -> "CudaDriverTarget":
@@ -333,14 +409,46 @@ def _arch(compute_capability) -> str:
 def _compile(source: str, arch: str) -> bytes:
     """The cubin of ``source`` for ``arch``, compiled by PyCUDA (through its on-disk cache).  The
     architecture is given, so that compiling needs no current context."""
-    from ..compile_check import NvccNotFoundError, find_nvcc
-
     try:
         nvcc = find_nvcc()
     except NvccNotFoundError:
         nvcc = "nvcc"  # PyCUDA's own default; its error message then names the problem
     # The templates declare their kernels `extern "C"` themselves (prelude.h).
     return _pycuda()[2](source, nvcc=nvcc, options=list(BUILD_OPTIONS), no_extern_c=True, arch=arch)
+
+
+# ---------------------------------------------------------------------- finding nvcc
+
+class NvccNotFoundError(RuntimeError):
+    pass
+
+
+def find_nvcc(nvcc: str | None = None) -> str:
+    """Path of the nvcc to use: ``nvcc`` if given (a name on PATH or a path), else ``nvcc`` on PATH,
+    else ``$CUDA_HOME``/``$CUDA_PATH``/``/usr/local/cuda`` ``bin/nvcc``, else the one of the PyPI
+    package ``nvidia-cuda-nvcc``.  Raises ``NvccNotFoundError`` with a one-line message."""
+    if nvcc is not None:
+        found = shutil.which(nvcc)
+        if found is None:
+            raise NvccNotFoundError(f"nvcc not found: {nvcc!r} is not an executable file or a command on PATH")
+        return found
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    roots = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
+    candidates = [os.path.join(r, "bin", "nvcc") for r in roots if r]
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "nvcc")))
+    for candidate in candidates:
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise NvccNotFoundError(
+        "nvcc not found: put the CUDA toolkit's bin/ on PATH, set CUDA_HOME, or `pip install nvidia-cuda-nvcc`"
+    )
 
 
 def _kernel_arg(a):
@@ -371,7 +479,7 @@ def list_devices() -> tuple:
         return ()
     drv = loaded[0]
     try:
-        return tuple(CudaDevice(i, drv.Device(i)) for i in range(drv.Device.count()))
+        return tuple(CudaDevice(i, CudaProperties.query(drv.Device(i))) for i in range(drv.Device.count()))
     except Exception as exc:  # noqa: BLE001 - a broken driver must not break import or listing
         global _IMPORT_ERROR
         _IMPORT_ERROR = exc

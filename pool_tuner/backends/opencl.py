@@ -1,9 +1,15 @@
 """OpenCL backend on PyOpenCL: devices, program building with an in-memory cache, launching.
 
-The same few methods as every backend: ``build`` (template text -> kernel object, cached per
-context), ``launch`` (kernel, grid, arguments), plus device arrays in and out.  A
+Implements the device contract of ``backends.base``: ``build`` (template text -> kernel object,
+cached per context), ``launch`` (kernel, grid, arguments), plus device arrays in and out.  A
 ``pyopencl.array.Array`` input is processed on its own queue and context; numpy inputs use the
 device's default context and a profiling-enabled queue.
+
+Device ids are ``opencl:<platform slug>:<device index>`` (``opencl:pocl:0``): the slug comes from
+the platform's name (``platform_slug``), so an id keeps its meaning when another OpenCL driver is
+installed and the ICD loader's platform order changes.  The ids of older releases,
+``opencl:<platform index>:<device index>``, are refused with the id to use now
+(``unknown_id_message``).
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import numpy as np
 
 from ..shapes import c_strides
-from ..variants import DeviceLimits
+from .base import DeviceLimits
 
 try:  # PyOpenCL is a hard dependency, but keep a clear message if the install is broken.
     import pyopencl as cl
@@ -29,6 +36,8 @@ else:
 BACKEND = "opencl"
 SIMULATOR_PLATFORMS = ("Oclgrind",)
 POCL_PLATFORM = "Portable Computing Language"
+#: Platform slugs that are not the slugified platform name (see ``platform_slug``).
+PLATFORM_SLUGS = {POCL_PLATFORM: "pocl"}
 #: Set to 0 (before importing pool_tuner) to allocate every result afresh.
 MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
 memory_pool_enabled = os.environ.get(MEMORY_POOL_ENV, "1") != "0"
@@ -102,18 +111,33 @@ def pocl_affinity() -> str:
     return request_pocl_affinity()
 
 
+def platform_slug(platform_name: str) -> str:
+    """The platform's part of a device id: a short name for known platforms (``pocl``), else the
+    platform's name in lower case with trademark marks dropped and every run of other characters
+    than letters and digits as one ``-`` (``Oclgrind`` -> ``oclgrind``, ``Intel(R) OpenCL
+    Graphics`` -> ``intel-opencl-graphics``)."""
+    if platform_name in PLATFORM_SLUGS:
+        return PLATFORM_SLUGS[platform_name]
+    plain = re.sub(r"\((r|tm|c)\)", " ", platform_name.lower())
+    return re.sub(r"[^a-z0-9]+", "-", plain).strip("-") or "platform"
+
+
 class OpenCLDevice:
-    """One OpenCL device, identified as ``opencl:<platform index>:<device index>``."""
+    """One OpenCL device, identified as ``opencl:<platform slug>:<device index>`` (see the module
+    docstring); ``platform_index`` is the ICD loader's numbering, which Kernel Tuner takes."""
 
     backend = BACKEND
+    source_suffix = ".cl"
+    #: PyTorch has no OpenCL backend: the benchmark compares with PyTorch on the CPU.
+    torch_device = "cpu"
 
-    def __init__(self, platform_index: int, device_index: int, cl_device):
-        self.id = f"{BACKEND}:{platform_index}:{device_index}"
+    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str):
         self.cl_device = cl_device
         self.platform_index = platform_index
         self.device_index = device_index
         self.name = cl_device.name.strip()
         self.platform_name = cl_device.platform.name.strip()
+        self.id = f"{BACKEND}:{slug}:{device_index}"
         self.is_simulator = self.platform_name in SIMULATOR_PLATFORMS
         self.is_pocl = self.platform_name == POCL_PLATFORM
         # Oclgrind advertises every device type bit, so decide "GPU" by platform first.
@@ -123,6 +147,8 @@ class OpenCLDevice:
             max_work_group_size=int(cl_device.max_work_group_size),
             local_mem_size=int(cl_device.local_mem_size),
         )
+        self.memory_bytes = int(cl_device.global_mem_size)
+        self.max_allocation_bytes = int(cl_device.max_mem_alloc_size)
         self.supports_float64 = bool(cl_device.double_fp_config)
         # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
         self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
@@ -149,6 +175,14 @@ class OpenCLDevice:
             "compute_units": int(d.max_compute_units),
         }
 
+    @property
+    def runtime_note(self) -> str | None:
+        """PoCL's CPU device: whether pool_tuner pinned its worker threads (``pocl_affinity``)."""
+        return f"PoCL: {pocl_affinity()}" if self.is_pocl and self.is_cpu else None
+
+    def kernel_tuner_arguments(self) -> dict:
+        return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
+
     # ------------------------------------------------------------------ queues and arrays
 
     @property
@@ -161,6 +195,9 @@ class OpenCLDevice:
             )
         return self._default_queue
 
+    def synchronize(self, queue=None) -> None:
+        (queue or self.queue).finish()
+
     def holds_default_queue_of(self, array) -> bool:
         """Whether ``array`` lives on this device's default queue: an identity test, the cheap
         first try of ``backends.device_of_array``."""
@@ -171,6 +208,11 @@ class OpenCLDevice:
 
     def to_device(self, host: np.ndarray, queue=None):
         return cl_array.to_device(queue or self.queue, host)
+
+    def copy(self, destination, source, queue=None) -> None:
+        """clEnqueueCopyBuffer of ``source`` into ``destination`` (device arrays or buffers)."""
+        data = [a.data if isinstance(a, cl_array.Array) else a for a in (destination, source)]
+        cl.enqueue_copy(queue or self.queue, *data)
 
     @staticmethod
     def wrap_host(queue, host: np.ndarray, writable: bool):
@@ -257,6 +299,13 @@ class OpenCLDevice:
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
         return kernel(queue, global_size, tuple(block), *buffers, wait_for=wait_for)
 
+    def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
+        """``launch`` and wait; the kernel's time in ms by its profiling event (``queue`` must
+        profile, as the default queue does)."""
+        event = self.launch(queue, kernel, groups, block, args)
+        event.wait()
+        return (event.profile.end - event.profile.start) * 1e-6
+
     # ------------------------------------------------------------------ what ops needs of arrays
 
     @staticmethod
@@ -271,9 +320,10 @@ class OpenCLDevice:
         return array
 
     @staticmethod
-    def track(array, event) -> None:
-        """Let ``array``'s own waits (``finish``, ``get``) include the kernel that writes it."""
-        array.add_event(event)
+    def track(array, handle) -> None:
+        """Let ``array``'s own waits (``finish``, ``get``) include the kernel (the event ``handle``)
+        that writes it."""
+        array.add_event(handle)
 
     @staticmethod
     def to_host(array) -> np.ndarray:
@@ -326,14 +376,57 @@ def list_devices() -> tuple:
         platforms = cl.get_platforms()
     except cl.Error:  # no ICD / no platform installed
         return ()
+    slugs = _unique_slugs([platform.name.strip() for platform in platforms])
     for p_index, platform in enumerate(platforms):
         try:
             devices = platform.get_devices()
         except cl.Error:
             continue
         for d_index, device in enumerate(devices):
-            found.append(OpenCLDevice(p_index, d_index, device))
+            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index]))
     return tuple(found)
+
+
+def _unique_slugs(platform_names: list) -> list:
+    """``platform_slug`` of each platform; where two platforms have the same slug (two ICDs of
+    one driver), the second gets ``-2``, the third ``-3``, in ICD order."""
+    slugs, seen = [], {}
+    for name in platform_names:
+        slug = platform_slug(name)
+        seen[slug] = seen.get(slug, 0) + 1
+        slugs.append(slug if seen[slug] == 1 else f"{slug}-{seen[slug]}")
+    return slugs
+
+
+_NUMERIC_ID = re.compile(rf"{BACKEND}:(\d+):(\d+)")
+
+
+def unknown_id_message(text: str) -> str | None:
+    """An id of the older numeric form ``opencl:<platform index>:<device index>``: that numbering
+    changes when an OpenCL driver is installed (PoCL was ``opencl:0:0``, then ``opencl:1:0`` beside
+    Oclgrind), so it is refused, naming the device at that position now."""
+    match = _NUMERIC_ID.fullmatch(text)
+    if match is None:
+        return None
+    p_index, d_index = int(match[1]), int(match[2])
+    here = [d for d in list_devices() if (d.platform_index, d.device_index) == (p_index, d_index)]
+    now = f"{text} is now {here[0].id!r} ({here[0].name})" if here else "no device is at that position now"
+    return (f"numeric OpenCL ids (opencl:<platform index>:<device index>) are no longer accepted, as the "
+            f"platform index changed whenever another OpenCL driver was installed; {now}")
+
+
+def device_of_array(x):
+    """The device of a ``pyopencl.array.Array`` (None for other objects)."""
+    if not is_device_array(x):
+        return None
+    devices = list_devices()
+    for d in devices:  # the common case first: an array on a device's default queue
+        if d.holds_default_queue_of(x):
+            return d
+    for d in devices:
+        if d.owns(x):
+            return d
+    raise ValueError("x is a pyopencl array on a device that pool_tuner cannot see")
 
 
 def import_error():

@@ -1,0 +1,29 @@
+/* thread_per_output -- forward: each work-item reduces whole windows.
+ *
+ * Each work-item computes outputs_per_thread outputs, block_size_x apart in memory order, so that
+ * neighbouring work-items always write neighbouring outputs (in channels-last memory they are
+ * neighbouring channels, which also read neighbouring inputs).  A window that fits the small box is
+ * reduced by unrolled straight-line code (reduce_small_window), others run by run
+ * (reduce_window_rows, with row_lanes lanes).  The bounds check is compiled in only when the grid
+ * runs past the last output (host define PARTIAL_LAST_GROUP): branch-free work-items vectorise on
+ * CPUs.
+ * Launch: ceil(OUT_NUMEL / (block_size_x * outputs_per_thread)) groups of block_size_x. */
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+{
+    const index_t first = (index_t)GROUP_ID * (block_size_x * outputs_per_thread) + LOCAL_ID_X;
+    for (int k = 0; k < outputs_per_thread; ++k) {
+        const index_t o = first + (index_t)k * block_size_x;
+#if PARTIAL_LAST_GROUP
+        if (o >= OUT_NUMEL)
+            return;
+#endif
+        index_t plane, ot, oh, ow;
+        OUT_COORDS(o, plane, ot, oh, ow);
+#if SMALL_WINDOW && row_lanes == 1
+        const reduction_t r = reduce_small_window(in, plane, ot, oh, ow);
+#else
+        const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);
+#endif
+        STORE_RESULT(o, r, ot, oh, ow);
+    }
+}

@@ -1,0 +1,218 @@
+/* reduction.h -- reducing windows through the operator (operators.h): what the forward kernels share.
+ *
+ *   out[o] = OP_FINISH(OP_COMBINE over the elements x of window(o) of OP_MAP(x), area(o))
+ *   selecting ops also: indices[o] = the position of the first element of window(o), in row-major
+ *   window order, that no element beats.
+ *
+ * A reduction is a running value and, for selecting ops, the plane position of the element it
+ * holds (-1 while empty).  Elements are added one at a time (reduce_step) in increasing position
+ * order; partial results of disjoint parts are combined in any order (reduce_merge).
+ */
+
+typedef struct {
+    acc_t value;
+    index_t position; /* selecting ops: plane position of `value`; -1 while empty */
+} reduction_t;
+
+DEVICE_FN reduction_t reduce_init(void)
+{
+    reduction_t r;
+    r.value = OP_IDENTITY;
+    r.position = -1;
+    return r;
+}
+
+/* The reduction of the one element `value` at plane position `position`. */
+DEVICE_FN reduction_t reduce_first(acc_t value, index_t position)
+{
+    reduction_t r;
+    r.value = OP_MAP(value);
+    r.position = position;
+    return r;
+}
+
+/* Add one element.  Every caller visits a window in increasing position order, so for a selecting
+ * op an element that only ties the current result (or is a second NaN) never takes over: the
+ * position rule reduces to a branch-free test that CPU compilers vectorise across work-items. */
+DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
+{
+#if OP_SELECTS
+    const acc_t x = OP_MAP(value);
+    const int wins = (r->position < 0) | OP_BEATS(x, r->value);
+    r->value = wins ? x : r->value;
+    r->position = wins ? position : r->position;
+#else
+    (void)position;
+    r->value = OP_COMBINE(r->value, OP_MAP(value));
+#endif
+}
+
+/* Add the element `value` at `position` of a box tap (windows.h): `inside` tells a real element
+ * from a repeat of the window's last element past its end.  A selecting op takes the repeat as it
+ * is -- it only ties the element visited just before it, and a tie keeps the first position -- so
+ * it needs no mask; an accumulating op combines the identity instead. */
+DEVICE_FN void reduce_box_tap(reduction_t* r, acc_t value, index_t position, int inside)
+{
+#if OP_SELECTS
+    (void)inside;
+    reduce_step(r, value, position);
+#else
+    (void)position;
+    r->value = OP_COMBINE(r->value, inside ? OP_MAP(value) : OP_IDENTITY);
+#endif
+}
+
+/* Combine the partial results of two disjoint parts of a window, in any order.  Selecting: the
+ * winner, or on a tie the earlier position. */
+DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
+{
+#if OP_SELECTS
+    if (b.position >= 0
+        && (a.position < 0 || OP_BEATS(b.value, a.value) || (!OP_BEATS(a.value, b.value) && b.position < a.position)))
+        a = b;
+#else
+    a.value = OP_COMBINE(a.value, b.value);
+#endif
+    return a;
+}
+
+/* Partial results kept apart as a value and (selecting ops only, declared with IF_SELECTING) a
+ * position, in two variables or two arrays: the row and plane variants keep them so.  The
+ * position slot is not touched by accumulating ops, so it need not exist for them. */
+#if OP_SELECTS
+#define STORE_PARTIAL(value_slot, position_slot, r) ((value_slot) = (r).value, (position_slot) = (r).position)
+#define PARTIAL(value_slot, position_slot) partial_of(value_slot, position_slot)
+/* reduce_step on a partial that holds an element already. */
+#define STEP_PARTIAL(value_slot, position_slot, value, position)            \
+    do {                                                                    \
+        const acc_t x_ = OP_MAP(value);                                     \
+        const int wins_ = OP_BEATS(x_, value_slot);                         \
+        (value_slot) = wins_ ? x_ : (value_slot);                           \
+        (position_slot) = wins_ ? (position) : (position_slot);             \
+    } while (0)
+#else
+#define STORE_PARTIAL(value_slot, position_slot, r) ((value_slot) = (r).value)
+#define PARTIAL(value_slot, position_slot) partial_of(value_slot, -1)
+#define STEP_PARTIAL(value_slot, position_slot, value, position) \
+    ((value_slot) = OP_COMBINE(value_slot, OP_MAP(value)))
+#endif
+
+DEVICE_FN reduction_t partial_of(acc_t value, index_t position)
+{
+    reduction_t r;
+    r.value = value;
+    r.position = position;
+    return r;
+}
+
+/* The forward kernels' last parameter for selecting ops: the indices they write. */
+#define INDICES_OUT IF_SELECTING(, GLOBAL int64_t_* RESTRICT indices)
+
+/* Write output `offset` of (ot, oh, ow) from its finished reduction. */
+#define STORE_RESULT(offset, r, ot, oh, ow)                                         \
+    do {                                                                            \
+        STORE(out, offset, OP_FINISH((r).value, window_area(ot, oh, ow)));          \
+        IF_SELECTING(indices[offset] = (int64_t_)(r).position;)                     \
+    } while (0)
+
+/* ---------------------------------------------------------------- one window by its runs
+ * With one output column, every window row spans its whole input row, so in channels-first memory
+ * the rows of a window follow each other: its (t) slabs are single runs of window_h * IN_W elements
+ * (global pooling: one run per plane), long enough for row_lanes to pay. */
+#define CONTIGUOUS_WINDOW_ROWS (OUT_W == 1 && !CHANNELS_LAST)
+
+/* The runs of one window that reduce_window_rows visits: its rows first_row, first_row + row_step,
+ * ... (a row is one (t, h) pair), or with first_row = 0, row_step = 1 and CONTIGUOUS_WINDOW_ROWS
+ * its whole (t) slabs.  Run `run` starts at plane position RUN_POSITION(run). */
+#define WINDOW_RUNS                                                                                       \
+    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);                                 \
+    const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);                                 \
+    const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);                                 \
+    const index_t window_h = h_end - h_start;                                                             \
+    const int slab_runs = CONTIGUOUS_WINDOW_ROWS && first_row == 0 && row_step == 1;                      \
+    const index_t runs = slab_runs ? t_end - t_start : (t_end - t_start) * window_h;                      \
+    const index_t run_length = slab_runs ? window_h * IN_W : w_end - w_start;                             \
+    const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE)
+#define RUN_POSITION(run)                                                                                 \
+    (slab_runs ? PLANE_POSITION(t_start + (run), h_start, 0, IN_H, IN_W)                                  \
+               : PLANE_POSITION(t_start + (run) / window_h, h_start + (run) % window_h, w_start, IN_H, IN_W))
+#define RUN_ELEMENT(position, j) LOAD(in, plane_base + ((position) + (j)) * ELEMENT_STEP)
+
+/* Reduce output (ot, oh, ow) of `plane` over the runs above.
+ *
+ * row_lanes > 1 keeps row_lanes independent partial values along each run (lane k takes elements
+ * k, k + row_lanes, ...), so the steps no longer wait on each other and CPU compilers turn the lanes
+ * into vector operations.  The lanes combine values only; a selecting op then finds its position in
+ * a second pass: the first element, in window order, that the combined value does not beat -- the
+ * position rule without tracking positions in the hot loop. */
+DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
+                                         index_t oh, index_t ow, index_t first_row, index_t row_step)
+{
+    WINDOW_RUNS;
+    reduction_t r = reduce_init();
+#if row_lanes > 1
+    acc_t lanes[row_lanes];
+    for (int k = 0; k < row_lanes; ++k)
+        lanes[k] = OP_IDENTITY;
+#endif
+    for (index_t run = first_row; run < runs; run += row_step) {
+        const index_t position = RUN_POSITION(run);
+        index_t j = 0;
+#if row_lanes > 1
+        for (; j + row_lanes <= run_length; j += row_lanes)
+            for (int k = 0; k < row_lanes; ++k)
+                lanes[k] = OP_COMBINE(lanes[k], OP_MAP(RUN_ELEMENT(position, j + k)));
+#endif
+        for (; j < run_length; ++j)
+            reduce_step(&r, RUN_ELEMENT(position, j), position + j);
+    }
+#if row_lanes > 1
+    acc_t combined = r.value;
+    for (int k = 0; k < row_lanes; ++k)
+        combined = OP_COMBINE(combined, lanes[k]);
+#if OP_SELECTS
+    for (index_t run = first_row; run < runs; run += row_step) {
+        const index_t position = RUN_POSITION(run);
+        for (index_t j = 0; j < run_length; ++j) {
+            const acc_t x = OP_MAP(RUN_ELEMENT(position, j));
+            if (!OP_BEATS(combined, x))
+                return partial_of(x, position + j);
+        }
+    }
+#else
+    r.value = combined;
+#endif
+#endif
+    return r;
+}
+
+/* ---------------------------------------------------------------- one small window by its box
+ * Small windows (every window inside a box of MAX_WINDOW_T x MAX_WINDOW_H x MAX_WINDOW_W, at most
+ * SMALL_BOX_LIMIT elements) are reduced by fully unrolled straight-line code over that box, with
+ * the running result in plain scalars: the form that CPU compilers vectorise across work-items (PoCL
+ * leaves the general run loops above scalar even when their trip counts are constants).  Along an
+ * axis whose windows differ in size, a box tap past the window's end is clamped to its last element
+ * (a load that is always in bounds), which reduce_box_tap masks where the op needs it. */
+#define SMALL_WINDOW (MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W <= SMALL_BOX_LIMIT)
+#if SMALL_WINDOW
+DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
+                                          index_t oh, index_t ow)
+{
+    const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
+    const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);
+    const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
+    const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    const index_t corner = PLANE_POSITION(t_start, h_start, w_start, IN_H, IN_W);
+    reduction_t r = reduce_first(LOAD(in, plane_base + corner * ELEMENT_STEP), corner);
+#pragma unroll
+    for (int k = 1; k < MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W; ++k) {
+        const int kt = k / (MAX_WINDOW_H * MAX_WINDOW_W), kh = k / MAX_WINDOW_W % MAX_WINDOW_H, kw = k % MAX_WINDOW_W;
+        const index_t p = PLANE_POSITION(BOX_TAP(t_start, t_end, kt, UNIFORM_T), BOX_TAP(h_start, h_end, kh, UNIFORM_H),
+                                         BOX_TAP(w_start, w_end, kw, UNIFORM_W), IN_H, IN_W);
+        const int inside = IN_WINDOW(t_start, t_end, kt, UNIFORM_T) & IN_WINDOW(h_start, h_end, kh, UNIFORM_H)
+                         & IN_WINDOW(w_start, w_end, kw, UNIFORM_W);
+        reduce_box_tap(&r, LOAD(in, plane_base + p * ELEMENT_STEP), p, inside);
+    }
+    return r;
+}
+#endif

@@ -1,0 +1,184 @@
+"""The device contract: what every backend implements, and all that the rest of pool_tuner uses.
+
+``ops``, ``dispatch``, ``tuner``, ``bench`` and ``cli`` see a device only through ``Device`` below
+and a backend module only through ``Backend``: no ``isinstance`` on a backend's class, no attribute
+of one backend's library (PyOpenCL's platforms, PyCUDA's contexts) outside that backend's file.
+
+Adding a backend means adding one file, ``backends/<name>.py``, and naming its module in
+``backends.BACKENDS``.  The file implements:
+
+* at module level (``Backend``): ``BACKEND`` (the id prefix, e.g. ``"cuda"``), ``list_devices()``
+  (every usable device, ``()`` when the library, driver or hardware is missing -- never raising),
+  ``import_error()`` (why it listed nothing), ``device_of_array(x)`` (the device holding one of its
+  arrays, None for arrays it does not know) and ``unknown_id_message(text)`` (a hint for an id of
+  its prefix that names no device, e.g. an id of an older format; None for no hint);
+* a device class with every member of ``Device``: identity (``id``, stable across installs of
+  other drivers, and ``fingerprint``, what identifies its performance in the tuning cache),
+  ``limits``, building (``build``), launching (``launch``, ``timed_launch``), arrays in and out,
+  and the arguments Kernel Tuner needs to tune on it (``kernel_tuner_arguments``);
+* kernels: the templates in ``kernels/`` compile for it through ``kernels/prelude.h`` (one
+  ``#ifdef`` branch per language), and the benchmark's memory streams need
+  ``kernels/bandwidth<source_suffix>``.
+
+``tests/test_layering.py`` checks that both backends have every member.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """The device properties that decide whether a configuration can launch (``variants`` checks
+    every configuration against them)."""
+
+    max_work_group_size: int
+    local_mem_size: int
+
+
+@runtime_checkable
+class Device(Protocol):
+    """One device of one backend.
+
+    Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
+    every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
+    the backend's own array type (``pyopencl.array.Array``, PyCUDA ``GPUArray``) in memory order,
+    bfloat16 as its uint16 bits."""
+
+    # -------------------------------------------------------------- identity
+    #: The backend's name, the first part of ``id``.
+    backend: str
+    #: ``<backend>:...``, the same on every run and whatever other drivers are installed.
+    id: str
+    name: str
+    #: The driver or platform the device belongs to, in words (``pool-tuner devices`` shows it).
+    platform_name: str
+    is_gpu: bool
+    is_cpu: bool
+    #: A simulator (Oclgrind): exact but slow, never chosen by default.
+    is_simulator: bool
+    supports_float64: bool
+    #: Device arrays can live in host memory, so numpy arrays are used in place (``wrap_host``).
+    shares_host_memory: bool
+    #: Where PyTorch runs on the same hardware (``"cuda:0"``), or ``"cpu"`` where PyTorch has no
+    #: backend for it (OpenCL): the benchmark's side-by-side.
+    torch_device: str
+
+    @property
+    def fingerprint(self) -> dict:
+        """What identifies this device's performance in the tuning cache (JSON-ready, with a
+        ``backend`` field); any change (a driver update) makes old records misses."""
+
+    @property
+    def runtime_note(self) -> str | None:
+        """What the backend set up in this process that changes this device's timings (PoCL's
+        worker pinning), in words, or None; ``pool-tuner devices`` and ``bench.json`` show it."""
+
+    def describe(self) -> str:
+        """``<id> <name>``."""
+
+    # -------------------------------------------------------------- limits
+    #: What variants' legality checks use.
+    limits: DeviceLimits
+    #: Device memory in bytes, and the largest single allocation.
+    memory_bytes: int
+    max_allocation_bytes: int
+
+    # -------------------------------------------------------------- queues
+    @property
+    def queue(self):
+        """The device's default queue (own context; kernel timing enabled)."""
+
+    def queue_of(self, array):
+        """The queue that work on ``array`` (one of this device's arrays) goes to."""
+
+    def synchronize(self, queue=None) -> None:
+        """Wait until everything sent to ``queue`` (default: the default queue) has finished."""
+
+    # -------------------------------------------------------------- kernels
+    #: The file suffix of this backend's kernel sources (``kernels/bandwidth<suffix>``).
+    source_suffix: str
+
+    def build(self, context, source: str, kernel_name: str):
+        """Compile rendered ``source`` for this device in ``context`` (cached) and return the kernel
+        ``kernel_name``."""
+
+    def kernel_work_group_limit(self, kernel) -> int:
+        """The most work-items per work-group the built ``kernel`` can launch with."""
+
+    def launch(self, queue, kernel, groups: int, block: tuple, args, wait_for=None):
+        """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``
+        (device arrays and numpy scalars); returns a handle with ``wait()`` for ``track``."""
+
+    def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
+        """``launch``, wait for it, and return the kernel's own time in milliseconds as the device
+        measures it (OpenCL profiling events, CUDA events): the same on every backend."""
+
+    def kernel_tuner_arguments(self) -> dict:
+        """The arguments that make Kernel Tuner's ``tune_kernel`` compile and time on this device:
+        ``lang`` and the device (and platform) indices in Kernel Tuner's numbering."""
+
+    # -------------------------------------------------------------- arrays in and out
+    def to_device(self, host: np.ndarray, queue=None):
+        """A device array holding a copy of the C-contiguous ``host``."""
+
+    def empty(self, shape, dtype, queue=None):
+        """An uninitialised C-contiguous device array."""
+
+    def to_host(self, array) -> np.ndarray:
+        """A numpy copy of ``array`` (waiting for the work that writes it)."""
+
+    def fill(self, array, value, queue=None):
+        """Fill ``array`` with ``value``; returns it."""
+
+    def fill_bits(self, array, bits, queue=None):
+        """Fill an array of 16-bit elements with the bit pattern ``bits``; returns it."""
+
+    def copy(self, destination, source, queue=None) -> None:
+        """Copy device array ``source`` into ``destination`` (same size) with the backend's own
+        buffer copy."""
+
+    def strided_view(self, array, shape, strides):
+        """``array``'s memory seen with another shape and strides (channels-last results)."""
+
+    def wrap_input(self, array, name: str):
+        """A caller's device array as a kernel argument (``name`` for error messages)."""
+
+    def track(self, array, handle) -> None:
+        """Let ``array``'s own waits include the launch ``handle`` that writes it."""
+
+    def owns(self, array) -> bool:
+        """Whether device array ``array`` lives on this device."""
+
+    def wrap_host(self, queue, host: np.ndarray, writable: bool):
+        """A device array whose storage is ``host`` (only where ``shares_host_memory``)."""
+
+    def sync_host(self, queue, array, host: np.ndarray) -> np.ndarray:
+        """Make ``host`` (wrapped by ``wrap_host``) current after the work on ``array``."""
+
+    def release_memory(self) -> int:
+        """Free memory held for reuse by later results; returns the number of blocks freed."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend module provides at module level (a module satisfies a Protocol by its
+    attributes)."""
+
+    BACKEND: str
+
+    def list_devices(self) -> tuple:
+        """Every usable device of this backend, in a fixed order; ``()`` when none, never raising."""
+
+    def import_error(self) -> BaseException | None:
+        """Why the backend lists no device (its library failed to load), or None."""
+
+    def device_of_array(self, x):
+        """The device holding ``x`` if ``x`` is one of this backend's arrays, else None."""
+
+    def unknown_id_message(self, text: str) -> str | None:
+        """For an id with this backend's prefix that names no device: what to use instead, or None."""

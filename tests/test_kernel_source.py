@@ -1,0 +1,108 @@
+"""Kernel sources: one file per variant over shared headers, the op only in the operator header,
+the hash that identifies a record's kernel code, and the package data that installs them all."""
+
+import configparser
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import dispatch, kernel_source
+from pool_tuner.variants import REGISTRY
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+VARIANT_FILES = sorted(str(p.relative_to(KERNELS)) for d in ("forward", "backward") for p in (KERNELS / d).glob("*"))
+
+
+def test_every_variant_has_its_own_kernel_file_and_every_file_is_a_variant():
+    templates = {variant.template for table in REGISTRY.values() for variant in table.values()}
+    assert templates == set(VARIANT_FILES)
+    for (_, direction), table in REGISTRY.items():
+        for name, variant in table.items():
+            assert variant.template == f"{direction}/{name}.c"
+            assert f"KERNEL void {variant.kernel_name}(" in kernel_source.read(variant.template)
+
+
+def test_only_the_operator_header_names_an_op():
+    """Variant bodies and the shared headers go through the operator: no POOL_AVG/POOL_MAX outside
+    operators.h, no variant switches, and the few operator-kind conditions in variant files are
+    guards that refuse a kind (#error), not alternative bodies."""
+    names_an_op = [str(p.relative_to(KERNELS)) for p in KERNELS.rglob("*")
+                   if p.is_file() and re.search(r"POOL_(AVG|MAX)", p.read_text())]
+    assert names_an_op == ["operators.h"]
+    for name in VARIANT_FILES + ["reduction.h", "gradients.h", "windows.h", "tiles.h", "prelude.h"]:
+        lines = (KERNELS / name).read_text().splitlines()
+        assert not any("VARIANT_" in line for line in lines), name
+        if name in VARIANT_FILES:
+            for k, line in enumerate(lines):
+                if line.startswith("#if") and "OP_SELECTS" in line:
+                    assert lines[k + 1].startswith("#error"), f"{name}:{k + 1} branches on the op kind"
+
+
+def test_program_files():
+    assert kernel_source.program_files("forward/thread_per_output.c") == (
+        "prelude.h", "windows.h", "operators.h", "reduction.h", "forward/thread_per_output.c")
+    assert kernel_source.program_files("backward/smem_tiled.c") == (
+        "prelude.h", "windows.h", "operators.h", "gradients.h", "tiles.h", "backward/smem_tiled.c")
+    for bad in ("pool_forward.c", "sideways/thread_per_output.c", "forward/thread_per_output.h"):
+        with pytest.raises(ValueError, match="template must be"):
+            kernel_source.program_files(bad)
+
+
+@pytest.fixture
+def kernel_copy(tmp_path, monkeypatch):
+    """A private copy of kernels/ that the package reads (the memoised reads and hashes cleared)."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(KERNELS, copy)
+    monkeypatch.setattr(kernel_source, "kernel_dir", lambda: copy)
+    for memo in (kernel_source.read, kernel_source.template_hash):
+        memo.cache_clear()
+    yield copy
+    for memo in (kernel_source.read, kernel_source.template_hash):
+        memo.cache_clear()
+
+
+def _src(op, direction):
+    """The kernel-hash field of the cache key of a small problem."""
+    if direction == "forward":
+        key = pt.explain(op, (2, 3, 10, 9), (4, 7))["cache_key"]
+    else:
+        key = pt.explain(op, (2, 3, 10, 9), (4, 7), direction="backward")["cache_key"]
+    return key.rsplit("|src=", 1)[1]
+
+
+def test_the_cache_key_covers_every_file_of_its_directions_programs(kernel_copy):
+    """Editing any header or any variant file of a direction makes that direction's records stale
+    (a record ranks every variant of its direction); the other direction's keys stay."""
+    dispatch.forget()
+    ops = ("adaptive_avg_pool2d", "adaptive_max_pool2d")
+    before = {(op, d): _src(op, d) for op in ops for d in ("forward", "backward")}
+    files = sorted({name for table in REGISTRY.values() for v in table.values()
+                    for name in kernel_source.program_files(v.template)})
+    assert {"tiles.h", "reduction.h", "gradients.h"} <= set(files)
+    for name in files:
+        path = kernel_copy / name
+        original = path.read_text()
+        path.write_text(original + "/* edited */\n")
+        kernel_source.read.cache_clear()
+        kernel_source.template_hash.cache_clear()
+        dispatch.forget()
+        after = {(op, d): _src(op, d) for op in ops for d in ("forward", "backward")}
+        for (op, direction), src in after.items():
+            used = any(name in kernel_source.program_files(v.template)
+                       for v in REGISTRY[(op, direction)].values())
+            assert (src != before[(op, direction)]) == used, (name, op, direction)
+        path.write_text(original)
+
+
+def test_package_data_installs_every_kernel_file():
+    """setup.cfg's package data must reach the variant files in kernels/forward and kernels/backward
+    (a pattern of a data package does not descend into subdirectories by itself)."""
+    config = configparser.ConfigParser()
+    config.read(KERNELS.parent / "setup.cfg")
+    patterns = [p.strip() for p in config["options.package_data"]["pool_tuner.kernels"].split(",")]
+    installed = {str(p.relative_to(KERNELS)) for pattern in patterns for p in KERNELS.glob(pattern)}
+    every = {str(p.relative_to(KERNELS)) for p in KERNELS.rglob("*") if p.is_file()}
+    assert installed == every

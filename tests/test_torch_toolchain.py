@@ -1,0 +1,382 @@
+"""pool_tuner.torch through PyTorch's toolchain: the custom ops under torch.library.opcheck,
+torch.compile(fullgraph=True) forward and backward, torch.export, ONNX (pool_tuner.onnx and
+onnxruntime), TorchScript's refusal, and the import/argument errors a PyTorch user sees.
+
+Compilations are the cost here (each inductor compile takes tens of seconds on two cores): the
+broad matrix runs on the "aot_eager" backend, and one test compiles with inductor."""
+
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import random_input
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("ml_dtypes")
+
+import torch.nn.functional as F  # noqa: E402
+
+import pool_tuner.torch as ptt  # noqa: E402
+from pool_tuner import onnx as pto  # noqa: E402
+
+KINDS = ("avg", "max")
+KIND_NDIM = [(kind, ndim) for kind in KINDS for ndim in (1, 2, 3)]
+FLOAT32_TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: FLOAT32_TOL,
+       torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+#: Per rank, (input shape, output size, dtype, channels-last): every dtype, both layouts and the
+#: odd shapes -- non-divisible, upsampling, batch-less, output 1 -- each at least once per op.
+OPCHECK_CASES = {
+    1: [((2, 3, 14), [4], torch.float32, False), ((2, 3, 5), [7], torch.float64, True),
+        ((3, 9), [4], torch.float16, True), ((2, 3, 12), [1], torch.bfloat16, False)],
+    2: [((2, 3, 10, 9), [5, 7], torch.float32, False), ((1, 2, 5, 5), [7, 7], torch.float64, True),
+        ((3, 10, 9), [5, 4], torch.float16, True), ((2, 3, 7, 7), [1, 1], torch.bfloat16, False)],
+    3: [((1, 2, 5, 7, 9), [3, 4, 5], torch.float32, False), ((1, 2, 3, 4, 5), [5, 6, 4], torch.float64, True),
+        ((2, 5, 7, 9), [2, 3, 4], torch.float16, True), ((2, 2, 3, 5, 7), [1, 1, 1], torch.bfloat16, False)],
+}
+
+
+def tensor(rng, shape, dtype=torch.float32, channels_last=False, ndim=None):
+    """Fresh random values; ``channels_last``: the channel axis (``ndim`` pooled axes after it)
+    innermost in memory."""
+    if not channels_last:
+        return torch.from_numpy(random_input(rng, shape)).to(dtype)
+    c = len(shape) - ndim - 1
+    memory = shape[:c] + shape[c + 1:] + (shape[c],)
+    x = torch.from_numpy(random_input(rng, memory)).to(dtype).movedim(-1, c)
+    assert not x.is_contiguous() and ptt._is_channels_last(x, ndim)
+    return x
+
+
+def torch_pool(kind, ndim):
+    return getattr(F, f"adaptive_{kind}_pool{ndim}d")
+
+
+def layer(kind, ndim, size, ours=True):
+    return getattr(ptt if ours else torch.nn, f"Adaptive{kind.capitalize()}Pool{ndim}d")(size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops
+
+
+@pytest.mark.parametrize("kind,ndim", KIND_NDIM)
+def test_opcheck_forward_and_backward_ops(kind, ndim, rng):
+    """torch.library.opcheck (schema, autograd registration, fake tensors against the real
+    kernels' shapes/strides/dtypes, AOT dispatch with dynamic shapes) for both ops of a kind and
+    rank, with results checked against PyTorch's."""
+    forward, backward = ptt._OPS[kind, ndim, False], ptt._OPS[kind, ndim, True]
+    for shape, size, dtype, channels_last in OPCHECK_CASES[ndim]:
+        x = tensor(rng, shape, dtype, channels_last, ndim)
+        torch.library.opcheck(forward, (x.requires_grad_(), size, ""))
+        out = forward(x.detach(), size, "")
+        values = out[0] if kind == "max" else out
+        expected = torch_pool(kind, ndim)(x.detach(), size, *([True] if kind == "max" else []))
+        torch.testing.assert_close(values, expected[0] if kind == "max" else expected, **TOL[dtype])
+        if kind == "max":
+            assert torch.equal(out[1], expected[1])
+        assert ptt._is_channels_last(values, ndim) == (channels_last and values.dim() == x.dim()
+                                                        and not values.is_contiguous())
+        grad_out = tensor(rng, tuple(values.shape), dtype, channels_last and not values.is_contiguous(), ndim)
+        extra = (out[1],) if kind == "max" else ()
+        torch.library.opcheck(backward, (grad_out.requires_grad_(), *extra, list(shape), ""))
+
+
+def test_fake_implementation_keeps_channels_last(rng):
+    x = tensor(rng, (2, 3, 10, 9), channels_last=True, ndim=2).to(device="meta")
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    y, idx = torch.ops.pool_tuner.adaptive_max_pool2d(x, [5, 7], "")
+    assert y.shape == idx.shape == (2, 3, 5, 7) and idx.dtype == torch.int64
+    assert y.is_contiguous(memory_format=torch.channels_last) and idx.is_contiguous(memory_format=torch.channels_last)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: forget earlier tests' compiled code (dynamo caches it
+    per code object, up to a recompile limit that a whole file of models would exceed)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Net(torch.nn.Module):
+    """conv -> pool_tuner module -> functional form (max with indices) -> linear: both forms."""
+
+    def __init__(self, kind, ndim, size, channels=4):
+        super().__init__()
+        conv = getattr(torch.nn, f"Conv{ndim}d")
+        self.conv, self.pool = conv(2, channels, 3), layer(kind, ndim, size)
+        self.kind, self.ndim, self.size = kind, ndim, size
+        self.head = torch.nn.LazyLinear(3)
+
+    def forward(self, x):
+        y = self.pool(torch.relu(self.conv(x)))
+        fn = getattr(ptt, f"adaptive_{self.kind}_pool{self.ndim}d")
+        z = fn(y, 2, True)[0] if self.kind == "max" else fn(y, 2)
+        return self.head(torch.cat([y.flatten(1), z.flatten(1)], 1))
+
+
+NET_INPUTS = {1: (2, 2, 19), 2: (2, 2, 13, 12), 3: (2, 2, 7, 8, 9)}
+NET_SIZES = {1: 5, 2: (5, 4), 3: (3, 4, 3)}
+
+
+def eager_and_compiled(model, x, **compile_options):
+    """Outputs and (input, parameter) gradients of ``model`` and of its compiled copy."""
+    compiled = torch.compile(model, fullgraph=True, **compile_options)
+    results = []
+    for net in (model, compiled):
+        x_ = x.detach().clone().requires_grad_()
+        y = net(x_)
+        grads = torch.autograd.grad(y.square().sum(), [x_, *model.parameters()])
+        results.append((y, grads))
+    return results
+
+
+@pytest.mark.parametrize("kind,ndim", KIND_NDIM)
+def test_compile_fullgraph_forward_and_backward_matches_eager(kind, ndim, rng):
+    """fullgraph=True: a graph break would raise.  The same compiled model then runs a new batch
+    size (recompiled with a dynamic batch) and channels-last input."""
+    torch.manual_seed(0)
+    model = Net(kind, ndim, NET_SIZES[ndim])
+    model(torch.zeros(NET_INPUTS[ndim]))  # materialise the lazy linear
+    for shape in (NET_INPUTS[ndim], (3,) + NET_INPUTS[ndim][1:]):
+        x = tensor(rng, shape)
+        (y, grads), (y_c, grads_c) = eager_and_compiled(model, x, backend="aot_eager")
+        torch.testing.assert_close(y_c, y, **FLOAT32_TOL)
+        for g_c, g in zip(grads_c, grads):
+            torch.testing.assert_close(g_c, g, **FLOAT32_TOL)
+    reference = Net(kind, ndim, NET_SIZES[ndim])
+    reference.load_state_dict(model.state_dict())
+    reference.pool = layer(kind, ndim, NET_SIZES[ndim], ours=False)
+    torch.testing.assert_close(y, reference(x), **FLOAT32_TOL)  # and eager is PyTorch's result
+
+
+def test_compile_with_channels_last_input(rng):
+    x = tensor(rng, (2, 3, 10, 9), channels_last=True, ndim=2).requires_grad_()
+    compiled = torch.compile(lambda t: ptt.adaptive_avg_pool2d(t, (5, 7)) * 2, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.adaptive_avg_pool2d(x, (5, 7)) * 2, **FLOAT32_TOL)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, torch.autograd.grad(F.adaptive_avg_pool2d(x, (5, 7)).sum() * 2, x)[0],
+                               **FLOAT32_TOL)
+
+
+def test_inductor_training_runs_pool_tuner_backward(rng):
+    """The real compiler: a compiled training step follows eager PyTorch's, and the profiler shows
+    that the backward kernels that ran are pool_tuner's ops, not ATen's adaptive pooling."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3), torch.nn.AdaptiveMaxPool2d((5, 7)), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d((3, 4)), torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 4, 2),
+    )
+    model = ptt.replace_pooling(copy.deepcopy(reference))
+    compiled = torch.compile(model, fullgraph=True)
+    x, target = tensor(rng, (2, 2, 12, 11)), tensor(rng, (2, 2))
+    losses = {}
+    for name, net, params in (("eager", reference, reference), ("compiled", compiled, model)):
+        optimizer = torch.optim.SGD(params.parameters(), lr=0.05)
+        losses[name] = []
+        # A fresh compile cache: a cached graph would hide a change to the ops' autograd formulas.
+        with torch._inductor.utils.fresh_cache(), \
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            for _ in range(3):
+                optimizer.zero_grad()
+                loss = F.mse_loss(net(x), target)
+                loss.backward()
+                optimizer.step()
+                losses[name].append(loss.item())
+        ran = {event.key for event in profile.key_averages()}
+        if name == "compiled":
+            assert {"pool_tuner::adaptive_max_pool2d_backward", "pool_tuner::adaptive_avg_pool2d_backward",
+                    "pool_tuner::adaptive_max_pool2d", "pool_tuner::adaptive_avg_pool2d"} <= ran
+            assert not [key for key in ran if "aten::" in key and "adaptive" in key]
+    np.testing.assert_allclose(losses["compiled"], losses["eager"], rtol=1e-5)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA tensors need a CUDA GPU: torch.cuda.is_available() is False"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_tensors_go_through_the_same_ops(kind, rng):
+    """opcheck on CUDA (channels-last: the CUDA backend works on contiguous copies, the results
+    come back in the memory format the fake implementation promised) and a compiled call."""
+    x = tensor(rng, (2, 3, 10, 9), channels_last=True, ndim=2).cuda()
+    torch.library.opcheck(ptt._OPS[kind, 2, False], (x.requires_grad_(), [5, 7], ""))
+    compiled = torch.compile(getattr(ptt, f"adaptive_{kind}_pool2d"), fullgraph=True, backend="aot_eager")
+    y = compiled(x, (5, 7))
+    expected = torch_pool(kind, 2)(x, (5, 7))
+    assert y.is_cuda and y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, expected, **FLOAT32_TOL)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.sum(), x)[0], **FLOAT32_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.export
+
+
+@pytest.mark.parametrize("kind,ndim", KIND_NDIM)
+def test_export_runs_and_matches_eager(kind, ndim, rng):
+    size = NET_SIZES[ndim]
+    model = torch.nn.Sequential(getattr(ptt, f"Adaptive{kind.capitalize()}Pool{ndim}d")(size, variant="thread_per_output"))
+    x = tensor(rng, NET_INPUTS[ndim])
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=64)},))
+    code = program.graph_module.code
+    assert f"torch.ops.pool_tuner.adaptive_{kind}_pool{ndim}d.default" in code
+    assert '"variant": "thread_per_output"' in code  # the options travel in the graph
+    for batch in (NET_INPUTS[ndim][0], 5):
+        x = tensor(rng, (batch,) + NET_INPUTS[ndim][1:])
+        torch.testing.assert_close(program.module()(x), torch_pool(kind, ndim)(x, size), **FLOAT32_TOL)
+
+
+def test_exported_program_saves_and_loads(rng, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), ptt.AdaptiveMaxPool2d((5, 7), return_indices=True))
+    x = tensor(rng, (2, 2, 12, 11))
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, (x,)), path)
+    values, indices = torch.export.load(path).module()(x)
+    t_values, t_indices = F.adaptive_max_pool2d(model[0](x), (5, 7), True)
+    assert torch.equal(values, t_values) and torch.equal(indices, t_indices)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX: the decomposition (in PyTorch, no export), then through onnxruntime
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_onnx_decomposition_is_exact(kind, rng):
+    """Every path of pool_tuner.onnx.decompose -- one fixed pooling, per-axis fixed pooling,
+    pooling matrices / window slices, identity axes, upsampling, output 1, batch-less -- against
+    PyTorch in float64."""
+    cases = [((2, 3, 12), [4]), ((2, 3, 14), [4]), ((3, 5), [7]), ((2, 3, 8, 8), [4, 4]),
+             ((2, 3, 7, 10), [3, 4]), ((2, 3, 10, 9), [5, 9]), ((3, 5, 5), [7, 1]), ((2, 3, 7, 7), [1, 1]),
+             ((1, 2, 4, 6, 6), [2, 3, 3]), ((1, 2, 5, 7, 9), [3, 4, 5]), ((2, 3, 4, 5), [5, 6, 4])]
+    for shape, size in cases:
+        ndim = len(size)
+        x = tensor(rng, shape, torch.float64)
+        expected = torch_pool(kind, ndim)(x, size)
+        torch.testing.assert_close(pto.decompose(kind, ndim, x, size, "test"), expected, rtol=1e-12, atol=1e-12)
+
+
+def run_onnx(program, *inputs):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return session.run(None, {name: x.numpy() for name, x in zip(names, inputs)})
+
+
+class Branches(torch.nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        return tuple(pool(x) for pool in self.layers)
+
+
+#: Per rank: input shape and output sizes -- divisible, fixed-equivalent non-divisible, and
+#: non-divisible (pooling matrix / window slices), upsampling included.
+ONNX_CASES = {1: ((2, 3, 14), [7, 6, 5, 17]), 2: ((2, 3, 10, 9), [(5, 3), (4, 4), (3, 4), (12, 4)]),
+              3: ((1, 2, 6, 7, 9), [(3, 7, 3), (3, 3, 4), (4, 5, 2), (7, 3, 2)])}
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_onnx_export_of_torch_layers_runs_in_onnxruntime(ndim, rng):
+    pytest.importorskip("onnxruntime")
+    shape, sizes = ONNX_CASES[ndim]
+    layers = [layer(kind, ndim, size, ours=False) for kind in KINDS for size in sizes]
+    model = Branches(*layers).eval()
+    # 2d: a dynamic batch dimension (the pooled ones stay static), run at two batch sizes
+    dynamic = ({0: torch.export.Dim("batch", max=64)},) if ndim == 2 else None
+    program = pto.export(model, (tensor(rng, shape),), dynamic_shapes=dynamic, verbose=False)
+    ops = {node.op_type for node in program.model.graph}
+    assert not [node.domain for node in program.model.graph if node.domain not in ("", "ai.onnx")]
+    assert {"AveragePool", "MaxPool", "MatMul", "ReduceMax"} <= ops, ops
+    for batch in (shape[0], 5) if dynamic else (shape[0],):
+        x = tensor(rng, (batch,) + shape[1:])
+        for result, expected in zip(run_onnx(program, x), model(x), strict=True):
+            np.testing.assert_allclose(result, expected.numpy(), **FLOAT32_TOL)
+
+
+def test_plain_torch_onnx_export_of_pool_tuner_layers_and_functions(rng):
+    """No helper: pool_tuner's modules and functional forms decompose themselves under
+    torch.onnx.export."""
+    pytest.importorskip("onnxruntime")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.avg, self.max = ptt.AdaptiveAvgPool2d((3, 4)), ptt.AdaptiveMaxPool3d((2, None, 3))
+
+        def forward(self, x):
+            return self.avg(x), self.max(x.unsqueeze(1)), ptt.adaptive_max_pool1d(x.flatten(2), 7)
+
+    model = Model().eval()
+    x = tensor(rng, (2, 3, 10, 9))
+    program = torch.onnx.export(model, (x,), verbose=False)
+    assert "pool_tuner" not in {node.domain for node in program.model.graph}
+    for result, expected in zip(run_onnx(program, x), model(x), strict=True):
+        np.testing.assert_allclose(result, expected.numpy(), **FLOAT32_TOL)
+
+
+def test_onnx_export_errors_name_the_layer():
+    class Unknown(torch.nn.AdaptiveAvgPool2d):
+        pass
+
+    x = torch.ones(2, 3, 10, 9)
+    model = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d((5, 7))))
+    with pytest.raises(ValueError, match=r"layer '1\.0'.*pooled input size 1 is dynamic"):
+        pto.export(model, (x,), dynamic_shapes=({3: torch.export.Dim("width", min=4, max=64)},))
+    model[1][0] = torch.nn.AdaptiveMaxPool2d(3, return_indices=True)
+    with pytest.raises(ValueError, match=r"layer '1\.0' \(AdaptiveMaxPool2d\) has return_indices=True"):
+        pto.export(model, (x,))
+    model[1][0] = Unknown(3)
+    with pytest.raises(TypeError, match=r"layer '1\.0' is a .*Unknown, a subclass .* does not know"):
+        pto.export(model, (x,))
+
+
+def test_onnx_export_without_onnxscript_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
+    with pytest.raises(ImportError, match=r'needs onnxscript.*pip install "pool-tuner\[onnx\]"'):
+        pto.export(ptt.AdaptiveAvgPool1d(3), (torch.ones(1, 2, 9),))
+
+
+# ---------------------------------------------------------------------------------------------
+# TorchScript, imports and argument errors
+
+
+def test_torchscript_is_refused_with_what_to_use_instead():
+    model = ptt.replace_pooling(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.AdaptiveAvgPool2d(2)))
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script.*use torch\.compile.*torch\.export\.export"):
+        torch.jit.script(model)
+
+
+def test_import_without_torch_says_what_to_install():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import pool_tuner.torch\nexcept ImportError as e:\n"
+            "    assert type(e) is ImportError, type(e); print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert 'pip install "pool-tuner[torch]"' in out
+
+
+@pytest.mark.parametrize("kind,ndim", KIND_NDIM)
+def test_wrong_rank_names_the_input_argument(kind, ndim):
+    for call in (lambda x: layer(kind, ndim, 2)(x), lambda x: getattr(ptt, f"adaptive_{kind}_pool{ndim}d")(x, 2)):
+        with pytest.raises(ValueError, match=rf"^input must be {ndim + 1}-d or {ndim + 2}-d .* got shape"):
+            call(torch.ones((1,) * (ndim + 3)))
+        with pytest.raises(ValueError, match=r"^input has a pooled dimension of size 0"):
+            call(torch.ones((1, 2) + (0,) * ndim))
