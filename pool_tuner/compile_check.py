@@ -2,7 +2,7 @@
 
 No GPU is needed: every instantiation is compiled to a cubin with ``nvcc -cubin -arch=<sm>
 --Werror all-warnings -Xptxas -v`` and ptxas's resource report is read for local-memory spills
-(DESIGN section 8: "nvcc compiles every CUDA instantiation (sm_75 to sm_90), no local-memory spills").
+(docs/design.md, Quality bars: every CUDA instantiation compiles for sm_75 to sm_90, no local-memory spills).
 
 What is compiled, for each target architecture -- all of it read from the tables, so new ops,
 directions, dtypes, layouts and variants are covered as soon as they are registered:

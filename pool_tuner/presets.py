@@ -1,4 +1,4 @@
-"""Model-layer shape presets: the benchmark suite of DESIGN section 9, as data.
+"""Model-layer shape presets: the benchmark suite of docs/design.md (Benchmarks), as data.
 
 Each preset is a list of ``(op, input_shape, output_size)``; ``pool-tuner tune --preset NAME``
 tunes them and ``pool-tuner bench`` measures them.

@@ -1,7 +1,7 @@
 """The float64 numpy oracle of adaptive pooling: forward and backward, avg and max, 1d/2d/3d.
 
-Every kernel, variant, dtype and layout of the library is checked against this module (DESIGN.md
-section 8), so it is written to be *obviously* right rather than fast: plain Python loops over the
+Every kernel, variant, dtype and layout of the library is checked against this module (docs/design.md,
+Quality bars), so it is written to be *obviously* right rather than fast: plain Python loops over the
 output windows, computed in float64 from the exact integer windows of
 :func:`pool_tuner.windows.pooling_windows`.  The only vectorisation is *within* one window, over all
 ``(N, C)`` planes at once.  The backward passes are written as their scatter definitions (loop over

@@ -1,4 +1,4 @@
-"""The ``pool-tuner`` command line (DESIGN section 6), end to end: through ``cli.main`` in this
+"""The ``pool-tuner`` command line (README, Command line), end to end: through ``cli.main`` in this
 process and through real ``python -m pool_tuner.cli`` subprocesses.  Tuning budgets are tiny."""
 
 import argparse

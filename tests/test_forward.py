@@ -23,7 +23,7 @@ MAX2 = "adaptive_max_pool2d"
 FLOAT32_TOL = dict(rtol=1e-5, atol=1e-6)
 
 # (input shape, output size): divisible, non-divisible, upsampling, O=1, O=I, size-1 axes, primes,
-# None entries, batch-less, and the worked examples of DESIGN section 2.
+# None entries, batch-less, and the worked examples of docs/design.md (Semantics).
 SHAPES_2D = [
     ((2, 3, 8, 8), (4, 4)),          # divisible
     ((2, 5, 10, 9), (4, 7)),         # non-divisible, overlapping windows (test_matrix's 2d shape)
@@ -34,7 +34,7 @@ SHAPES_2D = [
     ((1, 2, 13, 17), (5, 3)),        # primes
     ((1, 2, 10, 9), (None, 7)),      # None entry
     ((3, 11, 7), (3, 2)),            # batch-less
-    ((1, 64, 8, 9), (5, 7)),         # DESIGN seeds
+    ((1, 64, 8, 9), (5, 7)),         # design.md worked examples
     ((1, 64, 10, 9), 7),
     ((1, 64, 10, 9), (None, 7)),
     ((1, 16, 16), (4, 4)),
@@ -103,7 +103,7 @@ def check_against_oracles(x, out, output_size, ndim):
 
 def check_max_against_oracles(x, values, indices, output_size, ndim):
     """Values and indices exactly equal to the reference's and to PyTorch's (inputs without NaN:
-    with several NaNs in a window PyTorch reports the last, DESIGN the first)."""
+    with several NaNs in a window PyTorch reports the last, pool_tuner the first (docs/design.md, Semantics))."""
     ref_values, ref_indices = reference.adaptive_max_pool(x, output_size, ndim)
     assert values.shape == indices.shape == ref_values.shape
     assert values.dtype == x.dtype and indices.dtype == np.int64

@@ -1,4 +1,4 @@
-"""64-bit safety (DESIGN section 8: "64-bit offsets wherever numel can pass 2^31-1").
+"""64-bit safety (docs/design.md, Numerics: 64-bit offsets wherever numel can pass 2^31-1).
 
 ``Problem.index_64`` picks the kernels' index width: 32-bit only when every element count stays
 ``OVERSHOOT_MARGIN`` below 2^31-1 (work-items may run up to one work-group of outputs past the

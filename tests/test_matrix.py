@@ -1,5 +1,5 @@
 """The full matrix: every op x direction x dtype x memory layout x legal variant, against the
-float64 reference (DESIGN sections 4 and 8), plus device arrays in channels-last memory and the
+float64 reference (docs/design.md: Kernels and variants, Quality bars), plus device arrays in channels-last memory and the
 special values of max pooling (ties, NaN, all -inf) and of float16 averaging (near 65504).
 
 One representative non-divisible shape per rank keeps this fast (every problem is one compile);
@@ -347,7 +347,7 @@ def test_max_single_nan_wins_with_its_index(op, dtype, layout, variant, rng):
 
 @pytest.mark.parametrize("op,dtype,layout,variant", _max_cases())
 def test_max_several_nans_first_one_wins(op, dtype, layout, variant, rng):
-    """DESIGN: the index of the first NaN in row-major window order (PyTorch CPU keeps the last,
+    """docs/design.md, Semantics: the index of the first NaN in row-major window order (PyTorch CPU keeps the last,
     so only the values are compared with it)."""
     ndim = OPS[op][1]
     shape, size = REPRESENTATIVE[ndim]

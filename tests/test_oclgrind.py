@@ -1,6 +1,6 @@
 """Every kernel variant under Oclgrind: no data race, no out-of-bounds access, no uninitialised value.
 
-DESIGN section 8: "Oclgrind runs every variant on small shapes: no data race, no out-of-bounds or
+docs/design.md, Quality bars: "Oclgrind runs every variant on small shapes: no data race, no out-of-bounds or
 uninitialised access."  For every (op, direction) of ``variants.REGISTRY``, every variant and its
 representative configurations (the default and the smallest and largest legal points of its search
 space on the Oclgrind device), on tiny odd shapes (one upsampling), contiguous and channels-last,
@@ -81,7 +81,7 @@ SHAPES = {  # tiny, odd, non-divisible; 2d also upsamples (O > I)
 #: more than 256 elements, so that the default, smallest and largest configurations all differ.
 GLOBAL_SHAPES = {1: [((1, 2, 300), (1,))], 2: [((1, 2, 17, 19), (1, 1))], 3: [((1, 2, 3, 7, 13), (1, 1, 1))]}
 HALF_DTYPES = ("float16", "bfloat16")
-TOLERANCE = {  # (rtol, atol): float32 as DESIGN 8; half types: one rounding of a float32 result
+TOLERANCE = {  # (rtol, atol): float32 as docs/design.md, Quality bars; half types: one rounding of a float32 result
     "float32": (1e-5, 1e-6),
     "float16": (2.0**-10, 1e-5),
     "bfloat16": (2.0**-7, 1e-5),

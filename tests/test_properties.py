@@ -20,7 +20,7 @@ from pool_tuner.windows import max_window
 
 from conftest import variants_legal_for
 
-#: (rtol, atol): DESIGN 8 -- float64 1e-12, float32 1e-5, float16 by its epsilon (float32 accumulation).
+#: (rtol, atol): docs/design.md, Quality bars -- float64 1e-12, float32 1e-5, float16 by its epsilon (float32 accumulation).
 TOLERANCE = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-6), "float16": (2.0**-10, 1e-4)}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -126,7 +126,7 @@ def test_forward_matches_reference(drawn, data):
 
 
 def got_layout_ok(out, ndim, layout) -> bool:
-    """The output keeps the input's memory format (DESIGN 2): its strides are those of
+    """The output keeps the input's memory format (docs/design.md, Semantics): its strides are those of
     ``layout`` (axes of size 1 may have any stride)."""
     if out.size == 0:  # an empty array's strides mean nothing
         return True

@@ -1,5 +1,5 @@
 """The float64 numpy reference (the oracle) against PyTorch CPU, hand-computed cases and the
-worked examples of DESIGN.md section 2."""
+worked examples of docs/design.md (Semantics)."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def test_avg_backward_is_adjoint_of_forward(rng, ndim, shape, size):
     assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12)
 
 
-# --- DESIGN.md section 2 worked examples -------------------------------------------------------
+# --- docs/design.md (Semantics) worked examples -------------------------------------------------------
 
 
 def test_design_1d_worked_example():
@@ -233,7 +233,7 @@ def test_design_2d_seed_shapes(rng, shape, size):
 # --- max pooling special values: hand-computed expectations ----------------------------------
 # (input (N=1, C=1 prepended), output_size, expected values, expected indices, torch agrees?)
 # torch 2.x CPU returns the *last* NaN of a window holding several (it replaces on every NaN),
-# while DESIGN.md asks for the first, so those cases are checked by hand only.
+# while docs/design.md asks for the first, so those cases are checked by hand only.
 
 MAX_SPECIAL = [
     # 1d, single NaN per window; windows of 5 -> 2 are [0,3), [2,5)

@@ -1,4 +1,4 @@
-"""Autotuning, the tuning cache as dispatch sees it, and the hot path (DESIGN section 5).
+"""Autotuning, the tuning cache as dispatch sees it, and the hot path (docs/design.md: Tuning, Tuning cache, Dispatch).
 
 Every test gets its own user cache (``POOL_TUNER_CACHE_DIR`` under ``tmp_path``) and forgets the
 process-wide dispatch state before and after.  Tuning budgets are tiny: one variant, a few
