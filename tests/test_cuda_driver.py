@@ -117,7 +117,7 @@ def test_load_kernel_loads_into_the_primary_context(driver):
 
 def _problem_and_choice(device, shape=(2, 3, 10, 9), size=(4, 7)):
     problem = Problem.create("adaptive_avg_pool2d", shape, size)
-    return problem, dispatch.choose(problem, device, "thread_per_output", allow_tuning=False)
+    return problem, dispatch.choose(problem, device, "thread_per_output")
 
 
 def test_driver_target_builds_once_per_kernel_without_pycuda(driver, monkeypatch):
@@ -151,7 +151,7 @@ def test_driver_target_refuses_blocks_the_loaded_kernel_cannot_run(driver, monke
     driver.max_threads = 64  # register pressure: fewer threads than the device's limit
     device = fake_cuda_device()
     problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7))
-    choice = dispatch.choose(problem, device, "thread_per_output", {"block_size_x": 128}, allow_tuning=False)
+    choice = dispatch.choose(problem, device, "thread_per_output", {"block_size_x": 128})
     with pytest.raises(ValueError, match="at most 64"):
         dispatch.prepare(device.driver_target, device.driver_target, problem, choice)
 

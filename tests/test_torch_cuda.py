@@ -55,7 +55,7 @@ def _x(shape, dtype=torch.float32):
 
 def _expected_launch(device, problem):
     """(groups, block) of the dispatched kernel, as pool_tuner.ops would launch it."""
-    choice = dispatch.choose(problem, device, allow_tuning=False)
+    choice = dispatch.choose(problem, device)
     return choice.variant.groups(choice.config, problem), choice.variant.block(choice.config)
 
 
