@@ -1,14 +1,16 @@
 """The benchmark suite: pool_tuner against PyTorch and the bandwidth floor.
 
-For each suite shape and direction, in one run on one device: pool_tuner's dispatched (tuned)
-kernel, pool_tuner forced to the heuristic default, and PyTorch (on the device's ``torch_device``,
-the CPU for OpenCL devices), timed interleaved -- one timed call of each per round in a random
-order, each after a pause and ``UNTIMED_CALLS`` untimed calls of its own (see ``SETTLE_S``),
-``repeat`` rounds, medians -- as wall-clock time of a complete call on device-resident data (ours:
-a library call on the device's arrays, then waiting for its queue; PyTorch: the ATen op, then
-waiting for its device).  Devices are used only through the contract of ``backends.base``.  The device's memory streams are measured in the same run, before and after the
-suite (``memory_bandwidth``; each keeps the faster): a shape's floor is its bytes moved (read +
-written) over the fastest copy, its stream floor also counts its reads and writes alone.
+For each shape and direction, in one run on one device: pool_tuner's dispatched kernel, pool_tuner
+forced to the heuristic default, and PyTorch (on the device's ``torch_device``: the same GPU for a
+CUDA device, the CPU for OpenCL devices), each timed as users call it -- a loop of calls back to
+back on device-resident data (``time_loop``), then waiting for the device once.  The candidates'
+loops are interleaved, a fresh random order every round, ``repeat`` rounds, medians.  The shapes are
+the presets' (which ``pool-tuner tune --preset all`` tunes) and ``presets.UNTUNED``, shapes no
+preset tunes, where dispatch has only a nearest tuned shape or the default to go on.  Devices are
+used only through the contract of ``backends.base``.  The device's memory streams are measured in
+the same run, before and after the suite (``memory_bandwidth``; each keeps the faster): a shape's
+floor is its bytes moved (read + written) over the fastest copy, its stream floor also counts its
+reads and writes alone.
 
 PyTorch is required (``pip install "pool-tuner[bench]"``): its times are half of every comparison.
 Results: a JSON file and a PNG plot (matplotlib, optional).
@@ -32,29 +34,40 @@ from .problem import OPS, Problem
 
 #: Size of each buffer that ``memory_bandwidth`` streams through: far past the caches.
 STREAM_BYTES = 256 * 2**20
-#: How each timed call is prepared: a busy-wait of SETTLE_S, then UNTIMED_CALLS calls of the same
-#: candidate, then the timed call.  So every candidate is timed in its own steady state, as in a
-#: loop of calls of that one operation -- not as it would run amid other work.  Observed on the
-#: 2-core machine this was built on:
-#:
-#: * After its calls PyTorch's OpenMP threads keep spinning (libgomp's default spin-wait) and take
-#:   CPU time from whatever runs next: a pool_tuner call started right after a PyTorch call took up
-#:   to 1.7x its time (audio_1d 9.7 vs 5.6 ms, se_block 4.9 vs 3.8 ms), 1.2x after 5 ms, and its
-#:   usual time after 10 ms.  PoCL's threads did not slow PyTorch that way.  The pause lets the
-#:   spinning end before the next candidate's calls.
-#: * A PyTorch call made after a pause took longer than one made right after another (upsample_area
-#:   0.54 instead of 0.19 ms after a 20 ms busy-wait; 7.4 ms after a 20 ms sleep, and over 2 ms for
-#:   a third of the second calls after a sleep, none after a busy-wait).  The untimed calls absorb
-#:   this, and the pause busy-waits rather than sleeps.
-SETTLE_S = 0.02
-UNTIMED_CALLS = 2
+#: Wall time each timed loop of calls aims at: the calls per loop are chosen from a candidate's
+#: warm-up so that one loop lasts about this long (at least MIN_CALLS, at most MAX_CALLS calls).
+#: A loop of many calls is timed as a user's loop runs -- calls queued back to back, the device
+#: waited for once -- and whatever one call leaves behind for the next (PyTorch's OpenMP threads
+#: keep spinning after a call; a GPU keeps running queued kernels) is inside the loop, as it is
+#: in the user's.
+LOOP_S = 0.05
+MIN_CALLS = 3
+MAX_CALLS = 1000
 
 
-def _settle(seconds: float) -> None:
-    """Busy-wait ``seconds`` (see SETTLE_S for why not sleep)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way of computing a benchmark case: ``call`` starts one complete call (it may return before
+    the device has finished, as a library call on device arrays does), ``wait`` waits until every
+    call started has finished."""
+
+    call: object
+    wait: object
+
+
+def time_loop(candidate: Candidate, calls: int) -> float:
+    """Milliseconds per call of ``calls`` calls of ``candidate`` back to back, then one wait."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        candidate.call()
+    candidate.wait()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def calls_per_loop(candidate: Candidate) -> int:
+    """How many calls make a loop of about ``LOOP_S`` for ``candidate`` (from three warm calls)."""
+    per_call_s = time_loop(candidate, 3) * 1e-3
+    return int(min(MAX_CALLS, max(MIN_CALLS, round(LOOP_S / max(per_call_s, 1e-9)))))
 
 
 @dataclasses.dataclass
@@ -70,6 +83,10 @@ class Row:
     tuned_ms: float
     default_ms: float
     torch_ms: float
+    #: Calls per timed loop of each candidate (see LOOP_S).
+    tuned_calls: int
+    default_calls: int
+    torch_calls: int
     source: str
     variant: str
     params: dict
@@ -191,14 +208,20 @@ def require_torch():
 
 
 def suite(names=None) -> list:
-    """``(name, op, input_shape, output_size)`` of the suite (all presets, or ``names``)."""
-    chosen = names or list(presets.PRESETS)
-    return [(name, op, shape, out) for name in chosen for op, shape, out in presets.preset_shapes(name)]
+    """``(name, op, input_shape, output_size)`` of the suite: every preset and the untuned shapes
+    (``presets.UNTUNED``, named ``"untuned"``), or only the presets in ``names`` (``"untuned"``
+    among them for those)."""
+    chosen = names or list(presets.PRESETS) + [presets.UNTUNED_NAME]
+    for name in chosen:
+        if name not in presets.PRESETS and name not in ("all", presets.UNTUNED_NAME):
+            raise ValueError(f"preset must be one of {sorted(presets.PRESETS) + ['all', presets.UNTUNED_NAME]}, "
+                             f"got {name!r}")
+    return [(name, op, shape, out) for name in chosen
+            for op, shape, out in (presets.UNTUNED if name == presets.UNTUNED_NAME else presets.preset_shapes(name))]
 
 
-def _torch_call(op, direction, x, output_size, grad, indices, torch_device: str):
-    """A zero-argument callable running PyTorch's ATen kernel for this case on ``torch_device``
-    (``"cpu"``, ``"cuda:0"``) and waiting for it to finish."""
+def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device: str) -> Candidate:
+    """PyTorch's ATen kernel for this case on ``torch_device`` (``"cpu"``, ``"cuda:0"``)."""
     import torch
     import torch.nn.functional as F
 
@@ -224,18 +247,14 @@ def _torch_call(op, direction, x, output_size, grad, indices, torch_device: str)
         gt, it = tensor(grad), tensor(indices)
         backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
         run = functools.partial(backward, gt, xt, it)
-    if xt.device.type != "cuda":
-        return run
-
-    def run_and_wait():
-        run()
-        torch.cuda.synchronize(xt.device)
-
-    return run_and_wait
+    if xt.device.type == "cuda":
+        return Candidate(run, functools.partial(torch.cuda.synchronize, xt.device))
+    return Candidate(run, lambda: None)
 
 
 def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -> Row:
-    """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case."""
+    """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case, each
+    timed in loops of calls back to back (``time_loop``)."""
     import pool_tuner as pt
 
     problem = Problem.create(op, shape, output_size, direction=direction)
@@ -256,34 +275,36 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
             args = (device.to_device(grad, queue), problem.input_shape)
     default = dispatch.default_choice(problem, device)
     info = dispatch.describe(problem, device, dispatch.choose(problem, device))
-
-    def ours():
-        fn(*args, device=device)
-        device.synchronize(queue)
-
-    def ours_default():
-        fn(*args, device=device, variant=default.variant.name, config=default.config)
-        device.synchronize(queue)
-
-    candidates = [ours, ours_default, _torch_call(op, direction, x, out_size, grad, indices, device.torch_device)]
-    for call in candidates:  # warm-up: builds, first-touch, allocator pools
-        call()
-        call()
+    wait = functools.partial(device.synchronize, queue)
+    candidates = [
+        Candidate(functools.partial(fn, *args, device=device), wait),
+        Candidate(functools.partial(fn, *args, device=device, variant=default.variant.name, config=default.config),
+                  wait),
+        _torch_candidate(op, direction, x, out_size, grad, indices, device.torch_device),
+    ]
+    for candidate in candidates:  # warm-up: builds, first-touch, allocator pools
+        time_loop(candidate, 2)
+    calls = [calls_per_loop(candidate) for candidate in candidates]
     times = [[] for _ in candidates]
     for _ in range(repeat):
-        # A fresh order every round; each candidate's timed call follows a settling pause and
-        # untimed calls of its own (see SETTLE_S).
-        for i in rng.permutation(len(candidates)):
-            _settle(SETTLE_S)
-            for _ in range(UNTIMED_CALLS):
-                candidates[i]()
-            start = time.perf_counter()
-            candidates[i]()
-            times[i].append(time.perf_counter() - start)
-    medians = [float(np.median(t)) * 1e3 for t in times]
+        for i in rng.permutation(len(candidates)):  # a fresh order every round
+            times[i].append(time_loop(candidates[i], calls[i]))
+    medians = [float(np.median(t)) for t in times]
     return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
-               *problem.bytes_read_written(), *medians,
+               *problem.bytes_read_written(), *medians, *calls,
                info["source"], info["variant"], info["params"])
+
+
+def _summary(rows: list) -> dict:
+    """Geomeans of ``rows``' ratios, and the lowest fraction of copy bandwidth among the large ones."""
+    big = [r for r in rows if r["bytes_moved"] >= 64e6]
+    return {
+        "geomean_speedup_vs_torch": geomean(r["speedup_vs_torch"] for r in rows),
+        "geomean_times_floor": geomean(r["times_floor"] for r in rows),
+        "geomean_times_stream_floor": geomean(r["times_stream_floor"] for r in rows),
+        "geomean_tuned_vs_default": geomean(r["tuned_vs_default"] for r in rows),
+        "min_fraction_of_copy_at_64MB": min((r["fraction_of_copy"] for r in big), default=None),
+    }
 
 
 def geomean(values) -> float:
@@ -316,14 +337,10 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     summary = {}
     for direction in directions:
         picked = [r for r in report_rows if r["direction"] == direction]
-        big = [r for r in picked if r["bytes_moved"] >= 64e6]
-        summary[direction] = {
-            "geomean_speedup_vs_torch": geomean(r["speedup_vs_torch"] for r in picked),
-            "geomean_times_floor": geomean(r["times_floor"] for r in picked),
-            "geomean_times_stream_floor": geomean(r["times_stream_floor"] for r in picked),
-            "geomean_tuned_vs_default": geomean(r["tuned_vs_default"] for r in picked),
-            "min_fraction_of_copy_at_64MB": min((r["fraction_of_copy"] for r in big), default=None),
-        }
+        for label, group in ((direction, [r for r in picked if r["name"] != presets.UNTUNED_NAME]),
+                             (f"{direction}, untuned shapes", [r for r in picked if r["name"] == presets.UNTUNED_NAME])):
+            if group:
+                summary[label] = _summary(group)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": dev.describe(),
@@ -333,7 +350,8 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "memory_gbs": streams,
         "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
-        "method": {"settle_s": SETTLE_S, "untimed_calls": UNTIMED_CALLS},
+        "method": {"timing": "loops of calls back to back, then one wait for the device", "loop_s": LOOP_S,
+                   "min_calls": MIN_CALLS, "max_calls": MAX_CALLS},
         "runtime_note": dev.runtime_note,
         "rows": report_rows,
         "summary": summary,
@@ -357,7 +375,8 @@ COLUMNS = [
     ("tuned vs default", 16, lambda r: f"{r['tuned_vs_default']:.2f}x"),
 ]
 LEGEND = """\
-pool_tuner ms, PyTorch ms: median wall-clock time of one whole call on data already on the device
+pool_tuner ms, PyTorch ms: wall-clock time per call in loops of calls back to back on data already
+  on the device, waiting for the device once per loop; medians of the interleaved loops
 vs PyTorch: PyTorch ms / pool_tuner ms (above 1x: pool_tuner is faster)
 GB/s: bytes read + written per second; % of copy: that against the device's fastest copy
 x floor: time / the copy floor (the bytes moved at copy speed); x stream floor: time / the stream

@@ -221,9 +221,7 @@ def cmd_bench(args) -> int:
     from . import bench
 
     names = args.preset.split(",") if args.preset else None
-    if names:
-        for name in names:
-            presets.preset_shapes(name)  # validates the name
+    bench.suite(names)  # validates the names before any work
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
@@ -286,11 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor",
                        description='Benchmark the suite against PyTorch and the copy-bandwidth floor. Needs PyTorch '
                                    '(pip install "pool-tuner[bench]"), which it times beside pool_tuner.')
-    p.add_argument("--preset", help="comma-separated presets (default: the whole suite)")
+    p.add_argument("--preset", help="comma-separated presets, 'untuned' for shapes no preset tunes "
+                                    "(default: every preset and the untuned shapes)")
     p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
                    help="which passes to benchmark (default both)")
-    p.add_argument("--device", help="OpenCL device id (see `pool-tuner devices`)")
-    p.add_argument("--repeat", type=int, default=15, help="interleaved rounds per shape (medians reported)")
+    p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--repeat", type=int, default=15, help="interleaved rounds of timed loops per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
     p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
     p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")

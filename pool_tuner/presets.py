@@ -30,3 +30,19 @@ def preset_shapes(name: str) -> list:
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS) + ['all']}, got {name!r}")
     return list(PRESETS[name])
+
+
+#: The name ``pool-tuner bench`` gives the shapes below.
+UNTUNED_NAME = "untuned"
+#: Shapes that no preset has -- so ``tune --preset all`` never tunes them -- which the benchmark runs
+#: beside the presets: how calls fare where dispatch has only the nearest tuned shape or the
+#: heuristic default to go on.  Each is a preset's layer at another size, with windows that do not
+#: divide evenly.
+UNTUNED = [
+    ("adaptive_avg_pool2d", (16, 1024, 14, 14), (1, 1)),
+    ("adaptive_avg_pool2d", (4, 512, 60, 80), (6, 6)),
+    ("adaptive_max_pool2d", (16, 128, 27, 27), (3, 3)),
+    ("adaptive_avg_pool2d", (8, 96, 45, 45), (45, 1)),
+    ("adaptive_avg_pool1d", (16, 256, 777), (100,)),
+    ("adaptive_avg_pool3d", (4, 256, 9, 14, 14), (2, 3, 3)),
+]

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import sys
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert report["memory_gbs"] == {name: max(before[name], after[name]) for name in bench.STREAMS}
     assert all(gbs > 0 for gbs in report["memory_gbs"].values())
     assert report["copy_gbs"] == max(report["memory_gbs"][name] for name in bench.COPY_METHODS)
-    assert report["method"] == {"settle_s": bench.SETTLE_S, "untimed_calls": bench.UNTIMED_CALLS}
+    assert report["method"]["loop_s"] == bench.LOOP_S and "back to back" in report["method"]["timing"]
     device = backends.default_device()
     assert report["runtime_note"] == (f"PoCL: {opencl.pocl_affinity()}" if device.is_pocl and device.is_cpu else None)
     rows = report["rows"]
@@ -30,6 +31,8 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     for r in rows:
         assert r["input_shape"] == [16, 64, 5, 5] and r["output_shape"] == [16, 64, 7, 7]
         assert r["tuned_ms"] > 0 and r["default_ms"] > 0 and r["torch_ms"] > 0
+        for calls in (r["tuned_calls"], r["default_calls"], r["torch_calls"]):
+            assert bench.MIN_CALLS <= calls <= bench.MAX_CALLS
         assert r["speedup_vs_torch"] == pytest.approx(r["torch_ms"] / r["tuned_ms"])
         assert r["times_floor"] == pytest.approx(r["tuned_ms"] / r["floor_ms"])
         assert r["bytes_read"] + r["bytes_written"] == r["bytes_moved"]
@@ -124,10 +127,11 @@ def test_stream_buffers_fit_the_device_and_stay_small_on_simulators():
 
 def synthetic_report():
     """A report of two rows as ``run`` makes it, without running anything."""
-    streams = {"enqueue_copy": 10.0, "copy_kernel": 20.0, "copy_kernel_streaming": 25.0, "read_kernel": 15.0,
+    streams = {"buffer_copy": 10.0, "copy_kernel": 20.0, "copy_kernel_streaming": 25.0, "read_kernel": 15.0,
                "write_kernel": 12.0}
     rows = [bench.Row("upsample_area", "adaptive_avg_pool2d", direction, [16, 64, 5, 5], [16, 64, 7, 7], 3_000_000,
-                      1_000_000, 2_000_000, tuned, default, torch_ms, "cache", "thread_per_row", {"block_size_x": 16})
+                      1_000_000, 2_000_000, tuned, default, torch_ms, 10, 10, 10, "cache", "thread_per_row",
+                      {"block_size_x": 16})
             for direction, tuned, default, torch_ms in (("forward", 0.12, 0.2, 0.3), ("backward", 0.4, 0.4, 0.2))]
     report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
     summary = {r["direction"]: {"geomean_speedup_vs_torch": r["speedup_vs_torch"], "geomean_times_floor": r["times_floor"],
@@ -194,3 +198,65 @@ def test_bench_help_says_torch_is_needed(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     assert 'pip install "pool-tuner[bench]"' in " ".join(capsys.readouterr().out.split())
+
+
+class _RecordingCandidate:
+    """Records the order of its calls and waits."""
+
+    def __init__(self, seconds_per_call=0.0):
+        self.events, self.seconds_per_call = [], seconds_per_call
+
+    def call(self):
+        self.events.append("call")
+        time.sleep(self.seconds_per_call)
+
+    def wait(self):
+        self.events.append("wait")
+
+
+def test_a_timed_loop_makes_its_calls_back_to_back_and_waits_once():
+    recorder = _RecordingCandidate(0.002)
+    ms = bench.time_loop(bench.Candidate(recorder.call, recorder.wait), 5)
+    assert recorder.events == ["call"] * 5 + ["wait"]
+    assert 2.0 <= ms < 50.0  # per call, not per loop
+
+
+def test_calls_per_loop_fill_the_loop_time_within_bounds():
+    slow = _RecordingCandidate(bench.LOOP_S)
+    assert bench.calls_per_loop(bench.Candidate(slow.call, slow.wait)) == bench.MIN_CALLS
+    assert bench.calls_per_loop(bench.Candidate(lambda: None, lambda: None)) == bench.MAX_CALLS
+    medium = _RecordingCandidate(bench.LOOP_S / 10)
+    assert 5 <= bench.calls_per_loop(bench.Candidate(medium.call, medium.wait)) <= 10
+
+
+def test_the_suite_has_untuned_shapes_that_no_preset_tunes():
+    from pool_tuner import presets
+
+    tuned = {(op, shape, out) for op, shape, out in presets.preset_shapes("all")}
+    default = bench.suite()
+    untuned = [(op, shape, out) for name, op, shape, out in default if name == presets.UNTUNED_NAME]
+    assert untuned == presets.UNTUNED and not tuned & set(untuned)
+    assert {(op, shape, out) for name, op, shape, out in default if name != presets.UNTUNED_NAME} == tuned
+    assert [row[0] for row in bench.suite(["untuned"])] == [presets.UNTUNED_NAME] * len(presets.UNTUNED)
+    with pytest.raises(ValueError, match="preset must be one of .*'untuned'.*got 'resnet'"):
+        bench.suite(["resnet"])
+
+
+def test_untuned_shapes_get_their_own_geomeans(monkeypatch):
+    from pool_tuner import presets
+
+    report = synthetic_report()
+    streams = report["memory_gbs"]
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: streams)
+
+    def measure(name, op, shape, output_size, direction, device, repeat, rng):
+        speed = 2.0 if name == presets.UNTUNED_NAME else 8.0
+        return bench.Row(name, op, direction, list(shape), list(shape), 1000, 500, 500, 1.0, 1.0, speed, 3, 3, 3,
+                         "default", "thread_per_output", {})
+
+    monkeypatch.setattr(bench, "measure", measure)
+    report = bench.run(["upsample_area", "untuned"], ("forward",), repeat=1)
+    assert set(report["summary"]) == {"forward", "forward, untuned shapes"}
+    assert report["summary"]["forward"]["geomean_speedup_vs_torch"] == pytest.approx(8.0)
+    assert report["summary"]["forward, untuned shapes"]["geomean_speedup_vs_torch"] == pytest.approx(2.0)
+    assert "forward, untuned shapes: geomean 2.00x vs PyTorch" in bench.format_table(report)
