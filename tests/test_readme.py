@@ -31,3 +31,27 @@ def test_readme_examples_run_and_print_what_they_claim():
             claim = line.partition("#")[2].strip()
             if claim and not claim.startswith("e.g."):
                 assert shown.strip() == claim.split(":")[0].strip(), f"{line!r} printed {shown!r}"
+
+
+def test_quickstart_prints_the_dispatch_the_error_and_the_time_per_call(tmp_path):
+    """The README's main job, second half: examples/quickstart.py on a preset, after no tuning
+    (dispatch falls back to the default and says so), errors within float32 tolerance."""
+    import os
+    import subprocess
+    import sys
+
+    import pool_tuner
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+    if not script.exists():
+        pytest.skip("examples/ is not beside the tests (installed package)")
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script), "spp_net", "--repeat", "1"], capture_output=True, text=True,
+                          timeout=300, check=True, cwd=tmp_path, env=env)
+    lines = re.findall(r"^adaptive_max_pool2d 32x256x13x13 -> 32x256x(\d)x\d: source=(\w+) variant=(\w+) .*"
+                       r"max\|err\|=(\S+) ([\d.]+) ms/call \(loops of (\d+) calls\)$", done.stdout, re.M)
+    assert [size for size, *_ in lines] == ["4", "2", "1"], done.stdout
+    for _, source, variant, error, ms, calls in lines:
+        assert source == "default" and variant in pool_tuner.variants("adaptive_max_pool2d")
+        assert float(error) == 0.0  # max pooling selects an input element exactly
+        assert float(ms) > 0 and int(calls) >= 3
