@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
@@ -350,13 +351,13 @@ def small_space(monkeypatch):
 
 @pytest.fixture
 def building(monkeypatch):
-    """The defines of the kernel source rendered last (the configuration Kernel Tuner is on)."""
-    last = {}
+    """The kernel source rendered last: its ``template`` (the variant's file, which selects the
+    variant) and its ``defines`` (the configuration Kernel Tuner is on)."""
+    last = types.SimpleNamespace(template=None, defines={})
     original = kernel_source.render
 
     def render(template, defines):
-        last.clear()
-        last.update(defines)
+        last.template, last.defines = template, dict(defines)
         return original(template, defines)
 
     monkeypatch.setattr(kernel_source, "render", render)
@@ -380,7 +381,7 @@ def test_config_failing_verification_is_recorded_and_never_selected(user_cache, 
     original = tuner.Case.verify  # Kernel Tuner's verify= is make_case(...).verify
 
     def verify(self, *args, **kwargs):
-        config = {k: last.get(k) for k in bad}  # the configuration Kernel Tuner just ran
+        config = {k: last.defines.get(k) for k in bad}  # the configuration Kernel Tuner just ran
         checked.append(config)
         return False if config == bad else original(self, *args, **kwargs)
 
@@ -684,17 +685,17 @@ TWO_VARIANTS = dict(variants=["thread_per_output", "block_per_row"], strategy="r
 
 def interrupt_variant(patch, building, owner, name, variant, calls):
     """Make ``owner.name`` raise KeyboardInterrupt, as Ctrl-C would there, on its ``calls``-th call
-    while ``variant``'s kernels are on (by the defines rendered last).  Returns the configurations of
+    while ``variant``'s kernels are on (by the variant file rendered last).  Returns the configurations of
     ``variant`` that the calls before saw."""
     last, _ = building
     original, seen = getattr(owner, name), []
-    space = variants_for(OP)[variant].search_space
+    template, space = variants_for(OP)[variant].template, variants_for(OP)[variant].search_space
 
     def interrupting(*args, **kwargs):
-        if last.get(f"VARIANT_{variant.upper()}"):
+        if last.template == template:
             if len(seen) + 1 == calls:
                 raise KeyboardInterrupt
-            seen.append({k: last[k] for k in space})
+            seen.append({k: last.defines[k] for k in space})
         return original(*args, **kwargs)
 
     patch.setattr(owner, name, interrupting)
