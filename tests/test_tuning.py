@@ -498,7 +498,15 @@ def test_autotune_retunes_a_shape_whose_record_is_partial(user_cache, monkeypatc
 def test_autotune_tunes_the_direction_of_the_call(user_cache, monkeypatch, rng):
     """A backward call's miss tunes the backward problem (it once tuned the forward one)."""
     asked = []
-    monkeypatch.setattr(tuner, "tune", lambda *args, **kwargs: asked.append((args, kwargs)))
+    original = tuner.tune
+
+    def recording(*args, **kwargs):  # the real tuning (autotune reports its result), on a small budget
+        asked.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", recording)
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
     monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
     grad = random_input(rng, SHAPE[:2] + OUT)
     np.testing.assert_allclose(pt.adaptive_avg_pool2d_backward(grad, SHAPE),
@@ -506,6 +514,8 @@ def test_autotune_tunes_the_direction_of_the_call(user_cache, monkeypatch, rng):
                                rtol=1e-5, atol=1e-6)
     assert [(args[:3], kwargs.get("direction")) for args, kwargs in asked] == [
         (("adaptive_avg_pool2d", SHAPE, OUT), "backward")]
+    backward_key = cache_mod.cache_key(Problem.create(OP, SHAPE, OUT, direction="backward"), device())
+    assert list(stored_records(user_cache)) == [backward_key]
 
 
 def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
