@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pool_tuner import cache, cli, dispatch, tuner
+from pool_tuner import cache, cli, dispatch, kernel_source, tuner
 from pool_tuner.backends import cuda
 from pool_tuner.problem import Problem
 from pool_tuner.variants import variants_for
@@ -94,8 +94,9 @@ def recorded_median(recorded, variant: str, params: dict) -> float:
 class ReplayCudaDevice(cuda.CudaDevice):
     """A ``CudaDevice`` whose kernels never run: ``build`` returns the rendered source, arrays stay
     numpy, and ``timed_launch`` answers with the recorded median of the configuration the source
-    was rendered for (read back from its ``#define``s).  Identity, fingerprint, limits and Kernel
-    Tuner's arguments are the real class's."""
+    was rendered for (its variant read back from the variant's file that ends it, its parameters
+    from its ``#define``s).  Identity, fingerprint, limits and Kernel Tuner's arguments are the
+    real class's."""
 
     def __init__(self, recorded):
         super().__init__(0, SYNTHETIC_H100)
@@ -120,7 +121,8 @@ class ReplayCudaDevice(cuda.CudaDevice):
         return None
 
     def timed_launch(self, queue, kernel, groups, block, args):
-        variant = re.search(r"^#define VARIANT_(\w+) 1$", kernel, re.M)[1].lower()
+        (variant,) = [name for name in VARIANTS
+                      if kernel.endswith(kernel_source.read(variants_for(OP)[name].template))]
         names = self.recorded["variants"][variant]["tune_params_keys"]
         params = {name: int(re.search(rf"^#define {name} (-?\d+)$", kernel, re.M)[1]) for name in names}
         self.timed.append((variant, params))
