@@ -265,7 +265,7 @@ def test_cache_show_tells_the_directions_of_a_shape_apart(capsys, user_cache):
     problem = Problem.create(OP, (2, 3, 5, 7), (3, 4), direction="backward")
     best = {"variant": "thread_per_input", "params": variants_for(OP, "backward")["thread_per_input"].default,
             "time_ms": 0.02}
-    backward = cache_mod.make_record(problem, backends.resolve_device().fingerprint, dispatch.kernel_hash(problem),
+    backward = cache_mod.make_record(problem, backends.resolve_device().fingerprint, cache_mod.kernel_hash(problem),
                                      best, [])
     table = cache_mod.TuningCache(kernel_source.shipped_cache_dir(), user_cache)
     table.store(forward)
