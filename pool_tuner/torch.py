@@ -56,6 +56,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 
 from . import ops as _ops
 from . import torch_cuda as _torch_cuda
+from .decomposition import decompose
 from .shapes import RANK_NAMES, resolve_output_size
 
 __all__ = [
@@ -354,8 +355,7 @@ def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, option
     output_size = _check_input(input, ndim, output_size)
     _check_no_functorch_transform()
     if _exported_to_onnx():
-        from .onnx import decompose  # torch.onnx.export: standard ONNX operators, see pool_tuner.onnx
-
+        # torch.onnx.export: standard ONNX operators instead of the kernels (pool_tuner.decomposition)
         if return_indices:
             raise ValueError(f"adaptive_max_pool{ndim}d with return_indices=True cannot be exported to ONNX "
                              f"(pool_tuner.onnx exports values only)")

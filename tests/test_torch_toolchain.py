@@ -20,6 +20,7 @@ pytest.importorskip("ml_dtypes")
 import torch.nn.functional as F  # noqa: E402
 
 import pool_tuner.torch as ptt  # noqa: E402
+from pool_tuner import decomposition  # noqa: E402
 from pool_tuner import onnx as pto  # noqa: E402
 
 KINDS = ("avg", "max")
@@ -259,7 +260,7 @@ def test_exported_program_saves_and_loads(rng, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_onnx_decomposition_is_exact(kind, rng):
-    """Every path of pool_tuner.onnx.decompose -- one fixed pooling, per-axis fixed pooling,
+    """Every path of pool_tuner.decomposition.decompose -- one fixed pooling, per-axis fixed pooling,
     pooling matrices / window slices, identity axes, upsampling, output 1, batch-less -- against
     PyTorch in float64."""
     cases = [((2, 3, 12), [4]), ((2, 3, 14), [4]), ((3, 5), [7]), ((2, 3, 8, 8), [4, 4]),
@@ -269,7 +270,7 @@ def test_onnx_decomposition_is_exact(kind, rng):
         ndim = len(size)
         x = tensor(rng, shape, torch.float64)
         expected = torch_pool(kind, ndim)(x, size)
-        torch.testing.assert_close(pto.decompose(kind, ndim, x, size, "test"), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(decomposition.decompose(kind, ndim, x, size, "test"), expected, rtol=1e-12, atol=1e-12)
 
 
 def run_onnx(program, *inputs):

@@ -1,0 +1,93 @@
+"""Adaptive pooling as exact decompositions into standard operators, written in PyTorch: what
+ONNX export traces (``pool_tuner.onnx``), and what ``pool_tuner.torch``'s functions and layers
+trace instead of their kernels under ``torch.onnx.export``.  It sits below both, so the layers
+reach it without importing the exporter that imports them.
+
+Adaptive pooling is separable per axis (the mean/max over a box is the mean/max along one axis of
+the mean/max along the others), and along one axis its windows are fixed integers once the input
+size is known:
+
+* an axis whose windows all have one size and one stride (``pool_tuner.fixed_pool_equivalent``,
+  every divisible case and some others) is ordinary pooling: ``AveragePool``/``MaxPool``, one op
+  for the whole layer when every axis is like that;
+* otherwise, average pooling along an axis is a product with a constant ``O x I`` pooling matrix
+  (row ``o`` holds ``1/len`` over window ``o``): ``P_H · X · P_Wᵀ`` in 2d (``MatMul``);
+* and max pooling along an axis is one ``Slice`` + ``ReduceMax`` per window, ``Concat``-ed.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .windows import fixed_pool_equivalent, pooling_windows
+
+__all__ = ["decompose"]
+
+
+def _pooling_matrix(in_size: int, out_size: int, dtype) -> torch.Tensor:
+    """``P`` of shape (out_size, in_size): ``P @ v`` averages each window of ``v``."""
+    starts, ends = pooling_windows(in_size, out_size)
+    matrix = torch.zeros(out_size, in_size, dtype=torch.float64)
+    for o, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+        matrix[o, start:end] = 1.0 / (end - start)
+    return matrix.to(dtype)
+
+
+def _average_along(x: torch.Tensor, dim: int, in_size: int, out_size: int) -> torch.Tensor:
+    """Average pooling of ``x`` along ``dim`` (a pooled axis) as a matrix product."""
+    matrix = _pooling_matrix(in_size, out_size, x.dtype)
+    if dim == x.dim() - 1:
+        return x @ matrix.T
+    if dim == x.dim() - 2:
+        return matrix @ x
+    rest = x.shape[dim + 1:]
+    return (matrix @ x.flatten(dim + 1)).unflatten(-1, rest)
+
+
+def _max_along(x: torch.Tensor, dim: int, in_size: int, out_size: int) -> torch.Tensor:
+    """Max pooling of ``x`` along ``dim`` as one slice and reduction per window."""
+    starts, ends = pooling_windows(in_size, out_size)
+    return torch.cat([x.narrow(dim, start, end - start).amax(dim, keepdim=True)
+                      for start, end in zip(starts.tolist(), ends.tolist())], dim)
+
+
+def _fixed_pool(kind: str, ndim: int, x: torch.Tensor, kernel, stride) -> torch.Tensor:
+    pool = getattr(torch.nn.functional, f"{kind}_pool{ndim}d")
+    return pool(x, kernel_size=tuple(kernel), stride=tuple(stride))
+
+
+def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) -> torch.Tensor:
+    """Adaptive ``kind`` pooling of ``x`` (batched or batch-less, ``ndim`` pooled axes) to the
+    resolved ``output_size``, in operators that export to standard ONNX.  ``layer`` names the
+    layer (or function) in errors."""
+    spatial = tuple(x.shape[x.dim() - ndim:])
+    for axis, size in enumerate(spatial):
+        if not isinstance(size, numbers.Integral):  # a SymInt: a dynamic size under torch.export
+            raise ValueError(
+                f"{layer}: pooled input size {axis} is dynamic ({size}); adaptive pooling decomposes into ONNX "
+                f"operators only for static pooled sizes (windows depend on the input size): make only the "
+                f"batch and channel dimensions dynamic"
+            )
+    output_size = [int(size) for size in output_size]
+    batchless = x.dim() == ndim + 1
+    if batchless:  # ONNX pooling operators take (N, C, ...)
+        x = x.unsqueeze(0)
+    fixed = [fixed_pool_equivalent(i, o) for i, o in zip(spatial, output_size)]
+    if all(fixed):
+        x = _fixed_pool(kind, ndim, x, [f[0] for f in fixed], [f[1] for f in fixed])
+    else:
+        for axis, (in_size, out_size, equivalent) in enumerate(zip(spatial, output_size, fixed)):
+            if in_size == out_size:
+                continue
+            dim = x.dim() - ndim + axis
+            if equivalent is not None:
+                kernel, stride = [1] * ndim, [1] * ndim
+                kernel[axis], stride[axis] = equivalent[0], equivalent[1]
+                x = _fixed_pool(kind, ndim, x, kernel, stride)
+            elif kind == "avg":
+                x = _average_along(x, dim, in_size, out_size)
+            else:
+                x = _max_along(x, dim, in_size, out_size)
+    return x.squeeze(0) if batchless else x
