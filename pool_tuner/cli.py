@@ -35,16 +35,17 @@ def parse_shape(text: str, name: str) -> tuple:
             entries.append(int(token))
         except ValueError:
             raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
-    check_sizes(entries, name, text)
+    check_sizes(entries, name, text, output=name == "--output")
     if name == "--output" and len(entries) == 1 and entries[0] is not None:
         return entries[0]
     return tuple(entries)
 
 
-def check_sizes(entries, name: str, given) -> None:
-    """Input sizes must be positive, output sizes >= 0 (0: an empty output) or None (keep that size),
-    checked here so that the message names the command-line option rather than the library argument."""
-    if name.startswith("--output"):
+def check_sizes(entries, name: str, given, output: bool) -> None:
+    """Input sizes must be positive, output sizes (``output``) >= 0 (0: an empty output) or None (keep
+    that size), checked here so that the message names the command-line option rather than the
+    library argument."""
+    if output:
         if any(e is not None and (not isinstance(e, int) or e < 0) for e in entries):
             raise ValueError(f"{name} sizes must be integers >= 0 or None (e.g. 1x1 or 56xNone), got {given!r}")
     elif any(not isinstance(e, int) or e < 1 for e in entries):
@@ -69,8 +70,8 @@ def _shapes_from_args(args) -> list:
         except (AttributeError, KeyError, TypeError):
             raise ValueError('--shapes file entries must be objects with "input" and "output" lists (and optionally "op")') from None
         for i, (_, shape, out) in enumerate(shapes):
-            check_sizes(shape, f"--shapes entry {i} input", list(shape))
-            check_sizes(out, f"--shapes entry {i} output", list(out))
+            check_sizes(shape, f"--shapes entry {i} input", list(shape), output=False)
+            check_sizes(out, f"--shapes entry {i} output", list(out), output=True)
         return shapes
     if not args.output:
         raise ValueError("--input needs --output (e.g. --output 1x1)")

@@ -491,3 +491,16 @@ def test_subprocess_warning_is_one_clean_line(user_cache, tmp_path):
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stderr.strip("\n").splitlines()
     assert line.startswith("pool-tuner: warning: pool_tuner tuning cache ") and "not valid JSON" in line
+
+
+def test_shapes_file_outputs_follow_the_output_rule(tmp_path):
+    """A --shapes entry's output keeps a size with null and may be 0, as --output allows; its input
+    sizes stay positive (output entries were once checked by the input rule)."""
+    (tmp_path / "shapes.json").write_text('[{"input": [2, 3, 5, 7], "output": [3, null]}, '
+                                         '{"input": [2, 3, 5, 7], "output": [0, 1]}]')
+    args = argparse.Namespace(input=None, preset=None, shapes=str(tmp_path / "shapes.json"), op="adaptive_avg_pool2d")
+    assert cli._shapes_from_args(args) == [("adaptive_avg_pool2d", (2, 3, 5, 7), (3, None)),
+                                           ("adaptive_avg_pool2d", (2, 3, 5, 7), (0, 1))]
+    (tmp_path / "shapes.json").write_text('[{"input": [2, 3, 0, 7], "output": [1, 1]}]')
+    with pytest.raises(ValueError, match="--shapes entry 0 input sizes must be positive integers"):
+        cli._shapes_from_args(args)
