@@ -7,7 +7,6 @@ import ctypes
 import threading
 
 from pool_tuner.backends import cuda
-from pool_tuner.backends.base import DeviceLimits
 
 PRIMARY_CONTEXT = 0xC0
 OTHER_CONTEXT = 0xD0
@@ -128,17 +127,11 @@ class FakeFunction:
 
 
 def fake_cuda_device(ordinal=0, compute_capability=(9, 0)):
-    """A real ``CudaDevice`` (its driver target, describe, ...) whose attributes are set by hand
+    """A real ``CudaDevice`` (its driver target, describe, ...) made from properties given here
     instead of read through PyCUDA."""
-    device = object.__new__(cuda.CudaDevice)
-    device.ordinal = ordinal
-    device.id = f"cuda:{ordinal}"
-    device.name = "Fake GPU"
-    device.cu_device = None
-    device.compute_capability = compute_capability
-    device.multiprocessors = 132
-    device.limits = DeviceLimits(max_work_group_size=MAX_THREADS, local_mem_size=48 * 1024)
-    device._context = device._queue = None
-    device.__dict__["fingerprint"] = {"backend": "cuda", "name": device.name, "compute_capability": "9.0",
-                                      "multiprocessors": 132, "driver": 13000}
+    properties = cuda.CudaProperties(name="Fake GPU", compute_capability=compute_capability, multiprocessors=132,
+                                     max_threads_per_block=MAX_THREADS, max_shared_memory_per_block=48 * 1024,
+                                     total_memory=80 * 2**30, driver_version=13000)
+    device = cuda.CudaDevice(ordinal, properties)
+    device.__dict__["cu_device"] = None
     return device

@@ -152,6 +152,11 @@ class CudaDevice:
         self._context = None
         self._queue = None
 
+    @property
+    def arch(self) -> str:
+        """nvcc's target for this device, e.g. ``sm_90``."""
+        return "sm_{}{}".format(*self.properties.compute_capability)
+
     @functools.cached_property
     def cu_device(self):
         """PyCUDA's ``Device``."""
@@ -301,7 +306,7 @@ class CudaDevice:
     def build(self, context, source: str, kernel_name: str):
         """Compile ``source`` for this device (cached per context) and return the kernel function.
         ``context`` is a context of this device (``queue.context``), or None for the primary one."""
-        return _build(self.context if context is None else context, self.ordinal, source, kernel_name)
+        return _build(self.context if context is None else context, self.arch, source, kernel_name)
 
     def kernel_work_group_limit(self, kernel) -> int:
         """The most threads per block the built kernel can launch with (register use can lower it)."""
@@ -372,7 +377,7 @@ class CudaDriverTarget:
         return f"{self.device.describe()} (driver-API launches)"
 
     def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-        return _build_for_driver(self.device.ordinal, _arch(self.device.compute_capability), source, kernel_name)
+        return _build_for_driver(self.device.ordinal, self.device.arch, source, kernel_name)
 
     @staticmethod
     def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
@@ -388,8 +393,8 @@ class CudaDriverTarget:
 
 
 @functools.lru_cache(maxsize=512)
-def _build(context, ordinal: int, source: str, kernel_name: str):
-    image = _compile(source, _arch(_pycuda()[0].Device(ordinal).compute_capability()))
+def _build(context, arch: str, source: str, kernel_name: str):
+    image = _compile(source, arch)
     context.push()
     try:
         return _pycuda()[0].module_from_buffer(image).get_function(kernel_name)
@@ -400,10 +405,6 @@ def _build(context, ordinal: int, source: str, kernel_name: str):
 @functools.lru_cache(maxsize=512)
 def _build_for_driver(ordinal: int, arch: str, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
     return cuda_driver.load_kernel(ordinal, _compile(source, arch), kernel_name)
-
-
-def _arch(compute_capability) -> str:
-    return "sm_{}{}".format(*compute_capability)
 
 
 def _compile(source: str, arch: str) -> bytes:
