@@ -200,6 +200,17 @@ def make_case(problem: Problem, rng) -> Case:
     return Case([memory(grad), memory(indices), grad_in], [None, None, memory(expected)], problem.dtype)
 
 
+def _search_plan(n_legal: int, strategy=None, max_fevals=None) -> tuple[str, int]:
+    """The Kernel Tuner strategy for a space of ``n_legal`` legal configurations and how many of them
+    it evaluates at most.  By default small spaces are searched whole (``brute_force``; budgets then
+    have nothing to bound), larger ones sampled (``random_sample``, ``DEFAULT_MAX_FEVALS``)."""
+    if strategy is None:
+        strategy = "brute_force" if n_legal <= BRUTE_FORCE_LIMIT else "random_sample"
+    if strategy == "brute_force":
+        return strategy, n_legal
+    return strategy, min(max_fevals or DEFAULT_MAX_FEVALS, n_legal)
+
+
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
                  iterations=ITERATIONS, rng=None, quiet=True) -> tuple[dict | None, float | None, int, list]:
     """Search one variant's space with Kernel Tuner.  Returns ``(best params, Kernel Tuner's median
@@ -231,11 +242,10 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
     if strategy == "brute_force" and (max_fevals or time_limit):
         raise ValueError("max_fevals/time_limit need a sampling strategy (e.g. strategy='random_sample'); "
                          "brute_force evaluates every configuration")
-    if strategy is None:  # small spaces are searched whole; budgets then have nothing to bound
-        strategy = "brute_force" if len(legal) <= BRUTE_FORCE_LIMIT else "random_sample"
+    strategy, evaluations = _search_plan(len(legal), strategy, max_fevals)
     options = {}
     if strategy != "brute_force":
-        options["max_fevals"] = min(max_fevals or DEFAULT_MAX_FEVALS, len(legal))
+        options["max_fevals"] = evaluations
         options["time_limit"] = time_limit or DEFAULT_TIME_LIMIT
 
     results = []
@@ -392,8 +402,7 @@ def _search(variant, problem: Problem, dev, options: dict) -> VariantResult:
 def _refusal(variant, problem: Problem, limits) -> str:
     """Why ``variant`` has no legal configuration for ``problem``: its refusal of its default
     configuration (variants refuse a problem as a whole, e.g. plane_reduce all but global pooling)."""
-    params = dict(variant.default_for(problem))
-    return (variant.extra_rule(params) or variant.illegal_reason(params, problem, limits)
+    return (variant.refusal(dict(variant.default_for(problem)), problem, limits)
             or "no configuration of its search space is legal for this problem")
 
 
@@ -467,7 +476,7 @@ def autotune(problem: Problem, device) -> None:
     what = _title(problem)
     variants = variants_for(problem.op, problem.direction).values()
     legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
-    searched = sum(n if n <= BRUTE_FORCE_LIMIT else min(DEFAULT_MAX_FEVALS, n) for n in legal)
+    searched = sum(_search_plan(n)[1] for n in legal)
     log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for %s on %s: tuning it now, before this "
                 "call returns -- up to %d configurations of %d variants to compile, time and verify (on PoCL's CPU "
                 "device about half a second each)", what, device.describe(), searched, sum(1 for n in legal if n))

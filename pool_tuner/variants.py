@@ -138,10 +138,15 @@ class Variant:
                     f"{name}[{key!r}] must be one of {list(self.search_space[key])} for variant "
                     f"{self.name!r}, got {value!r}"
                 )
-        reason = self.extra_rule(params) or self.illegal_reason(params, problem, limits)
+        reason = self.refusal(params, problem, limits)
         if reason:
             raise ValueError(f"{name} {params} is not legal for variant {self.name!r} here: {reason}")
         return {k: int(v) for k, v in params.items()}
+
+    def refusal(self, params: dict, problem: Problem, limits) -> str | None:
+        """Why configuration ``params`` cannot run ``problem`` on a device with ``limits`` (its own
+        parameters' rule first, then the problem's), or None when it can."""
+        return self.extra_rule(params) or self.illegal_reason(params, problem, limits)
 
     def default_for(self, problem: Problem) -> dict:
         """The default configuration for ``problem``: ``default``, unless a variant knows better."""
