@@ -138,6 +138,13 @@ def _neighbours(problem: Problem, device, table) -> list:
     return scored
 
 
+def config_key(config: dict | None):
+    """``config`` as a memo key, value types included: True == 1, but only one of them is a legal
+    value, so a bad config never reuses a good one's validation.  Raises TypeError or
+    AttributeError for what is not a dict of hashable values (the caller validates those)."""
+    return None if config is None else tuple(sorted((name, type(value), value) for name, value in config.items()))
+
+
 class Dispatcher:
     """The process's dispatch state: memoised decisions, validated forced choices, built kernels
     (``Launch`` per context) and the open tuning cache -- all cleared by ``forget()``."""
@@ -202,9 +209,7 @@ class Dispatcher:
         if variant is None:
             raise ValueError("config= needs variant= too: configurations belong to one variant")
         try:
-            # Value types are part of the key: True == 1, but True is not a legal value.
-            forced_key = (device.id, problem, variant,
-                          None if config is None else tuple(sorted((k, type(v), v) for k, v in config.items())))
+            forced_key = (device.id, problem, variant, config_key(config))
             choice = self._forced.get(forced_key)
         except (TypeError, AttributeError):  # unhashable or not a dict: let validation explain
             forced_key, choice = None, None

@@ -66,12 +66,8 @@ def plan(fn, tensors, size, options: dict) -> "_Plan":
 
 
 def _options_key(options: dict) -> tuple:
-    """The options as a memo key; a config's value types are part of it (True == 1, but only
-    one of them is a legal value)."""
-    config = options.get("config")
-    if config is not None:
-        config = tuple(sorted((name, type(value), value) for name, value in config.items()))
-    return options.get("device"), options.get("variant"), config
+    """The options as a memo key (``dispatch.config_key`` for the config)."""
+    return options.get("device"), options.get("variant"), dispatch.config_key(options.get("config"))
 
 
 def _strides(problem: Problem, logical_shape) -> tuple:
