@@ -158,6 +158,17 @@ class Dispatcher:
         #: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s
         #: plans): ``forget`` empties them whole, whatever it forgets.
         self._dependent_memos: list = []
+        #: Races of other kernels than pool_tuner's against the dispatched one, by (device id,
+        #: problem): ``pool_tuner.torch``'s race of PyTorch's CPU kernel, for ``explain``.
+        self._measured_candidates: dict = {}
+
+    def note_measured_candidate(self, problem: Problem, device, race: dict) -> None:
+        """Remember how another kernel (``race["candidate"]``) fared against pool_tuner's on
+        ``problem``, and which won, so that ``explain`` can say which runs."""
+        self._measured_candidates[device.id, problem] = race
+
+    def measured_candidate(self, problem: Problem, device) -> dict | None:
+        return self._measured_candidates.get((device.id, problem))
 
     def register_dependent_memo(self, table: dict) -> None:
         """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher."""
@@ -177,12 +188,14 @@ class Dispatcher:
         for table in self._dependent_memos:
             table.clear()
         if problem is None:
+            self._measured_candidates.clear()
             self._decisions.clear()
             self._forced.clear()
             self._launches.clear()
             self._tuning_cache = None
         else:
             self._decisions.pop((device.id, problem), None)
+            self._measured_candidates.pop((device.id, problem), None)
 
     def choose(self, problem: Problem, device, variant=None, config=None, *, on_miss=None,
                memoise: bool = True) -> Choice:
@@ -264,6 +277,8 @@ prepare = DISPATCHER.prepare
 forget = DISPATCHER.forget
 tuning_cache = DISPATCHER.tuning_cache
 register_dependent_memo = DISPATCHER.register_dependent_memo
+note_measured_candidate = DISPATCHER.note_measured_candidate
+measured_candidate = DISPATCHER.measured_candidate
 
 
 def describe(problem: Problem, device, choice: Choice) -> dict:

@@ -20,8 +20,8 @@ import os
 
 import numpy as np
 
-from . import backends, dispatch, shapes, tuner
-from .problem import LAYOUT_NAMES, OPS, Problem, check_dtype
+from . import backends, dispatch, plans, tuner
+from .problem import OPS, Problem
 from .variants import variants_for
 from .windows import pooling_windows
 
@@ -36,277 +36,205 @@ INDEX_POISON = np.iinfo(np.int64).min
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
-def _locate(x, device, name="x"):
-    """Return ``(device, queue, is_device_array, x)`` for array argument ``x`` and ``device=``;
-    a device array comes back as its backend's kernel argument (CUDA: a GPUArray view)."""
-    owner = backends.device_of_array(x)
-    if owner is not None:
-        check_device_option(owner, device, name)
-        return owner, owner.queue_of(x), True, owner.wrap_input(x, name)
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray or a device array (pyopencl Array, PyCUDA "
-                        f"GPUArray, __cuda_array_interface__), got {type(x).__name__}")
-    chosen = backends.resolve_device(device)
-    return chosen, chosen.queue, False, x
-
-
-def check_device_option(owner, device, name: str) -> None:
-    """A ``device=`` argument, when given, must be the device that holds array ``name``."""
-    if device is not None and backends.resolve_device(device) is not owner:
-        raise ValueError(
-            f"device={device!r} does not hold {name}: {name} is an array on "
-            f"{owner.describe()}; pass device=None or that device"
-        )
-
-
-def _same_strides(shape, strides, expected) -> bool:
-    """Strides equal where they matter (axes of size 1 may have any stride)."""
-    return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
-
-
-def memory_layout(x, ndim: int, name: str = "x") -> str | None:
-    """The layout name of ``x``'s memory (``NCHW``-like or ``NHWC``-like), or None for other
-    strides.  Ambiguous cases (one channel, empty arrays) count as contiguous."""
-    if x.flags.c_contiguous:  # the common case, answered by the array itself
-        return LAYOUT_NAMES[ndim][0]
-    return strides_layout(tuple(x.shape), x.strides, x.dtype.itemsize, ndim)
-
-
-def strides_layout(shape: tuple, strides, itemsize: int, ndim: int) -> str | None:
-    """The layout name of memory with ``shape`` and ``strides`` (in units of ``itemsize``: bytes
-    for numpy, elements for torch with ``itemsize=1``), or None; see ``memory_layout``."""
-    contiguous, channels_last = LAYOUT_NAMES[ndim]
-    if math.prod(shape) == 0 or _same_strides(shape, strides, shapes.c_strides(shape, itemsize)):
-        return contiguous
-    c = len(shape) - ndim - 1
-    if c < 0:
-        return None
-    memory = shape[:c] + shape[c + 1:] + (shape[c],)
-    mem_strides = shapes.c_strides(memory, itemsize)
-    expected = mem_strides[:c] + (mem_strides[-1],) + mem_strides[c:-1]
-    return channels_last if _same_strides(shape, strides, expected) else None
-
-
-def _check_float64(device, dtype, name):
-    if dtype == "float64" and not device.supports_float64:
-        raise TypeError(f"{name} has dtype float64, which {device.describe()} does not support; use float32")
-
-
-class _Call:
-    """One validated call: the problem, device, queue and how arrays cross the host boundary."""
-
-    def __init__(self, problem: Problem, device, queue, is_device: bool):
-        self.problem, self.device, self.queue, self.is_device = problem, device, queue, is_device
-        # numpy arrays used in place by devices that share host memory: device array id -> ndarray
-        self.zero_copy = not is_device and device.shares_host_memory
-        self.host_of: dict = {}
-
-    @property
-    def channel_axis(self) -> int:
-        return len(self.problem.input_shape) - self.problem.ndim - 1
-
-    @staticmethod
-    def storage_dtype(dtype):
-        """bfloat16 buffers are handled as their uint16 bits on the device (memoised: this is on
-        every call's path, and ``dtype.name`` builds a string)."""
-        try:
-            return _STORAGE_DTYPES[dtype]
-        except KeyError:
-            storage = np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
-            _STORAGE_DTYPES[dtype] = storage
-            return storage
-
-    def to_device(self, x, name: str):
-        """``x`` as a device array in the problem's memory order (no copy for device arrays)."""
-        if self.is_device:
-            return x
-        if self.problem.channels_last:
-            x = np.moveaxis(x, self.channel_axis, -1)
-        host = np.ascontiguousarray(x)
-        host = host.view(self.storage_dtype(host.dtype))
-        if self.zero_copy and host.size:
-            return self._keep(self.device.wrap_host(self.queue, host, writable=False), host)
-        return self.device.to_device(host, self.queue)
-
-    def empty(self, logical_shape, dtype):
-        shape, storage = self.problem.memory_shape(logical_shape), self.storage_dtype(dtype)
-        if self.zero_copy and math.prod(shape):
-            host = np.empty(shape, storage)
-            out = self._keep(self.device.wrap_host(self.queue, host, writable=True), host)
-        else:
-            out = self.device.empty(shape, storage, self.queue)
-        if poison_outputs and out.size:
-            name = np.dtype(dtype).name
-            if name in NAN_BITS:
-                self.device.fill_bits(out, NAN_BITS[name], self.queue)
-            else:
-                self.device.fill(out, INDEX_POISON if name == "int64" else np.nan, self.queue)
-        return out
-
-    def _keep(self, array, host):
-        self.host_of[id(array)] = (array, host)
-        return array
-
-    def result(self, out, logical_dtype):
-        """The output as the caller expects it: numpy, or a device array with the input's layout."""
-        dtype = np.dtype(logical_dtype)
-        if not self.is_device:
-            if id(out) in self.host_of:
-                host = self.device.sync_host(self.queue, out, self.host_of[id(out)][1])
-            else:
-                host = self.device.to_host(out)
-            host = host.view(dtype)
-            return np.moveaxis(host, -1, self.channel_axis) if self.problem.channels_last else host
-        if out.dtype != dtype:
-            out = out.view(dtype)
-        if not self.problem.channels_last:
-            return out
-        return self.device.strided_view(out, _last_axis_to(out.shape, self.channel_axis),
-                                        _last_axis_to(out.strides, self.channel_axis))
-
-    def launch(self, choice, arrays):
-        """Launch ``choice`` on ``arrays`` (inputs, then outputs); the outputs wait for it."""
-        launch = dispatch.prepare(self.device, self.queue.context, self.problem, choice)
-        event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, arrays)
-        for array in arrays:
-            self.device.track(array, event)
-
-
-_STORAGE_DTYPES: dict = {}
-
-
-def _last_axis_to(sequence, axis: int) -> tuple:
-    """Move the last entry of a shape or strides tuple to position ``axis``."""
-    items = list(sequence)
-    items.insert(axis, items.pop())
-    return tuple(items)
-
-
-_PROBLEMS: dict = {}
-
-
 def _exact(value):
     """A memo key that tells apart arguments that merely compare equal (``8.0 == 8``,
-    ``True == 1``), so that a bad argument never reuses a good call's validation: a sequence's key
-    holds its elements' types (a nested sequence is never a valid size, so never gets stored)."""
+    ``True == 1``), so that a bad argument never reuses a good call's plan: a sequence's key holds
+    its elements' types (a nested sequence is never a valid size, so never gets stored)."""
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(value), tuple(map(type, value)))
     return (type(value), value)
 
 
-def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
-    """The validated problem of a call, memoised on the array's shape, strides and dtype so that
-    repeated calls skip validation and layout detection (keys that are not hashable, e.g. list
-    output sizes, are validated every time)."""
-    key = (op, direction, x.shape, x.strides, x.dtype, _exact(output_size), _exact(input_shape))
+#: Plans of numpy and device-array calls by signature (``plans``).
+_PLANS = plans.PlanTable()
+
+
+def _plan(op: str, direction: str, arrays: list, size, device, variant, config, names, check_data=None) -> plans.Plan:
+    """The plan of a call on numpy or device ``arrays``: memoised by signature, made (validated,
+    dispatched, built) on the first call of a signature.  ``check_data(problem)`` checks what
+    the signature does not fix (the values of max backward's indices) on every call, before
+    anything is built."""
+    first = arrays[0]
     try:
-        return _PROBLEMS[key]
-    except KeyError:
-        pass
-    except TypeError:
+        key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
+               os.environ.get(backends.ENV_DEVICE),
+               *[(type(a), a.shape, a.strides, a.dtype, getattr(a, "queue", None)) for a in arrays])
+    except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None
-    dtype = check_dtype(getattr(x, "dtype", None), f"{name}.dtype")
-    layout = memory_layout(x, OPS[op][1], name)
-    if layout is None:
-        raise ValueError(f"{name} must be contiguous or channels-last; got strides {x.strides} for shape {x.shape}")
-    if direction == "forward":
-        problem = Problem.create(op, x.shape, output_size, dtype, layout, shape_name=name)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        if check_data is not None:
+            check_data(plan.problem)
+        return plan
+    owner = backends.device_of_array(first)
+    if owner is not None:
+        plans.check_device_option(owner, device, names[0])
+        chosen, context = owner, owner.queue_of(first).context
+        owner.wrap_input(first, names[0])
     else:
-        problem = _backward_problem(op, x, input_shape, dtype, layout)
-    if key is not None:
-        _PROBLEMS[key] = problem
-    return problem
+        if not isinstance(first, np.ndarray):
+            raise TypeError(f"{names[0]} must be a numpy.ndarray or a device array (pyopencl Array, PyCUDA "
+                            f"GPUArray, __cuda_array_interface__), got {type(first).__name__}")
+        chosen, context = backends.resolve_device(device), None
+    specs = [plans.numpy_spec(first)]
+    if len(arrays) > 1:
+        specs.append(_indices_spec(arrays[1], first, owner))
+    if owner is not None:
+        check_data = _device_layouts_check(specs, names[0], check_data)
+    plan = plans.make_plan(op, direction, specs, size, chosen, variant, config, on_miss=tuner.tune_on_miss,
+                           names=names, context=context, before_build=check_data)
+    return _PLANS.put(key, plan) if key is not None else plan
 
 
-def _backward_problem(op, grad_out, input_shape, dtype, layout) -> Problem:
-    _, ndim = OPS[op]
-    batch, spatial = shapes.split_input_shape(input_shape, ndim, "input_shape")
-    grad_shape = tuple(grad_out.shape)
-    if len(grad_shape) != len(batch) + ndim or grad_shape[: len(batch)] != batch:
-        raise ValueError(
-            f"grad_out must have shape {batch} + ({ndim} output sizes) to match input_shape "
-            f"{tuple(input_shape)}, got {grad_shape}"
-        )
-    return Problem.create(op, batch + spatial, grad_shape[len(batch):], dtype, layout, direction="backward",
-                          shape_name="input_shape")
+def _device_layouts_check(specs: list, name: str, check_data):
+    """Device arrays are never copied into another layout: a check (for ``make_plan``'s
+    ``before_build``) that they are contiguous or channels-last, the indices like ``grad_out``."""
+
+    def check(problem):
+        first = specs[0]
+        if plans.strides_layout(first.shape, first.strides, problem.ndim) is None:
+            raise ValueError(f"{name} must be contiguous or channels-last; got strides {first.strides} (in elements) "
+                             f"for shape {first.shape}")
+        if len(specs) > 1 and plans.strides_layout(specs[1].shape, specs[1].strides, problem.ndim) != problem.layout:
+            raise ValueError(f"indices must have the memory layout of grad_out ({problem.layout})")
+        if check_data is not None:
+            check_data(problem)
+
+    return check
 
 
-def _forward_call(op, x, output_size, device):
-    _, ndim = OPS[op]
-    dev, queue, is_device, x = _locate(x, device)
-    if not is_device and memory_layout(x, ndim) is None:
-        x = np.ascontiguousarray(x)
-    problem = _problem(op, "forward", x, output_size, "x")
-    _check_float64(dev, problem.dtype, "x")
-    return _Call(problem, dev, queue, is_device), x
+def _indices_spec(indices, grad_out, owner):
+    """Max backward's ``indices`` as a spec, after the checks that need the array itself: the
+    same kind of array as ``grad_out``, on the same device."""
+    if indices is None:
+        return None
+    indices_owner = backends.device_of_array(indices)
+    if (owner is not None) != (indices_owner is not None) or not hasattr(indices, "dtype"):
+        raise TypeError(f"indices must be the same kind of array as grad_out ({type(grad_out).__name__}), "
+                        f"got {type(indices).__name__}")
+    if owner is not None:
+        if indices_owner is not owner:
+            raise ValueError("indices must be on the same device as grad_out")
+        owner.wrap_input(indices, "indices")
+    return plans.numpy_spec(indices)
 
 
 def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """Shared body of every forward op."""
-    call, x = _forward_call(op, x, output_size, device)
-    problem = call.problem
-    choice = dispatch.choose(problem, call.device, variant, config, on_miss=tuner.tune_on_miss)
-    out = call.empty(problem.output_shape, x.dtype)
-    buffers = [out]
-    if problem.kind == "max":
-        indices = call.empty(problem.output_shape, np.int64)
-        buffers.append(indices)
-    if not problem.is_empty:
-        call.launch(choice, [call.to_device(x, "x")] + buffers)
-    values = call.result(out, x.dtype)
-    if problem.kind == "max" and return_indices:
-        return values, call.result(indices, np.int64)
-    return values
+    plan = _plan(op, "forward", [x], output_size, device, variant, config, ("x",))
+    results = _run(plan, [x], ("x",))
+    if plan.problem.kind == "max" and return_indices:
+        return results[0], results[1]
+    return results[0]
 
 
 def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, variant=None, config=None):
     """Shared body of every backward op."""
-    kind, ndim = OPS[op]
-    dev, queue, is_device, grad_out = _locate(grad_out, device, "grad_out")
-    if not is_device and memory_layout(grad_out, ndim, "grad_out") is None:
-        grad_out = np.ascontiguousarray(grad_out)
-    if isinstance(input_shape, np.ndarray) or not hasattr(input_shape, "__len__"):
-        raise TypeError(f"input_shape must be a tuple of ints, got {type(input_shape).__name__}")
-    problem = _problem(op, "backward", grad_out, None, "grad_out", tuple(input_shape))
-    _check_float64(dev, problem.dtype, "grad_out")
-    call = _Call(problem, dev, queue, is_device)
-    if kind == "max":
-        indices = _check_indices(indices, grad_out, call)
-    choice = dispatch.choose(problem, dev, variant, config, on_miss=tuner.tune_on_miss)
-    grad_in = call.empty(problem.input_shape, grad_out.dtype)
-    if math.prod(problem.input_shape):
-        if problem.is_empty:  # no outputs: nothing flows back
-            dev.fill(grad_in.view(np.uint8), np.uint8(0), queue)
-        else:
-            args = [call.to_device(grad_out, "grad_out")]
-            if kind == "max":
-                args.append(call.to_device(indices, "indices"))
-            call.launch(choice, args + [grad_in])
-    return call.result(grad_in, grad_out.dtype)
+    arrays = [grad_out] if OPS[op][0] == "avg" else [grad_out, indices]
+    check_data = None
+    if isinstance(indices, np.ndarray) and indices.size:
+        def check_data(problem):
+            _check_indices_in_windows(indices, problem)
+    plan = _plan(op, "backward", arrays, input_shape, device, variant, config, ("grad_out",), check_data)
+    return _run(plan, arrays, ("grad_out", "indices"))[0]
 
 
-def _check_indices(indices, grad_out, call):
-    """Max backward's ``indices``: int64, the shape, layout and kind of array of ``grad_out``,
-    and (for numpy) every index inside its output's window -- as the forward pass produces them."""
-    problem = call.problem
-    if indices is None:
-        raise TypeError("indices must be the int64 indices returned by adaptive_max_pool*d(..., return_indices=True)")
-    owner = backends.device_of_array(indices)
-    if call.is_device != (owner is not None) or not hasattr(indices, "dtype"):
-        raise TypeError(f"indices must be the same kind of array as grad_out ({type(grad_out).__name__}), got {type(indices).__name__}")
-    if call.is_device:
-        if owner is not call.device:
-            raise ValueError("indices must be on the same device as grad_out")
-        indices = call.device.wrap_input(indices, "indices")
-    if np.dtype(indices.dtype) != np.int64:
-        raise TypeError(f"indices must have dtype int64, got {indices.dtype}")
-    if tuple(indices.shape) != tuple(grad_out.shape):
-        raise ValueError(f"indices must have the shape of grad_out {tuple(grad_out.shape)}, got {tuple(indices.shape)}")
-    if call.is_device and memory_layout(indices, problem.ndim, "indices") != problem.layout:
-        raise ValueError(f"indices must have the memory layout of grad_out ({problem.layout})")
-    if not call.is_device and indices.size:
-        _check_indices_in_windows(indices, problem)
-    return indices
+def memory_layout(x, ndim: int) -> str | None:
+    """The layout name of a numpy or device array's memory (``plans.strides_layout``)."""
+    spec = plans.numpy_spec(x)
+    return plans.strides_layout(spec.shape, spec.strides, ndim)
+
+
+def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
+    """Run a plan on numpy or device arrays; returns its results in the caller's kind of array."""
+    if not isinstance(arrays[0], np.ndarray):
+        device = plan.device
+        arrays = [device.wrap_input(a, name) for a, name in zip(arrays, names)]
+        return _run_on_device_arrays(plan, arrays, device.queue_of(arrays[0]))
+    problem = plan.problem
+    arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
+    if not plan.device.shares_host_memory:  # through copies on the device
+        queue = plan.device.queue
+        copies = [plan.device.to_device(_in_memory_order(a, problem).view(_storage_dtype(a.dtype)), queue)
+                  for a in arrays]
+        results = _run_on_device_arrays(plan, copies, queue, logical=False)
+        return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem)
+                for r, result in zip(results, plan.results)]
+    outputs = [np.empty(r.memory_shape, _result_dtype(r, arrays[0])) for r in plan.results]
+    if poison_outputs:
+        for out in outputs:
+            _poison_host(out)
+    if plan.launch is not None:
+        plan.run_on_host([a.ctypes.data for a in arrays] + [out.ctypes.data for out in outputs])
+    elif plan.zero_fill:
+        outputs[0].view(np.uint8).fill(0)
+    return [_logical(out, problem) for out in outputs]
+
+
+def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool = True) -> list:
+    """Run a plan on device arrays (kernel arguments, in memory order): results on ``queue``,
+    with the input's layout when ``logical`` (else in memory order, as stored)."""
+    device, problem = plan.device, plan.problem
+    dtype = arrays[0].dtype
+    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue) for r in plan.results]
+    if poison_outputs:
+        for out, result in zip(outputs, plan.results):
+            if out.size:
+                _poison_device(device, out, result.dtype, queue)
+    if plan.launch is not None:
+        launch = plan.launch
+        event = device.launch(queue, launch.kernel, launch.groups, launch.block,
+                              arrays + outputs + list(getattr(launch, "scalars", ())))
+        for array in arrays + outputs:
+            device.track(array, event)
+    elif plan.zero_fill and outputs[0].size:
+        device.fill(outputs[0].view(np.uint8), np.uint8(0), queue)
+    if not logical:
+        return outputs
+    if not problem.channels_last:
+        return outputs
+    return [device.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))
+            for out, result in zip(outputs, plan.results)]
+
+
+def _in_memory_order(array: np.ndarray, problem: Problem) -> np.ndarray:
+    """A numpy array (logical, channels-first axes) as a C-contiguous array in the problem's
+    memory order: a copy only when it is not already so."""
+    if problem.channels_last:
+        array = np.moveaxis(array, array.ndim - problem.ndim - 1, -1)
+    return np.ascontiguousarray(array)
+
+
+def _logical(out: np.ndarray, problem: Problem) -> np.ndarray:
+    """A result in memory order seen with the logical (channels-first) axes."""
+    if not problem.channels_last:
+        return out
+    return np.moveaxis(out, -1, out.ndim - problem.ndim - 1)
+
+
+def _result_dtype(result: plans.Result, first: np.ndarray):
+    return np.int64 if result.dtype == "int64" else first.dtype
+
+
+def _storage_dtype(dtype):
+    """bfloat16 travels to devices as its uint16 bits."""
+    return np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
+
+
+def _poison_host(out: np.ndarray) -> None:
+    name = out.dtype.name
+    if name in NAN_BITS:
+        out.view(np.uint16).fill(NAN_BITS[name])
+    else:
+        out.fill(INDEX_POISON if name == "int64" else np.nan)
+
+
+def _poison_device(device, out, dtype_name: str, queue) -> None:
+    """Poison a device array; bfloat16 results are stored as uint16 bits (``_storage_dtype``)."""
+    if out.dtype == np.float16 or out.dtype == np.uint16:
+        device.fill_bits(out, NAN_BITS["float16" if out.dtype == np.float16 else "bfloat16"], queue)
+    else:
+        device.fill(out, INDEX_POISON if dtype_name == "int64" else np.nan, queue)
 
 
 def _check_indices_in_windows(indices, problem):

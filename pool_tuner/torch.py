@@ -55,6 +55,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
     ) from error
 
 from . import ops as _ops
+from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from .decomposition import decompose
 from .shapes import RANK_NAMES, resolve_output_size
@@ -107,27 +108,6 @@ def _check_tensor(t, name: str):
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
 
 
-def _to_array(t: torch.Tensor):
-    """The numpy array pool_tuner's ops take for CPU tensor ``t``, sharing its memory (bfloat16 as
-    ``ml_dtypes.bfloat16``; pool_tuner copies other strides than contiguous and channels-last
-    itself)."""
-    t = t.detach().resolve_conj().resolve_neg()  # no-ops for ordinary tensors
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_bfloat16())
-    return t.numpy()
-
-
-def _to_tensor(array, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory: a numpy result of a CPU call as a tensor with
-    ``dtype`` (default: ``like``'s dtype); a CUDA call's results already are tensors."""
-    if isinstance(array, torch.Tensor):
-        return array
-    dtype = like.dtype if dtype is None else dtype
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
 # --------------------------------------------------------------------------------------------
 # Memory format: the fake (meta) implementations and the real ones must agree on the strides of
 # every result, so both derive them from here.
@@ -161,13 +141,16 @@ def _in_layout(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
     return out
 
 
-def _call(fn, tensors, *args, **kwargs):
-    """Run pool_tuner ``fn`` on ``tensors`` and ``args``: CPU tensors as numpy views through
-    ``fn`` itself; CUDA tensors through ``pool_tuner.torch_cuda`` (PyTorch's allocator and current
-    stream, any thread, CUDA graphs), which returns tensors."""
+def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
+    """Run pool_tuner's kernel of ``op`` on ``tensors`` (``[x]``, ``[grad_out]`` or ``[grad_out,
+    indices]``): CPU tensors through ``pool_tuner.torch_cpu``, CUDA tensors through
+    ``pool_tuner.torch_cuda`` (PyTorch's allocator and current stream, any thread, CUDA graphs).
+    Returns the results as a list of tensors."""
     if tensors[0].is_cuda:
-        return _torch_cuda.call(fn, tensors, args[0], kwargs)
-    return fn(*[_to_array(t) for t in tensors], *args, **kwargs)
+        fn = getattr(_ops, op if direction == "forward" else f"{op}_backward")
+        return _torch_cuda.plan(fn, tensors, size, dict(_decode_options(options)))(tensors)
+    found = _torch_cpu.plan(op, direction, tensors, size, _decode_options(options))
+    return _torch_cpu.run(found, tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,10 +187,6 @@ def _backward_options(options: str) -> str:
 # The custom ops: torch.ops.pool_tuner.adaptive_{avg,max}_pool{1,2,3}d and ..._backward
 
 
-def _kernel(kind: str, ndim: int, backward: bool = False):
-    return getattr(_ops, f"adaptive_{kind}_pool{ndim}d" + ("_backward" if backward else ""))
-
-
 def _op_name(kind: str, ndim: int, backward: bool = False) -> str:
     return f"pool_tuner::adaptive_{kind}_pool{ndim}d" + ("_backward" if backward else "")
 
@@ -233,28 +212,27 @@ def _define(kind: str, ndim: int, backward: bool, real, fake):
 
 def _register(kind: str, ndim: int):
     """Define the forward and backward ops of one (kind, ndim) and wire their autograd."""
-    forward_kernel, backward_kernel = _kernel(kind, ndim), _kernel(kind, ndim, backward=True)
+    op = f"adaptive_{kind}_pool{ndim}d"
 
     def output_shape(input, output_size):
         return list(input.shape[: input.dim() - ndim]) + list(output_size)
 
     if kind == "avg":
         def forward(input, output_size, options):
-            result = _call(forward_kernel, [input], tuple(output_size), **dict(_decode_options(options)))
-            return _in_layout(_to_tensor(result, input), _is_channels_last(input, ndim), ndim)
+            (result,) = _run(op, "forward", [input], tuple(output_size), options)
+            return _in_layout(result, _is_channels_last(input, ndim), ndim)
 
         def forward_fake(input, output_size, options):
             return _empty(output_shape(input, output_size), input, input.dtype, _is_channels_last(input, ndim), ndim)
 
         def backward(grad_out, input_shape, options):
-            result = _call(backward_kernel, [grad_out], tuple(input_shape), **dict(_decode_options(options)))
-            return _in_layout(_to_tensor(result, grad_out), _is_channels_last(grad_out, ndim), ndim)
+            (result,) = _run(op, "backward", [grad_out], tuple(input_shape), options)
+            return _in_layout(result, _is_channels_last(grad_out, ndim), ndim)
     else:
         def forward(input, output_size, options):
-            values, indices = _call(forward_kernel, [input], tuple(output_size), True, **dict(_decode_options(options)))
+            values, indices = _run(op, "forward", [input], tuple(output_size), options)
             channels_last = _is_channels_last(input, ndim)
-            return (_in_layout(_to_tensor(values, input), channels_last, ndim),
-                    _in_layout(_to_tensor(indices, input, torch.int64), channels_last, ndim))
+            return _in_layout(values, channels_last, ndim), _in_layout(indices, channels_last, ndim)
 
         def forward_fake(input, output_size, options):
             shape, channels_last = output_shape(input, output_size), _is_channels_last(input, ndim)
@@ -262,8 +240,8 @@ def _register(kind: str, ndim: int):
                     _empty(shape, input, torch.int64, channels_last, ndim))
 
         def backward(grad_out, indices, input_shape, options):
-            result = _call(backward_kernel, [grad_out, indices], tuple(input_shape), **dict(_decode_options(options)))
-            return _in_layout(_to_tensor(result, grad_out), _is_channels_last(grad_out, ndim), ndim)
+            (result,) = _run(op, "backward", [grad_out, indices], tuple(input_shape), options)
+            return _in_layout(result, _is_channels_last(grad_out, ndim), ndim)
 
     def backward_fake(grad_out, *rest):
         input_shape = rest[-2]
@@ -351,7 +329,42 @@ def _check_no_functorch_transform():
         )
 
 
+def _runs_eagerly_on_cpu(input) -> bool:
+    """Whether a call is plain eager PyTorch on a CPU tensor -- not traced, compiled, exported,
+    transformed (torch.func) or under a dispatch mode -- so that it may skip the custom op's
+    dispatch layers (``_eager_cpu_pool``); everything else goes through the custom op."""
+    return (type(input) is torch.Tensor and input.is_cpu and not torch._C._get_tracing_state()
+            and torch._C._functorch.peek_interpreter_stack() is None and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
+    """An eager forward on a CPU tensor through its plan (``pool_tuner.torch_cpu``), without the
+    custom op's dispatch: the layer's result, or None where the custom op must run instead (a
+    gradient is needed, and pool_tuner's kernels run the layer)."""
+    op = f"adaptive_{kind}_pool{ndim}d"
+    decoded = _decode_options(options)
+    key = _torch_cpu.signature(op, "forward", [input], output_size, decoded)
+    found = _torch_cpu.plan_of(key)
+    if found is None:
+        size = tuple(_check_input(input, ndim, output_size))
+        found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key)
+    if found.use_pytorch is None:
+        _torch_cpu.race_pytorch(found, input, output_size)
+    if found.use_pytorch:
+        form = _torch_cpu.PYTORCH_FORMS[op]
+        return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
+    if input.requires_grad and torch.is_grad_enabled():
+        return None
+    results = _torch_cpu.run(found, [input])
+    return (results[0], results[1]) if return_indices else results[0]
+
+
 def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
+    if _runs_eagerly_on_cpu(input):
+        result = _eager_cpu_pool(kind, ndim, input, output_size, return_indices, options)
+        if result is not None:
+            return result
     output_size = _check_input(input, ndim, output_size)
     _check_no_functorch_transform()
     if _exported_to_onnx():

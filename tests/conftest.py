@@ -1,8 +1,9 @@
 """Test-wide setup: poisoned outputs and a private tuning cache.
 
 Set before pool_tuner is imported: every output buffer is filled with NaN before its kernel runs
-(so an element a kernel fails to write can never match a reference by accident), and the user
-tuning cache lives in a temporary directory, so tests neither read nor pollute the developer's.
+(so an element a kernel fails to write can never match a reference by accident), pool_tuner.torch
+never hands a layer to PyTorch's own kernel, and the user tuning cache lives in a temporary
+directory, so tests neither read nor pollute the developer's.
 """
 
 import os
@@ -11,6 +12,9 @@ import tempfile
 import zlib
 
 os.environ["POOL_TUNER_POISON_OUTPUTS"] = "1"
+# pool_tuner.torch runs pool_tuner's kernels, never PyTorch's in their place, except in the tests of
+# that choice (tests/test_torch_cpu.py), which turn it back on.
+os.environ["POOL_TUNER_PYTORCH_CANDIDATE"] = "0"
 os.environ.setdefault("POOL_TUNER_CACHE_DIR", tempfile.mkdtemp(prefix="pool_tuner_test_cache_"))
 os.environ.pop("POOL_TUNER_DEVICE", None)
 os.environ.pop("POOL_TUNER_AUTOTUNE", None)

@@ -208,14 +208,37 @@ def test_half_precision_tensors(kind, ndim, dtype, rng):
     assert_same_as_torch(kind, result, run(reference, x), LOW_PRECISION_TOL[dtype])
 
 
-def test_cpu_tensors_cross_to_numpy_without_copies(rng):
+def test_cpu_tensors_are_pooled_in_their_own_memory(rng, monkeypatch):
+    """The kernel reads the tensor's memory itself (PoCL shares host memory): no copy."""
+    from pool_tuner.backends.opencl import HostLaunch
+
+    launched = []
+    real_call = HostLaunch.__call__
+
+    def record(self, addresses):
+        launched.append(addresses[0])
+        real_call(self, addresses)
+
+    monkeypatch.setattr(HostLaunch, "__call__", record)
     base = tensor(rng, (2, 3, 10, 9), requires_grad=True)
     for t in (base, base.detach().to(memory_format=torch.channels_last), base.detach().bfloat16(),
               base.detach().half()[1:]):
-        array = ptt._to_array(t)
+        launched.clear()
+        ptt.adaptive_avg_pool2d(t, (4, 7))
+        assert launched == [t.data_ptr()]
+
+
+def test_cpu_tensors_cross_to_numpy_without_copies(rng):
+    """Where the device does not share host memory, tensors reach ``ops`` as numpy views."""
+    from pool_tuner import torch_cpu
+
+    base = tensor(rng, (2, 3, 10, 9), requires_grad=True)
+    for t in (base, base.detach().to(memory_format=torch.channels_last), base.detach().bfloat16(),
+              base.detach().half()[1:]):
+        array = torch_cpu.ops_array(t)
         assert array.__array_interface__["data"][0] == t.data_ptr()
         assert array.strides == tuple(s * t.element_size() for s in t.stride())
-    assert ptt._to_array(base.detach().bfloat16()).dtype == ml_dtypes.bfloat16
+    assert torch_cpu.ops_array(base.detach().bfloat16()).dtype == ml_dtypes.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------

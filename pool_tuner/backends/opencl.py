@@ -14,10 +14,13 @@ installed and the ICD loader's platform order changes.  The ids of older release
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import functools
 import math
 import os
 import re
+import threading
 
 import numpy as np
 
@@ -294,10 +297,33 @@ class OpenCLDevice:
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
-        device arrays or buffers."""
+        device arrays, buffers and numpy scalars.  Setting a kernel's arguments and enqueuing it
+        are two steps on one kernel object that every thread shares: ``KERNEL_LOCK`` makes them
+        one."""
         global_size = (groups * block[0],) + tuple(block[1:])
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
-        return kernel(queue, global_size, tuple(block), *buffers, wait_for=wait_for)
+        with KERNEL_LOCK:
+            kernel.set_args(*buffers)
+            return cl.enqueue_nd_range_kernel(queue, kernel, global_size, tuple(block), wait_for=wait_for)
+
+    def host_launch(self, launch, nbytes: tuple, n_inputs: int):
+        """A function running ``launch`` on the default queue over host memory: it takes the
+        addresses of the inputs then the outputs (``nbytes`` each, the first ``n_inputs`` read
+        only) and returns once the outputs are written (see ``HostLaunch``)."""
+        return HostLaunch(self, launch, nbytes, n_inputs)
+
+    @functools.cached_property
+    def host_memory_aliases(self) -> bool:
+        """Whether a buffer made over host memory (``USE_HOST_PTR``) *is* that memory on this
+        device, found by trying it: then such buffers may be kept for the same address and size,
+        read without mapping, and a kernel sees the host's latest writes.  The OpenCL standard
+        promises neither (host pointers are only synchronised by mapping), so devices where the
+        test fails get fresh buffers and a map after every kernel."""
+        return self.shares_host_memory and _host_memory_aliases(self.queue)
+
+    @functools.cached_property
+    def host_buffers(self) -> "HostBuffers":
+        return HostBuffers(self.queue.context)
 
     def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
         """``launch`` and wait; the kernel's time in ms by its profiling event (``queue`` must
@@ -363,6 +389,112 @@ def _program(context, cl_device, source: str, options: tuple):
 @functools.lru_cache(maxsize=512)
 def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
     return cl.Kernel(_program(context, cl_device, source, options), kernel_name)
+
+
+#: Held while a kernel's arguments are set and it is enqueued: kernels are shared between threads.
+KERNEL_LOCK = threading.Lock()
+#: How many host-memory buffers a device keeps (``HostBuffers``).
+HOST_BUFFER_LIMIT = 64
+
+
+class HostBuffers:
+    """Buffers over host memory, by address, size and access, for devices where such a buffer is
+    the memory itself (``OpenCLDevice.host_memory_aliases``).
+
+    Making a buffer is cheap but its first use costs PoCL as much as a small kernel, and a model
+    calls each layer on memory that the allocator hands out again and again at the same addresses.
+    A buffer is made over the raw address (it holds no reference to the array that owned the
+    memory), so keeping it keeps nothing alive, and it is only used again for a live array at the
+    same address and size, whose memory it then is.  At most ``HOST_BUFFER_LIMIT`` are kept, the
+    least recently used dropped first."""
+
+    def __init__(self, context):
+        self._context = context
+        self._buffers: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, address: int, nbytes: int, writable: bool):
+        key = (address, nbytes, writable)
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is not None:
+                self._buffers.move_to_end(key)
+                return buffer
+            buffer = self._buffers[key] = host_buffer(self._context, address, nbytes, writable)
+            if len(self._buffers) > HOST_BUFFER_LIMIT:
+                self._buffers.popitem(last=False)
+            return buffer
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+def host_buffer(context, address: int, nbytes: int, writable: bool):
+    """A ``USE_HOST_PTR`` buffer over ``nbytes`` of host memory at ``address``."""
+    flags = cl.mem_flags.USE_HOST_PTR | (cl.mem_flags.READ_WRITE if writable else cl.mem_flags.READ_ONLY)
+    return cl.Buffer(context, flags, hostbuf=(ctypes.c_char * nbytes).from_address(address))
+
+
+class HostLaunch:
+    """One built kernel with its grid, run over host memory (``OpenCLDevice.host_launch``): the
+    call path of numpy arrays and CPU tensors on devices that share host memory.  A call sets the
+    arguments, enqueues and waits, under ``KERNEL_LOCK``; where host memory aliases
+    (``host_memory_aliases``) the buffers come from the device's ``HostBuffers``, elsewhere they
+    are made afresh and the outputs mapped once the kernel is done."""
+
+    __slots__ = ("queue", "kernel", "global_size", "local_size", "scalars", "nbytes", "writable", "buffers")
+
+    def __init__(self, device, launch, nbytes: tuple, n_inputs: int):
+        self.queue = device.queue
+        self.kernel = launch.kernel
+        self.global_size = (launch.groups * launch.block[0],) + tuple(launch.block[1:])
+        self.local_size = tuple(launch.block)
+        self.scalars = tuple(getattr(launch, "scalars", ()))
+        self.nbytes = nbytes
+        self.writable = tuple(i >= n_inputs for i in range(len(nbytes)))
+        self.buffers = device.host_buffers if device.host_memory_aliases else None
+
+    def __call__(self, addresses) -> None:
+        if self.buffers is not None:
+            get = self.buffers.get
+            buffers = [get(a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
+        else:
+            context = self.queue.context
+            buffers = [host_buffer(context, a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
+        with KERNEL_LOCK:
+            self.kernel.set_args(*buffers, *self.scalars)
+            event = cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.global_size, self.local_size)
+        event.wait()
+        if self.buffers is None:
+            for buffer, nbytes, writable in zip(buffers, self.nbytes, self.writable):
+                if writable:
+                    mapped, done = cl.enqueue_map_buffer(self.queue, buffer, cl.map_flags.READ, 0, (nbytes,), np.uint8)
+                    done.wait()
+                    mapped.base.release(self.queue)
+
+
+_ALIAS_PROBE = """
+__kernel void copy_twice(__global const short* a, __global short* b) { b[get_global_id(0)] = 2 * a[get_global_id(0)]; }
+"""
+
+
+def _host_memory_aliases(queue) -> bool:
+    """The trial behind ``OpenCLDevice.host_memory_aliases``: buffers over deliberately unaligned
+    host memory, written by the host after the buffers were made, read back without mapping,
+    twice over the same buffers."""
+    kernel = cl.Program(queue.context, _ALIAS_PROBE).build().copy_twice
+    storage = np.zeros(2 * 64 + 2, np.int16)
+    source, target = storage[1:65], storage[66:130]  # 2 bytes past any alignment
+    buffers = [host_buffer(queue.context, a.ctypes.data, a.nbytes, w) for a, w in ((source, False), (target, True))]
+    for round_ in (1, 2):
+        source[:] = np.arange(64, dtype=np.int16) + round_
+        target[:] = -1
+        kernel.set_args(*buffers)
+        cl.enqueue_nd_range_kernel(queue, kernel, (64,), None).wait()
+        if not np.array_equal(target, 2 * source):
+            return False
+    return True
 
 
 @functools.cache

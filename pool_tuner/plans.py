@@ -1,0 +1,279 @@
+"""Call plans: the one place where every front end prepares a call.
+
+A call's *signature* -- op and direction, each array's shape, strides and dtype, the output size
+(forward) or input shape (backward), the device and pool_tuner's options (variant, config) --
+fixes everything except the data: the validated problem, the memory layout, the dispatch decision,
+the built kernel and its grid, which inputs need reordering, and the shapes and strides of every
+result.  ``make_plan`` works all of that out once; the front ends (``ops`` for numpy and device
+arrays, ``torch`` for CPU tensors, ``torch_cuda`` for CUDA tensors) memoise the plan by signature,
+so every later call of that signature is a dictionary lookup, the results' allocation and one
+launch.
+
+Arrays are described to ``make_plan`` as ``ArraySpec``s (shape, strides in elements, dtype), so
+that numpy arrays, device arrays and tensors are validated by the same rules and give the same
+errors.  Plans live in ``PlanTable``s, bounded and emptied whenever dispatch forgets its decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+
+from . import backends, dispatch, shapes
+from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
+
+#: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
+ELEMENT_BYTES = {**ITEMSIZE, "int64": 8}
+#: The plans a table keeps: the least recently used signature is dropped past this many.
+PLAN_TABLE_SIZE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """What a plan needs to know of an array: its logical shape, its strides in elements (not
+    bytes) and its dtype (any form ``problem.check_dtype`` accepts)."""
+
+    shape: tuple
+    strides: tuple
+    dtype: object
+
+
+def numpy_spec(array) -> ArraySpec:
+    """The spec of a numpy or PyOpenCL array (their strides are in bytes)."""
+    itemsize = array.dtype.itemsize
+    strides = tuple(s // itemsize if s % itemsize == 0 else None for s in array.strides)
+    return ArraySpec(tuple(array.shape), strides, array.dtype)
+
+
+def strides_layout(shape: tuple, strides: tuple, ndim: int) -> str | None:
+    """The layout name of an array with ``shape`` and element ``strides``: contiguous
+    channels-first (``NCHW``-like) or channels-last (``NHWC``-like), else None.  Axes of size 1
+    may have any stride; ambiguous cases (one channel, empty arrays) count as contiguous."""
+    contiguous, channels_last = LAYOUT_NAMES[ndim]
+    if math.prod(shape) == 0 or _same_strides(shape, strides, shapes.c_strides(shape, 1)):
+        return contiguous
+    c = len(shape) - ndim - 1
+    if c < 0:
+        return None
+    memory = shape[:c] + shape[c + 1:] + (shape[c],)
+    return channels_last if _same_strides(shape, strides, last_axis_to(shapes.c_strides(memory, 1), c)) else None
+
+
+def _same_strides(shape, strides, expected) -> bool:
+    return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
+
+
+def last_axis_to(sequence, axis: int) -> tuple:
+    """Move the last entry of a shape or strides tuple to position ``axis``."""
+    items = list(sequence)
+    items.insert(axis, items.pop())
+    return tuple(items)
+
+
+def element_strides(problem: Problem, logical_shape) -> tuple:
+    """Element strides of a logical (channels-first) array stored in ``problem``'s memory order."""
+    strides = shapes.c_strides(problem.memory_shape(logical_shape), 1)
+    if problem.channels_last:
+        strides = last_axis_to(strides, len(logical_shape) - problem.ndim - 1)
+    return strides
+
+
+def check_device_option(owner, device, name: str) -> None:
+    """A ``device=`` argument, when given, must be the device that holds array ``name``."""
+    if device is not None and backends.resolve_device(device) is not owner:
+        raise ValueError(
+            f"device={device!r} does not hold {name}: {name} is an array on "
+            f"{owner.describe()}; pass device=None or that device"
+        )
+
+
+def check_float64(device, dtype: str, name: str) -> None:
+    if dtype == "float64" and not device.supports_float64:
+        raise TypeError(f"{name} has dtype float64, which {device.describe()} does not support; use float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One array a plan produces: logical (channels-first) shape, element strides, the shape of
+    its memory (channels-last: channel axis last) and dtype name (``"int64"`` for indices, else
+    the input's)."""
+
+    shape: tuple
+    strides: tuple
+    memory_shape: tuple
+    dtype: str
+
+
+class Plan:
+    """Everything one call signature does, decided on its first call.
+
+    * ``problem``, ``device``, ``choice``: what runs where, as ``dispatch`` decided;
+    * ``reorder``: per input, whether it must first be copied into the problem's memory order
+      (inputs in neither layout; indices in another layout than ``grad_out``);
+    * ``results``: the arrays the call returns (``Result``), in order: values (and, for a max
+      forward, indices), or the input gradient;
+    * ``launch``: the built kernel and grid (``dispatch.Launch``), None when there is nothing to
+      compute; ``zero_fill``: whether the result is all zeros instead (a backward pass with no
+      outputs);
+    * ``nbytes``: per input, then per result, the bytes of its memory.
+    """
+
+    __slots__ = ("problem", "device", "choice", "reorder", "results", "launch", "zero_fill", "nbytes",
+                 "host_launch", "use_pytorch")
+
+    def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
+        self.problem, self.device, self.choice = problem, device, choice
+        self.reorder, self.results = reorder, results
+        self.zero_fill = problem.is_empty and problem.direction == "backward" and math.prod(problem.input_shape) > 0
+        self.launch = None if problem.is_empty else dispatch.prepare(build_target, context, problem, choice)
+        first = problem.input_shape if problem.direction == "forward" else problem.output_shape
+        sizes = [math.prod(first) * ELEMENT_BYTES[problem.dtype]]
+        if problem.direction == "backward" and problem.kind == "max":
+            sizes.append(math.prod(problem.output_shape) * ELEMENT_BYTES["int64"])
+        sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
+        self.nbytes = tuple(sizes)
+        #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
+        self.host_launch = None
+        #: Whether PyTorch's own kernel runs this forward on CPU tensors instead, as measured by
+        #: ``torch_cpu.race_pytorch``; None until that race was run.
+        self.use_pytorch = None
+
+    def run_on_host(self, pointers) -> None:
+        """Launch on memory the device shares with the host: ``pointers`` are the addresses of the
+        inputs then the results, in memory order, of ``nbytes`` each; returns once the results
+        are written."""
+        if self.launch is None:
+            return
+        if self.host_launch is None:
+            self.host_launch = self.device.host_launch(self.launch, self.nbytes, len(self.nbytes) - len(self.results))
+        self.host_launch(pointers)
+
+
+def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,
+              on_miss=None, names=None, context=None, build_target=None, before_build=None) -> Plan:
+    """Validate a call and plan it (see the module docstring).
+
+    ``specs``: ``[x]`` (forward), ``[grad_out]`` or ``[grad_out, indices]`` (backward), as
+    ``ArraySpec``s; ``size``: the output size (forward) or the input shape (backward); ``device``:
+    the device it runs on (resolved by the caller); ``names``: the arguments' names as the caller
+    wrote them, for error messages; ``context``: the context the kernel is built in (default: the
+    device's default queue's); ``build_target``: what builds it, when not the device itself
+    (``torch_cuda``'s driver-API target, which is its own context); ``before_build(problem)``: a
+    last check of the caller's, once the problem is known and before anything is built.  Raises ``TypeError`` /
+    ``ValueError`` naming the argument before anything is built."""
+    kind, ndim = OPS[op]
+    first = specs[0]
+    name = (names or ("x" if direction == "forward" else "grad_out",))[0]
+    dtype = check_dtype(first.dtype, f"{name}.dtype")
+    layout = strides_layout(first.shape, first.strides, ndim)
+    reorder = [layout is None]
+    layout = layout or LAYOUT_NAMES[ndim][0]
+    if direction == "forward":
+        problem = Problem.create(op, first.shape, size, dtype, layout, shape_name=name)
+        results = [problem.output_shape] + ([problem.output_shape] if kind == "max" else [])
+    else:
+        if isinstance(size, (str, bytes)) or not hasattr(size, "__len__") or type(size).__module__ == "numpy":
+            raise TypeError(f"input_shape must be a tuple of ints, got {type(size).__name__}")
+        problem = backward_problem(op, first.shape, tuple(size), dtype, layout, name)
+        results = [problem.input_shape]
+        if kind == "max":
+            reorder.append(_check_indices_spec(specs[1] if len(specs) > 1 else None, first, problem))
+    check_float64(device, dtype, name)
+    if before_build is not None:
+        before_build(problem)
+    choice = dispatch.choose(problem, device, variant, config, on_miss=on_miss)
+    result_dtypes = [dtype, "int64"] if direction == "forward" else [dtype]
+    results = tuple(Result(shape, element_strides(problem, shape), problem.memory_shape(shape), d)
+                    for shape, d in zip(results, result_dtypes))
+    if build_target is None:
+        build_target = device
+        context = device.queue.context if context is None else context
+    return Plan(problem, device, choice, tuple(reorder), results, build_target, context)
+
+
+def backward_problem(op: str, grad_shape: tuple, input_shape: tuple, dtype: str, layout: str, name="grad_out") -> Problem:
+    """The problem of a backward call: ``input_shape`` checked, and ``grad_out``'s shape against it."""
+    _, ndim = OPS[op]
+    batch, spatial = shapes.split_input_shape(input_shape, ndim, "input_shape")
+    grad_shape = tuple(grad_shape)
+    if len(grad_shape) != len(batch) + ndim or grad_shape[: len(batch)] != batch:
+        raise ValueError(
+            f"{name} must have shape {batch} + ({ndim} output sizes) to match input_shape "
+            f"{tuple(input_shape)}, got {grad_shape}"
+        )
+    return Problem.create(op, batch + spatial, grad_shape[len(batch):], dtype, layout, direction="backward",
+                          shape_name="input_shape")
+
+
+def _check_indices_spec(indices: ArraySpec | None, grad_out: ArraySpec, problem: Problem) -> bool:
+    """Max backward's ``indices``: int64 and of ``grad_out``'s shape, as the forward pass returns
+    them.  Returns whether they must be reordered into the problem's layout first."""
+    if indices is None:
+        raise TypeError("indices must be the int64 indices returned by adaptive_max_pool*d(..., return_indices=True)")
+    try:
+        is_int64 = check_dtype_name(indices.dtype) == "int64"
+    except TypeError:
+        is_int64 = False
+    if not is_int64:
+        raise TypeError(f"indices must have dtype int64, got {indices.dtype}")
+    if tuple(indices.shape) != tuple(grad_out.shape):
+        raise ValueError(f"indices must have the shape of grad_out {tuple(grad_out.shape)}, got {tuple(indices.shape)}")
+    return strides_layout(indices.shape, indices.strides, problem.ndim) != problem.layout
+
+
+def check_dtype_name(dtype) -> str:
+    """The name of a numpy or torch dtype (``torch.int64`` -> ``"int64"``)."""
+    import numpy as np
+
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        raise TypeError(f"unknown dtype {dtype!r}") from None
+
+
+class PlanTable:
+    """A front end's plans by signature: at most ``PLAN_TABLE_SIZE``, least recently used dropped
+    first, safe to use from several threads, and emptied with dispatch's decisions
+    (``dispatch.forget``: after tuning, or a change of cache directory) since a plan holds one."""
+
+    def __init__(self, size: int = PLAN_TABLE_SIZE):
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+        dispatch.register_dependent_memo(self)
+
+    def get(self, key):
+        """The plan of signature ``key``, or None (``key`` may be unhashable: then None)."""
+        try:
+            plan = self._plans.get(key)
+        except TypeError:
+            return None
+        if plan is not None and len(self._plans) > 1:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile
+                pass
+        return plan
+
+    def put(self, key, plan: Plan) -> Plan:
+        try:
+            hash(key)
+        except TypeError:  # unhashable arguments: validated and planned on every call
+            return plan
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self):
+        return len(self._plans)

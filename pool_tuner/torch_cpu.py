@@ -1,0 +1,173 @@
+"""CPU tensors in ``pool_tuner.torch``: one memoised plan per call signature, run on the tensors'
+own memory.
+
+The first call of a signature -- op and direction, each tensor's shape, strides and dtype, the
+output size (or input shape) and pool_tuner's options -- is validated, dispatched and built by
+``plans.make_plan``; every later call is a dictionary lookup, ``torch.empty_strided`` for each
+result and one launch over the tensors' memory (``Device.host_launch``: no copies on devices that
+share host memory, PoCL's CPU device among them).  A device that does not share host memory gets
+numpy views of the tensors through ``ops``, which copies them to the device and back.
+
+**PyTorch's own kernel as a candidate.**  Every launch costs a fixed time (the device's
+launch-and-wait) that PyTorch's CPU kernels, plain function calls, do not pay: below it no
+pool_tuner kernel can win.  So for a small forward problem (``RACE_BYTES``) called eagerly on CPU
+tensors with no forced variant or configuration, the first call times both -- PyTorch's kernel
+and the plan's launch, interleaved, on the call's own input -- and the layer keeps the faster one,
+for its forward and (through PyTorch's autograd) its backward pass.  ``pool_tuner.explain(...,
+caller="torch")`` shows the measurement.  Both compute PyTorch's semantics, but they may differ
+in the last bit of an average, and a close race can go either way from one process to the next:
+``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) always runs pool_tuner's kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from . import backends, dispatch, ops, plans, tuner
+from .problem import OPS
+
+#: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
+CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
+pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
+#: Forward problems moving at most this many bytes race PyTorch's kernel on their first call.
+RACE_BYTES = 1 << 22
+#: Rounds of the race, each timing a few calls of both candidates back to back.
+RACE_ROUNDS = 7
+RACE_CALLS = 3
+
+_PLANS = plans.PlanTable()
+
+#: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
+PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in OPS}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def spec(t: torch.Tensor) -> plans.ArraySpec:
+    return plans.ArraySpec(tuple(t.shape), t.stride(), dtype_name(t.dtype))
+
+
+def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None) -> plans.Plan:
+    """The plan of a call signature, made and memoised on its first use; ``options`` are
+    pool_tuner's keyword options as ``(name, value)`` pairs."""
+    if key is None:
+        key = signature(op, direction, tensors, size, options)
+    found = _PLANS.get(key)
+    if found is None:
+        given = dict(options)
+        device = backends.resolve_device(given.get("device"))
+        names = ("input",) if direction == "forward" else ("grad_out",)
+        found = plans.make_plan(op, direction, [spec(t) for t in tensors], size, device, given.get("variant"),
+                                given.get("config"), on_miss=tuner.tune_on_miss, names=names)
+        _PLANS.put(key, found)
+    return found
+
+
+def plan_of(key) -> plans.Plan | None:
+    """The plan memoised for signature ``key``, or None."""
+    return _PLANS.get(key)
+
+
+def signature(op: str, direction: str, tensors: list, size, options: tuple):
+    """The memo key of a call (see ``plan``); sizes keep their elements' types, so that a bad
+    argument never meets a good call's plan."""
+    return (op, direction, ops._exact(size), options, os.environ.get(backends.ENV_DEVICE),
+            *[(t.shape, t.stride(), t.dtype) for t in tensors])
+
+
+def run(found: plans.Plan, tensors: list) -> list:
+    """Run a plan on CPU ``tensors`` (``[x]``, ``[grad_out]`` or ``[grad_out, indices]``);
+    returns its results as tensors in the problem's layout."""
+    problem = found.problem
+    if not found.device.shares_host_memory:
+        arrays = [ops_array(t) for t in tensors]
+        names = ("x",) if problem.direction == "forward" else ("grad_out", "indices")
+        return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
+    tensors = [_in_memory_order(t, found, i) if reorder else t for i, (t, reorder) in enumerate(zip(tensors, found.reorder))]
+    dtype = tensors[0].dtype
+    results = [torch.empty_strided(r.shape, r.strides, dtype=torch.int64 if r.dtype == "int64" else dtype)
+               for r in found.results]
+    if ops.poison_outputs:
+        for r in results:
+            r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
+    if found.launch is not None:
+        found.run_on_host([t.data_ptr() for t in tensors] + [r.data_ptr() for r in results])
+    elif found.zero_fill:
+        results[0].zero_()
+    return results
+
+
+def _in_memory_order(t: torch.Tensor, found: plans.Plan, position: int) -> torch.Tensor:
+    """An input that is in neither layout (or indices in another layout than ``grad_out``),
+    copied into the problem's memory order."""
+    strides = plans.element_strides(found.problem, tuple(t.shape))
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
+
+
+def _result_likes(found: plans.Plan, first: torch.Tensor) -> list:
+    return [torch.int64 if r.dtype == "int64" else first.dtype for r in found.results]
+
+
+def ops_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of CPU tensor ``t`` (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    t = t.detach().resolve_conj().resolve_neg()  # no-ops for ordinary tensors
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes  # only needed for bfloat16 tensors
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor sharing a numpy result's memory."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+# ------------------------------------------------------------------ PyTorch's kernel as a candidate
+
+
+def race_pytorch(found: plans.Plan, input: torch.Tensor, output_size) -> None:
+    """Decide, by timing, whether PyTorch's own kernel runs this forward plan's layer instead
+    (``Plan.use_pytorch``; see the module docstring), and note the race for ``explain``."""
+    problem = found.problem
+    found.use_pytorch = False
+    if (not pytorch_candidate or found.choice.source == "forced" or found.launch is None
+            or problem.bytes_moved() > RACE_BYTES):
+        return
+    pytorch_form = PYTORCH_FORMS[problem.op]
+
+    def pytorch():
+        pytorch_form(input, output_size)
+
+    def pool_tuner():
+        run(found, [input])
+
+    timings = {"pytorch": [], "pool_tuner": []}
+    with torch.no_grad():
+        for candidate in (pytorch, pool_tuner):  # first calls: caches and page faults
+            candidate()
+        for _ in range(RACE_ROUNDS):
+            for name, candidate in (("pytorch", pytorch), ("pool_tuner", pool_tuner)):
+                start = time.perf_counter()
+                for _ in range(RACE_CALLS):
+                    candidate()
+                timings[name].append((time.perf_counter() - start) / RACE_CALLS * 1e3)
+    medians = {name: float(np.median(times)) for name, times in timings.items()}
+    found.use_pytorch = medians["pytorch"] < medians["pool_tuner"]
+    dispatch.note_measured_candidate(problem, found.device, {
+        "candidate": "pytorch",
+        "winner": "pytorch" if found.use_pytorch else "pool_tuner",
+        "pytorch_ms": medians["pytorch"],
+        "pool_tuner_ms": medians["pool_tuner"],
+        "rule": f"forward problems of at most {RACE_BYTES} bytes called on CPU tensors race PyTorch's own "
+                f"kernel on their first call (median of {RACE_ROUNDS} rounds of {RACE_CALLS} calls each)",
+    })
