@@ -311,8 +311,11 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
             variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
     (``forced``/``cache``/``nearest``/``default``), device, cache key, and ``partial``: for a
-    decision from an interrupted tuning's record, what that tuning covered (else None).  ``layout=None`` means
-    contiguous channels-first; ``direction="backward"`` explains the backward pass."""
+    decision from an interrupted tuning's record, what that tuning covered (else None);
+    ``measured_candidate``: where ``pool_tuner.torch`` raced PyTorch's own kernel on this problem
+    for CPU tensors in this process, the times and the winner that such calls run (else None).
+    ``layout=None`` means contiguous channels-first; ``direction="backward"`` explains the
+    backward pass."""
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, memoise=False))
@@ -320,6 +323,9 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
     info["partial"] = None if record is None else record.get("partial")
     info["autotune_on_miss"] = os.environ.get(tuner.AUTOTUNE_ENV) == "1"
+    # Where another kernel raced pool_tuner's on this problem in this process (pool_tuner.torch's
+    # PyTorch candidate for CPU tensors): both times and the winner, which is what such calls run.
+    info["measured_candidate"] = dispatch.measured_candidate(problem, dev)
     return info
 
 

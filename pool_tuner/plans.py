@@ -275,5 +275,10 @@ class PlanTable:
         with self._lock:
             self._plans.clear()
 
+    def values(self) -> list:
+        """The plans kept, least recently used first."""
+        with self._lock:
+            return list(self._plans.values())
+
     def __len__(self):
         return len(self._plans)

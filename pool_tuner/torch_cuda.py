@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from . import dispatch, ops, shapes, tuner
+from . import dispatch, ops, plans, tuner
 from .backends import cuda
-from .problem import LAYOUT_NAMES, OPS, Problem
+from .problem import OPS
 
 #: PyTorch's current stream of a CUDA device as a raw ``cudaStream_t`` (the call Inductor's
 #: generated code makes); CPU-only builds of PyTorch lack it and have no CUDA tensors.
@@ -36,8 +36,7 @@ current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _SIGNATURES = {getattr(ops, op + suffix): (op, direction)
                for op in OPS for suffix, direction in (("", "forward"), ("_backward", "backward"))}
 
-_PLANS: dict = {}
-dispatch.register_dependent_memo(_PLANS)  # a plan holds a decision: forgotten with it (after tuning)
+_PLANS = plans.PlanTable()
 
 
 def call(fn, tensors, size, options: dict):
@@ -55,13 +54,13 @@ def plan(fn, tensors, size, options: dict) -> "_Plan":
     try:
         key = (fn, ops._exact(size), _options_key(options),
                *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
-        found = _PLANS.get(key)
     except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
-        key = found = None
+        key = None
+    found = _PLANS.get(key) if key is not None else None
     if found is None:
         found = _Plan(fn, tensors, size, options)
         if key is not None:
-            _PLANS[key] = found
+            _PLANS.put(key, found)
     return found
 
 
@@ -70,85 +69,61 @@ def _options_key(options: dict) -> tuple:
     return options.get("device"), options.get("variant"), dispatch.config_key(options.get("config"))
 
 
-def _strides(problem: Problem, logical_shape) -> tuple:
-    """Element strides of a logical (channels-first) array stored in the problem's memory order."""
-    strides = shapes.c_strides(problem.memory_shape(logical_shape), 1)
-    if problem.channels_last:
-        strides = ops._last_axis_to(strides, len(logical_shape) - problem.ndim - 1)
-    return strides
-
-
-def _layout(t: torch.Tensor, ndim: int) -> str | None:
-    return ops.strides_layout(tuple(t.shape), t.stride(), 1, ndim)
-
-
 class _Plan:
-    """Everything one call signature does, decided on its first call (see the module docstring):
-    ``inputs``, per input, None or the strides it is copied to first (inputs in neither layout, or
-    indices in another layout than ``grad_out``); ``outputs``, each result's (shape, strides,
-    dtype); ``launch``, the prepared launch (None when there is nothing to compute);
-    ``zero_fill``, whether the result is all zeros instead (a backward pass with no outputs)."""
+    """A call signature's ``plans.Plan`` with what the driver-API launch adds (see the module
+    docstring): ``copies``, per input, None or the strides it is copied to first; ``outputs``,
+    each result's (shape, strides, dtype); ``launch``, the prepared driver-API launch (None when
+    there is nothing to compute)."""
 
-    __slots__ = ("problem", "choice", "inputs", "outputs", "launch", "zero_fill")
+    __slots__ = ("plan", "copies", "outputs", "launch")
 
     def __init__(self, fn, tensors, size, options):
+        from .torch_cpu import spec
+
         op, direction = _SIGNATURES[fn]
-        kind, ndim = OPS[op]
         first, name = tensors[0], ("x" if direction == "forward" else "grad_out")
         index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
         device = cuda.device_by_ordinal(0 if index is None else index, name)
-        ops.check_device_option(device, options.get("device"), name)
-        layout = _layout(first, ndim)
-        inputs = [None if layout is not None else shapes.c_strides(first.shape, 1)]
-        layout = layout or LAYOUT_NAMES[ndim][0]
-        dtype = str(first.dtype).removeprefix("torch.")
-        if direction == "forward":
-            problem = Problem.create(op, tuple(first.shape), size, dtype, layout, shape_name=name)
-            results = [(problem.output_shape, first.dtype)] + ([(problem.output_shape, torch.int64)] if kind == "max" else [])
-        else:
-            problem = ops._backward_problem(op, first, tuple(size), dtype, layout)
-            results = [(problem.input_shape, first.dtype)]
-            if kind == "max":
-                inputs.append(_indices_copy(tensors[1], first, problem))
-        self.problem = problem
-        self.choice = dispatch.choose(problem, device, options.get("variant"), options.get("config"),
-                                      on_miss=tuner.tune_on_miss)
-        self.inputs = None if inputs == [None] * len(inputs) else tuple(inputs)
-        self.outputs = tuple((shape, _strides(problem, shape), dtype) for shape, dtype in results)
-        self.zero_fill = problem.is_empty and direction == "backward" and math.prod(problem.input_shape) > 0
+        plans.check_device_option(device, options.get("device"), name)
+        if len(tensors) > 1:
+            _check_indices_tensor(tensors[1], first)
+        target = device.driver_target
+        found = plans.make_plan(op, direction, [spec(t) for t in tensors], size, device, options.get("variant"),
+                                options.get("config"), on_miss=tuner.tune_on_miss, names=(name,),
+                                context=target, build_target=target)
+        self.plan = found
+        problem = found.problem
+        copies = [plans.element_strides(problem, tuple(t.shape)) if reorder else None
+                  for t, reorder in zip(tensors, found.reorder)]
+        self.copies = None if copies == [None] * len(copies) else tuple(copies)
+        self.outputs = tuple((r.shape, r.strides, torch.int64 if r.dtype == "int64" else first.dtype)
+                             for r in found.results)
         self.launch = None
-        if not problem.is_empty:
-            target = device.driver_target
-            launch = dispatch.prepare(target, target, problem, self.choice)
-            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(results))
+        if found.launch is not None:
+            launch = found.launch
+            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(self.outputs))
 
-    def __call__(self, tensors) -> tuple:
+    def __call__(self, tensors) -> list:
         device = tensors[0].device
-        if self.inputs is not None:
+        if self.copies is not None:
             tensors = [t if strides is None else torch.empty_strided(t.shape, strides, dtype=t.dtype, device=device).copy_(t)
-                       for t, strides in zip(tensors, self.inputs)]
+                       for t, strides in zip(tensors, self.copies)]
         results = [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in self.outputs]
         if ops.poison_outputs:
             for r in results:
                 r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
         if self.launch is not None:
             self.launch(current_raw_stream(device.index), *[t.data_ptr() for t in tensors], *[r.data_ptr() for r in results])
-        elif self.zero_fill:
+        elif self.plan.zero_fill:
             results[0].zero_()
         return results
 
 
-def _indices_copy(indices, grad_out, problem: Problem):
-    """Max backward's ``indices``: a CUDA int64 tensor of ``grad_out``'s shape on its device (as
-    the forward pass returns them); None if they are in ``problem``'s layout, else the strides
-    they are copied to."""
+def _check_indices_tensor(indices, grad_out) -> None:
+    """Max backward's ``indices`` on CUDA: an int64 tensor on ``grad_out``'s device (the shape
+    and layout rules are ``plans``')."""
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64:
         raise TypeError(f"indices must be an int64 tensor, as returned with return_indices=True, got "
                         f"{getattr(indices, 'dtype', type(indices).__name__)}")
     if indices.device != grad_out.device:
         raise ValueError(f"indices must be on grad_out's device {grad_out.device}, got {indices.device}")
-    if tuple(indices.shape) != tuple(grad_out.shape):
-        raise ValueError(f"indices must have the shape of grad_out {tuple(grad_out.shape)}, got {tuple(indices.shape)}")
-    if _layout(indices, problem.ndim) == problem.layout:
-        return None
-    return _strides(problem, tuple(indices.shape))

@@ -202,7 +202,7 @@ def test_a_thread_without_a_current_context_launches_in_the_primary_context(gpu)
 def test_float_dtypes_reach_the_problem(gpu):
     for dtype in (torch.float64, torch.float16, torch.bfloat16):
         torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9), dtype)], (4, 7), NONE)
-    assert [plan.problem.dtype for plan in torch_cuda._PLANS.values()] == ["float64", "float16", "bfloat16"]
+    assert [found.plan.problem.dtype for found in torch_cuda._PLANS.values()] == ["float64", "float16", "bfloat16"]
     for (module, _), define in zip(gpu.modules, (b"DTYPE_FLOAT64 1", b"DTYPE_FLOAT16 1", b"DTYPE_BFLOAT16 1")):
         assert define in module
 
@@ -223,6 +223,6 @@ def test_forgetting_decisions_forgets_plans(gpu):
     x = _x((2, 3, 10, 9))
     torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
     assert torch_cuda._PLANS
-    problem = next(iter(torch_cuda._PLANS.values())).problem
+    problem = next(iter(torch_cuda._PLANS.values())).plan.problem
     dispatch.forget(problem, gpu.device)
     assert not torch_cuda._PLANS

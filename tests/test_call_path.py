@@ -1,0 +1,197 @@
+"""The lean call path (pool_tuner.plans): a signature is validated, dispatched and built once;
+later calls only launch, on the caller's own memory."""
+
+import numpy as np
+import pytest
+import torch
+
+import pool_tuner as pt
+import pool_tuner.torch as ptt
+from pool_tuner import dispatch, plans, reference, torch_cpu
+from pool_tuner.backends import default_device
+from pool_tuner.backends import opencl
+
+from conftest import random_input
+
+FLOAT32_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def fresh_plans():
+    dispatch.forget()
+    yield
+    dispatch.forget()
+
+
+def _count(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_repeated_numpy_calls_plan_and_build_once(monkeypatch, rng):
+    made, prepared = _count(monkeypatch, plans, "make_plan"), _count(monkeypatch, dispatch, "prepare")
+    x = random_input(rng, (2, 5, 10, 9))
+    for _ in range(3):
+        x = random_input(rng, (2, 5, 10, 9))  # new data, same signature
+        np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, (4, 7)), reference.adaptive_avg_pool(x, (4, 7), 2),
+                                   **FLOAT32_TOL)
+    assert len(made) == 1 and len(prepared) == 1
+    pt.adaptive_avg_pool2d(random_input(rng, (2, 5, 10, 9)), (4, 6))  # another signature
+    assert len(made) == 2
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_warm_numpy_and_tensor_calls_make_no_pyopencl_arrays(monkeypatch, rng):
+    import pyopencl.array as cl_array
+
+    x = random_input(rng, (1, 8, 5, 5))
+    t = torch.from_numpy(random_input(rng, (1, 8, 5, 5)))
+    module = ptt.AdaptiveMaxPool2d(2)
+    pt.adaptive_avg_pool2d(x, 2), module(t)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a pyopencl Array was made on a warm call")
+
+    monkeypatch.setattr(cl_array.Array, "__init__", forbidden)
+    y = pt.adaptive_avg_pool2d(x, 2)
+    np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, 2, 2), **FLOAT32_TOL)
+    out = module(t)
+    assert torch.equal(out, torch.nn.functional.adaptive_max_pool2d(t, 2))
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_signatures_tell_apart_what_changes_the_call(rng):
+    x = random_input(rng, (2, 3, 10, 9))
+    before = len(pt.ops._PLANS)
+    pt.adaptive_avg_pool2d(x, (4, 7))
+    pt.adaptive_avg_pool2d(np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2), (4, 7))
+    pt.adaptive_avg_pool2d(x.astype(np.float16), (4, 7))
+    pt.adaptive_avg_pool2d(x, [4, 7])
+    pt.adaptive_avg_pool2d(x, (4, 7), variant="thread_per_output")
+    assert len(pt.ops._PLANS) - before == 5
+    with pytest.raises(TypeError, match=r"output_size\[0\] must be an int"):
+        pt.adaptive_avg_pool2d(x, (4.0, 7))  # equal to (4, 7), but never its plan
+
+
+def test_plan_tables_are_bounded_and_drop_the_oldest():
+    table = plans.PlanTable(size=3)
+    for key in range(5):
+        table.put(key, f"plan {key}")
+    assert len(table) == 3 and table.get(0) is None and table.get(4) == "plan 4"
+    table.get(2)  # used: kept over 3
+    table.put(5, "plan 5")
+    assert table.get(2) == "plan 2" and table.get(3) is None
+    dispatch.forget()  # tables hold decisions: forgotten with them
+    assert len(table) == 0
+
+
+@pytest.mark.usefixtures("fresh_plans")
+@pytest.mark.parametrize("aliases", [True, False], ids=["aliasing", "mapped"])
+def test_host_launch_is_exact_with_and_without_aliasing(monkeypatch, rng, aliases):
+    """Where host memory does not alias (or the probe says so), buffers are made per call and
+    results mapped: both paths give the same exact results."""
+    device = default_device()
+    if not device.shares_host_memory:
+        pytest.skip("the default device does not share host memory")
+    monkeypatch.setattr(device, "host_memory_aliases", aliases)
+    kept = _count(monkeypatch, opencl.HostBuffers, "get")
+    for shape, size in (((2, 5, 10, 9), (4, 7)), ((3, 7, 6), (4,))):
+        x = random_input(rng, shape)
+        ndim = len(shape) - 2 if len(shape) == 4 else 1
+        fn = pt.adaptive_max_pool2d if ndim == 2 else pt.adaptive_max_pool1d
+        values, indices = fn(x, size, return_indices=True)
+        expected_values, expected_indices = reference.forward(fn.__name__, x, size)
+        np.testing.assert_array_equal(values, expected_values)
+        np.testing.assert_array_equal(indices, expected_indices)
+    assert bool(kept) == aliases
+
+
+def test_pocl_host_memory_aliases():
+    """The probe behind the kept buffers answers yes on PoCL's CPU device (else every call pays
+    fresh buffers and a map)."""
+    device = default_device()
+    if not (isinstance(device, opencl.OpenCLDevice) and device.is_pocl):
+        pytest.skip("the default device is not PoCL's")
+    assert device.host_memory_aliases
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_kept_buffers_see_the_new_contents_of_reused_memory(rng):
+    """A buffer kept for an address is used again for whatever array lives there now."""
+    storage = np.empty(2 * 3 * 10 * 9, np.float32)
+    x = storage.reshape(2, 3, 10, 9)
+    for _ in range(3):
+        x[...] = random_input(rng, x.shape)
+        np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, (4, 7)), reference.adaptive_avg_pool(x, (4, 7), 2),
+                                   **FLOAT32_TOL)
+
+
+# ------------------------------------------------------------------ PyTorch's kernel as a candidate
+
+
+@pytest.fixture
+def candidate_on(monkeypatch):
+    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
+    dispatch.forget()
+    yield
+    dispatch.forget()
+
+
+def _race_winner(monkeypatch, winner):
+    """Make the race's clock say ``winner`` is faster."""
+    real = torch_cpu.race_pytorch
+
+    def rigged(found, input, output_size):
+        real(found, input, output_size)
+        found.use_pytorch = winner == "pytorch"
+
+    monkeypatch.setattr(torch_cpu, "race_pytorch", rigged)
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_small_problems_race_pytorch_and_explain_says_who_won(rng):
+    t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+    out = ptt.AdaptiveAvgPool2d(2)(t)
+    torch.testing.assert_close(out, torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
+    race = pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"]
+    assert race["candidate"] == "pytorch" and race["pytorch_ms"] > 0 and race["pool_tuner_ms"] > 0
+    assert race["winner"] == ("pytorch" if race["pytorch_ms"] < race["pool_tuner_ms"] else "pool_tuner")
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_forced_and_large_problems_never_race(rng):
+    t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+    ptt.adaptive_avg_pool2d(t, 2, variant="thread_per_output")
+    assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
+    big = torch.from_numpy(random_input(rng, (4, 64, 64, 65)))
+    assert 4 * 64 * 64 * 65 * 4 > torch_cpu.RACE_BYTES
+    ptt.adaptive_avg_pool2d(big, 3)
+    assert pt.explain("adaptive_avg_pool2d", (4, 64, 64, 65), 3)["measured_candidate"] is None
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("winner", ["pytorch", "pool_tuner"])
+def test_either_winner_trains_like_pytorch(monkeypatch, rng, winner):
+    """Whichever kernel won the race runs the layer, forward and backward, with PyTorch's results."""
+    _race_winner(monkeypatch, winner)
+    used = _count(monkeypatch, torch_cpu, "run")
+    x = torch.from_numpy(random_input(rng, (2, 4, 7, 5))).requires_grad_()
+    reference_x = x.detach().clone().requires_grad_()
+    values = ptt.AdaptiveMaxPool2d((3, 2))(x)
+    expected = torch.nn.AdaptiveMaxPool2d((3, 2))(reference_x)
+    assert torch.equal(values, expected)
+    grad = torch.from_numpy(random_input(rng, tuple(values.shape)))
+    values.backward(grad), expected.backward(grad)
+    assert torch.equal(x.grad, reference_x.grad)
+    used.clear()
+    with torch.no_grad():
+        ptt.AdaptiveMaxPool2d((3, 2))(x)
+    assert bool(used) == (winner == "pool_tuner")
