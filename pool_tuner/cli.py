@@ -177,14 +177,14 @@ def cmd_cache(args) -> int:
         records = sorted(table.records().values(), key=order)
         tiers = [dispatch.record_tier(r, device) for r in records]
         if records:
-            print(f"{'op':20s} {'pass':8s} {'dtype':8s} {'layout':6s} {'input':>18s}    {'output':16s} {'class':11s}"
-                  f" {'variant':18s} {'kernel ms':>12s}  {'applies':12s}  params  [device]")
+            print(f"{'op':20s} {'pass':8s} {'dtype':8s} {'layout':6s} {'input':>18s}    {'output':16s} {'variant':18s}"
+                  f" {'kernel ms':>12s}  {'class':11s} {'applies':12s}  params  [device, version]")
         for r, tier in zip(records, tiers):
             p, best = r["problem"], r["best"]
             print(f"{p['op']:20s} {p['direction']:8s} {p['dtype']:8s} {p['layout']:6s}"
                   f" {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
-                  f" {cache.problem_of(r).problem_class:11s} {best['variant']:18s} {best['time_ms']:9.4f} ms"
-                  f"  {tier:12s}  {json.dumps(best['params'])}"
+                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {cache.problem_of(r).problem_class:11s}"
+                  f" {tier:12s}  {json.dumps(best['params'])}"
                   f"  [{r['device'].get('name', '?')}, {r['device'].get('version', '?')}]" + _partial_note(r))
         print(_applies_summary(tiers, device))
         print(f"{len(records)} records (user cache {table.path()}, shipped {kernel_source.shipped_cache_dir()})")

@@ -206,11 +206,16 @@ def test_malformed_records_are_skipped(tmp_path):
     no_best = {k: v for k, v in record(width=10).items() if k != "best"}
     untimed = record(width=11)
     untimed["best"] = {"variant": "v", "params": {}}
+    # a problem no call could make (its output drops a batch size): dispatch's tiers and classes read
+    # every record's problem, so loading checks it
+    batchless_output = make_record(Problem("adaptive_avg_pool2d", "forward", "float32", "NCHW", (2, 3, 8, 14),
+                                           (3, 4, 4)), FP, KERNEL_HASH, {"variant": "v", "params": {}, "time_ms": 1.0}, [])
     bad = {
         "not-a-dict": [1, 2],
         no_best["key"]: no_best,
         "wrong-key": record(width=12),
         untimed["key"]: untimed,
+        batchless_output["key"]: batchless_output,
     }
     path = tmp_path / "user" / "records.json"
     path.parent.mkdir()
@@ -221,6 +226,7 @@ def test_malformed_records_are_skipped(tmp_path):
         table = c.records()
     message = str(caught[0].message)
     assert "'best'" in message and "wrong-key" in message and "time_ms" in message
+    assert "2x3x8x14" in message and "that no call could make" in message
     assert set(table) == {good["key"], good2["key"]}
 
     # rewriting keeps the readable records and sets the original aside
