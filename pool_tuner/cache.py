@@ -11,6 +11,13 @@ Two places hold records: a read-only database shipped in the package (every ``*.
 directory) and the user's cache file, which overlays it (for the same key the user's record wins).
 Both are read once, lazily, into an in-memory table; lookups never touch the file system again.
 
+Records travel: a record keeps its device's whole fingerprint, and ``device_tier`` says how that
+device relates to another -- the same device (``exact``), the same model under another driver or
+compiler target (``model``), the same family (``family``) -- so that dispatch can use records tuned
+elsewhere (design.md, Tuning cache).  ``TuningCache.matches`` hands dispatch the records of a
+problem's op, direction, dtype, layout and rank, for the current kernel code, that apply to a
+device, each with its tier.
+
 Failure policy: a tuning run must never be lost to, or crash on, a cache problem.  A corrupt or
 truncated file, a file of another schema version, malformed records or an unreadable path give a
 ``CacheWarning`` and a cache miss for what could not be read.  ``store`` keeps the record in memory
@@ -24,6 +31,7 @@ corrupt the file nor drop each other's records, and a writer killed mid-write le
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import importlib.metadata
@@ -40,6 +48,7 @@ import filelock
 import platformdirs
 
 from . import kernel_source
+from .problem import Problem, check_op
 from .variants import variants_for
 from .version import __version__
 
@@ -54,6 +63,16 @@ RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str
 MAX_NAMED = 5
 #: Compiler options of every build (part of the kernel hash in cache keys).
 BUILD_OPTIONS = ""
+#: How a record's device relates to the device at hand, best first (``device_tier``), with the
+#: words ``cache show`` uses for each.
+TIERS = {
+    "exact": "exact device",
+    "model": "same model (other driver/target)",
+    "family": "same family",
+}
+#: Where a record comes from, in the order that breaks ties between equally good records: the
+#: user's own tuning before the shipped database.
+ORIGINS = ("user", "shipped")
 
 
 class CacheWarning(UserWarning):
@@ -78,9 +97,10 @@ def make_key(problem, device_fingerprint: dict, kernel_hash: str) -> str:
     """The cache key: readable, and different whenever the problem, the device or the kernel code is.
 
     e.g. ``v1|adaptive_avg_pool2d|forward|float32|NCHW|32x2048x7x7|32x2048x1x1|opencl|dev=..|src=..``.
-    The device enters as a hash of its whole fingerprint (any field changing, such as a driver
-    update, makes the old records misses); ``kernel_hash`` is the sha256 of the kernel templates and
-    build options, of which the first 16 hex digits are kept.
+    The device enters as a hash of its whole fingerprint, so a key names exactly one device (a
+    driver update gives new keys; ``device_tier`` still relates the old records to the device);
+    ``kernel_hash`` is the sha256 of the kernel templates and build options, of which the first 16
+    hex digits are kept.
     """
     if "backend" not in device_fingerprint:
         raise ValueError(f"device fingerprint has no 'backend' field: {device_fingerprint!r}")
@@ -115,6 +135,40 @@ def cache_key(problem, device) -> str:
 
 def _shape_text(shape) -> str:
     return "x".join(str(int(n)) for n in shape)
+
+
+def device_tier(fingerprint: dict, device) -> str | None:
+    """How the device of ``fingerprint`` (a record's) relates to ``device``: ``"exact"`` (the same
+    fingerprint), ``"model"`` (the same model: another driver or compiler target), ``"family"``
+    (the same family), or None (nothing in common that a tuning would carry over).
+
+    What makes a model and a family is the backend's (``fingerprint_levels`` of the device
+    contract); a fingerprint of another backend never matches.  Every tier still needs the record's
+    configuration to be legal here, which dispatch checks.
+    """
+    mine = device.fingerprint
+    if fingerprint == mine:
+        return "exact"
+    if fingerprint.get("backend") != mine.get("backend"):
+        return None
+    theirs, ours = device.fingerprint_levels(fingerprint), device.fingerprint_levels(mine)
+    for tier in ("model", "family"):
+        if theirs[tier] is not None and theirs[tier] == ours[tier]:
+            return tier
+    return None
+
+
+def problem_of(record: dict) -> Problem:
+    """The problem a record was tuned for, checked as a call's arguments are (``Problem.create``):
+    raises ``ValueError``/``TypeError`` for one that no call could make."""
+    p = record["problem"]
+    input_shape, output_shape = tuple(p["input_shape"]), tuple(p["output_shape"])
+    _, ndim = check_op(p["op"], p["direction"])
+    problem = Problem.create(p["op"], input_shape, output_shape[-ndim:], p["dtype"], p["layout"],
+                             direction=p["direction"])
+    if problem.output_shape != output_shape:
+        raise ValueError(f"output shape {list(output_shape)} does not keep the input's batch sizes")
+    return problem
 
 
 def make_record(
@@ -175,6 +229,10 @@ def _record_problem(key, record) -> str | None:
         return "has a 'problem' or 'device' field that does not describe a problem and a device"
     if own_key != key:
         return "has a key that does not match its own problem, device and kernel hash"
+    try:
+        problem_of(record)
+    except (TypeError, ValueError) as exc:
+        return f"has a 'problem' that no call could make ({exc})"
     best = record["best"]
     if not isinstance(best.get("variant"), str) or not isinstance(best.get("params"), dict):
         return "has a 'best' without a 'variant' string and a 'params' object"
@@ -346,18 +404,41 @@ def _normalised(record: dict) -> dict:
     return json.loads(json.dumps(record, allow_nan=False))
 
 
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """A record that applies to a device: the record, the problem it was tuned for, where it comes
+    from (one of ``ORIGINS``) and how its device relates to the device (one of ``TIERS``)."""
+
+    record: dict
+    problem: Problem
+    origin: str
+    tier: str
+
+
+def _group(problem: Problem) -> tuple:
+    """What a record must share with a problem to be considered for it at all."""
+    return problem.op, problem.direction, problem.dtype, problem.layout, len(problem.input_shape)
+
+
 class TuningCache:
     """The shipped database overlaid by the user's cache file, as one in-memory table.
 
-    The table is read on first use and then kept: ``lookup`` and ``candidates`` are on dispatch's
-    hot path and never touch the file system again (``reload`` re-reads on request).  The table is
+    The table is read on first use and then kept: ``lookup`` and ``matches`` are on dispatch's
+    path and never touch the file system again (``reload`` re-reads on request).  The table is
     returned, not copied; treat it as read-only and change it through ``store``.
+
+    ``matches`` reads an index built from the table on first use and dropped whenever the table
+    changes: records grouped by op, direction, dtype, layout and rank, and within a group by device
+    fingerprint, so that a problem's first call compares its device with each distinct fingerprint
+    of its group once, not with every record of the cache.
     """
 
     def __init__(self, shipped_dir: Path, user_dir: Path | None = None):
         self.shipped_dir = Path(shipped_dir)
         self.user_dir = default_user_dir() if user_dir is None else Path(user_dir)
         self._records = None
+        self._user_keys: set = set()
+        self._index = None
 
     def path(self) -> Path:
         """The user's cache file."""
@@ -373,8 +454,14 @@ class TuningCache:
         table = {}
         for path in self._shipped_files():
             table.update(_load_file(path))
-        table.update(_load_file(self.path()))
-        self._records = table
+        user = _load_file(self.path())
+        table.update(user)
+        self._records, self._user_keys, self._index = table, set(user), None
+
+    def _add_user_records(self, records: dict) -> None:
+        self.records().update(records)
+        self._user_keys.update(records)
+        self._index = None
 
     def _shipped_files(self) -> list:
         try:
@@ -390,9 +477,35 @@ class TuningCache:
     def lookup(self, key: str) -> dict | None:
         return self.records().get(key)
 
-    def candidates(self, match) -> list:
-        """The records for which ``match(record)`` is true (dispatch's nearest-shape search)."""
-        return [record for record in self.records().values() if match(record)]
+    def origin(self, key: str) -> str:
+        """Where the record under ``key`` comes from: ``"user"`` (the user file, or stored in this
+        process) or ``"shipped"``."""
+        return "user" if key in self._user_keys else "shipped"
+
+    def matches(self, problem: Problem, device) -> list:
+        """Every record of ``problem``'s op, direction, dtype, layout and rank, tuned on the current
+        kernel code, whose device applies to ``device`` (``device_tier``): ``Match``es, in no
+        particular order (dispatch ranks them)."""
+        if self._index is None:
+            self._index = self._build_index()
+        code = kernel_hash(problem)
+        found = []
+        for fingerprint, entries in self._index.get(_group(problem), {}).values():
+            tier = device_tier(fingerprint, device)
+            if tier is not None:
+                found += [Match(record, tuned, self.origin(record["key"]), tier)
+                          for record, tuned in entries if record["kernel_hash"] == code]
+        return found
+
+    def _build_index(self) -> dict:
+        """``{group: {fingerprint hash: (fingerprint, [(record, problem), ...])}}`` of the table."""
+        index: dict = {}
+        for record in self.records().values():
+            tuned = problem_of(record)  # loading made sure it can be made
+            by_device = index.setdefault(_group(tuned), {})
+            entry = by_device.setdefault(_fingerprint_hash(record["device"]), (record["device"], []))
+            entry[1].append((record, tuned))
+        return index
 
     def store(self, record: dict) -> bool:
         """Add ``record`` to the user file and the in-memory table (a partial record -- an
@@ -405,7 +518,7 @@ class TuningCache:
         Returns whether the record reached the file.
         """
         record = _normalised(record)
-        table = self.records()
+        self.records()  # loaded before the write, so that what loading warns of is the file as it was
         try:
             written, _ = _update_file(self.path(), {record["key"]: record}, faster_only=False)
         except OSError as exc:
@@ -415,9 +528,9 @@ class TuningCache:
                 CacheWarning,
                 stacklevel=2,
             )
-            table[record["key"]] = record
+            self._add_user_records({record["key"]: record})
             return False
-        table.update(written)
+        self._add_user_records(written)
         return True
 
     def clear(self) -> None:
@@ -432,5 +545,5 @@ class TuningCache:
     def merge(self, sources: list) -> int:
         """Merge cache files into the user file (see ``merge_files``); return the records added or replaced."""
         written, changed = _merge(sources, self.path())
-        self.records().update(written)
+        self._add_user_records(written)
         return changed

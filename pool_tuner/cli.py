@@ -173,16 +173,20 @@ def cmd_cache(args) -> int:
             p = record["problem"]
             return p["op"], p["dtype"], p["layout"], p["input_shape"], p["output_shape"], p["direction"]
 
+        device = backends.resolve_device(args.device, "--device")
         records = sorted(table.records().values(), key=order)
+        tiers = [dispatch.record_tier(r, device) for r in records]
         if records:
             print(f"{'op':20s} {'pass':8s} {'dtype':8s} {'layout':6s} {'input':>18s}    {'output':16s} {'variant':18s}"
-                  f" {'kernel ms':>12s}  params  [device]")
-        for r in records:
+                  f" {'kernel ms':>12s}  {'class':11s} {'applies':12s}  params  [device, version]")
+        for r, tier in zip(records, tiers):
             p, best = r["problem"], r["best"]
             print(f"{p['op']:20s} {p['direction']:8s} {p['dtype']:8s} {p['layout']:6s}"
                   f" {'x'.join(map(str, p['input_shape'])):>18s} -> {'x'.join(map(str, p['output_shape'])):<16s}"
-                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {json.dumps(best['params'])}"
-                  f"  [{r['device'].get('name', '?')}]" + _partial_note(r))
+                  f" {best['variant']:18s} {best['time_ms']:9.4f} ms  {cache.problem_of(r).problem_class:11s}"
+                  f" {tier:12s}  {json.dumps(best['params'])}"
+                  f"  [{r['device'].get('name', '?')}, {r['device'].get('version', '?')}]" + _partial_note(r))
+        print(_applies_summary(tiers, device))
         print(f"{len(records)} records (user cache {table.path()}, shipped {kernel_source.shipped_cache_dir()})")
     elif args.action == "clear":
         table.clear()
@@ -198,6 +202,19 @@ def cmd_cache(args) -> int:
             count = table.merge(sources)
             print(f"merged {count} records into {table.path()}")
     return 0
+
+
+def _applies_summary(tiers: list, device) -> str:
+    """``cache show``'s count of the records by how they apply to ``device`` (``dispatch.record_tier``)."""
+    applying = sum(tier in cache.TIERS for tier in tiers)
+    by_tier = ", ".join(f"{tiers.count(tier)} {words}" for tier, words in cache.TIERS.items())
+    others = ", ".join(f"{tiers.count(reason)} {words}" for reason, words in NOT_APPLYING.items())
+    return f"{len(tiers)} records, {applying} apply to {device.describe()}: {by_tier}; not applying: {others}"
+
+
+#: ``cache show``'s words for the records that apply to no problem on the device (``dispatch.record_tier``).
+NOT_APPLYING = {"other device": "other devices", "stale": "stale (kernel code changed)",
+                "illegal": "not legal on this device"}
 
 
 def _partial_note(record) -> str:
@@ -276,10 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="inspect or maintain the tuning cache")
     p.add_argument("action", choices=["show", "path", "clear", "merge"],
-                   help="show: list the records; path: where the caches are; clear: delete the user cache; "
+                   help="show: list the records and whether each applies to the device; path: where the caches "
+                        "are; clear: delete the user cache; "
                         "merge: fold other cache files in")
     p.add_argument("files", nargs="*", help="for merge: cache files (records.json) to merge")
     p.add_argument("--into", help="for merge: destination file (default: the user cache)")
+    p.add_argument("--device", help="for show: the device the records are matched against (default: the default "
+                                    "device)")
     p.set_defaults(run=cmd_cache)
 
     p = sub.add_parser("bench", help="benchmark the suite against PyTorch and the copy-bandwidth floor",

@@ -3,16 +3,30 @@
 Decision order (each step is reported by ``explain`` as ``source``):
 
 1. ``forced``  -- ``variant=`` and/or ``config=`` given by the caller (validated);
-2. ``cache``   -- a tuning-cache record for exactly this problem, device and kernel code;
-3. ``nearest`` -- the record of the nearest tuned shape (same device, op, dtype, layout and kernel
-   code; distance = Euclidean distance of the log sizes), its configuration re-validated as legal
-   for this shape; records that are not legal here are passed over;
+2. ``cache``   -- a tuning-cache record of exactly this problem (op, direction, dtype, layout,
+   shapes) and kernel code;
+3. ``nearest`` -- a record of another shape of the same problem class (``Problem.problem_class``),
+   op, direction, dtype, layout and rank, and the same kernel code;
 4. ``default`` -- the documented heuristic below.
 
-The caller may pass ``on_miss``, called when a problem has no exact record, or only a partial one
-from an interrupted tuning, before its decision is memoised (``ops`` passes the tune-on-miss of
-``POOL_TUNER_AUTOTUNE=1``, which says so on the ``pool_tuner`` logger, so that this module needs
-nothing of the tuner, which builds on it); otherwise calls never block on tuning.
+Records travel between devices: a record counts for this device when its device is the same
+(tier ``exact``), the same model under another driver or compiler target (``model``) or the same
+family (``family``) -- ``cache.device_tier``.  The one rule that ranks the records that count
+(``_rank``): a record of this exact shape before any other shape; then the better tier; then, for
+other shapes, the smaller distance (``shape_distance``); then the user's record before a shipped
+one; then the smaller key, so that no decision depends on the order of files.  So the user's own
+exact record beats everything, an exact shape at any tier beats every nearest shape, and nearest
+shapes are searched on the best tier that has a legal one.  Each record's configuration is
+re-validated for this problem on this device (``Variant.check_config`` with this device's limits)
+and passed over when it is not legal; a record of this exact shape tuned on this very device that
+is not legal here is stale or hand-edited, and says so with a ``CacheWarning``.
+
+The caller may pass ``on_miss``, called when a problem has no record of its exact shape (at any
+tier), or only a partial one from an interrupted tuning, before its decision is memoised (``ops``
+passes the tune-on-miss of ``POOL_TUNER_AUTOTUNE=1``, which says so on the ``pool_tuner`` logger, so
+that this module needs nothing of the tuner, which builds on it); otherwise calls never block on
+tuning.  A record of another driver counts as tuned: records travel so that a driver update does
+not send every shape back to tuning.
 
 The heuristic default, always with the variant's default configuration for the problem
 (``Variant.default_for``): backward passes use ``plane_scatter`` on CPU devices where it is legal
@@ -54,6 +68,9 @@ class Choice:
     params: tuple  # sorted (name, value) pairs: hashable
     source: str
     record_key: str | None = None  # the cache record it came from (source cache/nearest)
+    tier: str | None = None  # how that record's device relates to this one (cache.TIERS)
+    origin: str | None = None  # where that record comes from (cache.ORIGINS)
+    distance: float | None = None  # shape_distance from that record's problem (0 for source cache)
 
     @property
     def config(self) -> dict:
@@ -99,43 +116,54 @@ def default_choice(problem: Problem, device) -> Choice:
     return Choice(chosen, tuple(sorted(params.items())), "default")
 
 
-def _choice_from_record(record: dict, problem: Problem, device, source: str) -> Choice | None:
-    """The record's winner if it is a known variant and legal for ``problem`` here, else None."""
+def _legal_winner(record: dict, problem: Problem, device) -> tuple | None:
+    """``(variant, complete params)`` of the record's winner if it is a known variant and legal for
+    ``problem`` on ``device``, else None."""
     best = record["best"]
-    table = variants_mod.variants_for(problem.op, problem.direction)
-    variant = table.get(best.get("variant"))
+    variant = variants_mod.variants_for(problem.op, problem.direction).get(best.get("variant"))
     if variant is None:
         return None
     try:
-        params = variant.check_config(best.get("params", {}), problem, device.limits)
+        return variant, variant.check_config(best.get("params", {}), problem, device.limits)
     except (TypeError, ValueError):
         return None
-    return Choice(variant, tuple(sorted(params.items())), source, record["key"])
 
 
-def _log_distance(a, b) -> float:
-    return math.sqrt(sum((math.log(max(x, 1)) - math.log(max(y, 1))) ** 2 for x, y in zip(a, b)))
+def _choice_from_record(match: cache_mod.Match, problem: Problem, device, distance: float) -> Choice | None:
+    """The decision ``match``'s record makes for ``problem`` on ``device``, or None where its winner
+    is not legal there."""
+    winner = _legal_winner(match.record, problem, device)
+    if winner is None:
+        return None
+    variant, params = winner
+    source = "cache" if match.problem == problem else "nearest"
+    return Choice(variant, tuple(sorted(params.items())), source, match.record["key"], match.tier, match.origin,
+                  distance)
 
 
-def _neighbours(problem: Problem, device, table) -> list:
-    """Records of other shapes of the same op on the same device and kernel code, nearest first."""
-    fingerprint, code = device.fingerprint, cache_mod.kernel_hash(problem)
-    wanted = {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout}
+def shape_distance(a: Problem, b: Problem) -> float:
+    """How far apart two problems of one class are for speed: the Euclidean distance of the logs
+    of their ``Problem.speed_features`` (windows per axis, plane sizes, planes, bytes moved)."""
+    return math.dist([math.log(max(x, 1)) for x in a.speed_features],
+                     [math.log(max(x, 1)) for x in b.speed_features])
 
-    def same_family(record):
-        p = record["problem"]
-        return (record["device"] == fingerprint and record["kernel_hash"] == code
-                and all(p.get(k) == v for k, v in wanted.items())
-                and len(p.get("input_shape", ())) == len(problem.input_shape))
 
-    scored = []
-    for record in table.candidates(same_family):
-        p = record["problem"]
-        distance = _log_distance(list(problem.input_shape) + list(problem.output_shape),
-                                 list(p["input_shape"]) + list(p["output_shape"]))
-        scored.append((distance, record))
-    scored.sort(key=lambda pair: pair[0])
-    return scored
+def _rank(problem: Problem, match: cache_mod.Match, distance: float) -> tuple:
+    """The sort key of the ranking rule in the module docstring (smaller is better)."""
+    return (match.problem != problem, list(cache_mod.TIERS).index(match.tier), distance,
+            cache_mod.ORIGINS.index(match.origin), match.record["key"])
+
+
+def _neighbours(problem: Problem, device, table: cache_mod.TuningCache) -> list:
+    """``(match, distance)`` for every record that may decide ``problem`` on ``device``: this exact
+    shape, or another shape of its class, whose device applies (any tier) -- best first."""
+    ranked = []
+    for match in table.matches(problem, device):
+        if match.problem.problem_class == problem.problem_class:
+            distance = shape_distance(problem, match.problem)
+            ranked.append((_rank(problem, match, distance), match, distance))
+    ranked.sort(key=lambda entry: entry[0])
+    return [(match, distance) for _, match, distance in ranked]
 
 
 def config_key(config: dict | None):
@@ -235,19 +263,13 @@ class Dispatcher:
         return choice
 
     def _from_cache(self, problem: Problem, device) -> Choice:
-        table = self.tuning_cache()
-        key = cache_mod.cache_key(problem, device)
-        record = table.lookup(key)
-        if record is not None:
-            choice = _choice_from_record(record, problem, device, "cache")
+        for match, distance in _neighbours(problem, device, self.tuning_cache()):
+            choice = _choice_from_record(match, problem, device, distance)
             if choice is not None:
                 return choice
-            warnings.warn(f"tuning-cache record {key} names a configuration that is not legal here; ignored",
-                          cache_mod.CacheWarning, stacklevel=3)
-        for _distance, neighbour in _neighbours(problem, device, table):
-            choice = _choice_from_record(neighbour, problem, device, "nearest")
-            if choice is not None:
-                return choice
+            if match.tier == "exact" and match.problem == problem:
+                warnings.warn(f"tuning-cache record {match.record['key']} names a configuration that is not legal "
+                              f"here; ignored", cache_mod.CacheWarning, stacklevel=3)
         return default_choice(problem, device)
 
     def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
@@ -295,5 +317,23 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "device": device.describe(),
         "cache_key": cache_mod.cache_key(problem, device),
         "record_key": choice.record_key,
+        "tier": choice.tier,
+        "record_origin": choice.origin,
+        "problem_class": problem.problem_class,
+        "distance": None if choice.distance is None else round(choice.distance, 3),
         "index_bits": 64 if problem.index_64 else 32,
     }
+
+
+def record_tier(record: dict, device) -> str:
+    """Whether a cache record can decide problems on ``device``, in one word: its tier
+    (``cache.TIERS``: how its device relates to this one), or why it cannot -- ``"other device"``,
+    ``"stale"`` (tuned on other kernel code) or ``"illegal"`` (its configuration cannot run its
+    own problem here).  What ``cache show`` reports per record."""
+    tuned = cache_mod.problem_of(record)
+    if record["kernel_hash"] != cache_mod.kernel_hash(tuned):
+        return "stale"
+    tier = cache_mod.device_tier(record["device"], device)
+    if tier is None:
+        return "other device"
+    return tier if _legal_winner(record, tuned, device) is not None else "illegal"

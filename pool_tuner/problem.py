@@ -9,6 +9,7 @@ leading size-1 axes), the dtype and the index width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -35,6 +36,8 @@ INT32_LIMIT = 2**31 - 1
 #: Work-items may run past the last output by up to one work-group's worth of outputs (at most
 #: 1024 threads x 8 outputs each); a 32-bit launch keeps this much headroom below 2^31.
 OVERSHOOT_MARGIN = 1 << 16
+#: The problem classes (``Problem.problem_class``), in the order their rules are tried.
+PROBLEM_CLASSES = ("upsampling", "global", "uniform", "non-uniform")
 
 
 def check_op(op, direction: str = "forward") -> tuple[str, int]:
@@ -137,6 +140,40 @@ class Problem:
     @property
     def is_empty(self) -> bool:
         return math.prod(self.output_shape) == 0
+
+    @functools.cached_property
+    def problem_class(self) -> str:
+        """Which kind of pooling this is, by the shape of its windows -- the one rule that dispatch's
+        nearest-shape search, ``explain`` and ``cache show`` read (design.md, Dispatch):
+
+        * ``upsampling``: some pooled output extent exceeds its input extent (windows repeat inputs);
+        * ``global``: every pooled output extent is 1 (a plane reduces to one value);
+        * ``uniform``: downsampling in which every pooled axis has a fixed-pool equivalent (one window
+          size and stride, so kernels get them as constants; an empty axis has no windows to differ);
+        * ``non-uniform``: the remaining downsampling, whose windows differ in size or overlap.
+
+        Kernels take different paths for these (per-plane reductions, constant-size unrolled
+        windows, variable windows, repeated inputs), so a configuration tuned for one class says
+        little about another, whatever the sizes.  Computed once per problem, on first use.
+        """
+        axes = list(zip(self.input_shape[-self.ndim:], self.output_shape[-self.ndim:]))
+        if any(o > i for i, o in axes):
+            return "upsampling"
+        if all(o == 1 for _, o in axes):
+            return "global"
+        if all(o == 0 or fixed_pool_equivalent(i, o) is not None for i, o in axes):
+            return "uniform"
+        return "non-uniform"
+
+    @functools.cached_property
+    def speed_features(self) -> tuple:
+        """What decides a kernel's speed within a problem class, as positive numbers: the largest
+        window along each pooled axis, the input and the output plane sizes, the number of planes
+        and the bytes an ideal kernel moves.  Dispatch's nearest-shape distance compares the logs
+        of these (design.md, Dispatch), so doubling any one of them counts the same."""
+        ins, outs = self.input_shape[-self.ndim:], self.output_shape[-self.ndim:]
+        windows = tuple(max_window(i, o) for i, o in zip(ins, outs))
+        return (*windows, math.prod(ins), math.prod(outs), self.planes, self.bytes_moved())
 
     @property
     def index_64(self) -> bool:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -17,12 +18,17 @@ import platformdirs
 import pytest
 
 from pool_tuner import cache
+from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.cache import CacheWarning, TuningCache, make_key, make_record, merge_files
 from pool_tuner.problem import Problem
 
 REPO = Path(__file__).resolve().parents[1]
 FP = {"backend": "opencl", "name": "Fake GPU", "vendor": "Acme", "driver": "1.2.3", "compute_units": 64}
 KERNEL_HASH = "0123456789abcdef" + "f" * 48
+
+
+#: A device reporting ``FP``, whose tiers are OpenCL's (``cache.device_tier``).
+FAKE_DEVICE = types.SimpleNamespace(fingerprint=FP, fingerprint_levels=OpenCLDevice.fingerprint_levels)
 
 
 def problem(width=8):
@@ -119,8 +125,7 @@ def test_user_overlays_shipped(tmp_path):
     assert c.lookup(overridden["key"])["best"]["variant"] == "block_per_row"
     assert c.lookup(only_shipped["key"])["best"] == only_shipped["best"]
     assert c.lookup(other_file["key"]) is not None
-    assert len(c.candidates(lambda r: r["problem"]["op"] == "adaptive_avg_pool2d")) == 3
-    assert [r["key"] for r in c.candidates(lambda r: r["best"]["time_ms"] == 2.0)] == [user_version["key"]]
+    assert [c.origin(r["key"]) for r in (only_shipped, overridden, other_file)] == ["shipped", "user", "shipped"]
 
 
 def test_loaded_once_then_no_file_system(tmp_path, monkeypatch):
@@ -143,8 +148,9 @@ def test_loaded_once_then_no_file_system(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cache, "_read", forbidden)
     monkeypatch.setattr(cache, "_load_file", forbidden)
+    monkeypatch.setattr(cache, "kernel_hash", lambda problem_: KERNEL_HASH)
     assert c.lookup(rec["key"])["key"] == rec["key"]
-    assert len(c.candidates(lambda r: True)) == 1
+    assert [m.record["key"] for m in c.matches(problem(), FAKE_DEVICE)] == [rec["key"]]
 
 
 # ---------------------------------------------------------------- damaged files
@@ -200,11 +206,16 @@ def test_malformed_records_are_skipped(tmp_path):
     no_best = {k: v for k, v in record(width=10).items() if k != "best"}
     untimed = record(width=11)
     untimed["best"] = {"variant": "v", "params": {}}
+    # a problem no call could make (its output drops a batch size): dispatch's tiers and classes read
+    # every record's problem, so loading checks it
+    batchless_output = make_record(Problem("adaptive_avg_pool2d", "forward", "float32", "NCHW", (2, 3, 8, 14),
+                                           (3, 4, 4)), FP, KERNEL_HASH, {"variant": "v", "params": {}, "time_ms": 1.0}, [])
     bad = {
         "not-a-dict": [1, 2],
         no_best["key"]: no_best,
         "wrong-key": record(width=12),
         untimed["key"]: untimed,
+        batchless_output["key"]: batchless_output,
     }
     path = tmp_path / "user" / "records.json"
     path.parent.mkdir()
@@ -215,6 +226,7 @@ def test_malformed_records_are_skipped(tmp_path):
         table = c.records()
     message = str(caught[0].message)
     assert "'best'" in message and "wrong-key" in message and "time_ms" in message
+    assert "2x3x8x14" in message and "that no call could make" in message
     assert set(table) == {good["key"], good2["key"]}
 
     # rewriting keeps the readable records and sets the original aside

@@ -214,7 +214,8 @@ def test_foreign_schema_is_a_warning_and_a_miss(user_cache, payload):
 
 
 def _foreign_fingerprint():
-    return dict(device().fingerprint, name="Imaginary GPU 9000", driver="0.0.1")
+    """A device with nothing in common with this one: another vendor's GPU (not even its family)."""
+    return dict(device().fingerprint, name="Imaginary GPU 9000", vendor="Imaginary Inc.", type="gpu", driver="0.0.1")
 
 
 def test_record_of_a_foreign_device_is_not_used(user_cache):

@@ -13,7 +13,8 @@ Adding a backend means adding one file, ``backends/<name>.py``, and naming its m
   arrays, None for arrays it does not know) and ``unknown_id_message(text)`` (a hint for an id of
   its prefix that names no device, e.g. an id of an older format; None for no hint);
 * a device class with every member of ``Device``: identity (``id``, stable across installs of
-  other drivers, and ``fingerprint``, what identifies its performance in the tuning cache),
+  other drivers, ``fingerprint``, what identifies its performance in the tuning cache, and
+  ``fingerprint_levels``, what of a fingerprint makes the same model and the same family),
   ``limits``, building (``build``), launching (``launch``, ``timed_launch``), arrays in and out,
   and the arguments Kernel Tuner needs to tune on it (``kernel_tuner_arguments``);
 * kernels: the templates in ``kernels/`` compile for it through ``kernels/prelude.h`` (one
@@ -71,7 +72,15 @@ class Device(Protocol):
     @property
     def fingerprint(self) -> dict:
         """What identifies this device's performance in the tuning cache (JSON-ready, with a
-        ``backend`` field); any change (a driver update) makes old records misses."""
+        ``backend`` field); the cache key holds its hash, so a record's key names exactly the
+        device it was tuned on."""
+
+    @staticmethod
+    def fingerprint_levels(fingerprint: dict) -> dict:
+        """``{"model": ..., "family": ...}`` for any fingerprint of this backend: hashable values
+        that are equal for the same device model (the hardware under another driver or compiler
+        version) and the same family (the vendor's kind of device), None where the fingerprint
+        lacks what decides them.  The cache's tiers compare them (``cache.device_tier``)."""
 
     @property
     def runtime_note(self) -> str | None:

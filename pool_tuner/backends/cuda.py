@@ -180,6 +180,18 @@ class CudaDevice:
             "driver": p.driver_version,
         }
 
+    @staticmethod
+    def fingerprint_levels(fingerprint: dict) -> dict:
+        """The same device model and the same family, as comparable values, for any CUDA fingerprint
+        (``backends.base.Device.fingerprint_levels``).  Model: name, compute capability and
+        multiprocessors -- the GPU under another driver.  Family: the major architecture (the first
+        number of the compute capability), whose GPUs share a memory system and instruction set
+        generation.  A level whose fields the fingerprint lacks is None: it matches nothing."""
+        capability = fingerprint.get("compute_capability")
+        model = tuple(fingerprint.get(field) for field in ("name", "compute_capability", "multiprocessors"))
+        return {"model": None if None in model else model,
+                "family": None if not isinstance(capability, str) else capability.split(".")[0]}
+
     def kernel_tuner_arguments(self) -> dict:
         """Kernel Tuner's PyCUDA backend on this ordinal: ``lang="PYCUDA"``, because plain ``"CUDA"``
         makes Kernel Tuner pick cuda-python first, which pool_tuner does not depend on."""

@@ -125,6 +125,13 @@ def platform_slug(platform_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", plain).strip("-") or "platform"
 
 
+def device_type(device) -> str:
+    """The fingerprint's ``type`` of ``device``: its kind as the device flags decide it."""
+    if device.is_simulator:
+        return "simulator"
+    return "gpu" if device.is_gpu else "cpu" if device.is_cpu else "accelerator"
+
+
 class OpenCLDevice:
     """One OpenCL device, identified as ``opencl:<platform slug>:<device index>`` (see the module
     docstring); ``platform_index`` is the ICD loader's numbering, which Kernel Tuner takes."""
@@ -166,17 +173,39 @@ class OpenCLDevice:
 
     @functools.cached_property
     def fingerprint(self) -> dict:
-        """What identifies this device's performance in the tuning cache."""
+        """What identifies this device's performance in the tuning cache.  ``version`` is the
+        OpenCL version string, which on PoCL names the LLVM target its compiler generates code for
+        (``...-znver3``); ``type`` is ``cpu``, ``gpu``, ``simulator`` or ``accelerator``."""
         d = self.cl_device
         return {
             "backend": BACKEND,
             "platform": self.platform_name,
             "name": self.name,
             "vendor": d.vendor.strip(),
+            "type": device_type(self),
             "version": d.version.strip(),
             "driver": d.driver_version.strip(),
             "compute_units": int(d.max_compute_units),
         }
+
+    @staticmethod
+    def fingerprint_levels(fingerprint: dict) -> dict:
+        """The same device model and the same family, as comparable values, for any OpenCL
+        fingerprint (``backends.base.Device.fingerprint_levels``).
+
+        Model: the OpenCL implementation (platform), vendor, device name and compute units -- the
+        hardware under another driver version or compiler target (PoCL's ``version``).  Family:
+        platform, vendor and device type -- other hardware of that vendor's kind under the same
+        implementation.  The platform is in both because another implementation on the same
+        hardware is another compiler altogether, not another version of one.  A level whose fields
+        the fingerprint lacks (records made before a field existed) is None: it matches nothing.
+        """
+        def level(*fields):
+            values = tuple(fingerprint.get(field) for field in fields)
+            return None if None in values else values
+
+        return {"model": level("platform", "vendor", "name", "compute_units"),
+                "family": level("platform", "vendor", "type")}
 
     @property
     def runtime_note(self) -> str | None:
