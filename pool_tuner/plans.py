@@ -47,6 +47,11 @@ def numpy_spec(array) -> ArraySpec:
     return ArraySpec(tuple(array.shape), strides, array.dtype)
 
 
+def tensor_spec(tensor) -> ArraySpec:
+    """The spec of a PyTorch tensor (strides in elements; ``torch.float32`` -> ``"float32"``)."""
+    return ArraySpec(tuple(tensor.shape), tensor.stride(), str(tensor.dtype).removeprefix("torch."))
+
+
 def strides_layout(shape: tuple, strides: tuple, ndim: int) -> str | None:
     """The layout name of an array with ``shape`` and element ``strides``: contiguous
     channels-first (``NCHW``-like) or channels-last (``NHWC``-like), else None.  Axes of size 1

@@ -46,14 +46,6 @@ _PLANS = plans.PlanTable()
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in OPS}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def spec(t: torch.Tensor) -> plans.ArraySpec:
-    return plans.ArraySpec(tuple(t.shape), t.stride(), dtype_name(t.dtype))
-
-
 def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None) -> plans.Plan:
     """The plan of a call signature, made and memoised on its first use; ``options`` are
     pool_tuner's keyword options as ``(name, value)`` pairs."""
@@ -64,7 +56,7 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None)
         given = dict(options)
         device = backends.resolve_device(given.get("device"))
         names = ("input",) if direction == "forward" else ("grad_out",)
-        found = plans.make_plan(op, direction, [spec(t) for t in tensors], size, device, given.get("variant"),
+        found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss, names=names)
         _PLANS.put(key, found)
     return found

@@ -78,8 +78,6 @@ class _Plan:
     __slots__ = ("plan", "copies", "outputs", "launch")
 
     def __init__(self, fn, tensors, size, options):
-        from .torch_cpu import spec
-
         op, direction = _SIGNATURES[fn]
         first, name = tensors[0], ("x" if direction == "forward" else "grad_out")
         index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
@@ -88,7 +86,7 @@ class _Plan:
         if len(tensors) > 1:
             _check_indices_tensor(tensors[1], first)
         target = device.driver_target
-        found = plans.make_plan(op, direction, [spec(t) for t in tensors], size, device, options.get("variant"),
+        found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),
                                 options.get("config"), on_miss=tuner.tune_on_miss, names=(name,),
                                 context=target, build_target=target)
         self.plan = found

@@ -129,8 +129,10 @@ def test_no_import_circles():
 
 #: Who may not import whom: module -> package modules it must not import (directly).
 TOOLS = {"pool_tuner.bench", "pool_tuner.cli", "pool_tuner.compile_check"}
-ABOVE_DISPATCH = {"pool_tuner.tuner", "pool_tuner.ops", "pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx",
-                  "pool_tuner"} | TOOLS
+ABOVE_DISPATCH = {"pool_tuner.tuner", "pool_tuner.plans", "pool_tuner.ops", "pool_tuner.torch_cpu",
+                  "pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS
+#: The front ends, above plans (which prepares every call) and below the package.
+FRONT_ENDS = {"pool_tuner.ops", "pool_tuner.torch_cpu", "pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx"}
 FORBIDDEN = {
     # the kernel description layer knows nothing of devices, caches or dispatch; nor does the
     # PyTorch decomposition that ONNX export traces (below pool_tuner.torch and pool_tuner.onnx)
@@ -140,9 +142,13 @@ FORBIDDEN = {
     "pool_tuner.backends": {"pool_tuner.cache", "pool_tuner.dispatch", "pool_tuner.variants"} | ABOVE_DISPATCH,
     "pool_tuner.cache": {"pool_tuner.backends", "pool_tuner.dispatch"} | ABOVE_DISPATCH,
     "pool_tuner.dispatch": ABOVE_DISPATCH,
-    "pool_tuner.tuner": {"pool_tuner.ops", "pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
-    "pool_tuner.ops": {"pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
-    # torch_cuda is the CUDA half of the torch glue: below pool_tuner.torch, which calls it
+    "pool_tuner.tuner": {"pool_tuner.plans", "pool_tuner", *FRONT_ENDS} | TOOLS,
+    "pool_tuner.plans": {"pool_tuner.tuner", "pool_tuner", *FRONT_ENDS} | TOOLS,
+    "pool_tuner.ops": {"pool_tuner.torch_cpu", "pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx",
+                       "pool_tuner"} | TOOLS,
+    # torch_cpu and torch_cuda are the CPU and CUDA halves of the torch glue: below pool_tuner.torch,
+    # which calls them
+    "pool_tuner.torch_cpu": {"pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
     "pool_tuner.torch_cuda": {"pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
     # the ONNX exporter swaps pool_tuner.torch's layers: above it
     "pool_tuner.torch": {"pool_tuner.onnx", "pool_tuner"} | TOOLS,
