@@ -126,7 +126,7 @@ class Plan:
     """
 
     __slots__ = ("problem", "device", "choice", "reorder", "results", "launch", "zero_fill", "nbytes",
-                 "host_launch", "use_pytorch")
+                 "host_launch", "use_pytorch", "race")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
@@ -141,9 +141,10 @@ class Plan:
         self.nbytes = tuple(sizes)
         #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
         self.host_launch = None
-        #: Whether PyTorch's own kernel runs this forward on CPU tensors instead, as measured by
-        #: ``torch_cpu.race_pytorch``; None until that race was run.
-        self.use_pytorch = None
+        #: Whether PyTorch's own kernel runs this forward on CPU tensors instead, and the race that
+        #: decides it while it runs (``torch_cpu.Race``); set by ``pool_tuner.torch_cpu``.
+        self.use_pytorch = False
+        self.race = None
 
     def run_on_host(self, pointers) -> None:
         """Launch on memory the device shares with the host: ``pointers`` are the addresses of the

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 
 import numpy as np
 
@@ -340,8 +341,8 @@ def _runs_eagerly_on_cpu(input) -> bool:
 
 def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
     """An eager forward on a CPU tensor through its plan (``pool_tuner.torch_cpu``), without the
-    custom op's dispatch: the layer's result, or None where the custom op must run instead (a
-    gradient is needed, and pool_tuner's kernels run the layer)."""
+    custom op's dispatch layers where no gradient is needed; during the race of a plan's first
+    calls (``torch_cpu.Race``) each call runs one candidate and is timed."""
     op = f"adaptive_{kind}_pool{ndim}d"
     decoded = _decode_options(options)
     key = _torch_cpu.signature(op, "forward", [input], output_size, decoded)
@@ -349,22 +350,31 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
     if found is None:
         size = tuple(_check_input(input, ndim, output_size))
         found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key)
-    if found.use_pytorch is None:
-        _torch_cpu.race_pytorch(found, input, output_size)
-    if found.use_pytorch:
-        form = _torch_cpu.PYTORCH_FORMS[op]
+    race = found.race
+    if race is None:
+        return _eager_candidate(found.use_pytorch, found, kind, ndim, input, output_size, return_indices, options)
+    use_pytorch = race.next_is_pytorch()
+    start = time.perf_counter()
+    result = _eager_candidate(use_pytorch, found, kind, ndim, input, output_size, return_indices, options)
+    race.record(use_pytorch, time.perf_counter() - start)
+    return result
+
+
+def _eager_candidate(use_pytorch: bool, found, kind, ndim, input, output_size, return_indices, options):
+    """One eager forward by PyTorch's own kernel or by pool_tuner's (its plan directly, or the
+    custom op where a gradient is needed)."""
+    if use_pytorch:
+        form = _torch_cpu.PYTORCH_FORMS[found.problem.op]
         return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
     if input.requires_grad and torch.is_grad_enabled():
-        return None
+        return _custom_op_pool(kind, ndim, input, list(found.problem.output_shape[-ndim:]), return_indices, options)
     results = _torch_cpu.run(found, [input])
     return (results[0], results[1]) if return_indices else results[0]
 
 
 def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
     if _runs_eagerly_on_cpu(input):
-        result = _eager_cpu_pool(kind, ndim, input, output_size, return_indices, options)
-        if result is not None:
-            return result
+        return _eager_cpu_pool(kind, ndim, input, output_size, return_indices, options)
     output_size = _check_input(input, ndim, output_size)
     _check_no_functorch_transform()
     if _exported_to_onnx():
@@ -373,6 +383,11 @@ def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, option
             raise ValueError(f"adaptive_max_pool{ndim}d with return_indices=True cannot be exported to ONNX "
                              f"(pool_tuner.onnx exports values only)")
         return decompose(kind, ndim, input, output_size, f"pool_tuner.torch.adaptive_{kind}_pool{ndim}d")
+    return _custom_op_pool(kind, ndim, input, output_size, return_indices, options)
+
+
+def _custom_op_pool(kind: str, ndim: int, input, output_size: list, return_indices: bool, options: str):
+    """The forward through the custom op (``torch.ops.pool_tuner.…``), with its autograd."""
     op = _OPS[kind, ndim, False]
     if kind == "avg":
         return op(input, output_size, options)

@@ -10,10 +10,10 @@ numpy views of the tensors through ``ops``, which copies them to the device and 
 
 **PyTorch's own kernel as a candidate.**  Every launch costs a fixed time (the device's
 launch-and-wait) that PyTorch's CPU kernels, plain function calls, do not pay: below it no
-pool_tuner kernel can win.  So for a small forward problem (``RACE_BYTES``) called eagerly on CPU
-tensors with no forced variant or configuration, the first call times both -- PyTorch's kernel
-and the plan's launch, interleaved, on the call's own input -- and the layer keeps the faster one,
-for its forward and (through PyTorch's autograd) its backward pass.  ``pool_tuner.explain(...,
+pool_tuner kernel can win.  So a small forward problem (``RACE_BYTES``) called eagerly on CPU
+tensors with no forced variant or configuration races the two on its first calls (``Race``: they
+take turns, each timed as the caller made it), and the layer keeps the faster one, for its
+forward and (through PyTorch's autograd) its backward pass.  ``pool_tuner.explain(...,
 caller="torch")`` shows the measurement.  Both compute PyTorch's semantics, but they may differ
 in the last bit of an average, and a close race can go either way from one process to the next:
 ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) always runs pool_tuner's kernel.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-import time
+import threading
 
 import numpy as np
 import torch
@@ -36,9 +36,8 @@ CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
 pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
 #: Forward problems moving at most this many bytes race PyTorch's kernel on their first call.
 RACE_BYTES = 1 << 22
-#: Rounds of the race, each timing a few calls of both candidates back to back.
-RACE_ROUNDS = 7
-RACE_CALLS = 3
+#: Timed calls of each candidate in the race.
+RACE_CALLS = 5
 
 _PLANS = plans.PlanTable()
 
@@ -58,6 +57,7 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None)
         names = ("input",) if direction == "forward" else ("grad_out",)
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss, names=names)
+        start_race(found)
         _PLANS.put(key, found)
     return found
 
@@ -127,39 +127,55 @@ def to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ PyTorch's kernel as a candidate
 
 
-def race_pytorch(found: plans.Plan, input: torch.Tensor, output_size) -> None:
-    """Decide, by timing, whether PyTorch's own kernel runs this forward plan's layer instead
-    (``Plan.use_pytorch``; see the module docstring), and note the race for ``explain``."""
+def start_race(found: plans.Plan) -> None:
+    """Set up the race of a new forward plan against PyTorch's kernel where it is due (see the
+    module docstring); otherwise pool_tuner's kernel runs the plan from its first call."""
     problem = found.problem
     found.use_pytorch = False
-    if (not pytorch_candidate or found.choice.source == "forced" or found.launch is None
-            or problem.bytes_moved() > RACE_BYTES):
-        return
-    pytorch_form = PYTORCH_FORMS[problem.op]
+    if (pytorch_candidate and problem.direction == "forward" and found.choice.source != "forced"
+            and found.launch is not None and problem.bytes_moved() <= RACE_BYTES):
+        found.race = Race(found)
 
-    def pytorch():
-        pytorch_form(input, output_size)
 
-    def pool_tuner():
-        run(found, [input])
+class Race:
+    """PyTorch's kernel against pool_tuner's on a plan's first calls: they take turns, each call
+    timed as the caller made it; the first call of each is left out (first-touch costs), and after
+    ``RACE_CALLS`` more of each the faster by median runs every later call
+    (``Plan.use_pytorch``) and the race is noted for ``explain``.  So the race costs the caller
+    nothing but the slower candidate's calls among the first ones."""
 
-    timings = {"pytorch": [], "pool_tuner": []}
-    with torch.no_grad():
-        for candidate in (pytorch, pool_tuner):  # first calls: caches and page faults
-            candidate()
-        for _ in range(RACE_ROUNDS):
-            for name, candidate in (("pytorch", pytorch), ("pool_tuner", pool_tuner)):
-                start = time.perf_counter()
-                for _ in range(RACE_CALLS):
-                    candidate()
-                timings[name].append((time.perf_counter() - start) / RACE_CALLS * 1e3)
-    medians = {name: float(np.median(times)) for name, times in timings.items()}
-    found.use_pytorch = medians["pytorch"] < medians["pool_tuner"]
-    dispatch.note_measured_candidate(problem, found.device, {
-        "candidate": "pytorch",
-        "winner": "pytorch" if found.use_pytorch else "pool_tuner",
-        "pytorch_ms": medians["pytorch"],
-        "pool_tuner_ms": medians["pool_tuner"],
-        "rule": f"forward problems of at most {RACE_BYTES} bytes called on CPU tensors race PyTorch's own "
-                f"kernel on their first call (median of {RACE_ROUNDS} rounds of {RACE_CALLS} calls each)",
-    })
+    __slots__ = ("plan", "calls", "times", "lock")
+
+    def __init__(self, found: plans.Plan):
+        self.plan = found
+        self.calls = 0
+        self.times = {True: [], False: []}
+        self.lock = threading.Lock()
+
+    def next_is_pytorch(self) -> bool:
+        return self.calls % 2 == 0
+
+    def record(self, used_pytorch: bool, seconds: float) -> None:
+        with self.lock:
+            self.calls += 1
+            if self.plan.race is not self:  # decided meanwhile by another thread
+                return
+            if self.calls > 2:
+                self.times[used_pytorch].append(seconds * 1e3)
+            if min(len(t) for t in self.times.values()) >= RACE_CALLS:
+                self._decide()
+
+    def _decide(self) -> None:
+        pytorch_ms, pool_tuner_ms = (float(np.median(self.times[side])) for side in (True, False))
+        found = self.plan
+        found.use_pytorch = pytorch_ms < pool_tuner_ms
+        found.race = None
+        dispatch.note_measured_candidate(found.problem, found.device, {
+            "candidate": "pytorch",
+            "winner": "pytorch" if found.use_pytorch else "pool_tuner",
+            "pytorch_ms": pytorch_ms,
+            "pool_tuner_ms": pool_tuner_ms,
+            "rule": f"forward problems of at most {RACE_BYTES} bytes called eagerly on CPU tensors run PyTorch's "
+                    f"kernel and pool_tuner's in turns on their first calls; the faster by the median of "
+                    f"{RACE_CALLS} calls each runs from then on",
+        })

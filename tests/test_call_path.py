@@ -146,52 +146,72 @@ def candidate_on(monkeypatch):
 
 
 def _race_winner(monkeypatch, winner):
-    """Make the race's clock say ``winner`` is faster."""
-    real = torch_cpu.race_pytorch
+    """Make every race end with ``winner`` running the layer."""
+    real = torch_cpu.Race._decide
 
-    def rigged(found, input, output_size):
-        real(found, input, output_size)
+    def rigged(self):
+        found = self.plan
+        real(self)
         found.use_pytorch = winner == "pytorch"
 
-    monkeypatch.setattr(torch_cpu, "race_pytorch", rigged)
+    monkeypatch.setattr(torch_cpu.Race, "_decide", rigged)
+
+
+#: Calls that settle a race: the first call of each candidate, then RACE_CALLS timed calls of each.
+RACE_LENGTH = 2 + 2 * torch_cpu.RACE_CALLS
 
 
 @pytest.mark.usefixtures("candidate_on")
-def test_small_problems_race_pytorch_and_explain_says_who_won(rng):
-    t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
-    out = ptt.AdaptiveAvgPool2d(2)(t)
-    torch.testing.assert_close(out, torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
+def test_small_problems_race_pytorch_and_explain_says_who_won(monkeypatch, rng):
+    used = _count(monkeypatch, torch_cpu, "run")
+    module = ptt.AdaptiveAvgPool2d(2)
+    for call in range(RACE_LENGTH):
+        assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
+        t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+        torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
+    assert len(used) == RACE_LENGTH // 2, "the candidates take turns"
     race = pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"]
     assert race["candidate"] == "pytorch" and race["pytorch_ms"] > 0 and race["pool_tuner_ms"] > 0
     assert race["winner"] == ("pytorch" if race["pytorch_ms"] < race["pool_tuner_ms"] else "pool_tuner")
+    used.clear()
+    module(torch.from_numpy(random_input(rng, (1, 8, 4, 4))))
+    assert bool(used) == (race["winner"] == "pool_tuner")
 
 
 @pytest.mark.usefixtures("candidate_on")
-def test_forced_and_large_problems_never_race(rng):
+def test_forced_and_large_problems_never_race(monkeypatch, rng):
+    used = _count(monkeypatch, torch_cpu, "run")
     t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
-    ptt.adaptive_avg_pool2d(t, 2, variant="thread_per_output")
+    for _ in range(RACE_LENGTH):
+        ptt.adaptive_avg_pool2d(t, 2, variant="thread_per_output")
+    assert len(used) == RACE_LENGTH
     assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
     big = torch.from_numpy(random_input(rng, (4, 64, 64, 65)))
     assert 4 * 64 * 64 * 65 * 4 > torch_cpu.RACE_BYTES
-    ptt.adaptive_avg_pool2d(big, 3)
+    used.clear()
+    for _ in range(RACE_LENGTH):
+        ptt.adaptive_avg_pool2d(big, 3)
+    assert len(used) == RACE_LENGTH
     assert pt.explain("adaptive_avg_pool2d", (4, 64, 64, 65), 3)["measured_candidate"] is None
 
 
 @pytest.mark.usefixtures("candidate_on")
 @pytest.mark.parametrize("winner", ["pytorch", "pool_tuner"])
 def test_either_winner_trains_like_pytorch(monkeypatch, rng, winner):
-    """Whichever kernel won the race runs the layer, forward and backward, with PyTorch's results."""
+    """Whichever kernel runs the layer -- during the race and after it -- the forward and the
+    backward pass give PyTorch's results."""
     _race_winner(monkeypatch, winner)
+    module, stock = ptt.AdaptiveMaxPool2d((3, 2)), torch.nn.AdaptiveMaxPool2d((3, 2))
+    for _ in range(RACE_LENGTH + 2):
+        x = torch.from_numpy(random_input(rng, (2, 4, 7, 5))).requires_grad_()
+        reference_x = x.detach().clone().requires_grad_()
+        values, expected = module(x), stock(reference_x)
+        assert torch.equal(values, expected)
+        grad = torch.from_numpy(random_input(rng, tuple(values.shape)))
+        values.backward(grad), expected.backward(grad)
+        assert torch.equal(x.grad, reference_x.grad)
+    assert pt.explain("adaptive_max_pool2d", (2, 4, 7, 5), (3, 2))["measured_candidate"] is not None
     used = _count(monkeypatch, torch_cpu, "run")
-    x = torch.from_numpy(random_input(rng, (2, 4, 7, 5))).requires_grad_()
-    reference_x = x.detach().clone().requires_grad_()
-    values = ptt.AdaptiveMaxPool2d((3, 2))(x)
-    expected = torch.nn.AdaptiveMaxPool2d((3, 2))(reference_x)
-    assert torch.equal(values, expected)
-    grad = torch.from_numpy(random_input(rng, tuple(values.shape)))
-    values.backward(grad), expected.backward(grad)
-    assert torch.equal(x.grad, reference_x.grad)
-    used.clear()
     with torch.no_grad():
-        ptt.AdaptiveMaxPool2d((3, 2))(x)
+        module(x)
     assert bool(used) == (winner == "pool_tuner")
