@@ -167,7 +167,7 @@ class _Call:
     def launch(self, choice, arrays):
         """Launch ``choice`` on ``arrays`` (inputs, then outputs); the outputs wait for it."""
         launch = dispatch.prepare(self.device, self.queue.context, self.problem, choice)
-        event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, arrays)
+        event = self.device.launch(self.queue, launch.kernel, launch.groups, launch.block, (*arrays, *launch.scalars))
         for array in arrays:
             self.device.track(array, event)
 

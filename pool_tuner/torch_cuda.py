@@ -120,7 +120,8 @@ class _Plan:
         if not problem.is_empty:
             target = device.driver_target
             launch = dispatch.prepare(target, target, problem, self.choice)
-            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(results))
+            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(results),
+                                          launch.scalars)
 
     def __call__(self, tensors) -> tuple:
         device = tensors[0].device

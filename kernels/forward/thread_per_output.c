@@ -5,10 +5,10 @@
  * neighbouring channels, which also read neighbouring inputs).  A window that fits the small box is
  * reduced by unrolled straight-line code (reduce_small_window), others run by run
  * (reduce_window_rows, with row_lanes lanes).  The bounds check is compiled in only when the grid
- * runs past the last output (host define PARTIAL_LAST_GROUP): branch-free work-items vectorise on
- * CPUs.
+ * can run past the last output (host define PARTIAL_LAST_GROUP: one sample's outputs do not fill
+ * whole work-groups, pool_tuner/variants.py): branch-free work-items vectorise on CPUs.
  * Launch: ceil(OUT_NUMEL / (block_size_x * outputs_per_thread)) groups of block_size_x. */
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
 {
     const index_t first = (index_t)GROUP_ID * (block_size_x * outputs_per_thread) + LOCAL_ID_X;
     for (int k = 0; k < outputs_per_thread; ++k) {
