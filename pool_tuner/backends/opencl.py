@@ -294,9 +294,11 @@ class OpenCLDevice:
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
-        device arrays or buffers."""
+        device arrays or buffers, then numpy scalars (``dispatch.Launch.scalars``)."""
         global_size = (groups * block[0],) + tuple(block[1:])
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
+        if kernel not in _typed_kernels:
+            _declare_scalar_types(kernel, buffers)
         return kernel(queue, global_size, tuple(block), *buffers, wait_for=wait_for)
 
     def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
@@ -358,6 +360,19 @@ def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
 def _program(context, cl_device, source: str, options: tuple):
     """One build per program text, whichever of its kernels are asked for (bandwidth.cl has four)."""
     return cl.Program(context, source).build(options=list(options), devices=[cl_device])
+
+
+#: Kernels whose scalar argument types PyOpenCL knows (``_declare_scalar_types``).
+_typed_kernels: set = set()
+
+
+def _declare_scalar_types(kernel, args) -> None:
+    """Tell PyOpenCL the numpy type of each scalar argument of ``kernel`` (None: a memory object),
+    as ``args`` of its first launch have them -- every launch of a kernel passes the same kinds.
+    PyOpenCL then packs scalars through an invoker generated for these types instead of working out
+    each scalar's type on every call, the slowest step of an undeclared launch."""
+    kernel.set_scalar_arg_dtypes([a.dtype if isinstance(a, np.generic) else None for a in args])
+    _typed_kernels.add(kernel)
 
 
 @functools.lru_cache(maxsize=512)
