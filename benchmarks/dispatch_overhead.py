@@ -48,7 +48,7 @@ def main():
     out = cl_array.empty(queue, problem.output_shape, np.float32)
 
     def raw():
-        device.launch(queue, launch.kernel, launch.groups, launch.block, (x.data, out.data))
+        device.launch(queue, launch.kernel, launch.groups, launch.block, (x.data, out.data, *launch.scalars))
 
     def library():
         pt.adaptive_avg_pool2d(x, out_size)

@@ -3,7 +3,7 @@
  * Every kernel template is written once against these macros and compiled both ways:
  * PyOpenCL compiles it as OpenCL C (where __OPENCL_VERSION__ is defined), PyCUDA/nvcc as CUDA.
  * The host prepends `#define`s for the data type (DTYPE_*), the index width (INDEX_64),
- * the problem shape and the tuning parameters.
+ * the per-sample shape and the tuning parameters; the plane count arrives at run time (below).
  */
 
 #ifdef __OPENCL_VERSION__
@@ -46,6 +46,18 @@ typedef int64_t_ index_t;
 #else
 typedef int index_t;
 #endif
+
+/* ---------------------------------------------------------------- the plane count
+ * The number of planes (batch x channels) is the last argument of every kernel, after its buffers,
+ * so that one built program serves every batch size of a per-sample shape.  It is 64-bit on both
+ * sides of the launch (the host passes a numpy int64); kernel bodies name it N_PLANES, in the index
+ * type: INDEX_64 is 0 only when every element count, and so the plane count, fits 32 bits. */
+#ifdef __OPENCL_VERSION__
+#define PLANES_PARAM , const long n_planes
+#else
+#define PLANES_PARAM , const long long n_planes
+#endif
+#define N_PLANES ((index_t)n_planes)
 
 /* ---------------------------------------------------------------- bits and NaN */
 #ifdef __OPENCL_VERSION__

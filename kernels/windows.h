@@ -1,14 +1,15 @@
 /* windows.h -- adaptive window bounds and element offsets, shared by every pooling template.
  *
- * Every input is seen as N_PLANES planes (batch x channels) of IN_T x IN_H x IN_W elements;
- * 1d and 2d pooling are the cases IN_T = OUT_T = 1 (and IN_H = OUT_H = 1 for 1d), so one
- * template serves every rank and the compiler removes the size-1 loops.
+ * Every input is seen as N_PLANES planes (batch x channels; a kernel argument, prelude.h) of
+ * IN_T x IN_H x IN_W elements; 1d and 2d pooling are the cases IN_T = OUT_T = 1 (and IN_H = OUT_H
+ * = 1 for 1d), so one template serves every rank and the compiler removes the size-1 loops.
  *
  * Output o of an axis with input size I and output size O pools input [start, end):
  *     start = floor(o * I / O),   end = ceil((o + 1) * I / O)
  * and input i is pooled by the outputs [floor(i * O / I), ceil((i + 1) * O / I)) -- the same
  * formulas with I and O swapped, which the gather backward kernels use.
- * Sizes are compile-time defines, so these divisions become multiply-shifts.
+ * Sizes are compile-time defines, so these divisions become multiply-shifts; the plane count is
+ * never a divisor, so it costs nothing as a run-time value.
  */
 
 #define WINDOW_START(o, I, O) ((index_t)(((index_t)(o) * (I)) / (O)))

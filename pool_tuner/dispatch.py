@@ -44,7 +44,9 @@ one work-item per output vectorises best.
 
 Decisions and built kernels are memoised in memory by one ``Dispatcher`` (the cache files are read
 once, on the first miss of the memo), so repeated calls do no file-system access and no
-recompilation; ``forget()`` clears all of it.  The module's functions are that dispatcher's methods.
+recompilation; built kernels are keyed by the problem without its batch extent
+(``Problem.kernel_key``), so a new batch size of a per-sample shape costs a grid, not a build.
+``forget()`` clears all of it.  The module's functions are that dispatcher's methods.
 """
 
 from __future__ import annotations
@@ -79,11 +81,13 @@ class Choice:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """A built kernel and its grid: everything a call needs besides the buffers."""
+    """A built kernel, its grid, and the run-time arguments that callers append after the buffers
+    (``Problem.scalars``): everything a call needs besides the buffers."""
 
     kernel: object
     groups: int
     block: tuple
+    scalars: tuple
 
 
 def _largest_window(problem: Problem) -> int:
@@ -175,12 +179,14 @@ def config_key(config: dict | None):
 
 class Dispatcher:
     """The process's dispatch state: memoised decisions, validated forced choices, built kernels
-    (``Launch`` per context) and the open tuning cache -- all cleared by ``forget()``."""
+    (per context and per-sample shape), their ``Launch``es (per context and problem) and the open
+    tuning cache -- all cleared by ``forget()``."""
 
     def __init__(self):
         self._decisions: dict = {}
         #: Validated forced choices: checking a configuration costs ~100 us, as much as a small kernel.
         self._forced: dict = {}
+        self._kernels: dict = {}
         self._launches: dict = {}
         self._tuning_cache: cache_mod.TuningCache | None = None
         #: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s
@@ -219,6 +225,7 @@ class Dispatcher:
             self._measured_candidates.clear()
             self._decisions.clear()
             self._forced.clear()
+            self._kernels.clear()
             self._launches.clear()
             self._tuning_cache = None
         else:
@@ -273,12 +280,23 @@ class Dispatcher:
         return default_choice(problem, device)
 
     def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
-        """The built kernel and grid for ``choice`` (memoised per context)."""
+        """The built kernel, grid and run-time arguments for ``choice`` (memoised per context)."""
         key = (context, problem, choice.variant.name, choice.params)
         launch = self._launches.get(key)
         if launch is None:
-            params = choice.config
-            variant = choice.variant
+            params, variant = choice.config, choice.variant
+            launch = self._launches[key] = Launch(self._kernel(device, context, problem, choice),
+                                                  variant.groups(params, problem), variant.block(params),
+                                                  problem.scalars)
+        return launch
+
+    def _kernel(self, device, context, problem: Problem, choice: Choice):
+        """The built kernel of ``choice``, shared by every batch size of ``problem``'s per-sample
+        shape (memoised per context and ``Problem.kernel_key``)."""
+        key = (context, problem.kernel_key, choice.variant.name, choice.params)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            params, variant = choice.config, choice.variant
             source = kernel_source.render(variant.template, variant.defines(params, problem))
             kernel = device.build(context, source, variant.kernel_name)
             block = variant.block(params)
@@ -289,8 +307,8 @@ class Dispatcher:
                     f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
                     f"built kernel allows at most {limit} on {device.describe()}"
                 )
-            launch = self._launches[key] = Launch(kernel, variant.groups(params, problem), block)
-        return launch
+            self._kernels[key] = kernel
+        return kernel
 
 
 DISPATCHER = Dispatcher()

@@ -11,9 +11,10 @@
 * ``gradients.h``  -- backward: routing gradients through the operator;
 * ``tiles.h``      -- the tiles of the tiled variants (only their programs include it).
 
-A program is ``defines + headers + variant file`` (``program_files``): shapes, dtype, op, index width
-and tuning parameters all arrive as ``#define`` lines, so one rendered program is one specialised
-kernel.
+A program is ``defines + headers + variant file`` (``program_files``): the per-sample shape, dtype,
+op, index width and tuning parameters arrive as ``#define`` lines, so one rendered program is one
+specialised kernel; the plane count is a kernel argument (``Problem.scalars``), so every batch size
+of a per-sample shape shares it.
 
 Kernel identity in the tuning cache: ``template_hash(template)`` is the sha256 of every file of one
 variant's program, and the cache key's kernel hash (``cache.kernel_hash``) combines those of

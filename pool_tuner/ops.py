@@ -184,7 +184,7 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
     if plan.launch is not None:
         launch = plan.launch
         event = device.launch(queue, launch.kernel, launch.groups, launch.block,
-                              arrays + outputs + list(getattr(launch, "scalars", ())))
+                              arrays + outputs + list(launch.scalars))
         for array in arrays + outputs:
             device.track(array, event)
     elif plan.zero_fill and outputs[0].size:

@@ -1,9 +1,10 @@
 """A pooling problem: everything about one call that selects and specialises a kernel.
 
-``Problem`` is hashable and compact; it keys the in-memory dispatch tables and the compiled-kernel
-cache, and (with the device and kernel sources) the tuning cache.  It also derives the ``#define``s
-that every template receives: the plane count, the 3-axis input/output sizes (1d and 2d padded with
-leading size-1 axes), the dtype and the index width.
+``Problem`` is hashable and compact; it keys the in-memory dispatch tables and (with the device and
+kernel sources) the tuning cache, and its ``kernel_key`` -- the problem without its batch extent --
+keys the built kernels.  It also derives what every template receives: as ``#define``s the channel
+count, the 3-axis input/output sizes (1d and 2d padded with leading size-1 axes), the dtype and the
+index width; as run-time ``scalars`` the plane count, so that a new batch size needs no new build.
 """
 
 from __future__ import annotations
@@ -184,8 +185,25 @@ class Problem:
             return True
         return any((i + 1) * (o + 1) > limit for i, o in zip(self.in_spatial, self.out_spatial))
 
+    @property
+    def kernel_key(self) -> tuple:
+        """What a built kernel of this problem depends on (with the variant and its configuration):
+        the problem without its batch extent, which reaches kernels at run time (``scalars``), plus
+        the index width, which the batch extent can change.  Problems with equal keys have equal
+        ``defines``, so every batch size of a per-sample shape shares one build."""
+        return (self.op, self.direction, self.dtype, self.layout, self.channels,
+                self.in_spatial, self.out_spatial, self.index_64)
+
+    @property
+    def scalars(self) -> tuple:
+        """The run-time arguments every kernel takes after its buffers (``PLANES_PARAM`` in
+        kernels/prelude.h): the plane count, as the 64-bit integer the kernels declare."""
+        return (np.int64(self.planes),)
+
     def defines(self) -> dict:
-        """The shape, dtype and index-width ``#define``s every template receives."""
+        """The per-sample shape, dtype and index-width ``#define``s every template receives.  The
+        plane count is not one of them (``scalars``): sizes are defines so that divisions by them
+        become multiply-shifts, and the planes, the outermost extent, are never a divisor."""
         (it, ih, iw), (ot, oh, ow) = self.in_spatial, self.out_spatial
         uniform = {}
         for axis, i, o in zip("THW", self.in_spatial, self.out_spatial):
@@ -205,7 +223,6 @@ class Problem:
             "INDEX_64": int(self.index_64),
             f"POOL_{self.kind.upper()}": 1,
             "CHANNELS_LAST": int(self.channels_last),
-            "N_PLANES": self.planes,
             "N_CHANNELS": self.channels,
             "IN_T": it, "IN_H": ih, "IN_W": iw,
             "OUT_T": ot, "OUT_H": oh, "OUT_W": ow,

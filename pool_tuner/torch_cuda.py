@@ -99,7 +99,8 @@ class _Plan:
         self.launch = None
         if found.launch is not None:
             launch = found.launch
-            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(self.outputs))
+            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(self.outputs),
+                                          launch.scalars)
 
     def __call__(self, tensors) -> list:
         device = tensors[0].device

@@ -258,9 +258,9 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
                 try:
                     results, _env = tune_kernel(
                         variant.kernel_name, generate, lambda p: (variant.groups(p, problem), 1),
-                        case.args, {k: list(v) for k, v in variant.search_space.items()},
+                        [*case.args, *problem.scalars], {k: list(v) for k, v in variant.search_space.items()},
                         grid_div_x=[], grid_div_y=[], restrictions=restriction,
-                        answer=case.answer, verify=case.verify,
+                        answer=[*case.answer, *(None for _ in problem.scalars)], verify=case.verify,
                         **device.kernel_tuner_arguments(), defines={}, iterations=iterations, strategy=strategy,
                         strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
                     )
@@ -317,12 +317,13 @@ def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETI
     arrays = [device.to_device(a, queue) for a in make_case(problem, rng).args]
     launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
     for launch in launches:  # warm-up
-        device.launch(queue, launch.kernel, launch.groups, launch.block, arrays)
+        device.launch(queue, launch.kernel, launch.groups, launch.block, (*arrays, *launch.scalars))
     device.synchronize(queue)
     times = [[] for _ in choices]
     for _ in range(repetitions):
         for i, launch in enumerate(launches):
-            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block, arrays))
+            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block,
+                                                (*arrays, *launch.scalars)))
     return [float(np.median(t)) for t in times]
 
 

@@ -190,15 +190,29 @@ class Variant:
 
 
 def _output_rows(problem: Problem) -> int:
-    """Output rows (plane, ot, oh) of a problem: the unit of work of the row variants."""
+    """Output rows (t, h) of one plane: the unit of work of the row variants."""
     ot, oh, _ = problem.out_spatial
-    return problem.planes * ot * oh
+    return ot * oh
 
 
 def _input_rows(problem: Problem) -> int:
-    """Input rows (plane, t, h) of a problem: the unit of work of the backward row variant."""
+    """Input rows (t, h) of one plane: the unit of work of the backward row variant."""
     it, ih, _ = problem.in_spatial
-    return problem.planes * it * ih
+    return it * ih
+
+
+def _grid(per_plane: int, problem: Problem, per_group: int) -> int:
+    """Work-groups of ``per_group`` work units that cover ``per_plane`` units in every plane."""
+    return _ceil_div(problem.planes * per_plane, per_group)
+
+
+def _partial_last_group(per_plane: int, problem: Problem, per_group: int) -> dict:
+    """The ``PARTIAL_LAST_GROUP`` define of a ``_grid``: whether the grid can end inside a work-group,
+    so that the kernel must check its work-items against the end.  The plane count is a kernel
+    argument -- one build serves every batch size -- so this holds for every batch of whole samples
+    (``problem.channels`` planes each): a grid over one sample that ends on a group boundary ends on
+    one for every batch size, and one that does not already needs the check at batch size 1."""
+    return {"PARTIAL_LAST_GROUP": int(problem.channels * per_plane % per_group != 0)}
 
 
 def _acc_bytes(problem: Problem) -> int:
@@ -275,12 +289,11 @@ class ThreadPerOutput(Variant):
         return self.default
 
     def groups(self, params, problem):
-        per_group = params["block_size_x"] * params["outputs_per_thread"]
-        return _ceil_div(math.prod(problem.output_shape), per_group)
+        return _grid(math.prod(problem.out_spatial), problem, params["block_size_x"] * params["outputs_per_thread"])
 
     def extra_defines(self, params, problem):
         per_group = params["block_size_x"] * params["outputs_per_thread"]
-        return {"PARTIAL_LAST_GROUP": int(math.prod(problem.output_shape) % per_group != 0)}
+        return _partial_last_group(math.prod(problem.out_spatial), problem, per_group)
 
 
 class ThreadPerRow(Variant):
@@ -317,10 +330,10 @@ class ThreadPerRow(Variant):
         return super().illegal_reason(params, problem, limits)
 
     def groups(self, params, problem):
-        return _ceil_div(_output_rows(problem), params["block_size_x"])
+        return _grid(_output_rows(problem), problem, params["block_size_x"])
 
     def extra_defines(self, params, problem):
-        return {"PARTIAL_LAST_GROUP": int(_output_rows(problem) % params["block_size_x"] != 0)}
+        return _partial_last_group(_output_rows(problem), problem, params["block_size_x"])
 
 
 class BlockPerRow(Variant):
@@ -339,7 +352,7 @@ class BlockPerRow(Variant):
         return None
 
     def groups(self, params, problem):
-        return _output_rows(problem)
+        return problem.planes * _output_rows(problem)
 
     def local_mem_bytes(self, params, problem):
         if params["threads_per_output"] == 1:
@@ -416,12 +429,11 @@ class ThreadPerInput(Variant):
     default = {"block_size_x": 256, "inputs_per_thread": 1}
 
     def groups(self, params, problem):
-        per_group = params["block_size_x"] * params["inputs_per_thread"]
-        return _ceil_div(math.prod(problem.input_shape), per_group)
+        return _grid(math.prod(problem.in_spatial), problem, params["block_size_x"] * params["inputs_per_thread"])
 
     def extra_defines(self, params, problem):
         per_group = params["block_size_x"] * params["inputs_per_thread"]
-        return {"PARTIAL_LAST_GROUP": int(math.prod(problem.input_shape) % per_group != 0)}
+        return _partial_last_group(math.prod(problem.in_spatial), problem, per_group)
 
 
 class SmemTiledBackward(_Tiled):
@@ -454,10 +466,10 @@ class ThreadPerRowBackward(Variant):
         return super().illegal_reason(params, problem, limits)
 
     def groups(self, params, problem):
-        return _ceil_div(_input_rows(problem), params["block_size_x"])
+        return _grid(_input_rows(problem), problem, params["block_size_x"])
 
     def extra_defines(self, params, problem):
-        return {"PARTIAL_LAST_GROUP": int(_input_rows(problem) % params["block_size_x"] != 0)}
+        return _partial_last_group(_input_rows(problem), problem, params["block_size_x"])
 
 
 class PlaneScatter(Variant):

@@ -27,7 +27,8 @@ def _value(argument):
 
 
 class FakeDriver:
-    """Records driver calls; each launch as a dict with the pointers read through ``kernelParams``."""
+    """Records driver calls; each launch as a dict with its arguments read through ``kernelParams``
+    as 64-bit values (the device pointers, then the plane count)."""
 
     def __init__(self):
         self.calls = []
@@ -106,7 +107,7 @@ class FakeDriver:
         self.launches.append({
             "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "shared": shared,
             "stream": stream, "extra": extra, "params_address": ctypes.addressof(params),
-            "pointers": [ctypes.c_uint64.from_address(slot).value for slot in slots],
+            "arguments": [ctypes.c_uint64.from_address(slot).value for slot in slots],
             "context": self.current(), "thread": threading.get_ident(),
         })
         return self.launch_status

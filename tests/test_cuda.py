@@ -120,8 +120,8 @@ def run_variant(device, problem: Problem, variant, params, inputs, force_index_6
             out = device.empty(problem.memory_shape(shape), storage)
             device.fill(out, poison)
             device_outputs.append(out)
-    # kernel arguments: forward (x, out[, indices]); backward (grad_out[, indices], grad_in)
-    args = device_inputs + device_outputs
+    # kernel arguments: forward (x, out[, indices]); backward (grad_out[, indices], grad_in); the planes
+    args = [*device_inputs, *device_outputs, *problem.scalars]
     event = device.launch(device.queue, kernel, variant.groups(params, problem), block, args)
     event.wait()
     assert event.elapsed_ms() >= 0
@@ -305,7 +305,7 @@ def test_torch_cuda_tensors_are_wrapped_and_returned_as_tensors(device, rng):
                           variant.kernel_name)
     out = torch.empty(problem.output_shape, device=x.device)
     device.launch(None, kernel, variant.groups(params, problem), variant.block(params),
-                  [wrapped, device.as_gpuarray(out)]).wait()
+                  [wrapped, device.as_gpuarray(out), *problem.scalars]).wait()
     expected = torch.nn.functional.adaptive_avg_pool2d(x, (4, 7))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     back = cuda.like_input(wrapped, x)

@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from pool_tuner import dispatch, kernel_source
@@ -34,13 +35,13 @@ def driver(monkeypatch):
 
 def test_launch_passes_pointers_grid_block_and_stream_handle(driver):
     driver.set_current(PRIMARY_CONTEXT)
-    launch = cuda_driver.PreparedLaunch(KERNEL, 37, (128, 2), 3, lib=driver)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 37, (128, 2), 3, (np.int64(2**40 + 6),), lib=driver)
     launch(0x5EED, 0x7000, 0x8000, 2**63 + 8)
     (record,) = driver.launches
     assert record["function"] == 0xF00D
     assert record["grid"] == (37, 1, 1) and record["block"] == (128, 2, 1) and record["shared"] == 0
     assert record["stream"] == 0x5EED and record["extra"] is None
-    assert record["pointers"] == [0x7000, 0x8000, 2**63 + 8]  # full 64-bit device pointers
+    assert record["arguments"] == [0x7000, 0x8000, 2**63 + 8, 2**40 + 6]  # full 64-bit pointers, then the planes
     assert record["context"] == PRIMARY_CONTEXT
     assert not [c for c in driver.calls if c == "pop" or c[0] == "push"], "no push when the primary context is current"
 
@@ -48,17 +49,17 @@ def test_launch_passes_pointers_grid_block_and_stream_handle(driver):
 def test_every_call_reuses_the_argument_array(driver):
     """No per-call ctypes array: the driver sees the same kernelParams each time, new values in it."""
     driver.set_current(PRIMARY_CONTEXT)
-    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     for i in range(3):
         launch(0, 0x1000 * (i + 1), 0x1100 * (i + 1))
     assert len({r["params_address"] for r in driver.launches}) == 1
-    assert [r["pointers"] for r in driver.launches] == [[0x1000 * k, 0x1100 * k] for k in (1, 2, 3)]
+    assert [r["arguments"] for r in driver.launches] == [[0x1000 * k, 0x1100 * k] for k in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("current", [None, OTHER_CONTEXT], ids=["fresh-thread", "other-device-current"])
 def test_launch_makes_the_primary_context_current_and_restores_the_thread(driver, current):
     driver.set_current(current)
-    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     launch(0, 1, 2)
     assert driver.launches[0]["context"] == PRIMARY_CONTEXT
     assert driver.calls == [("push", PRIMARY_CONTEXT), "pop"]
@@ -68,14 +69,14 @@ def test_launch_makes_the_primary_context_current_and_restores_the_thread(driver
 def test_failed_launch_raises_and_still_restores_the_context(driver):
     driver.set_current(None)
     driver.launch_status = 719
-    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     with pytest.raises(cuda_driver.DriverError, match=r"cuLaunchKernel\(pool_forward\) failed: CUDA_ERROR_FAKE \(719\)"):
         launch(0, 1, 2)
     assert driver.current() is None
 
 
 def test_wrong_number_of_pointers_is_a_type_error(driver):
-    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     with pytest.raises(TypeError, match="takes 2 device pointers, got 3"):
         launch(0, 1, 2, 3)
     assert not driver.launches
@@ -86,7 +87,7 @@ def test_concurrent_launches_never_launch_another_threads_pointers(driver):
     the interpreter switches threads between filling the slots and launching."""
     driver.set_current(PRIMARY_CONTEXT)
     driver.on_get_current = lambda: time.sleep(0)  # a thread switch between fill and launch
-    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, lib=driver)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     pointers = {}
 
     def worker(base):
@@ -101,7 +102,7 @@ def test_concurrent_launches_never_launch_another_threads_pointers(driver):
     for t in threads:
         t.join()
     assert len(driver.launches) == 1200
-    assert all(r["pointers"] == pointers[r["thread"]] for r in driver.launches)
+    assert all(r["arguments"] == pointers[r["thread"]] for r in driver.launches)
 
 
 def test_load_kernel_loads_into_the_primary_context(driver):
@@ -158,8 +159,8 @@ def test_driver_target_refuses_blocks_the_loaded_kernel_cannot_run(driver, monke
 
 def test_prepared_launch_checks_the_grid(driver):
     with pytest.raises(ValueError, match="1 to"):
-        cuda.CudaDriverTarget.prepared(KERNEL, 0, (32,), 2)
-    assert isinstance(cuda.CudaDriverTarget.prepared(KERNEL, 5, (32,), 2), cuda_driver.PreparedLaunch)
+        cuda.CudaDriverTarget.prepared(KERNEL, 0, (32,), 2, ())
+    assert isinstance(cuda.CudaDriverTarget.prepared(KERNEL, 5, (32,), 2, ()), cuda_driver.PreparedLaunch)
 
 
 # ---------------------------------------------------------------------- through a real C ABI
@@ -185,13 +186,13 @@ def stub_libcuda(tmp_path_factory):
 
 
 def test_launch_arguments_cross_a_c_abi_intact(stub_libcuda):
-    """Grid, block, stream, 64-bit pointers and a 64-bit context handle arrive in C as given, on
-    both paths (context pushed for the launch, and already current)."""
+    """Grid, block, stream, 64-bit pointers, the 64-bit plane count and a 64-bit context handle
+    arrive in C as given, on both paths (context pushed for the launch, and already current)."""
     lib = stub_libcuda
-    ctypes.c_int.in_dll(lib, "n_pointers").value = 3
+    ctypes.c_int.in_dll(lib, "n_pointers").value = 4  # three pointers and the plane count
     context = 0xC0000000C0  # above 2^32: a handle truncated to an int would not compare equal
     kernel = cuda_driver.DriverKernel(0, context, 0xF00D, "pool_forward", 1024)
-    launch = cuda_driver.PreparedLaunch(kernel, 2**31 - 1, (128, 4), 3, lib=lib)
+    launch = cuda_driver.PreparedLaunch(kernel, 2**31 - 1, (128, 4), 3, (np.int64(2**40 + 6),), lib=lib)
     recorded = _RecordedLaunch.in_dll(lib, "last_launch")
     pushes = ctypes.c_int.in_dll(lib, "pushes")
     pointers = [2**63 + 8, 0x1000, 0xDEADBEEF0000]
@@ -199,12 +200,12 @@ def test_launch_arguments_cross_a_c_abi_intact(stub_libcuda):
     launch(0x7FFF00001234, *pointers)  # this thread has no current context: pushed and popped
     assert (recorded.function, list(recorded.grid), list(recorded.block)) == (0xF00D, [2**31 - 1, 1, 1], [128, 4, 1])
     assert (recorded.shared, recorded.stream, recorded.extra) == (0, 0x7FFF00001234, None)
-    assert list(recorded.pointers)[:3] == pointers and recorded.context == context
+    assert list(recorded.pointers) == pointers + [2**40 + 6] and recorded.context == context
     assert pushes.value == 1 and ctypes.c_int.in_dll(lib, "pops").value == 1
 
     cuda_driver.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")  # now current already
     launch(0, 1, 2, 3)
-    assert list(recorded.pointers)[:3] == [1, 2, 3] and recorded.stream is None and recorded.context == context
+    assert list(recorded.pointers) == [1, 2, 3, 2**40 + 6] and recorded.stream is None and recorded.context == context
     assert pushes.value == 2, "a launch in the current primary context pushes nothing"
     cuda_driver.check(lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
 

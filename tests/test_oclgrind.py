@@ -204,7 +204,8 @@ def _run_pool_case(spec, device) -> str | None:
 
 
 def _run_raw_case(spec, device) -> str | None:
-    """Build ``spec["source"]`` and launch it on buffers made as the spec says (self-tests)."""
+    """Build ``spec["source"]`` and launch it on buffers made as the spec says, then its int64
+    scalars (self-tests)."""
     import numpy as np
     import pyopencl as cl
     import pyopencl.array as cl_array
@@ -221,7 +222,8 @@ def _run_raw_case(spec, device) -> str | None:
             buffers.append(cl_array.empty(queue, buf["size"], buf["dtype"]))
     queue.finish()
     _marker(BEGIN, spec["id"])
-    kernel(queue, tuple(spec["global"]), tuple(spec["local"]), *[b.data for b in buffers])
+    kernel(queue, tuple(spec["global"]), tuple(spec["local"]), *[b.data for b in buffers],
+           *[np.int64(s) for s in spec["scalars"]])
     queue.finish()
     _marker(END, spec["id"])
     return None
@@ -516,9 +518,10 @@ _RAW = {
 }
 
 
-def _raw_spec(name, source, kernel, global_size, local_size, buffers):
+def _raw_spec(name, source, kernel, global_size, local_size, buffers, scalars=()):
     return {"id": f"selftest-{name}", "kind": "raw", "source": source, "kernel": kernel,
             "global": list(global_size), "local": list(local_size), "buffers": buffers,
+            "scalars": [int(s) for s in scalars],
             "seed": [RUN_SEED, zlib.crc32(name.encode())]}
 
 
@@ -545,8 +548,8 @@ def _raw_specs() -> dict:
         if problem.kind == "max":
             buffers.append({"dtype": "int64", "size": math.prod(problem.output_shape), "init": "random"})
         groups = variant.groups(params, problem)
-        specs[name] = (_raw_spec(name, edited, variant.kernel_name, (groups * block[0], block[1]), block, buffers),
-                       pattern)
+        specs[name] = (_raw_spec(name, edited, variant.kernel_name, (groups * block[0], block[1]), block, buffers,
+                                 problem.scalars), pattern)
 
     mutant("smem_tiled_without_barrier", "adaptive_avg_pool2d", "smem_tiled",
            {"block_size_x": 4, "block_size_y": 2}, (1, 2, 5, 7), (3, 4),
@@ -556,7 +559,8 @@ def _raw_specs() -> dict:
            lambda s: s.replace("BARRIER();", ";"), r"data race")
     mutant("thread_per_output_one_plane_too_many", "adaptive_avg_pool2d", "thread_per_output",
            {"block_size_x": 32}, (2, 3, 5, 7), (3, 4),
-           lambda s: s.replace("#define N_PLANES 6\n", "#define N_PLANES 7\n"), r"Invalid (read|write)")
+           lambda s: s.replace("#define N_PLANES ((index_t)n_planes)", "#define N_PLANES ((index_t)n_planes + 1)"),
+           r"Invalid (read|write)")
     return specs
 
 

@@ -4,6 +4,7 @@ current stream is a stub.  Checks what the plan decides once per call signature 
 result shapes and strides, kernel, grid) and what each call does (pointers, stream handle, fresh
 results from torch, nothing rebuilt); the kernels' numbers are checked on a GPU in test_cuda.py."""
 
+import math
 import threading
 
 import pytest
@@ -66,7 +67,7 @@ def test_forward_launches_on_the_current_stream_into_a_fresh_torch_result(gpu):
     assert out.is_contiguous()
     assert torch.isnan(out).all(), "the result was poisoned before the launch (the fake kernel writes nothing)"
     (launch,) = gpu.launches
-    assert launch["pointers"] == [x.data_ptr(), out.data_ptr()]
+    assert launch["arguments"] == [x.data_ptr(), out.data_ptr(), 2 * 3]  # pointers, then the planes
     assert launch["stream"] == STREAM and launch["context"] == PRIMARY_CONTEXT
     groups, block = _expected_launch(gpu.device, ops.Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7)))
     assert launch["grid"] == (groups, 1, 1) and launch["block"] == block + (1,) * (3 - len(block))
@@ -84,7 +85,7 @@ def test_a_repeated_signature_is_one_lookup_and_one_launch(gpu, monkeypatch):
     assert len(gpu.modules) == 1 and len(gpu.launches) == 4
     assert len({launch["params_address"] for launch in gpu.launches}) == 1, "one argument array for every call"
     assert [launch["stream"] for launch in gpu.launches] == [STREAM] + [0xBEEF] * 3
-    assert [launch["pointers"][1] for launch in gpu.launches[1:]] == [o.data_ptr() for o in outs]
+    assert [launch["arguments"][1] for launch in gpu.launches[1:]] == [o.data_ptr() for o in outs]
     assert len(torch_cuda._PLANS) == 1
 
 
@@ -112,14 +113,14 @@ def test_channels_last_is_read_in_place_and_gives_channels_last_results(gpu, sha
     expected = torch.empty(values.shape).to(memory_format=memory_format).stride()
     assert values.stride() == expected and indices.stride() == expected and indices.dtype == torch.int64
     assert (indices == ops.INDEX_POISON).all()
-    assert gpu.launches[0]["pointers"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr()]
+    assert gpu.launches[0]["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), math.prod(shape[:2])]
 
 
 def test_channels_last_1d_memory_keeps_its_layout(gpu):
     x = _x((2, 13, 5)).transpose(1, 2)  # (N, C, L) stored as (N, L, C)
     out = torch_cuda.call(ops.adaptive_avg_pool1d, [x], (4,), NONE)
     assert out.shape == (2, 5, 4) and out.stride() == (20, 1, 5)
-    assert gpu.launches[0]["pointers"][0] == x.data_ptr()
+    assert gpu.launches[0]["arguments"][0] == x.data_ptr()
 
 
 def test_other_strides_are_copied_to_contiguous_first(gpu):
@@ -127,7 +128,7 @@ def test_other_strides_are_copied_to_contiguous_first(gpu):
     out = torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
     assert out.is_contiguous()
     (launch,) = gpu.launches
-    assert launch["pointers"][0] != x.data_ptr()
+    assert launch["arguments"][0] != x.data_ptr()
 
 
 def test_max_backward_takes_indices_into_grad_outs_layout(gpu):
@@ -136,11 +137,11 @@ def test_max_backward_takes_indices_into_grad_outs_layout(gpu):
     grad_in = torch_cuda.call(ops.adaptive_max_pool2d_backward, [grad_out, indices], (2, 6, 10, 9), NONE)
     assert grad_in.shape == (2, 6, 10, 9)
     assert grad_in.stride() == torch.empty(2, 6, 10, 9).to(memory_format=torch.channels_last).stride()
-    pointers = gpu.launches[0]["pointers"]
+    pointers = gpu.launches[0]["arguments"]
     assert pointers[0] == grad_out.data_ptr() and pointers[1] != indices.data_ptr() and pointers[2] == grad_in.data_ptr()
     indices_cl = indices.to(memory_format=torch.channels_last)
     torch_cuda.call(ops.adaptive_max_pool2d_backward, [grad_out, indices_cl], (2, 6, 10, 9), NONE)
-    assert gpu.launches[1]["pointers"][1] == indices_cl.data_ptr()
+    assert gpu.launches[1]["arguments"][1] == indices_cl.data_ptr()
 
 
 def test_avg_backward(gpu):
@@ -149,7 +150,7 @@ def test_avg_backward(gpu):
     assert grad_in.shape == (2, 3, 10, 9) and grad_in.dtype == torch.bfloat16 and grad_in.is_contiguous()
     problem = ops.Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7), "bfloat16", direction="backward")
     groups, block = _expected_launch(gpu.device, problem)
-    assert gpu.launches[0]["grid"][0] == groups and gpu.launches[0]["pointers"] == [grad_out.data_ptr(), grad_in.data_ptr()]
+    assert gpu.launches[0]["grid"][0] == groups and gpu.launches[0]["arguments"] == [grad_out.data_ptr(), grad_in.data_ptr(), 2 * 3]
 
 
 def test_empty_batches_launch_nothing(gpu):

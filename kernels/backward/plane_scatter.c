@@ -9,7 +9,7 @@
  * channels-first memory, which CPU compilers vectorise.  The plane is accumulated in place, so the
  * host allows it only where storage and accumulator types agree (float32, float64).
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
-KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in)
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in PLANES_PARAM)
 {
     const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
     if (plane >= N_PLANES)

@@ -4,7 +4,7 @@
  * into the share each reached input receives, and for selecting ops paired with their index --
  * and each work-item then gathers its inputs from it.  Pays off when windows overlap or outputs
  * outnumber inputs (upsampling). */
-KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in)
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in PLANES_PARAM)
 {
     LOCAL_MEM acc_t stage[STAGE_SIZE];
     IF_SELECTING(LOCAL_MEM int64_t_ stage_index[STAGE_SIZE];)

@@ -4,22 +4,24 @@
  *
  * When every inverse window fits a box of at most SMALL_BOX_LIMIT outputs (windows.h), the gather
  * is unrolled straight-line code over that box, otherwise loops (which vanish along axes whose
- * windows do not overlap).  The host defines PARTIAL_LAST_GROUP when the grid runs past the last
- * input; without that bounds check the work-items are branch-free, which CPU compilers vectorise.
+ * windows do not overlap).  Branch-free work-items vectorise on CPUs, so only where the grid can run
+ * past the last input (host define PARTIAL_LAST_GROUP: one sample's inputs do not fill whole
+ * work-groups, pool_tuner/variants.py) is there a bounds check, and only in the last work-group:
+ * the condition is the same for a whole group, so compilers keep the other groups' code
+ * branch-free.
  * Launch: ceil(IN_NUMEL / (block_size_x * inputs_per_thread)) groups of block_size_x. */
 #define INVERSE_BOX_T MAX_INVERSE_WINDOW_T
 #define INVERSE_BOX_H MAX_INVERSE_WINDOW_H
 #define INVERSE_BOX_W MAX_INVERSE_WINDOW_W
 #define SMALL_INVERSE_WINDOW (INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W <= SMALL_BOX_LIMIT)
-KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in)
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in PLANES_PARAM)
 {
     const index_t first = (index_t)GROUP_ID * (block_size_x * inputs_per_thread) + LOCAL_ID_X;
+    const int whole_group = !PARTIAL_LAST_GROUP || (GROUP_ID + 1) * (block_size_x * inputs_per_thread) <= IN_NUMEL;
     for (int k = 0; k < inputs_per_thread; ++k) {
         const index_t i = first + (index_t)k * block_size_x;
-#if PARTIAL_LAST_GROUP
-        if (i >= IN_NUMEL)
+        if (!whole_group && i >= IN_NUMEL)
             return;
-#endif
         index_t plane, t, h, w;
         IN_COORDS(i, plane, t, h, w);
         const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);

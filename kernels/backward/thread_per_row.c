@@ -16,7 +16,7 @@
 #define IN_ROWS ((index_t)N_PLANES * IN_T * IN_H)
 /* The share of output (ot, oh, ow)'s gradient that each input of its window receives. */
 #define SHARE(ot, oh, ow) OP_GRADIENT_SHARE(LOAD(grad_out, OUT_OFFSET(plane, ot, oh, ow)), window_area(ot, oh, ow))
-KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in)
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in PLANES_PARAM)
 {
     const index_t row = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
 #if PARTIAL_LAST_GROUP

@@ -6,7 +6,7 @@
  * small ones get threads_per_output = 1.
  * Launch: N_PLANES * OUT_T * OUT_H groups of block_size_x. */
 #define LANE_GROUPS (block_size_x / threads_per_output)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
 {
     const index_t row = GROUP_ID;
     const index_t oh = row % OUT_H;

@@ -3,7 +3,7 @@
  * contiguous elements (vectorised on CPUs, coalesced on GPUs).
  * Launch: ceil(N * OUT_PLANE_SIZE * CHANNEL_BLOCKS / block_size_x) groups of block_size_x. */
 #define CHANNEL_BLOCKS ((N_CHANNELS + vector_width - 1) / vector_width)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
 {
     const index_t item = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
     if (item >= (index_t)(N_PLANES / N_CHANNELS) * OUT_PLANE_SIZE * CHANNEL_BLOCKS)

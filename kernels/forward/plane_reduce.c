@@ -9,7 +9,7 @@
  * Launch: N_PLANES groups of block_size_x. */
 #define FULL_CHUNKS (IN_PLANE_SIZE / block_size_x)
 #define TAIL_ELEMENTS (IN_PLANE_SIZE % block_size_x)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
 {
     LOCAL_MEM acc_t partial_value[block_size_x];
     IF_SELECTING(LOCAL_MEM index_t partial_position[block_size_x];)

@@ -2,7 +2,7 @@
  *
  * The stage holds the input box under the tile's windows, so overlapping windows read global
  * memory once; each work-item then reduces its outputs' windows from it. */
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
 {
     LOCAL_MEM acc_t stage[STAGE_SIZE];
     const tile_t tile = tile_of_group(GROUP_ID);

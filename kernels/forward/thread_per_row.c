@@ -14,7 +14,7 @@
 #error "unrolled_columns is for accumulating ops (the host refuses it for max pooling)"
 #endif
 #define OUT_ROWS ((index_t)N_PLANES * OUT_T * OUT_H)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
 {
     const index_t row = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
 #if PARTIAL_LAST_GROUP

@@ -396,12 +396,12 @@ class CudaDriverTarget:
         return kernel.max_threads_per_block
 
     @staticmethod
-    def prepared(kernel: cuda_driver.DriverKernel, groups: int, block: tuple, n_pointers: int):
+    def prepared(kernel: cuda_driver.DriverKernel, groups: int, block: tuple, n_pointers: int, scalars: tuple):
         """A ``PreparedLaunch`` of ``groups`` blocks of shape ``block`` taking ``n_pointers``
-        device pointers."""
+        device pointers, then the numpy ``scalars``."""
         if groups < 1 or groups > MAX_GRID_X:
             raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
-        return cuda_driver.PreparedLaunch(kernel, groups, block, n_pointers)
+        return cuda_driver.PreparedLaunch(kernel, groups, block, n_pointers, scalars)
 
 
 @functools.lru_cache(maxsize=512)

@@ -6,8 +6,9 @@ handle made by another library, so it cannot honour ``torch.cuda.current_stream(
 capture; the PyCUDA objects a call makes and frees (arrays, events, context pushes) are tied to
 PyCUDA's per-thread context stack, which breaks on threads PyCUDA did not set up (PyTorch's
 autograd thread: allocations that are never released, ``cuCtxGetDevice failed``).  Here a call
-makes no driver object at all: the kernel, grid, block and ctypes argument array are fixed once
-(``PreparedLaunch``), and each call fills in device pointers and calls ``cuLaunchKernel``.
+makes no driver object at all: the kernel, grid, block, ctypes argument array and run-time scalars
+are fixed once (``PreparedLaunch``), and each call fills in device pointers and calls
+``cuLaunchKernel``.
 
 PyCUDA still compiles (``pycuda.compiler.compile``, with its on-disk cache; see
 ``backends.cuda``).  Its ``Module`` and ``Function`` do not expose their driver handles (PyCUDA
@@ -31,6 +32,8 @@ import ctypes
 import dataclasses
 import functools
 import threading
+
+import numpy as np
 
 #: ``CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK``: the most threads per block the loaded kernel allows.
 _MAX_THREADS_PER_BLOCK = 0
@@ -174,23 +177,27 @@ class PreparedLaunch:
     """One kernel with its grid, block and argument layout fixed: ``launch(stream, *pointers)``
     writes the device pointers and the raw stream handle ``stream`` (0: the legacy default
     stream) into ctypes objects made here, once, and calls ``cuLaunchKernel`` with them.  Every
-    pool_tuner kernel takes device pointers only.
+    pool_tuner kernel takes device pointers, then run-time scalars (``dispatch.Launch.scalars``:
+    numpy scalars, such as the plane count) which belong to the call signature and so are fixed
+    here too.
 
     The slots are shared by all calls, so filling them and launching happen under a lock: ctypes
     releases the GIL inside each driver call, and two threads must not launch each other's
     pointers.  ``cuLaunchKernel`` copies the argument values (also when a stream is being captured
     into a CUDA graph), so the slots are free again as soon as it returns."""
 
-    __slots__ = ("kernel", "grid", "block", "_lib", "_slots", "_stream", "_current", "_current_ref",
+    __slots__ = ("kernel", "grid", "block", "_lib", "_slots", "_scalars", "_stream", "_current", "_current_ref",
                  "_get_current", "_launch", "_lock")
 
-    def __init__(self, kernel: DriverKernel, groups: int, block: tuple, n_pointers: int, lib=None):
+    def __init__(self, kernel: DriverKernel, groups: int, block: tuple, n_pointers: int, scalars: tuple, lib=None):
         self.kernel = kernel
         self.grid = int(groups)
         self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         self._lib = lib = _driver() if lib is None else lib
         self._slots = tuple(ctypes.c_uint64() for _ in range(n_pointers))  # CUdeviceptr values
-        params = (ctypes.c_void_p * n_pointers)(*(ctypes.addressof(s) for s in self._slots))
+        self._scalars = tuple(np.ctypeslib.as_ctypes_type(s.dtype)(s) for s in scalars)
+        arguments = self._slots + self._scalars
+        params = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
         self._stream = ctypes.c_void_p()
         self._current = ctypes.c_void_p()
         self._current_ref = ctypes.pointer(self._current)

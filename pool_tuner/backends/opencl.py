@@ -326,12 +326,14 @@ class OpenCLDevice:
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
-        device arrays, buffers and numpy scalars.  Setting a kernel's arguments and enqueuing it
+        device arrays or buffers, then numpy scalars (``dispatch.Launch.scalars``).  Setting a kernel's arguments and enqueuing it
         are two steps on one kernel object that every thread shares: ``KERNEL_LOCK`` makes them
         one."""
         global_size = (groups * block[0],) + tuple(block[1:])
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
         with KERNEL_LOCK:
+            if kernel not in _typed_kernels:
+                _declare_scalar_types(kernel, buffers)
             kernel.set_args(*buffers)
             return cl.enqueue_nd_range_kernel(queue, kernel, global_size, tuple(block), wait_for=wait_for)
 
@@ -415,6 +417,19 @@ def _program(context, cl_device, source: str, options: tuple):
     return cl.Program(context, source).build(options=list(options), devices=[cl_device])
 
 
+#: Kernels whose scalar argument types PyOpenCL knows (``_declare_scalar_types``).
+_typed_kernels: set = set()
+
+
+def _declare_scalar_types(kernel, args) -> None:
+    """Tell PyOpenCL the numpy type of each scalar argument of ``kernel`` (None: a memory object),
+    as ``args`` of its first launch have them -- every launch of a kernel passes the same kinds.
+    PyOpenCL then packs scalars through an invoker generated for these types instead of working out
+    each scalar's type on every call, the slowest step of an undeclared launch."""
+    kernel.set_scalar_arg_dtypes([a.dtype if isinstance(a, np.generic) else None for a in args])
+    _typed_kernels.add(kernel)
+
+
 @functools.lru_cache(maxsize=512)
 def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
     return cl.Kernel(_program(context, cl_device, source, options), kernel_name)
@@ -479,7 +494,7 @@ class HostLaunch:
         self.kernel = launch.kernel
         self.global_size = (launch.groups * launch.block[0],) + tuple(launch.block[1:])
         self.local_size = tuple(launch.block)
-        self.scalars = tuple(getattr(launch, "scalars", ()))
+        self.scalars = launch.scalars
         self.nbytes = nbytes
         self.writable = tuple(i >= n_inputs for i in range(len(nbytes)))
         self.buffers = device.host_buffers if device.host_memory_aliases else None
@@ -492,6 +507,8 @@ class HostLaunch:
             context = self.queue.context
             buffers = [host_buffer(context, a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
         with KERNEL_LOCK:
+            if self.kernel not in _typed_kernels:
+                _declare_scalar_types(self.kernel, (*buffers, *self.scalars))
             self.kernel.set_args(*buffers, *self.scalars)
             event = cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.global_size, self.local_size)
         event.wait()

@@ -31,7 +31,8 @@ int cuFuncGetAttribute(int *value, int attribute, void *function) { *value = 102
 int cuPointerGetAttribute(void *data, int attribute, uint64_t pointer) { return 1; }
 int cuStreamSynchronize(void *stream) { return 0; }
 
-/* Reads as many pointers as the test says the kernel takes (`n_pointers`). */
+/* Reads as many 64-bit arguments (device pointers, then the plane count) as the test says the
+ * kernel takes (`n_pointers`). */
 int n_pointers;
 int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned shared, void *stream, void **params, void **extra)
