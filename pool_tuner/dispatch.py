@@ -31,16 +31,25 @@ one work-item per output vectorises best.
 Decisions and built kernels are memoised in memory by one ``Dispatcher`` (the cache files are read
 once, on the first miss of the memo), so repeated calls do no file-system access and no
 recompilation; ``forget()`` clears all of it.  The module's functions are that dispatcher's methods.
+Its tables are ``memo`` tables filed under the problem: bounded by the one memo limit, and a
+problem's decision, forced choices and built kernels are evicted together.
+
+Threads: lookups take no lock; building a kernel holds the dispatcher's build lock, so threads
+that miss the same kernel at once build it once; the tuning cache is opened once.  After
+``os.fork`` the child forgets everything (``memo`` empties the tables; the dependent memos and the
+open tuning cache are dropped here), so that it builds its kernels in its own OpenCL context.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import threading
 import warnings
 
 from . import cache as cache_mod
-from . import kernel_source
+from . import kernel_source, memo
 from . import variants as variants_mod
 from .problem import Problem
 
@@ -150,39 +159,57 @@ class Dispatcher:
     (``Launch`` per context) and the open tuning cache -- all cleared by ``forget()``."""
 
     def __init__(self):
-        self._decisions: dict = {}
+        self._decisions = memo.table("dispatch.decisions")
         #: Validated forced choices: checking a configuration costs ~100 us, as much as a small kernel.
-        self._forced: dict = {}
-        self._launches: dict = {}
+        self._forced = memo.table("dispatch.forced")
+        self._launches = memo.table("dispatch.launches")
         self._tuning_cache: cache_mod.TuningCache | None = None
         #: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s
         #: plans): ``forget`` empties them whole, whatever it forgets.
         self._dependent_memos: list = []
+        self._lock = threading.Lock()  # opening the tuning cache
+        self._build_lock = threading.RLock()  # building a kernel
 
-    def register_dependent_memo(self, table: dict) -> None:
-        """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher."""
+    def register_dependent_memo(self, table) -> None:
+        """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher.
+
+        ``table`` is a ``memo.table`` (the way to add a per-call table such as plans: file each
+        entry under its ``Problem`` and it is also bounded by the memo limit and evicted with the
+        problem's built kernel, see ``pool_tuner.memo``) or anything with a ``clear()`` method.
+        A forked child starts with it empty."""
         self._dependent_memos.append(table)
 
     def tuning_cache(self) -> cache_mod.TuningCache:
         """The process-wide tuning cache (shipped database + user cache), opened on first use."""
-        if self._tuning_cache is None:
-            self._tuning_cache = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
-        return self._tuning_cache
+        found = self._tuning_cache
+        if found is None:
+            with self._lock:
+                if self._tuning_cache is None:
+                    self._tuning_cache = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
+                found = self._tuning_cache
+        return found
 
     def forget(self, problem: Problem | None = None, device=None) -> None:
-        """Drop one problem's memoised decision on ``device``, so its next call consults the cache
-        again (after tuning it); with no arguments drop everything -- decisions, forced choices,
-        built kernels -- and re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed).
-        Dependent memo tables (``register_dependent_memo``) are emptied either way."""
+        """Drop one problem's memoised decisions, forced choices and built kernels (on every
+        device: ``device`` is accepted for the callers that name it), so its next call consults the
+        cache again (after tuning it); with no arguments drop everything -- decisions, forced
+        choices, built kernels -- and re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR``
+        changed).  Dependent memo tables (``register_dependent_memo``) are emptied either way."""
         for table in self._dependent_memos:
             table.clear()
         if problem is None:
-            self._decisions.clear()
-            self._forced.clear()
-            self._launches.clear()
+            for table in (self._decisions, self._forced, self._launches):
+                table.clear()
             self._tuning_cache = None
         else:
-            self._decisions.pop((device.id, problem), None)
+            memo.evict(problem)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: fresh locks, nothing memoised (``memo`` empties its own tables)."""
+        self._lock, self._build_lock = threading.Lock(), threading.RLock()
+        for table in self._dependent_memos:
+            table.clear()
+        self._tuning_cache = None
 
     def choose(self, problem: Problem, device, variant=None, config=None, *, on_miss=None,
                memoise: bool = True) -> Choice:
@@ -202,7 +229,7 @@ class Dispatcher:
             if untuned and on_miss is not None and on_miss(problem, device):
                 choice = self._from_cache(problem, device)
             if memoise:
-                self._decisions[memo_key] = choice
+                self._decisions.put(problem, memo_key, choice)
         return choice
 
     def _forced_choice(self, problem: Problem, device, variant, config) -> Choice:
@@ -218,7 +245,7 @@ class Dispatcher:
             params = chosen.check_config({} if config is None else config, problem, device.limits)
             choice = Choice(chosen, tuple(sorted(params.items())), "forced")
             if forced_key is not None:
-                self._forced[forced_key] = choice
+                self._forced.put(problem, forced_key, choice)
         return choice
 
     def _from_cache(self, problem: Problem, device) -> Choice:
@@ -238,24 +265,31 @@ class Dispatcher:
         return default_choice(problem, device)
 
     def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
-        """The built kernel and grid for ``choice`` (memoised per context)."""
+        """The built kernel and grid for ``choice`` (memoised per context, filed under ``problem``)."""
         key = (context, problem, choice.variant.name, choice.params)
         launch = self._launches.get(key)
         if launch is None:
-            params = choice.config
-            variant = choice.variant
-            source = kernel_source.render(variant.template, variant.defines(params, problem))
-            kernel = device.build(context, source, variant.kernel_name)
-            block = variant.block(params)
-            threads = block[0] * block[1]
-            limit = device.kernel_work_group_limit(kernel)
-            if threads > limit:
-                raise ValueError(
-                    f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
-                    f"built kernel allows at most {limit} on {device.describe()}"
-                )
-            launch = self._launches[key] = Launch(kernel, variant.groups(params, problem), block)
+            with self._build_lock:  # one build per kernel, however many threads miss it at once
+                launch = self._launches.get(key)
+                if launch is None:
+                    launch = self._launches.put(problem, key, self._build(device, context, problem, choice))
         return launch
+
+    @staticmethod
+    def _build(device, context, problem: Problem, choice: Choice) -> Launch:
+        params = choice.config
+        variant = choice.variant
+        source = kernel_source.render(variant.template, variant.defines(params, problem))
+        kernel = device.build(context, source, variant.kernel_name)
+        block = variant.block(params)
+        threads = block[0] * block[1]
+        limit = device.kernel_work_group_limit(kernel)
+        if threads > limit:
+            raise ValueError(
+                f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
+                f"built kernel allows at most {limit} on {device.describe()}"
+            )
+        return Launch(kernel, variant.groups(params, problem), block)
 
 
 DISPATCHER = Dispatcher()
@@ -264,6 +298,9 @@ prepare = DISPATCHER.prepare
 forget = DISPATCHER.forget
 tuning_cache = DISPATCHER.tuning_cache
 register_dependent_memo = DISPATCHER.register_dependent_memo
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=DISPATCHER._after_fork_in_child)
 
 
 def describe(problem: Problem, device, choice: Choice) -> dict:

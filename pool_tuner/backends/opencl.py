@@ -10,6 +10,23 @@ the platform's name (``platform_slug``), so an id keeps its meaning when another
 installed and the ICD loader's platform order changes.  The ids of older releases,
 ``opencl:<platform index>:<device index>``, are refused with the id to use now
 (``unknown_id_message``).
+
+Threads: OpenCL calls are thread-safe except ``clSetKernelArg`` on one kernel object, and a launch
+sets a shared kernel's arguments and then enqueues it -- two steps, between which another thread
+could set its own buffers (results of the wrong arrays, or freed memory).  So every kernel this
+module builds (``LockedKernel``) carries a lock held from its first argument to its enqueue.  The
+default queue, its memory pool and the device list are made once under a lock; built programs and
+kernels are ``memo`` tables (bounded, shared limit).
+
+Fork: PoCL's threaded CPU driver runs kernels on worker threads started when PoCL is first listed;
+a forked child has none of them, so every command it enqueues there waits forever, in a new
+context as much as in the parent's.  PoCL's single-threaded ``basic`` driver runs commands on the
+thread that waits for them and so works in a child.  pool_tuner therefore asks PoCL for both
+drivers (``request_pocl_fork_fallback``; the user's own ``POCL_DEVICES`` is left alone), lists only
+the threaded one and keeps the other as its ``fork_fallback``: after ``os.fork`` the child drops
+every queue, memory pool and built kernel of the parent and runs the same device -- same id,
+fingerprint and limits, so the same dispatch decisions and bit-identical results -- on the
+fallback, in a new context (docs/design.md, "Threads and processes").
 """
 
 from __future__ import annotations
@@ -18,9 +35,11 @@ import functools
 import math
 import os
 import re
+import threading
 
 import numpy as np
 
+from .. import memo
 from ..shapes import c_strides
 from .base import DeviceLimits
 
@@ -49,6 +68,14 @@ POCL_AFFINITY_MARK_ENV = "POOL_TUNER_SET_POCL_AFFINITY"
 #: PoCL variables that change how many worker threads it starts (or CPUs it counts).
 POCL_WORKER_COUNT_ENVS = ("POCL_MAX_PTHREAD_COUNT", "POCL_PTHREAD_MIN_THREADS", "POCL_CPU_MAX_CU_COUNT",
                           "POCL_CPU_MIN_CU_COUNT")
+
+POCL_DEVICES_ENV = "POCL_DEVICES"
+#: Set beside a POCL_DEVICES that pool_tuner set (``request_pocl_fork_fallback``).
+POCL_DEVICES_MARK_ENV = "POOL_TUNER_SET_POCL_DEVICES"
+#: PoCL's drivers as pool_tuner asks for them: the threaded CPU driver, which it lists, and the
+#: single-threaded one, its device's ``fork_fallback``.
+POCL_DEVICES_REQUESTED = "pthread basic"
+POCL_FALLBACK_DRIVER = "basic"
 
 
 def online_cpus() -> int:
@@ -105,6 +132,24 @@ def request_pocl_affinity(environ=os.environ) -> str:
             " (unless this process listed OpenCL devices before)")
 
 
+def request_pocl_fork_fallback(environ=os.environ) -> str:
+    """Ask PoCL for its single-threaded driver beside the threaded one (``POCL_DEVICES``), unless
+    the user chose PoCL's drivers; return what was decided, in words.  PoCL reads the variable
+    once, when the process first lists OpenCL devices, so list_devices calls this just before.
+    The variable stays set, with POCL_DEVICES_MARK_ENV beside it, so that child processes list the
+    same devices."""
+    if POCL_DEVICES_ENV in environ and environ.get(POCL_DEVICES_MARK_ENV) != "1":
+        return f"{POCL_DEVICES_ENV}={environ[POCL_DEVICES_ENV]!r} as set by the user: no fallback for forked children"
+    environ[POCL_DEVICES_ENV] = POCL_DEVICES_REQUESTED
+    environ[POCL_DEVICES_MARK_ENV] = "1"
+    return f"{POCL_DEVICES_ENV}={POCL_DEVICES_REQUESTED!r} set by pool_tuner: forked children run on PoCL's basic driver"
+
+
+def fallback_requested(environ=os.environ) -> bool:
+    """Whether the PoCL devices of this process are the ones request_pocl_fork_fallback chose."""
+    return environ.get(POCL_DEVICES_MARK_ENV) == "1" and environ.get(POCL_DEVICES_ENV) == POCL_DEVICES_REQUESTED
+
+
 @functools.cache
 def pocl_affinity() -> str:
     """What request_pocl_affinity decided for this process (decided once, on first call)."""
@@ -123,21 +168,27 @@ def platform_slug(platform_name: str) -> str:
 
 
 class OpenCLDevice:
-    """One OpenCL device, identified as ``opencl:<platform slug>:<device index>`` (see the module
-    docstring); ``platform_index`` is the ICD loader's numbering, which Kernel Tuner takes."""
+    """One OpenCL device, identified as ``opencl:<platform slug>:<number>`` (see the module
+    docstring): ``number`` counts the devices pool_tuner lists on the platform, so a hidden
+    ``fork_fallback`` never renumbers them; ``platform_index`` and ``device_index`` are the ICD
+    loader's numbering of the device that runs the kernels, which Kernel Tuner takes."""
 
     backend = BACKEND
     source_suffix = ".cl"
     #: PyTorch has no OpenCL backend: the benchmark compares with PyTorch on the CPU.
     torch_device = "cpu"
 
-    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str):
+    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str, number: int | None = None,
+                 fork_fallback: tuple | None = None):
         self.cl_device = cl_device
         self.platform_index = platform_index
         self.device_index = device_index
+        #: ``(device index, cl device)`` of the device that runs this one's kernels in a forked child.
+        self.fork_fallback = fork_fallback
+        self._listed_device = cl_device
         self.name = cl_device.name.strip()
         self.platform_name = cl_device.platform.name.strip()
-        self.id = f"{BACKEND}:{slug}:{device_index}"
+        self.id = f"{BACKEND}:{slug}:{device_index if number is None else number}"
         self.is_simulator = self.platform_name in SIMULATOR_PLATFORMS
         self.is_pocl = self.platform_name == POCL_PLATFORM
         # Oclgrind advertises every device type bit, so decide "GPU" by platform first.
@@ -152,8 +203,22 @@ class OpenCLDevice:
         self.supports_float64 = bool(cl_device.double_fp_config)
         # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
         self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
+        # Read now: in a forked child cl_device becomes the fork fallback, whose own name and
+        # compute units must not change this device's identity in the tuning cache.
+        self.fingerprint = {
+            "backend": BACKEND,
+            "platform": self.platform_name,
+            "name": self.name,
+            "vendor": cl_device.vendor.strip(),
+            "version": cl_device.version.strip(),
+            "driver": cl_device.driver_version.strip(),
+            "compute_units": int(cl_device.max_compute_units),
+        }
         self._default_queue = None
         self._pool = None  # the MemoryPool of the default queue, made on first use
+        self._lock = threading.Lock()  # making the default queue and its pool; allocating from it
+        #: Why this device cannot run in this (forked) process, or None.
+        self._unusable: str | None = None
 
     def __repr__(self):
         return f"<{self.id} {self.name}>"
@@ -161,39 +226,50 @@ class OpenCLDevice:
     def describe(self) -> str:
         return f"{self.id} {self.name}"
 
-    @functools.cached_property
-    def fingerprint(self) -> dict:
-        """What identifies this device's performance in the tuning cache."""
-        d = self.cl_device
-        return {
-            "backend": BACKEND,
-            "platform": self.platform_name,
-            "name": self.name,
-            "vendor": d.vendor.strip(),
-            "version": d.version.strip(),
-            "driver": d.driver_version.strip(),
-            "compute_units": int(d.max_compute_units),
-        }
-
     @property
     def runtime_note(self) -> str | None:
         """PoCL's CPU device: whether pool_tuner pinned its worker threads (``pocl_affinity``)."""
         return f"PoCL: {pocl_affinity()}" if self.is_pocl and self.is_cpu else None
 
     def kernel_tuner_arguments(self) -> dict:
+        if self.cl_device is not self._listed_device:
+            raise RuntimeError(f"{self.describe()} cannot be tuned in a forked child process: it runs on PoCL's "
+                               f"single-threaded driver here, whose timings are not this device's; tune in the "
+                               f"parent or in a process that was not forked")
         return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
+
+    def _after_fork_in_child(self) -> None:
+        """Forget the parent's queue, pool and lock, and move onto the fork fallback (see the
+        module docstring); a PoCL device without one is unusable here, which its first use says."""
+        self._lock = threading.Lock()
+        self._default_queue = self._pool = None
+        if self.fork_fallback is not None:
+            self.device_index, self.cl_device = self.fork_fallback
+        elif self.is_pocl:
+            self._unusable = (
+                f"{self.describe()} cannot run in this forked child process: PoCL's worker threads were started "
+                f"in the parent and do not exist here, and no fallback device was listed "
+                f"({POCL_DEVICES_ENV} was set by the user, or PoCL was listed before pool_tuner could ask for "
+                f"its '{POCL_FALLBACK_DRIVER}' driver); start worker processes with 'spawn' or 'forkserver' instead"
+            )
 
     # ------------------------------------------------------------------ queues and arrays
 
     @property
     def queue(self):
-        """The default queue (own context, profiling enabled), created on first use."""
-        if self._default_queue is None:
-            context = cl.Context([self.cl_device])
-            self._default_queue = cl.CommandQueue(
-                context, properties=cl.command_queue_properties.PROFILING_ENABLE
-            )
-        return self._default_queue
+        """The default queue (own context, profiling enabled), created once, on first use."""
+        queue = self._default_queue
+        if queue is None:
+            with self._lock:
+                if self._default_queue is None:
+                    if self._unusable is not None:
+                        raise RuntimeError(self._unusable)
+                    context = cl.Context([self.cl_device])
+                    self._default_queue = cl.CommandQueue(
+                        context, properties=cl.command_queue_properties.PROFILING_ENABLE
+                    )
+                queue = self._default_queue
+        return queue
 
     def synchronize(self, queue=None) -> None:
         (queue or self.queue).finish()
@@ -257,11 +333,12 @@ class OpenCLDevice:
         if size == 0:
             return cl_array.empty(queue, shape, dtype)
         if queue is self._default_queue and memory_pool_enabled:
-            if self._pool is None:
-                import pyopencl.tools as cl_tools
+            with self._lock:  # PyOpenCL does not document its MemoryPool as thread-safe
+                if self._pool is None:
+                    import pyopencl.tools as cl_tools
 
-                self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
-            data = self._pool.allocate(size * dtype.itemsize)
+                    self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+                data = self._pool.allocate(size * dtype.itemsize)
         else:
             data = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize)
         try:
@@ -272,10 +349,11 @@ class OpenCLDevice:
 
     def release_memory(self) -> int:
         """Free the memory the pool holds for reuse; returns the number of blocks freed."""
-        if self._pool is None:
-            return 0
-        freed = self._pool.held_blocks
-        self._pool.free_held()
+        with self._lock:
+            if self._pool is None:
+                return 0
+            freed = self._pool.held_blocks
+            self._pool.free_held()
         return freed
 
     # ------------------------------------------------------------------ kernels
@@ -294,10 +372,12 @@ class OpenCLDevice:
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
-        device arrays or buffers."""
+        device arrays or buffers.  ``kernel`` (a ``LockedKernel`` from ``build``) is locked from
+        setting its arguments to enqueueing it (see the module docstring)."""
         global_size = (groups * block[0],) + tuple(block[1:])
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
-        return kernel(queue, global_size, tuple(block), *buffers, wait_for=wait_for)
+        with kernel.launch_lock:
+            return kernel(queue, global_size, tuple(block), *buffers, wait_for=wait_for)
 
     def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
         """``launch`` and wait; the kernel's time in ms by its profiling event (``queue`` must
@@ -354,23 +434,60 @@ def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
     return c_strides(shape, itemsize), math.prod(shape)
 
 
-@functools.lru_cache(maxsize=512)
-def _program(context, cl_device, source: str, options: tuple):
-    """One build per program text, whichever of its kernels are asked for (bandwidth.cl has four)."""
-    return cl.Program(context, source).build(options=list(options), devices=[cl_device])
+if cl is not None:
+    class LockedKernel(cl.Kernel):
+        """A kernel with the lock that ``launch`` holds from setting its arguments to enqueueing it."""
+
+        def __init__(self, program, name: str):
+            super().__init__(program, name)
+            self.launch_lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=512)
+#: Built programs and their kernels, filed under the program's key (``memo``): the kernels of one
+#: program (bandwidth.cl has four) share one build and leave with it.
+_PROGRAMS = memo.table("opencl.programs")
+_KERNELS = memo.table("opencl.kernels")
+
+
 def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
-    return cl.Kernel(_program(context, cl_device, source, options), kernel_name)
+    program_key = (context, cl_device, source, options)
+    kernel = _KERNELS.get((program_key, kernel_name))
+    if kernel is None:
+        program = _PROGRAMS.get(program_key)
+        if program is None:
+            program = cl.Program(context, source).build(options=list(options), devices=[cl_device])
+            _PROGRAMS.put(program_key, program_key, program)
+        kernel = _KERNELS.put(program_key, (program_key, kernel_name), LockedKernel(program, kernel_name))
+    return kernel
 
 
-@functools.cache
+_listing: tuple | None = None
+_listing_lock = threading.Lock()
+
+
 def list_devices() -> tuple:
-    """Every OpenCL device of every platform, in ICD order (stable for a given installation)."""
+    """Every OpenCL device of every platform, in ICD order (stable for a given installation),
+    listed once per process; PoCL's fork fallback is not listed (see the module docstring)."""
+    listing = _listing
+    if listing is None:
+        listing = _list_once()
+    return listing
+
+
+def _list_once() -> tuple:
+    global _listing
+    with _listing_lock:
+        if _listing is None:
+            _listing = enumerate_devices()
+        return _listing
+
+
+def enumerate_devices() -> tuple:
+    """List the devices afresh (``list_devices`` lists once and keeps the result)."""
     if cl is None:
         return ()
     pocl_affinity()  # before PoCL starts, which reads it
+    request_pocl_fork_fallback()
     found = []
     try:
         platforms = cl.get_platforms()
@@ -379,12 +496,31 @@ def list_devices() -> tuple:
     slugs = _unique_slugs([platform.name.strip() for platform in platforms])
     for p_index, platform in enumerate(platforms):
         try:
-            devices = platform.get_devices()
+            devices = list(enumerate(platform.get_devices()))
         except cl.Error:
             continue
-        for d_index, device in enumerate(devices):
-            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index]))
+        fallback = None
+        if platform.name.strip() == POCL_PLATFORM and fallback_requested():
+            spare = [(i, d) for i, d in devices if d.name.startswith(POCL_FALLBACK_DRIVER + "-")]
+            if spare and len(spare) < len(devices):
+                fallback = spare[0]
+                devices = [(i, d) for i, d in devices if (i, d) != fallback]
+        for number, (d_index, device) in enumerate(devices):
+            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index], number, fallback))
     return tuple(found)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child: a fresh listing lock, and every listed device moved off the parent's OpenCL
+    state (``OpenCLDevice._after_fork_in_child``); ``memo`` empties the built kernels."""
+    global _listing_lock
+    _listing_lock = threading.Lock()
+    for device in _listing or ():
+        device._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unique_slugs(platform_names: list) -> list:

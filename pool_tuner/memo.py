@@ -1,0 +1,202 @@
+"""Bounded in-memory memos: every table on the call path shares one limit and evicts together.
+
+Why: a process that sees many distinct shapes (a serving framework with dynamic batch sizes, a
+detector with per-image sizes) would otherwise keep every decision, validated problem, plan and
+built kernel it ever made; built OpenCL programs are by far the largest (see docs/design.md,
+"Memory").  So each memo entry is *filed under an owner* -- the ``Problem`` it was made for, or
+for builds the program it holds -- and ``MEMOS`` keeps one least-recently-used order of owners
+for all tables.  When more than ``limit()`` owners are held, or any one table holds more than
+``limit()`` entries, the least recently used owner goes, and with it its entries in *every*
+table: a problem's decision, its validated forced choices, its built kernel and the plans that
+launch that kernel leave together, so no table keeps alive what another dropped.
+
+How a module plugs in (``dispatch`` for its decisions and launches, ``ops`` for validated
+problems, ``backends.opencl`` for programs and kernels, ``torch_cuda`` for its plans, and any
+later per-call table)::
+
+    _PLANS = memo.table("my_module.plans")       # once, at import
+    plan = _PLANS.get(key)                       # a hit also marks its owner as recently used
+    if plan is None:
+        plan = _PLANS.put(problem, key, make_plan())   # filed under the problem it was made for
+
+File an entry under the owner whose eviction must take it along: the ``Problem`` for anything
+derived from one (so it leaves with that problem's built kernel), or the object it holds.  A
+table that also has to be emptied by ``dispatch.forget`` registers with
+``dispatch.register_dependent_memo``.
+
+Thread safety: ``get`` takes no lock (one dictionary lookup and one recency stamp, both atomic
+under the GIL); ``put``, eviction and ``clear`` hold one lock, so the tables and the owner index
+never disagree.  Two threads that miss the same key at once both compute it and the second
+``put`` wins, which is harmless for memos.  After ``os.fork`` the child starts with every table
+empty and a fresh lock (entries may hold objects of the parent's OpenCL or CUDA runtime, and
+another thread of the parent may have held the lock when it forked).
+
+The limit is ``POOL_TUNER_MEMO_LIMIT`` (read at import, default ``DEFAULT_LIMIT``) or
+``set_limit``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import os
+import threading
+
+LIMIT_ENV = "POOL_TUNER_MEMO_LIMIT"
+#: Owners (problems, programs) held at most, and entries per table.
+DEFAULT_LIMIT = 128
+
+
+class Table:
+    """One memo table: key -> value, each entry filed under an owner (see the module docstring)."""
+
+    __slots__ = ("name", "_memos", "_entries", "_stamps", "_clock")
+
+    def __init__(self, name: str, memos: "Memos"):
+        self.name = name
+        self._memos = memos
+        self._entries: dict = {}  # key -> (owner, value)
+        self._stamps, self._clock = memos._stamps, memos._clock  # one attribute lookup less per hit
+
+    def get(self, key, default=None):
+        """The value memoised for ``key`` (marking its owner as recently used), else ``default``."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return default
+        self._stamps[entry[0]] = next(self._clock)
+        return entry[1]
+
+    def put(self, owner, key, value):
+        """Memoise ``value`` for ``key``, filed under ``owner``; returns ``value``.  May evict the
+        least recently used owners (perhaps ``owner`` itself, when one owner alone fills a table)."""
+        self._memos._put(self, owner, key, value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def values(self) -> list:
+        return [value for _owner, value in list(self._entries.values())]
+
+    def clear(self) -> None:
+        """Drop every entry of this table (the other tables keep theirs)."""
+        self._memos._clear_table(self)
+
+
+class Memos:
+    """The owners' recency order and the tables filed under them (one per process: ``MEMOS``)."""
+
+    def __init__(self, limit: int):
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._clock = itertools.count()
+        self._stamps: dict = {}  # owner -> last use (a tick of _clock)
+        self._filed: dict = {}  # owner -> {(table, key)}
+        self._tables: list = []
+
+    def table(self, name: str) -> Table:
+        """A new table under this registry's limit."""
+        table = Table(name, self)
+        with self._lock:
+            self._tables.append(table)
+        return table
+
+    def limit(self) -> int:
+        return self._limit
+
+    def set_limit(self, limit: int) -> None:
+        """Hold at most ``limit`` owners (and entries per table) from now on, evicting at once."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"the memo limit must be an int >= 1, got {limit!r}")
+        with self._lock:
+            self._limit = limit
+            self._shrink(None)
+
+    def owners(self) -> int:
+        """How many owners are held now."""
+        return len(self._filed)
+
+    def evict(self, owner) -> None:
+        """Drop ``owner`` and its entries in every table now."""
+        with self._lock:
+            self._drop(owner)
+
+    def clear(self) -> None:
+        """Drop every entry of every table."""
+        with self._lock:
+            for table in self._tables:
+                table._entries.clear()
+            self._stamps.clear()
+            self._filed.clear()
+
+    def _put(self, table: Table, owner, key, value) -> None:
+        with self._lock:
+            previous = table._entries.get(key)
+            if previous is not None and previous[0] != owner:
+                self._filed.get(previous[0], set()).discard((table, key))
+            table._entries[key] = (owner, value)
+            self._filed.setdefault(owner, set()).add((table, key))
+            self._stamps[owner] = next(self._clock)
+            self._shrink(table)
+
+    def _shrink(self, table: Table | None) -> None:
+        """Evict least recently used owners until the limits hold (lock held)."""
+        while self._stamps and (len(self._stamps) > self._limit
+                                or (table is not None and len(table._entries) > self._limit)):
+            # A snapshot: ``get`` may stamp meanwhile (hashing an owner runs Python code).
+            oldest, _stamp = min(list(self._stamps.items()), key=operator.itemgetter(1))
+            self._drop(oldest)
+
+    def _drop(self, owner) -> None:
+        """Remove ``owner`` and its entries (lock held).  A stamp can outlive its owner (``get``
+        stamps without the lock): it is dropped here like an owner with no entries."""
+        self._stamps.pop(owner, None)
+        for table, key in self._filed.pop(owner, ()):
+            entry = table._entries.get(key)
+            if entry is not None and entry[0] == owner:
+                del table._entries[key]
+
+    def _clear_table(self, table: Table) -> None:
+        with self._lock:
+            for key, (owner, _value) in table._entries.items():
+                filed = self._filed.get(owner)
+                if filed is not None:
+                    filed.discard((table, key))
+                    if not filed:
+                        del self._filed[owner]
+                        self._stamps.pop(owner, None)
+            table._entries.clear()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        for table in self._tables:
+            table._entries.clear()
+        self._stamps.clear()
+        self._filed.clear()
+
+
+def _limit_from_environment() -> int:
+    text = os.environ.get(LIMIT_ENV)
+    if text is None:
+        return DEFAULT_LIMIT
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{LIMIT_ENV} must be an int >= 1, got {text!r}")
+    return value
+
+
+MEMOS = Memos(_limit_from_environment())
+table = MEMOS.table
+limit = MEMOS.limit
+set_limit = MEMOS.set_limit
+clear = MEMOS.clear
+evict = MEMOS.evict
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=MEMOS._after_fork_in_child)
