@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import tempfile
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -351,22 +352,29 @@ class TuningCache:
 
     The table is read on first use and then kept: ``lookup`` and ``candidates`` are on dispatch's
     hot path and never touch the file system again (``reload`` re-reads on request).  The table is
-    returned, not copied; treat it as read-only and change it through ``store``.
+    returned, not copied; treat it as read-only and change it through ``store``.  A change makes a
+    new table (under a lock) instead of changing the one readers may be iterating in other threads
+    (dispatch's nearest-shape search while a tuning stores its record).
     """
 
     def __init__(self, shipped_dir: Path, user_dir: Path | None = None):
         self.shipped_dir = Path(shipped_dir)
         self.user_dir = default_user_dir() if user_dir is None else Path(user_dir)
         self._records = None
+        self._lock = threading.RLock()
 
     def path(self) -> Path:
         """The user's cache file."""
         return self.user_dir / USER_FILE
 
     def records(self) -> dict:
-        if self._records is None:
-            self.reload()
-        return self._records
+        records = self._records
+        if records is None:
+            with self._lock:
+                if self._records is None:
+                    self.reload()
+                records = self._records
+        return records
 
     def reload(self) -> None:
         """Re-read the shipped files (in name order, later files winning) and then the user file."""
@@ -374,7 +382,8 @@ class TuningCache:
         for path in self._shipped_files():
             table.update(_load_file(path))
         table.update(_load_file(self.path()))
-        self._records = table
+        with self._lock:
+            self._records = table
 
     def _shipped_files(self) -> list:
         try:
@@ -405,7 +414,7 @@ class TuningCache:
         Returns whether the record reached the file.
         """
         record = _normalised(record)
-        table = self.records()
+        self.records()
         try:
             written, _ = _update_file(self.path(), {record["key"]: record}, faster_only=False)
         except OSError as exc:
@@ -415,10 +424,15 @@ class TuningCache:
                 CacheWarning,
                 stacklevel=2,
             )
-            table[record["key"]] = record
+            self._add({record["key"]: record})
             return False
-        table.update(written)
+        self._add(written)
         return True
+
+    def _add(self, records: dict) -> None:
+        """Replace the table by one with ``records`` added (see the class docstring)."""
+        with self._lock:
+            self._records = {**self.records(), **records}
 
     def clear(self) -> None:
         """Delete the user file; shipped records are unaffected.  Under the lock, so that it cannot
@@ -427,10 +441,11 @@ class TuningCache:
         if path.parent.is_dir():
             with _lock(path):
                 path.unlink(missing_ok=True)
-        self._records = None
+        with self._lock:
+            self._records = None
 
     def merge(self, sources: list) -> int:
         """Merge cache files into the user file (see ``merge_files``); return the records added or replaced."""
         written, changed = _merge(sources, self.path())
-        self.records().update(written)
+        self._add(written)
         return changed

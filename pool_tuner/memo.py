@@ -37,6 +37,7 @@ The limit is ``POOL_TUNER_MEMO_LIMIT`` (read at import, default ``DEFAULT_LIMIT`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import os
@@ -176,6 +177,28 @@ class Memos:
             table._entries.clear()
         self._stamps.clear()
         self._filed.clear()
+
+
+_MISSING = object()
+
+
+def per_owner(name: str):
+    """Memoise a function of one argument in a table named ``name``, each result filed under its
+    argument (a ``Problem``: per-shape facts leave with the shape's other entries)."""
+    def decorate(function):
+        table = MEMOS.table(name)
+
+        @functools.wraps(function)
+        def memoised(owner):
+            value = table.get(owner, _MISSING)
+            if value is _MISSING:
+                value = table.put(owner, owner, function(owner))
+            return value
+
+        memoised.table = table
+        return memoised
+
+    return decorate
 
 
 def _limit_from_environment() -> int:

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from . import backends, dispatch, shapes, tuner
+from . import backends, dispatch, memo, shapes, tuner
 from .problem import LAYOUT_NAMES, OPS, Problem, check_dtype
 from .variants import variants_for
 from .windows import pooling_windows
@@ -182,7 +182,7 @@ def _last_axis_to(sequence, axis: int) -> tuple:
     return tuple(items)
 
 
-_PROBLEMS: dict = {}
+_PROBLEMS = memo.table("ops.problems")  # filed under the problem: bounded, evicted with its kernels
 
 
 def _exact(value):
@@ -200,11 +200,11 @@ def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
     output sizes, are validated every time)."""
     key = (op, direction, x.shape, x.strides, x.dtype, _exact(output_size), _exact(input_shape))
     try:
-        return _PROBLEMS[key]
-    except KeyError:
-        pass
+        found = _PROBLEMS.get(key)
     except TypeError:
-        key = None
+        key = found = None
+    if found is not None:
+        return found
     dtype = check_dtype(getattr(x, "dtype", None), f"{name}.dtype")
     layout = memory_layout(x, OPS[op][1], name)
     if layout is None:
@@ -214,7 +214,7 @@ def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
     else:
         problem = _backward_problem(op, x, input_shape, dtype, layout)
     if key is not None:
-        _PROBLEMS[key] = problem
+        _PROBLEMS.put(problem, key, problem)
     return problem
 
 

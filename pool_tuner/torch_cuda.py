@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from . import dispatch, ops, shapes, tuner
+from . import dispatch, memo, ops, shapes, tuner
 from .backends import cuda
 from .problem import LAYOUT_NAMES, OPS, Problem
 
@@ -36,7 +36,7 @@ current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _SIGNATURES = {getattr(ops, op + suffix): (op, direction)
                for op in OPS for suffix, direction in (("", "forward"), ("_backward", "backward"))}
 
-_PLANS: dict = {}
+_PLANS = memo.table("torch_cuda.plans")  # filed under the problem: evicted with its kernel
 dispatch.register_dependent_memo(_PLANS)  # a plan holds a decision: forgotten with it (after tuning)
 
 
@@ -61,7 +61,7 @@ def plan(fn, tensors, size, options: dict) -> "_Plan":
     if found is None:
         found = _Plan(fn, tensors, size, options)
         if key is not None:
-            _PLANS[key] = found
+            _PLANS.put(found.problem, key, found)
     return found
 
 
