@@ -120,6 +120,13 @@ class Memos:
         """How many owners are held now."""
         return len(self._filed)
 
+    def sizes(self) -> dict:
+        """Entries per table, by table name (tables of one name added up)."""
+        sizes: dict = {}
+        for table in list(self._tables):
+            sizes[table.name] = sizes.get(table.name, 0) + len(table)
+        return sizes
+
     def evict(self, owner) -> None:
         """Drop ``owner`` and its entries in every table now."""
         with self._lock:
@@ -217,6 +224,8 @@ def _limit_from_environment() -> int:
 MEMOS = Memos(_limit_from_environment())
 table = MEMOS.table
 limit = MEMOS.limit
+sizes = MEMOS.sizes
+owners = MEMOS.owners
 set_limit = MEMOS.set_limit
 clear = MEMOS.clear
 evict = MEMOS.evict

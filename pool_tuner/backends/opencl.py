@@ -411,14 +411,18 @@ class OpenCLDevice:
 
     @staticmethod
     def fill(array, value, queue=None):
-        array.fill(value, queue=queue)
+        """Fill ``array`` with ``value`` by PyOpenCL's fill kernel, which PyOpenCL shares between
+        threads (one per context and dtype), hence ``_PYOPENCL_KERNELS``."""
+        with _PYOPENCL_KERNELS:
+            array.fill(value, queue=queue)
         return array
 
     @staticmethod
     def fill_bits(array, bits, queue=None):
         """Fill an array of 16-bit elements with the bit pattern ``bits`` (PyOpenCL cannot fill
         float16 arrays, and bfloat16 is stored as its bits anyway)."""
-        array.view(np.uint16).fill(np.uint16(bits), queue=queue)
+        with _PYOPENCL_KERNELS:
+            array.view(np.uint16).fill(np.uint16(bits), queue=queue)
         return array
 
     @staticmethod
@@ -442,6 +446,10 @@ if cl is not None:
             super().__init__(program, name)
             self.launch_lock = threading.Lock()
 
+
+#: Held from setting the arguments of one of PyOpenCL's own kernels (``pyopencl.array`` fills), which
+#: PyOpenCL memoises per context and so shares between threads, to enqueueing it.
+_PYOPENCL_KERNELS = threading.Lock()
 
 #: Built programs and their kernels, filed under the program's key (``memo``): the kernels of one
 #: program (bandwidth.cl has four) share one build and leave with it.
@@ -513,8 +521,8 @@ def enumerate_devices() -> tuple:
 def _after_fork_in_child() -> None:
     """A forked child: a fresh listing lock, and every listed device moved off the parent's OpenCL
     state (``OpenCLDevice._after_fork_in_child``); ``memo`` empties the built kernels."""
-    global _listing_lock
-    _listing_lock = threading.Lock()
+    global _listing_lock, _PYOPENCL_KERNELS
+    _listing_lock, _PYOPENCL_KERNELS = threading.Lock(), threading.Lock()
     for device in _listing or ():
         device._after_fork_in_child()
 
