@@ -24,9 +24,10 @@ derived from one (so it leaves with that problem's built kernel), or the object 
 table that also has to be emptied by ``dispatch.forget`` registers with
 ``dispatch.register_dependent_memo``.
 
-Thread safety: ``get`` takes no lock (one dictionary lookup and one recency stamp, both atomic
-under the GIL); ``put``, eviction and ``clear`` hold one lock, so the tables and the owner index
-never disagree.  Two threads that miss the same key at once both compute it and the second
+Thread safety: ``get`` takes no lock (one dictionary lookup and a store of the entry's recency
+stamp, both atomic under the GIL: ``get`` is on every call's path); ``put``, eviction and
+``clear`` hold one lock, so the tables and the owner index never disagree.  An owner's recency is
+its most recently used entry's, worked out when one must be evicted.  Two threads that miss the same key at once both compute it and the second
 ``put`` wins, which is harmless for memos.  After ``os.fork`` the child starts with every table
 empty and a fresh lock (entries may hold objects of the parent's OpenCL or CUDA runtime, and
 another thread of the parent may have held the lock when it forked).
@@ -39,32 +40,31 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 import os
 import threading
 
 LIMIT_ENV = "POOL_TUNER_MEMO_LIMIT"
 #: Owners (problems, programs) held at most, and entries per table.
-DEFAULT_LIMIT = 128
+DEFAULT_LIMIT = 64
 
 
 class Table:
     """One memo table: key -> value, each entry filed under an owner (see the module docstring)."""
 
-    __slots__ = ("name", "_memos", "_entries", "_stamps", "_clock")
+    __slots__ = ("name", "_memos", "_entries", "_clock")
 
     def __init__(self, name: str, memos: "Memos"):
         self.name = name
         self._memos = memos
-        self._entries: dict = {}  # key -> (owner, value)
-        self._stamps, self._clock = memos._stamps, memos._clock  # one attribute lookup less per hit
+        self._entries: dict = {}  # key -> [owner, value, last use (a tick of the clock)]
+        self._clock = memos._clock
 
     def get(self, key, default=None):
         """The value memoised for ``key`` (marking its owner as recently used), else ``default``."""
         entry = self._entries.get(key)
         if entry is None:
             return default
-        self._stamps[entry[0]] = next(self._clock)
+        entry[2] = next(self._clock)
         return entry[1]
 
     def put(self, owner, key, value):
@@ -80,7 +80,7 @@ class Table:
         return key in self._entries
 
     def values(self) -> list:
-        return [value for _owner, value in list(self._entries.values())]
+        return [entry[1] for entry in list(self._entries.values())]
 
     def clear(self) -> None:
         """Drop every entry of this table (the other tables keep theirs)."""
@@ -94,7 +94,6 @@ class Memos:
         self._limit = limit
         self._lock = threading.Lock()
         self._clock = itertools.count()
-        self._stamps: dict = {}  # owner -> last use (a tick of _clock)
         self._filed: dict = {}  # owner -> {(table, key)}
         self._tables: list = []
 
@@ -137,52 +136,50 @@ class Memos:
         with self._lock:
             for table in self._tables:
                 table._entries.clear()
-            self._stamps.clear()
             self._filed.clear()
 
     def _put(self, table: Table, owner, key, value) -> None:
         with self._lock:
             previous = table._entries.get(key)
             if previous is not None and previous[0] != owner:
-                self._filed.get(previous[0], set()).discard((table, key))
-            table._entries[key] = (owner, value)
+                self._unfile(previous[0], table, key)
+            table._entries[key] = [owner, value, next(self._clock)]
             self._filed.setdefault(owner, set()).add((table, key))
-            self._stamps[owner] = next(self._clock)
             self._shrink(table)
 
     def _shrink(self, table: Table | None) -> None:
         """Evict least recently used owners until the limits hold (lock held)."""
-        while self._stamps and (len(self._stamps) > self._limit
-                                or (table is not None and len(table._entries) > self._limit)):
-            # A snapshot: ``get`` may stamp meanwhile (hashing an owner runs Python code).
-            oldest, _stamp = min(list(self._stamps.items()), key=operator.itemgetter(1))
-            self._drop(oldest)
+        while self._filed and (len(self._filed) > self._limit
+                               or (table is not None and len(table._entries) > self._limit)):
+            self._drop(min(self._filed, key=self._last_use))
+
+    def _last_use(self, owner) -> int:
+        """The last use of ``owner``'s most recently used entry (lock held)."""
+        return max((table._entries[key][2] for table, key in self._filed[owner]), default=-1)
 
     def _drop(self, owner) -> None:
-        """Remove ``owner`` and its entries (lock held).  A stamp can outlive its owner (``get``
-        stamps without the lock): it is dropped here like an owner with no entries."""
-        self._stamps.pop(owner, None)
+        """Remove ``owner`` and its entries (lock held)."""
         for table, key in self._filed.pop(owner, ()):
-            entry = table._entries.get(key)
-            if entry is not None and entry[0] == owner:
-                del table._entries[key]
+            del table._entries[key]
+
+    def _unfile(self, owner, table: Table, key) -> None:
+        """Forget that ``owner`` has ``key`` in ``table``, and the owner once it has nothing (lock held)."""
+        filed = self._filed.get(owner)
+        if filed is not None:
+            filed.discard((table, key))
+            if not filed:
+                del self._filed[owner]
 
     def _clear_table(self, table: Table) -> None:
         with self._lock:
-            for key, (owner, _value) in table._entries.items():
-                filed = self._filed.get(owner)
-                if filed is not None:
-                    filed.discard((table, key))
-                    if not filed:
-                        del self._filed[owner]
-                        self._stamps.pop(owner, None)
+            for key, entry in table._entries.items():
+                self._unfile(entry[0], table, key)
             table._entries.clear()
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         for table in self._tables:
             table._entries.clear()
-        self._stamps.clear()
         self._filed.clear()
 
 
