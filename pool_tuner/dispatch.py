@@ -267,10 +267,10 @@ class Dispatcher:
     def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
         """The built kernel and grid for ``choice`` (memoised per context, filed under ``problem``)."""
         key = (context, problem, choice.variant.name, choice.params)
-        launch = self._launches.get(key)
+        launch = self._launches.peek(key)  # choose marked the problem as used
         if launch is None:
             with self._build_lock:  # one build per kernel, however many threads miss it at once
-                launch = self._launches.get(key)
+                launch = self._launches.peek(key)
                 if launch is None:
                     launch = self._launches.put(problem, key, self._build(device, context, problem, choice))
         return launch

@@ -15,17 +15,22 @@ problems, ``backends.opencl`` for programs and kernels, ``torch_cuda`` for its p
 later per-call table)::
 
     _PLANS = memo.table("my_module.plans")       # once, at import
-    plan = _PLANS.get(key)                       # a hit also marks its owner as recently used
+    plan = _PLANS.get(key)                       # a hit also marks the entry as recently used
     if plan is None:
         plan = _PLANS.put(problem, key, make_plan())   # filed under the problem it was made for
+
+An owner is as recent as its most recently used entry, so a call needs to mark only one entry of
+its problem: ``get`` marks, ``peek`` does not and is a plain dictionary lookup (``dispatch.choose``
+marks the decision; ``prepare`` and ``ops`` peek).  A table whose hits skip ``dispatch.choose``
+(a per-call plan) uses ``get``.
 
 File an entry under the owner whose eviction must take it along: the ``Problem`` for anything
 derived from one (so it leaves with that problem's built kernel), or the object it holds.  A
 table that also has to be emptied by ``dispatch.forget`` registers with
 ``dispatch.register_dependent_memo``.
 
-Thread safety: ``get`` takes no lock (one dictionary lookup and a store of the entry's recency
-stamp, both atomic under the GIL: ``get`` is on every call's path); ``put``, eviction and
+Thread safety: ``get`` and ``peek`` take no lock (a dictionary lookup, and for ``get`` a store of
+the entry's recency stamp, each atomic under the GIL: they are on every call's path); ``put``, eviction and
 ``clear`` hold one lock, so the tables and the owner index never disagree.  An owner's recency is
 its most recently used entry's, worked out when one must be evicted.  Two threads that miss the same key at once both compute it and the second
 ``put`` wins, which is harmless for memos.  After ``os.fork`` the child starts with every table
@@ -51,13 +56,16 @@ DEFAULT_LIMIT = 64
 class Table:
     """One memo table: key -> value, each entry filed under an owner (see the module docstring)."""
 
-    __slots__ = ("name", "_memos", "_entries", "_clock")
+    __slots__ = ("name", "_memos", "_entries", "_values", "_clock", "peek")
 
     def __init__(self, name: str, memos: "Memos"):
         self.name = name
         self._memos = memos
         self._entries: dict = {}  # key -> [owner, value, last use (a tick of the clock)]
+        self._values: dict = {}  # key -> value: the same entries, for ``peek``
         self._clock = memos._clock
+        #: ``peek(key, default=None)``: the value memoised for ``key`` without marking it as used.
+        self.peek = self._values.get
 
     def get(self, key, default=None):
         """The value memoised for ``key`` (marking its owner as recently used), else ``default``."""
@@ -136,6 +144,7 @@ class Memos:
         with self._lock:
             for table in self._tables:
                 table._entries.clear()
+                table._values.clear()
             self._filed.clear()
 
     def _put(self, table: Table, owner, key, value) -> None:
@@ -144,6 +153,7 @@ class Memos:
             if previous is not None and previous[0] != owner:
                 self._unfile(previous[0], table, key)
             table._entries[key] = [owner, value, next(self._clock)]
+            table._values[key] = value
             self._filed.setdefault(owner, set()).add((table, key))
             self._shrink(table)
 
@@ -161,6 +171,7 @@ class Memos:
         """Remove ``owner`` and its entries (lock held)."""
         for table, key in self._filed.pop(owner, ()):
             del table._entries[key]
+            table._values.pop(key, None)
 
     def _unfile(self, owner, table: Table, key) -> None:
         """Forget that ``owner`` has ``key`` in ``table``, and the owner once it has nothing (lock held)."""
@@ -175,11 +186,13 @@ class Memos:
             for key, entry in table._entries.items():
                 self._unfile(entry[0], table, key)
             table._entries.clear()
+            table._values.clear()
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         for table in self._tables:
             table._entries.clear()
+            table._values.clear()
         self._filed.clear()
 
 
@@ -194,7 +207,7 @@ def per_owner(name: str):
 
         @functools.wraps(function)
         def memoised(owner):
-            value = table.get(owner, _MISSING)
+            value = table.peek(owner, _MISSING)
             if value is _MISSING:
                 value = table.put(owner, owner, function(owner))
             return value

@@ -200,7 +200,7 @@ def _problem(op, direction, x, output_size, name, input_shape=None) -> Problem:
     output sizes, are validated every time)."""
     key = (op, direction, x.shape, x.strides, x.dtype, _exact(output_size), _exact(input_shape))
     try:
-        found = _PROBLEMS.get(key)
+        found = _PROBLEMS.peek(key)
     except TypeError:
         key = found = None
     if found is not None:

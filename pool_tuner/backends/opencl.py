@@ -459,9 +459,9 @@ _KERNELS = memo.table("opencl.kernels")
 
 def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
     program_key = (context, cl_device, source, options)
-    kernel = _KERNELS.get((program_key, kernel_name))
+    kernel = _KERNELS.peek((program_key, kernel_name))
     if kernel is None:
-        program = _PROGRAMS.get(program_key)
+        program = _PROGRAMS.peek(program_key)
         if program is None:
             program = cl.Program(context, source).build(options=list(options), devices=[cl_device])
             _PROGRAMS.put(program_key, program_key, program)
