@@ -73,6 +73,22 @@ def test_a_forked_child_computes_what_its_parent_computed(rng):
     assert np.array_equal(pt.adaptive_avg_pool2d(x, OUT), avg)  # and the parent still works
 
 
+def test_pool_tuner_asks_pocl_for_its_fork_fallback_unless_the_user_chose_drivers():
+    from pool_tuner.backends import opencl
+
+    environ = {}
+    assert "set by pool_tuner" in opencl.request_pocl_fork_fallback(environ)
+    assert environ == {opencl.POCL_DEVICES_ENV: "pthread basic", opencl.POCL_DEVICES_MARK_ENV: "1"}
+    assert opencl.fallback_requested(environ)
+    for users in ({opencl.POCL_DEVICES_ENV: "pthread"},  # the mark inherited, the value the user's
+                  {opencl.POCL_DEVICES_ENV: "pthread", opencl.POCL_DEVICES_MARK_ENV: "1"}):
+        environ = dict(users)
+        assert "as set by the user" in opencl.request_pocl_fork_fallback(environ)
+        assert environ == users and not opencl.fallback_requested(environ)
+    pocl = [d for d in opencl.list_devices() if d.is_pocl]
+    assert [d.id for d in pocl] == ["opencl:pocl:0"] and pocl[0].fork_fallback is not None
+
+
 SIZES = [(9, 7), (10, 11), (12, 6)]
 
 

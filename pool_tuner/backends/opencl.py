@@ -138,7 +138,7 @@ def request_pocl_fork_fallback(environ=os.environ) -> str:
     once, when the process first lists OpenCL devices, so list_devices calls this just before.
     The variable stays set, with POCL_DEVICES_MARK_ENV beside it, so that child processes list the
     same devices."""
-    if POCL_DEVICES_ENV in environ and environ.get(POCL_DEVICES_MARK_ENV) != "1":
+    if POCL_DEVICES_ENV in environ and not fallback_requested(environ):
         return f"{POCL_DEVICES_ENV}={environ[POCL_DEVICES_ENV]!r} as set by the user: no fallback for forked children"
     environ[POCL_DEVICES_ENV] = POCL_DEVICES_REQUESTED
     environ[POCL_DEVICES_MARK_ENV] = "1"
