@@ -67,6 +67,16 @@ RACE_REPETITIONS = 25
 #: Held while a problem is tuned (see the module docstring).
 _TUNING = threading.RLock()
 
+
+def _after_fork_in_child() -> None:
+    """A forked child gets a free tuning lock: a thread of the parent may have held it."""
+    global _TUNING
+    _TUNING = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 #: Where ``autotune`` says that a call is tuning its shape (at WARNING level: shown on stderr even
 #: when the application configures no logging).
 log = logging.getLogger("pool_tuner")
