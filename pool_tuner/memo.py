@@ -29,13 +29,14 @@ derived from one (so it leaves with that problem's built kernel), or the object 
 table that also has to be emptied by ``dispatch.forget`` registers with
 ``dispatch.register_dependent_memo``.
 
-Thread safety: ``get`` and ``peek`` take no lock (a dictionary lookup, and for ``get`` a store of
-the entry's recency stamp, each atomic under the GIL: they are on every call's path); ``put``, eviction and
-``clear`` hold one lock, so the tables and the owner index never disagree.  An owner's recency is
-its most recently used entry's, worked out when one must be evicted.  Two threads that miss the same key at once both compute it and the second
-``put`` wins, which is harmless for memos.  After ``os.fork`` the child starts with every table
-empty and a fresh lock (entries may hold objects of the parent's OpenCL or CUDA runtime, and
-another thread of the parent may have held the lock when it forked).
+Thread safety: ``get`` and ``peek`` take no lock (a dictionary lookup, and for ``get`` a store
+of the entry's recency stamp, each atomic under the GIL: they are on every call's path); ``put``,
+eviction and ``clear`` hold one lock, so the tables and the owner index never disagree.  An
+owner's recency is its most recently used entry's, worked out when one must be evicted.  Two
+threads that miss the same key at once both compute it and the second ``put`` wins, which is
+harmless for memos.  After ``os.fork`` the child starts with every table empty and a fresh lock
+(entries may hold objects of the parent's OpenCL or CUDA runtime, and another thread of the parent
+may have held the lock when it forked).
 
 The limit is ``POOL_TUNER_MEMO_LIMIT`` (read at import, default ``DEFAULT_LIMIT``) or
 ``set_limit``.
@@ -68,7 +69,8 @@ class Table:
         self.peek = self._values.get
 
     def get(self, key, default=None):
-        """The value memoised for ``key`` (marking its owner as recently used), else ``default``."""
+        """The value memoised for ``key``, else ``default``; marks the entry as used, which keeps its
+        owner recent."""
         entry = self._entries.get(key)
         if entry is None:
             return default
