@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import tempfile
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -430,7 +431,9 @@ class TuningCache:
     ``matches`` reads an index built from the table on first use and dropped whenever the table
     changes: records grouped by op, direction, dtype, layout and rank, and within a group by device
     fingerprint, so that a problem's first call compares its device with each distinct fingerprint
-    of its group once, not with every record of the cache.
+    of its group once, not with every record of the cache.  A change makes a
+    new table (under a lock) instead of changing the one readers may be iterating in other threads
+    (dispatch's nearest-shape search while a tuning stores its record).
     """
 
     def __init__(self, shipped_dir: Path, user_dir: Path | None = None):
@@ -439,15 +442,20 @@ class TuningCache:
         self._records = None
         self._user_keys: set = set()
         self._index = None
+        self._lock = threading.RLock()
 
     def path(self) -> Path:
         """The user's cache file."""
         return self.user_dir / USER_FILE
 
     def records(self) -> dict:
-        if self._records is None:
-            self.reload()
-        return self._records
+        records = self._records
+        if records is None:
+            with self._lock:
+                if self._records is None:
+                    self.reload()
+                records = self._records
+        return records
 
     def reload(self) -> None:
         """Re-read the shipped files (in name order, later files winning) and then the user file."""
@@ -456,12 +464,15 @@ class TuningCache:
             table.update(_load_file(path))
         user = _load_file(self.path())
         table.update(user)
-        self._records, self._user_keys, self._index = table, set(user), None
+        with self._lock:
+            self._records, self._user_keys, self._index = table, set(user), None
 
     def _add_user_records(self, records: dict) -> None:
-        self.records().update(records)
-        self._user_keys.update(records)
-        self._index = None
+        """Replace the table by one with the user's ``records`` added (see the class docstring)."""
+        with self._lock:
+            self._records = {**self.records(), **records}
+            self._user_keys = self._user_keys | set(records)
+            self._index = None
 
     def _shipped_files(self) -> list:
         try:
@@ -540,7 +551,8 @@ class TuningCache:
         if path.parent.is_dir():
             with _lock(path):
                 path.unlink(missing_ok=True)
-        self._records = None
+        with self._lock:
+            self._records = None
 
     def merge(self, sources: list) -> int:
         """Merge cache files into the user file (see ``merge_files``); return the records added or replaced."""

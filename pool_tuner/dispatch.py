@@ -47,16 +47,26 @@ once, on the first miss of the memo), so repeated calls do no file-system access
 recompilation; built kernels are keyed by the problem without its batch extent
 (``Problem.kernel_key``), so a new batch size of a per-sample shape costs a grid, not a build.
 ``forget()`` clears all of it.  The module's functions are that dispatcher's methods.
+Its tables are ``memo`` tables filed under the problem (built kernels under their per-sample
+shape): bounded by the one memo limit, and a problem's decision, forced choices and launches are
+evicted together.
+
+Threads: lookups take no lock; building a kernel holds the dispatcher's build lock, so threads
+that miss the same kernel at once build it once; the tuning cache is opened once.  After
+``os.fork`` the child forgets everything (``memo`` empties the tables; the dependent memos and the
+open tuning cache are dropped here), so that it builds its kernels in its own OpenCL context.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import threading
 import warnings
 
 from . import cache as cache_mod
-from . import kernel_source
+from . import kernel_source, memo
 from . import variants as variants_mod
 from .problem import Problem
 
@@ -183,54 +193,69 @@ class Dispatcher:
     tuning cache -- all cleared by ``forget()``."""
 
     def __init__(self):
-        self._decisions: dict = {}
+        self._decisions = memo.table("dispatch.decisions")
         #: Validated forced choices: checking a configuration costs ~100 us, as much as a small kernel.
-        self._forced: dict = {}
-        self._kernels: dict = {}
-        self._launches: dict = {}
+        self._forced = memo.table("dispatch.forced")
+        self._kernels = memo.table("dispatch.kernels")
+        self._launches = memo.table("dispatch.launches")
         self._tuning_cache: cache_mod.TuningCache | None = None
         #: Memo tables of other modules whose entries hold decisions made here (``torch_cuda``'s
         #: plans): ``forget`` empties them whole, whatever it forgets.
         self._dependent_memos: list = []
         #: Races of other kernels than pool_tuner's against the dispatched one, by (device id,
         #: problem): ``pool_tuner.torch``'s race of PyTorch's CPU kernel, for ``explain``.
-        self._measured_candidates: dict = {}
+        self._measured_candidates = memo.table("dispatch.measured_candidates")
+        self._lock = threading.Lock()  # opening the tuning cache
+        self._build_lock = threading.RLock()  # building a kernel
 
     def note_measured_candidate(self, problem: Problem, device, race: dict) -> None:
         """Remember how another kernel (``race["candidate"]``) fared against pool_tuner's on
         ``problem``, and which won, so that ``explain`` can say which runs."""
-        self._measured_candidates[device.id, problem] = race
+        self._measured_candidates.put(problem, (device.id, problem), race)
 
     def measured_candidate(self, problem: Problem, device) -> dict | None:
-        return self._measured_candidates.get((device.id, problem))
+        return self._measured_candidates.peek((device.id, problem))
 
-    def register_dependent_memo(self, table: dict) -> None:
-        """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher."""
+    def register_dependent_memo(self, table) -> None:
+        """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher.
+
+        ``table`` is a ``memo.table`` (the way to add a per-call table such as plans: file each
+        entry under its ``Problem`` and it is also bounded by the memo limit and evicted with the
+        problem's built kernel, see ``pool_tuner.memo``) or anything with a ``clear()`` method.
+        A forked child starts with it empty."""
         self._dependent_memos.append(table)
 
     def tuning_cache(self) -> cache_mod.TuningCache:
         """The process-wide tuning cache (shipped database + user cache), opened on first use."""
-        if self._tuning_cache is None:
-            self._tuning_cache = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
-        return self._tuning_cache
+        found = self._tuning_cache
+        if found is None:
+            with self._lock:
+                if self._tuning_cache is None:
+                    self._tuning_cache = cache_mod.TuningCache(kernel_source.shipped_cache_dir())
+                found = self._tuning_cache
+        return found
 
     def forget(self, problem: Problem | None = None, device=None) -> None:
-        """Drop one problem's memoised decision on ``device``, so its next call consults the cache
-        again (after tuning it); with no arguments drop everything -- decisions, forced choices,
-        built kernels -- and re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR`` changed).
-        Dependent memo tables (``register_dependent_memo``) are emptied either way."""
+        """Drop one problem's memoised decisions, forced choices and built kernels (on every
+        device: ``device`` is accepted for the callers that name it), so its next call consults the
+        cache again (after tuning it); with no arguments drop everything -- decisions, forced
+        choices, built kernels -- and re-open the tuning cache (e.g. after ``POOL_TUNER_CACHE_DIR``
+        changed).  Dependent memo tables (``register_dependent_memo``) are emptied either way."""
         for table in self._dependent_memos:
             table.clear()
         if problem is None:
-            self._measured_candidates.clear()
-            self._decisions.clear()
-            self._forced.clear()
-            self._kernels.clear()
-            self._launches.clear()
+            for table in (self._decisions, self._forced, self._kernels, self._launches, self._measured_candidates):
+                table.clear()
             self._tuning_cache = None
         else:
-            self._decisions.pop((device.id, problem), None)
-            self._measured_candidates.pop((device.id, problem), None)
+            memo.evict(problem)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: fresh locks, nothing memoised (``memo`` empties its own tables)."""
+        self._lock, self._build_lock = threading.Lock(), threading.RLock()
+        for table in self._dependent_memos:
+            table.clear()
+        self._tuning_cache = None
 
     def choose(self, problem: Problem, device, variant=None, config=None, *, on_miss=None,
                memoise: bool = True) -> Choice:
@@ -250,7 +275,7 @@ class Dispatcher:
             if untuned and on_miss is not None and on_miss(problem, device):
                 choice = self._from_cache(problem, device)
             if memoise:
-                self._decisions[memo_key] = choice
+                self._decisions.put(problem, memo_key, choice)
         return choice
 
     def _forced_choice(self, problem: Problem, device, variant, config) -> Choice:
@@ -266,7 +291,7 @@ class Dispatcher:
             params = chosen.check_config({} if config is None else config, problem, device.limits)
             choice = Choice(chosen, tuple(sorted(params.items())), "forced")
             if forced_key is not None:
-                self._forced[forced_key] = choice
+                self._forced.put(problem, forced_key, choice)
         return choice
 
     def _from_cache(self, problem: Problem, device) -> Choice:
@@ -280,19 +305,23 @@ class Dispatcher:
         return default_choice(problem, device)
 
     def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
-        """The built kernel, grid and run-time arguments for ``choice`` (memoised per context)."""
+        """The built kernel, grid and run-time arguments for ``choice`` (memoised per context, filed
+        under ``problem``)."""
         key = (context, problem, choice.variant.name, choice.params)
-        launch = self._launches.get(key)
+        launch = self._launches.peek(key)  # choose marked the problem as used
         if launch is None:
-            params, variant = choice.config, choice.variant
-            launch = self._launches[key] = Launch(self._kernel(device, context, problem, choice),
-                                                  variant.groups(params, problem), variant.block(params),
-                                                  problem.scalars)
+            with self._build_lock:  # one build per kernel, however many threads miss it at once
+                launch = self._launches.peek(key)
+                if launch is None:
+                    params, variant = choice.config, choice.variant
+                    launch = self._launches.put(problem, key, Launch(
+                        self._kernel(device, context, problem, choice), variant.groups(params, problem),
+                        variant.block(params), problem.scalars))
         return launch
 
     def _kernel(self, device, context, problem: Problem, choice: Choice):
         """The built kernel of ``choice``, shared by every batch size of ``problem``'s per-sample
-        shape (memoised per context and ``Problem.kernel_key``)."""
+        shape (memoised per context and ``Problem.kernel_key``, filed under the latter)."""
         key = (context, problem.kernel_key, choice.variant.name, choice.params)
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -307,7 +336,7 @@ class Dispatcher:
                     f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
                     f"built kernel allows at most {limit} on {device.describe()}"
                 )
-            self._kernels[key] = kernel
+            self._kernels.put(problem.kernel_key, key, kernel)
         return kernel
 
 
@@ -319,6 +348,9 @@ tuning_cache = DISPATCHER.tuning_cache
 register_dependent_memo = DISPATCHER.register_dependent_memo
 note_measured_candidate = DISPATCHER.note_measured_candidate
 measured_candidate = DISPATCHER.measured_candidate
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=DISPATCHER._after_fork_in_child)
 
 
 def describe(problem: Problem, device, choice: Choice) -> dict:

@@ -46,7 +46,7 @@ def _exact(value):
 
 
 #: Plans of numpy and device-array calls by signature (``plans``).
-_PLANS = plans.PlanTable()
+_PLANS = plans.PlanTable("ops.plans")
 
 
 def _plan(op: str, direction: str, arrays: list, size, device, variant, config, names, check_data=None) -> plans.Plan:

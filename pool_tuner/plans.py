@@ -11,23 +11,20 @@ launch.
 
 Arrays are described to ``make_plan`` as ``ArraySpec``s (shape, strides in elements, dtype), so
 that numpy arrays, device arrays and tensors are validated by the same rules and give the same
-errors.  Plans live in ``PlanTable``s, bounded and emptied whenever dispatch forgets its decisions.
+errors.  Plans live in ``PlanTable``s: ``memo`` tables, bounded and emptied whenever dispatch forgets its
+decisions.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import threading
 
-from . import backends, dispatch, shapes
+from . import backends, dispatch, memo, shapes
 from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
 
 #: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
 ELEMENT_BYTES = {**ITEMSIZE, "int64": 8}
-#: The plans a table keeps: the least recently used signature is dropped past this many.
-PLAN_TABLE_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,48 +240,37 @@ def check_dtype_name(dtype) -> str:
 
 
 class PlanTable:
-    """A front end's plans by signature: at most ``PLAN_TABLE_SIZE``, least recently used dropped
-    first, safe to use from several threads, and emptied with dispatch's decisions
-    (``dispatch.forget``: after tuning, or a change of cache directory) since a plan holds one."""
+    """A front end's plans by signature: a ``memo`` table, each plan filed under its problem (so
+    it is bounded by the one memo limit and leaves with the problem's built kernel), emptied
+    with dispatch's decisions (``dispatch.forget``: after tuning, or a change of cache directory)
+    since a plan holds one.  Hits use ``get``, which keeps the problem recent: a warm call skips
+    ``dispatch.choose``."""
 
-    def __init__(self, size: int = PLAN_TABLE_SIZE):
-        self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._size = size
-        self._lock = threading.Lock()
-        dispatch.register_dependent_memo(self)
+    def __init__(self, name: str):
+        self._table = memo.table(name)
+        dispatch.register_dependent_memo(self._table)
 
     def get(self, key):
-        """The plan of signature ``key``, or None (``key`` may be unhashable: then None)."""
+        """The plan of signature ``key``, or None (also for an unhashable ``key``)."""
         try:
-            plan = self._plans.get(key)
+            return self._table.get(key)
         except TypeError:
             return None
-        if plan is not None and len(self._plans) > 1:
-            try:
-                self._plans.move_to_end(key)
-            except KeyError:  # dropped by another thread meanwhile
-                pass
-        return plan
 
-    def put(self, key, plan: Plan) -> Plan:
+    def put(self, key, plan):
+        """Keep ``plan`` (anything with a ``problem``) for ``key``, unless ``key`` is unhashable
+        (such arguments are validated and planned on every call); returns ``plan``."""
         try:
             hash(key)
-        except TypeError:  # unhashable arguments: validated and planned on every call
+        except TypeError:
             return plan
-        with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self._size:
-                self._plans.popitem(last=False)
-        return plan
+        return self._table.put(plan.problem, key, plan)
 
     def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
+        self._table.clear()
 
     def values(self) -> list:
-        """The plans kept, least recently used first."""
-        with self._lock:
-            return list(self._plans.values())
+        return self._table.values()
 
     def __len__(self):
-        return len(self._plans)
+        return len(self._table)

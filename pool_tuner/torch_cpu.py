@@ -39,7 +39,7 @@ RACE_BYTES = 1 << 22
 #: Timed calls of each candidate in the race.
 RACE_CALLS = 5
 
-_PLANS = plans.PlanTable()
+_PLANS = plans.PlanTable("torch_cpu.plans")
 
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in OPS}

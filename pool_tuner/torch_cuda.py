@@ -36,7 +36,7 @@ current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _SIGNATURES = {getattr(ops, op + suffix): (op, direction)
                for op in OPS for suffix, direction in (("", "forward"), ("_backward", "backward"))}
 
-_PLANS = plans.PlanTable()
+_PLANS = plans.PlanTable("torch_cuda.plans")
 
 
 def call(fn, tensors, size, options: dict):
@@ -76,6 +76,10 @@ class _Plan:
     there is nothing to compute)."""
 
     __slots__ = ("plan", "copies", "outputs", "launch")
+
+    @property
+    def problem(self):
+        return self.plan.problem
 
     def __init__(self, fn, tensors, size, options):
         op, direction = _SIGNATURES[fn]

@@ -24,6 +24,13 @@ the interrupted one -- as a record marked ``"partial"`` (what was covered, timed
 alone, never raced against the default), unless the cache already holds a full tuning of the shape,
 and raises ``TuningInterrupted``.  A later full tuning of the shape replaces a partial record; a
 partial one never replaces a full one (``cache``).
+
+Threads: tuning runs one problem at a time per process (``_TUNING``): Kernel Tuner's runs would
+otherwise time each other's kernels on the same device, and two calls that miss the same shape
+with ``POOL_TUNER_AUTOTUNE=1`` tune it once.  Tuning changes nothing process-wide: Kernel Tuner's
+cache file and the sources it writes of failing configurations go to a scratch directory of the
+run (``_kernel_tuner_scratch``), never to the working directory, which stays where the
+application's other threads expect it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
 import warnings
 
@@ -55,6 +63,19 @@ DEFAULT_TIME_LIMIT = 20.0
 #: Kernel Tuner launches per configuration (median taken) and race repetitions per candidate.
 ITERATIONS = 9
 RACE_REPETITIONS = 25
+
+#: Held while a problem is tuned (see the module docstring).
+_TUNING = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets a free tuning lock: a thread of the parent may have held it."""
+    global _TUNING
+    _TUNING = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 #: Where ``autotune`` says that a call is tuning its shape (at WARNING level: shown on stderr even
 #: when the application configures no logging).
@@ -249,8 +270,7 @@ def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals
         options["time_limit"] = time_limit or DEFAULT_TIME_LIMIT
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch, _working_directory(scratch):
-        # Kernel Tuner writes the sources of failing configurations to the working directory.
+    with tempfile.TemporaryDirectory(prefix="pool_tuner_kt_") as scratch, _kernel_tuner_scratch(scratch):
         kt_cache = os.path.join(scratch, "kernel_tuner_cache.json")
         try:
             while len(failures) < len(legal):
@@ -300,13 +320,25 @@ def _best_measured(results: list, variant, failures: dict) -> tuple[dict | None,
 
 
 @contextlib.contextmanager
-def _working_directory(path):
-    previous = os.getcwd()
-    os.chdir(path)
+def _kernel_tuner_scratch(directory: str):
+    """Have Kernel Tuner put its temporary files (the source of a configuration that fails to
+    compile, kept for its error message) in ``directory``: it names them with
+    ``kernel_tuner.util.get_temp_filename``, in the working directory.  Replacing that function for
+    the run (tuning runs one at a time, ``_TUNING``) keeps them out of the application's directory
+    without ``os.chdir``, which would move every thread's working directory."""
+    from kernel_tuner import util
+
+    def in_scratch(suffix=None):
+        handle, path = tempfile.mkstemp(suffix=suffix, prefix="temp_", dir=directory)
+        os.close(handle)
+        return path
+
+    original = util.get_temp_filename
+    util.get_temp_filename = in_scratch
     try:
         yield
     finally:
-        os.chdir(previous)
+        util.get_temp_filename = original
 
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
@@ -336,7 +368,15 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     ``strategy`` is a Kernel Tuner strategy name (default: ``brute_force`` for spaces of at most
     ``BRUTE_FORCE_LIMIT`` legal points, else ``random_sample``); ``max_fevals`` and ``time_limit``
     (seconds per variant) bound the sampling strategies.  ``progress(variant_name)`` is called after
-    each variant is searched."""
+    each variant is searched.  One problem is tuned at a time per process (the module docstring)."""
+    with _TUNING:
+        return _tune(op, input_shape, output_size, dtype, layout, device, direction=direction, variants=variants,
+                     strategy=strategy, max_fevals=max_fevals, time_limit=time_limit, iterations=iterations,
+                     store=store, tuning_cache=tuning_cache, quiet=quiet, progress=progress)
+
+
+def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, variants, strategy, max_fevals,
+          time_limit, iterations, store, tuning_cache, quiet, progress) -> TuneResult:
     started = time.perf_counter()
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
@@ -494,7 +534,18 @@ def tune_on_miss(problem: Problem, device) -> bool:
     memoises the decision that follows, so a problem is tuned once per process."""
     if os.environ.get(AUTOTUNE_ENV) != "1":
         return False
-    autotune(problem, device)
+    key = cache_mod.cache_key(problem, device)
+    seen = dispatch.tuning_cache().lookup(key)
+    with _TUNING:
+        record = dispatch.tuning_cache().lookup(key)
+        if record is not seen and record is not None and not cache_mod.is_partial(record):
+            return True  # another thread tuned it while this one waited
+        try:
+            device.kernel_tuner_arguments()
+        except RuntimeError as why:  # a device that cannot be tuned in this process
+            log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1, but %s; using the untuned decision", why)
+            return False
+        autotune(problem, device)
     return True
 
 

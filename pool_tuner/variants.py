@@ -10,14 +10,13 @@ The tuner searches the space; dispatch validates whatever it is about to launch 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import kernel_source
+from . import kernel_source, memo
 from .problem import DIRECTIONS, OPS, Problem, check_op
 from .windows import max_window, pooling_windows
 
@@ -42,7 +41,7 @@ def _max_tile_extent(in_size: int, out_size: int, tile: int) -> int:
 SMALL_BOX_LIMIT = 256
 
 
-@functools.lru_cache(maxsize=1024)
+@memo.per_owner("variants.max_windows")
 def _max_windows(problem: Problem) -> tuple[int, int, int]:
     """The ``MAX_WINDOW_T``, ``_H``, ``_W`` defines the forward kernels are built with: the widest
     window along each axis (memoised, like ``_longest_run``)."""
@@ -55,7 +54,7 @@ def _window_box(problem: Problem) -> int:
     return math.prod(_max_windows(problem))
 
 
-@functools.lru_cache(maxsize=1024)
+@memo.per_owner("variants.longest_run")
 def _longest_run(problem: Problem) -> int:
     """Longest run of a window that the forward kernels reduce in one go: a window row, or with one
     output column in channels-first memory a whole slab of rows (CONTIGUOUS_WINDOW_ROWS).

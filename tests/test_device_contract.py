@@ -107,7 +107,7 @@ def _ids_with_platforms(monkeypatch, reorder) -> dict:
     its platforms in the order ``reorder`` gives."""
     platforms = opencl.cl.get_platforms()
     monkeypatch.setattr(opencl.cl, "get_platforms", lambda: reorder(platforms))
-    listed = opencl.list_devices.__wrapped__()
+    listed = opencl.enumerate_devices()
     monkeypatch.undo()
     return {(d.platform_name, d.name): d.id for d in listed}
 

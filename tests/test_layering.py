@@ -138,7 +138,7 @@ FORBIDDEN = {
     # PyTorch decomposition that ONNX export traces (below pool_tuner.torch and pool_tuner.onnx)
     **{f"pool_tuner.{m}": {"pool_tuner.backends", "pool_tuner.cache", "pool_tuner.dispatch"} | ABOVE_DISPATCH
        for m in ("problem", "windows", "shapes", "reference", "variants", "kernel_source", "version",
-                 "decomposition")},
+                 "decomposition", "memo")},
     "pool_tuner.backends": {"pool_tuner.cache", "pool_tuner.dispatch", "pool_tuner.variants"} | ABOVE_DISPATCH,
     "pool_tuner.cache": {"pool_tuner.backends", "pool_tuner.dispatch"} | ABOVE_DISPATCH,
     "pool_tuner.dispatch": ABOVE_DISPATCH,

@@ -21,6 +21,11 @@ which launches them through the driver API on any stream handle (PyTorch's curre
 stream being captured into a CUDA graph) with no PyCUDA object made or freed per call -- the path
 of CUDA tensors from ``pool_tuner.torch``.  PyCUDA compiles for both paths (``_compile``).
 
+Threads: a PyCUDA launch prepares the shared ``Function``'s argument format and then calls it --
+two steps, between which another thread could prepare another format -- so ``launch`` holds the
+device's launch lock across both.  The primary context, the default queue and the device list are
+made once, under a lock.
+
 Importing this module never imports PyCUDA: it is loaded on first use, and ``list_devices()``
 returns ``()`` when PyCUDA is not installed, when there is no driver or no GPU, or on any other
 failure (``import_error()`` then says why).
@@ -36,6 +41,7 @@ import glob
 import importlib.util
 import os
 import shutil
+import threading
 
 import numpy as np
 
@@ -151,6 +157,8 @@ class CudaDevice:
         self.memory_bytes = self.max_allocation_bytes = properties.total_memory
         self._context = None
         self._queue = None
+        self._lock = threading.Lock()  # retaining the primary context, making the default queue
+        self._launch_lock = threading.Lock()  # preparing a kernel's argument format and calling it
 
     @property
     def arch(self) -> str:
@@ -203,14 +211,19 @@ class CudaDevice:
     def context(self):
         """The device's primary context, retained on first use (shared with PyTorch/CuPy)."""
         if self._context is None:
-            self._context = self.cu_device.retain_primary_context()
+            with self._lock:
+                if self._context is None:
+                    self._context = self.cu_device.retain_primary_context()
         return self._context
 
     @property
     def queue(self) -> CudaQueue:
         """The default queue: the primary context and the legacy default stream."""
         if self._queue is None:
-            self._queue = CudaQueue(self.context)
+            context = self.context
+            with self._lock:
+                if self._queue is None:
+                    self._queue = CudaQueue(context)
         return self._queue
 
     @contextlib.contextmanager
@@ -340,11 +353,12 @@ class CudaDevice:
         values, arg_format = zip(*(_kernel_arg(a) for a in args)) if args else ((), ())
         arg_format = "".join(arg_format)
         with self.activated(queue.context):
-            if getattr(kernel, "arg_format", None) != arg_format:
-                kernel.prepare(arg_format)
             start, end = drv.Event(), drv.Event()
             start.record(queue.stream)
-            kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+            with self._launch_lock:
+                if getattr(kernel, "arg_format", None) != arg_format:
+                    kernel.prepare(arg_format)
+                kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
             end.record(queue.stream)
         return CudaLaunch(start, end)
 
@@ -484,9 +498,19 @@ def _kernel_arg(a):
 
 # ---------------------------------------------------------------------- device listing
 
+_LISTING = threading.Lock()
+
+
 @functools.cache
 def list_devices() -> tuple:
-    """Every CUDA device in CUDA's order; ``()`` when PyCUDA, the driver or a GPU is missing."""
+    """Every CUDA device in CUDA's order; ``()`` when PyCUDA, the driver or a GPU is missing.
+    Listed once per process: concurrent first calls wait for the first one's listing."""
+    with _LISTING:
+        return _listed()
+
+
+@functools.cache
+def _listed() -> tuple:
     loaded = _pycuda()
     if loaded is None:
         return ()

@@ -10,6 +10,23 @@ the platform's name (``platform_slug``), so an id keeps its meaning when another
 installed and the ICD loader's platform order changes.  The ids of older releases,
 ``opencl:<platform index>:<device index>``, are refused with the id to use now
 (``unknown_id_message``).
+
+Threads: OpenCL calls are thread-safe except ``clSetKernelArg`` on one kernel object, and a launch
+sets a shared kernel's arguments and then enqueues it -- two steps, between which another thread
+could set its own buffers (results of the wrong arrays, or freed memory).  So every kernel this
+module builds (``LockedKernel``) carries a lock held from its first argument to its enqueue.  The
+default queue, its memory pool and the device list are made once under a lock; built programs and
+kernels are ``memo`` tables (bounded, shared limit).
+
+Fork: PoCL's threaded CPU driver runs kernels on worker threads started when PoCL is first listed;
+a forked child has none of them, so every command it enqueues there waits forever, in a new
+context as much as in the parent's.  PoCL's single-threaded ``basic`` driver runs commands on the
+thread that waits for them and so works in a child.  pool_tuner therefore asks PoCL for both
+drivers (``request_pocl_fork_fallback``; the user's own ``POCL_DEVICES`` is left alone), lists only
+the threaded one and keeps the other as its ``fork_fallback``: after ``os.fork`` the child drops
+every queue, memory pool and built kernel of the parent and runs the same device -- same id,
+fingerprint and limits, so the same dispatch decisions and bit-identical results -- on the
+fallback, in a new context (docs/design.md, "Threads and processes").
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import threading
 
 import numpy as np
 
+from .. import memo
 from ..shapes import c_strides
 from .base import DeviceLimits
 
@@ -52,6 +70,14 @@ POCL_AFFINITY_MARK_ENV = "POOL_TUNER_SET_POCL_AFFINITY"
 #: PoCL variables that change how many worker threads it starts (or CPUs it counts).
 POCL_WORKER_COUNT_ENVS = ("POCL_MAX_PTHREAD_COUNT", "POCL_PTHREAD_MIN_THREADS", "POCL_CPU_MAX_CU_COUNT",
                           "POCL_CPU_MIN_CU_COUNT")
+
+POCL_DEVICES_ENV = "POCL_DEVICES"
+#: Set beside a POCL_DEVICES that pool_tuner set (``request_pocl_fork_fallback``).
+POCL_DEVICES_MARK_ENV = "POOL_TUNER_SET_POCL_DEVICES"
+#: PoCL's drivers as pool_tuner asks for them: the threaded CPU driver, which it lists, and the
+#: single-threaded one, its device's ``fork_fallback``.
+POCL_DEVICES_REQUESTED = "pthread basic"
+POCL_FALLBACK_DRIVER = "basic"
 
 
 def online_cpus() -> int:
@@ -108,6 +134,24 @@ def request_pocl_affinity(environ=os.environ) -> str:
             " (unless this process listed OpenCL devices before)")
 
 
+def request_pocl_fork_fallback(environ=os.environ) -> str:
+    """Ask PoCL for its single-threaded driver beside the threaded one (``POCL_DEVICES``), unless
+    the user chose PoCL's drivers; return what was decided, in words.  PoCL reads the variable
+    once, when the process first lists OpenCL devices, so list_devices calls this just before.
+    The variable stays set, with POCL_DEVICES_MARK_ENV beside it, so that child processes list the
+    same devices."""
+    if POCL_DEVICES_ENV in environ and not fallback_requested(environ):
+        return f"{POCL_DEVICES_ENV}={environ[POCL_DEVICES_ENV]!r} as set by the user: no fallback for forked children"
+    environ[POCL_DEVICES_ENV] = POCL_DEVICES_REQUESTED
+    environ[POCL_DEVICES_MARK_ENV] = "1"
+    return f"{POCL_DEVICES_ENV}={POCL_DEVICES_REQUESTED!r} set by pool_tuner: forked children run on PoCL's basic driver"
+
+
+def fallback_requested(environ=os.environ) -> bool:
+    """Whether the PoCL devices of this process are the ones request_pocl_fork_fallback chose."""
+    return environ.get(POCL_DEVICES_MARK_ENV) == "1" and environ.get(POCL_DEVICES_ENV) == POCL_DEVICES_REQUESTED
+
+
 @functools.cache
 def pocl_affinity() -> str:
     """What request_pocl_affinity decided for this process (decided once, on first call)."""
@@ -133,21 +177,27 @@ def device_type(device) -> str:
 
 
 class OpenCLDevice:
-    """One OpenCL device, identified as ``opencl:<platform slug>:<device index>`` (see the module
-    docstring); ``platform_index`` is the ICD loader's numbering, which Kernel Tuner takes."""
+    """One OpenCL device, identified as ``opencl:<platform slug>:<number>`` (see the module
+    docstring): ``number`` counts the devices pool_tuner lists on the platform, so a hidden
+    ``fork_fallback`` never renumbers them; ``platform_index`` and ``device_index`` are the ICD
+    loader's numbering of the device that runs the kernels, which Kernel Tuner takes."""
 
     backend = BACKEND
     source_suffix = ".cl"
     #: PyTorch has no OpenCL backend: the benchmark compares with PyTorch on the CPU.
     torch_device = "cpu"
 
-    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str):
+    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str, number: int | None = None,
+                 fork_fallback: tuple | None = None):
         self.cl_device = cl_device
         self.platform_index = platform_index
         self.device_index = device_index
+        #: ``(device index, cl device)`` of the device that runs this one's kernels in a forked child.
+        self.fork_fallback = fork_fallback
+        self._listed_device = cl_device
         self.name = cl_device.name.strip()
         self.platform_name = cl_device.platform.name.strip()
-        self.id = f"{BACKEND}:{slug}:{device_index}"
+        self.id = f"{BACKEND}:{slug}:{device_index if number is None else number}"
         self.is_simulator = self.platform_name in SIMULATOR_PLATFORMS
         self.is_pocl = self.platform_name == POCL_PLATFORM
         # Oclgrind advertises every device type bit, so decide "GPU" by platform first.
@@ -162,31 +212,34 @@ class OpenCLDevice:
         self.supports_float64 = bool(cl_device.double_fp_config)
         # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
         self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
+        # What identifies this device's performance in the tuning cache, read now: in a forked child
+        # cl_device becomes the fork fallback, whose own name and compute units must not change this
+        # device's identity.  ``version`` is the OpenCL version string, which on PoCL names the LLVM
+        # target its compiler generates code for (``...-znver3``); ``type`` is ``cpu``, ``gpu``,
+        # ``simulator`` or ``accelerator``.
+        self.fingerprint = {
+            "backend": BACKEND,
+            "platform": self.platform_name,
+            "name": self.name,
+            "vendor": cl_device.vendor.strip(),
+            "type": device_type(self),
+            "version": cl_device.version.strip(),
+            "driver": cl_device.driver_version.strip(),
+            "compute_units": int(cl_device.max_compute_units),
+        }
         self._default_queue = None
         self._pool = None  # the MemoryPool of the default queue, made on first use
+        # host-memory launches (host_memory_aliases, host_buffers), found and made on first use
+        self._host_memory_aliases = self._host_buffers = None
+        self._lock = threading.Lock()  # making the default queue and its pool; allocating from it
+        #: Why this device cannot run in this (forked) process, or None.
+        self._unusable: str | None = None
 
     def __repr__(self):
         return f"<{self.id} {self.name}>"
 
     def describe(self) -> str:
         return f"{self.id} {self.name}"
-
-    @functools.cached_property
-    def fingerprint(self) -> dict:
-        """What identifies this device's performance in the tuning cache.  ``version`` is the
-        OpenCL version string, which on PoCL names the LLVM target its compiler generates code for
-        (``...-znver3``); ``type`` is ``cpu``, ``gpu``, ``simulator`` or ``accelerator``."""
-        d = self.cl_device
-        return {
-            "backend": BACKEND,
-            "platform": self.platform_name,
-            "name": self.name,
-            "vendor": d.vendor.strip(),
-            "type": device_type(self),
-            "version": d.version.strip(),
-            "driver": d.driver_version.strip(),
-            "compute_units": int(d.max_compute_units),
-        }
 
     @staticmethod
     def fingerprint_levels(fingerprint: dict) -> dict:
@@ -213,19 +266,45 @@ class OpenCLDevice:
         return f"PoCL: {pocl_affinity()}" if self.is_pocl and self.is_cpu else None
 
     def kernel_tuner_arguments(self) -> dict:
+        if self.cl_device is not self._listed_device:
+            raise RuntimeError(f"{self.describe()} cannot be tuned in a forked child process: it runs on PoCL's "
+                               f"single-threaded driver here, whose timings are not this device's; tune in the "
+                               f"parent or in a process that was not forked")
         return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
+
+    def _after_fork_in_child(self) -> None:
+        """Forget the parent's queue, pool and lock, and move onto the fork fallback (see the
+        module docstring); a PoCL device without one is unusable here, which its first use says."""
+        self._lock = threading.Lock()
+        self._default_queue = self._pool = None
+        self._host_memory_aliases = self._host_buffers = None
+        if self.fork_fallback is not None:
+            self.device_index, self.cl_device = self.fork_fallback
+        elif self.is_pocl:
+            self._unusable = (
+                f"{self.describe()} cannot run in this forked child process: PoCL's worker threads were started "
+                f"in the parent and do not exist here, and no fallback device was listed "
+                f"({POCL_DEVICES_ENV} was set by the user, or PoCL was listed before pool_tuner could ask for "
+                f"its '{POCL_FALLBACK_DRIVER}' driver); start worker processes with 'spawn' or 'forkserver' instead"
+            )
 
     # ------------------------------------------------------------------ queues and arrays
 
     @property
     def queue(self):
-        """The default queue (own context, profiling enabled), created on first use."""
-        if self._default_queue is None:
-            context = cl.Context([self.cl_device])
-            self._default_queue = cl.CommandQueue(
-                context, properties=cl.command_queue_properties.PROFILING_ENABLE
-            )
-        return self._default_queue
+        """The default queue (own context, profiling enabled), created once, on first use."""
+        queue = self._default_queue
+        if queue is None:
+            with self._lock:
+                if self._default_queue is None:
+                    if self._unusable is not None:
+                        raise RuntimeError(self._unusable)
+                    context = cl.Context([self.cl_device])
+                    self._default_queue = cl.CommandQueue(
+                        context, properties=cl.command_queue_properties.PROFILING_ENABLE
+                    )
+                queue = self._default_queue
+        return queue
 
     def synchronize(self, queue=None) -> None:
         (queue or self.queue).finish()
@@ -289,11 +368,12 @@ class OpenCLDevice:
         if size == 0:
             return cl_array.empty(queue, shape, dtype)
         if queue is self._default_queue and memory_pool_enabled:
-            if self._pool is None:
-                import pyopencl.tools as cl_tools
+            with self._lock:  # PyOpenCL does not document its MemoryPool as thread-safe
+                if self._pool is None:
+                    import pyopencl.tools as cl_tools
 
-                self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
-            data = self._pool.allocate(size * dtype.itemsize)
+                    self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+                data = self._pool.allocate(size * dtype.itemsize)
         else:
             data = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize)
         try:
@@ -304,10 +384,11 @@ class OpenCLDevice:
 
     def release_memory(self) -> int:
         """Free the memory the pool holds for reuse; returns the number of blocks freed."""
-        if self._pool is None:
-            return 0
-        freed = self._pool.held_blocks
-        self._pool.free_held()
+        with self._lock:
+            if self._pool is None:
+                return 0
+            freed = self._pool.held_blocks
+            self._pool.free_held()
         return freed
 
     # ------------------------------------------------------------------ kernels
@@ -326,15 +407,13 @@ class OpenCLDevice:
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
-        device arrays or buffers, then numpy scalars (``dispatch.Launch.scalars``).  Setting a kernel's arguments and enqueuing it
-        are two steps on one kernel object that every thread shares: ``KERNEL_LOCK`` makes them
-        one."""
+        device arrays or buffers, then numpy scalars (``dispatch.Launch.scalars``).  ``kernel`` (a
+        ``LockedKernel`` from ``build``) is locked from setting its arguments to enqueueing it (see
+        the module docstring)."""
         global_size = (groups * block[0],) + tuple(block[1:])
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
-        with KERNEL_LOCK:
-            if kernel not in _typed_kernels:
-                _declare_scalar_types(kernel, buffers)
-            kernel.set_args(*buffers)
+        with kernel.launch_lock:
+            kernel.set_typed_args(buffers)
             return cl.enqueue_nd_range_kernel(queue, kernel, global_size, tuple(block), wait_for=wait_for)
 
     def host_launch(self, launch, nbytes: tuple, n_inputs: int):
@@ -343,18 +422,28 @@ class OpenCLDevice:
         only) and returns once the outputs are written (see ``HostLaunch``)."""
         return HostLaunch(self, launch, nbytes, n_inputs)
 
-    @functools.cached_property
+    @property
     def host_memory_aliases(self) -> bool:
         """Whether a buffer made over host memory (``USE_HOST_PTR``) *is* that memory on this
-        device, found by trying it: then such buffers may be kept for the same address and size,
-        read without mapping, and a kernel sees the host's latest writes.  The OpenCL standard
-        promises neither (host pointers are only synchronised by mapping), so devices where the
-        test fails get fresh buffers and a map after every kernel."""
-        return self.shares_host_memory and _host_memory_aliases(self.queue)
+        device, found by trying it once per process (and again in a forked child): then such
+        buffers may be kept for the same address and size, read without mapping, and a kernel
+        sees the host's latest writes.  The OpenCL standard promises neither (host pointers are
+        only synchronised by mapping), so devices where the trial fails get fresh buffers and a map
+        after every kernel."""
+        if self._host_memory_aliases is None:
+            self._host_memory_aliases = self.shares_host_memory and _host_memory_aliases(self.queue)
+        return self._host_memory_aliases
 
-    @functools.cached_property
+    @host_memory_aliases.setter
+    def host_memory_aliases(self, value: bool) -> None:
+        self._host_memory_aliases = value
+
+    @property
     def host_buffers(self) -> "HostBuffers":
-        return HostBuffers(self.queue.context)
+        """The buffers over host memory kept for this device's default queue."""
+        if self._host_buffers is None:
+            self._host_buffers = HostBuffers(self.queue.context)
+        return self._host_buffers
 
     def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
         """``launch`` and wait; the kernel's time in ms by its profiling event (``queue`` must
@@ -388,14 +477,18 @@ class OpenCLDevice:
 
     @staticmethod
     def fill(array, value, queue=None):
-        array.fill(value, queue=queue)
+        """Fill ``array`` with ``value`` by PyOpenCL's fill kernel, which PyOpenCL shares between
+        threads (one per context and dtype), hence ``_PYOPENCL_KERNELS``."""
+        with _PYOPENCL_KERNELS:
+            array.fill(value, queue=queue)
         return array
 
     @staticmethod
     def fill_bits(array, bits, queue=None):
         """Fill an array of 16-bit elements with the bit pattern ``bits`` (PyOpenCL cannot fill
         float16 arrays, and bfloat16 is stored as its bits anyway)."""
-        array.view(np.uint16).fill(np.uint16(bits), queue=queue)
+        with _PYOPENCL_KERNELS:
+            array.view(np.uint16).fill(np.uint16(bits), queue=queue)
         return array
 
     @staticmethod
@@ -411,32 +504,53 @@ def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
     return c_strides(shape, itemsize), math.prod(shape)
 
 
-@functools.lru_cache(maxsize=512)
-def _program(context, cl_device, source: str, options: tuple):
-    """One build per program text, whichever of its kernels are asked for (bandwidth.cl has four)."""
-    return cl.Program(context, source).build(options=list(options), devices=[cl_device])
+if cl is not None:
+    class LockedKernel(cl.Kernel):
+        """A kernel with the lock that ``launch`` holds from setting its arguments to enqueueing it."""
+
+        def __init__(self, program, name: str):
+            super().__init__(program, name)
+            self.launch_lock = threading.Lock()
+            self._typed = False
+
+        def set_typed_args(self, args) -> None:
+            """Set the arguments (memory objects, then numpy scalars).  The first call tells PyOpenCL
+            the numpy type of each scalar argument (None: a memory object) as ``args`` have them --
+            every launch of a kernel passes the same kinds: PyOpenCL then packs scalars through an
+            invoker generated for these types instead of working out each scalar's type on every
+            call, the slowest step of an undeclared launch."""
+            if not self._typed:
+                self.set_scalar_arg_dtypes([a.dtype if isinstance(a, np.generic) else None for a in args])
+                self._typed = True
+            self.set_args(*args)
 
 
-#: Kernels whose scalar argument types PyOpenCL knows (``_declare_scalar_types``).
-_typed_kernels: set = set()
+#: Held from setting the arguments of one of PyOpenCL's own kernels (``pyopencl.array`` fills), which
+#: PyOpenCL memoises per context and so shares between threads, to enqueueing it.
+_PYOPENCL_KERNELS = threading.Lock()
+
+#: Built programs and their kernels, filed under the program's key (``memo``): the kernels of one
+#: program (bandwidth.cl has four) share one build and leave with it.
+_PROGRAMS = memo.table("opencl.programs")
+_KERNELS = memo.table("opencl.kernels")
 
 
-def _declare_scalar_types(kernel, args) -> None:
-    """Tell PyOpenCL the numpy type of each scalar argument of ``kernel`` (None: a memory object),
-    as ``args`` of its first launch have them -- every launch of a kernel passes the same kinds.
-    PyOpenCL then packs scalars through an invoker generated for these types instead of working out
-    each scalar's type on every call, the slowest step of an undeclared launch."""
-    kernel.set_scalar_arg_dtypes([a.dtype if isinstance(a, np.generic) else None for a in args])
-    _typed_kernels.add(kernel)
-
-
-@functools.lru_cache(maxsize=512)
 def _build(context, cl_device, source: str, kernel_name: str, options: tuple = ()):
-    return cl.Kernel(_program(context, cl_device, source, options), kernel_name)
+    program_key = (context, cl_device, source, options)
+    kernel = _KERNELS.peek((program_key, kernel_name))
+    if kernel is None:
+        program = _PROGRAMS.peek(program_key)
+        if program is None:
+            program = cl.Program(context, source).build(options=list(options), devices=[cl_device])
+            _PROGRAMS.put(program_key, program_key, program)
+        kernel = _KERNELS.put(program_key, (program_key, kernel_name), LockedKernel(program, kernel_name))
+    return kernel
 
 
-#: Held while a kernel's arguments are set and it is enqueued: kernels are shared between threads.
-KERNEL_LOCK = threading.Lock()
+_listing: tuple | None = None
+_listing_lock = threading.Lock()
+
+
 #: How many host-memory buffers a device keeps (``HostBuffers``).
 HOST_BUFFER_LIMIT = 64
 
@@ -483,7 +597,7 @@ def host_buffer(context, address: int, nbytes: int, writable: bool):
 class HostLaunch:
     """One built kernel with its grid, run over host memory (``OpenCLDevice.host_launch``): the
     call path of numpy arrays and CPU tensors on devices that share host memory.  A call sets the
-    arguments, enqueues and waits, under ``KERNEL_LOCK``; where host memory aliases
+    arguments and enqueues under the kernel's lock, then waits; where host memory aliases
     (``host_memory_aliases``) the buffers come from the device's ``HostBuffers``, elsewhere they
     are made afresh and the outputs mapped once the kernel is done."""
 
@@ -506,10 +620,8 @@ class HostLaunch:
         else:
             context = self.queue.context
             buffers = [host_buffer(context, a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
-        with KERNEL_LOCK:
-            if self.kernel not in _typed_kernels:
-                _declare_scalar_types(self.kernel, (*buffers, *self.scalars))
-            self.kernel.set_args(*buffers, *self.scalars)
+        with self.kernel.launch_lock:
+            self.kernel.set_typed_args((*buffers, *self.scalars))
             event = cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.global_size, self.local_size)
         event.wait()
         if self.buffers is None:
@@ -543,12 +655,29 @@ def _host_memory_aliases(queue) -> bool:
     return True
 
 
-@functools.cache
 def list_devices() -> tuple:
-    """Every OpenCL device of every platform, in ICD order (stable for a given installation)."""
+    """Every OpenCL device of every platform, in ICD order (stable for a given installation),
+    listed once per process; PoCL's fork fallback is not listed (see the module docstring)."""
+    listing = _listing
+    if listing is None:
+        listing = _list_once()
+    return listing
+
+
+def _list_once() -> tuple:
+    global _listing
+    with _listing_lock:
+        if _listing is None:
+            _listing = enumerate_devices()
+        return _listing
+
+
+def enumerate_devices() -> tuple:
+    """List the devices afresh (``list_devices`` lists once and keeps the result)."""
     if cl is None:
         return ()
     pocl_affinity()  # before PoCL starts, which reads it
+    request_pocl_fork_fallback()
     found = []
     try:
         platforms = cl.get_platforms()
@@ -557,12 +686,31 @@ def list_devices() -> tuple:
     slugs = _unique_slugs([platform.name.strip() for platform in platforms])
     for p_index, platform in enumerate(platforms):
         try:
-            devices = platform.get_devices()
+            devices = list(enumerate(platform.get_devices()))
         except cl.Error:
             continue
-        for d_index, device in enumerate(devices):
-            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index]))
+        fallback = None
+        if platform.name.strip() == POCL_PLATFORM and fallback_requested():
+            spare = [(i, d) for i, d in devices if d.name.startswith(POCL_FALLBACK_DRIVER + "-")]
+            if spare and len(spare) < len(devices):
+                fallback = spare[0]
+                devices = [(i, d) for i, d in devices if (i, d) != fallback]
+        for number, (d_index, device) in enumerate(devices):
+            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index], number, fallback))
     return tuple(found)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child: a fresh listing lock, and every listed device moved off the parent's OpenCL
+    state (``OpenCLDevice._after_fork_in_child``); ``memo`` empties the built kernels."""
+    global _listing_lock, _PYOPENCL_KERNELS
+    _listing_lock, _PYOPENCL_KERNELS = threading.Lock(), threading.Lock()
+    for device in _listing or ():
+        device._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unique_slugs(platform_names: list) -> list:
