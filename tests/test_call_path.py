@@ -81,16 +81,23 @@ def test_signatures_tell_apart_what_changes_the_call(rng):
         pt.adaptive_avg_pool2d(x, (4.0, 7))  # equal to (4, 7), but never its plan
 
 
-def test_plan_tables_are_bounded_and_drop_the_oldest():
-    table = plans.PlanTable(size=3)
-    for key in range(5):
-        table.put(key, f"plan {key}")
-    assert len(table) == 3 and table.get(0) is None and table.get(4) == "plan 4"
-    table.get(2)  # used: kept over 3
-    table.put(5, "plan 5")
-    assert table.get(2) == "plan 2" and table.get(3) is None
-    dispatch.forget()  # tables hold decisions: forgotten with them
-    assert len(table) == 0
+@pytest.mark.usefixtures("fresh_plans")
+def test_plans_are_bounded_by_the_memo_limit_and_forgotten_with_decisions(monkeypatch, rng):
+    from pool_tuner import memo
+
+    previous = memo.limit()
+    memo.set_limit(4)
+    try:
+        for rows in range(5, 13):
+            x = random_input(rng, (1, 3, rows, 9))
+            np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, (4, 7)), reference.adaptive_avg_pool(x, (4, 7), 2),
+                                       **FLOAT32_TOL)
+            assert len(pt.ops._PLANS) <= 4
+    finally:
+        memo.set_limit(previous)
+    assert len(pt.ops._PLANS) > 0
+    dispatch.forget()  # plans hold decisions: forgotten with them
+    assert len(pt.ops._PLANS) == 0
 
 
 @pytest.mark.usefixtures("fresh_plans")
