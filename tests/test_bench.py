@@ -74,17 +74,18 @@ def test_scripts_in_benchmarks_run(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "dispatch_overhead.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "call_overhead.py"
     if not script.exists():
         pytest.skip("benchmarks/ is not beside the tests (installed package)")
     env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path / "cache"))
-    done = subprocess.run([sys.executable, str(script), "--repeat", "16", "--batch", "4"], capture_output=True,
-                          text=True, timeout=120, check=True, cwd=tmp_path, env=env)
-    for mode in ("drained", "pipelined"):
-        line = re.search(rf"^{mode} +raw enqueue median +([\d.]+) us +library call median +([\d.]+) us +"
-                         rf"overhead +(-?[\d.]+) us", done.stdout, re.M)
-        assert line, done.stdout
-        assert float(line.group(1)) > 0 and float(line.group(2)) > 0
+    report = tmp_path / "call_overhead.json"
+    done = subprocess.run([sys.executable, str(script), "--rounds", "2", "--loop-ms", "1", "--shapes", "1x8x4x4:1",
+                           "--out", str(report)], capture_output=True, text=True, timeout=120, check=True,
+                          cwd=tmp_path, env=env)
+    assert re.search(r"^floor: bare launch\+wait +[\d.]+ \(", done.stdout, re.M), done.stdout
+    (shape,) = json.loads(report.read_text())["shapes"]
+    assert shape["calls"]["numpy API avg"]["us"]["median"] > 0
+    assert shape["calls"]["floor: bare launch+wait"]["times_floor"]["of_medians"] == 1.0
 
     script = script.with_name("variant_timings.py")
     done = subprocess.run([sys.executable, str(script), "--repeat", "1"], capture_output=True, text=True,
