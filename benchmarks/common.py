@@ -103,6 +103,8 @@ def circumstances(torch=None, device=None) -> dict:
     """What a reader needs to judge the numbers: when, where, which pool_tuner (its files and commit:
     the scripts time whichever pool_tuner the interpreter imports), torch's threads, the device,
     PoCL's settings and the machine's load."""
+    from pool_tuner import kernel_source
+
     source = Path(pool_tuner.__file__).resolve().parent
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -110,7 +112,8 @@ def circumstances(torch=None, device=None) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "pool_tuner": {"version": pool_tuner.__version__, "path": str(source), "commit": _git_commit(source)},
+        "pool_tuner": {"version": pool_tuner.__version__, "path": str(source), "commit": _git_commit(source),
+                       "kernels": str(kernel_source.kernel_dir())},
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("POCL_", "POOL_TUNER_", "OMP_"))},
         "load_average": list(os.getloadavg()),
     }
@@ -134,7 +137,7 @@ def describe_circumstances(info: dict) -> str:
     pt = info["pool_tuner"]
     lines = [f"{info['date']}  {info['host']}  {info['cpus']} CPUs  python {info['python']}  "
              f"load average {' '.join(f'{v:.2f}' for v in info['load_average'])}",
-             f"pool_tuner {pt['version']} from {pt['path']} (commit {pt['commit'] or 'unknown'})"]
+             f"pool_tuner {pt['version']} from {pt['path']} (commit {pt['commit'] or 'unknown'}), kernels {pt['kernels']}"]
     extra = []
     if "torch" in info:
         t = info["torch"]
