@@ -59,11 +59,12 @@ def calls_for(candidate: Candidate, loop_s: float, min_calls: int = 1, max_calls
     """Calls per loop so that one loop of ``candidate`` lasts about ``loop_s``: loops of 1, 2, 4, ...
     calls until one lasts a quarter of that, whose time per call sets the count (a loop of two
     calls misjudges calls of a few microseconds, or a queue that fills faster than it drains).
-    ``pool_tuner.bench.calls_per_loop`` does this for its fixed 50 ms loops of at least three
-    calls; whole models need longer loops of fewer calls."""
+    Each count is timed twice and the faster taken, so that one stall of a busy machine does not
+    stop the doubling early.  ``pool_tuner.bench.calls_per_loop`` does this for its fixed 50 ms
+    loops of at least three calls; whole models need longer loops of fewer calls."""
     calls = 1
     while True:
-        per_call_s = bench.time_loop(candidate, calls) * 1e-3
+        per_call_s = min(bench.time_loop(candidate, calls) for _ in range(2)) * 1e-3
         if per_call_s * calls >= loop_s / 4 or calls >= max_calls:
             break
         calls *= 2
