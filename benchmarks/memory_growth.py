@@ -9,14 +9,14 @@ PoCL writes every program it compiles to its on-disk cache.  For ``--shapes`` di
 shapes, then after a second pass over the same shapes (which should add nothing), then after
 ``pool_tuner.release_memory()`` and a garbage collection.
 
-Each API (``--api``: the numpy API, the ``pool_tuner.torch`` module) runs in a fresh process with
-``POCL_CACHE_DIR`` in a temporary directory.  The APIs share that directory by default, in order:
-the first compiles every program (its cache growth is the cost of the builds), the later ones find
-them on disk (loading a program costs memory too, but adds nothing to the directory) -- which keeps
-the run short; ``--separate-caches`` gives each API an empty directory of its own, so each compiles
-everything (about twice as long).
+Each API (``--api``: the numpy API, the ``pool_tuner.torch`` module) runs in fresh processes with
+``POCL_CACHE_DIR`` in a temporary directory of its own, in up to two states (``--pocl-cache``):
+``cold``, an empty directory, where PoCL compiles every program and writes it there (the
+directory's growth is the cost of the builds on disk), and ``disk``, the directory the cold run
+filled, where PoCL loads every program from disk instead (what a later run of the same program
+does; a loaded program takes memory of its own, and the directory does not grow).
 
-    python benchmarks/memory_growth.py [--api numpy,torch] [--shapes 400] [--every 50] [--separate-caches] [--out FILE]
+    python benchmarks/memory_growth.py [--api numpy,torch] [--shapes 400] [--every 50] [--pocl-cache cold,disk] [--out FILE]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 import common
 
 APIS = ("numpy", "torch")
+POCL_CACHE_STATES = ("cold", "disk")
 OUTPUT_SIZE = (4, 3)
 
 
@@ -126,26 +127,26 @@ def main():
     parser.add_argument("--api", default=",".join(APIS), help="comma-separated, of numpy, torch (default: %(default)s)")
     parser.add_argument("--shapes", type=int, default=400, help="distinct shapes (default: %(default)s)")
     parser.add_argument("--every", type=int, default=50, help="shapes between readings (default: %(default)s)")
-    parser.add_argument("--separate-caches", action="store_true",
-                        help="an empty PoCL cache directory for each API instead of one shared in turn")
+    parser.add_argument("--pocl-cache", default="cold,disk",
+                        help="comma-separated PoCL cache states, of cold, disk (default: %(default)s)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     common.add_output_argument(parser)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
-    apis = args.api.split(",")
-    if set(apis) - set(APIS):
-        parser.error(f"--api takes {', '.join(APIS)}")
+    apis, states = args.api.split(","), args.pocl_cache.split(",")
+    if set(apis) - set(APIS) or set(states) - set(POCL_CACHE_STATES):
+        parser.error(f"--api takes {', '.join(APIS)}; --pocl-cache takes {', '.join(POCL_CACHE_STATES)}")
+    if "disk" in states and "cold" not in states:
+        states.insert(0, "cold")  # the disk state loads what a cold run compiled
     info = common.circumstances()
     print(common.describe_circumstances(info))
     print(f"{args.shapes} distinct shapes 2x4xHxW -> {OUTPUT_SIZE[0]}x{OUTPUT_SIZE[1]}, each called once, then a second pass")
     results, summary = [], []
     with tempfile.TemporaryDirectory(prefix="memory_growth_") as tmp:
-        for api in apis:
-            cache_dir = Path(tmp) / (api if args.separate_caches else "shared")
-            state = "empty" if args.separate_caches or api == apis[0] else f"filled by {apis[0]}"
-            result = dict(run_child(args, api, cache_dir), api=api, pocl_cache_at_start=state)
+        for api, state in [(api, state) for api in apis for state in POCL_CACHE_STATES if state in states]:
+            result = dict(run_child(args, api, Path(tmp) / api), api=api, pocl_cache=state)
             results.append(result)
             points = result["points"]
             base = points[0]
@@ -153,7 +154,7 @@ def main():
                      f"{(p['rss_kib'] - base['rss_kib']) / p['shapes']:.1f}" if p["shapes"] else "",
                      f"{p['pocl_cache_bytes'] / 2**20:.2f}", p["pocl_programs"], f"{p['elapsed_s']:.0f}"]
                     for p in points]
-            print(f"\n{api} (PoCL cache directory {state} at the start)")
+            print(f"\n{api}, PoCL cache {state}")
             print(common.format_table(["reading", "shapes", "RSS MiB", "growth MiB", "KiB/shape", "PoCL cache MiB",
                                        "programs", "s"], rows))
             passes = [p for p in points if p["label"] == "first pass"]
@@ -162,17 +163,19 @@ def main():
                      if len(passes) > 1 else float("nan"))
             second, released = points[-2], points[-1]
             cache_growth = first["pocl_cache_bytes"] - base["pocl_cache_bytes"]
-            summary.append([api, f"{(first['rss_kib'] - base['rss_kib']) / first['shapes']:.1f}", f"{slope:.1f}",
+            summary.append([f"{api}, PoCL cache {state}",
+                            f"{(first['rss_kib'] - base['rss_kib']) / first['shapes']:.1f}", f"{slope:.1f}",
                             f"{(second['rss_kib'] - first['rss_kib']) / 1024:+.1f}",
                             f"{(released['rss_kib'] - base['rss_kib']) / 1024:+.1f}",
-                            f"{cache_growth / first['shapes'] / 1024:.1f}", state])
+                            f"{cache_growth / first['shapes'] / 1024:.1f}"])
     print("\nSummary")
-    print(common.format_table(["api", "RSS KiB/new shape", "after first reading", "second pass MiB", "kept after release MiB",
-                               "PoCL cache KiB/new shape", "PoCL cache at start"], summary))
+    print(common.format_table(["api, state", "RSS KiB/new shape", "after first reading", "second pass MiB",
+                               "kept after release MiB", "PoCL cache KiB/new shape"], summary))
     print("\nRSS: VmRSS of the process; growth and KiB/shape against the reading after one warm-up call of another"
           "\nshape; after first reading: KiB per shape from the first reading to the end of the first pass (without"
-          "\nwhat the first shapes cost once); second pass: the same shapes again; kept after release: growth still held after"
-          "\npool_tuner.release_memory() and gc.collect(); PoCL cache: bytes of files in POCL_CACHE_DIR")
+          "\nwhat the first shapes cost once); second pass: the same shapes again; kept after release: growth"
+          "\nstill held after pool_tuner.release_memory() and gc.collect(); PoCL cache: bytes of files in"
+          "\nPOCL_CACHE_DIR (cold: compiled programs written; disk: programs loaded from it)")
     common.write_json(args.out, {"benchmark": "memory_growth", "circumstances": common.record_end(info),
                                  "shapes": args.shapes, "output_size": list(OUTPUT_SIZE), "results": results})
 

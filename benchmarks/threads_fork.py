@@ -248,8 +248,9 @@ def main():
         for r in runs:
             if r.get("wrong_by_case"):
                 print(f"\n{api} stress, wrong results by call: {r['wrong_by_case']}")
-            for message in r.get("first_errors", [])[:1] + ([r["stderr"]] if "stderr" in r else []):
-                print(f"\n{api} stress, first error:\n{message.rstrip()}")
+            for message in r.get("first_errors", [])[:1] + [r.get("stderr", "")]:
+                if message.strip():
+                    print(f"\n{api} stress, {r['ended']}:\n{message.rstrip()}")
         fork = run(args, "fork", api, args.fork_timeout + 120)
         results["fork"][api] = fork
         outcomes = fork.get("outcomes", {})

@@ -96,6 +96,39 @@ def test_scripts_in_benchmarks_run(tmp_path):
     assert all(float(ms) > 0 for _, ms in timed)
 
 
+CALL_PATH_SCRIPTS = {
+    # script: (tiny arguments, exit statuses allowed, a key of its JSON report)
+    "first_call.py": (["--new", "2", "--rounds", "1", "--loop-ms", "1"], (0,), "results"),
+    "memory_growth.py": (["--shapes", "4", "--every", "2"], (0,), "results"),
+    # a checker: exit 1 reports failures found, which is its job, not the script's failure
+    "threads_fork.py": (["--runs", "1", "--threads", "2", "--calls", "8", "--fork-timeout", "10"], (0, 1), "failed"),
+    "models.py": (["--models", "resnet50", "--cases", "infer_b1", "--rounds", "1", "--loop-s", "0.01"], (0,),
+                  "models"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALL_PATH_SCRIPTS))
+def test_call_path_scripts_run(tmp_path, name):
+    """The call-path benchmarks of benchmarks/ (docs/benchmarks.md) run to the end with tiny settings
+    and write their JSON reports (a smoke test: nothing measured is asserted)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    if not script.exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+    if name == "models.py":
+        pytest.importorskip("torchvision")
+    arguments, statuses, key = CALL_PATH_SCRIPTS[name]
+    report = tmp_path / "report.json"
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script), *arguments, "--out", str(report)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode in statuses, done.stdout + done.stderr
+    assert key in json.loads(report.read_text()), done.stdout
+
+
 def test_memory_bandwidth_times_every_stream_and_checks_its_work(monkeypatch):
     device = backends.default_device()
     streams = bench.memory_bandwidth(device, nbytes=1 << 20, repeat=1)
