@@ -185,7 +185,8 @@ def fork_child(args) -> dict:
         buffer += chunk
     reported = dict(json.loads(line) for line in buffer.decode().splitlines())
     ending = ("hung" if ended is None else
-              f"crashed ({signal.Signals(os.WTERMSIG(ended)).name})" if os.WIFSIGNALED(ended) else None)
+              f"crashed ({signal.Signals(os.WTERMSIG(ended)).name})" if os.WIFSIGNALED(ended) else
+              f"exited (status {os.WEXITSTATUS(ended)}) without a report")
     outcomes = {}
     for name, *_ in steps:
         if name in reported:
