@@ -45,6 +45,9 @@ import common
 DEFAULT_SHAPES = "1x8x4x4:1,1x64x7x7:1,1x8x9x9:4x4"
 TRIVIAL_KERNEL = "__kernel void touch(__global float *x) { x[get_global_id(0)] += 1.0f; }"
 FLOOR = "floor: bare launch+wait"
+#: Fewest calls in a timed loop: a loop of a few calls would count its one wait several times over,
+#: which a stall during calibration on a busy machine could otherwise choose.
+MIN_CALLS = 20
 
 
 def parse_shapes(text: str) -> list:
@@ -150,7 +153,7 @@ def main():
     results = []
     for shape, out_size in parse_shapes(args.shapes):
         candidates = candidates_for(shape, out_size, device, rng)
-        timings = common.interleave(candidates, args.rounds, args.loop_ms * 1e-3, rng, min_calls=3)
+        timings = common.interleave(candidates, args.rounds, args.loop_ms * 1e-3, rng, min_calls=MIN_CALLS)
         explained = pt.explain("adaptive_avg_pool2d", shape, out_size)
         label = f"{'x'.join(map(str, shape))} -> {'x'.join(map(str, out_size))}"
         rows = []
