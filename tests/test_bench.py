@@ -74,17 +74,18 @@ def test_scripts_in_benchmarks_run(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "dispatch_overhead.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "call_overhead.py"
     if not script.exists():
         pytest.skip("benchmarks/ is not beside the tests (installed package)")
     env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path / "cache"))
-    done = subprocess.run([sys.executable, str(script), "--repeat", "16", "--batch", "4"], capture_output=True,
-                          text=True, timeout=120, check=True, cwd=tmp_path, env=env)
-    for mode in ("drained", "pipelined"):
-        line = re.search(rf"^{mode} +raw enqueue median +([\d.]+) us +library call median +([\d.]+) us +"
-                         rf"overhead +(-?[\d.]+) us", done.stdout, re.M)
-        assert line, done.stdout
-        assert float(line.group(1)) > 0 and float(line.group(2)) > 0
+    report = tmp_path / "call_overhead.json"
+    done = subprocess.run([sys.executable, str(script), "--rounds", "2", "--loop-ms", "1", "--shapes", "1x8x4x4:1",
+                           "--out", str(report)], capture_output=True, text=True, timeout=120, check=True,
+                          cwd=tmp_path, env=env)
+    assert re.search(r"^floor: bare launch\+wait +[\d.]+ \(", done.stdout, re.M), done.stdout
+    (shape,) = json.loads(report.read_text())["shapes"]
+    assert shape["calls"]["numpy API avg"]["us"]["median"] > 0
+    assert shape["calls"]["floor: bare launch+wait"]["times_floor"]["of_medians"] == 1.0
 
     script = script.with_name("variant_timings.py")
     done = subprocess.run([sys.executable, str(script), "--repeat", "1"], capture_output=True, text=True,
@@ -93,6 +94,39 @@ def test_scripts_in_benchmarks_run(tmp_path):
     names = {name for name, _ in timed}
     assert "thread_per_output" in names and names <= set(pt.variants("adaptive_avg_pool2d")), done.stdout
     assert all(float(ms) > 0 for _, ms in timed)
+
+
+CALL_PATH_SCRIPTS = {
+    # script: (tiny arguments, exit statuses allowed, a key of its JSON report)
+    "first_call.py": (["--new", "2", "--rounds", "1", "--loop-ms", "1"], (0,), "results"),
+    "memory_growth.py": (["--shapes", "4", "--every", "2"], (0,), "results"),
+    # a checker: exit 1 reports failures found, which is its job, not the script's failure
+    "threads_fork.py": (["--runs", "1", "--threads", "2", "--calls", "8", "--fork-timeout", "10"], (0, 1), "failed"),
+    "models.py": (["--models", "resnet50", "--cases", "infer_b1", "--rounds", "1", "--loop-s", "0.01"], (0,),
+                  "models"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALL_PATH_SCRIPTS))
+def test_call_path_scripts_run(tmp_path, name):
+    """The call-path benchmarks of benchmarks/ (docs/benchmarks.md) run to the end with tiny settings
+    and write their JSON reports (a smoke test: nothing measured is asserted)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    if not script.exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+    if name == "models.py":
+        pytest.importorskip("torchvision")
+    arguments, statuses, key = CALL_PATH_SCRIPTS[name]
+    report = tmp_path / "report.json"
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script), *arguments, "--out", str(report)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode in statuses, done.stdout + done.stderr
+    assert key in json.loads(report.read_text()), done.stdout
 
 
 def test_memory_bandwidth_times_every_stream_and_checks_its_work(monkeypatch):

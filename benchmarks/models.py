@@ -1,0 +1,164 @@
+"""Whole torchvision models on the CPU, stock against ``pool_tuner.torch.replace_pooling``.
+
+What a user sees who swaps pool_tuner into a model: the model's time per call, not the pooling
+layer's.  Each model (``weights=None``: random initialisation, nothing downloaded) is built once;
+a deep copy with ``replace_pooling`` applied has the same weights.  Before any timing the two are
+run once on the same batch and their outputs must agree (``allclose``).  Then, in one process, each
+case times the stock and the swapped model in interleaved rounds (``pool_tuner.bench``'s loops of
+calls back to back, a fresh random order every round), medians:
+
+* ``infer_b1`` and ``infer_b16``: a forward pass of 1 or 16 images of 224x224 in eval mode under
+  ``torch.inference_mode()``;
+* ``train_b8``: a training step on 8 images in train mode -- forward, cross-entropy loss, backward,
+  an SGD step (each model of the pair trains its own copy, so the inference models stay as built).
+
+Reported: milliseconds per call of each (median and quartiles over the rounds), the ratio stock /
+pool_tuner (below 1: pool_tuner's model is slower) of the medians and the quartiles of the paired
+per-round ratios, and the pooling layers swapped.  PyTorch's intra-op threads are set explicitly
+(``--threads``; default: what torch chose) and printed: PoCL runs its own worker threads beside
+them.
+
+    python benchmarks/models.py [--models efficientnet_b0,resnet50] [--cases infer_b1,infer_b16,train_b8]
+                                [--rounds 5] [--threads N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import sys
+
+import numpy as np
+import torch
+
+try:
+    import torchvision
+except ImportError:
+    raise SystemExit('models.py needs torchvision: pip install "pool-tuner[bench]" (a torchvision matching '
+                     'the installed torch)') from None
+
+import pool_tuner.torch as ptt
+from pool_tuner import backends
+
+import common
+
+MODELS = ("efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf", "resnet50")
+#: case -> (batch size, training step?)
+CASES = {"infer_b1": (1, False), "infer_b16": (16, False), "train_b8": (8, True)}
+IMAGE = 224
+CLASSES = 1000
+
+
+def build(name: str) -> tuple:
+    """``(stock, swapped, swapped layer names)``: the model with random weights and a deep copy with
+    pool_tuner's pooling layers."""
+    stock = torchvision.models.get_model(name, weights=None, num_classes=CLASSES)
+    swapped = ptt.replace_pooling(copy.deepcopy(stock))
+    names = [n for n, m in swapped.named_modules() if type(m).__module__ == ptt.__name__]
+    return stock, swapped, names
+
+
+def agreement(stock, swapped, rng) -> dict:
+    """Both models in eval mode on one batch of two images: whether their outputs agree, and how
+    far apart they are (summation order differs, and the difference grows through the layers
+    after a pooling layer, so the tolerance is relative to the outputs' scale)."""
+    images = torch.from_numpy(rng.standard_normal((2, 3, IMAGE, IMAGE), dtype=np.float32))
+    with torch.inference_mode():
+        expected, got = stock.eval()(images), swapped.eval()(images)
+    scale = float(expected.abs().max())
+    difference = float((got - expected).abs().max())
+    return {"allclose": bool(torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * scale)),
+            "max_abs_difference": difference, "output_scale": scale}
+
+
+def inference(model, images) -> common.Candidate:
+    model.eval()
+
+    def call():
+        with torch.inference_mode():
+            model(images)
+
+    return common.Candidate(call, lambda: None)
+
+
+def training_step(model, images, labels) -> common.Candidate:
+    """One step on a copy of ``model`` of its own (momentum buffers and all)."""
+    model = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def call():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(images), labels).backward()
+        optimizer.step()
+
+    return common.Candidate(call, lambda: None)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated torchvision model names "
+                        "(default: %(default)s)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} "
+                        "(default: all)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default: %(default)s)")
+    parser.add_argument("--loop-s", type=float, default=0.3,
+                        help="wall time each timed loop of calls aims at, at least one call (default: %(default)s)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    common.add_output_argument(parser)
+    args = parser.parse_args()
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    info = common.circumstances(torch, backends.default_device())
+    info["torchvision"] = torchvision.__version__
+    print(common.describe_circumstances(info) + f"; torchvision {torchvision.__version__}")
+    results, rows, disagreed = [], [], []
+    for name in args.models.split(","):
+        stock, swapped, swapped_names = build(name)
+        agree = agreement(stock, swapped, rng)
+        if not agree["allclose"]:
+            disagreed.append(name)
+        entry = {"model": name, "pooling_layers_swapped": swapped_names, "outputs_agree": agree, "cases": {}}
+        for case in cases:
+            batch, train = CASES[case]
+            images = torch.from_numpy(rng.standard_normal((batch, 3, IMAGE, IMAGE), dtype=np.float32))
+            if train:
+                labels = torch.from_numpy(rng.integers(0, CLASSES, batch))
+                make = functools.partial(training_step, images=images, labels=labels)
+            else:
+                make = functools.partial(inference, images=images)
+            timings = common.interleave({"stock": make(stock), "pool_tuner": make(swapped)}, args.rounds,
+                                        args.loop_s, rng)
+            ratio = timings.ratio("stock", "pool_tuner")
+            entry["cases"][case] = {"stock_ms": timings.summary("stock"), "pool_tuner_ms": timings.summary("pool_tuner"),
+                                    "ratio_stock_over_pool_tuner": ratio}
+            rows.append([f"{name} {case}", len(swapped_names), common.fmt_spread(timings.summary("stock")),
+                         common.fmt_spread(timings.summary("pool_tuner")), f"{ratio['of_medians']:.2f}x",
+                         f"{ratio['q1']:.2f}-{ratio['q3']:.2f}", "yes" if agree["allclose"] else "NO"])
+            print(f"{name} {case}: stock {timings.median('stock'):.1f} ms, pool_tuner {timings.median('pool_tuner'):.1f} ms",
+                  file=sys.stderr, flush=True)
+        results.append(entry)
+    print(common.format_table(["model case", "swapped", "stock ms (q1-q3)", "pool_tuner ms (q1-q3)", "stock/pt",
+                               "paired q1-q3", "agree"], rows))
+    print("\nms: time per call, median over the rounds of loops of calls back to back (q1-q3: quartiles);"
+          "\nstock/pt: stock median / pool_tuner median (below 1: pool_tuner's model is slower); paired q1-q3: the"
+          "\nquartiles of the per-round ratios; swapped: pooling layers replace_pooling swapped; agree: outputs"
+          "\nallclose (rtol 1e-4, atol 1e-4 x the outputs' largest magnitude) before timing")
+    for name in disagreed:
+        print(f"WARNING: {name}'s outputs with pool_tuner differ from the stock model's (see the JSON)")
+    common.write_json(args.out, {"benchmark": "models", "circumstances": common.record_end(info),
+                                 "rounds": args.rounds, "loop_s": args.loop_s, "image": IMAGE, "models": results})
+    raise SystemExit(1 if disagreed else 0)
+
+
+if __name__ == "__main__":
+    main()
