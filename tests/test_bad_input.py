@@ -80,6 +80,36 @@ def test_bad_argument_is_named(call, exc, match):
         call()
 
 
+@pytest.mark.parametrize("call", [
+    lambda: pt.adaptive_avg_pool1d(np.ones((2, 3, 8), np.float32), 2**40),
+    lambda: pt.adaptive_max_pool2d(GOOD, (3, 2**41)),
+    lambda: pt.explain("adaptive_avg_pool1d", (2, 3, 8), 2**40),
+    lambda: pt.explain(OP2, (2, 3, 8, 8), (2**31, 1), direction="backward"),
+    lambda: pt.reference.adaptive_max_pool(GOOD, (2**40, 2), 2),
+], ids=["1d", "2d", "explain", "explain-backward", "reference"])
+def test_absurd_output_sizes_are_refused_before_any_allocation(call):
+    """Sizes past int32 on an axis would otherwise fail with MemoryError inside window math."""
+    with pytest.raises(ValueError, match=r"output_size\[\d\] must be <= 2147483647 \(2\*\*31 - 1\), got"):
+        call()
+
+
+def test_absurd_output_planes_are_refused():
+    with pytest.raises(ValueError, match=r"output_size .* elements per plane; the limit is 9223372036854775807"):
+        pt.explain("adaptive_avg_pool3d", (1, 1, 2, 2, 2), 2**31 - 1)
+
+
+@pytest.mark.parametrize("size", [2**40, 2**63, (3, 2**64)])
+def test_absurd_output_sizes_are_refused_by_pool_tuner_torch(size):
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    x = torch.from_numpy(GOOD)
+    with pytest.raises(ValueError, match=r"output_size\[\d\] must be <= 2147483647"):
+        ptt.adaptive_max_pool2d(x, size)
+    with pytest.raises(ValueError, match=r"output_size\[\d\] must be <= 2147483647"):
+        ptt.AdaptiveAvgPool2d(size)(x)
+
+
 def test_bad_device_environment_variable_is_named(monkeypatch):
     monkeypatch.setenv("POOL_TUNER_DEVICE", "opencl:99:99")
     with pytest.raises(ValueError, match="POOL_TUNER_DEVICE must be one of"):
@@ -165,8 +195,9 @@ README_ERRORS = {
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, "47")),
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, b"47")),
     ],
-    "`output_size` negative or with the wrong number of entries": [
+    "`output_size` negative, above 2**31 - 1 on an axis, or with the wrong number of entries": [
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (-1, 2))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (3, 2**41))),
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (2,))),
     ],
     "backward `input_shape` with non-integers / of the wrong rank / not matching `grad_out`": [
