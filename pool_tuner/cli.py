@@ -147,6 +147,7 @@ def _result_table(result) -> str:
             lines.append(f"  {v.variant:20s} {'-':>10s}  not applicable: {v.not_applicable}")
             continue
         mark = "  <- winner" if v.variant == result.best_variant else ""
+        mark += "  (search cut short by the time limit)" if v.cut_short else ""
         lines.append(f"  {v.variant:20s} {_format_ms(v.best_time_ms):>10s} {v.evaluated:9d} {len(v.failures):6d}"
                      f"  {v.best_params if v.best_params else 'none ran correctly'}{mark}")
     lines.append("  kernel ms: the kernel alone (median of its launches, timed by OpenCL events); a library call "
@@ -159,7 +160,7 @@ def _result_table(result) -> str:
     else:  # the default's variant was not among those searched (--variants)
         verdict = (f"tuned among the variants asked for: {1 / result.speedup_over_default:.2f}x slower than {default}, "
                    f"whose variant was not searched")
-    lines.append(f"  {verdict}" + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
+    lines.append(f"  {verdict}" + ("" if result.stored else f"  (NOT stored: {result.not_stored})"))
     return "\n".join(lines)
 
 

@@ -79,6 +79,8 @@ class VariantResult:
     seconds: float
     #: Why the variant cannot run the problem at all (its refusal of its default configuration), or None.
     not_applicable: str | None = None
+    #: Whether the time limit ended the search before its evaluation budget (``time_limit``).
+    cut_short: bool = False
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ class TuneResult:
     stored: bool
     #: What an interrupted tuning covered (the record's ``"partial"`` field), None for a full one.
     partial: dict | None = None
+    #: Why the record was not stored (``stored`` False), or None.
+    not_stored: str | None = None
 
     @property
     def speedup_over_default(self) -> float | None:
@@ -386,6 +390,12 @@ def _search(variant, problem: Problem, dev, options: dict) -> VariantResult:
         return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, dev.limits))
     try:
         params, kt_ms, evaluated, failures = tune_variant(variant, problem, dev, **options)
+        seconds = time.perf_counter() - t0
+        strategy, budget = _search_plan(len(variant.legal_configurations(problem, dev.limits)), options["strategy"],
+                                        options["max_fevals"])
+        cut_short = (strategy != "brute_force" and evaluated + len(failures) < budget
+                     and seconds >= (options["time_limit"] or DEFAULT_TIME_LIMIT))
+        return VariantResult(variant.name, params, kt_ms, evaluated, failures, seconds, cut_short=cut_short)
     except (ValueError, TypeError):  # our own argument errors (e.g. a budget with brute_force)
         raise
     except _SearchInterrupted as stop:
@@ -419,15 +429,20 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
         extra={"default": default_entry,
                "failures": [dict(f, variant=r.variant) for r in results for f in r.failures],
                "tuning_seconds": round(time.perf_counter() - started, 3),
+               "verified": sum(r.evaluated for r in tuned),
                **({} if partial is None else {"partial": partial})},
     )
-    stored = False
+    stored, not_stored = False, "not asked to store"
     if tc is not None:
         stored = tc.store(record)
         dispatch.forget(problem, dev)
+        existing = tc.lookup(key)
+        not_stored = (None if stored else "the cache could not be written" if existing is None
+                      or cache_mod.replaces(record, existing, faster_only=False)
+                      else "the cache holds a tuning of this problem that verified more (variants, configurations)")
     return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
                       default.variant.name, default.config, default_entry["time_ms"], time.perf_counter() - started,
-                      key, stored, partial)
+                      key, stored, partial, not_stored)
 
 
 def _title(problem: Problem) -> str:

@@ -307,6 +307,17 @@ def test_tune_over_a_corrupt_file_reports_stored_when_it_wrote(user_cache):
     assert result.stored is True
 
 
+def test_a_tuning_that_verified_less_does_not_replace_one_that_verified_more(user_cache):
+    """A record counts what it verified; a later tuning that verified fewer variants is not stored
+    over it, and says why."""
+    full = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output", "block_per_row"], strategy="random_sample",
+                   max_fevals=2)
+    assert full.stored and stored_records(user_cache)[full.cache_key]["verified"] >= 2
+    less = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert less.stored is False and "verified more" in less.not_stored
+    assert stored_records(user_cache)[full.cache_key]["runners_up"]
+
+
 # ---------------------------------------------------------------- 4. concurrent tuners
 
 
