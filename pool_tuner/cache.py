@@ -395,6 +395,8 @@ def _merge(sources: list, destination: Path) -> tuple[dict, int]:
     for source in sources:
         source = Path(source)
         records, problems = _read(source)
+        if problems and not records:  # asked to merge a file of which nothing can be merged: say so
+            raise ValueError(f"{source} holds no record that can be merged: {_describe(problems)}")
         if problems:
             warnings.warn(f"pool_tuner tuning cache {source}: {_describe(problems)}; not merged", CacheWarning)
         for key, record in records.items():
@@ -407,8 +409,9 @@ def merge_files(sources: list, destination) -> int:
     """Merge cache files (e.g. tuned on other machines) into ``destination``, keeping the faster
     record for equal keys (a full tuning over a partial one); return how many records were added or replaced.
 
-    Unusable records of a source are skipped with a ``CacheWarning``; a source or destination that
-    cannot be read or written raises ``OSError``.
+    Unusable records of a source are skipped with a ``CacheWarning``; a source with nothing usable
+    raises ``ValueError`` before anything is written; a source or destination that cannot be read or
+    written raises ``OSError``.
     """
     return _merge(sources, Path(destination))[1]
 

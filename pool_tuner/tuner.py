@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import time
@@ -215,6 +216,29 @@ def _search_plan(n_legal: int, strategy=None, max_fevals=None) -> tuple[str, int
     return strategy, min(max_fevals or DEFAULT_MAX_FEVALS, n_legal)
 
 
+def check_search_options(strategy=None, max_fevals=None, time_limit=None,
+                         names=("strategy", "max_fevals", "time_limit")) -> None:
+    """Refuse search options that would fail only after minutes of tuning (an unknown strategy, a
+    budget of nothing) or that Kernel Tuner would take silently (a negative or NaN time limit, under
+    which every configuration fails).  ``names`` are the options as the caller spells them (the
+    command line's ``--max-fevals``)."""
+    strategy_name, fevals_name, limit_name = names
+    if strategy is not None:
+        from kernel_tuner.interface import strategy_map
+
+        if strategy not in strategy_map:
+            raise ValueError(f"{strategy_name} must be a Kernel Tuner strategy, one of {sorted(strategy_map)}; "
+                             f"got {strategy!r}")
+    if max_fevals is not None and (isinstance(max_fevals, bool) or not isinstance(max_fevals, int) or max_fevals < 1):
+        raise ValueError(f"{fevals_name} must be a positive integer, got {max_fevals!r}")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not math.isfinite(time_limit) or time_limit <= 0):
+        raise ValueError(f"{limit_name} must be a positive number of seconds, got {time_limit!r}")
+    if strategy == "brute_force" and (max_fevals or time_limit):
+        raise ValueError(f"{fevals_name}/{limit_name} need a sampling strategy (e.g. {strategy_name} random_sample); "
+                         f"brute_force evaluates every configuration")
+
+
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
                  iterations=ITERATIONS, rng=None, quiet=True) -> tuple[dict | None, float | None, int, list]:
     """Search one variant's space with Kernel Tuner.  Returns ``(best params, Kernel Tuner's median
@@ -341,6 +365,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     (seconds per variant) bound the sampling strategies.  ``progress(variant_name)`` is called after
     each variant is searched."""
     started = time.perf_counter()
+    check_search_options(strategy, max_fevals, time_limit)
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     if problem.is_empty:

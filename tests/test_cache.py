@@ -523,9 +523,9 @@ def test_every_field_is_type_checked_on_load_and_merge(tmp_path, field, value):
     with pytest.warns(CacheWarning, match=repr(field)):
         assert fresh(tmp_path).lookup(bad["key"]) is None
     source = tmp_path / "source.json"
-    write_file(source, [bad])
+    write_file(source, [bad, record(width=9)])
     with pytest.warns(CacheWarning, match="not merged"):
-        assert merge_files([source], tmp_path / "merged.json") == 0
+        assert merge_files([source], tmp_path / "merged.json") == 1
 
 
 def test_stale_temporary_files_are_removed_by_the_next_writer(tmp_path):
