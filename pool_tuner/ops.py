@@ -391,7 +391,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
     info["partial"] = None if record is None else record.get("partial")
-    info["autotune_on_miss"] = os.environ.get(tuner.AUTOTUNE_ENV) == "1"
+    info["autotune_on_miss"] = tuner.autotune_enabled()
     return info
 
 

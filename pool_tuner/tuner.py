@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -47,6 +48,8 @@ from .variants import variants_for
 
 #: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
 AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
+#: The values of AUTOTUNE_ENV that turn autotuning on and off (any case); others warn and leave it off.
+AUTOTUNE_ON, AUTOTUNE_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 #: Search spaces with at most this many legal points are searched exhaustively by default.
 BRUTE_FORCE_LIMIT = 30
 #: Default budget for larger spaces: random sampling of this many configurations per variant.
@@ -57,8 +60,7 @@ DEFAULT_TIME_LIMIT = 20.0
 ITERATIONS = 9
 RACE_REPETITIONS = 25
 
-#: Where ``autotune`` says that a call is tuning its shape (at WARNING level: shown on stderr even
-#: when the application configures no logging).
+#: Where ``autotune`` says that a call is tuning its shape, at WARNING level (``_speaker``).
 log = logging.getLogger("pool_tuner")
 
 #: Verification tolerances per dtype (float16/bfloat16: a few units of their epsilon).
@@ -514,28 +516,55 @@ def autotune(problem: Problem, device) -> None:
     seconds to minutes of compiling and timing, and a call that blocks that long without a word
     looks hung.  Runs once per shape and process (dispatch memoises the decision)."""
     what = _title(problem)
+    say = _speaker()
     variants = variants_for(problem.op, problem.direction).values()
     legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
     searched = sum(_search_plan(n)[1] for n in legal)
-    log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for %s on %s: tuning it now, before this "
-                "call returns -- up to %d configurations of %d variants to compile, time and verify (on PoCL's CPU "
-                "device about half a second each)", what, device.describe(), searched, sum(1 for n in legal if n))
+    say("%s=%s and no tuning record for %s on %s: tuning it now, before this call returns -- up to %d "
+        "configurations of %d variants to compile, time and verify (on PoCL's CPU device about half a second each)",
+        AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV), what, device.describe(), searched, sum(1 for n in legal if n))
     result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
                   problem.layout, device, direction=problem.direction)
-    log.warning("pool_tuner: tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
-                result.best_params, result.best_time_ms,
-                "stored in the tuning cache" if result.stored else "kept in memory only (the cache could not be written)")
+    say("tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
+        result.best_params, result.best_time_ms,
+        "stored in the tuning cache" if result.stored else f"not stored ({result.not_stored})")
+
+
+def _speaker():
+    """How ``autotune`` speaks for the whole of one call: through the ``pool_tuner`` logger where the
+    application has configured logging, else one ``pool_tuner: ...`` line on stderr.  Decided once,
+    because a library imported during the tuning may configure the root logger, which would change
+    the second line's format from the first's."""
+    if log.hasHandlers():
+        return log.warning
+
+    def to_stderr(message, *args):
+        print(f"{log.name}: {message % args}", file=sys.stderr)
+
+    return to_stderr
+
+
+def autotune_enabled() -> bool:
+    """Whether AUTOTUNE_ENV asks for autotuning: one of AUTOTUNE_ON; a value in neither AUTOTUNE_ON
+    nor AUTOTUNE_OFF is a ``RuntimeWarning`` (a misspelt switch must not pass in silence) and off."""
+    value = os.environ.get(AUTOTUNE_ENV, "").strip().lower()
+    if value in AUTOTUNE_ON:
+        return True
+    if value not in AUTOTUNE_OFF:
+        warnings.warn(f"{AUTOTUNE_ENV}={os.environ[AUTOTUNE_ENV]!r} is neither on ({', '.join(AUTOTUNE_ON)}) nor off "
+                      f"({', '.join(repr(v) for v in AUTOTUNE_OFF)}); autotuning stays off", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def tune_on_miss(problem: Problem, device) -> bool:
     """The calls' tune-on-miss (``dispatch.choose``'s ``on_miss``): with ``POOL_TUNER_AUTOTUNE=1``
     tune ``problem`` on ``device`` (``autotune``) and return True, else return False.  Dispatch
     memoises the decision that follows, so a problem is tuned once per process."""
-    if os.environ.get(AUTOTUNE_ENV) != "1":
+    if not autotune_enabled():
         return False
     autotune(problem, device)
     return True
 
 
-__all__ = ["autotune", "tune", "tune_on_miss", "TuneResult", "TuningInterrupted", "VariantResult", "race",
+__all__ = ["autotune", "autotune_enabled", "tune", "tune_on_miss", "TuneResult", "TuningInterrupted", "VariantResult", "race",
            "AUTOTUNE_ENV"]

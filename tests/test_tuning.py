@@ -7,6 +7,7 @@ configurations, a problem of 2x3x5x7 -> 3x4, so a tune takes seconds.
 
 import builtins
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -501,11 +502,11 @@ def test_autotune_tunes_a_miss_once_and_says_so(user_cache, monkeypatch, rng, co
     # Before and after the tuning, one message each on the pool_tuner logger, naming the shape.
     legal = [v for v in variants_for(OP).values() if v.is_legal({}, problem(), device().limits)]
     starting, done = [r.getMessage() for r in caplog.records if r.name == "pool_tuner"]
-    assert starting.startswith("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
+    assert starting.startswith("POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
                                "forward float32 NCHW 2x3x5x7 -> 2x3x3x4 on ")
     assert f"tuning it now, before this call returns -- up to {len(legal)} configurations of {len(legal)} variants" in starting
     record = stored_records(user_cache)[key_of()]
-    assert done.startswith("pool_tuner: tuned adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4 in ")
+    assert done.startswith("tuned adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4 in ")
     assert f": {record['best']['variant']} {record['best']['params']}" in done and "stored in the tuning cache" in done
     caplog.clear()
     pt.adaptive_avg_pool2d(x, OUT)
@@ -553,7 +554,7 @@ def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
 
     monkeypatch.setattr(tuner, "tune", forbidden)
     monkeypatch.setattr(tuner, "tune_variant", forbidden)
-    for value in (None, "0", "", "yes"):
+    for value in (None, "0", "", "off", "False", "no"):
         if value is None:
             monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
         else:
@@ -795,3 +796,39 @@ def test_ctrl_c_before_anything_was_measured_stores_nothing(user_cache, monkeypa
         pt.tune(OP, SHAPE, OUT, **CHEAP)
     assert caught.value.result is None
     assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+@pytest.mark.parametrize("value", ["true", "YES", "on", " 1 "])
+def test_autotune_takes_the_usual_spellings_of_on(monkeypatch, value):
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", value)
+    assert tuner.autotune_enabled()
+
+
+def test_autotune_warns_of_a_value_it_does_not_know(monkeypatch):
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "always")
+    with pytest.warns(RuntimeWarning, match="POOL_TUNER_AUTOTUNE='always' is neither on .* autotuning stays off"):
+        assert not tuner.autotune_enabled()
+
+
+def test_autotune_speaks_in_one_format_through_a_call(user_cache, monkeypatch, rng, capsys):
+    """Without logging configured, both lines go to stderr as "pool_tuner: ..." even when the
+    tuning configures logging in between (as libraries imported during it may)."""
+    quiet = logging.Logger("pool_tuner")  # no parent: no handlers anywhere, as in a plain script
+    monkeypatch.setattr(tuner, "log", quiet)
+    heard = []
+    original = tuner.tune
+
+    def configuring(*args, **kwargs):
+        handler = logging.Handler()
+        handler.emit = heard.append
+        quiet.addHandler(handler)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", configuring)
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "yes")
+    pt.adaptive_avg_pool2d(random_input(rng, SHAPE), OUT)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "adaptive_avg_pool2d forward" in line]
+    assert [line.split()[:2] for line in lines] == [["pool_tuner:", "POOL_TUNER_AUTOTUNE=yes"], ["pool_tuner:", "tuned"]]
+    assert heard == []
