@@ -44,8 +44,10 @@ def _locate(x, device, name="x"):
         check_device_option(owner, device, name)
         return owner, owner.queue_of(x), True, owner.wrap_input(x, name)
     if not isinstance(x, np.ndarray):
+        hint = ("; for PyTorch tensors use pool_tuner.torch (the same functions, with autograd)"
+                if type(x).__module__.startswith("torch") else "")
         raise TypeError(f"{name} must be a numpy.ndarray or a device array (pyopencl Array, PyCUDA "
-                        f"GPUArray, __cuda_array_interface__), got {type(x).__name__}")
+                        f"GPUArray, __cuda_array_interface__), got {type(x).__name__}{hint}")
     chosen = backends.resolve_device(device)
     return chosen, chosen.queue, False, x
 

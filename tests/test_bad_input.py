@@ -263,3 +263,19 @@ def test_every_readme_error_row_raises_what_it_says(row):
     for exc, call in cases:
         with pytest.raises(exc):
             call()
+
+
+def test_a_torch_tensor_given_to_the_numpy_api_points_to_pool_tuner_torch():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="got Tensor; for PyTorch tensors use pool_tuner.torch"):
+        pt.adaptive_avg_pool2d(torch.from_numpy(GOOD), 2)
+
+
+def test_a_misspelt_variant_is_refused_when_the_module_is_made():
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    with pytest.raises(ValueError, match="variant must be one of .* for adaptive_max_pool2d forward, got 'thread_per_outptu'"):
+        ptt.AdaptiveMaxPool2d(2, variant="thread_per_outptu")
+    with pytest.raises(ValueError, match="got 'fastest'"):
+        ptt.replace_pooling(torch.nn.Sequential(torch.nn.AdaptiveAvgPool1d(3)), variant="fastest")
