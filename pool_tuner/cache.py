@@ -479,7 +479,7 @@ class TuningCache:
 
     def store(self, record: dict) -> bool:
         """Add ``record`` to the user file and the in-memory table, unless the record of its key there
-        is worth more (``_replaces``: a full tuning, or one that verified more).
+        is worth more (``replaces``: a full tuning, or one that verified more).
 
         Never raises for the file system: a tuning run's result is worth keeping even when the cache
         directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records

@@ -27,14 +27,14 @@ OP_NAMES = sorted(OPS)
 LIBRARY_NAMES = {"input_shape": "--input", "output_size": "--output", "dtype": "--dtype", "layout": "--layout"}
 
 
-def _problem(op, shape, out, dtype, layout, direction, names=LIBRARY_NAMES) -> Problem:
+def _problem(op, shape, out, dtype, layout, direction) -> Problem:
     """``Problem.create`` with its errors in the terms of the command line: a message that begins
-    with a library argument (``output_size[1] must be ...``) names the option (``names``) instead."""
+    with a library argument (``output_size[1] must be ...``) names the option instead."""
     try:
         return Problem.create(op, shape, out, dtype, layout, direction=direction)
     except (TypeError, ValueError) as exc:
-        pattern = r"^(" + "|".join(map(re.escape, names)) + r")\b"
-        raise type(exc)(re.sub(pattern, lambda m: names[m.group(1)], str(exc))) from None
+        pattern = r"^(" + "|".join(map(re.escape, LIBRARY_NAMES)) + r")\b"
+        raise type(exc)(re.sub(pattern, lambda m: LIBRARY_NAMES[m.group(1)], str(exc))) from None
 
 
 def _check_positive(value, name: str) -> None:
