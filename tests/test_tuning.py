@@ -13,6 +13,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 import types
 import warnings
 from pathlib import Path
@@ -319,20 +320,29 @@ def test_a_tuning_that_verified_less_does_not_replace_one_that_verified_more(use
     assert stored_records(user_cache)[full.cache_key]["runners_up"]
 
 
-def test_a_search_cut_short_by_the_time_limit_says_so(user_cache, capsys):
+def test_a_search_cut_short_by_the_time_limit_says_so(user_cache, capsys, monkeypatch):
     """Random sampling stopped by the time limit before its budget is marked, in the result and in
-    the command line's table and summary."""
+    the command line's table and summary; a search that used its budget is not."""
+    evaluated = [2]
+
+    def searching(variant, problem, device, **options):  # a search of `evaluated` configurations that took its time
+        time.sleep(options["time_limit"])
+        return dict(variant.default_for(problem)), 0.1, evaluated[0], []
+
+    monkeypatch.setattr(tuner, "tune_variant", searching)
     result = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="random_sample", max_fevals=20,
-                     time_limit=0.5)
-    (searched,) = result.variants
-    assert searched.cut_short and searched.evaluated < 20
-    full = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="random_sample", max_fevals=2)
+                     time_limit=0.2)
+    assert result.variants[0].cut_short
+    evaluated[0] = 20
+    full = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="random_sample", max_fevals=20,
+                   time_limit=0.2)
     assert not full.variants[0].cut_short
     from pool_tuner import cli
 
+    evaluated[0] = 2
     code = cli.main(["tune", "--input", "x".join(map(str, SHAPE)), "--output", "x".join(map(str, OUT)), "--quiet",
                      "--direction", "forward", "--variants", "thread_per_output", "--strategy", "random_sample",
-                     "--max-fevals", "20", "--time-limit", "0.5"])
+                     "--max-fevals", "20", "--time-limit", "0.2"])
     out = capsys.readouterr().out
     assert code == 0 and "(search cut short by the time limit)" in out and "cut short by the time limit before" in out
 
