@@ -7,17 +7,20 @@
  *
  * An op is one of two kinds:
  *   accumulating (OP_SELECTS 0, avg): every element of a window enters the result;
- *   selecting    (OP_SELECTS 1, max): the result is one element of the window, the first in
- *                row-major window order that no element beats (OP_BEATS) -- the position rule:
- *                the kernels also output its plane position (PyTorch's indices), and the backward
- *                pass routes the output's gradient to that input alone.
+ *   selecting    (OP_SELECTS 1, max): the result is one element of the window that no element
+ *                beats (OP_BEATS); among tied elements the first in row-major window order, or the
+ *                last where OP_TIE_TO_LATER says so -- the position rule: the kernels also output
+ *                its plane position (PyTorch's indices), and the backward pass routes the output's
+ *                gradient to that input alone.
  *
  *   OP_IDENTITY               the value of an empty reduction (combining it changes nothing)
  *   OP_MAP(x)                 what an element enters the reduction as
  *   OP_COMBINE(a, b)          two (partial) values combined into one
  *   OP_FINISH(value, area)    the output of a window of `area` elements from its combined value
  *   OP_BEATS(a, b)            selecting ops: does value a win over value b?  Neither beating the
- *                             other is a tie, which goes to the earlier position
+ *                             other is a tie, which goes to the earlier position unless
+ *   OP_TIE_TO_LATER(a)        selecting ops: a tie between elements of value a goes to the later
+ *                             position (equal for tied values)
  *   OP_GRADIENT_SHARE(grad, area)  what each input that an output's gradient reaches receives, for
  *                             a window of `area` elements
  * `area` is evaluated only by the ops that use it.
@@ -40,10 +43,13 @@
 #define OP_COMBINE(a, b) max_or_nan(a, b)
 #define OP_FINISH(value, area) (value)
 #define OP_BEATS(a, b) max_beats(a, b)
+#define OP_TIE_TO_LATER(a) IS_NAN(a)
 #define OP_GRADIENT_SHARE(grad, area) (grad)
 
-/* Larger wins and a NaN beats numbers; equal values (or two NaNs) tie.  Branch-free, so CPU
- * compilers vectorise it. */
+/* Larger wins and a NaN beats numbers; equal values (or two NaNs) tie.  Two NaNs tie to the later
+ * position because PyTorch's max scan takes every NaN it meets (`val > max || isnan(val)`, on CPU
+ * and CUDA alike), so its index is the window's last NaN.  Branch-free, so CPU compilers vectorise
+ * it. */
 DEVICE_FN int max_beats(acc_t a, acc_t b)
 {
     return (IS_NAN(a) & !IS_NAN(b)) | (a > b);

@@ -1,8 +1,8 @@
 /* reduction.h -- reducing windows through the operator (operators.h): what the forward kernels share.
  *
  *   out[o] = OP_FINISH(OP_COMBINE over the elements x of window(o) of OP_MAP(x), area(o))
- *   selecting ops also: indices[o] = the position of the first element of window(o), in row-major
- *   window order, that no element beats.
+ *   selecting ops also: indices[o] = the position of the element of window(o) that no element
+ *   beats, ties going to the first in row-major window order (or the last, OP_TIE_TO_LATER).
  *
  * A reduction is a running value and, for selecting ops, the plane position of the element it
  * holds (-1 while empty).  Elements are added one at a time (reduce_step) in increasing position
@@ -31,14 +31,20 @@ DEVICE_FN reduction_t reduce_first(acc_t value, index_t position)
     return r;
 }
 
+#if OP_SELECTS
+/* Does an element of value x, met after the element of value `held`, take its place?  It does if it
+ * beats it, or ties it where ties go to the later position. */
+#define LATER_WINS(x, held) (OP_BEATS(x, held) | (OP_TIE_TO_LATER(x) & !OP_BEATS(held, x)))
+#endif
+
 /* Add one element.  Every caller visits a window in increasing position order, so for a selecting
- * op an element that only ties the current result (or is a second NaN) never takes over: the
- * position rule reduces to a branch-free test that CPU compilers vectorise across work-items. */
+ * op the position rule needs no comparison of positions: a branch-free test that CPU compilers
+ * vectorise across work-items. */
 DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
 {
 #if OP_SELECTS
     const acc_t x = OP_MAP(value);
-    const int wins = (r->position < 0) | OP_BEATS(x, r->value);
+    const int wins = (r->position < 0) | LATER_WINS(x, r->value);
     r->value = wins ? x : r->value;
     r->position = wins ? position : r->position;
 #else
@@ -48,14 +54,16 @@ DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
 }
 
 /* Add the element `value` at `position` of a box tap (windows.h): `inside` tells a real element
- * from a repeat of the window's last element past its end.  A selecting op takes the repeat as it
- * is -- it only ties the element visited just before it, and a tie keeps the first position -- so
- * it needs no mask; an accumulating op combines the identity instead. */
+ * from a repeat of the window's last element past its end.  A selecting op skips the repeat -- it
+ * comes after later positions of the window, where a tie going to the later position would take
+ * it back; an accumulating op combines the identity instead. */
 DEVICE_FN void reduce_box_tap(reduction_t* r, acc_t value, index_t position, int inside)
 {
 #if OP_SELECTS
-    (void)inside;
-    reduce_step(r, value, position);
+    const acc_t x = OP_MAP(value);
+    const int wins = inside & LATER_WINS(x, r->value);
+    r->value = wins ? x : r->value;
+    r->position = wins ? position : r->position;
 #else
     (void)position;
     r->value = OP_COMBINE(r->value, inside ? OP_MAP(value) : OP_IDENTITY);
@@ -63,12 +71,13 @@ DEVICE_FN void reduce_box_tap(reduction_t* r, acc_t value, index_t position, int
 }
 
 /* Combine the partial results of two disjoint parts of a window, in any order.  Selecting: the
- * winner, or on a tie the earlier position. */
+ * winner, or on a tie the earlier position (the later one where OP_TIE_TO_LATER). */
 DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
 {
 #if OP_SELECTS
     if (b.position >= 0
-        && (a.position < 0 || OP_BEATS(b.value, a.value) || (!OP_BEATS(a.value, b.value) && b.position < a.position)))
+        && (a.position < 0 || OP_BEATS(b.value, a.value)
+            || (!OP_BEATS(a.value, b.value) && (OP_TIE_TO_LATER(b.value) ? b.position > a.position : b.position < a.position))))
         a = b;
 #else
     a.value = OP_COMBINE(a.value, b.value);
@@ -86,7 +95,7 @@ DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
 #define STEP_PARTIAL(value_slot, position_slot, value, position)            \
     do {                                                                    \
         const acc_t x_ = OP_MAP(value);                                     \
-        const int wins_ = OP_BEATS(x_, value_slot);                         \
+        const int wins_ = LATER_WINS(x_, value_slot);                       \
         (value_slot) = wins_ ? x_ : (value_slot);                           \
         (position_slot) = wins_ ? (position) : (position_slot);             \
     } while (0)
@@ -143,8 +152,9 @@ DEVICE_FN reduction_t partial_of(acc_t value, index_t position)
  * row_lanes > 1 keeps row_lanes independent partial values along each run (lane k takes elements
  * k, k + row_lanes, ...), so the steps no longer wait on each other and CPU compilers turn the lanes
  * into vector operations.  The lanes combine values only; a selecting op then finds its position in
- * a second pass: the first element, in window order, that the combined value does not beat -- the
- * position rule without tracking positions in the hot loop. */
+ * a second pass: the first element, in window order, that the combined value does not beat (the
+ * last, where ties go to the later position) -- the position rule without tracking positions in the
+ * hot loop. */
 DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
                                          index_t oh, index_t ow, index_t first_row, index_t row_step)
 {
@@ -171,12 +181,17 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
     for (int k = 0; k < row_lanes; ++k)
         combined = OP_COMBINE(combined, lanes[k]);
 #if OP_SELECTS
+    const int to_later = OP_TIE_TO_LATER(combined);
+    r = reduce_init();
     for (index_t run = first_row; run < runs; run += row_step) {
         const index_t position = RUN_POSITION(run);
         for (index_t j = 0; j < run_length; ++j) {
             const acc_t x = OP_MAP(RUN_ELEMENT(position, j));
-            if (!OP_BEATS(combined, x))
-                return partial_of(x, position + j);
+            if (!OP_BEATS(combined, x)) {
+                r = partial_of(x, position + j);
+                if (!to_later)
+                    return r;
+            }
         }
     }
 #else

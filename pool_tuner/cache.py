@@ -39,8 +39,10 @@ import json
 import math
 import os
 import platform
+import stat
 import tempfile
 import threading
+import time
 import types
 import warnings
 from pathlib import Path
@@ -58,8 +60,16 @@ USER_FILE = "records.json"
 #: Seconds a writer waits for another process's lock.  Writers hold it for milliseconds, so a lock
 #: held this long belongs to a stuck process; giving up (with a warning) beats hanging a tuner.
 LOCK_TIMEOUT_S = 60
-#: Fields every record carries, with their JSON types; ``best`` is checked further.
+#: Fields every record carries, with their JSON types; ``problem`` and ``best`` are checked further.
 RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str, "best": dict}
+#: Fields a record may carry (``make_record`` and the tuner write them): their types, and those in words.
+OPTIONAL_FIELDS = {"runners_up": (list, "an array"), "default": (dict, "an object"), "failures": (list, "an array"),
+                   "versions": (dict, "an object"), "date": (str, "a string"),
+                   "tuning_seconds": ((int, float), "a number"), "partial": ((dict, type(None)), "an object or null"),
+                   "verified": (int, "an integer")}
+#: The fields of a record's ``problem``: four names and two shapes.
+PROBLEM_NAMES = ("op", "direction", "dtype", "layout")
+PROBLEM_SHAPES = ("input_shape", "output_shape")
 #: At most this many malformed records are named in one warning.
 MAX_NAMED = 5
 #: Compiler options of every build (part of the kernel hash in cache keys).
@@ -224,6 +234,20 @@ def _record_problem(key, record) -> str | None:
             return f"has no {field!r} {kind.__name__}"
     if record["key"] != key:
         return f"is stored under a different key than its 'key' field {record['key']!r}"
+    for field, (kind, words) in OPTIONAL_FIELDS.items():
+        if field in record and (isinstance(record[field], bool) or not isinstance(record[field], kind)):
+            return f"has a {field!r} field that is not {words}"
+    problem = record["problem"]
+    for field in PROBLEM_NAMES:
+        if not isinstance(problem.get(field), str):
+            return f"has a 'problem' whose {field!r} is not a string"
+    for field in PROBLEM_SHAPES:
+        shape = problem.get(field)
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in shape):
+            return f"has a 'problem' whose {field!r} is not a list of non-negative integers: {shape!r}"
+    if record.get("verified", 0) < 0:
+        return f"has a negative 'verified' count {record['verified']!r}"
     try:
         own_key = make_key(types.SimpleNamespace(**record["problem"]), record["device"], record["kernel_hash"])
     except (TypeError, ValueError, AttributeError):
@@ -234,14 +258,31 @@ def _record_problem(key, record) -> str | None:
         problem_of(record)
     except (TypeError, ValueError) as exc:
         return f"has a 'problem' that no call could make ({exc})"
-    best = record["best"]
-    if not isinstance(best.get("variant"), str) or not isinstance(best.get("params"), dict):
-        return "has a 'best' without a 'variant' string and a 'params' object"
-    time_ms = best.get("time_ms")
+    entries = [("best", record["best"], False)] + [("runners_up", entry, True) for entry in record.get("runners_up", [])]
+    if "default" in record:  # an interrupted tuning did not time the default
+        entries.append(("default", record["default"], True))
+    for field, entry, may_be_untimed in entries:
+        entry_problem = _entry_problem(entry, may_be_untimed)
+        if entry_problem is not None:
+            return f"has a {field!r} entry that {entry_problem}"
+    for failure in record.get("failures", []):
+        if not isinstance(failure, dict) or not isinstance(failure.get("error"), str):
+            return f"has a 'failures' entry without an 'error' string: {failure!r}"
+    return None
+
+
+def _entry_problem(entry, may_be_untimed: bool) -> str | None:
+    """What makes a configuration entry (``best``, a runner-up, the default) unusable, or None."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("variant"), str):
+        return "has no 'variant' string"
+    params = entry.get("params")
+    if not isinstance(params, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in params.values()):
+        return f"has no 'params' object of integers: {params!r}"
+    time_ms = entry.get("time_ms")
+    if time_ms is None and may_be_untimed:
+        return None
     if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)) or not math.isfinite(time_ms):
-        return f"has a 'best' whose 'time_ms' is not a finite number: {time_ms!r}"
-    if not isinstance(record.get("partial", {}), (dict, type(None))):
-        return "has a 'partial' field that is not an object"
+        return f"has a 'time_ms' that is not a finite number: {time_ms!r}"
     return None
 
 
@@ -249,12 +290,15 @@ def _read(path: Path) -> tuple[dict, list[str]]:
     """The well-formed records of one cache file, and a description of each thing wrong with it.
 
     Content problems are returned, not raised, so each caller decides what they mean (a miss when
-    loading, a file to set aside when rewriting).  ``OSError`` (missing, unreadable) propagates.
+    loading, a file to set aside when rewriting).  ``OSError`` (missing, unreadable, not a regular
+    file) propagates.
     """
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(_read_regular_file(path))
     except ValueError as exc:  # also UnicodeDecodeError
         return {}, [f"not valid JSON ({exc})"]
+    except RecursionError:
+        return {}, ["not a cache file: its JSON is nested too deeply to read"]
     if not isinstance(data, dict):
         return {}, [f"top level is a {type(data).__name__}, not an object"]
     if data.get("schema") != SCHEMA_VERSION:
@@ -269,6 +313,17 @@ def _read(path: Path) -> tuple[dict, list[str]]:
         else:
             problems.append(f"record {key!r} {problem}")
     return records, problems
+
+
+def _read_regular_file(path: Path) -> bytes:
+    """The bytes of ``path``, which must be a regular file (a link to one is followed): a FIFO would
+    block the first call for ever and a device such as ``/dev/zero`` never ends, so anything else
+    raises ``OSError``.  Opened without blocking, so that a FIFO is refused rather than waited on."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return file.read()
 
 
 def _describe(problems: list[str]) -> str:
@@ -300,14 +355,25 @@ def is_partial(record: dict) -> bool:
     return record.get("partial") is not None
 
 
-def _replaces(new: dict, old: dict | None, faster_only: bool) -> bool:
+def verified(record: dict) -> tuple[int, int]:
+    """How much a record's tuning verified: the variants with a verified winner (its best and
+    runners-up), then the configurations that ran and verified (``"verified"``, 0 where a record
+    predates the field)."""
+    return 1 + len(record.get("runners_up", [])), record.get("verified", 0)
+
+
+def replaces(new: dict, old: dict | None, faster_only: bool) -> bool:
     """Whether ``new`` takes the place of ``old``, a record of the same key: a full tuning always
-    replaces a partial one and is never replaced by one; otherwise ``new`` wins if it is faster or,
-    without ``faster_only``, always."""
+    replaces a partial one and is never replaced by one; a tuning that verified less (``verified``:
+    fewer variants, or as many and fewer configurations -- a search cut short, a budget of nothing)
+    never replaces one that verified more; otherwise ``new`` wins if it is faster or, without
+    ``faster_only``, always."""
     if old is None:
         return True
     if is_partial(new) != is_partial(old):
         return is_partial(old)
+    if verified(new) < verified(old):
+        return False
     return not faster_only or new["best"]["time_ms"] < old["best"]["time_ms"]
 
 
@@ -324,6 +390,7 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):
+        _remove_stale_temporaries(path)
         try:
             records, problems = _read(path)
         except FileNotFoundError:
@@ -339,7 +406,7 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
             )
         changed = 0
         for key, record in incoming.items():
-            if _replaces(record, records.get(key), faster_only):
+            if replaces(record, records.get(key), faster_only):
                 records[key] = record
                 changed += 1
         _write_atomic(path, records)
@@ -368,16 +435,31 @@ def _write_atomic(path: Path, records: dict) -> None:
         raise
 
 
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files of writers killed mid-write (``_write_atomic``).  Called under the
+    lock, where no writer is at work; only files older than the lock timeout go, so that a writer
+    that took the lock by some other means is not robbed of its file."""
+    cutoff = time.time() - LOCK_TIMEOUT_S
+    for tmp in path.parent.glob(f"{path.name}.*.tmp"):
+        try:
+            if tmp.lstat().st_mtime < cutoff:
+                tmp.unlink()
+        except OSError:  # gone already, or not ours to remove: it stays
+            pass
+
+
 def _merge(sources: list, destination: Path) -> tuple[dict, int]:
     """Fold the records of ``sources`` (the fastest per key) into ``destination``."""
     incoming = {}
     for source in sources:
         source = Path(source)
         records, problems = _read(source)
+        if problems and not records:  # asked to merge a file of which nothing can be merged: say so
+            raise ValueError(f"{source} holds no record that can be merged: {_describe(problems)}")
         if problems:
             warnings.warn(f"pool_tuner tuning cache {source}: {_describe(problems)}; not merged", CacheWarning)
         for key, record in records.items():
-            if _replaces(record, incoming.get(key), faster_only=True):
+            if replaces(record, incoming.get(key), faster_only=True):
                 incoming[key] = record
     return _update_file(destination, incoming, faster_only=True)
 
@@ -386,8 +468,9 @@ def merge_files(sources: list, destination) -> int:
     """Merge cache files (e.g. tuned on other machines) into ``destination``, keeping the faster
     record for equal keys (a full tuning over a partial one); return how many records were added or replaced.
 
-    Unusable records of a source are skipped with a ``CacheWarning``; a source or destination that
-    cannot be read or written raises ``OSError``.
+    Unusable records of a source are skipped with a ``CacheWarning``; a source with nothing usable
+    raises ``ValueError`` before anything is written; a source or destination that cannot be read or
+    written raises ``OSError``.
     """
     return _merge(sources, Path(destination))[1]
 
@@ -519,8 +602,8 @@ class TuningCache:
         return index
 
     def store(self, record: dict) -> bool:
-        """Add ``record`` to the user file and the in-memory table (a partial record -- an
-        interrupted tuning -- never replaces a full one: see ``is_partial``).
+        """Add ``record`` to the user file and the in-memory table, unless the record of its key there
+        is worth more (``replaces``: a full tuning, or one that verified more).
 
         Never raises for the file system: a tuning run's result is worth keeping even when the cache
         directory is read-only, so then it is kept in memory only, with a ``CacheWarning``.  Records
@@ -531,7 +614,7 @@ class TuningCache:
         record = _normalised(record)
         self.records()  # loaded before the write, so that what loading warns of is the file as it was
         try:
-            written, _ = _update_file(self.path(), {record["key"]: record}, faster_only=False)
+            written, changed = _update_file(self.path(), {record["key"]: record}, faster_only=False)
         except OSError as exc:
             warnings.warn(
                 f"cannot write the pool_tuner tuning cache {self.path()} ({exc}); keeping the record "
@@ -539,10 +622,11 @@ class TuningCache:
                 CacheWarning,
                 stacklevel=2,
             )
-            self._add_user_records({record["key"]: record})
+            if replaces(record, self.records().get(record["key"]), faster_only=False):
+                self._add_user_records({record["key"]: record})
             return False
         self._add_user_records(written)
-        return True
+        return changed > 0
 
     def clear(self) -> None:
         """Delete the user file; shipped records are unaffected.  Under the lock, so that it cannot

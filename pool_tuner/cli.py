@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import warnings
 from pathlib import Path
 
 from . import backends, cache, dispatch, kernel_source, presets
 from .ops import explain
-from .tuner import tune
+from .tuner import DEFAULT_TIME_LIMIT, check_search_options, tune
 from .problem import OPS, Problem
 from .variants import get_variant, variants_for
 
@@ -21,22 +23,42 @@ EXIT_ERROR = 2
 #: Exit status after Ctrl-C, as shells report a process ended by SIGINT (128 + 2).
 EXIT_INTERRUPTED = 130
 OP_NAMES = sorted(OPS)
+#: The library's names of the arguments that options set, as messages from below the CLI begin with them.
+LIBRARY_NAMES = {"input_shape": "--input", "output_size": "--output", "dtype": "--dtype", "layout": "--layout"}
 
 
-def parse_shape(text: str, name: str) -> tuple:
-    """``32x2048x7x7`` -> (32, 2048, 7, 7); output sizes may hold ``None`` entries (``56xNone``), and
-    a single number applies to every pooled axis (``--output 1``)."""
+def _problem(op, shape, out, dtype, layout, direction) -> Problem:
+    """``Problem.create`` with its errors in the terms of the command line: a message that begins
+    with a library argument (``output_size[1] must be ...``) names the option instead."""
+    try:
+        return Problem.create(op, shape, out, dtype, layout, direction=direction)
+    except (TypeError, ValueError) as exc:
+        pattern = r"^(" + "|".join(map(re.escape, LIBRARY_NAMES)) + r")\b"
+        raise type(exc)(re.sub(pattern, lambda m: LIBRARY_NAMES[m.group(1)], str(exc))) from None
+
+
+def _check_positive(value, name: str) -> None:
+    """Counts and sizes of the command line (``--repeat``) are positive integers."""
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def parse_shape(text: str, name: str, output: bool | None = None) -> tuple:
+    """``32x2048x7x7`` -> (32, 2048, 7, 7); output sizes (``output``, default: ``name`` is ``--output``)
+    may hold ``None`` entries (``56xNone``), and a single number applies to every pooled axis
+    (``--output 1``)."""
+    output = name == "--output" if output is None else output
     entries = []
     for token in str(text).lower().split("x"):
-        if token == "none" and name == "--output":
+        if token == "none" and output:
             entries.append(None)
             continue
         try:
             entries.append(int(token))
         except ValueError:
             raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
-    check_sizes(entries, name, text, output=name == "--output")
-    if name == "--output" and len(entries) == 1 and entries[0] is not None:
+    check_sizes(entries, name, text, output=output)
+    if output and len(entries) == 1 and entries[0] is not None:
         return entries[0]
     return tuple(entries)
 
@@ -53,7 +75,7 @@ def check_sizes(entries, name: str, given, output: bool) -> None:
 
 
 def _shapes_from_args(args) -> list:
-    chosen = [a for a in ("input", "preset", "shapes") if getattr(args, a)]
+    chosen = [a for a in ("input", "preset", "shapes") if getattr(args, a) is not None]
     if len(chosen) != 1:
         raise ValueError("give exactly one of --input/--output, --preset or --shapes")
     if args.preset:
@@ -63,19 +85,37 @@ def _shapes_from_args(args) -> list:
             entries = json.loads(Path(args.shapes).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"--shapes {args.shapes}: {exc}") from None
-        if not isinstance(entries, list):
-            raise ValueError('--shapes file must hold a JSON list of {"op": ..., "input": [...], "output": [...]}')
-        try:
-            shapes = [(e.get("op", args.op), tuple(e["input"]), tuple(e["output"])) for e in entries]
-        except (AttributeError, KeyError, TypeError):
-            raise ValueError('--shapes file entries must be objects with "input" and "output" lists (and optionally "op")') from None
-        for i, (_, shape, out) in enumerate(shapes):
-            check_sizes(shape, f"--shapes entry {i} input", list(shape), output=False)
-            check_sizes(out, f"--shapes entry {i} output", list(out), output=True)
-        return shapes
-    if not args.output:
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f'--shapes file {args.shapes} must hold a non-empty JSON list of '
+                             f'{{"op": ..., "input": [...], "output": [...]}}')
+        return [_shapes_entry(entry, i, args.op) for i, entry in enumerate(entries)]
+    if args.output is None:
         raise ValueError("--input needs --output (e.g. --output 1x1)")
     return [(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"))]
+
+
+def _shapes_entry(entry, i: int, op: str) -> tuple:
+    """One ``--shapes`` entry as ``(op, input shape, output size)``: ``input`` and ``output`` take
+    what ``--input`` and ``--output`` take, as JSON lists (``[2, 4, 30]``, ``[7, null]``), numbers
+    (an output for every axis) or the options' text (``"2x4x30"``)."""
+    name = f"--shapes entry {i}"
+    if not isinstance(entry, dict) or "input" not in entry or "output" not in entry:
+        raise ValueError(f'{name} must be an object with "input" and "output" (and optionally "op"), got {entry!r}')
+    sizes = []
+    for field, output in (("input", False), ("output", True)):
+        value = entry[field]
+        if isinstance(value, str):
+            value = parse_shape(value, f"{name} {field}", output)
+        elif isinstance(value, int) and not isinstance(value, bool) and output:
+            check_sizes([value], f"{name} output", value, output=True)
+        elif isinstance(value, list):
+            check_sizes(value, f"{name} {field}", value, output=output)
+            value = tuple(value)
+        else:
+            raise ValueError(f"{name} {field} must be a list of sizes{', a number' if output else ''} or text "
+                             f"like {'1x1' if output else '2x4x30'}, got {value!r}")
+        sizes.append(value)
+    return entry.get("op", op), sizes[0], sizes[1]
 
 
 def cmd_devices(args) -> int:
@@ -100,6 +140,8 @@ def _format_ms(value) -> str:
 def cmd_tune(args) -> int:
     from tqdm import tqdm
 
+    check_search_options(args.strategy, args.max_fevals, args.time_limit,
+                         names=("--strategy", "--max-fevals", "--time-limit"))
     shapes = _shapes_from_args(args)
     device = backends.resolve_device(args.device, "--device")
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
@@ -108,7 +150,10 @@ def cmd_tune(args) -> int:
     problems = set()
     unique_jobs = []
     for op, shape, out, direction in jobs:  # every argument checked before any tuning starts
-        problem = Problem.create(op, shape, out, args.dtype, args.layout, direction=direction)
+        problem = _problem(op, shape, out, args.dtype, args.layout, direction)
+        if problem.is_empty:
+            raise ValueError(f"--output {out!r} gives an empty output {problem.output_shape} for --input "
+                             f"{'x'.join(map(str, shape))}: nothing to tune")
         for name in variant_names or ():
             get_variant(op, name, direction, argument="--variants")
         if problem not in problems:  # e.g. coord_attention's 56xNone and Nonex56 on 56x56 inputs
@@ -116,7 +161,7 @@ def cmd_tune(args) -> int:
             unique_jobs.append((op, shape, out, direction))
     jobs = unique_jobs
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
-    failed = finished = 0
+    failed = finished = cut_short = 0
     try:
         with tqdm(total=steps, desc="tuning", unit="variant", disable=args.quiet, file=sys.stderr) as bar:
             for op, shape, out, direction in jobs:
@@ -127,6 +172,7 @@ def cmd_tune(args) -> int:
                 bar.clear()
                 print(_result_table(result))
                 failed += sum(len(v.failures) for v in result.variants)
+                cut_short += sum(v.cut_short for v in result.variants)
                 finished += 1
     except KeyboardInterrupt as stop:  # what was kept, for main's one line
         kept = f"{finished} of {len(jobs)} tuning jobs finished and kept in {dispatch.tuning_cache().path()}"
@@ -134,6 +180,9 @@ def cmd_tune(args) -> int:
     print(f"cache: {dispatch.tuning_cache().path()}")
     if failed:
         print(f"{failed} configurations failed to compile, launch or verify and were skipped (see the cache records)")
+    if cut_short:
+        print(f"{cut_short} variant searches were cut short by the time limit before their budget of configurations "
+              f"(--time-limit, default {DEFAULT_TIME_LIMIT:g} s per variant)")
     return 0
 
 
@@ -147,6 +196,7 @@ def _result_table(result) -> str:
             lines.append(f"  {v.variant:20s} {'-':>10s}  not applicable: {v.not_applicable}")
             continue
         mark = "  <- winner" if v.variant == result.best_variant else ""
+        mark += "  (search cut short by the time limit)" if v.cut_short else ""
         lines.append(f"  {v.variant:20s} {_format_ms(v.best_time_ms):>10s} {v.evaluated:9d} {len(v.failures):6d}"
                      f"  {v.best_params if v.best_params else 'none ran correctly'}{mark}")
     lines.append("  kernel ms: the kernel alone (median of its launches, timed by OpenCL events); a library call "
@@ -159,11 +209,14 @@ def _result_table(result) -> str:
     else:  # the default's variant was not among those searched (--variants)
         verdict = (f"tuned among the variants asked for: {1 / result.speedup_over_default:.2f}x slower than {default}, "
                    f"whose variant was not searched")
-    lines.append(f"  {verdict}" + ("" if result.stored else "  (NOT stored: the cache could not be written)"))
+    lines.append(f"  {verdict}" + ("" if result.stored else f"  (NOT stored: {result.not_stored})"))
     return "\n".join(lines)
 
 
 def cmd_cache(args) -> int:
+    if args.action != "merge" and (args.files or args.into is not None):
+        extra = args.files + ([f"--into {args.into}"] if args.into is not None else [])
+        raise ValueError(f"cache {args.action} takes no files or --into, got {' '.join(extra)!r}")
     table = dispatch.tuning_cache()
     if args.action == "path":
         print(f"user cache:    {table.path()}")
@@ -229,8 +282,9 @@ def _partial_note(record) -> str:
 
 
 def cmd_explain(args) -> int:
-    info = explain(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"),
-                   args.dtype, args.layout, args.device, direction=args.direction)
+    shape, out = parse_shape(args.input, "--input"), parse_shape(args.output, "--output")
+    _problem(args.op, shape, out, args.dtype, args.layout, args.direction)
+    info = explain(args.op, shape, out, args.dtype, args.layout, args.device, direction=args.direction)
     print(json.dumps(info, indent=2))
     return 0
 
@@ -240,12 +294,21 @@ def cmd_bench(args) -> int:
 
     names = args.preset.split(",") if args.preset else None
     bench.suite(names)  # validates the names before any work
+    _check_positive(args.repeat, "--repeat")
+    _check_positive(args.torch_threads, "--torch-threads")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {args.out}: cannot create the directory ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"--out {args.out}: the directory is not writable")
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
                            f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr))
     print(bench.format_table(report))
-    json_path, png_path = bench.save(report, Path(args.out))
+    json_path, png_path = bench.save(report, out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
     return 0
 
@@ -355,8 +418,26 @@ def _print_warning(message, category, filename, lineno, file=None, line=None):
     tqdm.write(f"pool-tuner: warning: {message}", file=sys.stderr)
 
 
+def _attach_dash_values(argv: list) -> list:
+    """``--output -3x3`` as ``--output=-3x3``: argparse takes a value that begins with '-' (other than
+    a plain negative number) for an option and stops with "expected one argument"; attached, the
+    value reaches the option's own check and its message."""
+    joined, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        if (token.startswith("--") and "=" not in token and i + 1 < len(argv)
+                and re.match(r"-(\d|\.|nan|inf)", argv[i + 1], re.IGNORECASE)):
+            joined.append(f"{token}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(token)
+            i += 1
+    return joined
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(_attach_dash_values(argv))
     with warnings.catch_warnings():
         warnings.showwarning = _print_warning
         try:

@@ -12,7 +12,10 @@ size is known:
   for the whole layer when every axis is like that;
 * otherwise, average pooling along an axis is a product with a constant ``O x I`` pooling matrix
   (row ``o`` holds ``1/len`` over window ``o``): ``P_H · X · P_Wᵀ`` in 2d (``MatMul``);
-* and max pooling along an axis is one ``Slice`` + ``ReduceMax`` per window, ``Concat``-ed.
+* and max pooling along an axis is one ``Slice`` + ``ReduceMax`` per window, ``Concat``-ed;
+* ONNX leaves what ``MaxPool`` and ``ReduceMax`` make of NaN open (onnxruntime skips NaNs), so a max
+  window holding NaN is found apart -- average pooling of where the NaNs are -- and set to NaN, as
+  PyTorch's is.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
                 f"batch and channel dimensions dynamic"
             )
     output_size = [int(size) for size in output_size]
+    source = x
     batchless = x.dim() == ndim + 1
     if batchless:  # ONNX pooling operators take (N, C, ...)
         x = x.unsqueeze(0)
@@ -90,4 +94,8 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
                 x = _average_along(x, dim, in_size, out_size)
             else:
                 x = _max_along(x, dim, in_size, out_size)
-    return x.squeeze(0) if batchless else x
+    x = x.squeeze(0) if batchless else x
+    if kind == "max":
+        nans = decompose("avg", ndim, torch.isnan(source).to(source.dtype), output_size, layer)
+        x = torch.where(nans > 0, torch.full_like(x, float("nan")), x)
+    return x

@@ -73,8 +73,10 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
         owner.wrap_input(first, names[0])
     else:
         if not isinstance(first, np.ndarray):
+            hint = ("; for PyTorch tensors use pool_tuner.torch (the same functions, with autograd)"
+                    if type(first).__module__.startswith("torch") else "")
             raise TypeError(f"{names[0]} must be a numpy.ndarray or a device array (pyopencl Array, PyCUDA "
-                            f"GPUArray, __cuda_array_interface__), got {type(first).__name__}")
+                            f"GPUArray, __cuda_array_interface__), got {type(first).__name__}{hint}")
         chosen, context = backends.resolve_device(device), None
     specs = [plans.numpy_spec(first)]
     if len(arrays) > 1:
@@ -322,7 +324,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
     info["partial"] = None if record is None else record.get("partial")
-    info["autotune_on_miss"] = os.environ.get(tuner.AUTOTUNE_ENV) == "1"
+    info["autotune_on_miss"] = tuner.autotune_enabled()
     # Where another kernel raced pool_tuner's on this problem in this process (pool_tuner.torch's
     # PyTorch candidate for CPU tensors): both times and the winner, which is what such calls run.
     info["measured_candidate"] = dispatch.measured_candidate(problem, dev)

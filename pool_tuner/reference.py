@@ -90,8 +90,8 @@ def adaptive_max_pool(x, output_size, ndim: int) -> tuple[np.ndarray, np.ndarray
 
     Returns ``(values, indices)``: float64 maxima and int64 indices flattened within the pooled
     plane/volume (``h*W + w``, ``t*H*W + h*W + w``).  A window holding NaN yields NaN and the index
-    of its first NaN in row-major window order; ties (and all ``-inf`` windows) yield the first
-    position of the maximum in row-major window order.
+    of its last NaN in row-major window order (PyTorch's scan takes every NaN it meets); ties (and
+    all ``-inf`` windows) yield the first position of the maximum in row-major window order.
     """
     ndim = _check_ndim(ndim)
     x = _as_float64(x, "x")
@@ -106,13 +106,13 @@ def adaptive_max_pool(x, output_size, ndim: int) -> tuple[np.ndarray, np.ndarray
         flat = x[lead + slices].reshape(batch + (area,))
         isnan = np.isnan(flat)
         has_nan = isnan.any(axis=-1)
-        first_nan = np.argmax(isnan, axis=-1)  # first True
+        last_nan = area - 1 - np.argmax(isnan[..., ::-1], axis=-1)  # last True
         # Explicitly the first occurrence of the maximum, ignoring NaNs (they are handled above).
         # An all -inf window gives max -inf and so position 0.
         no_nan = np.where(isnan, -np.inf, flat)
         peak = no_nan.max(axis=-1, keepdims=True)
         first_max = np.argmax(no_nan == peak, axis=-1)
-        local = np.where(has_nan, first_nan, first_max)
+        local = np.where(has_nan, last_nan, first_max)
         # Window-local flat position -> coordinates in the pooled plane/volume -> flat index there.
         coords = np.unravel_index(local, shape)
         flat_index = np.zeros(local.shape, dtype=np.int64)

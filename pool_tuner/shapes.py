@@ -10,6 +10,14 @@ import numbers
 
 RANK_NAMES = {1: "(N, C, L) or (C, L)", 2: "(N, C, H, W) or (C, H, W)", 3: "(N, C, T, H, W) or (C, T, H, W)"}
 
+#: The largest output size of one pooled axis: int32's maximum.  Window bounds are computed per
+#: output index (host arrays of that length, device grids over it), so a larger size fails deep
+#: inside window math or a launch instead of here; no real layer comes near it.
+MAX_OUTPUT_EXTENT = 2**31 - 1
+#: The largest output plane (product of the pooled output sizes): int64's maximum, since max
+#: pooling's indices are int64 positions within the plane (PyTorch's).
+MAX_OUTPUT_PLANE = 2**63 - 1
+
 
 def check_int(value, name: str, *, minimum: int | None = None) -> int:
     """Return ``value`` as a Python int, rejecting bools, floats and other non-integers."""
@@ -47,7 +55,8 @@ def split_input_shape(shape, ndim: int, name: str = "x") -> tuple[tuple[int, ...
 
 def resolve_output_size(output_size, in_spatial: tuple[int, ...], name: str = "output_size") -> tuple[int, ...]:
     """Resolve ``output_size`` (an int, or a sequence of ints and ``None``) against the input's
-    pooled dimensions: an int applies to every axis, ``None`` keeps the input size."""
+    pooled dimensions: an int applies to every axis, ``None`` keeps the input size.  Sizes are
+    bounded (MAX_OUTPUT_EXTENT, MAX_OUTPUT_PLANE) before anything is allocated for them."""
     ndim = len(in_spatial)
     if output_size is None:
         raise TypeError(f"{name} must be an int or a sequence of {ndim} ints/None, got None")
@@ -72,6 +81,14 @@ def resolve_output_size(output_size, in_spatial: tuple[int, ...], name: str = "o
             resolved.append(size)
         else:
             resolved.append(check_int(entry, f"{name}[{axis}]", minimum=0))
+            if resolved[-1] > MAX_OUTPUT_EXTENT:
+                raise ValueError(f"{name}[{axis}] must be <= {MAX_OUTPUT_EXTENT} (2**31 - 1), got {resolved[-1]}")
+    plane = 1
+    for size in resolved:
+        plane *= size
+    if isinstance(plane, int) and plane > MAX_OUTPUT_PLANE:  # a dynamic (symbolic) input size is not checked
+        raise ValueError(f"{name} {tuple(resolved)} has {plane} elements per plane; the limit is "
+                         f"{MAX_OUTPUT_PLANE} (2**63 - 1, the range of int64 indices)")
     return tuple(resolved)
 
 

@@ -60,6 +60,7 @@ from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from .decomposition import decompose
 from .shapes import RANK_NAMES, resolve_output_size
+from .variants import get_variant
 
 __all__ = [
     "AdaptiveAvgPool1d",
@@ -440,6 +441,9 @@ class _PoolTunerModule:
     ndim: int
 
     def _set_options(self, device, variant, config):
+        """Keep the options; a variant is checked here, where the layer is made, not at its first forward."""
+        if variant is not None:
+            get_variant(f"adaptive_{self.kind}_pool{self.ndim}d", variant)
         self.device, self.variant, self.config = device, variant, config
 
     def forward(self, input):

@@ -38,7 +38,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -54,6 +56,8 @@ from .variants import variants_for
 
 #: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
 AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
+#: The values of AUTOTUNE_ENV that turn autotuning on and off (any case); others warn and leave it off.
+AUTOTUNE_ON, AUTOTUNE_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 #: Search spaces with at most this many legal points are searched exhaustively by default.
 BRUTE_FORCE_LIMIT = 30
 #: Default budget for larger spaces: random sampling of this many configurations per variant.
@@ -77,8 +81,7 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
-#: Where ``autotune`` says that a call is tuning its shape (at WARNING level: shown on stderr even
-#: when the application configures no logging).
+#: Where ``autotune`` says that a call is tuning its shape, at WARNING level (``_speaker``).
 log = logging.getLogger("pool_tuner")
 
 #: Verification tolerances per dtype (float16/bfloat16: a few units of their epsilon).
@@ -100,6 +103,8 @@ class VariantResult:
     seconds: float
     #: Why the variant cannot run the problem at all (its refusal of its default configuration), or None.
     not_applicable: str | None = None
+    #: Whether the time limit ended the search before its evaluation budget (``time_limit``).
+    cut_short: bool = False
 
 
 @dataclasses.dataclass
@@ -118,6 +123,8 @@ class TuneResult:
     stored: bool
     #: What an interrupted tuning covered (the record's ``"partial"`` field), None for a full one.
     partial: dict | None = None
+    #: Why the record was not stored (``stored`` False), or None.
+    not_stored: str | None = None
 
     @property
     def speedup_over_default(self) -> float | None:
@@ -230,6 +237,29 @@ def _search_plan(n_legal: int, strategy=None, max_fevals=None) -> tuple[str, int
     if strategy == "brute_force":
         return strategy, n_legal
     return strategy, min(max_fevals or DEFAULT_MAX_FEVALS, n_legal)
+
+
+def check_search_options(strategy=None, max_fevals=None, time_limit=None,
+                         names=("strategy", "max_fevals", "time_limit")) -> None:
+    """Refuse search options that would fail only after minutes of tuning (an unknown strategy, a
+    budget of nothing) or that Kernel Tuner would take silently (a negative or NaN time limit, under
+    which every configuration fails).  ``names`` are the options as the caller spells them (the
+    command line's ``--max-fevals``)."""
+    strategy_name, fevals_name, limit_name = names
+    if strategy is not None:
+        from kernel_tuner.interface import strategy_map
+
+        if strategy not in strategy_map:
+            raise ValueError(f"{strategy_name} must be a Kernel Tuner strategy, one of {sorted(strategy_map)}; "
+                             f"got {strategy!r}")
+    if max_fevals is not None and (isinstance(max_fevals, bool) or not isinstance(max_fevals, int) or max_fevals < 1):
+        raise ValueError(f"{fevals_name} must be a positive integer, got {max_fevals!r}")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not math.isfinite(time_limit) or time_limit <= 0):
+        raise ValueError(f"{limit_name} must be a positive number of seconds, got {time_limit!r}")
+    if strategy == "brute_force" and (max_fevals or time_limit):
+        raise ValueError(f"{fevals_name}/{limit_name} need a sampling strategy (e.g. {strategy_name} random_sample); "
+                         f"brute_force evaluates every configuration")
 
 
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
@@ -378,6 +408,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
 def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, variants, strategy, max_fevals,
           time_limit, iterations, store, tuning_cache, quiet, progress) -> TuneResult:
     started = time.perf_counter()
+    check_search_options(strategy, max_fevals, time_limit)
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     if problem.is_empty:
@@ -427,6 +458,12 @@ def _search(variant, problem: Problem, dev, options: dict) -> VariantResult:
         return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, dev.limits))
     try:
         params, kt_ms, evaluated, failures = tune_variant(variant, problem, dev, **options)
+        seconds = time.perf_counter() - t0
+        strategy, budget = _search_plan(len(variant.legal_configurations(problem, dev.limits)), options["strategy"],
+                                        options["max_fevals"])
+        cut_short = (strategy != "brute_force" and evaluated + len(failures) < budget
+                     and seconds >= (options["time_limit"] or DEFAULT_TIME_LIMIT))
+        return VariantResult(variant.name, params, kt_ms, evaluated, failures, seconds, cut_short=cut_short)
     except (ValueError, TypeError):  # our own argument errors (e.g. a budget with brute_force)
         raise
     except _SearchInterrupted as stop:
@@ -460,15 +497,20 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
         extra={"default": default_entry,
                "failures": [dict(f, variant=r.variant) for r in results for f in r.failures],
                "tuning_seconds": round(time.perf_counter() - started, 3),
+               "verified": sum(r.evaluated for r in tuned),
                **({} if partial is None else {"partial": partial})},
     )
-    stored = False
+    stored, not_stored = False, "not asked to store"
     if tc is not None:
         stored = tc.store(record)
         dispatch.forget(problem, dev)
+        existing = tc.lookup(key)
+        not_stored = (None if stored else "the cache could not be written" if existing is None
+                      or cache_mod.replaces(record, existing, faster_only=False)
+                      else "the cache holds a tuning of this problem that verified more (variants, configurations)")
     return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
                       default.variant.name, default.config, default_entry["time_ms"], time.perf_counter() - started,
-                      key, stored, partial)
+                      key, stored, partial, not_stored)
 
 
 def _title(problem: Problem) -> str:
@@ -515,24 +557,51 @@ def autotune(problem: Problem, device) -> None:
     seconds to minutes of compiling and timing, and a call that blocks that long without a word
     looks hung.  Runs once per shape and process (dispatch memoises the decision)."""
     what = _title(problem)
+    say = _speaker()
     variants = variants_for(problem.op, problem.direction).values()
     legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
     searched = sum(_search_plan(n)[1] for n in legal)
-    log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for %s on %s: tuning it now, before this "
-                "call returns -- up to %d configurations of %d variants to compile, time and verify (on PoCL's CPU "
-                "device about half a second each)", what, device.describe(), searched, sum(1 for n in legal if n))
+    say("%s=%s and no tuning record for %s on %s: tuning it now, before this call returns -- up to %d "
+        "configurations of %d variants to compile, time and verify (on PoCL's CPU device about half a second each)",
+        AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV), what, device.describe(), searched, sum(1 for n in legal if n))
     result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
                   problem.layout, device, direction=problem.direction)
-    log.warning("pool_tuner: tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
-                result.best_params, result.best_time_ms,
-                "stored in the tuning cache" if result.stored else "kept in memory only (the cache could not be written)")
+    say("tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
+        result.best_params, result.best_time_ms,
+        "stored in the tuning cache" if result.stored else f"not stored ({result.not_stored})")
+
+
+def _speaker():
+    """How ``autotune`` speaks for the whole of one call: through the ``pool_tuner`` logger where the
+    application has configured logging, else one ``pool_tuner: ...`` line on stderr.  Decided once,
+    because a library imported during the tuning may configure the root logger, which would change
+    the second line's format from the first's."""
+    if log.hasHandlers():
+        return log.warning
+
+    def to_stderr(message, *args):
+        print(f"{log.name}: {message % args}", file=sys.stderr)
+
+    return to_stderr
+
+
+def autotune_enabled() -> bool:
+    """Whether AUTOTUNE_ENV asks for autotuning: one of AUTOTUNE_ON; a value in neither AUTOTUNE_ON
+    nor AUTOTUNE_OFF is a ``RuntimeWarning`` (a misspelt switch must not pass in silence) and off."""
+    value = os.environ.get(AUTOTUNE_ENV, "").strip().lower()
+    if value in AUTOTUNE_ON:
+        return True
+    if value not in AUTOTUNE_OFF:
+        warnings.warn(f"{AUTOTUNE_ENV}={os.environ[AUTOTUNE_ENV]!r} is neither on ({', '.join(AUTOTUNE_ON)}) nor off "
+                      f"({', '.join(repr(v) for v in AUTOTUNE_OFF)}); autotuning stays off", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def tune_on_miss(problem: Problem, device) -> bool:
     """The calls' tune-on-miss (``dispatch.choose``'s ``on_miss``): with ``POOL_TUNER_AUTOTUNE=1``
     tune ``problem`` on ``device`` (``autotune``) and return True, else return False.  Dispatch
     memoises the decision that follows, so a problem is tuned once per process."""
-    if os.environ.get(AUTOTUNE_ENV) != "1":
+    if not autotune_enabled():
         return False
     key = cache_mod.cache_key(problem, device)
     seen = dispatch.tuning_cache().lookup(key)
@@ -549,5 +618,5 @@ def tune_on_miss(problem: Problem, device) -> bool:
     return True
 
 
-__all__ = ["autotune", "tune", "tune_on_miss", "TuneResult", "TuningInterrupted", "VariantResult", "race",
+__all__ = ["autotune", "autotune_enabled", "tune", "tune_on_miss", "TuneResult", "TuningInterrupted", "VariantResult", "race",
            "AUTOTUNE_ENV"]

@@ -35,6 +35,10 @@ def no_kernel_may_run(monkeypatch):
         (lambda: pt.adaptive_max_pool2d_backward(np.ones((2, 3, 4, 4), ">f8"), np.zeros((2, 3, 4, 4), np.int64),
                                                  (2, 3, 8, 8)), TypeError, "grad_out.dtype must be in native byte order"),
         (lambda: pt.explain(OP2, (2, 3, 8, 8), 2, dtype=">f4"), TypeError, "dtype must be in native byte order"),
+        (lambda: pt.tune(OP2, (2, 3, 8, 8), 2, time_limit=-5), ValueError, "time_limit must be a positive number"),
+        (lambda: pt.tune(OP2, (2, 3, 8, 8), 2, time_limit=float("nan")), ValueError, "time_limit must be a positive"),
+        (lambda: pt.tune(OP2, (2, 3, 8, 8), 2, max_fevals=0), ValueError, "max_fevals must be a positive integer"),
+        (lambda: pt.tune(OP2, (2, 3, 8, 8), 2, strategy="nonsense"), ValueError, "strategy must be a Kernel Tuner"),
         (lambda: pt.adaptive_avg_pool2d(np.ones((8, 8), np.float32), 1), ValueError, "x must be 3-d or 4-d"),
         (lambda: pt.adaptive_avg_pool2d(np.ones((1, 2, 3, 8, 8), np.float32), 1), ValueError, "x must be 3-d or 4-d"),
         (lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 0, 8), np.float32), 1), ValueError, "pooled dimension of size 0"),
@@ -78,6 +82,36 @@ def no_kernel_may_run(monkeypatch):
 def test_bad_argument_is_named(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: pt.adaptive_avg_pool1d(np.ones((2, 3, 8), np.float32), 2**40),
+    lambda: pt.adaptive_max_pool2d(GOOD, (3, 2**41)),
+    lambda: pt.explain("adaptive_avg_pool1d", (2, 3, 8), 2**40),
+    lambda: pt.explain(OP2, (2, 3, 8, 8), (2**31, 1), direction="backward"),
+    lambda: pt.reference.adaptive_max_pool(GOOD, (2**40, 2), 2),
+], ids=["1d", "2d", "explain", "explain-backward", "reference"])
+def test_absurd_output_sizes_are_refused_before_any_allocation(call):
+    """Sizes past int32 on an axis would otherwise fail with MemoryError inside window math."""
+    with pytest.raises(ValueError, match=r"output_size\[\d\] must be <= 2147483647 \(2\*\*31 - 1\), got"):
+        call()
+
+
+def test_absurd_output_planes_are_refused():
+    with pytest.raises(ValueError, match=r"output_size .* elements per plane; the limit is 9223372036854775807"):
+        pt.explain("adaptive_avg_pool3d", (1, 1, 2, 2, 2), 2**31 - 1)
+
+
+@pytest.mark.parametrize("size", [2**40, 2**63, (3, 2**64)])
+def test_absurd_output_sizes_are_refused_by_pool_tuner_torch(size):
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    x = torch.from_numpy(GOOD)
+    with pytest.raises(ValueError, match=r"output_size\[\d\] must be <= 2147483647"):
+        ptt.adaptive_max_pool2d(x, size)
+    with pytest.raises(ValueError, match=r"output_size\[\d\] must be <= 2147483647"):
+        ptt.AdaptiveAvgPool2d(size)(x)
 
 
 def test_bad_device_environment_variable_is_named(monkeypatch):
@@ -165,8 +199,9 @@ README_ERRORS = {
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, "47")),
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, b"47")),
     ],
-    "`output_size` negative or with the wrong number of entries": [
+    "`output_size` negative, above 2**31 - 1 on an axis, or with the wrong number of entries": [
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (-1, 2))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (3, 2**41))),
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (2,))),
     ],
     "backward `input_shape` with non-integers / of the wrong rank / not matching `grad_out`": [
@@ -232,3 +267,19 @@ def test_every_readme_error_row_raises_what_it_says(row):
     for exc, call in cases:
         with pytest.raises(exc):
             call()
+
+
+def test_a_torch_tensor_given_to_the_numpy_api_points_to_pool_tuner_torch():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="got Tensor; for PyTorch tensors use pool_tuner.torch"):
+        pt.adaptive_avg_pool2d(torch.from_numpy(GOOD), 2)
+
+
+def test_a_misspelt_variant_is_refused_when_the_module_is_made():
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    with pytest.raises(ValueError, match="variant must be one of .* for adaptive_max_pool2d forward, got 'thread_per_outptu'"):
+        ptt.AdaptiveMaxPool2d(2, variant="thread_per_outptu")
+    with pytest.raises(ValueError, match="got 'fastest'"):
+        ptt.replace_pooling(torch.nn.Sequential(torch.nn.AdaptiveAvgPool1d(3)), variant="fastest")

@@ -458,3 +458,97 @@ def test_a_partial_field_that_is_not_an_object_is_malformed(tmp_path):
     write_file(tmp_path / "user" / cache.USER_FILE, [bad])
     with pytest.warns(CacheWarning, match="'partial' field that is not an object"):
         assert fresh(tmp_path).lookup(bad["key"]) is None
+
+
+# ---------------------------------------------------------------- what a record is worth; hostile files
+
+
+def test_a_record_that_verified_less_never_replaces_one_that_verified_more(tmp_path):
+    """A tuning cut short (a negative time limit: every variant failed but one) must not replace the
+    full tuning stored moments before; one that verified as much or more does."""
+    c = fresh(tmp_path)
+    full = make_record(problem(), FP, KERNEL_HASH, {"variant": "a", "params": {"x": 1}, "time_ms": 2.0},
+                       [{"variant": "b", "params": {"x": 2}, "time_ms": 3.0}], extra={"verified": 40})
+    poor = make_record(problem(), FP, KERNEL_HASH, {"variant": "b", "params": {"x": 2}, "time_ms": 1.0}, [],
+                       extra={"verified": 1})
+    fewer_configs = dict(full, verified=39)
+    assert c.store(full)
+    assert not c.store(poor) and not c.store(fewer_configs)
+    assert fresh(tmp_path).lookup(full["key"])["verified"] == 40
+    assert c.lookup(full["key"])["verified"] == 40
+    better = dict(full, verified=41, best=dict(full["best"], time_ms=5.0))
+    assert c.store(better)
+    assert fresh(tmp_path).lookup(full["key"])["verified"] == 41
+    # merging follows the same rule
+    source = tmp_path / "other.json"
+    write_file(source, [dict(poor, best=dict(poor["best"], time_ms=0.5))])
+    assert merge_files([source], c.path()) == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "link-to-device", "deep-json"])
+def test_special_files_and_pathological_json_are_a_warning_and_a_miss(tmp_path, kind):
+    """Never a hang (a FIFO, /dev/zero) or a crash (RecursionError): loading warns and misses, store
+    keeps its record in memory, tune's store path included."""
+    path = tmp_path / "user" / cache.USER_FILE
+    path.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        os.symlink("/dev/null", path)  # a character device (and readable as empty, without the check)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "link-to-device":
+        os.symlink("/dev/zero", path)
+    else:
+        path.write_text("[" * 100_000)
+    c = fresh(tmp_path)
+    with pytest.warns(CacheWarning):
+        assert c.lookup(record()["key"]) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c.store(record())
+    assert any(issubclass(w.category, CacheWarning) for w in caught)
+    assert c.lookup(record()["key"]) is not None
+
+
+@pytest.mark.parametrize("field,value", [
+    ("problem", {"input_shape": ["2", "3", "8", "8"]}),
+    ("problem", {"output_shape": [2, 3, 4, True]}),
+    ("problem", {"dtype": 32}),
+    ("best", {"params": {"block_size": "128"}}),
+    ("runners_up", [{"variant": "b", "params": {}, "time_ms": "fast"}]),
+    ("default", {"variant": 3}),
+    ("failures", [{"params": None}]),
+    ("versions", "0.1"),
+    ("date", 2026),
+    ("tuning_seconds", "a minute"),
+    ("verified", -1),
+    ("verified", 2.5),
+])
+def test_every_field_is_type_checked_on_load_and_merge(tmp_path, field, value):
+    """e.g. an input_shape of strings made the key (int("2") == 2) and passed, and then every
+    nearest-shape call of its family raised TypeError."""
+    bad = record()
+    merge = field in ("problem", "best") and isinstance(value, dict)  # one sub-field spoilt
+    bad[field] = dict(bad[field], **value) if merge else value
+    write_file(tmp_path / "user" / cache.USER_FILE, [bad])
+    with pytest.warns(CacheWarning, match=repr(field)):
+        assert fresh(tmp_path).lookup(bad["key"]) is None
+    source = tmp_path / "source.json"
+    write_file(source, [bad, record(width=9)])
+    with pytest.warns(CacheWarning, match="not merged"):
+        assert merge_files([source], tmp_path / "merged.json") == 1
+
+
+def test_stale_temporary_files_are_removed_by_the_next_writer(tmp_path):
+    """A writer killed mid-write leaves records.json.*.tmp; the next writer removes those older than
+    the lock timeout, and leaves younger ones."""
+    c = fresh(tmp_path)
+    c.store(record(width=8))
+    stale, young = c.path().with_name("records.json.abc.tmp"), c.path().with_name("records.json.def.tmp")
+    for tmp in (stale, young):
+        tmp.write_text("{")
+    old = time.time() - cache.LOCK_TIMEOUT_S - 5
+    os.utime(stale, (old, old))
+    c.store(record(width=9))
+    assert not stale.exists() and young.exists()

@@ -380,7 +380,20 @@ SHAPE_ARGS = ["--input", "2x3x5x7", "--output", "3x4"]
     (["tune", *SHAPE_ARGS, "--preset", "upsample_area"], "exactly one"),
     (["tune", "--shapes", "missing_shapes.json"], "--shapes"),
     (["tune", *SHAPE_ARGS, "--variants", "no_such_variant", "--quiet"], "variants"),
-    (["tune", *SHAPE_ARGS, "--strategy", "brute_force", "--max-fevals", "2", "--quiet"], "max_fevals"),
+    (["tune", *SHAPE_ARGS, "--strategy", "brute_force", "--max-fevals", "2", "--quiet"], "--max-fevals"),
+    (["tune", *SHAPE_ARGS, "--strategy", "nonsense"], "--strategy must be a Kernel Tuner strategy"),
+    (["tune", *SHAPE_ARGS, "--max-fevals", "-1"], "--max-fevals must be a positive integer, got -1"),
+    (["tune", *SHAPE_ARGS, "--time-limit", "nan"], "--time-limit must be a positive number of seconds"),
+    (["tune", *SHAPE_ARGS, "--time-limit", "-5"], "--time-limit must be a positive number of seconds"),
+    (["tune", "--input", "2x3x5x7", "--output", "-3x3"], "--output sizes must be integers >= 0"),
+    (["tune", "--input", "2x3x5x7", "--output", ""], "--output must look like"),
+    (["tune", "--input", "2x3", "--output", "1"], "--input must be 3-d or 4-d"),
+    (["tune", "--input", "2x3x5x7", "--output", "0"], "--output 0 gives an empty output"),
+    (["explain", "--input", "2x3x5x7", "--output", "2x99999999999"], "--output[1] must be <= 2147483647"),
+    (["bench", "--repeat", "0"], "--repeat must be a positive integer"),
+    (["bench", "--repeat", "-2"], "--repeat must be a positive integer"),
+    (["bench", "--out", "/proc/nope"], "--out /proc/nope"),
+    (["cache", "show", "extra", "words"], "cache show takes no files"),
     (["explain", *SHAPE_ARGS, "--device", "opencl:99:0"], "device"),
     (["explain", *SHAPE_ARGS, "--dtype", "int8"], "dtype"),
     (["cache", "merge", "missing_records.json"], "missing_records.json"),
@@ -388,7 +401,10 @@ SHAPE_ARGS = ["--input", "2x3x5x7", "--output", "3x4"]
     (["cache", "merge"], "merge"),
 ], ids=["bad-shape", "negative-output", "negative-input", "zero-input", "explain-zero-input", "bad-output-text",
         "none-in-input", "unknown-preset", "missing-output", "no-shapes", "two-shape-sources",
-        "missing-shapes-file", "unknown-variant", "brute-force-budget", "unknown-device", "bad-dtype",
+        "missing-shapes-file", "unknown-variant", "brute-force-budget", "unknown-strategy", "negative-max-fevals",
+        "nan-time-limit", "negative-time-limit", "dash-output", "empty-output", "input-rank", "empty-result",
+        "absurd-output", "repeat-0", "repeat-negative", "unwritable-out", "cache-show-extra",
+        "unknown-device", "bad-dtype",
         "merge-missing-file", "merge-missing-file-into", "merge-nothing"])
 def test_errors_are_one_line_and_exit_2(capsys, user_cache, argv, mentions):
     code, out, err = run(capsys, *argv)
@@ -504,3 +520,35 @@ def test_shapes_file_outputs_follow_the_output_rule(tmp_path):
     (tmp_path / "shapes.json").write_text('[{"input": [2, 3, 0, 7], "output": [1, 1]}]')
     with pytest.raises(ValueError, match="--shapes entry 0 input sizes must be positive integers"):
         cli._shapes_from_args(args)
+
+
+@pytest.mark.parametrize("entries, mentions", [
+    ([], "must hold a non-empty JSON list"),
+    ([{"input": "2xax30", "output": 7}], "--shapes entry 0 input must look like"),
+    ([{"input": [2, 4, 30]}], '--shapes entry 0 must be an object with "input" and "output"'),
+    ([{"input": [2, 4, 30], "output": -7}], "--shapes entry 0 output sizes must be integers >= 0"),
+    ([{"input": 30, "output": 7}], "--shapes entry 0 input must be a list of sizes"),
+], ids=["empty", "bad-text", "no-output", "negative-output", "number-input"])
+def test_bad_shapes_files_are_one_line_and_exit_2(capsys, user_cache, tmp_path, entries, mentions):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(entries))
+    code, _, err = run(capsys, "tune", "--op", "adaptive_avg_pool1d", "--shapes", str(shapes))
+    assert mentions in assert_one_error_line(code, err)
+
+
+def test_shapes_entries_take_what_the_options_take(tmp_path):
+    """An output number (as --output 7) and the options' text ("2x4x30", "7xNone") are entries too."""
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"input": [2, 4, 30], "output": 7}, {"input": "2x4x30", "output": "7"},
+                                  {"op": "adaptive_max_pool2d", "input": "2x4x9x9", "output": "7xNone"}]))
+    args = cli.build_parser().parse_args(["tune", "--op", "adaptive_avg_pool1d", "--shapes", str(shapes)])
+    assert cli._shapes_from_args(args) == [("adaptive_avg_pool1d", (2, 4, 30), 7), ("adaptive_avg_pool1d", (2, 4, 30), 7),
+                                           ("adaptive_max_pool2d", (2, 4, 9, 9), (7, None))]
+
+
+def test_merging_a_file_with_nothing_to_merge_is_an_error(capsys, user_cache, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1}')
+    code, _, err = run(capsys, "cache", "merge", str(bad))
+    assert str(bad) in assert_one_error_line(code, err)
+    assert not (user_cache / cache_mod.USER_FILE).exists()

@@ -201,3 +201,37 @@ def test_float16_backward_of_an_empty_output_is_zero(op):
     got = getattr(pt, f"{op}_backward")(*args, (2, 3, 5, 4))
     assert got.dtype == np.float16 and got.shape == (2, 3, 5, 4)
     assert not got.any()
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(drawn=problems("forward"), data=st.data())
+def test_max_with_nans_matches_pytorch(drawn, data):
+    """Max pooling's values, indices and input gradients equal PyTorch's (CPU) for any pattern of
+    NaNs and infinities, through the numpy API, the reference and pool_tuner.torch (docs/design.md,
+    Semantics: of several NaNs in a window the last wins, as PyTorch's scan takes every NaN)."""
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    drawn = (drawn[0].replace("avg", "max"),) + drawn[1:]
+    op, ndim, in_shape, size, out_shape, dtype, layout, x, rng, variant = _setup(drawn, data, "forward")
+    assume(np.prod(out_shape) > 0)  # PyTorch refuses empty max pooling
+    share = data.draw(st.sampled_from([0.05, 0.3, 0.7, 1.0]), label="NaN share")
+    x[rng.random(x.shape) < share] = np.nan
+    x[rng.random(x.shape) < 0.1] = data.draw(st.sampled_from([np.inf, -np.inf]), label="infinity")
+    out_size = out_shape[-ndim:]
+    torch_fn = getattr(torch.nn.functional, op)
+    want_values, want_indices = torch_fn(torch.from_numpy(x), out_size, return_indices=True)
+    values, indices = getattr(pt, op)(x, size, return_indices=True, variant=variant)
+    np.testing.assert_array_equal(values, want_values.numpy())
+    np.testing.assert_array_equal(indices, want_indices.numpy())
+    np.testing.assert_array_equal(reference.forward(op, x, size)[1], want_indices.numpy())
+
+    grad = torch.from_numpy(_random(rng, out_shape, dtype))
+    ours, theirs = torch.from_numpy(x).requires_grad_(), torch.from_numpy(x).requires_grad_()
+    getattr(ptt, op)(ours, size, variant=variant).backward(grad)
+    torch_fn(theirs, out_size).backward(grad)
+    # PyTorch sums float16 gradients in float16: each of an input's terms may round.
+    terms = _terms(in_shape[-ndim:], out_size, "backward")
+    rtol, atol = TOLERANCE[dtype]
+    np.testing.assert_allclose(ours.grad.numpy().astype(np.float64), theirs.grad.numpy().astype(np.float64),
+                               rtol=rtol * terms, atol=atol * terms)

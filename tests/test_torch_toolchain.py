@@ -313,6 +313,21 @@ def test_onnx_export_of_torch_layers_runs_in_onnxruntime(ndim, rng):
             np.testing.assert_allclose(result, expected.numpy(), **FLOAT32_TOL)
 
 
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_onnx_export_of_max_pooling_keeps_nans_in_onnxruntime(ndim, rng):
+    """A max window holding NaN gives NaN in onnxruntime as in PyTorch, on every path of the
+    decomposition (onnxruntime's MaxPool and ReduceMax skip NaNs)."""
+    pytest.importorskip("onnxruntime")
+    shape, sizes = ONNX_CASES[ndim]
+    model = Branches(*[layer("max", ndim, size, ours=False) for size in sizes]).eval()
+    x = tensor(rng, shape)
+    x[torch.from_numpy(rng.random(shape) < 0.1)] = float("nan")
+    program = pto.export(model, (x,), verbose=False)
+    for result, expected in zip(run_onnx(program, x), model(x), strict=True):
+        assert np.isnan(expected.numpy()).any()
+        np.testing.assert_array_equal(result, expected.numpy())  # NaN where PyTorch has NaN, values exact
+
+
 def test_plain_torch_onnx_export_of_pool_tuner_layers_and_functions(rng):
     """No helper: pool_tuner's modules and functional forms decompose themselves under
     torch.onnx.export."""

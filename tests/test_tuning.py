@@ -7,11 +7,13 @@ configurations, a problem of 2x3x5x7 -> 3x4, so a tune takes seconds.
 
 import builtins
 import json
+import logging
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 import types
 import warnings
 from pathlib import Path
@@ -308,6 +310,44 @@ def test_tune_over_a_corrupt_file_reports_stored_when_it_wrote(user_cache):
     assert result.stored is True
 
 
+def test_a_tuning_that_verified_less_does_not_replace_one_that_verified_more(user_cache):
+    """A record counts what it verified; a later tuning that verified fewer variants is not stored
+    over it, and says why."""
+    full = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output", "block_per_row"], strategy="random_sample",
+                   max_fevals=2)
+    assert full.stored and stored_records(user_cache)[full.cache_key]["verified"] >= 2
+    less = pt.tune(OP, SHAPE, OUT, **CHEAP)
+    assert less.stored is False and "verified more" in less.not_stored
+    assert stored_records(user_cache)[full.cache_key]["runners_up"]
+
+
+def test_a_search_cut_short_by_the_time_limit_says_so(user_cache, capsys, monkeypatch):
+    """Random sampling stopped by the time limit before its budget is marked, in the result and in
+    the command line's table and summary; a search that used its budget is not."""
+    evaluated = [2]
+
+    def searching(variant, problem, device, **options):  # a search of `evaluated` configurations that took its time
+        time.sleep(options["time_limit"])
+        return dict(variant.default_for(problem)), 0.1, evaluated[0], []
+
+    monkeypatch.setattr(tuner, "tune_variant", searching)
+    result = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="random_sample", max_fevals=20,
+                     time_limit=0.2)
+    assert result.variants[0].cut_short
+    evaluated[0] = 20
+    full = pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], strategy="random_sample", max_fevals=20,
+                   time_limit=0.2)
+    assert not full.variants[0].cut_short
+    from pool_tuner import cli
+
+    evaluated[0] = 2
+    code = cli.main(["tune", "--input", "x".join(map(str, SHAPE)), "--output", "x".join(map(str, OUT)), "--quiet",
+                     "--direction", "forward", "--variants", "thread_per_output", "--strategy", "random_sample",
+                     "--max-fevals", "20", "--time-limit", "0.2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(search cut short by the time limit)" in out and "cut short by the time limit before" in out
+
+
 # ---------------------------------------------------------------- 4. concurrent tuners
 
 
@@ -473,11 +513,11 @@ def test_autotune_tunes_a_miss_once_and_says_so(user_cache, monkeypatch, rng, co
     # Before and after the tuning, one message each on the pool_tuner logger, naming the shape.
     legal = [v for v in variants_for(OP).values() if v.is_legal({}, problem(), device().limits)]
     starting, done = [r.getMessage() for r in caplog.records if r.name == "pool_tuner"]
-    assert starting.startswith("pool_tuner: POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
+    assert starting.startswith("POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
                                "forward float32 NCHW 2x3x5x7 -> 2x3x3x4 on ")
     assert f"tuning it now, before this call returns -- up to {len(legal)} configurations of {len(legal)} variants" in starting
     record = stored_records(user_cache)[key_of()]
-    assert done.startswith("pool_tuner: tuned adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4 in ")
+    assert done.startswith("tuned adaptive_avg_pool2d forward float32 NCHW 2x3x5x7 -> 2x3x3x4 in ")
     assert f": {record['best']['variant']} {record['best']['params']}" in done and "stored in the tuning cache" in done
     caplog.clear()
     pt.adaptive_avg_pool2d(x, OUT)
@@ -525,7 +565,7 @@ def test_without_autotune_a_miss_never_tunes(user_cache, monkeypatch, rng):
 
     monkeypatch.setattr(tuner, "tune", forbidden)
     monkeypatch.setattr(tuner, "tune_variant", forbidden)
-    for value in (None, "0", "", "yes"):
+    for value in (None, "0", "", "off", "False", "no"):
         if value is None:
             monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
         else:
@@ -767,3 +807,39 @@ def test_ctrl_c_before_anything_was_measured_stores_nothing(user_cache, monkeypa
         pt.tune(OP, SHAPE, OUT, **CHEAP)
     assert caught.value.result is None
     assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+@pytest.mark.parametrize("value", ["true", "YES", "on", " 1 "])
+def test_autotune_takes_the_usual_spellings_of_on(monkeypatch, value):
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", value)
+    assert tuner.autotune_enabled()
+
+
+def test_autotune_warns_of_a_value_it_does_not_know(monkeypatch):
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "always")
+    with pytest.warns(RuntimeWarning, match="POOL_TUNER_AUTOTUNE='always' is neither on .* autotuning stays off"):
+        assert not tuner.autotune_enabled()
+
+
+def test_autotune_speaks_in_one_format_through_a_call(user_cache, monkeypatch, rng, capsys):
+    """Without logging configured, both lines go to stderr as "pool_tuner: ..." even when the
+    tuning configures logging in between (as libraries imported during it may)."""
+    quiet = logging.Logger("pool_tuner")  # no parent: no handlers anywhere, as in a plain script
+    monkeypatch.setattr(tuner, "log", quiet)
+    heard = []
+    original = tuner.tune
+
+    def configuring(*args, **kwargs):
+        handler = logging.Handler()
+        handler.emit = heard.append
+        quiet.addHandler(handler)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", configuring)
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 0)
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 1)
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "yes")
+    pt.adaptive_avg_pool2d(random_input(rng, SHAPE), OUT)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "adaptive_avg_pool2d forward" in line]
+    assert [line.split()[:2] for line in lines] == [["pool_tuner:", "POOL_TUNER_AUTOTUNE=yes"], ["pool_tuner:", "tuned"]]
+    assert heard == []
