@@ -14,7 +14,9 @@ Not a timing: a checker of two things users do with a library on a CPU.
   SIGSEGV) or hung -- each run is a process of its own with a time limit, so a crash is counted,
   not fatal.
 * Fork (``fork``): a process uses pool_tuner (numpy API or torch module: device, queue, built
-  kernels, memory pool), then forks; the child calls it on a shape the parent used and on a new one.
+  kernels, memory pool), then forks; the child calls it on a shape the parent used and on a new one
+  (the torch child first sets PyTorch to one thread, as DataLoader's workers do: PyTorch's own
+  thread pool hangs a forked child's calls otherwise, pool_tuner or not).
   The parent waits ``--fork-timeout`` seconds; each step of the child is ``correct``, ``wrong``,
   ``error`` (an exception), or the child ``crashed`` or ``hung`` there.
 
@@ -155,6 +157,12 @@ def fork_child(args) -> dict:
     pid = os.fork()
     if pid == 0:  # the forked child: report each step as it ends, then leave without cleanup
         os.close(read_end)
+        if args.api == "torch":
+            # As DataLoader's workers do: PyTorch's own OpenMP thread pool is not fork-safe (after
+            # the parent used it, torch.nn.functional.adaptive_avg_pool2d alone hangs in a child).
+            import torch
+
+            torch.set_num_threads(1)
         status = 0
         for name, kind, x, out, expected in steps:
             try:
