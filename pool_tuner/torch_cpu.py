@@ -11,9 +11,10 @@ numpy views of the tensors through ``ops``, which copies them to the device and 
 **PyTorch's own kernel as a candidate.**  Every launch costs a fixed time (the device's
 launch-and-wait) that PyTorch's CPU kernels, plain function calls, do not pay: below it no
 pool_tuner kernel can win.  So a small forward problem (``RACE_BYTES``) called eagerly on CPU
-tensors with no forced variant or configuration races the two on its first calls (``Race``: they
-take turns, each timed as the caller made it), and the layer keeps the faster one, for its
-forward and (through PyTorch's autograd) its backward pass.  ``pool_tuner.explain(...,
+tensors with no forced variant or configuration races the two on its first calls (``Race``: a
+block of each, every call timed as the caller made it), and the layer keeps the faster one --
+pool_tuner's only by a margin, for the cost its launches put on the PyTorch operations around them
+-- for its forward and (through PyTorch's autograd) its backward pass.  ``pool_tuner.explain(...,
 caller="torch")`` shows the measurement.  Both compute PyTorch's semantics, but they may differ
 in the last bit of an average, and a close race can go either way from one process to the next:
 ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) always runs pool_tuner's kernel.
@@ -38,6 +39,8 @@ pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
 RACE_BYTES = 1 << 22
 #: Timed calls of each candidate in the race.
 RACE_CALLS = 5
+#: How much faster than PyTorch's kernel pool_tuner's must be in the race (see ``Race``).
+RACE_MARGIN = 1.25
 
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
@@ -138,11 +141,16 @@ def start_race(found: plans.Plan) -> None:
 
 
 class Race:
-    """PyTorch's kernel against pool_tuner's on a plan's first calls: they take turns, each call
-    timed as the caller made it; the first call of each is left out (first-touch costs), and after
-    ``RACE_CALLS`` more of each the faster by median runs every later call
+    """PyTorch's kernel against pool_tuner's on a plan's first calls, each call timed as the
+    caller made it: first ``RACE_CALLS + 1`` calls of PyTorch's, then as many of pool_tuner's, the
+    first of each left out (first-touch costs); the faster by median then runs every later call
     (``Plan.use_pytorch``) and the race is noted for ``explain``.  So the race costs the caller
-    nothing but the slower candidate's calls among the first ones."""
+    nothing but the slower candidate's calls among the first ones.
+
+    In blocks rather than taking turns: a launch leaves the device's worker threads competing for
+    the cores with PyTorch's own for a while, so a PyTorch call right after one of pool_tuner's
+    would be charged for it.  That cost falls on the PyTorch operations around a pool_tuner
+    kernel, which the race cannot see: pool_tuner's kernel must win by ``RACE_MARGIN``."""
 
     __slots__ = ("plan", "calls", "times", "lock")
 
@@ -153,14 +161,14 @@ class Race:
         self.lock = threading.Lock()
 
     def next_is_pytorch(self) -> bool:
-        return self.calls % 2 == 0
+        return self.calls <= RACE_CALLS
 
     def record(self, used_pytorch: bool, seconds: float) -> None:
         with self.lock:
             self.calls += 1
             if self.plan.race is not self:  # decided meanwhile by another thread
                 return
-            if self.calls > 2:
+            if self.calls not in (1, RACE_CALLS + 2):
                 self.times[used_pytorch].append(seconds * 1e3)
             if min(len(t) for t in self.times.values()) >= RACE_CALLS:
                 self._decide()
@@ -168,7 +176,7 @@ class Race:
     def _decide(self) -> None:
         pytorch_ms, pool_tuner_ms = (float(np.median(self.times[side])) for side in (True, False))
         found = self.plan
-        found.use_pytorch = pytorch_ms < pool_tuner_ms
+        found.use_pytorch = pool_tuner_ms * RACE_MARGIN > pytorch_ms
         found.race = None
         dispatch.note_measured_candidate(found.problem, found.device, {
             "candidate": "pytorch",
@@ -176,6 +184,6 @@ class Race:
             "pytorch_ms": pytorch_ms,
             "pool_tuner_ms": pool_tuner_ms,
             "rule": f"forward problems of at most {RACE_BYTES} bytes called eagerly on CPU tensors run PyTorch's "
-                    f"kernel and pool_tuner's in turns on their first calls; the faster by the median of "
-                    f"{RACE_CALLS} calls each runs from then on",
+                    f"kernel on their first {RACE_CALLS + 1} calls, then pool_tuner's on as many; pool_tuner's runs "
+                    f"from then on if its median is {RACE_MARGIN}x faster, else PyTorch's",
         })

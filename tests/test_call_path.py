@@ -176,7 +176,7 @@ def test_small_problems_race_pytorch_and_explain_says_who_won(monkeypatch, rng):
         assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
         t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
         torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
-    assert len(used) == RACE_LENGTH // 2, "the candidates take turns"
+    assert len(used) == RACE_LENGTH // 2, "each candidate runs half the race"
     race = pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"]
     assert race["candidate"] == "pytorch" and race["pytorch_ms"] > 0 and race["pool_tuner_ms"] > 0
     assert race["winner"] == ("pytorch" if race["pytorch_ms"] < race["pool_tuner_ms"] else "pool_tuner")
