@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -58,6 +59,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 from . import ops as _ops
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
+from .backends import ENV_DEVICE
 from .decomposition import decompose
 from .shapes import RANK_NAMES, resolve_output_size
 from .variants import get_variant
@@ -162,6 +164,8 @@ def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
 
 @torch.compiler.assume_constant_result  # a constant of the graph: torch.compile does not trace json
 def _encode_options(device=None, variant=None, config=None) -> str:
+    if device is None and variant is None and config is None:  # the usual case, on every call's path
+        return ""
     options = {"device": getattr(device, "id", device), "variant": variant, "config": config}
     options = {name: value for name, value in options.items() if value is not None}
     if not options:
@@ -331,6 +335,10 @@ def _check_no_functorch_transform():
         )
 
 
+#: (kind, ndim) -> op name
+_OP_NAMES = {(kind, ndim): f"adaptive_{kind}_pool{ndim}d" for kind in KINDS for ndim in NDIMS}
+
+
 def _runs_eagerly_on_cpu(input) -> bool:
     """Whether a call is plain eager PyTorch on a CPU tensor -- not traced, compiled, exported,
     transformed (torch.func) or under a dispatch mode -- so that it may skip the custom op's
@@ -344,16 +352,22 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
     """An eager forward on a CPU tensor through its plan (``pool_tuner.torch_cpu``), without the
     custom op's dispatch layers where no gradient is needed; during the race of a plan's first
     calls (``torch_cpu.Race``) each call runs one candidate and is timed."""
-    op = f"adaptive_{kind}_pool{ndim}d"
-    decoded = _decode_options(options)
-    key = _torch_cpu.signature(op, "forward", [input], output_size, decoded)
+    op = _OP_NAMES[kind, ndim]
+    decoded = _decode_options(options) if options else ()
+    # The call's signature, as cheaply as it can be told apart (this runs on every call of a
+    # layer): an int size is its own key; sequences keep their elements' types (``ops._exact``).
+    size_key = output_size if type(output_size) is int else _ops._exact(output_size)
+    key = ("eager", op, size_key, decoded, os.environ.get(ENV_DEVICE), input.shape, input.stride(), input.dtype)
     found = _torch_cpu.plan_of(key)
     if found is None:
         size = tuple(_check_input(input, ndim, output_size))
         found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key)
     race = found.race
     if race is None:
-        return _eager_candidate(found.use_pytorch, found, kind, ndim, input, output_size, return_indices, options)
+        if found.use_pytorch:  # decided: PyTorch's own kernel runs this layer
+            form = _torch_cpu.PYTORCH_FORMS[op]
+            return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
+        return _eager_candidate(False, found, kind, ndim, input, output_size, return_indices, options)
     use_pytorch = race.next_is_pytorch()
     start = time.perf_counter()
     result = _eager_candidate(use_pytorch, found, kind, ndim, input, output_size, return_indices, options)
