@@ -115,6 +115,21 @@ DEVICE_FN reduction_t partial_of(acc_t value, index_t position)
         IF_SELECTING(indices[offset] = (int64_t_)(r).position;)                     \
     } while (0)
 
+#if OP_SELECTS
+/* Selecting ops: the plane position of the first of the `length` elements at plane positions
+ * position, position + 1, ... that `value` does not beat, or -1 if it beats them all.  With `value`
+ * the combination of value-only lanes over those elements, that is the element the lanes kept: the
+ * position rule found after the hot loop instead of tracked in it. */
+DEVICE_FN index_t first_unbeaten(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t position,
+                                 index_t length, acc_t value)
+{
+    for (index_t j = 0; j < length; ++j)
+        if (!OP_BEATS(value, OP_MAP(LOAD(in, plane_base + (position + j) * ELEMENT_STEP))))
+            return position + j;
+    return -1;
+}
+#endif
+
 /* ---------------------------------------------------------------- one window by its runs
  * With one output column, every window row spans its whole input row, so in channels-first memory
  * the rows of a window follow each other: its (t) slabs are single runs of window_h * IN_W elements
@@ -172,12 +187,9 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
         combined = OP_COMBINE(combined, lanes[k]);
 #if OP_SELECTS
     for (index_t run = first_row; run < runs; run += row_step) {
-        const index_t position = RUN_POSITION(run);
-        for (index_t j = 0; j < run_length; ++j) {
-            const acc_t x = OP_MAP(RUN_ELEMENT(position, j));
-            if (!OP_BEATS(combined, x))
-                return partial_of(x, position + j);
-        }
+        const index_t found = first_unbeaten(in, plane_base, RUN_POSITION(run), run_length, combined);
+        if (found >= 0)
+            return partial_of(combined, found);
     }
 #else
     r.value = combined;
@@ -214,5 +226,38 @@ DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, in
         reduce_box_tap(&r, LOAD(in, plane_base + p * ELEMENT_STEP), p, inside);
     }
     return r;
+}
+#endif
+
+/* ---------------------------------------------------------------- one contiguous run by lanes
+ * The global-pooling variant global_planes reduces contiguous runs of a channels-first plane (a whole plane, or
+ * one work-item's part of it) in straight-line code: run_lanes independent values, lane k taking
+ * elements k, k + run_lanes, ..., so that no step waits on the one before and each step is one
+ * contiguous load of run_lanes elements, which CPU compilers turn into vector operations.  As in
+ * reduce_window_rows the lanes hold values only; a selecting op finds its position afterwards. */
+#if run_lanes > 0
+DEVICE_FN reduction_t reduce_run(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t position,
+                                 index_t length)
+{
+    acc_t lanes[run_lanes];
+#pragma unroll
+    for (int k = 0; k < run_lanes; ++k)
+        lanes[k] = OP_IDENTITY;
+    index_t j = 0;
+    for (; j + run_lanes <= length; j += run_lanes)
+#pragma unroll
+        for (int k = 0; k < run_lanes; ++k)
+            lanes[k] = OP_COMBINE(lanes[k], OP_MAP(LOAD(in, plane_base + position + j + k)));
+    acc_t combined = OP_IDENTITY;
+    for (; j < length; ++j)
+        combined = OP_COMBINE(combined, OP_MAP(LOAD(in, plane_base + position + j)));
+#pragma unroll
+    for (int k = 0; k < run_lanes; ++k)
+        combined = OP_COMBINE(combined, lanes[k]);
+#if OP_SELECTS
+    return partial_of(combined, first_unbeaten(in, plane_base, position, length, combined));
+#else
+    return partial_of(combined, -1);
+#endif
 }
 #endif
