@@ -459,23 +459,17 @@ class GlobalBroadcast(_Global):
     name = "global_broadcast"
     direction = "backward"
     summary = ("global pooling, either layout: every input gradient is its plane's term (avg: the share, max: the "
-               "gradient at the index) -- a write stream, vector_width neighbouring inputs per work-item and step")
-    search_space = {
-        "block_size_x": [16, 64, 256, 1024],
-        "vector_width": [1, 4, 8, 16],
-        "inputs_per_thread": [1, 2, 4],
-    }
-    default = {"block_size_x": 256, "vector_width": 8, "inputs_per_thread": 1}
+               "gradient at the index) -- a write stream, split work-items per plane, neighbours on neighbouring planes")
+    search_space = {"block_size_x": [16, 64, 256, 1024], "split": [1, 2, 4, 8, 16]}
+    default = {"block_size_x": 64, "split": 1}
 
-    @staticmethod
-    def _per_group(params):
-        return params["block_size_x"] * params["vector_width"] * params["inputs_per_thread"]
+    def extra_rule(self, params):
+        if params["split"] > params["block_size_x"]:
+            return "split must not exceed block_size_x"
+        return None
 
     def groups(self, params, problem):
-        return _ceil_div(math.prod(problem.input_shape), self._per_group(params))
-
-    def extra_defines(self, params, problem):
-        return {"PARTIAL_LAST_GROUP": int(math.prod(problem.input_shape) % self._per_group(params) != 0)}
+        return _ceil_div(problem.planes, params["block_size_x"] // params["split"])
 
 
 class SmemTiled(_Tiled):

@@ -547,12 +547,12 @@ def test_plane_reduce_max_keeps_the_first_position(op, fill, config, rng):
 GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_broadcast")
 #: Configurations beyond the default, tried in float32: lane counts that leave tails, planes split
 #: among work-items (parts of one lane step, more parts than the plane fills), several planes per
-#: work-item with a partial last group, a partial last work-group, and stores in vectors.
+#: work-item with a partial last group, and a partial last work-group.
 GLOBAL_CONFIGS = {
     "global_planes": [{"run_lanes": 4, "split": 4}, {"run_lanes": 32, "split": 16, "block_size_x": 16},
                       {"planes_per_item": 4, "block_size_x": 16}],
     "global_channels": [{"accumulators": 1}, {"accumulators": 8, "block_size_x": 16}],
-    "global_broadcast": [{"vector_width": 1}, {"vector_width": 16, "inputs_per_thread": 4, "block_size_x": 16}],
+    "global_broadcast": [{"split": 4}, {"split": 16, "block_size_x": 16}, {"block_size_x": 1024}],
 }
 
 
