@@ -412,6 +412,10 @@ class GlobalPlanes(_Global):
     #: The default splits planes until the launch has at least this many work-items (so that every
     #: compute unit of a device gets work when a problem has few planes).
     MIN_WORK_ITEMS = 1024
+    #: Planes of fewer elements default to SHORT_PLANE_LANES lanes: with 16 lanes a 7x7 plane is
+    #: three steps and a long tail; on PoCL 8 lanes were faster there and slower on larger planes.
+    SHORT_PLANE = 64
+    SHORT_PLANE_LANES = 8
 
     def extra_rule(self, params):
         if params["split"] > params["block_size_x"]:
@@ -419,15 +423,16 @@ class GlobalPlanes(_Global):
         return None
 
     def default_for(self, problem):
-        """``default``, its planes split in parts (of at least one lane step each) until the launch
-        has ``MIN_WORK_ITEMS`` work-items."""
+        """``default`` with ``SHORT_PLANE_LANES`` lanes for short planes, its planes split in parts
+        (of at least one lane step each) until the launch has ``MIN_WORK_ITEMS`` work-items."""
         plane = math.prod(problem.in_spatial)
+        lanes = self.SHORT_PLANE_LANES if plane < self.SHORT_PLANE else self.default["run_lanes"]
         split = 1
         for candidate in self.search_space["split"]:
-            if problem.planes * split >= self.MIN_WORK_ITEMS or plane < candidate * self.default["run_lanes"]:
+            if problem.planes * split >= self.MIN_WORK_ITEMS or plane < candidate * lanes:
                 break
             split = candidate
-        return {**self.default, "split": split}
+        return {**self.default, "run_lanes": lanes, "split": split}
 
     def groups(self, params, problem):
         planes_per_group = params["block_size_x"] // params["split"] * params["planes_per_item"]
@@ -446,7 +451,7 @@ class GlobalChannels(_Global):
                "channels, accumulators independent partials over the positions")
     channels_last = True
     search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8]}
-    default = {"block_size_x": 64, "accumulators": 4}
+    default = {"block_size_x": 64, "accumulators": 8}
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"])

@@ -218,18 +218,22 @@ def _spatial(ndim, n):
     return (n,) if ndim == 1 else (n,) + (1,) * (ndim - 1)
 
 
+#: Variants legal only for global pooling.
+GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_broadcast")
+
+
 def _real_cases():
     cases = []
     for ndim in (1, 2, 3):
         for kind in ("avg", "max"):
             op = f"adaptive_{kind}_pool{ndim}d"
             for direction in ("forward", "backward"):
-                # 1d: every variant but plane_reduce (global pooling only: these windows are not) and
+                # 1d: every variant but the global-pooling ones (these windows are not global) and
                 # forward thread_per_row (a 46340-element row exceeds its private row; backward
                 # thread_per_row, average pooling only, has no such limit); 2d: forward
                 # thread_per_row too, whose window rows run along the long axis H
                 if ndim == 1:
-                    skip = ("plane_reduce",) + (("thread_per_row",) if direction == "forward" or kind == "max" else ())
+                    skip = GLOBAL_ONLY + (("thread_per_row",) if direction == "forward" or kind == "max" else ())
                     names = [n for n in REGISTRY[(op, direction)] if n not in skip]
                 elif ndim == 2 and direction == "forward":
                     names = [None, "thread_per_row"]
