@@ -115,21 +115,6 @@ DEVICE_FN reduction_t partial_of(acc_t value, index_t position)
         IF_SELECTING(indices[offset] = (int64_t_)(r).position;)                     \
     } while (0)
 
-#if OP_SELECTS
-/* Selecting ops: the plane position of the first of the `length` elements at plane positions
- * position, position + 1, ... that `value` does not beat, or -1 if it beats them all.  With `value`
- * the combination of value-only lanes over those elements, that is the element the lanes kept: the
- * position rule found after the hot loop instead of tracked in it. */
-DEVICE_FN index_t first_unbeaten(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t position,
-                                 index_t length, acc_t value)
-{
-    for (index_t j = 0; j < length; ++j)
-        if (!OP_BEATS(value, OP_MAP(LOAD(in, plane_base + (position + j) * ELEMENT_STEP))))
-            return position + j;
-    return -1;
-}
-#endif
-
 /* ---------------------------------------------------------------- one window by its runs
  * With one output column, every window row spans its whole input row, so in channels-first memory
  * the rows of a window follow each other: its (t) slabs are single runs of window_h * IN_W elements
@@ -187,9 +172,12 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
         combined = OP_COMBINE(combined, lanes[k]);
 #if OP_SELECTS
     for (index_t run = first_row; run < runs; run += row_step) {
-        const index_t found = first_unbeaten(in, plane_base, RUN_POSITION(run), run_length, combined);
-        if (found >= 0)
-            return partial_of(combined, found);
+        const index_t position = RUN_POSITION(run);
+        for (index_t j = 0; j < run_length; ++j) {
+            const acc_t x = OP_MAP(RUN_ELEMENT(position, j));
+            if (!OP_BEATS(combined, x))
+                return partial_of(x, position + j);
+        }
     }
 #else
     r.value = combined;
