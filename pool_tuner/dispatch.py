@@ -19,13 +19,13 @@ The heuristic default, always with the variant's default configuration for the p
 global-pooling variants where they measured faster on PoCL -- every backward pass to
 ``global_broadcast`` (a write stream: as fast as ``plane_scatter`` on large planes, faster on 7x7
 ones, and legal in every dtype), channels-first average pooling to ``global_planes`` (lanes over
-contiguous planes; 1.2-2x faster than ``thread_per_output`` from 7x7 to 64x64 planes), and
-channels-last pooling of planes within ``SMALL_BOX_LIMIT`` elements to ``global_channels``
-(faster than ``channels_vector`` on 7x7 planes, much slower on 33x33 ones, where its work-items
-walk the plane one at a time); channels-first max pooling stays with ``thread_per_output``,
-whose unrolled small windows and row lanes were faster.  Otherwise backward passes use ``plane_scatter`` on CPU devices where it is legal
-(float32/float64: a work-item per plane, whose sequential scatter runs at memory speed on a CPU),
-else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
+contiguous planes; faster than ``thread_per_output`` from 7x7 to 64x64 planes), and channels-last
+pooling of planes within ``SMALL_BOX_LIMIT`` elements to ``global_channels`` (faster than
+``channels_vector`` on 7x7 planes, much slower on 33x33 ones, where its work-items walk the plane
+one at a time); channels-first max pooling stays with ``thread_per_output``, whose unrolled small
+windows and row lanes were faster.  Otherwise backward passes use ``plane_scatter`` on CPU devices
+where it is legal (float32/float64: a work-item per plane, whose sequential scatter runs at memory
+speed on a CPU), else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
 channels per work-item); on CPU devices, channels-first average pooling with more than one output
 row per plane and no upsampling along the rows' axes (T, H) goes to ``thread_per_row`` where it is
 legal (input rows within its private-row limit): whole input rows per work-item, vectorised, 2-5x

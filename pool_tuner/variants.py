@@ -353,21 +353,34 @@ class BlockPerRow(Variant):
         return params["block_size_x"] * 16
 
 
-class PlaneReduce(Variant):
+class _Global(Variant):
+    """Shared by the global-pooling variants: legal only where every output extent is 1, and where
+    ``channels_last`` is not None only in that memory layout."""
+
+    channels_last: bool | None = None
+
+    def illegal_reason(self, params, problem, limits):
+        if not is_global(problem):
+            return "only for global pooling (every output size 1)"
+        if self.channels_last is not None and problem.channels_last != self.channels_last:
+            return "needs channels-last memory" if self.channels_last else "needs channels-first memory (contiguous planes)"
+        return super().illegal_reason(params, problem, limits)
+
+
+class PlaneReduce(_Global):
     name = "plane_reduce"
     summary = ("global pooling: a work-group per plane, work-item j takes every block_size_x-th element "
                "from j (contiguous loads across work-items), then one merges the partials (channels-first)")
     search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
     default = {"block_size_x": 64}
 
+    channels_last = False
+
     def illegal_reason(self, params, problem, limits):
-        if problem.channels_last:
-            return "needs channels-first memory (contiguous planes)"
-        if not is_global(problem):
-            return "only for global pooling (every output size 1)"
-        if params["block_size_x"] > math.prod(problem.in_spatial):
+        reason = super().illegal_reason(params, problem, limits)
+        if reason is None and params["block_size_x"] > math.prod(problem.in_spatial):
             return "block_size_x must not exceed the plane size (every work-item needs an element)"
-        return super().illegal_reason(params, problem, limits)
+        return reason
 
     def default_for(self, problem):
         """64 work-items, or the most that the plane has elements for."""
@@ -381,20 +394,6 @@ class PlaneReduce(Variant):
     def local_mem_bytes(self, params, problem):
         # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
         return params["block_size_x"] * (16 if problem.kind == "max" else 8)
-
-
-class _Global(Variant):
-    """Shared by the global-pooling variants: legal only where every output extent is 1, and only
-    in ``layout`` memory (None: either)."""
-
-    channels_last: bool | None = None
-
-    def illegal_reason(self, params, problem, limits):
-        if not is_global(problem):
-            return "only for global pooling (every output size 1)"
-        if self.channels_last is not None and problem.channels_last != self.channels_last:
-            return "needs channels-last memory" if self.channels_last else "needs channels-first memory (contiguous planes)"
-        return super().illegal_reason(params, problem, limits)
 
 
 class GlobalPlanes(_Global):
