@@ -3,10 +3,12 @@
  *
  * Work-item (n, c) reduces channel c of batch entry n, so neighbouring work-items read neighbouring
  * channels -- contiguous loads once CPU compilers vectorise across work-items.  It keeps
- * accumulators independent partial results, partial a taking positions a, a + accumulators, ...
- * (each visited in increasing order, so each keeps its first winner), so that no step waits on
- * the one before; they are merged in order at the end (reduce_merge's position rule).
+ * PARTIALS independent partial results in plain variables (reduction.h's partial slots), partial a
+ * taking positions a, a + PARTIALS, ... (each visited in increasing order, so each keeps its first
+ * winner), so that no step waits on the one before; they are merged in order at the end
+ * (reduce_merge's position rule).
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
+#define PARTIALS (accumulators < IN_PLANE_SIZE ? accumulators : IN_PLANE_SIZE)
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT)
 {
     const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
@@ -15,18 +17,19 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         return;
 #endif
     const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
-    reduction_t partial[accumulators];
+    acc_t partial_value[PARTIALS];
+    IF_SELECTING(index_t partial_position[PARTIALS];)
 #pragma unroll
-    for (int a = 0; a < accumulators; ++a)
-        partial[a] = reduce_init();
-    for (index_t p = 0; p < IN_PLANE_SIZE; p += accumulators)
+    for (int a = 0; a < PARTIALS; ++a)
+        STORE_PARTIAL(partial_value[a], partial_position[a], reduce_first(LOAD(in, plane_base + a * ELEMENT_STEP), a));
+    for (index_t p = PARTIALS; p < IN_PLANE_SIZE; p += PARTIALS)
 #pragma unroll
-        for (int a = 0; a < accumulators; ++a)
-            if (IN_PLANE_SIZE % accumulators == 0 || p + a < IN_PLANE_SIZE)
-                reduce_step(&partial[a], LOAD(in, plane_base + (p + a) * ELEMENT_STEP), p + a);
-    reduction_t r = partial[0];
+        for (int a = 0; a < PARTIALS; ++a)
+            if (IN_PLANE_SIZE % PARTIALS == 0 || p + a < IN_PLANE_SIZE)
+                STEP_PARTIAL(partial_value[a], partial_position[a], LOAD(in, plane_base + (p + a) * ELEMENT_STEP), p + a);
+    reduction_t r = reduce_init();
 #pragma unroll
-    for (int a = 1; a < accumulators; ++a)
-        r = reduce_merge(r, partial[a]);
+    for (int a = 0; a < PARTIALS; ++a)
+        r = reduce_merge(r, PARTIAL(partial_value[a], partial_position[a]));
     STORE_RESULT(plane, r, 0, 0, 0);
 }
