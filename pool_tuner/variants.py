@@ -447,16 +447,13 @@ class GlobalPlanes(_Global):
 class GlobalChannels(_Global):
     name = "global_channels"
     summary = ("global pooling, channels-last: a work-item per (batch entry, channel), neighbours on neighbouring "
-               "channels, accumulators independent partials over the positions")
+               "channels, accumulators independent partials over the positions, the work-group stepping together")
     channels_last = True
     search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8]}
     default = {"block_size_x": 64, "accumulators": 8}
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"])
-
-    def extra_defines(self, params, problem):
-        return {"PARTIAL_LAST_GROUP": int(problem.planes % params["block_size_x"] != 0)}
 
 
 class GlobalBroadcast(_Global):
