@@ -20,9 +20,8 @@ global-pooling variants where they measured faster on PoCL -- every backward pas
 ``global_broadcast`` (a write stream: as fast as ``plane_scatter`` on large planes, faster on 7x7
 ones, and legal in every dtype), channels-first average pooling to ``global_planes`` (lanes over
 contiguous planes; faster than ``thread_per_output`` from 7x7 to 64x64 planes), and channels-last
-pooling of planes within ``SMALL_BOX_LIMIT`` elements to ``global_channels`` (faster than
-``channels_vector`` on 7x7 planes, much slower on 33x33 ones, where its work-items walk the plane
-one at a time); channels-first max pooling stays with ``thread_per_output``, whose unrolled small
+pooling to ``global_channels`` (faster than ``channels_vector`` from 7x7 to 56x56 planes, average
+and max); channels-first max pooling stays with ``thread_per_output``, whose unrolled small
 windows and row lanes were faster.  Otherwise backward passes use ``plane_scatter`` on CPU devices
 where it is legal (float32/float64: a work-item per plane, whose sequential scatter runs at memory
 speed on a CPU), else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
@@ -85,13 +84,12 @@ def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     """The variant used when nothing was tuned (see the module docstring)."""
     table = variants_mod.variants_for(problem.op, problem.direction)
     if device.is_cpu and variants_mod.is_global(problem):
-        plane = math.prod(problem.in_spatial)
         if problem.direction == "backward":
             return table["global_broadcast"]
-        if not problem.channels_last and problem.kind == "avg":
-            return table["global_planes"]
-        if problem.channels_last and plane <= variants_mod.SMALL_BOX_LIMIT:
+        if problem.channels_last:
             return table["global_channels"]
+        if problem.kind == "avg":
+            return table["global_planes"]
     if problem.direction == "backward":
         scatter = table["plane_scatter"]
         if device.is_cpu and scatter.is_legal({}, problem, device.limits):

@@ -685,7 +685,7 @@ def test_cpu_heuristic_default_sends_multi_row_average_pooling_to_thread_per_row
     ("adaptive_max_pool2d", (2, 8, 33, 33), "NCHW", "forward", "thread_per_output"),
     ("adaptive_avg_pool2d", (2, 8, 7, 7), "NHWC", "forward", "global_channels"),
     ("adaptive_max_pool1d", (2, 8, 256), "NLC", "forward", "global_channels"),
-    ("adaptive_avg_pool2d", (2, 8, 17, 17), "NHWC", "forward", "channels_vector"),  # past the small box
+    ("adaptive_avg_pool2d", (2, 8, 33, 33), "NHWC", "forward", "global_channels"),
     ("adaptive_avg_pool2d", (2, 8, 56, 56), "NCHW", "backward", "global_broadcast"),
     ("adaptive_max_pool2d", (2, 8, 7, 7), "NCHW", "backward", "global_broadcast"),
 ])
