@@ -30,7 +30,7 @@ from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.problem import INT32_LIMIT, LAYOUT_NAMES, OPS, OVERSHOOT_MARGIN, Problem
 from pool_tuner.variants import REGISTRY
 
-from conftest import random_input
+from conftest import GLOBAL_ONLY, random_input
 
 LIMIT = INT32_LIMIT - OVERSHOOT_MARGIN  # 2147418111 = 3 * 6673 * 107269
 assert LIMIT == 3 * 6673 * 107269
@@ -218,8 +218,6 @@ def _spatial(ndim, n):
     return (n,) if ndim == 1 else (n,) + (1,) * (ndim - 1)
 
 
-#: Variants legal only for global pooling.
-GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_broadcast")
 
 
 def _real_cases():

@@ -20,7 +20,7 @@ from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
-from conftest import legal_variants, random_input
+from conftest import GLOBAL_ONLY, legal_variants, random_input
 
 torch = pytest.importorskip("torch")
 try:
@@ -543,8 +543,6 @@ def test_plane_reduce_max_keeps_the_first_position(op, fill, config, rng):
 
 # ---------------------------------------------------------------- the global-pooling variants
 
-#: Variants legal only for global pooling.
-GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_broadcast")
 #: Configurations beyond the default, tried in float32: lane counts that leave tails, planes split
 #: among work-items (parts of one lane step, more parts than the plane fills), several planes per
 #: work-item with a partial last group, and a partial last work-group.
@@ -598,10 +596,9 @@ def test_global_variants_match_the_reference(op, direction, dtype, layout, varia
         np.testing.assert_allclose(as_float64(out[0] if kind == "max" else out), expected.numpy(), **TOLERANCES[dtype])
         return
     grad_out = in_layout(random_input(rng, shape[:-ndim] + size, np.float64).astype(dt), ndim, layout)
-    _, ref_indices = reference.forward("adaptive_max_pool%dd" % ndim, x, size)
-    indices = in_layout(ref_indices, ndim, layout) if kind == "max" else None
-    grad_in = backward(op, grad_out, shape, indices, variant=variant, config=config)
-    expected = reference.backward(op, grad_out, shape, ref_indices if kind == "max" else None)
+    ref_indices = reference.forward(op, x, size)[1] if kind == "max" else None
+    grad_in = backward(op, grad_out, shape, ref_indices, variant=variant, config=config)
+    expected = reference.backward(op, grad_out, shape, ref_indices)
     check_result(grad_in, expected, dt, layout, ndim)
     x_torch = torch.from_numpy(as_float64(x)).requires_grad_()
     pooled = getattr(torch.nn.functional, op)(x_torch, size)
@@ -644,11 +641,9 @@ def test_global_variants_batchless(op, direction, layout, variant, rng):
         check_forward(op, forward(op, x, size, variant=variant), x, size, LAYOUT_NAMES[ndim][0])
         return
     grad_out = in_layout(random_input(rng, shape[:1] + size), ndim, layout)
-    _, ref_indices = reference.forward("adaptive_max_pool%dd" % ndim, x, size)
-    grad_in = backward(op, grad_out, shape, in_layout(ref_indices, ndim, layout) if kind == "max" else None,
-                       variant=variant)
-    check_result(grad_in, reference.backward(op, grad_out, shape, ref_indices if kind == "max" else None),
-                 np.dtype(np.float32), layout, ndim)
+    ref_indices = reference.forward(op, x, size)[1] if kind == "max" else None
+    grad_in = backward(op, grad_out, shape, ref_indices, variant=variant)
+    check_result(grad_in, reference.backward(op, grad_out, shape, ref_indices), np.dtype(np.float32), layout, ndim)
 
 
 @pytest.mark.parametrize("op", list(OPS))
