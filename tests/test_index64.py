@@ -295,9 +295,10 @@ def _forced_cases():
         for name in table:
             # both layouts in 2d; contiguous 1d and channels-last 3d (channels_vector: channels-last only)
             layouts = {1: LAYOUT_NAMES[1][:1], 2: LAYOUT_NAMES[2], 3: LAYOUT_NAMES[3][1:]}[ndim]
-            if name == "channels_vector":
+            if name in ("channels_vector", "global_channels"):
                 layouts = LAYOUT_NAMES[ndim][1:]
-            if name in ("plane_reduce", "thread_per_row"):  # channels-first only
+            # channels-first only (global_broadcast: a global grad_out reads as contiguous)
+            if name in ("plane_reduce", "thread_per_row", "global_planes", "global_broadcast"):
                 layouts = LAYOUT_NAMES[ndim][:1]
             if (direction, name, kind) == ("backward", "thread_per_row", "max"):  # average pooling only
                 continue
@@ -316,7 +317,7 @@ def test_64_bit_kernels_of_every_variant(op, direction, variant, layout, monkeyp
     monkeypatch.setattr(Problem, "index_64", property(lambda self: True))
     kind, ndim = OPS[op]
     shape, size = FORCED_SHAPES[ndim]
-    if variant == "plane_reduce":  # global pooling only
+    if variant in GLOBAL_ONLY:
         size = (1,) * ndim
     out_shape = shape[:2] + size
     fn = getattr(pt, op if direction == "forward" else f"{op}_backward")
