@@ -231,3 +231,37 @@ DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, in
     return r;
 }
 #endif
+
+/* ---------------------------------------------------------------- one contiguous run by lanes
+ * The global-pooling variant global_planes reduces contiguous runs of a channels-first plane (a
+ * whole plane, or one work-item's part of it) in straight-line code: run_lanes independent partial
+ * results, lane k taking elements k, k + run_lanes, ... (in increasing order, so a selecting op's
+ * lane keeps its first winner, branch-free), so that no step waits on the one before and each step
+ * is one contiguous load of run_lanes elements, which CPU compilers turn into vector operations.
+ * The lanes are merged in order (reduce_merge's position rule), then the run's last elements that
+ * fill no whole step are added one at a time. */
+#if run_lanes > 0
+DEVICE_FN reduction_t reduce_run(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t position,
+                                 index_t length)
+{
+    reduction_t r = reduce_init();
+    index_t j = 0;
+    if (length >= run_lanes) {
+        acc_t lane_value[run_lanes];
+        IF_SELECTING(index_t lane_position[run_lanes];)
+#pragma unroll
+        for (int k = 0; k < run_lanes; ++k)
+            STORE_PARTIAL(lane_value[k], lane_position[k], reduce_first(LOAD(in, plane_base + position + k), position + k));
+        for (j = run_lanes; j + run_lanes <= length; j += run_lanes)
+#pragma unroll
+            for (int k = 0; k < run_lanes; ++k)
+                STEP_PARTIAL(lane_value[k], lane_position[k], LOAD(in, plane_base + position + j + k), position + j + k);
+#pragma unroll
+        for (int k = 0; k < run_lanes; ++k)
+            r = reduce_merge(r, PARTIAL(lane_value[k], lane_position[k]));
+    }
+    for (; j < length; ++j)
+        reduce_step(&r, LOAD(in, plane_base + position + j), position + j);
+    return r;
+}
+#endif

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import backends, dispatch, kernel_source, presets
 from .problem import OPS, Problem
+from .variants import is_global
 
 #: Size of each buffer that ``memory_bandwidth`` streams through: far past the caches.
 STREAM_BYTES = 256 * 2**20
@@ -307,6 +308,12 @@ def _summary(rows: list) -> dict:
     }
 
 
+def _is_global_row(row: dict) -> bool:
+    """Whether a report row is global pooling (``variants.is_global``), suite and untuned shapes alike."""
+    ndim = OPS[row["op"]][1]
+    return is_global(Problem.create(row["op"], row["input_shape"], row["output_shape"][-ndim:]))
+
+
 def geomean(values) -> float:
     values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -338,7 +345,8 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     for direction in directions:
         picked = [r for r in report_rows if r["direction"] == direction]
         for label, group in ((direction, [r for r in picked if r["name"] != presets.UNTUNED_NAME]),
-                             (f"{direction}, untuned shapes", [r for r in picked if r["name"] == presets.UNTUNED_NAME])):
+                             (f"{direction}, untuned shapes", [r for r in picked if r["name"] == presets.UNTUNED_NAME]),
+                             (f"{direction}, global pooling", [r for r in picked if _is_global_row(r)])):
             if group:
                 summary[label] = _summary(group)
     return {

@@ -29,9 +29,16 @@ tuning.  A record of another driver counts as tuned: records travel so that a dr
 not send every shape back to tuning.
 
 The heuristic default, always with the variant's default configuration for the problem
-(``Variant.default_for``): backward passes use ``plane_scatter`` on CPU devices where it is legal
-(float32/float64: a work-item per plane, whose sequential scatter runs at memory speed on a CPU),
-else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
+(``Variant.default_for``): on CPU devices, global pooling (every output size 1) goes to the
+global-pooling variants where they measured faster on PoCL -- every backward pass to
+``global_broadcast`` (a write stream: as fast as ``plane_scatter`` on large planes, faster on 7x7
+ones, and legal in every dtype), channels-first average pooling to ``global_planes`` (lanes over
+contiguous planes; faster than ``thread_per_output`` from 7x7 to 64x64 planes), and channels-last
+pooling to ``global_channels`` (faster than ``channels_vector`` from 7x7 to 56x56 planes, average
+and max); channels-first max pooling stays with ``thread_per_output``, whose unrolled small
+windows and row lanes were faster.  Otherwise backward passes use ``plane_scatter`` on CPU devices
+where it is legal (float32/float64: a work-item per plane, whose sequential scatter runs at memory
+speed on a CPU), else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
 channels per work-item); on CPU devices, channels-first average pooling with more than one output
 row per plane and no upsampling along the rows' axes (T, H) goes to ``thread_per_row`` where it is
 legal (input rows within its private-row limit): whole input rows per work-item, vectorised, 2-5x
@@ -107,6 +114,13 @@ def _largest_window(problem: Problem) -> int:
 def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     """The variant used when nothing was tuned (see the module docstring)."""
     table = variants_mod.variants_for(problem.op, problem.direction)
+    if device.is_cpu and variants_mod.is_global(problem):
+        if problem.direction == "backward":
+            return table["global_broadcast"]
+        if problem.channels_last:
+            return table["global_channels"]
+        if problem.kind == "avg":
+            return table["global_planes"]
     if problem.direction == "backward":
         scatter = table["plane_scatter"]
         if device.is_cpu and scatter.is_legal({}, problem, device.limits):

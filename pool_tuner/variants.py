@@ -219,6 +219,11 @@ def _acc_bytes(problem: Problem) -> int:
     return 8 if problem.dtype == "float64" else 4
 
 
+def is_global(problem: Problem) -> bool:
+    """Global pooling: every output extent is 1, so each output reduces its whole plane."""
+    return problem.out_spatial == (1, 1, 1)
+
+
 class _Tiled(Variant):
     """Shared by the forward and backward tiled variants: a 2-d work-group per tile of the
     written array, staging in local memory what the tile's windows read."""
@@ -360,21 +365,34 @@ class BlockPerRow(Variant):
         return params["block_size_x"] * 16
 
 
-class PlaneReduce(Variant):
+class _Global(Variant):
+    """Shared by the global-pooling variants: legal only where every output extent is 1, and where
+    ``channels_last`` is not None only in that memory layout."""
+
+    channels_last: bool | None = None
+
+    def illegal_reason(self, params, problem, limits):
+        if not is_global(problem):
+            return "only for global pooling (every output size 1)"
+        if self.channels_last is not None and problem.channels_last != self.channels_last:
+            return "needs channels-last memory" if self.channels_last else "needs channels-first memory (contiguous planes)"
+        return super().illegal_reason(params, problem, limits)
+
+
+class PlaneReduce(_Global):
     name = "plane_reduce"
     summary = ("global pooling: a work-group per plane, work-item j takes every block_size_x-th element "
                "from j (contiguous loads across work-items), then one merges the partials (channels-first)")
     search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
     default = {"block_size_x": 64}
 
+    channels_last = False
+
     def illegal_reason(self, params, problem, limits):
-        if problem.channels_last:
-            return "needs channels-first memory (contiguous planes)"
-        if problem.out_spatial != (1, 1, 1):
-            return "only for global pooling (every output size 1)"
-        if params["block_size_x"] > math.prod(problem.in_spatial):
+        reason = super().illegal_reason(params, problem, limits)
+        if reason is None and params["block_size_x"] > math.prod(problem.in_spatial):
             return "block_size_x must not exceed the plane size (every work-item needs an element)"
-        return super().illegal_reason(params, problem, limits)
+        return reason
 
     def default_for(self, problem):
         """64 work-items, or the most that the plane has elements for."""
@@ -388,6 +406,83 @@ class PlaneReduce(Variant):
     def local_mem_bytes(self, params, problem):
         # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
         return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+
+
+class GlobalPlanes(_Global):
+    name = "global_planes"
+    summary = ("global pooling, channels-first: split work-items per plane each reduce a contiguous part of it "
+               "in run_lanes independent lanes (contiguous loads); neighbouring work-items take neighbouring planes")
+    channels_last = False
+    search_space = {
+        "block_size_x": [16, 64, 256, 1024],
+        "run_lanes": [4, 8, 16, 32],
+        "split": [1, 2, 4, 8, 16],
+        "planes_per_item": [1, 2, 4],
+    }
+    default = {"block_size_x": 256, "run_lanes": 16, "split": 1, "planes_per_item": 1}
+    #: The default splits planes until the launch has at least this many work-items (so that every
+    #: compute unit of a device gets work when a problem has few planes).
+    MIN_WORK_ITEMS = 1024
+    #: Planes of fewer elements default to SHORT_PLANE_LANES lanes: with 16 lanes a 7x7 plane is
+    #: three steps and a long tail; on PoCL 8 lanes were faster there and slower on larger planes.
+    SHORT_PLANE = 64
+    SHORT_PLANE_LANES = 8
+
+    def extra_rule(self, params):
+        if params["split"] > params["block_size_x"]:
+            return "split must not exceed block_size_x"
+        return None
+
+    def default_for(self, problem):
+        """``default`` with ``SHORT_PLANE_LANES`` lanes for short planes, its planes split in parts
+        (of at least one lane step each) until the launch has ``MIN_WORK_ITEMS`` work-items."""
+        plane = math.prod(problem.in_spatial)
+        lanes = self.SHORT_PLANE_LANES if plane < self.SHORT_PLANE else self.default["run_lanes"]
+        split = 1
+        for candidate in self.search_space["split"]:
+            if problem.planes * split >= self.MIN_WORK_ITEMS or plane < candidate * lanes:
+                break
+            split = candidate
+        return {**self.default, "run_lanes": lanes, "split": split}
+
+    def groups(self, params, problem):
+        planes_per_group = params["block_size_x"] // params["split"] * params["planes_per_item"]
+        return _ceil_div(problem.planes, planes_per_group)
+
+    def local_mem_bytes(self, params, problem):
+        if params["split"] == 1:
+            return 0
+        # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
+        return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+
+
+class GlobalChannels(_Global):
+    name = "global_channels"
+    summary = ("global pooling, channels-last: a work-item per (batch entry, channel), neighbours on neighbouring "
+               "channels, accumulators independent partials over the positions, the work-group stepping together")
+    channels_last = True
+    search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8]}
+    default = {"block_size_x": 64, "accumulators": 8}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
+class GlobalBroadcast(_Global):
+    name = "global_broadcast"
+    direction = "backward"
+    summary = ("global pooling, either layout: every input gradient is its plane's term (avg: the share, max: the "
+               "gradient at the index) -- a write stream, split work-items per plane, neighbours on neighbouring planes")
+    search_space = {"block_size_x": [16, 64, 256, 1024], "split": [1, 2, 4, 8, 16]}
+    default = {"block_size_x": 64, "split": 1}
+
+    def extra_rule(self, params):
+        if params["split"] > params["block_size_x"]:
+            return "split must not exceed block_size_x"
+        return None
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"] // params["split"])
 
 
 class SmemTiled(_Tiled):
@@ -487,8 +582,9 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
-_FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector())
-_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward())
+_FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
+            GlobalPlanes(), GlobalChannels())
+_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {
     (op, direction): {v.name: v for v in (_FORWARD if direction == "forward" else _BACKWARD)}

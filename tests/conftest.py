@@ -68,6 +68,10 @@ def user_cache(tmp_path, monkeypatch):
     dispatch.forget()
 
 
+#: Variants legal only for global pooling (every output size 1).
+GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_broadcast")
+
+
 def legal_variants(op, direction, shape, output_size, dtype="float32", layout=None):
     """Names of the variants whose default configuration is legal for the problem on the default
     device (channels_vector needs channels-last memory)."""

@@ -294,3 +294,22 @@ def test_untuned_shapes_get_their_own_geomeans(monkeypatch):
     assert report["summary"]["forward"]["geomean_speedup_vs_torch"] == pytest.approx(8.0)
     assert report["summary"]["forward, untuned shapes"]["geomean_speedup_vs_torch"] == pytest.approx(2.0)
     assert "forward, untuned shapes: geomean 2.00x vs PyTorch" in bench.format_table(report)
+
+
+def test_global_pooling_gets_its_own_geomeans(monkeypatch):
+    """Rows whose every output size is 1, suite and untuned shapes alike, are summarised apart too."""
+    report = synthetic_report()
+    streams = report["memory_gbs"]
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: streams)
+
+    def measure(name, op, shape, output_size, direction, device, repeat, rng):
+        out = list(shape[:2]) + [1 if s == 1 else s for s in output_size]
+        speed = 4.0 if set(output_size) == {1} else 1.0
+        return bench.Row(name, op, direction, list(shape), out, 1000, 500, 500, 1.0, 1.0, speed, 3, 3, 3,
+                         "default", "thread_per_output", {})
+
+    monkeypatch.setattr(bench, "measure", measure)
+    report = bench.run(["resnet50_head", "vgg16_256px", "untuned"], ("forward",), repeat=1)
+    assert report["summary"]["forward, global pooling"]["geomean_speedup_vs_torch"] == pytest.approx(4.0)
+    assert report["summary"]["forward"]["geomean_speedup_vs_torch"] == pytest.approx(2.0)
+    assert "forward, global pooling: geomean 4.00x vs PyTorch" in bench.format_table(report)

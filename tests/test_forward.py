@@ -155,7 +155,8 @@ MAX_SAMPLED_SHAPES = [((2, 3, 33, 31), 1), ((2, 2, 19, 23), (6, 5))]
 
 
 def _runs_somewhere(op, variant, shape, output_size) -> bool:
-    """Whether some layout has a legal configuration of ``variant`` (plane_reduce: global pooling only)."""
+    """Whether some layout has a legal configuration of ``variant`` (the global-pooling variants: global
+    pooling only)."""
     v, limits = variants_for(op)[variant], backends.default_device().limits
     return any(v.legal_configurations(Problem.create(op, shape, output_size, layout=layout), limits)
                for layout in LAYOUT_NAMES[2])
@@ -217,7 +218,7 @@ def test_float64_inputs_are_exact_to_1e_12(rng):
         pytest.skip("the default device has no float64")
     x = random_input(rng, (2, 5, 10, 9), np.float64)
     for variant in pt.variants(OP2):
-        size = (1, 1) if variant == "plane_reduce" else (4, 7)  # global pooling only
+        size = (1, 1) if variant in ("plane_reduce", "global_planes", "global_channels") else (4, 7)  # global only
         layout = "NCHW" if legal(variants_for(OP2)[variant], Problem.create(OP2, x.shape, size, "float64")) else "NHWC"
         xl = prepare_input(x, 2, layout)
         out = pt.adaptive_avg_pool2d(xl, size, variant=variant)

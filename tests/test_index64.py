@@ -30,7 +30,7 @@ from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.problem import INT32_LIMIT, LAYOUT_NAMES, OPS, OVERSHOOT_MARGIN, Problem
 from pool_tuner.variants import REGISTRY
 
-from conftest import random_input
+from conftest import GLOBAL_ONLY, random_input
 
 LIMIT = INT32_LIMIT - OVERSHOOT_MARGIN  # 2147418111 = 3 * 6673 * 107269
 assert LIMIT == 3 * 6673 * 107269
@@ -218,18 +218,20 @@ def _spatial(ndim, n):
     return (n,) if ndim == 1 else (n,) + (1,) * (ndim - 1)
 
 
+
+
 def _real_cases():
     cases = []
     for ndim in (1, 2, 3):
         for kind in ("avg", "max"):
             op = f"adaptive_{kind}_pool{ndim}d"
             for direction in ("forward", "backward"):
-                # 1d: every variant but plane_reduce (global pooling only: these windows are not) and
+                # 1d: every variant but the global-pooling ones (these windows are not global) and
                 # forward thread_per_row (a 46340-element row exceeds its private row; backward
                 # thread_per_row, average pooling only, has no such limit); 2d: forward
                 # thread_per_row too, whose window rows run along the long axis H
                 if ndim == 1:
-                    skip = ("plane_reduce",) + (("thread_per_row",) if direction == "forward" or kind == "max" else ())
+                    skip = GLOBAL_ONLY + (("thread_per_row",) if direction == "forward" or kind == "max" else ())
                     names = [n for n in REGISTRY[(op, direction)] if n not in skip]
                 elif ndim == 2 and direction == "forward":
                     names = [None, "thread_per_row"]
@@ -293,9 +295,10 @@ def _forced_cases():
         for name in table:
             # both layouts in 2d; contiguous 1d and channels-last 3d (channels_vector: channels-last only)
             layouts = {1: LAYOUT_NAMES[1][:1], 2: LAYOUT_NAMES[2], 3: LAYOUT_NAMES[3][1:]}[ndim]
-            if name == "channels_vector":
+            if name in ("channels_vector", "global_channels"):
                 layouts = LAYOUT_NAMES[ndim][1:]
-            if name in ("plane_reduce", "thread_per_row"):  # channels-first only
+            # channels-first only (global_broadcast: a global grad_out reads as contiguous)
+            if name in ("plane_reduce", "thread_per_row", "global_planes", "global_broadcast"):
                 layouts = LAYOUT_NAMES[ndim][:1]
             if (direction, name, kind) == ("backward", "thread_per_row", "max"):  # average pooling only
                 continue
@@ -314,7 +317,7 @@ def test_64_bit_kernels_of_every_variant(op, direction, variant, layout, monkeyp
     monkeypatch.setattr(Problem, "index_64", property(lambda self: True))
     kind, ndim = OPS[op]
     shape, size = FORCED_SHAPES[ndim]
-    if variant == "plane_reduce":  # global pooling only
+    if variant in GLOBAL_ONLY:
         size = (1,) * ndim
     out_shape = shape[:2] + size
     fn = getattr(pt, op if direction == "forward" else f"{op}_backward")

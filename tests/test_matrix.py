@@ -20,7 +20,7 @@ from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
-from conftest import legal_variants, random_input
+from conftest import GLOBAL_ONLY, legal_variants, random_input
 
 torch = pytest.importorskip("torch")
 try:
@@ -464,10 +464,10 @@ def test_avg_small_windows_count_each_element_once(op, layout, small, dtype, rng
 
 @pytest.mark.parametrize("variant", [None] + pt.variants("adaptive_avg_pool2d"))
 def test_float16_window_of_65000_averages_to_65000(variant):
-    """A 4x4 window sums to 1,040,000 (plane_reduce, global pooling only: 8x8 to 4,160,000) -- far
+    """A 4x4 window sums to 1,040,000 (the global-pooling variants: 8x8 to 4,160,000) -- far
     past float16's 65504: the float32 accumulator keeps the mean finite and exact."""
-    layout = "NHWC" if variant == "channels_vector" else "NCHW"
-    size = (1, 1) if variant == "plane_reduce" else (2, 2)
+    layout = "NHWC" if variant in ("channels_vector", "global_channels") else "NCHW"
+    size = (1, 1) if variant in GLOBAL_ONLY else (2, 2)
     x = in_layout(np.full((1, 2, 8, 8), 65000, np.float16), 2, layout)
     out = pt.adaptive_avg_pool2d(x, size, variant=variant)
     assert out.dtype == np.float16
@@ -539,6 +539,123 @@ def test_plane_reduce_max_keeps_the_first_position(op, fill, config, rng):
     ref_values, ref_indices = reference.forward(op, x, (1,) * ndim)
     np.testing.assert_array_equal(as_float64(values), ref_values)
     np.testing.assert_array_equal(indices, ref_indices)
+
+
+# ---------------------------------------------------------------- the global-pooling variants
+
+#: Configurations beyond the default, tried in float32: lane counts that leave tails, planes split
+#: among work-items (parts of one lane step, more parts than the plane fills), several planes per
+#: work-item with a partial last group, and a partial last work-group.
+GLOBAL_CONFIGS = {
+    "global_planes": [{"run_lanes": 4, "split": 4}, {"run_lanes": 32, "split": 16, "block_size_x": 16},
+                      {"planes_per_item": 4, "block_size_x": 16}],
+    "global_channels": [{"accumulators": 1}, {"accumulators": 8, "block_size_x": 16}],
+    "global_broadcast": [{"split": 4}, {"split": 16, "block_size_x": 16}, {"block_size_x": 1024}],
+}
+
+
+def global_layouts(ndim, direction):
+    """The layouts a global problem of ``direction`` can have through the API.  Outputs of size 1
+    are in both layouts at once, which ``memory_layout`` counts as contiguous: a forward output, and
+    a backward pass's grad_out -- from which the backward problem takes its layout."""
+    return LAYOUT_NAMES[ndim] if direction == "forward" else LAYOUT_NAMES[ndim][:1]
+
+
+def _global_cases(extra=True):
+    cases = []
+    for op, (kind, ndim) in OPS.items():
+        for direction in ("forward", "backward"):
+            for variant in variants_for(op, direction):
+                if variant not in GLOBAL_CONFIGS:
+                    continue
+                for layout in global_layouts(ndim, direction):
+                    if variant not in legal_variants(op, direction, GLOBAL_SHAPES[ndim], 1, layout=layout):
+                        continue
+                    configs = [("default", dtype, {}) for dtype in DTYPES]
+                    if extra:
+                        configs += [(str(i + 1), "float32", c) for i, c in enumerate(GLOBAL_CONFIGS[variant])]
+                    for label, dtype, config in configs:
+                        cases.append(pytest.param(op, direction, dtype, layout, variant, config,
+                                                  id=f"{op}-{direction}-{dtype}-{layout}-{variant}-{label}"))
+    return cases
+
+
+@pytest.mark.parametrize("op,direction,dtype,layout,variant,config", _global_cases())
+def test_global_variants_match_the_reference(op, direction, dtype, layout, variant, config, rng):
+    """Every op, dtype and layout, the default and the configurations above, on planes that no lane
+    count divides and fewer planes than a work-group: the reference's means (and gradients) within
+    the dtype's tolerance, exactly its maxima and first positions, and PyTorch's result."""
+    kind, ndim = OPS[op]
+    shape, size = GLOBAL_SHAPES[ndim], (1,) * ndim
+    dt = np_dtype(dtype)
+    x = in_layout(random_input(rng, shape, np.float64).astype(dt), ndim, layout)
+    if direction == "forward":
+        out = forward(op, x, size, variant=variant, config=config)
+        check_forward(op, out, x, size, LAYOUT_NAMES[ndim][0])
+        expected = getattr(torch.nn.functional, op)(torch.from_numpy(as_float64(x)), size)
+        np.testing.assert_allclose(as_float64(out[0] if kind == "max" else out), expected.numpy(), **TOLERANCES[dtype])
+        return
+    grad_out = in_layout(random_input(rng, shape[:-ndim] + size, np.float64).astype(dt), ndim, layout)
+    ref_indices = reference.forward(op, x, size)[1] if kind == "max" else None
+    grad_in = backward(op, grad_out, shape, ref_indices, variant=variant, config=config)
+    expected = reference.backward(op, grad_out, shape, ref_indices)
+    check_result(grad_in, expected, dt, layout, ndim)
+    x_torch = torch.from_numpy(as_float64(x)).requires_grad_()
+    pooled = getattr(torch.nn.functional, op)(x_torch, size)
+    pooled.backward(torch.from_numpy(as_float64(grad_out)))
+    if kind == "avg":  # max: PyTorch's own indices may differ from the ones passed here on ties
+        np.testing.assert_allclose(as_float64(grad_in), x_torch.grad.numpy(), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("op,layout,variant,config", [
+    pytest.param(op, layout, variant, config, id=f"{op}-{layout}-{variant}-{i}")
+    for op, (kind, ndim) in OPS.items() if kind == "max"
+    for variant in ("global_planes", "global_channels")
+    for layout in LAYOUT_NAMES[ndim]
+    if variant in legal_variants(op, "forward", GLOBAL_SHAPES[ndim], 1, layout=layout)
+    for i, config in enumerate([{}] + GLOBAL_CONFIGS[variant])])
+@pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
+def test_global_variants_max_keep_the_first_position(op, layout, variant, config, fill, rng):
+    """Value-only lanes, split parts and interleaved partials all keep the first-position rule:
+    ties, NaNs (the first NaN wins) and all -inf planes."""
+    ndim = OPS[op][1]
+    shape, size = GLOBAL_SHAPES[ndim], (1,) * ndim
+    x = special_max_input(rng, shape, fill)
+    values, indices = forward(op, in_layout(x, ndim, layout), size, variant=variant, config=config)
+    ref_values, ref_indices = reference.forward(op, x, size)
+    np.testing.assert_array_equal(as_float64(values), ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+
+
+@pytest.mark.parametrize("op,direction,layout,variant", [
+    pytest.param(op, direction, layout, variant, id=f"{op}-{direction}-{layout}-{variant}")
+    for op, (kind, ndim) in OPS.items() for direction in ("forward", "backward")
+    for variant in GLOBAL_CONFIGS for layout in global_layouts(ndim, direction)
+    if variant in legal_variants(op, direction, GLOBAL_SHAPES[ndim][1:], 1, layout=layout)])
+def test_global_variants_batchless(op, direction, layout, variant, rng):
+    """Batch-less (C, *spatial) inputs, channel axis 0, in either layout."""
+    kind, ndim = OPS[op]
+    shape, size = GLOBAL_SHAPES[ndim][1:], (1,) * ndim
+    x = in_layout(random_input(rng, shape), ndim, layout)
+    if direction == "forward":
+        check_forward(op, forward(op, x, size, variant=variant), x, size, LAYOUT_NAMES[ndim][0])
+        return
+    grad_out = in_layout(random_input(rng, shape[:1] + size), ndim, layout)
+    ref_indices = reference.forward(op, x, size)[1] if kind == "max" else None
+    grad_in = backward(op, grad_out, shape, ref_indices, variant=variant)
+    check_result(grad_in, reference.backward(op, grad_out, shape, ref_indices), np.dtype(np.float32), layout, ndim)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_global_variants_are_refused_elsewhere(op):
+    """Legal only where every output size is 1 (and global_planes, global_channels in their layout)."""
+    ndim = OPS[op][1]
+    shape, size = REPRESENTATIVE[ndim]
+    for direction in ("forward", "backward"):
+        for layout in LAYOUT_NAMES[ndim]:
+            assert not set(legal_variants(op, direction, shape, size, layout=layout)) & set(GLOBAL_ONLY)
+    assert "global_channels" not in legal_variants(op, "forward", GLOBAL_SHAPES[ndim], 1, layout=LAYOUT_NAMES[ndim][0])
+    assert "global_planes" not in legal_variants(op, "forward", GLOBAL_SHAPES[ndim], 1, layout=LAYOUT_NAMES[ndim][1])
 
 
 # ---------------------------------------------------------------- thread_per_row at its row limit

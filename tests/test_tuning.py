@@ -702,7 +702,8 @@ def test_small_box_limit_is_the_kernels():
     ("adaptive_avg_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_row"),    # pyramid level
     ("adaptive_avg_pool2d", (2, 8, 7, 7), (6, 6), "thread_per_row"),      # alexnet-like
     ("adaptive_avg_pool3d", (1, 2, 8, 9, 10), (2, 3, 4), "thread_per_row"),
-    ("adaptive_avg_pool2d", (2, 8, 56, 56), (1, 1), "thread_per_output"),  # global: one output row
+    ("adaptive_avg_pool2d", (2, 8, 56, 56), (1, 1), "global_planes"),     # global average pooling
+    ("adaptive_max_pool2d", (2, 8, 7, 7), (1, 1), "thread_per_output"),    # global max pooling
     ("adaptive_avg_pool2d", (2, 8, 64, 64), (1, 6), "thread_per_output"),  # one output row
     ("adaptive_avg_pool2d", (2, 8, 5, 5), (7, 7), "thread_per_output"),    # upsampling along H
     ("adaptive_max_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_output"),  # max
@@ -717,6 +718,25 @@ def test_cpu_heuristic_default_sends_multi_row_average_pooling_to_thread_per_row
     if not dev.is_cpu:
         pytest.skip(f"a rule for CPU devices; the default device is {dev.describe()}")
     assert dispatch.heuristic_default(Problem.create(op, shape, out), dev).name == expected
+
+
+@pytest.mark.parametrize("op,shape,layout,direction,expected", [
+    ("adaptive_avg_pool2d", (2, 8, 7, 7), "NCHW", "forward", "global_planes"),
+    ("adaptive_avg_pool3d", (2, 8, 3, 7, 7), "NCDHW", "forward", "global_planes"),
+    ("adaptive_max_pool2d", (2, 8, 33, 33), "NCHW", "forward", "thread_per_output"),
+    ("adaptive_avg_pool2d", (2, 8, 7, 7), "NHWC", "forward", "global_channels"),
+    ("adaptive_max_pool1d", (2, 8, 256), "NLC", "forward", "global_channels"),
+    ("adaptive_avg_pool2d", (2, 8, 33, 33), "NHWC", "forward", "global_channels"),
+    ("adaptive_avg_pool2d", (2, 8, 56, 56), "NCHW", "backward", "global_broadcast"),
+    ("adaptive_max_pool2d", (2, 8, 7, 7), "NCHW", "backward", "global_broadcast"),
+])
+def test_cpu_heuristic_default_for_global_pooling(op, shape, layout, direction, expected):
+    """The documented CPU rule of dispatch.heuristic_default for global pooling."""
+    dev = backends.default_device()
+    if not dev.is_cpu:
+        pytest.skip(f"a rule for CPU devices; the default device is {dev.describe()}")
+    problem = Problem.create(op, shape, 1, layout=layout, direction=direction)
+    assert dispatch.heuristic_default(problem, dev).name == expected
 
 
 @pytest.mark.parametrize("columns,expected", [(2048, "thread_per_row"), (2049, "thread_per_output")])

@@ -1,0 +1,119 @@
+"""Global pooling (every output size 1) against PyTorch on the CPU: kernel and call times.
+
+For each layer and pass: the kernel time (OpenCL profiling events, ``tuner.race``) of the
+dispatched choice and of the variant the heuristic took before the global-pooling variants
+(``--before``: thread_per_output, channels_vector, plane_scatter); and the time per call in loops of
+calls back to back (``bench.time_loop``), interleaved in a fresh random order each round, medians:
+pool_tuner on device arrays (dispatched and the earlier variant), the ``pool_tuner.torch`` module on
+CPU tensors (forward), and PyTorch.
+
+    python benchmarks/global_pooling.py [--repeat 7] [--backward] [--layer 32x2048x7x7 ...]
+"""
+
+import argparse
+import functools
+
+import numpy as np
+import torch
+
+import pool_tuner as pt
+import pool_tuner.torch as ptt
+from pool_tuner import backends, bench, dispatch, tuner
+from pool_tuner.problem import LAYOUT_NAMES, Problem
+
+#: (input shape, layout): every layer pools to 1 along each axis.
+LAYERS = [
+    ((32, 2048, 7, 7), "NCHW"), ((32, 256, 56, 56), "NCHW"), ((32, 1280, 7, 7), "NCHW"),
+    ((32, 72, 56, 56), "NCHW"), ((8, 2048, 33, 33), "NCHW"), ((8, 2048, 8, 7, 7), "NCDHW"),
+    ((8, 2048, 64, 64), "NCHW"), ((32, 2048, 7, 7), "NHWC"), ((32, 72, 56, 56), "NHWC"),
+]
+#: The variant the heuristic default took for each (direction, channels-last) before.
+BEFORE = {("forward", False): "thread_per_output", ("forward", True): "channels_vector",
+          ("backward", False): "plane_scatter", ("backward", True): "plane_scatter"}
+
+
+def device_input(device, x, layout, ndim):
+    """``x`` (logical channels-first) on the device in ``layout``."""
+    if layout == LAYOUT_NAMES[ndim][0]:
+        return device.to_device(x, device.queue)
+    import pyopencl.array as cl_array
+
+    memory = cl_array.to_device(device.queue, np.ascontiguousarray(np.moveaxis(x, 1, -1)))
+    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
+    return cl_array.Array(device.queue, x.shape, x.dtype, data=memory.data, strides=strides)
+
+
+def measure(device, op, shape, layout, direction, repeat, rng):
+    ndim = len(shape) - 2
+    problem = Problem.create(op, shape, 1, layout=layout, direction=direction)
+    chosen = dispatch.choose(problem, device)
+    before = dispatch.choose(problem, device, variant=BEFORE[(direction, problem.channels_last)])
+    kernel_ms = tuner.race(problem, device, [chosen, before], repetitions=repeat * 3)
+    x = rng.uniform(-1.0, 1.0, shape).astype(np.float32)
+    xt = torch.from_numpy(x)
+    if layout != LAYOUT_NAMES[ndim][0]:
+        xt = xt.contiguous(memory_format=torch.channels_last if ndim == 2 else torch.channels_last_3d)
+    wait = functools.partial(device.synchronize, device.queue)
+    size = (1,) * ndim
+    if direction == "forward":
+        fn, args = getattr(pt, op), (device_input(device, x, layout, ndim), size)
+        module = getattr(ptt, f"Adaptive{'Avg' if 'avg' in op else 'Max'}Pool{ndim}d")(1)
+        reference = getattr(torch.nn.functional, op)
+        candidates = {"torch": bench.Candidate(functools.partial(reference, xt, size), lambda: None),
+                      "pool_tuner.torch": bench.Candidate(functools.partial(module, xt), lambda: None)}
+    else:
+        grad = rng.uniform(-1.0, 1.0, shape[:2] + size).astype(np.float32)
+        fn = getattr(pt, f"{op}_backward")
+        gt = torch.from_numpy(grad)
+        if "avg" in op:
+            args = (device.to_device(grad, device.queue), shape)
+            aten = getattr(torch.ops.aten, f"_adaptive_avg_pool{ndim}d_backward")
+            call = functools.partial(aten, gt, xt)
+        else:
+            _, indices = getattr(pt, op)(x, size, return_indices=True)
+            args = (device.to_device(grad, device.queue), device.to_device(indices, device.queue), shape)
+            aten = getattr(torch.ops.aten, f"adaptive_max_pool{ndim}d_backward")
+            call = functools.partial(aten, gt, xt, torch.from_numpy(indices))
+        candidates = {"torch": bench.Candidate(call, lambda: None)}
+    candidates["pool_tuner"] = bench.Candidate(functools.partial(fn, *args), wait)
+    candidates["before"] = bench.Candidate(functools.partial(fn, *args, variant=before.variant.name), wait)
+    for candidate in candidates.values():
+        bench.time_loop(candidate, 2)
+    calls = {name: bench.calls_per_loop(c) for name, c in candidates.items()}
+    times = {name: [] for name in candidates}
+    for _ in range(repeat):
+        for name in rng.permutation(list(candidates)):
+            times[name].append(bench.time_loop(candidates[name], calls[name]))
+    call_ms = {name: float(np.median(t)) for name, t in times.items()}
+    gbs = problem.bytes_moved() / (kernel_ms[0] * 1e-3) / 1e9
+    label = f"{op} {'x'.join(map(str, shape))} {layout} {direction}"
+    print(f"{label}: kernel {chosen.variant.name} {kernel_ms[0]:.3f} ms ({gbs:.2f} GB/s), "
+          f"{before.variant.name} {kernel_ms[1]:.3f} ms | call ms: "
+          + ", ".join(f"{name} {ms:.3f}" for name, ms in call_ms.items())
+          + f" | pool_tuner vs torch {call_ms['torch'] / call_ms['pool_tuner']:.2f}x"
+          + (f", module vs torch {call_ms['torch'] / call_ms['pool_tuner.torch']:.2f}x" if "pool_tuner.torch" in call_ms else ""),
+          flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--backward", action="store_true", help="backward passes too")
+    parser.add_argument("--max", action="store_true", help="max pooling instead of average pooling")
+    parser.add_argument("--layer", action="append", help="only layers of this input shape (e.g. 32x2048x7x7)")
+    args = parser.parse_args()
+    device = backends.default_device()
+    rng = np.random.default_rng()
+    bandwidth = bench.memory_bandwidth(device)
+    print(f"device {device.describe()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+          f"GB/s: " + ", ".join(f"{name} {gbs:.1f}" for name, gbs in bandwidth.items()), flush=True)
+    for shape, layout in LAYERS:
+        if args.layer and "x".join(map(str, shape)) not in args.layer:
+            continue
+        op = f"adaptive_{'max' if args.max else 'avg'}_pool{len(shape) - 2}d"
+        for direction in ("forward", "backward") if args.backward else ("forward",):
+            measure(device, op, shape, layout, direction, args.repeat, rng)
+
+
+if __name__ == "__main__":
+    main()
