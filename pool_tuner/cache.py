@@ -525,7 +525,6 @@ class TuningCache:
         self._records = None
         self._user_keys: set = set()
         self._index = None
-        self._tiers: dict = {}  # (fingerprint hash, device id) -> device_tier
         self._lock = threading.RLock()
 
     def path(self) -> Path:
@@ -585,10 +584,8 @@ class TuningCache:
             self._index = self._build_index()
         code = kernel_hash(problem)
         found = []
-        for fingerprint_hash, (fingerprint, entries) in self._index.get(_group(problem), {}).items():
-            tier = self._tiers.get((fingerprint_hash, device.id), "unknown")
-            if tier == "unknown":  # worked out once per fingerprint and device, not per call
-                tier = self._tiers[fingerprint_hash, device.id] = device_tier(fingerprint, device)
+        for fingerprint, entries in self._index.get(_group(problem), {}).values():
+            tier = device_tier(fingerprint, device)
             if tier is not None:
                 found += [Match(record, tuned, self.origin(record["key"]), tier)
                           for record, tuned in entries if record["kernel_hash"] == code]
