@@ -57,7 +57,7 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     first = arrays[0]
     try:
         key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
-               os.environ.get(backends.ENV_DEVICE),
+               backends.env_device_setting(),
                *[(type(a), a.shape, a.strides, a.dtype, getattr(a, "queue", None)) for a in arrays])
     except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None

@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import time
 
 import numpy as np
@@ -59,7 +58,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 from . import ops as _ops
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
-from .backends import ENV_DEVICE
+from .backends import env_device_setting
 from .decomposition import decompose
 from .shapes import RANK_NAMES, resolve_output_size
 from .variants import get_variant
@@ -357,7 +356,7 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
     # The call's signature, as cheaply as it can be told apart (this runs on every call of a
     # layer): an int size is its own key; sequences keep their elements' types (``ops._exact``).
     size_key = output_size if type(output_size) is int else _ops._exact(output_size)
-    key = ("eager", op, size_key, decoded, os.environ.get(ENV_DEVICE), input.shape, input.stride(), input.dtype)
+    key = ("eager", op, size_key, decoded, env_device_setting(), input.shape, input.stride(), input.dtype)
     found = _torch_cpu.plan_of(key)
     if found is None:
         size = tuple(_check_input(input, ndim, output_size))

@@ -73,7 +73,7 @@ def plan_of(key) -> plans.Plan | None:
 def signature(op: str, direction: str, tensors: list, size, options: tuple):
     """The memo key of a call (see ``plan``); sizes keep their elements' types, so that a bad
     argument never meets a good call's plan."""
-    return (op, direction, ops._exact(size), options, os.environ.get(backends.ENV_DEVICE),
+    return (op, direction, ops._exact(size), options, backends.env_device_setting(),
             *[(t.shape, t.stride(), t.dtype) for t in tensors])
 
 

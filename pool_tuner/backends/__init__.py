@@ -20,6 +20,21 @@ ENV_DEVICE = "POOL_TUNER_DEVICE"
 BACKENDS = (cuda, opencl)
 
 
+#: ``os.environ``'s own table and its key for ENV_DEVICE, where the platform's ``os.environ`` has them
+#: (CPython on POSIX): what ``os.environ.get`` ends in, without its layers of Python.
+_ENVIRON_TABLE = getattr(os.environ, "_data", None)
+_ENV_DEVICE_KEY = os.environ.encodekey(ENV_DEVICE) if hasattr(os.environ, "encodekey") else None
+
+
+def env_device_setting():
+    """``POOL_TUNER_DEVICE`` as the environment holds it (bytes on POSIX, None when unset): a memo
+    key for the call paths, which read it on every call so that a changed setting applies at once;
+    one dictionary lookup where ``os.environ.get`` takes several Python calls."""
+    if _ENVIRON_TABLE is not None and _ENV_DEVICE_KEY is not None:
+        return _ENVIRON_TABLE.get(_ENV_DEVICE_KEY)
+    return os.environ.get(ENV_DEVICE)
+
+
 def all_devices() -> list:
     """Every device of every backend, backend by backend (CUDA first)."""
     return [device for backend in BACKENDS for device in backend.list_devices()]
@@ -72,5 +87,5 @@ def device_of_array(array):
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "Device", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
+__all__ = ["BACKENDS", "Backend", "Device", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device", "env_device_setting",
            "device_of_array", "resolve_device"]
