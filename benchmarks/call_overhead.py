@@ -27,7 +27,6 @@ runs with the PoCL settings pool_tuner chose (its worker pinning, README "Device
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import numpy as np
@@ -133,9 +132,7 @@ def check(x, t, x_dev, out_size, candidates, modules) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = common.parser(__doc__)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help="comma-separated NxCxHxW:OUT (OUT an int or HxW) (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per shape (default: %(default)s)")

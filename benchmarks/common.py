@@ -10,6 +10,8 @@ machine's load average is recorded before and after, because other work on it mo
 
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import datetime
 import json
@@ -167,6 +169,25 @@ def format_table(headers: list, rows: list) -> str:
 def fmt_spread(s: dict, scale: float = 1.0, digits: int = 1) -> str:
     """``median (q1-q3)`` of a ``spread``, times ``scale``."""
     return f"{s['median'] * scale:.{digits}f} ({s['q1'] * scale:.{digits}f}-{s['q3'] * scale:.{digits}f})"
+
+
+#: The APIs the call-path scripts time: pool_tuner's numpy functions and its torch modules.
+APIS = ("numpy", "torch")
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A script's argument parser: its docstring's first paragraph as the description, the rest
+    as the epilog of ``--help``."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="\n\n".join(doc.split("\n\n")[1:]))
+
+
+def choices(parser, text: str, allowed: tuple, option: str) -> list:
+    """The comma-separated ``text`` of ``option``, each entry one of ``allowed`` (else a usage error)."""
+    chosen = text.split(",")
+    if set(chosen) - set(allowed):
+        parser.error(f"{option} takes {', '.join(allowed)}")
+    return chosen
 
 
 def add_output_argument(parser) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 
 import common
 
-APIS = ("numpy", "torch")
+APIS = common.APIS
 POCL_CACHE_STATES = ("cold", "disk", "off")
 
 
@@ -120,9 +120,7 @@ def parse_shape(text: str) -> tuple:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = common.parser(__doc__)
     parser.add_argument("--api", default=",".join(APIS), help="comma-separated, of numpy, torch (default: %(default)s)")
     parser.add_argument("--pocl-cache", default="cold,disk",
                         help="comma-separated PoCL cache states, of cold, disk, off (default: %(default)s)")
@@ -141,9 +139,8 @@ def main():
     if args.child:
         print(json.dumps(child(args)))
         return
-    apis, states = args.api.split(","), args.pocl_cache.split(",")
-    if set(apis) - set(APIS) or set(states) - set(POCL_CACHE_STATES):
-        parser.error(f"--api takes {', '.join(APIS)}; --pocl-cache takes {', '.join(POCL_CACHE_STATES)}")
+    apis = common.choices(parser, args.api, APIS, "--api")
+    states = common.choices(parser, args.pocl_cache, POCL_CACHE_STATES, "--pocl-cache")
     if "disk" in states and "cold" not in states:
         states.insert(states.index("disk"), "cold")  # the disk state reuses what a cold run built
     info = common.circumstances()

@@ -36,7 +36,7 @@ import numpy as np
 
 import common
 
-APIS = ("numpy", "torch")
+APIS = common.APIS
 POCL_CACHE_STATES = ("cold", "disk")
 OUTPUT_SIZE = (4, 3)
 
@@ -121,9 +121,7 @@ def run_child(args, api: str, cache_dir: Path) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = common.parser(__doc__)
     parser.add_argument("--api", default=",".join(APIS), help="comma-separated, of numpy, torch (default: %(default)s)")
     parser.add_argument("--shapes", type=int, default=400, help="distinct shapes (default: %(default)s)")
     parser.add_argument("--every", type=int, default=50, help="shapes between readings (default: %(default)s)")
@@ -135,9 +133,8 @@ def main():
     if args.child:
         print(json.dumps(child(args)))
         return
-    apis, states = args.api.split(","), args.pocl_cache.split(",")
-    if set(apis) - set(APIS) or set(states) - set(POCL_CACHE_STATES):
-        parser.error(f"--api takes {', '.join(APIS)}; --pocl-cache takes {', '.join(POCL_CACHE_STATES)}")
+    apis = common.choices(parser, args.api, APIS, "--api")
+    states = common.choices(parser, args.pocl_cache, POCL_CACHE_STATES, "--pocl-cache")
     if "disk" in states and "cold" not in states:
         states.insert(0, "cold")  # the disk state loads what a cold run compiled
     info = common.circumstances()

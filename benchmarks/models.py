@@ -24,7 +24,6 @@ them.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import sys
@@ -97,9 +96,7 @@ def training_step(model, images, labels) -> common.Candidate:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = common.parser(__doc__)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated torchvision model names "
                         "(default: %(default)s)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} "

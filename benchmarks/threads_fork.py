@@ -42,7 +42,7 @@ import numpy as np
 
 import common
 
-APIS = ("numpy", "torch")
+APIS = common.APIS
 #: Shapes called once before the threads start, and shapes every thread calls first at once.
 WARMED = [((2, 8, 9, 9), (4, 4)), ((1, 16, 7, 7), (1, 1))]
 SHARED_NEW = [((3, 5, 10, 13), (3, 5)), ((2, 6, 11, 8), (4, 3))]
@@ -220,9 +220,7 @@ def run(args, scenario: str, api: str, timeout: float) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = common.parser(__doc__)
     parser.add_argument("--api", default=",".join(APIS), help="comma-separated, of numpy, torch (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3, help="stress runs per API (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=8, help="threads per stress run (default: %(default)s)")
