@@ -616,8 +616,8 @@ def test_global_variants_match_the_reference(op, direction, dtype, layout, varia
     for i, config in enumerate([{}] + GLOBAL_CONFIGS[variant])])
 @pytest.mark.parametrize("fill", ["ties", "nans", "minus_inf"])
 def test_global_variants_max_keep_the_first_position(op, layout, variant, config, fill, rng):
-    """Value-only lanes, split parts and interleaved partials all keep the first-position rule:
-    ties, NaNs (the first NaN wins) and all -inf planes."""
+    """Value-only lanes, split parts and interleaved partials all keep the position rules: ties
+    and all -inf planes the first position, NaNs the last NaN."""
     ndim = OPS[op][1]
     shape, size = GLOBAL_SHAPES[ndim], (1,) * ndim
     x = special_max_input(rng, shape, fill)

@@ -63,7 +63,7 @@ class Device(Protocol):
     #: A simulator (Oclgrind): exact but slow, never chosen by default.
     is_simulator: bool
     supports_float64: bool
-    #: Device arrays can live in host memory, so numpy arrays are used in place (``wrap_host``).
+    #: Device arrays can live in host memory, so numpy arrays are used in place (``host_launch``).
     shares_host_memory: bool
     #: Where PyTorch runs on the same hardware (``"cuda:0"``), or ``"cpu"`` where PyTorch has no
     #: backend for it (OpenCL): the benchmark's side-by-side.
@@ -163,11 +163,10 @@ class Device(Protocol):
     def owns(self, array) -> bool:
         """Whether device array ``array`` lives on this device."""
 
-    def wrap_host(self, queue, host: np.ndarray, writable: bool):
-        """A device array whose storage is ``host`` (only where ``shares_host_memory``)."""
-
-    def sync_host(self, queue, array, host: np.ndarray) -> np.ndarray:
-        """Make ``host`` (wrapped by ``wrap_host``) current after the work on ``array``."""
+    def host_launch(self, launch, nbytes: tuple, n_inputs: int):
+        """Only where ``shares_host_memory``: a function running ``launch`` (a ``dispatch.Launch``)
+        over host memory, called with the addresses of the inputs then the outputs (``nbytes``
+        each, the first ``n_inputs`` read only), returning once the outputs are written."""
 
     def release_memory(self) -> int:
         """Free memory held for reuse by later results; returns the number of blocks freed."""

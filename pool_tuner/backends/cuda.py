@@ -267,13 +267,8 @@ class CudaDevice:
                                            queue.stream if queue else None)
 
     @staticmethod
-    def wrap_host(queue, host: np.ndarray, writable: bool):
+    def host_launch(launch, nbytes: tuple, n_inputs: int):
         """Never called: ``shares_host_memory`` is False, so ops copies numpy arrays in and out."""
-        raise NotImplementedError(_NOT_HOST_MEMORY)
-
-    @staticmethod
-    def sync_host(queue, array, host: np.ndarray) -> np.ndarray:
-        """Never called (see ``wrap_host``)."""
         raise NotImplementedError(_NOT_HOST_MEMORY)
 
     @staticmethod

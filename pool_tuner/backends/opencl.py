@@ -325,25 +325,6 @@ class OpenCLDevice:
         data = [a.data if isinstance(a, cl_array.Array) else a for a in (destination, source)]
         cl.enqueue_copy(queue or self.queue, *data)
 
-    @staticmethod
-    def wrap_host(queue, host: np.ndarray, writable: bool):
-        """A device array whose storage *is* the C-contiguous numpy array ``host`` (no copy on
-        devices that share host memory).  ``host`` must outlive every command using it, and is only
-        guaranteed current after ``sync_host``."""
-        flags = cl.mem_flags.USE_HOST_PTR | (cl.mem_flags.READ_WRITE if writable else cl.mem_flags.READ_ONLY)
-        buffer = cl.Buffer(queue.context, flags, hostbuf=host)
-        return cl_array.Array(queue, host.shape, host.dtype, data=buffer)
-
-    @staticmethod
-    def sync_host(queue, array, host: np.ndarray) -> np.ndarray:
-        """Make ``host`` (wrapped by ``wrap_host``) current after the commands on ``array``: map
-        and unmap its buffer, which is free where the device works in host memory."""
-        mapped, event = cl.enqueue_map_buffer(queue, array.base_data, cl.map_flags.READ, 0, host.shape,
-                                              host.dtype, wait_for=array.events)
-        event.wait()
-        mapped.base.release(queue)
-        return host
-
     def empty(self, shape, dtype, queue=None):
         """An uninitialised C-contiguous device array.
 
