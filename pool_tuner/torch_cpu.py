@@ -87,8 +87,7 @@ def run(found: plans.Plan, tensors: list) -> list:
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
     tensors = [_in_memory_order(t, found, i) if reorder else t for i, (t, reorder) in enumerate(zip(tensors, found.reorder))]
     dtype = tensors[0].dtype
-    results = [torch.empty_strided(r.shape, r.strides, dtype=torch.int64 if r.dtype == "int64" else dtype)
-               for r in found.results]
+    results = [empty_result(r, problem, torch.int64 if r.dtype == "int64" else dtype) for r in found.results]
     if ops.poison_outputs:
         for r in results:
             r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
@@ -97,6 +96,27 @@ def run(found: plans.Plan, tensors: list) -> list:
     elif found.zero_fill:
         results[0].zero_()
     return results
+
+
+#: The numpy dtype that holds a result of each torch dtype (bfloat16: its bits).
+NUMPY_STORAGE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.bfloat16: np.int16, torch.int64: np.int64}
+
+
+def empty_result(result: plans.Result, problem, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised result tensor, its memory from numpy's allocator.
+
+    The launch needs a buffer over the result's memory, whose first use costs about as much as a
+    small kernel; buffers are kept per address (``backends.opencl.HostBuffers``).  numpy's
+    allocator hands a freed block of the same size back at the same address, where PyTorch's CPU
+    allocator gives blocks this size fresh mappings at ever new addresses: with numpy's memory a
+    layer called again and again reuses its kept buffer."""
+    storage = torch.from_numpy(np.empty(result.memory_shape, NUMPY_STORAGE[dtype]))
+    if dtype == torch.bfloat16:
+        storage = storage.view(torch.bfloat16)
+    if problem.channels_last:
+        return storage.movedim(-1, len(result.shape) - problem.ndim - 1)
+    return storage
 
 
 def _in_memory_order(t: torch.Tensor, found: plans.Plan, position: int) -> torch.Tensor:
@@ -143,9 +163,11 @@ def start_race(found: plans.Plan) -> None:
 class Race:
     """PyTorch's kernel against pool_tuner's on a plan's first calls, each call timed as the
     caller made it: first ``RACE_CALLS + 1`` calls of PyTorch's, then as many of pool_tuner's, the
-    first of each left out (first-touch costs); the faster by median then runs every later call
-    (``Plan.use_pytorch``) and the race is noted for ``explain``.  So the race costs the caller
-    nothing but the slower candidate's calls among the first ones.
+    first of each left out (first-touch costs); the faster by its fastest call then runs every
+    later call (``Plan.use_pytorch``) and the race is noted for ``explain``.  So the race costs the
+    caller nothing but the slower candidate's calls among the first ones.  The fastest call, not
+    the median: what ran just before a call (another library's threads still spinning, say) can
+    slow any few of them, and the race is about the kernels.
 
     In blocks rather than taking turns: a launch leaves the device's worker threads competing for
     the cores with PyTorch's own for a while, so a PyTorch call right after one of pool_tuner's
@@ -174,7 +196,7 @@ class Race:
                 self._decide()
 
     def _decide(self) -> None:
-        pytorch_ms, pool_tuner_ms = (float(np.median(self.times[side])) for side in (True, False))
+        pytorch_ms, pool_tuner_ms = (min(self.times[side]) for side in (True, False))
         found = self.plan
         found.use_pytorch = pool_tuner_ms * RACE_MARGIN > pytorch_ms
         found.race = None
@@ -185,5 +207,5 @@ class Race:
             "pool_tuner_ms": pool_tuner_ms,
             "rule": f"forward problems of at most {RACE_BYTES} bytes called eagerly on CPU tensors run PyTorch's "
                     f"kernel on their first {RACE_CALLS + 1} calls, then pool_tuner's on as many; pool_tuner's runs "
-                    f"from then on if its median is {RACE_MARGIN}x faster, else PyTorch's",
+                    f"from then on if its fastest call is {RACE_MARGIN}x faster, else PyTorch's",
         })
