@@ -12,6 +12,8 @@ would put ``floor``/``ceil`` one off for large sizes.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = [
@@ -57,6 +59,7 @@ def pooling_windows(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray
 EXACT_MAX_WINDOW_LIMIT = 1 << 16
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # pure, and asked per axis of every new problem
 def max_window(in_size: int, out_size: int) -> int:
     """Largest window along one axis (0 for an empty output); ``max_window(O, I)`` is the most
     outputs any one input belongs to.  Kernels drop an axis's gather loop when that is 1, so it
@@ -82,6 +85,7 @@ def inverse_windows(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray
     return pooling_windows(out_size, in_size)
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # pure, and asked per axis of every new problem
 def fixed_pool_equivalent(in_size: int, out_size: int) -> tuple[int, int, int] | None:
     """Return ``(kernel, stride, padding)`` of an ordinary (fixed-window, unpadded) pooling that
     reproduces the adaptive windows exactly, or ``None`` when none does.
