@@ -117,19 +117,21 @@ class Plan:
     * ``results``: the arrays the call returns (``Result``), in order: values (and, for a max
       forward, indices), or the input gradient;
     * ``launch``: the built kernel and grid (``dispatch.Launch``), None when there is nothing to
-      compute; ``zero_fill``: whether the result is all zeros instead (a backward pass with no
+      compute -- built by ``make_plan`` unless asked to wait for its first use (``build=False``);
+      ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
     * ``nbytes``: per input, then per result, the bytes of its memory.
     """
 
-    __slots__ = ("problem", "device", "choice", "reorder", "results", "launch", "zero_fill", "nbytes",
+    __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "nbytes",
                  "host_launch", "use_pytorch", "race")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
         self.reorder, self.results = reorder, results
         self.zero_fill = problem.is_empty and problem.direction == "backward" and math.prod(problem.input_shape) > 0
-        self.launch = None if problem.is_empty else dispatch.prepare(build_target, context, problem, choice)
+        self._launch = None
+        self._build = None if problem.is_empty else (build_target, context)
         first = problem.input_shape if problem.direction == "forward" else problem.output_shape
         sizes = [math.prod(first) * ELEMENT_BYTES[problem.dtype]]
         if problem.direction == "backward" and problem.kind == "max":
@@ -143,6 +145,16 @@ class Plan:
         self.use_pytorch = False
         self.race = None
 
+    @property
+    def launch(self):
+        """The built kernel and grid (``dispatch.Launch``), built on first use; None when there is
+        nothing to compute."""
+        if self._build is not None:
+            build_target, context = self._build
+            self._launch = dispatch.prepare(build_target, context, self.problem, self.choice)
+            self._build = None
+        return self._launch
+
     def run_on_host(self, pointers) -> None:
         """Launch on memory the device shares with the host: ``pointers`` are the addresses of the
         inputs then the results, in memory order, of ``nbytes`` each; returns once the results
@@ -155,7 +167,7 @@ class Plan:
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,
-              on_miss=None, names=None, context=None, build_target=None, before_build=None) -> Plan:
+              on_miss=None, names=None, context=None, build_target=None, before_build=None, build=True) -> Plan:
     """Validate a call and plan it (see the module docstring).
 
     ``specs``: ``[x]`` (forward), ``[grad_out]`` or ``[grad_out, indices]`` (backward), as
@@ -164,7 +176,9 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     wrote them, for error messages; ``context``: the context the kernel is built in (default: the
     device's default queue's); ``build_target``: what builds it, when not the device itself
     (``torch_cuda``'s driver-API target, which is its own context); ``before_build(problem)``: a
-    last check of the caller's, once the problem is known and before anything is built.  Raises ``TypeError`` /
+    last check of the caller's, once the problem is known and before anything is built;
+    ``build=False``: the kernel is built on the plan's first launch instead (a plan that may never
+    launch one: ``torch_cpu``'s race).  Raises ``TypeError`` /
     ``ValueError`` naming the argument before anything is built."""
     kind, ndim = OPS[op]
     first = specs[0]
@@ -193,7 +207,10 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     if build_target is None:
         build_target = device
         context = device.queue.context if context is None else context
-    return Plan(problem, device, choice, tuple(reorder), results, build_target, context)
+    plan = Plan(problem, device, choice, tuple(reorder), results, build_target, context)
+    if build:
+        plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
+    return plan
 
 
 def backward_problem(op: str, grad_shape: tuple, input_shape: tuple, dtype: str, layout: str, name="grad_out") -> Problem:

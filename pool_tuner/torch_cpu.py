@@ -59,8 +59,10 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None)
         device = backends.resolve_device(given.get("device"))
         names = ("input",) if direction == "forward" else ("grad_out",)
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
-                                given.get("config"), on_miss=tuner.tune_on_miss, names=names)
+                                given.get("config"), on_miss=tuner.tune_on_miss, names=names, build=False)
         start_race(found)
+        if found.race is None:
+            found.launch  # noqa: B018 -- no race: built now, as every plan is; a race builds at pool_tuner's turn
         _PLANS.put(key, found)
     return found
 
@@ -156,7 +158,7 @@ def start_race(found: plans.Plan) -> None:
     problem = found.problem
     found.use_pytorch = False
     if (pytorch_candidate and problem.direction == "forward" and found.choice.source != "forced"
-            and found.launch is not None and problem.bytes_moved() <= RACE_BYTES):
+            and not problem.is_empty and problem.bytes_moved() <= RACE_BYTES):
         found.race = Race(found)
 
 

@@ -243,3 +243,16 @@ def test_repeated_tensor_calls_reuse_their_kept_buffers(monkeypatch, rng):
             del out
     assert len(made) == before
     torch.testing.assert_close(module(x), torch.nn.functional.adaptive_avg_pool2d(x, 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_a_racing_layer_builds_its_kernel_only_at_pool_tuners_turn(monkeypatch, rng):
+    """PyTorch runs the first calls of a race: a layer that is never called more often (a shape seen
+    once or twice) never builds a program, which would hold memory in PoCL for nothing."""
+    prepared = _count(monkeypatch, dispatch, "prepare")
+    module = ptt.AdaptiveAvgPool2d((2, 3))
+    for _ in range(torch_cpu.RACE_CALLS + 1):
+        module(torch.from_numpy(random_input(rng, (2, 4, 9, 7))))
+    assert not prepared
+    module(torch.from_numpy(random_input(rng, (2, 4, 9, 7))))
+    assert len(prepared) == 1
