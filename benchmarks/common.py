@@ -190,6 +190,15 @@ def choices(parser, text: str, allowed: tuple, option: str) -> list:
     return chosen
 
 
+def pocl_cache_states(parser, text: str, allowed: tuple) -> list:
+    """``--pocl-cache``'s states in order, a cold run always before a ``disk`` one: the disk state
+    loads what the cold run compiled."""
+    states = choices(parser, text, allowed, "--pocl-cache")
+    if "disk" in states and "cold" not in states:
+        states.insert(states.index("disk"), "cold")
+    return states
+
+
 def add_output_argument(parser) -> None:
     parser.add_argument("--out", type=Path, help="also write the results as JSON to this file")
 

@@ -140,9 +140,7 @@ def main():
         print(json.dumps(child(args)))
         return
     apis = common.choices(parser, args.api, APIS, "--api")
-    states = common.choices(parser, args.pocl_cache, POCL_CACHE_STATES, "--pocl-cache")
-    if "disk" in states and "cold" not in states:
-        states.insert(states.index("disk"), "cold")  # the disk state reuses what a cold run built
+    states = common.pocl_cache_states(parser, args.pocl_cache, POCL_CACHE_STATES)
     info = common.circumstances()
     print(common.describe_circumstances(info))
     print(f"per-sample shape {args.shape}, warmed at batch {args.warm_batch}, then {args.new} new batch sizes")

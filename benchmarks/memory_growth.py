@@ -134,9 +134,7 @@ def main():
         print(json.dumps(child(args)))
         return
     apis = common.choices(parser, args.api, APIS, "--api")
-    states = common.choices(parser, args.pocl_cache, POCL_CACHE_STATES, "--pocl-cache")
-    if "disk" in states and "cold" not in states:
-        states.insert(0, "cold")  # the disk state loads what a cold run compiled
+    states = common.pocl_cache_states(parser, args.pocl_cache, POCL_CACHE_STATES)
     info = common.circumstances()
     print(common.describe_circumstances(info))
     print(f"{args.shapes} distinct shapes 2x4xHxW -> {OUTPUT_SIZE[0]}x{OUTPUT_SIZE[1]}, each called once, then a second pass")
