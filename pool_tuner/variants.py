@@ -378,6 +378,12 @@ class _Global(Variant):
             return "needs channels-last memory" if self.channels_last else "needs channels-first memory (contiguous planes)"
         return super().illegal_reason(params, problem, limits)
 
+    def extra_rule(self, params):
+        """Where planes are split in parts (``split``), the parts are work-items of one work-group."""
+        if params.get("split", 1) > params["block_size_x"]:
+            return "split must not exceed block_size_x"
+        return None
+
 
 class PlaneReduce(_Global):
     name = "plane_reduce"
@@ -428,11 +434,6 @@ class GlobalPlanes(_Global):
     SHORT_PLANE = 64
     SHORT_PLANE_LANES = 8
 
-    def extra_rule(self, params):
-        if params["split"] > params["block_size_x"]:
-            return "split must not exceed block_size_x"
-        return None
-
     def default_for(self, problem):
         """``default`` with ``SHORT_PLANE_LANES`` lanes for short planes, its planes split in parts
         (of at least one lane step each) until the launch has ``MIN_WORK_ITEMS`` work-items."""
@@ -475,11 +476,6 @@ class GlobalBroadcast(_Global):
                "gradient at the index) -- a write stream, split work-items per plane, neighbours on neighbouring planes")
     search_space = {"block_size_x": [16, 64, 256, 1024], "split": [1, 2, 4, 8, 16]}
     default = {"block_size_x": 64, "split": 1}
-
-    def extra_rule(self, params):
-        if params["split"] > params["block_size_x"]:
-            return "split must not exceed block_size_x"
-        return None
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"] // params["split"])
