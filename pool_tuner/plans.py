@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from . import backends, dispatch, memo, shapes
 from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
 
@@ -245,8 +247,6 @@ def _check_indices_spec(indices: ArraySpec | None, grad_out: ArraySpec, problem:
 
 def check_dtype_name(dtype) -> str:
     """The name of a numpy or torch dtype (``torch.int64`` -> ``"int64"``)."""
-    import numpy as np
-
     text = str(dtype)
     if text.startswith("torch."):
         return text[len("torch."):]

@@ -360,7 +360,7 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
     found = _torch_cpu.plan_of(key)
     if found is None:
         size = tuple(_check_input(input, ndim, output_size))
-        found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key)
+        found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key, race=True)
     race = found.race
     if race is None:
         if found.use_pytorch:  # decided: PyTorch's own kernel runs this layer

@@ -48,9 +48,10 @@ _PLANS = plans.PlanTable("torch_cpu.plans")
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in OPS}
 
 
-def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None) -> plans.Plan:
+def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None, race: bool = False) -> plans.Plan:
     """The plan of a call signature, made and memoised on its first use; ``options`` are
-    pool_tuner's keyword options as ``(name, value)`` pairs."""
+    pool_tuner's keyword options as ``(name, value)`` pairs.  ``race``: the eager path's plans,
+    which may race PyTorch's kernel (``start_race``); the custom op's always run pool_tuner's."""
     if key is None:
         key = signature(op, direction, tensors, size, options)
     found = _PLANS.get(key)
@@ -60,7 +61,8 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None)
         names = ("input",) if direction == "forward" else ("grad_out",)
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss, names=names, build=False)
-        start_race(found)
+        if race:
+            start_race(found)
         if found.race is None:
             found.launch  # noqa: B018 -- no race: built now, as every plan is; a race builds at pool_tuner's turn
         _PLANS.put(key, found)
@@ -87,7 +89,7 @@ def run(found: plans.Plan, tensors: list) -> list:
         arrays = [ops_array(t) for t in tensors]
         names = ("x",) if problem.direction == "forward" else ("grad_out", "indices")
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
-    tensors = [_in_memory_order(t, found, i) if reorder else t for i, (t, reorder) in enumerate(zip(tensors, found.reorder))]
+    tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     dtype = tensors[0].dtype
     results = [empty_result(r, problem, torch.int64 if r.dtype == "int64" else dtype) for r in found.results]
     if ops.poison_outputs:
@@ -121,7 +123,7 @@ def empty_result(result: plans.Result, problem, dtype: torch.dtype) -> torch.Ten
     return storage
 
 
-def _in_memory_order(t: torch.Tensor, found: plans.Plan, position: int) -> torch.Tensor:
+def _in_memory_order(t: torch.Tensor, found: plans.Plan) -> torch.Tensor:
     """An input that is in neither layout (or indices in another layout than ``grad_out``),
     copied into the problem's memory order."""
     strides = plans.element_strides(found.problem, tuple(t.shape))
