@@ -28,26 +28,10 @@ that this module needs nothing of the tuner, which builds on it); otherwise call
 tuning.  A record of another driver counts as tuned: records travel so that a driver update does
 not send every shape back to tuning.
 
-The heuristic default, always with the variant's default configuration for the problem
-(``Variant.default_for``): on CPU devices, global pooling (every output size 1) goes to the
-global-pooling variants where they measured faster on PoCL -- every backward pass to
-``global_broadcast`` (a write stream: as fast as ``plane_scatter`` on large planes, faster on 7x7
-ones, and legal in every dtype), channels-first average pooling to ``global_planes`` (lanes over
-contiguous planes; faster than ``thread_per_output`` from 7x7 to 64x64 planes), and channels-last
-pooling to ``global_channels`` (faster than ``channels_vector`` from 7x7 to 56x56 planes, average
-and max); channels-first max pooling stays with ``thread_per_output``, whose unrolled small
-windows and row lanes were faster.  Otherwise backward passes use ``plane_scatter`` on CPU devices
-where it is legal (float32/float64: a work-item per plane, whose sequential scatter runs at memory
-speed on a CPU), else ``thread_per_input``; channels-last forward passes use ``channels_vector`` (contiguous
-channels per work-item); on CPU devices, channels-first average pooling with more than one output
-row per plane and no upsampling along the rows' axes (T, H) goes to ``thread_per_row`` where it is
-legal (input rows within its private-row limit): whole input rows per work-item, vectorised, 2-5x
-faster than ``thread_per_output`` on PoCL for the suite's vgg16, alexnet and pyramid-pooling
-layers, and slower for global pooling, max pooling and upsampling; on GPUs, windows of at least
-``LARGE_WINDOW`` elements with short output rows (global pooling, squeeze-excitation, pyramid
-pooling's coarse levels) go to ``block_per_row``, where several lanes share each window;
-everything else goes to ``thread_per_output`` -- on CPUs, where work-group barriers are expensive,
-one work-item per output vectorises best.
+The default is decided by the default-dispatch rules (``default_rules``: data, derived from a grid
+of tuned problems on CPUs, written by hand for GPUs): the first rule that holds for the problem
+and whose variant is legal fires, with its configuration over the variant's default; ``explain``
+names the rule (``rule``).
 
 Decisions and built kernels are memoised in memory by one ``Dispatcher`` (the cache files are read
 once, on the first miss of the memo), so repeated calls do no file-system access and no
@@ -73,13 +57,9 @@ import threading
 import warnings
 
 from . import cache as cache_mod
-from . import kernel_source, memo
+from . import default_rules, kernel_source, memo
 from . import variants as variants_mod
 from .problem import Problem
-
-LARGE_WINDOW = 32
-SHORT_ROW = 4
-
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -90,6 +70,8 @@ class Choice:
     tier: str | None = None  # how that record's device relates to this one (cache.TIERS)
     origin: str | None = None  # where that record comes from (cache.ORIGINS)
     distance: float | None = None  # shape_distance from that record's problem (0 for source cache)
+    rule: str | None = None  # the default rule that fired (source default)
+    rule_config: str | None = None  # why that rule's own configuration did not run, or None
 
     @property
     def config(self) -> dict:
@@ -107,41 +89,11 @@ class Launch:
     scalars: tuple
 
 
-def _largest_window(problem: Problem) -> int:
-    return math.prod(variants_mod.max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
-
-
-def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
-    """The variant used when nothing was tuned (see the module docstring)."""
-    table = variants_mod.variants_for(problem.op, problem.direction)
-    if device.is_cpu and variants_mod.is_global(problem):
-        if problem.direction == "backward":
-            return table["global_broadcast"]
-        if problem.channels_last:
-            return table["global_channels"]
-        if problem.kind == "avg":
-            return table["global_planes"]
-    if problem.direction == "backward":
-        scatter = table["plane_scatter"]
-        if device.is_cpu and scatter.is_legal({}, problem, device.limits):
-            return scatter
-        return table["thread_per_input"]
-    if problem.channels_last:
-        return table["channels_vector"]
-    (ot, oh, _), (it, ih, _) = problem.out_spatial, problem.in_spatial
-    if (device.is_cpu and problem.kind == "avg" and ot * oh > 1 and ot <= it and oh <= ih
-            and table["thread_per_row"].is_legal({}, problem, device.limits)):
-        return table["thread_per_row"]
-    if device.is_gpu and _largest_window(problem) >= LARGE_WINDOW and problem.out_spatial[-1] <= SHORT_ROW:
-        return table["block_per_row"]
-    return table["thread_per_output"]
-
-
 def default_choice(problem: Problem, device) -> Choice:
-    """The heuristic default (never the cache): what tuning compares its winner against."""
-    chosen = heuristic_default(problem, device)
-    params = chosen.check_config({}, problem, device.limits, name=f"default config of {chosen.name}")
-    return Choice(chosen, tuple(sorted(params.items())), "default")
+    """The default rules' decision (never the cache): what tuning compares its winner against."""
+    decided = default_rules.decide(problem, device)
+    return Choice(decided.variant, tuple(sorted(decided.params.items())), "default", rule=decided.rule.name,
+                  rule_config=decided.config_note)
 
 
 def _legal_winner(record: dict, problem: Problem, device) -> tuple | None:
@@ -385,6 +337,8 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "record_origin": choice.origin,
         "problem_class": problem.problem_class,
         "distance": None if choice.distance is None else round(choice.distance, 3),
+        "rule": choice.rule,
+        "rule_config": choice.rule_config,
         "index_bits": 64 if problem.index_64 else 32,
     }
 

@@ -75,6 +75,9 @@ class Variant:
     search_space: dict
     #: The configuration used when nothing was tuned (see ``dispatch``).
     default: dict
+    #: Whether the default configuration runs every problem of its direction (the default rules'
+    #: last rule of each direction needs such a variant).
+    runs_every_problem = False
 
     def block(self, params: dict) -> tuple[int, int]:
         """Work-group shape ``(x, y)``."""
@@ -273,6 +276,7 @@ class _Tiled(Variant):
 
 class ThreadPerOutput(Variant):
     name = "thread_per_output"
+    runs_every_problem = True
     summary = "each work-item reduces outputs_per_thread whole windows; neighbours write neighbours"
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
@@ -511,6 +515,7 @@ class ChannelsVector(Variant):
 class ThreadPerInput(Variant):
     name = "thread_per_input"
     direction = "backward"
+    runs_every_problem = True
     summary = "gather: each work-item sums the gradients of the outputs whose windows hold its inputs"
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],

@@ -698,57 +698,6 @@ def test_small_box_limit_is_the_kernels():
     assert f"#define SMALL_BOX_LIMIT {SMALL_BOX_LIMIT}\n" in header
 
 
-@pytest.mark.parametrize("op,shape,out,expected", [
-    ("adaptive_avg_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_row"),    # pyramid level
-    ("adaptive_avg_pool2d", (2, 8, 7, 7), (6, 6), "thread_per_row"),      # alexnet-like
-    ("adaptive_avg_pool3d", (1, 2, 8, 9, 10), (2, 3, 4), "thread_per_row"),
-    ("adaptive_avg_pool2d", (2, 8, 56, 56), (1, 1), "global_planes"),     # global average pooling
-    ("adaptive_max_pool2d", (2, 8, 7, 7), (1, 1), "thread_per_output"),    # global max pooling
-    ("adaptive_avg_pool2d", (2, 8, 64, 64), (1, 6), "thread_per_output"),  # one output row
-    ("adaptive_avg_pool2d", (2, 8, 5, 5), (7, 7), "thread_per_output"),    # upsampling along H
-    ("adaptive_max_pool2d", (2, 8, 64, 64), (6, 6), "thread_per_output"),  # max
-    ("adaptive_avg_pool1d", (2, 8, 1000), (128,), "thread_per_output"),    # 1-d: one output row
-    ("adaptive_avg_pool2d", (2, 8, 6, 5000), (3, 3), "thread_per_output"),  # rows past thread_per_row's limit
-    ("adaptive_avg_pool2d", (2, 8, 64, 5), (6, 7), "thread_per_row"),      # upsampling along W only
-    ("adaptive_avg_pool3d", (1, 2, 2, 9, 10), (3, 3, 4), "thread_per_output"),  # upsampling along T
-])
-def test_cpu_heuristic_default_sends_multi_row_average_pooling_to_thread_per_row(op, shape, out, expected):
-    """The documented CPU rule of dispatch.heuristic_default for channels-first forward passes."""
-    dev = backends.default_device()
-    if not dev.is_cpu:
-        pytest.skip(f"a rule for CPU devices; the default device is {dev.describe()}")
-    assert dispatch.heuristic_default(Problem.create(op, shape, out), dev).name == expected
-
-
-@pytest.mark.parametrize("op,shape,layout,direction,expected", [
-    ("adaptive_avg_pool2d", (2, 8, 7, 7), "NCHW", "forward", "global_planes"),
-    ("adaptive_avg_pool3d", (2, 8, 3, 7, 7), "NCDHW", "forward", "global_planes"),
-    ("adaptive_max_pool2d", (2, 8, 33, 33), "NCHW", "forward", "thread_per_output"),
-    ("adaptive_avg_pool2d", (2, 8, 7, 7), "NHWC", "forward", "global_channels"),
-    ("adaptive_max_pool1d", (2, 8, 256), "NLC", "forward", "global_channels"),
-    ("adaptive_avg_pool2d", (2, 8, 33, 33), "NHWC", "forward", "global_channels"),
-    ("adaptive_avg_pool2d", (2, 8, 56, 56), "NCHW", "backward", "global_broadcast"),
-    ("adaptive_max_pool2d", (2, 8, 7, 7), "NCHW", "backward", "global_broadcast"),
-])
-def test_cpu_heuristic_default_for_global_pooling(op, shape, layout, direction, expected):
-    """The documented CPU rule of dispatch.heuristic_default for global pooling."""
-    dev = backends.default_device()
-    if not dev.is_cpu:
-        pytest.skip(f"a rule for CPU devices; the default device is {dev.describe()}")
-    problem = Problem.create(op, shape, 1, layout=layout, direction=direction)
-    assert dispatch.heuristic_default(problem, dev).name == expected
-
-
-@pytest.mark.parametrize("columns,expected", [(2048, "thread_per_row"), (2049, "thread_per_output")])
-def test_cpu_heuristic_default_respects_the_private_row_limit_in_float64(columns, expected):
-    """float64 partials are 8 bytes: 2048 columns fill the 16 KiB row exactly, one more does not fit."""
-    dev = backends.default_device()
-    if not dev.is_cpu or not dev.supports_float64:
-        pytest.skip(f"a rule for CPU devices with float64; the default device is {dev.describe()}")
-    problem = Problem.create("adaptive_avg_pool2d", (1, 2, 6, columns), (3, 3), "float64")
-    assert dispatch.heuristic_default(problem, dev).name == expected
-
-
 # ---------------------------------------------------------------- Ctrl-C while tuning
 
 TWO_VARIANTS = dict(variants=["thread_per_output", "block_per_row"], strategy="random_sample", max_fevals=3)

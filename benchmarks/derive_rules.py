@@ -1,0 +1,212 @@
+"""Derive the default-dispatch rules of one device type from the tuned grid (``dispatch_grid.py``).
+
+Each grid record holds every variant's raced time at its best configuration for one problem.  A
+variant's *slowdown* on a problem is its time over the problem's best; a set of problems is scored
+by the sum of the logs of the slowdowns of one variant chosen for all of them (a variant that could
+not run a problem counts ``MISSING_SLOWDOWN``).  The script grows a decision tree greedily: a leaf
+takes the variant of least score; a leaf is split on the one condition (a word feature equal to a
+value, or a numeric feature below a threshold) that lowers the score most, while each side keeps
+``MIN_LEAF`` problems and the gain is at least ``MIN_GAIN``, to ``MAX_DEPTH``.  The tree is written
+as an ordered rule list -- a split's "yes" side first, so each leaf needs only the conditions on
+its path that held -- per direction, each ending with a rule whose variant runs every problem.  A
+leaf's configuration is the one its variant won with most often among the leaf's problems.
+
+    python benchmarks/derive_rules.py            # print the rules and their fit, write them
+    python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
+
+It prints, beside the rules, how well they fit the grid (geomean slowdown against each problem's
+best) and how the nearest tuned grid problem would have done, by distance: the evidence for
+``dispatch.NEAREST_MAX_DISTANCE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import sys
+from pathlib import Path
+
+from pool_tuner import cache, default_rules, dispatch
+
+GRID_DIR = Path(__file__).resolve().parent / "dispatch_grid"
+MISSING_SLOWDOWN = 4.0
+MIN_LEAF = 4
+MIN_GAIN = 1.0  # in summed log-slowdown: a split must save at least e-fold on one problem, or its equal
+MAX_DEPTH = 4
+#: The variant of each direction's last rule: legal for every problem.
+FALLBACK = {"forward": "thread_per_output", "backward": "thread_per_input"}
+WORD_FEATURES = ("kind", "layout", "problem_class")
+NUMBER_FEATURES = ("rank", "plane", "output_plane", "window", "planes", "output_row")
+
+
+class Sample:
+    """One grid problem: its features, each variant's raced time and winning configuration."""
+
+    def __init__(self, record: dict):
+        self.problem = cache.problem_of(record)
+        self.features = default_rules.features(self.problem)
+        entries = [record["best"]] + record.get("runners_up", [])
+        self.times = {e["variant"]: e["time_ms"] for e in entries if e.get("time_ms")}
+        self.params = {e["variant"]: e["params"] for e in entries if e.get("time_ms")}
+        self.best = min(self.times.values())
+
+    def slowdown(self, variant: str) -> float:
+        return self.times[variant] / self.best if variant in self.times else MISSING_SLOWDOWN
+
+
+def score(samples: list, variant: str) -> float:
+    return sum(math.log(s.slowdown(variant)) for s in samples)
+
+
+def best_variant(samples: list) -> tuple[str, float]:
+    names = sorted({v for s in samples for v in s.times})
+    return min(((v, score(samples, v)) for v in names), key=lambda pair: (pair[1], pair[0]))
+
+
+def candidate_conditions(samples: list):
+    """``(feature, condition)`` splits: a word equal to one of its values; a number below a
+    threshold between two neighbouring values (their geometric mean, rounded: readable)."""
+    for feature in WORD_FEATURES:
+        values = sorted({s.features[feature] for s in samples})
+        if len(values) > 1:
+            yield from ((feature, value) for value in values)
+    for feature in NUMBER_FEATURES:
+        values = sorted({s.features[feature] for s in samples})
+        for low, high in zip(values, values[1:]):
+            yield feature, {"max": max(low + 1, round(math.sqrt(low * high)))}
+
+
+def holds(sample: Sample, feature: str, condition) -> bool:
+    value = sample.features[feature]
+    return value < condition["max"] if isinstance(condition, dict) else value == condition
+
+
+def grow(samples: list, depth: int) -> dict:
+    """The tree over ``samples``: a leaf ``{"variant", "score", "samples"}`` or a split
+    ``{"feature", "condition", "yes", "no"}``."""
+    variant, leaf_score = best_variant(samples)
+    leaf = {"variant": variant, "score": leaf_score, "samples": samples}
+    if depth == MAX_DEPTH:
+        return leaf
+    best = None
+    for feature, condition in candidate_conditions(samples):
+        yes = [s for s in samples if holds(s, feature, condition)]
+        no = [s for s in samples if not holds(s, feature, condition)]
+        if len(yes) < MIN_LEAF or len(no) < MIN_LEAF:
+            continue
+        total = best_variant(yes)[1] + best_variant(no)[1]
+        if best is None or total < best[0] - 1e-9:
+            best = (total, feature, condition, yes, no)
+    if best is None or leaf_score - best[0] < MIN_GAIN:
+        return leaf
+    _, feature, condition, yes, no = best
+    return {"feature": feature, "condition": condition, "yes": grow(yes, depth + 1), "no": grow(no, depth + 1)}
+
+
+def leaf_config(variant: str, samples: list) -> dict:
+    """The configuration ``variant`` won with most often among ``samples`` (ties: the smaller)."""
+    counts = collections.Counter(json.dumps(s.params[variant], sort_keys=True) for s in samples if variant in s.params)
+    if not counts:
+        return {}
+    most = max(counts.values())
+    return json.loads(min(c for c, n in counts.items() if n == most))
+
+
+def flatten(tree: dict, when: dict, out: list) -> None:
+    if "variant" in tree:
+        samples = tree["samples"]
+        slowdown = math.exp(tree["score"] / len(samples))
+        out.append({"when": dict(when), "variant": tree["variant"], "config": leaf_config(tree["variant"], samples),
+                    "evidence": f"{len(samples)} grid problems, {slowdown:.2f}x their best"})
+        return
+    flatten(tree["yes"], {**when, tree["feature"]: tree["condition"]}, out)
+    flatten(tree["no"], when, out)
+
+
+def rule_name(device_type: str, rule: dict) -> str:
+    words = [device_type]
+    for feature, condition in rule["when"].items():
+        words.append(f"{feature}<{condition['max']}" if isinstance(condition, dict) else str(condition))
+    return "-".join(words + [rule["variant"]])
+
+
+def derive(samples: list, device_type: str) -> list:
+    """The ordered rules of ``device_type`` from ``samples``, per direction."""
+    rules = []
+    for direction in ("forward", "backward"):
+        flat: list = []
+        flatten(grow([s for s in samples if s.features["direction"] == direction], 0), {"direction": direction}, flat)
+        if flat[-1]["variant"] != FALLBACK[direction]:
+            flat.append({"when": {"direction": direction}, "variant": FALLBACK[direction], "config": {},
+                         "evidence": "fallback: runs every problem"})
+        rules.extend(flat)
+    for rule in rules:
+        rule["name"] = rule_name(device_type, rule)
+    return [{key: rule[key] for key in ("name", "when", "variant", "config", "evidence")} for rule in rules]
+
+
+def geomean_slowdown(samples: list, choose) -> float:
+    return math.exp(sum(math.log(s.slowdown(choose(s))) for s in samples) / len(samples))
+
+
+def fit_report(samples: list, rules: list, device) -> list[str]:
+    """How the rules, the record's own default and the nearest other grid problem fare on the grid."""
+    parsed = default_rules.parse({"devices": {"derived": {"rules": rules}}})["derived"]
+
+    def by_rules(sample):
+        return default_rules.decide(sample.problem, device, parsed).variant.name
+
+    lines = [f"rules: geomean {geomean_slowdown(samples, by_rules):.3f}x the best over {len(samples)} problems"]
+    buckets = collections.defaultdict(list)
+    for sample in samples:
+        others = [o for o in samples if o is not sample and o.problem.op == sample.problem.op
+                  and o.problem.direction == sample.problem.direction and o.problem.layout == sample.problem.layout
+                  and o.problem.problem_class == sample.problem.problem_class]
+        if not others:
+            continue
+        distance, nearest = min(((dispatch.shape_distance(sample.problem, o.problem), o) for o in others),
+                                key=lambda pair: pair[0])
+        winner = min(nearest.times, key=nearest.times.get)
+        buckets[min(int(distance), 6)].append((sample.slowdown(winner), sample.slowdown(by_rules(sample))))
+    lines.append("nearest other grid problem vs rules, by distance (geomean slowdowns):")
+    for bucket in sorted(buckets):
+        pairs = buckets[bucket]
+        nearest_g = math.exp(sum(math.log(a) for a, _ in pairs) / len(pairs))
+        rules_g = math.exp(sum(math.log(b) for _, b in pairs) / len(pairs))
+        label = f"[{bucket}, {bucket + 1})" if bucket < 6 else ">= 6"
+        lines.append(f"  distance {label:8s} {len(pairs):4d} problems: nearest {nearest_g:.3f}x, rules {rules_g:.3f}x")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grid", default="pocl_cpu", help="grid data directory under benchmarks/dispatch_grid")
+    parser.add_argument("--device-type", default="cpu", choices=("cpu", "gpu"), help="whose rules to write")
+    parser.add_argument("--check", action="store_true", help="only compare with the shipped rules")
+    args = parser.parse_args(argv)
+    from pool_tuner import backends
+
+    records = cache.TuningCache(GRID_DIR / args.grid / "no_shipped_records", GRID_DIR / args.grid).records()
+    samples = [Sample(r) for r in records.values() if not cache.is_partial(r)]
+    rules = derive(samples, args.device_type)
+    document = json.loads(default_rules.RULES_FILE.read_text())
+    entry = {"derived_from": f"benchmarks/dispatch_grid/{args.grid}/{cache.USER_FILE}",
+             "device": sorted({r["device"]["name"] for r in records.values()}),
+             "problems": len(samples), "rules": rules}
+    if args.check:
+        same = document["devices"].get(args.device_type) == entry
+        print("the shipped rules are the data's" if same else "the shipped rules differ from the data's")
+        return 0 if same else 1
+    for line in fit_report(samples, rules, backends.default_device()):
+        print(line)
+    document["devices"][args.device_type] = entry
+    default_rules.RULES_FILE.write_text(json.dumps(document, indent=1) + "\n")
+    print(default_rules.markdown_table(default_rules.parse({"devices": {"new": entry}})["new"]))
+    print(f"wrote {len(rules)} rules to {default_rules.RULES_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The default-dispatch rules: which variant and configuration runs a problem that no record covers.
+
+The rules are data, in ``default_rules.json`` beside this module -- the one written source of them;
+``docs/design.md`` and the README print the table that ``markdown_table`` renders from it, and a
+test keeps those copies true.  Each device type (``cpu``, ``gpu``) has an ordered list of rules;
+the first rule whose conditions hold for the problem and whose variant is legal for it fires.  A
+rule's conditions are on the problem's ``features``: equality for words, ``{"min": a, "max": b}``
+(``a <= value < b``) for numbers.  Each direction's last rule has no condition but the direction
+and a variant that runs every problem (``Variant.runs_every_problem``), so every problem gets a rule.
+
+The CPU rules are derived from measurements: ``benchmarks/dispatch_grid.py`` tunes a broad grid of
+problems and ``benchmarks/derive_rules.py`` fits a small decision tree to the results (each leaf's
+variant is the one with the least geomean slowdown against each problem's best) and writes its
+leaves here, with how many grid problems each leaf held and that slowdown.  The GPU rules are
+written by hand until a GPU grid exists (the file says which).
+
+A rule's configuration is a partial one: its parameters over the variant's default for the problem
+(``Variant.default_for``).  Where that configuration is not legal for the problem the variant's own
+default runs, and ``explain`` says so (``rule_config``): nothing is replaced silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+from . import variants as variants_mod
+from .problem import Problem
+
+RULES_FILE = Path(__file__).with_name("default_rules.json")
+#: The features a rule may test, and what each is (the table's legend).
+FEATURES = {
+    "direction": "forward or backward",
+    "kind": "avg or max",
+    "layout": "channels_first or channels_last",
+    "problem_class": "global, uniform, non-uniform or upsampling (Problem.problem_class)",
+    "rank": "pooled axes: 1, 2 or 3",
+    "plane": "input elements per plane",
+    "output_plane": "output elements per plane",
+    "window": "elements of the largest window",
+    "planes": "number of planes (batch x channels)",
+    "output_row": "output extent of the last axis",
+}
+NUMERIC = ("rank", "plane", "output_plane", "window", "planes", "output_row")
+
+
+def features(problem: Problem) -> dict:
+    """The values of ``FEATURES`` for ``problem``."""
+    windows = (variants_mod.max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
+    return {
+        "direction": problem.direction,
+        "kind": problem.kind,
+        "layout": "channels_last" if problem.channels_last else "channels_first",
+        "problem_class": problem.problem_class,
+        "rank": problem.ndim,
+        "plane": math.prod(problem.in_spatial),
+        "output_plane": math.prod(problem.out_spatial),
+        "window": math.prod(windows),
+        "planes": problem.planes,
+        "output_row": problem.out_spatial[-1],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    when: tuple  # sorted (feature, condition) pairs: a word, or (min, max) with either end None
+    variant: str
+    config: tuple  # sorted (parameter, value) pairs over the variant's default
+    evidence: str  # where the rule comes from: the grid problems it held and their slowdown, or "by hand"
+
+    def holds(self, values: dict) -> bool:
+        for feature, condition in self.when:
+            value = values[feature]
+            if isinstance(condition, tuple):
+                low, high = condition
+                if (low is not None and value < low) or (high is not None and value >= high):
+                    return False
+            elif value != condition:
+                return False
+        return True
+
+    def describe_conditions(self) -> str:
+        parts = []
+        for feature, condition in self.when:
+            if isinstance(condition, tuple):
+                low, high = condition
+                parts.append(" and ".join(filter(None, (low is not None and f"{feature} >= {low}",
+                                                        high is not None and f"{feature} < {high}"))))
+            else:
+                parts.append(f"{feature} = {condition}")
+        return ", ".join(parts) or "always"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the rules decided for a problem: the rule that fired, the variant, the complete
+    configuration, and why the rule's own configuration was not used (None when it was)."""
+
+    rule: Rule
+    variant: variants_mod.Variant
+    params: dict
+    config_note: str | None
+
+
+def _parse_condition(feature: str, condition, where: str):
+    if feature not in FEATURES:
+        raise ValueError(f"{where}: unknown feature {feature!r}; allowed: {sorted(FEATURES)}")
+    if feature in NUMERIC:
+        if not isinstance(condition, dict) or not set(condition) <= {"min", "max"} or not condition:
+            raise ValueError(f"{where}: {feature} needs {{\"min\": a, \"max\": b}} (either end), got {condition!r}")
+        return (condition.get("min"), condition.get("max"))
+    if not isinstance(condition, str):
+        raise ValueError(f"{where}: {feature} needs a word, got {condition!r}")
+    return condition
+
+
+def _parse_rule(entry: dict, where: str) -> Rule:
+    when = tuple(sorted((feature, _parse_condition(feature, condition, where))
+                        for feature, condition in entry.get("when", {}).items()))
+    directions = {c for f, c in when if f == "direction"}
+    for direction in directions or {"forward", "backward"}:
+        variants_mod.get_variant("adaptive_avg_pool2d", entry["variant"], direction, argument=f"{where} variant")
+    return Rule(entry["name"], when, entry["variant"], tuple(sorted(entry.get("config", {}).items())),
+                entry.get("evidence", "by hand"))
+
+
+def parse(data: dict, where: str = RULES_FILE.name) -> dict:
+    """``{device type: ordered rules}`` of a rules document (the content of ``RULES_FILE``);
+    ValueError for an unknown feature, variant or condition, or a list without a last rule for
+    each direction."""
+    parsed = {}
+    for device_type_name, entry in data["devices"].items():
+        table = tuple(_parse_rule(rule, f"{where} {device_type_name} rule {i}")
+                      for i, rule in enumerate(entry["rules"]))
+        for direction in ("forward", "backward"):
+            last = [rule for rule in table if dict(rule.when).get("direction", direction) == direction][-1:]
+            if not last or last[0].when != (("direction", direction),) or not variants_mod.get_variant(
+                    "adaptive_avg_pool2d", last[0].variant, direction).runs_every_problem:
+                raise ValueError(f"{where}: the {device_type_name} rules need a last rule for every {direction} pass, "
+                                 f"on the direction alone, whose variant runs every problem (e.g. "
+                                 f"{[v.name for v in variants_mod.variants_for('adaptive_avg_pool2d', direction).values() if v.runs_every_problem]})")
+        parsed[device_type_name] = table
+    return parsed
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped() -> dict:
+    return parse(json.loads(RULES_FILE.read_text()))
+
+
+def rules(device_type_name: str) -> tuple:
+    """The ordered rules of ``device_type_name`` (``cpu`` or ``gpu``), read once from ``RULES_FILE``."""
+    return _shipped()[device_type_name]
+
+
+def source_of(device_type: str) -> dict:
+    """What ``device_type``'s rules were derived from (``derived_from``, ``device``, ``problems``)."""
+    entry = json.loads(RULES_FILE.read_text())["devices"][device_type]
+    return {k: v for k, v in entry.items() if k != "rules"}
+
+
+def device_type(device) -> str:
+    return "cpu" if device.is_cpu else "gpu"
+
+
+def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision:
+    """The first rule of ``rule_list`` (default: the shipped rules of ``device``'s type) that holds
+    for ``problem`` and whose variant is legal for it on ``device``."""
+    values = features(problem)
+    table = variants_mod.variants_for(problem.op, problem.direction)
+    for rule in rules(device_type(device)) if rule_list is None else rule_list:
+        if not rule.holds(values):
+            continue
+        variant = table[rule.variant]
+        if not variant.is_legal({}, problem, device.limits):
+            continue
+        config = dict(rule.config)
+        try:
+            return Decision(rule, variant, variant.check_config(config, problem, device.limits), None)
+        except ValueError as refused:
+            params = variant.check_config({}, problem, device.limits)
+            return Decision(rule, variant, params, f"the rule's configuration {config} is not legal here ({refused}); "
+                                                   f"the variant's default runs")
+    raise AssertionError(f"no default rule holds for {problem}, though parse() checks each direction's last rule")
+
+
+def markdown_table(rule_list: tuple) -> str:
+    """Rules (``rules(device type)``) as a Markdown table: what the docs and the README print."""
+    lines = ["| # | when | variant | config | evidence |", "|---|---|---|---|---|"]
+    for i, rule in enumerate(rule_list, 1):
+        config = ", ".join(f"{k}={v}" for k, v in rule.config) or "default"
+        lines.append(f"| {i} | {rule.describe_conditions()} | `{rule.variant}` | {config} | {rule.evidence} |")
+    return "\n".join(lines)
