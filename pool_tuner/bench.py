@@ -91,6 +91,11 @@ class Row:
     source: str
     variant: str
     params: dict
+    #: With ``tune_untuned``, for the untuned shapes: the problem tuned in this run (not stored),
+    #: its winner timed as a fourth candidate beside the others; None otherwise.
+    tuned_here_ms: float | None = None
+    tuned_here_variant: str | None = None
+    tuned_here_params: dict | None = None
 
     def derived(self, streams: dict) -> dict:
         """Speeds and floors from the device's memory streams (``memory_bandwidth``).  The floor is
@@ -111,6 +116,7 @@ class Row:
             "times_stream_floor": self.tuned_ms / stream_floor_ms,
             "speedup_vs_torch": self.torch_ms / self.tuned_ms,
             "tuned_vs_default": self.default_ms / self.tuned_ms,
+            "dispatched_vs_tuned_here": None if self.tuned_here_ms is None else self.tuned_here_ms / self.tuned_ms,
         }
 
 
@@ -253,9 +259,11 @@ def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device:
     return Candidate(run, lambda: None)
 
 
-def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -> Row:
+def measure(name, op, shape, output_size, direction, device, repeat: int, rng, tune_here: bool = False) -> Row:
     """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case, each
-    timed in loops of calls back to back (``time_loop``)."""
+    timed in loops of calls back to back (``time_loop``).  With ``tune_here`` the problem is first
+    tuned as ``pool-tuner tune`` tunes it, without storing the result (so the dispatched candidate
+    is still what dispatch does without it), and the tuning's winner is a fourth candidate."""
     import pool_tuner as pt
 
     problem = Problem.create(op, shape, output_size, direction=direction)
@@ -283,6 +291,13 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
                   wait),
         _torch_candidate(op, direction, x, out_size, grad, indices, device.torch_device),
     ]
+    tuned_here = None
+    if tune_here:
+        from . import tuner
+
+        tuned_here = tuner.tune(op, shape, output_size, direction=direction, device=device, store=False)
+        candidates.append(Candidate(functools.partial(fn, *args, device=device, variant=tuned_here.best_variant,
+                                                      config=tuned_here.best_params), wait))
     for candidate in candidates:  # warm-up: builds, first-touch, allocator pools
         time_loop(candidate, 2)
     calls = [calls_per_loop(candidate) for candidate in candidates]
@@ -291,9 +306,10 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng) -
         for i in rng.permutation(len(candidates)):  # a fresh order every round
             times[i].append(time_loop(candidates[i], calls[i]))
     medians = [float(np.median(t)) for t in times]
+    here = () if tuned_here is None else (medians[3], tuned_here.best_variant, tuned_here.best_params)
     return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
-               *problem.bytes_read_written(), *medians, *calls,
-               info["source"], info["variant"], info["params"])
+               *problem.bytes_read_written(), *medians[:3], *calls[:3],
+               info["source"], info["variant"], info["params"], *here)
 
 
 def _summary(rows: list) -> dict:
@@ -305,6 +321,9 @@ def _summary(rows: list) -> dict:
         "geomean_times_stream_floor": geomean(r["times_stream_floor"] for r in rows),
         "geomean_tuned_vs_default": geomean(r["tuned_vs_default"] for r in rows),
         "min_fraction_of_copy_at_64MB": min((r["fraction_of_copy"] for r in big), default=None),
+        "geomean_dispatched_vs_tuned_here": geomean(r["dispatched_vs_tuned_here"] for r in rows
+                                                    if r["dispatched_vs_tuned_here"] is not None) if any(
+            r["dispatched_vs_tuned_here"] is not None for r in rows) else None,
     }
 
 
@@ -320,8 +339,9 @@ def geomean(values) -> float:
 
 
 def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
-        progress=None) -> dict:
-    """Run the suite; returns the JSON-ready report."""
+        progress=None, tune_untuned: bool = False) -> dict:
+    """Run the suite; returns the JSON-ready report.  ``tune_untuned``: tune each of the untuned
+    shapes in the run and time its winner beside dispatch's choice (``measure``'s ``tune_here``)."""
     torch = require_torch()
     dev = backends.resolve_device(device)
     if torch_threads:
@@ -334,7 +354,8 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     rows = []
     for name, op, shape, out in suite(names):
         for direction in directions:
-            rows.append(measure(name, op, shape, out, direction, dev, repeat, rng))
+            rows.append(measure(name, op, shape, out, direction, dev, repeat, rng,
+                                tune_here=tune_untuned and name == presets.UNTUNED_NAME))
             if progress:
                 progress(rows[-1])
     streams_after = memory_bandwidth(dev)
@@ -389,7 +410,7 @@ vs PyTorch: PyTorch ms / pool_tuner ms (above 1x: pool_tuner is faster)
 GB/s: bytes read + written per second; % of copy: that against the device's fastest copy
 x floor: time / the copy floor (the bytes moved at copy speed); x stream floor: time / the stream
   floor (also the reads alone at read speed and the writes alone at write speed); 1.00 is at the floor
-tuned vs default: the heuristic default's time / the dispatched kernel's (above 1x: tuning helped)
+tuned vs default: the default rules' choice's time / the dispatched kernel's (above 1x: tuning helped)
 kernel: the dispatched variant, and where dispatch took it from (cache, nearest tuned shape, default)"""
 
 
@@ -413,7 +434,9 @@ def format_table(report: dict) -> str:
                      f"{s['geomean_times_floor']:.2f}x the copy floor, {s['geomean_times_stream_floor']:.2f}x the stream floor, "
                      f"tuned {s['geomean_tuned_vs_default']:.2f}x vs default"
                      + ("" if s["min_fraction_of_copy_at_64MB"] is None
-                        else f", min {100 * s['min_fraction_of_copy_at_64MB']:.0f}% of copy bandwidth at >=64 MB"))
+                        else f", min {100 * s['min_fraction_of_copy_at_64MB']:.0f}% of copy bandwidth at >=64 MB")
+                     + ("" if s.get("geomean_dispatched_vs_tuned_here") is None
+                        else f"; dispatched {s['geomean_dispatched_vs_tuned_here']:.2f}x of tuning each in this run"))
     return "\n".join(lines + ["", LEGEND])
 
 

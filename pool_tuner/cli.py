@@ -306,7 +306,8 @@ def cmd_bench(args) -> int:
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
-                           f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr))
+                           f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
+                       tune_untuned=args.tune_untuned)
     print(bench.format_table(report))
     json_path, png_path = bench.save(report, out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
@@ -377,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
     p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
     p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")
+    p.add_argument("--tune-untuned", action="store_true",
+                   help="also tune each untuned shape in the run (not stored) and time its winner beside dispatch's "
+                        "choice: how close the default rules and nearest records come to tuning")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")

@@ -283,7 +283,7 @@ def test_untuned_shapes_get_their_own_geomeans(monkeypatch):
     streams = report["memory_gbs"]
     monkeypatch.setattr(bench, "memory_bandwidth", lambda device: streams)
 
-    def measure(name, op, shape, output_size, direction, device, repeat, rng):
+    def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False):
         speed = 2.0 if name == presets.UNTUNED_NAME else 8.0
         return bench.Row(name, op, direction, list(shape), list(shape), 1000, 500, 500, 1.0, 1.0, speed, 3, 3, 3,
                          "default", "thread_per_output", {})
@@ -302,7 +302,7 @@ def test_global_pooling_gets_its_own_geomeans(monkeypatch):
     streams = report["memory_gbs"]
     monkeypatch.setattr(bench, "memory_bandwidth", lambda device: streams)
 
-    def measure(name, op, shape, output_size, direction, device, repeat, rng):
+    def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False):
         out = list(shape[:2]) + [1 if s == 1 else s for s in output_size]
         speed = 4.0 if set(output_size) == {1} else 1.0
         return bench.Row(name, op, direction, list(shape), out, 1000, 500, 500, 1.0, 1.0, speed, 3, 3, 3,
@@ -313,3 +313,32 @@ def test_global_pooling_gets_its_own_geomeans(monkeypatch):
     assert report["summary"]["forward, global pooling"]["geomean_speedup_vs_torch"] == pytest.approx(4.0)
     assert report["summary"]["forward"]["geomean_speedup_vs_torch"] == pytest.approx(2.0)
     assert "forward, global pooling: geomean 4.00x vs PyTorch" in bench.format_table(report)
+
+
+def test_tune_here_times_the_winner_of_a_tuning_in_the_run_beside_dispatch(monkeypatch, user_cache):
+    """``bench --tune-untuned``'s fourth candidate: the shape tuned in the run (a small budget here),
+    not stored, its winner timed and compared with the dispatched kernel."""
+    import functools
+
+    import numpy as np
+
+    from pool_tuner import cache, tuner
+    from pool_tuner.problem import Problem
+
+    pytest.importorskip("torch")
+    monkeypatch.setattr(tuner, "tune", functools.partial(tuner.tune, strategy="random_sample", max_fevals=2,
+                                                         variants=["thread_per_output", "thread_per_row"]))
+    device = backends.default_device()
+    row = bench.measure("untuned", "adaptive_avg_pool2d", (2, 8, 10, 9), (4, 7), "forward", device, 2,
+                        np.random.default_rng(), tune_here=True)
+    assert row.tuned_here_variant in ("thread_per_output", "thread_per_row") and row.tuned_here_ms > 0
+    derived = row.derived({name: 10.0 for name in bench.STREAMS})
+    assert derived["dispatched_vs_tuned_here"] == pytest.approx(row.tuned_here_ms / row.tuned_ms)
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 10, 9), (4, 7))
+    assert dispatch_tables_hold_no_record(problem, device, cache)
+
+
+def dispatch_tables_hold_no_record(problem, device, cache) -> bool:
+    from pool_tuner import dispatch
+
+    return dispatch.tuning_cache().lookup(cache.cache_key(problem, device)) is None
