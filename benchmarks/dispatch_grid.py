@@ -7,8 +7,9 @@ one axis pooled, upsampling), the plane size and the number of planes, in 2d, wi
 in 1d and 3d.  Every problem is tuned as ``pool-tuner tune`` tunes it (every variant searched
 within a small budget, the winners raced against each other and the default), and its record --
 winner, runners-up, default, each variant's raced time -- goes to the grid's own cache file, not to
-the user's cache.  Problems already in that file are skipped, so a run can be stopped (Ctrl-C
-keeps the problem in progress as a partial record, which a later run re-tunes) and resumed.
+the user's cache.  Problems already in that file are skipped (whatever kernel code they were
+tuned on), so a run can be stopped (Ctrl-C keeps the problem in progress as a partial record,
+which a later run re-tunes) and resumed.
 
     python benchmarks/dispatch_grid.py                         # tune the grid on the default device
     python benchmarks/dispatch_grid.py --limit 20 --list       # see what it would tune
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import sys
 import time
@@ -109,12 +111,13 @@ def main(argv=None) -> int:
         parser.error(f"--limit must be a positive number of problems, got {args.limit}")
     device = backends.resolve_device(args.device)
     table = grid_cache(device)
-    todo = []
-    for op, shape, out, layout, direction in grid():
-        problem = Problem.create(op, shape, out, layout=layout, direction=direction)
-        record = table.lookup(cache.cache_key(problem, device))
-        if record is None or cache.is_partial(record):
-            todo.append((op, shape, out, layout, direction))
+    # Done: a full record of the problem on this device, of whatever kernel code (the grid is the
+    # evidence of its day; rebuild it whole with a fresh directory after kernel changes).
+    done = {(cache.problem_of(r), json.dumps(r["device"], sort_keys=True)) for r in table.records().values()
+            if not cache.is_partial(r)}
+    this_device = json.dumps(device.fingerprint, sort_keys=True)
+    todo = [(op, shape, out, layout, direction) for op, shape, out, layout, direction in grid()
+            if (Problem.create(op, shape, out, layout=layout, direction=direction), this_device) not in done]
     random.Random(0).shuffle(todo)  # so that a run stopped early has sampled every part of the grid
     todo = todo[: args.limit]
     print(f"{len(grid())} grid problems, {len(todo)} to tune on {device.describe()}; data: {table.path()}")

@@ -463,14 +463,27 @@ class GlobalPlanes(_Global):
 
 class GlobalChannels(_Global):
     name = "global_channels"
-    summary = ("global pooling, channels-last: a work-item per (batch entry, channel), neighbours on neighbouring "
-               "channels, accumulators independent partials over the positions, the work-group stepping together")
+    summary = ("global pooling, channels-last: a work-item per channels_per_item neighbouring channels of one "
+               "batch entry, loaded as one contiguous run at each position, accumulators partials per channel")
     channels_last = True
-    search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8]}
-    default = {"block_size_x": 64, "accumulators": 8}
+    search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8],
+                    "channels_per_item": [1, 4, 8, 16]}
+    default = {"block_size_x": 16, "accumulators": 1, "channels_per_item": 8}
+
+    def illegal_reason(self, params, problem, limits):
+        reason = super().illegal_reason(params, problem, limits)
+        if reason is None and problem.channels % params["channels_per_item"]:
+            return "channels_per_item must divide the number of channels"
+        return reason
+
+    def default_for(self, problem):
+        """The widest channel run of at most the default's that divides the channels."""
+        widest = max(n for n in self.search_space["channels_per_item"]
+                     if n <= self.default["channels_per_item"] and problem.channels % n == 0)
+        return {**self.default, "channels_per_item": widest}
 
     def groups(self, params, problem):
-        return _ceil_div(problem.planes, params["block_size_x"])
+        return _ceil_div(problem.planes // params["channels_per_item"], params["block_size_x"])
 
 
 class GlobalBroadcast(_Global):

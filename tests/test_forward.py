@@ -121,7 +121,7 @@ def check_max_against_oracles(x, values, indices, output_size, ndim):
 def sample_configs(variant, problem, device, count=3):
     """The default, the smallest and largest legal points of the space, and a seeded random few."""
     legal = variant.legal_configurations(problem, device.limits)
-    picks = [variant.default, legal[0], legal[-1]] + random.Random(f"{variant.name} {problem.input_shape}").sample(legal, min(count, len(legal)))
+    picks = [variant.default_for(problem), legal[0], legal[-1]] + random.Random(f"{variant.name} {problem.input_shape}").sample(legal, min(count, len(legal)))
     unique = []
     for config in picks:
         if config not in unique:
