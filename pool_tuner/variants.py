@@ -277,7 +277,8 @@ class _Tiled(Variant):
 class ThreadPerOutput(Variant):
     name = "thread_per_output"
     runs_every_problem = True
-    summary = "each work-item reduces outputs_per_thread whole windows; neighbours write neighbours"
+    summary = ("each work-item reduces `outputs_per_thread` whole windows, neighbouring work-items writing "
+               "neighbouring outputs; `row_lanes` keeps independent partials along each window run")
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "outputs_per_thread": [1, 2, 4, 8],
@@ -306,8 +307,8 @@ class ThreadPerOutput(Variant):
 
 class ThreadPerRow(Variant):
     name = "thread_per_row"
-    summary = ("separable, channels-first: each work-item reduces its output row's window rows column by column "
-               "(whole input rows, vectorised), then each output its window's columns")
+    summary = ("channels-first, separable: each work-item sums its output row's input rows column by column into "
+               "a private row of partials, then reduces each output's window of columns")
     #: unrolled_columns = 1 sums each window's column partials in straight-line code over the widest
     #: window (average pooling only): faster on long 1-d rows, slower on some 2-d layers, so tuned.
     search_space = {"block_size_x": [1, 4, 16, 64, 256], "unrolled_columns": [0, 1]}
@@ -346,7 +347,8 @@ class ThreadPerRow(Variant):
 
 class BlockPerRow(Variant):
     name = "block_per_row"
-    summary = "a work-group per output row; threads_per_output lanes split each window and tree-reduce"
+    summary = ("a work-group per output row; `threads_per_output` work-items split each window and tree-reduce it "
+               "in local memory")
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "threads_per_output": [1, 2, 4, 8, 16, 32, 64],
@@ -391,8 +393,8 @@ class _Global(Variant):
 
 class PlaneReduce(_Global):
     name = "plane_reduce"
-    summary = ("global pooling: a work-group per plane, work-item j takes every block_size_x-th element "
-               "from j (contiguous loads across work-items), then one merges the partials (channels-first)")
+    summary = ("global pooling, channels-first: a work-group per plane, work-item j takes every `block_size_x`-th "
+               "element from j, then one work-item merges the partials in order")
     search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
     default = {"block_size_x": 64}
 
@@ -420,8 +422,8 @@ class PlaneReduce(_Global):
 
 class GlobalPlanes(_Global):
     name = "global_planes"
-    summary = ("global pooling, channels-first: split work-items per plane each reduce a contiguous part of it "
-               "in run_lanes independent lanes (contiguous loads); neighbouring work-items take neighbouring planes")
+    summary = ("global pooling, channels-first: `split` work-items per plane each reduce a contiguous part of it "
+               "in `run_lanes` independent lanes, neighbouring work-items on neighbouring planes")
     channels_last = False
     search_space = {
         "block_size_x": [16, 64, 256, 1024],
@@ -463,8 +465,8 @@ class GlobalPlanes(_Global):
 
 class GlobalChannels(_Global):
     name = "global_channels"
-    summary = ("global pooling, channels-last: a work-item per channels_per_item neighbouring channels of one "
-               "batch entry, loaded as one contiguous run at each position, accumulators partials per channel")
+    summary = ("global pooling, channels-last: a work-item takes `channels_per_item` neighbouring channels of one "
+               "batch entry, loaded as one contiguous run at each position, with `accumulators` partials per channel")
     channels_last = True
     search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8],
                     "channels_per_item": [1, 4, 8, 16]}
@@ -489,8 +491,8 @@ class GlobalChannels(_Global):
 class GlobalBroadcast(_Global):
     name = "global_broadcast"
     direction = "backward"
-    summary = ("global pooling, either layout: every input gradient is its plane's term (avg: the share, max: the "
-               "gradient at the index) -- a write stream, split work-items per plane, neighbours on neighbouring planes")
+    summary = ("global pooling, either layout: every input gradient is its plane's term (avg: the share; max: the "
+               "gradient at the index, 0 elsewhere), written once as a stream by `split` work-items per plane")
     search_space = {"block_size_x": [16, 64, 256, 1024], "split": [1, 2, 4, 8, 16]}
     default = {"block_size_x": 64, "split": 1}
 
@@ -500,7 +502,8 @@ class GlobalBroadcast(_Global):
 
 class SmemTiled(_Tiled):
     name = "smem_tiled"
-    summary = "a work-group stages the input under a tile of outputs in local memory, then reduces the tile"
+    summary = ("a work-group stages the input under a tile of outputs in local memory (overlapping windows read "
+               "once), then reduces the tile")
 
     def tiled_axes(self, problem):
         return problem.out_spatial, problem.in_spatial
@@ -508,7 +511,8 @@ class SmemTiled(_Tiled):
 
 class ChannelsVector(Variant):
     name = "channels_vector"
-    summary = "channels-last only: a work-item reduces vector_width neighbouring channels of one output position"
+    summary = ("channels-last only: a work-item reduces `vector_width` neighbouring channels of one output "
+               "position")
     search_space = {
         "block_size_x": [32, 64, 128, 256],
         "vector_width": [1, 2, 4, 8, 16],
@@ -529,7 +533,8 @@ class ThreadPerInput(Variant):
     name = "thread_per_input"
     direction = "backward"
     runs_every_problem = True
-    summary = "gather: each work-item sums the gradients of the outputs whose windows hold its inputs"
+    summary = ("gather: each work-item sums the gradients of the outputs whose windows hold its "
+               "`inputs_per_thread` inputs")
     search_space = {
         "block_size_x": [32, 64, 128, 256, 512, 1024],
         "inputs_per_thread": [1, 2, 4, 8],
@@ -547,7 +552,8 @@ class ThreadPerInput(Variant):
 class SmemTiledBackward(_Tiled):
     name = "smem_tiled"
     direction = "backward"
-    summary = "gather: a work-group stages the output gradients over a tile of inputs, then sums from local memory"
+    summary = ("gather: a work-group stages the output gradients over a tile of inputs in local memory, then sums "
+               "from there")
 
     def tiled_axes(self, problem):
         return problem.in_spatial, problem.out_spatial
@@ -556,8 +562,8 @@ class SmemTiledBackward(_Tiled):
 class ThreadPerRowBackward(Variant):
     name = "thread_per_row"
     direction = "backward"
-    summary = ("average pooling, channels-first: each work-item writes one input row once, a run of equal "
-               "values per output column (no input in more than two windows along W)")
+    summary = ("average pooling, channels-first, no input in more than two windows along W: each work-item writes "
+               "one input row once, left to right, adding each input's terms in the gathers' order")
     search_space = {"block_size_x": [1, 4, 16, 64, 256]}
     default = {"block_size_x": 16}
 
@@ -583,7 +589,8 @@ class ThreadPerRowBackward(Variant):
 class PlaneScatter(Variant):
     name = "plane_scatter"
     direction = "backward"
-    summary = "a work-item per plane adds each output's gradient over its window, outputs in order (float32/float64)"
+    summary = ("float32/float64: a work-item per plane adds each output's gradient over its window, outputs in "
+               "order, so every input gets its terms in the gathers' order without atomics")
     search_space = {"block_size_x": [1, 4, 16, 64]}
     default = {"block_size_x": 16}
 
@@ -617,3 +624,23 @@ def get_variant(op: str, name, direction: str = "forward", argument: str = "vari
     if not isinstance(name, str) or name not in table:
         raise ValueError(f"{argument} must be one of {sorted(table)} for {op} {direction}, got {name!r}")
     return table[name]
+
+
+def _values(values: list) -> str:
+    return "/".join(str(v) for v in values)
+
+
+def markdown_table() -> str:
+    """The variants as a Markdown table -- direction, variant, idea (``summary``), tuning parameters
+    with their candidate values and default -- rendered from the registry: the one source of the
+    table that the README prints (``tests/test_readme.py`` keeps that copy true).  A variant whose
+    default adapts to the problem (``default_for``) says so; docs/design.md says how."""
+    lines = ["| direction | variant | idea | tuning parameters: values (default) |", "|---|---|---|---|"]
+    for direction, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
+        for variant in table:
+            parameters = "; ".join(f"`{name}` {_values(values)} ({variant.default[name]})"
+                                   for name, values in variant.search_space.items())
+            if type(variant).default_for is not Variant.default_for:
+                parameters += "; the default adapts to the problem"
+            lines.append(f"| {direction} | `{variant.name}` | {variant.summary} | {parameters} |")
+    return "\n".join(lines)
