@@ -20,7 +20,7 @@ of calls back to back, interleaved, medians: ``pool_tuner.bench``'s timing):
 
 Each is printed in microseconds per call (median and quartiles over the rounds) and as a multiple
 of the floor measured in the same rounds.  pool_tuner lists the OpenCL devices first, so the floor
-runs with the PoCL settings pool_tuner chose (its worker pinning, README "Devices").
+runs with the PoCL settings pool_tuner chose (its worker pinning, docs/design.md "PoCL worker pinning").
 
     python benchmarks/call_overhead.py [--shapes 1x8x4x4:1,1x64x7x7:1,1x8x9x9:4x4] [--rounds 30] [--out FILE]
 """

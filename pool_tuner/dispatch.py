@@ -7,7 +7,7 @@ Decision order (each step is reported by ``explain`` as ``source``):
    shapes) and kernel code;
 3. ``nearest`` -- a record of another shape of the same problem class (``Problem.problem_class``),
    op, direction, dtype, layout and rank, and the same kernel code;
-4. ``default`` -- the documented heuristic below.
+4. ``default`` -- the default-dispatch rules (``default_rules``, below).
 
 Records travel between devices: a record counts for this device when its device is the same
 (tier ``exact``), the same model under another driver or compiler target (``model``) or the same

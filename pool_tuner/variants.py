@@ -633,8 +633,8 @@ def _values(values: list) -> str:
 def markdown_table() -> str:
     """The variants as a Markdown table -- direction, variant, idea (``summary``), tuning parameters
     with their candidate values and default -- rendered from the registry: the one source of the
-    table that the README prints (``tests/test_readme.py`` keeps that copy true).  A variant whose
-    default adapts to the problem (``default_for``) says so; docs/design.md says how."""
+    table that docs/design.md prints ("The variant table"; ``tests/test_readme.py`` keeps that copy
+    true).  A variant whose default adapts to the problem (``default_for``) says so; design.md says how."""
     lines = ["| direction | variant | idea | tuning parameters: values (default) |", "|---|---|---|---|"]
     for direction, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
         for variant in table:

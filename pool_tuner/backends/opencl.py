@@ -115,7 +115,8 @@ def request_pocl_affinity(environ=os.environ) -> str:
     Why: unpinned, PoCL's workers sleep between kernels and wake wherever the scheduler puts them.
     On the 2-core machine the benchmarks ran on, a small kernel then took twice as long after a
     blocking wait (upsample_area: 220 us by its own OpenCL event, 120 us pinned), and whole calls
-    on small layers ran 1.3-1.9x faster pinned (README, "Devices").
+    on small layers ran 1.3-1.9x faster pinned (docs/design.md, "PoCL worker pinning"; figures in
+    docs/benchmarks.md, "Measurements behind design choices").
 
     PoCL reads the variable once, when the process first lists OpenCL devices, so list_devices
     calls this just before; a program that listed them before keeps what it had.  The variable
