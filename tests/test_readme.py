@@ -1,4 +1,5 @@
-"""The README's Python examples run as pasted, and print what their comments say."""
+"""The README's Python examples run as pasted and print what their comments say; the tables the docs
+print from code (the variant table, the rule features) are the code's; every link between the docs resolves."""
 
 import contextlib
 import io
