@@ -13,7 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import backends, cache, dispatch, kernel_source, presets
+from . import backends, cache, dispatch, fleet, kernel_source, presets
 from .ops import explain
 from .tuner import DEFAULT_TIME_LIMIT, check_search_options, tune
 from .problem import OPS, Problem
@@ -25,6 +25,8 @@ EXIT_INTERRUPTED = 130
 OP_NAMES = sorted(OPS)
 #: The library's names of the arguments that options set, as messages from below the CLI begin with them.
 LIBRARY_NAMES = {"input_shape": "--input", "output_size": "--output", "dtype": "--dtype", "layout": "--layout"}
+#: The same for ``fleet.tune_many``'s arguments (``tune --ray``).
+FLEET_NAMES = {"device_filter": "--device-filter", "max_retries": "--max-retries", "ray_address": "--ray"}
 
 
 def _problem(op, shape, out, dtype, layout, direction) -> Problem:
@@ -119,6 +121,9 @@ def _shapes_entry(entry, i: int, op: str) -> tuple:
 
 
 def cmd_devices(args) -> int:
+    if args.ray_resources:  # for `ray start --resources "$(pool-tuner devices --ray-resources)"`
+        print(json.dumps(fleet.node_resources()))
+        return 0
     default = backends.default_device()
     devices = backends.all_devices()
     width = max(len(d.id) for d in devices)
@@ -140,10 +145,17 @@ def _format_ms(value) -> str:
 def cmd_tune(args) -> int:
     from tqdm import tqdm
 
+    if args.ray is not None:
+        if args.device is not None:
+            raise ValueError("--device names a device of this machine; with --ray the cluster's devices tune "
+                             "(choose among them with --device-filter)")
+        fleet.require_ray("--ray")
+    elif args.device_filter is not None or args.max_retries is not None:
+        raise ValueError("--device-filter and --max-retries need --ray (fleet tuning on a Ray cluster)")
     check_search_options(args.strategy, args.max_fevals, args.time_limit,
                          names=("--strategy", "--max-fevals", "--time-limit"))
     shapes = _shapes_from_args(args)
-    device = backends.resolve_device(args.device, "--device")
+    device = None if args.ray is not None else backends.resolve_device(args.device, "--device")
     directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
     jobs = [(op, shape, out, d) for op, shape, out in shapes for d in directions]
     variant_names = args.variants.split(",") if args.variants else None
@@ -160,6 +172,9 @@ def cmd_tune(args) -> int:
             problems.add(problem)
             unique_jobs.append((op, shape, out, direction))
     jobs = unique_jobs
+    if args.ray is not None:
+        return _tune_on_ray(args, [_problem(op, shape, out, args.dtype, args.layout, direction)
+                                   for op, shape, out, direction in jobs], variant_names)
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
     failed = finished = cut_short = 0
     try:
@@ -183,6 +198,25 @@ def cmd_tune(args) -> int:
     if cut_short:
         print(f"{cut_short} variant searches were cut short by the time limit before their budget of configurations "
               f"(--time-limit, default {DEFAULT_TIME_LIMIT:g} s per variant)")
+    return 0
+
+
+def _tune_on_ray(args, problems: list, variant_names) -> int:
+    """``tune --ray``: the problems on the devices of a Ray cluster (``fleet.tune_many``); the run's
+    summary on stdout, and exit status 2 where a tuning failed."""
+    max_retries = fleet.DEFAULT_MAX_RETRIES if args.max_retries is None else args.max_retries
+    try:
+        report = fleet.tune_many(problems, ray_address=None if args.ray == "local" else args.ray,
+                                 device_filter=args.device_filter, variants=variant_names, strategy=args.strategy,
+                                 max_fevals=args.max_fevals, time_limit=args.time_limit, max_retries=max_retries,
+                                 progress=not args.quiet)
+    except (TypeError, ValueError) as exc:  # in the terms of the command line
+        pattern = r"^(" + "|".join(map(re.escape, FLEET_NAMES)) + r")\b"
+        raise type(exc)(re.sub(pattern, lambda m: FLEET_NAMES[m.group(1)], str(exc))) from None
+    print(report.summary())
+    failed = sum(not o.tuned for o in report.outcomes)
+    if failed:
+        raise RuntimeError(f"{failed} of {len(report.outcomes)} fleet tunings failed (see the summary above)")
     return 0
 
 
@@ -334,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("devices", help="list the devices pool_tuner can use")
+    p.add_argument("--ray-resources", action="store_true",
+                   help="print this machine's devices as Ray custom resources, for a node of a fleet: "
+                        "ray start ... --resources \"$(pool-tuner devices --ray-resources)\"")
     p.set_defaults(run=cmd_devices)
 
     p = sub.add_parser("tune", help="tune shapes on a device and store the winners in the cache")
@@ -352,6 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", help="Kernel Tuner strategy (default brute_force for small spaces, else random_sample)")
     p.add_argument("--max-fevals", type=int, help="configurations per variant for sampling strategies")
     p.add_argument("--time-limit", type=float, help="seconds per variant for sampling strategies")
+    p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="tune on the devices of a Ray cluster: ADDRESS is 'auto' (the cluster started on this "
+                        "machine) or host:port; without ADDRESS a local cluster of this machine's devices "
+                        '(needs pip install "pool-tuner[ray]")')
+    p.add_argument("--device-filter", metavar="TERMS",
+                   help="with --ray: the device models to tune on, comma-separated fingerprint hashes, device "
+                        "types (cpu, gpu) or parts of device names (default every model in the cluster)")
+    p.add_argument("--max-retries", type=int, metavar="N",
+                   help=f"with --ray: how often a task whose node died is run again on another node with the same "
+                        f"device model (default {fleet.DEFAULT_MAX_RETRIES})")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_tune)
 

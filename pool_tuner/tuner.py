@@ -125,6 +125,9 @@ class TuneResult:
     partial: dict | None = None
     #: Why the record was not stored (``stored`` False), or None.
     not_stored: str | None = None
+    #: The cache record of this tuning, as ``store`` writes it (also when it was not stored): what a
+    #: fleet worker sends back to the driver, which stores it in its own cache (``fleet``).
+    record: dict | None = None
 
     @property
     def speedup_over_default(self) -> float | None:
@@ -510,7 +513,7 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
                       else "the cache holds a tuning of this problem that verified more (variants, configurations)")
     return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
                       default.variant.name, default.config, default_entry["time_ms"], time.perf_counter() - started,
-                      key, stored, partial, not_stored)
+                      key, stored, partial, not_stored, record)
 
 
 def _title(problem: Problem) -> str:

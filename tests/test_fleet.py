@@ -1,0 +1,334 @@
+"""Fleet tuning on a real local Ray cluster (docs/design.md, Fleet tuning): no mocks.
+
+The cluster: a head node and a second node, each a ``ray start --block`` process group of its own
+on 127.0.0.1, with different PoCL thread counts (``POCL_MAX_PTHREAD_COUNT``), which makes them two
+device models: PoCL reports the thread count as the device's compute units, part of its
+fingerprint.  The fault test adds a third node of the head's model and kills its process group
+(SIGKILL, like a machine that dies) while it tunes.  Budgets are tiny: one variant searched whole
+on problems of a few hundred elements.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pool_tuner import cache as cache_mod
+from pool_tuner import cli, fleet
+from pool_tuner.problem import Problem
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).with_name("ray")
+#: Every tuning here: one small variant, searched whole.
+BUDGET = dict(variants=["thread_per_row"], strategy="brute_force")
+PROBLEMS = [Problem.create("adaptive_avg_pool2d", (2, 3, 5, 7 + i), (3, 4), direction=direction)
+            for i in range(3) for direction in ("forward", "backward")]
+#: Ray without token authentication (every node listens on this machine only), and the PoCL thread
+#: count of each device model.
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+HEAD_THREADS, OTHER_THREADS = 1, 2
+
+
+def node_env(threads: int) -> dict:
+    env = dict(os.environ, **RAY_ENV, POCL_MAX_PTHREAD_COUNT=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def resources_of(threads: int) -> dict:
+    """What ``pool-tuner devices --ray-resources`` prints on a node with this PoCL thread count."""
+    out = subprocess.run([sys.executable, "-m", "pool_tuner.cli", "devices", "--ray-resources"], env=node_env(threads),
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return json.loads(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    """Ray nodes on this machine, each a process group of its own, stopped by their ids."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        #: Ray's session files: a short path, as its sockets' paths must stay within 107 bytes.
+        self.ray_dir = Path(tempfile.mkdtemp(prefix="ptray_", dir="/tmp"))
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes = []
+
+    def start(self, threads: int, head: bool = False) -> subprocess.Popen:
+        resources = resources_of(threads)
+        log = self.directory / f"node{len(self.nodes)}.log"
+        command = [str(RAY), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+                   "--resources", json.dumps(resources), "--disable-usage-stats"]
+        command += (["--head", "--port", str(self.port), "--include-dashboard", "false",
+                     "--temp-dir", str(self.ray_dir)] if head else ["--address", self.address])
+        with open(log, "w") as out:
+            node = subprocess.Popen(command, env=node_env(threads), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        node.resources = resources
+        self.nodes.append(node)
+        deadline = time.monotonic() + 90
+        while "Ray runtime started" not in log.read_text():
+            if node.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        return node
+
+    @staticmethod
+    def processes(node: subprocess.Popen) -> dict:
+        """``{pid: title}`` of ``node``'s processes: ``ray start`` and its descendants (Ray's
+        workers run in sessions of their own, so the node's process group does not hold them)."""
+        parents, titles = {}, {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                titles[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue
+        found, frontier = {}, [node.pid]
+        while frontier:
+            pid = frontier.pop()
+            found[pid] = titles.get(pid, b"")
+            frontier += [child for child, parent in parents.items() if parent == pid and child not in found]
+        return found
+
+    def tuning_in(self, node: subprocess.Popen) -> bool:
+        """Whether ``node`` runs a fleet tuning (Ray titles a worker with the name of its task)."""
+        return any(title.startswith(b"ray::pool_tuner tune on") for title in self.processes(node).values())
+
+    def kill(self, node: subprocess.Popen, sig=signal.SIGKILL) -> None:
+        """``sig`` to every process of ``node`` (SIGKILL: as if its machine died)."""
+        for pid in self.processes(node):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGTERM)  # ray start stops its node
+        deadline = time.monotonic() + 10
+        for node in reversed(self.nodes):
+            try:
+                node.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill(node)  # whatever is left of it
+            node.wait()
+        shutil.rmtree(self.ray_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pytest.importorskip("ray", reason='fleet tuning needs Ray: pip install "pool-tuner[ray]"')
+    if resources_of(HEAD_THREADS) == resources_of(OTHER_THREADS):
+        pytest.skip("PoCL reports the same device for both thread counts: no second device model here")
+    saved = {k: os.environ.get(k) for k in RAY_ENV}
+    os.environ.update(RAY_ENV)
+    cluster = LocalCluster(tmp_path_factory.mktemp("ray_cluster"))
+    try:
+        cluster.start(HEAD_THREADS, head=True)
+        cluster.start(OTHER_THREADS)
+        yield cluster
+    finally:
+        cluster.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def model_of(node) -> str:
+    (resource,) = node.resources
+    return resource[len(fleet.RESOURCE_PREFIX):]
+
+
+def records(directory: Path) -> dict:
+    return json.loads((directory / cache_mod.USER_FILE).read_text())["records"]
+
+
+@pytest.fixture(scope="module")
+def two_model_run(cluster, tmp_path_factory):
+    """Every problem on every device model of the cluster, into a cache of its own."""
+    cache_dir = tmp_path_factory.mktemp("two_models")
+    report = fleet.tune_many(PROBLEMS, ray_address=cluster.address, progress=False,
+                             tuning_cache=cache_mod.TuningCache(tmp_path_factory.mktemp("shipped"), cache_dir), **BUDGET)
+    return report, records(cache_dir)
+
+
+def test_every_device_model_tunes_every_problem_and_the_records_name_their_device(cluster, two_model_run):
+    report, stored = two_model_run
+    head, other = model_of(cluster.nodes[0]), model_of(cluster.nodes[1])
+    assert set(report.models) == {head, other}
+    assert all(o.tuned and o.stored and o.attempts == 1 for o in report.outcomes), report.summary()
+    assert len(stored) == len(PROBLEMS) * 2
+    for outcome in report.outcomes:
+        record = stored[outcome.record["key"]]
+        assert record == outcome.record  # the worker's record, as it sent it
+        assert fleet.model_hash(record["device"]) == outcome.model
+        assert f"dev={outcome.model}|" in record["key"]
+        assert cache_mod.problem_of(record) == outcome.problem
+    units = {o.model: stored[o.record["key"]]["device"]["compute_units"] for o in report.outcomes}
+    assert units == {head: HEAD_THREADS, other: OTHER_THREADS}
+    summary = report.summary()
+    assert f"{len(PROBLEMS)} tuned, 0 retried, 0 failed" in summary and summary.count("[") == 2
+
+
+def test_a_node_killed_mid_run_loses_no_problem(cluster, two_model_run, tmp_path):
+    """A third node of the head's model joins; it is killed while it tunes (its worker process has
+    the task's name as its title).  Every problem still ends in the cache, retried on the head, with records that
+    match the undisturbed run's apart from timings."""
+    head = model_of(cluster.nodes[0])
+    doomed = cluster.start(HEAD_THREADS)
+    assert model_of(doomed) == head
+    cache_dir = tmp_path / "cache"
+
+    def kill_once_it_tunes():
+        deadline = time.monotonic() + 120
+        while not cluster.tuning_in(doomed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the task: past its start, which the ledger counts
+        cluster.kill(doomed)
+
+    killer = threading.Thread(target=kill_once_it_tunes)
+    killer.start()
+    try:
+        report = fleet.tune_many(PROBLEMS, ray_address=cluster.address, device_filter=head, progress=False,
+                                 tuning_cache=cache_mod.TuningCache(tmp_path / "shipped", cache_dir), **BUDGET)
+    finally:
+        killer.join()
+    assert doomed.wait(timeout=10) is not None
+    assert set(report.models) == {head} and len(report.models[head].nodes) == 2
+    assert all(o.tuned for o in report.outcomes), report.summary()
+    assert any(o.attempts > 1 for o in report.outcomes), "the killed node was running no tuning"
+    assert "0 failed" in report.summary() and "0 retried" not in report.summary()
+    stored = records(cache_dir)
+    assert len(stored) == len(PROBLEMS)
+    undisturbed = {k: r for k, r in two_model_run[1].items() if f"dev={head}|" in k}
+    assert set(stored) == set(undisturbed)
+    for key, record in stored.items():
+        assert fleet.timing_free(record) == fleet.timing_free(undisturbed[key])
+
+
+def test_a_problem_that_fails_on_every_node_is_reported_with_its_error_and_not_retried(cluster, tmp_path):
+    """plane_reduce pools whole planes only: no configuration of it can run a 3x4 output."""
+    report = fleet.tune_many(PROBLEMS[:1], ray_address=cluster.address, variants=["plane_reduce"], progress=False,
+                             tuning_cache=cache_mod.TuningCache(tmp_path / "shipped", tmp_path / "cache"))
+    assert len(report.outcomes) == 2 and not any(o.tuned for o in report.outcomes)
+    assert all(o.attempts == 1 and o.error.startswith("RuntimeError: no configuration of any variant ran correctly")
+               for o in report.outcomes), report.summary()
+    summary = report.summary()
+    assert "0 of 2 tunings done" in summary and summary.count("FAILED adaptive_avg_pool2d forward") == 2
+    assert not (tmp_path / "cache" / cache_mod.USER_FILE).exists()
+
+
+def test_a_device_filter_matching_no_model_names_the_models_before_any_work(cluster, tmp_path, capsys):
+    code = cli.main(["tune", "--input", "2x3x5x7", "--output", "3x4", "--ray", cluster.address,
+                     "--device-filter", "no-such-device", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_ERROR
+    (line,) = err.strip().splitlines()[-1:]
+    assert line.startswith("pool-tuner: error: --device-filter term 'no-such-device' matches no device model")
+    assert model_of(cluster.nodes[0]) in line and model_of(cluster.nodes[1]) in line
+
+
+def test_the_command_line_tunes_on_the_cluster_and_prints_the_summary(cluster, tmp_path):
+    cache_dir = tmp_path / "cache"
+    env = dict(node_env(HEAD_THREADS), POOL_TUNER_CACHE_DIR=str(cache_dir))
+    proc = subprocess.run([sys.executable, "-m", "pool_tuner.cli", "tune", "--input", "2x3x5x7", "--output", "3x4",
+                           "--direction", "forward", "--variants", "thread_per_row", "--strategy", "brute_force",
+                           "--ray", cluster.address, "--device-filter", "cpu", "--quiet"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "fleet tuning: 2 of 2 tunings done" in proc.stdout
+    assert len(records(cache_dir)) == 2
+
+
+def test_ctrl_c_cancels_the_queued_tunings_and_keeps_the_finished(cluster, tmp_path):
+    """SIGINT to the driver once its first record is stored: exit 130, one line saying what was
+    kept, and the cache holds what finished."""
+    cache_dir = tmp_path / "cache"
+    env = dict(node_env(HEAD_THREADS), POOL_TUNER_CACHE_DIR=str(cache_dir))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"input": [2, 3, 5, 7 + i], "output": [3, 4]} for i in range(8)]))
+    driver = subprocess.Popen([sys.executable, "-m", "pool_tuner.cli", "tune", "--shapes", str(shapes),
+                               "--variants", "thread_per_row", "--strategy", "brute_force", "--ray", cluster.address,
+                               "--device-filter", model_of(cluster.nodes[0]), "--quiet"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (cache_dir / cache_mod.USER_FILE).exists() and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGINT)
+    out, err = driver.communicate(timeout=60)
+    assert driver.returncode == cli.EXIT_INTERRUPTED, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("pool-tuner: interrupted: ") and "fleet tunings finished and kept in" in line, err
+    kept = int(line.split("interrupted: ")[1].split(" of ")[0])
+    assert 1 <= kept < 16 and len(records(cache_dir)) == kept
+    assert "queued cancelled" in line and "running dropped" in line
+
+
+# ---------------------------------------------------------------- without a cluster
+
+
+def test_without_ray_the_option_says_how_to_install_it_before_any_work(capsys, monkeypatch, user_cache):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
+    code = cli.main(["tune", "--input", "2x3x5x7", "--output", "3x4", "--ray"])
+    assert code == cli.EXIT_ERROR
+    assert capsys.readouterr().err == ('pool-tuner: error: --ray needs Ray, which is not installed: '
+                                       'pip install "pool-tuner[ray]"\n')
+    with pytest.raises(RuntimeError, match=r'tune_many needs Ray.*pool-tuner\[ray\]'):
+        fleet.tune_many(PROBLEMS)
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+@pytest.mark.parametrize("argv, mentions", [
+    (["--ray", "--device", "opencl:pocl:0"], "--device names a device of this machine"),
+    (["--device-filter", "cpu"], "--device-filter and --max-retries need --ray"),
+    (["--max-retries", "2"], "--device-filter and --max-retries need --ray"),
+])
+def test_fleet_options_are_checked_before_any_work(capsys, user_cache, argv, mentions):
+    code = cli.main(["tune", "--input", "2x3x5x7", "--output", "3x4", *argv])
+    assert code == cli.EXIT_ERROR
+    assert mentions in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call, error, mentions", [
+    (lambda: fleet.tune_many([]), ValueError, "problems is empty"),
+    (lambda: fleet.tune_many([("adaptive_avg_pool2d", (2, 3, 5, 7), (3, 4))]), TypeError, r"problems\[0\] must be"),
+    (lambda: fleet.tune_many(PROBLEMS, max_retries=-1), ValueError, "max_retries must be an integer >= 0"),
+    (lambda: fleet.tune_many(PROBLEMS, device_filter=""), ValueError, "device_filter must be"),
+    (lambda: fleet.tune_many(PROBLEMS, ray_address=6379), TypeError, "ray_address must be"),
+    (lambda: fleet.tune_many(PROBLEMS, variants=["no_such_variant"]), ValueError, "variants must be one of"),
+])
+def test_tune_many_refuses_bad_arguments_before_connecting(call, error, mentions):
+    pytest.importorskip("ray", reason='fleet tuning needs Ray: pip install "pool-tuner[ray]"')
+    import ray
+
+    with pytest.raises(error, match=mentions):
+        call()
+    assert not ray.is_initialized()
+
+
+def test_node_resources_name_every_device_model_of_the_machine():
+    resources = fleet.node_resources()
+    devices = fleet.fleet_devices()
+    assert sum(resources.values()) == len(devices) and all(not d.is_simulator for d in devices)
+    assert set(resources) == {fleet.RESOURCE_PREFIX + cache_mod.make_key(
+        Problem.create("adaptive_avg_pool1d", (1, 1, 2), 1), d.fingerprint, "0" * 16).split("dev=")[1].split("|")[0]
+        for d in devices}
