@@ -23,6 +23,7 @@ from .ops import (
     release_memory,
     variants,
 )
+from .fleet import tune_many
 from .tuner import tune
 from .version import __version__
 from .windows import fixed_pool_equivalent, pooling_windows
@@ -46,5 +47,6 @@ __all__ = [
     "pooling_windows",
     "release_memory",
     "tune",
+    "tune_many",
     "variants",
 ]

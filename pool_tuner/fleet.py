@@ -214,8 +214,10 @@ class Outcome:
     error: str | None = None
     #: How many times a node started it (more than one: Ray retried it).
     attempts: int = 0
-    #: Where the last attempt ran (``host``, ``device``), seconds of tuning, and the wall-clock times
-    #: at which the task began on its node, finished there, and its record was stored by the driver.
+    #: Where the last attempt ran (Ray ``node`` id, ``host``, ``device``), seconds of tuning, and the
+    #: wall-clock times at which the task began on its node, finished there, and its record was
+    #: stored by the driver (the scheduling and transfer overheads, measured).
+    node: str | None = None
     host: str | None = None
     device: str | None = None
     seconds: float | None = None
@@ -468,7 +470,7 @@ def _collect(ray, ref, outcome: Outcome, tc) -> None:
     outcome.record = result["record"]
     outcome.stored = tc.store(result["record"])
     outcome.stored_at = time.time()
-    for field in ("host", "device", "seconds", "entered", "finished"):
+    for field in ("node", "host", "device", "seconds", "entered", "finished"):
         setattr(outcome, field, result[field])
 
 

@@ -1,21 +1,17 @@
 """Fleet tuning on a real local Ray cluster (docs/design.md, Fleet tuning): no mocks.
 
-The cluster: a head node and a second node, each a ``ray start --block`` process group of its own
-on 127.0.0.1, with different PoCL thread counts (``POCL_MAX_PTHREAD_COUNT``), which makes them two
-device models: PoCL reports the thread count as the device's compute units, part of its
-fingerprint.  The fault test adds a third node of the head's model and kills its process group
-(SIGKILL, like a machine that dies) while it tunes.  Budgets are tiny: one variant searched whole
+The cluster (``ray_cluster.LocalCluster``): a head node and a second node on 127.0.0.1 with
+different PoCL thread counts, which makes them two device models: PoCL reports the thread count as
+the device's compute units, part of its fingerprint.  The fault test adds a third node of the
+head's model and kills its processes (SIGKILL, as if its machine died) while it tunes.  Budgets are tiny: one variant searched whole
 on problems of a few hundred elements.
 """
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,110 +22,14 @@ from pool_tuner import cache as cache_mod
 from pool_tuner import cli, fleet
 from pool_tuner.problem import Problem
 
-REPO = Path(__file__).resolve().parents[1]
-RAY = Path(sys.executable).with_name("ray")
+from ray_cluster import RAY_ENV, LocalCluster, node_env, resources_of
+
 #: Every tuning here: one small variant, searched whole.
 BUDGET = dict(variants=["thread_per_row"], strategy="brute_force")
 PROBLEMS = [Problem.create("adaptive_avg_pool2d", (2, 3, 5, 7 + i), (3, 4), direction=direction)
             for i in range(3) for direction in ("forward", "backward")]
-#: Ray without token authentication (every node listens on this machine only), and the PoCL thread
-#: count of each device model.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+#: The PoCL thread count of each device model.
 HEAD_THREADS, OTHER_THREADS = 1, 2
-
-
-def node_env(threads: int) -> dict:
-    env = dict(os.environ, **RAY_ENV, POCL_MAX_PTHREAD_COUNT=str(threads))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def resources_of(threads: int) -> dict:
-    """What ``pool-tuner devices --ray-resources`` prints on a node with this PoCL thread count."""
-    out = subprocess.run([sys.executable, "-m", "pool_tuner.cli", "devices", "--ray-resources"], env=node_env(threads),
-                         capture_output=True, text=True, check=True, timeout=120).stdout
-    return json.loads(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalCluster:
-    """Ray nodes on this machine, each a process group of its own, stopped by their ids."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        #: Ray's session files: a short path, as its sockets' paths must stay within 107 bytes.
-        self.ray_dir = Path(tempfile.mkdtemp(prefix="ptray_", dir="/tmp"))
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.nodes = []
-
-    def start(self, threads: int, head: bool = False) -> subprocess.Popen:
-        resources = resources_of(threads)
-        log = self.directory / f"node{len(self.nodes)}.log"
-        command = [str(RAY), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                   "--resources", json.dumps(resources), "--disable-usage-stats"]
-        command += (["--head", "--port", str(self.port), "--include-dashboard", "false",
-                     "--temp-dir", str(self.ray_dir)] if head else ["--address", self.address])
-        with open(log, "w") as out:
-            node = subprocess.Popen(command, env=node_env(threads), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        node.resources = resources
-        self.nodes.append(node)
-        deadline = time.monotonic() + 90
-        while "Ray runtime started" not in log.read_text():
-            if node.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        return node
-
-    @staticmethod
-    def processes(node: subprocess.Popen) -> dict:
-        """``{pid: title}`` of ``node``'s processes: ``ray start`` and its descendants (Ray's
-        workers run in sessions of their own, so the node's process group does not hold them)."""
-        parents, titles = {}, {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                titles[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
-            except (OSError, IndexError, ValueError):
-                continue
-        found, frontier = {}, [node.pid]
-        while frontier:
-            pid = frontier.pop()
-            found[pid] = titles.get(pid, b"")
-            frontier += [child for child, parent in parents.items() if parent == pid and child not in found]
-        return found
-
-    def tuning_in(self, node: subprocess.Popen) -> bool:
-        """Whether ``node`` runs a fleet tuning (Ray titles a worker with the name of its task)."""
-        return any(title.startswith(b"ray::pool_tuner tune on") for title in self.processes(node).values())
-
-    def kill(self, node: subprocess.Popen, sig=signal.SIGKILL) -> None:
-        """``sig`` to every process of ``node`` (SIGKILL: as if its machine died)."""
-        for pid in self.processes(node):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self) -> None:
-        for node in reversed(self.nodes):
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGTERM)  # ray start stops its node
-        deadline = time.monotonic() + 10
-        for node in reversed(self.nodes):
-            try:
-                node.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            self.kill(node)  # whatever is left of it
-            node.wait()
-        shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -198,21 +98,14 @@ def test_a_node_killed_mid_run_loses_no_problem(cluster, two_model_run, tmp_path
     assert model_of(doomed) == head
     cache_dir = tmp_path / "cache"
 
-    def kill_once_it_tunes():
-        deadline = time.monotonic() + 120
-        while not cluster.tuning_in(doomed) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # into the task: past its start, which the ledger counts
-        cluster.kill(doomed)
-
-    killer = threading.Thread(target=kill_once_it_tunes)
+    killer = threading.Thread(target=cluster.kill_once_it_tunes, args=(doomed,))
     killer.start()
     try:
         report = fleet.tune_many(PROBLEMS, ray_address=cluster.address, device_filter=head, progress=False,
                                  tuning_cache=cache_mod.TuningCache(tmp_path / "shipped", cache_dir), **BUDGET)
     finally:
         killer.join()
-    assert doomed.wait(timeout=10) is not None
+    assert doomed.wait(timeout=10) is not None  # killed, not stopped after the run
     assert set(report.models) == {head} and len(report.models[head].nodes) == 2
     assert all(o.tuned for o in report.outcomes), report.summary()
     assert any(o.attempts > 1 for o in report.outcomes), "the killed node was running no tuning"
