@@ -117,12 +117,11 @@ def timing_free(record: dict) -> dict:
 # ---------------------------------------------------------------------------------------- on the nodes
 
 def _node_devices(advertised: dict) -> dict:
-    """On one node (a task pinned to it): ``{hash: {"fingerprint", "device", "count"}}`` of the
-    node's fleet devices, after checking that it has every device its resources ``advertised``."""
+    """On one node (a task pinned to it): ``{hash: {"fingerprint", "count"}}`` of the node's fleet
+    devices, after checking that it has every device its resources ``advertised``."""
     found: dict = {}
     for device in fleet_devices():
-        entry = found.setdefault(model_hash(device.fingerprint),
-                                 {"fingerprint": device.fingerprint, "device": device.describe(), "count": 0})
+        entry = found.setdefault(model_hash(device.fingerprint), {"fingerprint": device.fingerprint, "count": 0})
         entry["count"] += 1
     for name, count in advertised.items():
         have = found.get(name[len(RESOURCE_PREFIX):], {}).get("count", 0)

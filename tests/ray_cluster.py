@@ -27,10 +27,10 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 START_TIMEOUT_S = 90
 
 
-def node_env(threads: int) -> dict:
+def node_env(threads: int, extra: dict | None = None) -> dict:
     """The environment of a node (and of a driver or tuner meant to see the same device): PoCL with
-    ``threads`` worker threads, pool_tuner from this checkout."""
-    env = dict(os.environ, **RAY_ENV, POCL_MAX_PTHREAD_COUNT=str(threads))
+    ``threads`` worker threads, pool_tuner from this checkout, and ``extra``."""
+    env = dict(os.environ, **RAY_ENV, POCL_MAX_PTHREAD_COUNT=str(threads), **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
 
@@ -51,8 +51,10 @@ def free_port() -> int:
 class LocalCluster:
     """Ray nodes on this machine; ``start`` the head first."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, env: dict | None = None):
         self.directory = Path(directory)
+        #: Set in every node's environment besides ``node_env``'s.
+        self.env = env
         #: Ray's session files: a short path, as its sockets' paths must stay within 107 bytes.
         self.ray_dir = Path(tempfile.mkdtemp(prefix="ptray_", dir="/tmp"))
         self.port = free_port()
@@ -71,7 +73,7 @@ class LocalCluster:
         if cpus is not None:
             command = ["taskset", "-c", cpus] + command
         with open(log, "w") as out:
-            node = subprocess.Popen(command, env=node_env(threads), stdout=out, stderr=subprocess.STDOUT,
+            node = subprocess.Popen(command, env=node_env(threads, self.env), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         node.resources = resources
         self.nodes.append(node)
