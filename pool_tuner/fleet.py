@@ -352,8 +352,12 @@ def _live_models(ray) -> set:
 def _connected(ray, address: str | None):
     """Connected to the cluster at ``address`` for the block: Ray's ``"auto"`` or ``host:port``
     (``ray://`` for Ray Client), or None / ``"local"`` for a new local cluster whose one node offers
-    this machine's devices.  A connection the caller made already is used and left open."""
+    this machine's devices.  A connection the caller made already is used (``address`` None) and
+    left open."""
     if ray.is_initialized():
+        if address is not None:
+            raise ValueError(f"ray_address {address!r} was given, but this process is connected to a Ray cluster "
+                             f"already; pass ray_address=None to tune on that one")
         yield
         return
     if address in (None, "local"):
@@ -373,8 +377,8 @@ def tune_many(problems, *, ray_address: str | None = None, device_filter: str | 
     ``select_models``), storing each record in this process's tuning cache as it arrives.
 
     ``ray_address``: None or ``"local"`` starts a local cluster of this machine's devices, ``"auto"``
-    joins the cluster started on this machine, ``"host:port"`` another; where Ray is initialised
-    already that connection is used.  ``variants``, ``strategy``, ``max_fevals`` and ``time_limit``
+    joins the cluster started on this machine, ``"host:port"`` another; where this process has
+    initialised Ray already, None uses that connection.  ``variants``, ``strategy``, ``max_fevals`` and ``time_limit``
     are ``tune``'s, for every problem.  ``max_retries``: how often Ray runs a task again after its
     node died.  ``progress``: a tqdm bar per device model on stderr.  See the module docstring for
     the scheduling and the faults; ``FleetReport.summary`` says what happened.  Ctrl-C cancels what

@@ -108,14 +108,14 @@ def test_a_node_killed_mid_run_loses_no_problem(cluster, two_model_run, tmp_path
     assert doomed.wait(timeout=10) is not None  # killed, not stopped after the run
     assert set(report.models) == {head} and len(report.models[head].nodes) == 2
     assert all(o.tuned for o in report.outcomes), report.summary()
-    assert any(o.attempts > 1 for o in report.outcomes), "the killed node was running no tuning"
+    assert any(o.attempts > 1 for o in report.outcomes), f"the killed node was running no tuning: {report.summary()}"
     assert "0 failed" in report.summary() and "0 retried" not in report.summary()
     stored = records(cache_dir)
     assert len(stored) == len(PROBLEMS)
     undisturbed = {k: r for k, r in two_model_run[1].items() if f"dev={head}|" in k}
     assert set(stored) == set(undisturbed)
     for key, record in stored.items():
-        assert fleet.timing_free(record) == fleet.timing_free(undisturbed[key])
+        assert fleet.timing_free(record) == fleet.timing_free(undisturbed[key]), key
 
 
 def test_a_problem_that_fails_on_every_node_is_reported_with_its_error_and_not_retried(cluster, tmp_path):
@@ -128,6 +128,20 @@ def test_a_problem_that_fails_on_every_node_is_reported_with_its_error_and_not_r
     summary = report.summary()
     assert "0 of 2 tunings done" in summary and summary.count("FAILED adaptive_avg_pool2d forward") == 2
     assert not (tmp_path / "cache" / cache_mod.USER_FILE).exists()
+
+
+def test_a_connection_the_caller_made_is_used_and_left_open(cluster, tmp_path):
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        with pytest.raises(ValueError, match="connected to a Ray cluster already; pass ray_address=None"):
+            fleet.tune_many(PROBLEMS[:1], ray_address=cluster.address, **BUDGET)
+        report = fleet.tune_many(PROBLEMS[:1], device_filter=model_of(cluster.nodes[0]), progress=False,
+                                 tuning_cache=cache_mod.TuningCache(tmp_path / "shipped", tmp_path / "cache"), **BUDGET)
+        assert ray.is_initialized() and [o.tuned for o in report.outcomes] == [True]
+    finally:
+        ray.shutdown()
 
 
 def test_a_device_filter_matching_no_model_names_the_models_before_any_work(cluster, tmp_path, capsys):
