@@ -30,7 +30,8 @@ How the pieces fit:
   model any more, its queued tasks would wait for ever, so they are cancelled and reported.  The
   attempts of each task are counted by a small actor on the driver's node (``_Ledger``): Ray's
   retries are otherwise invisible to the driver.
-* Ctrl-C on the driver cancels every task still queued or running and keeps what was stored.
+* Ctrl-C on the driver cancels every task that has not started and keeps what was stored
+  (``_cancel_queued`` says why running tasks are left alone).
 """
 
 from __future__ import annotations
@@ -332,6 +333,8 @@ def discover(ray) -> dict:
             warnings.warn(f"Ray node {node['NodeManagerAddress']} ({node['NodeID'][:8]}) did not say which devices it has "
                           f"and is left out: {_one_line(lost)}", RuntimeWarning, stacklevel=3)
             continue
+        except ray.exceptions.RayTaskError as wrong:  # it advertises a device it does not have
+            raise RuntimeError(_one_line(wrong.cause if getattr(wrong, "cause", None) is not None else wrong)) from None
         for model, entry in listing.items():
             count = int(node["Resources"].get(RESOURCE_PREFIX + model, 0))
             if count:
@@ -378,11 +381,11 @@ def tune_many(problems, *, ray_address: str | None = None, device_filter: str | 
 
     ``ray_address``: None or ``"local"`` starts a local cluster of this machine's devices, ``"auto"``
     joins the cluster started on this machine, ``"host:port"`` another; where this process has
-    initialised Ray already, None uses that connection.  ``variants``, ``strategy``, ``max_fevals`` and ``time_limit``
-    are ``tune``'s, for every problem.  ``max_retries``: how often Ray runs a task again after its
-    node died.  ``progress``: a tqdm bar per device model on stderr.  See the module docstring for
-    the scheduling and the faults; ``FleetReport.summary`` says what happened.  Ctrl-C cancels what
-    has not finished and raises ``KeyboardInterrupt`` saying what was kept."""
+    initialised Ray already, None uses that connection.  ``variants``, ``strategy``, ``max_fevals``
+    and ``time_limit`` are ``tune``'s, for every problem.  ``max_retries``: how often Ray runs a task
+    again after its node died.  ``progress``: a tqdm bar per device model on stderr.  See the module
+    docstring for the scheduling and the faults; ``FleetReport.summary`` says what happened.
+    Ctrl-C cancels what has not started and raises ``KeyboardInterrupt`` saying what was kept."""
     from .tuner import check_search_options
 
     ray = require_ray("tune_many")
