@@ -74,9 +74,10 @@ print(json.dumps({"seconds": time.perf_counter() - started}))
 
 
 def problems() -> list:
-    return [Problem.create(op, shape, out, direction=direction)
-            for name, shapes in presets.PRESETS.items() if name not in LEFT_OUT
-            for op, shape, out in shapes for direction in ("forward", "backward")]
+    """The problems, each once (coord_attention's 56xNone and Nonex56 are one problem on 56x56)."""
+    return list(dict.fromkeys(Problem.create(op, shape, out, direction=direction)
+                              for name, shapes in presets.PRESETS.items() if name not in LEFT_OUT
+                              for op, shape, out in shapes for direction in ("forward", "backward")))
 
 
 def fields(problem: Problem) -> list:
