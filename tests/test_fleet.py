@@ -130,6 +130,17 @@ def test_a_problem_that_fails_on_every_node_is_reported_with_its_error_and_not_r
     assert not (tmp_path / "cache" / cache_mod.USER_FILE).exists()
 
 
+def test_without_an_address_a_local_cluster_of_this_machines_devices_tunes_and_is_shut_down(tmp_path):
+    pytest.importorskip("ray", reason='fleet tuning needs Ray: pip install "pool-tuner[ray]"')
+    import ray
+
+    report = fleet.tune_many(PROBLEMS[:1], progress=False,
+                             tuning_cache=cache_mod.TuningCache(tmp_path / "shipped", tmp_path / "cache"), **BUDGET)
+    assert [o.tuned for o in report.outcomes] == [True] and not ray.is_initialized()
+    assert {m.resource: sum(m.nodes.values()) for m in report.models.values()} == fleet.node_resources()
+    assert len(records(tmp_path / "cache")) == 1
+
+
 def test_a_connection_the_caller_made_is_used_and_left_open(cluster, tmp_path):
     import ray
 
