@@ -46,7 +46,7 @@ def gpu(monkeypatch):
 
 def _forget_builds_and_plans():
     cuda_driver.primary_context.cache_clear()
-    cuda._build_for_driver.cache_clear()
+    cuda.forget_builds()
     torch_cuda._PLANS.clear()
 
 

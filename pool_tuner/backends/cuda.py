@@ -19,7 +19,8 @@ input's own type (``like_input``).  Results stay on the device.
 Foreign streams: ``CudaDevice.driver_target`` builds the same kernels for ``backends.cuda_driver``,
 which launches them through the driver API on any stream handle (PyTorch's current stream, a
 stream being captured into a CUDA graph) with no PyCUDA object made or freed per call -- the path
-of CUDA tensors from ``pool_tuner.torch``.  PyCUDA compiles for both paths (``_compile``).
+of CUDA tensors from ``pool_tuner.torch``.  Both paths take their cubins from pool_tuner's own
+compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source, never on a hit.
 
 Threads: a PyCUDA launch prepares the shared ``Function``'s argument format and then calls it --
 two steps, between which another thread could prepare another format -- so ``launch`` holds the
@@ -45,13 +46,10 @@ import threading
 
 import numpy as np
 
-from . import cuda_driver
+from . import cuda_compile, cuda_driver
 from .base import DeviceLimits
 
 BACKEND = "cuda"
-#: Extra nvcc options of every runtime build (PyCUDA adds -arch for the device; device code is
-#: optimised by default).
-BUILD_OPTIONS = ()
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
 MAX_GRID_X = 2**31 - 1
 #: ``__cuda_array_interface__`` stream values that need no synchronisation before a launch on the
@@ -65,19 +63,17 @@ _IMPORT_ERROR: BaseException | None = None
 
 @functools.cache
 def _pycuda():
-    """``(driver, gpuarray, compile)`` (``compile``: ``pycuda.compiler.compile``), imported on first
-    use; None if PyCUDA is unusable."""
+    """``(driver, gpuarray)`` of PyCUDA, imported on first use; None if PyCUDA is unusable."""
     global _IMPORT_ERROR
     try:
         import pycuda.driver as drv
         import pycuda.gpuarray as gpuarray
-        from pycuda.compiler import compile as compile_source
 
         drv.init()
     except Exception as exc:  # noqa: BLE001 - no PyCUDA, no libcuda, no driver, no device, ...
         _IMPORT_ERROR = exc
         return None
-    return drv, gpuarray, compile_source
+    return drv, gpuarray
 
 
 def import_error():
@@ -413,30 +409,52 @@ class CudaDriverTarget:
         return cuda_driver.PreparedLaunch(kernel, groups, block, n_pointers, scalars)
 
 
-@functools.lru_cache(maxsize=512)
-def _build(context, arch: str, source: str, kernel_name: str):
+# Loaded modules and their kernels are kept for the life of the process: a plan may launch a
+# kernel at any time, and unloading a module whose kernel is still launched is undefined behaviour.
+# Each source is compiled once (``cuda_compile``'s cache) and loaded once per context.
+
+@functools.cache
+def _pycuda_module(context, arch: str, source: str):
     image = _compile(source, arch)
     context.push()
     try:
-        return _pycuda()[0].module_from_buffer(image).get_function(kernel_name)
+        return _pycuda()[0].module_from_buffer(image)
     finally:
         _pycuda()[0].Context.pop()
 
 
-@functools.lru_cache(maxsize=512)
+@functools.cache
+def _build(context, arch: str, source: str, kernel_name: str):
+    module = _pycuda_module(context, arch, source)
+    context.push()
+    try:
+        return module.get_function(kernel_name)
+    finally:
+        _pycuda()[0].Context.pop()
+
+
+@functools.cache
+def _driver_module(ordinal: int, arch: str, source: str) -> int:
+    return cuda_driver.load_module(ordinal, _compile(source, arch))
+
+
+@functools.cache
 def _build_for_driver(ordinal: int, arch: str, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-    return cuda_driver.load_kernel(ordinal, _compile(source, arch), kernel_name)
+    return cuda_driver.get_kernel(ordinal, _driver_module(ordinal, arch, source), kernel_name)
+
+
+def forget_builds() -> None:
+    """Drop the memoised modules and kernels of both build paths (for tests that swap the driver
+    for a fake one; the modules themselves stay loaded)."""
+    for memoised in (_pycuda_module, _build, _driver_module, _build_for_driver):
+        memoised.cache_clear()
 
 
 def _compile(source: str, arch: str) -> bytes:
-    """The cubin of ``source`` for ``arch``, compiled by PyCUDA (through its on-disk cache).  The
-    architecture is given, so that compiling needs no current context."""
-    try:
-        nvcc = find_nvcc()
-    except NvccNotFoundError:
-        nvcc = "nvcc"  # PyCUDA's own default; its error message then names the problem
-    # The templates declare their kernels `extern "C"` themselves (prelude.h).
-    return _pycuda()[2](source, nvcc=nvcc, options=list(BUILD_OPTIONS), no_extern_c=True, arch=arch)
+    """The cubin of ``source`` for ``arch`` from pool_tuner's compiler cache (``cuda_compile``),
+    built with the nvcc ``find_nvcc`` finds.  The architecture is given, so that compiling needs
+    no current context."""
+    return cuda_compile.cubin(source, arch, find_nvcc())[1]
 
 
 # ---------------------------------------------------------------------- finding nvcc
@@ -554,7 +572,7 @@ def as_gpuarray(x):
     array's device must be current (``CudaDevice.as_gpuarray`` does that).  Raises ``ValueError``
     for non-contiguous or masked arrays.  If the producer names a stream other than the legacy
     default stream, that stream is synchronised first, so that its pending writes are visible."""
-    _, gpuarray, _ = _pycuda()
+    _, gpuarray = _pycuda()
     if isinstance(x, gpuarray.GPUArray):
         if not x.flags.c_contiguous:
             raise ValueError("x must be a C-contiguous GPUArray (channels-first, no strides)")
