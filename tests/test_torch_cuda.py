@@ -227,3 +227,21 @@ def test_forgetting_decisions_forgets_plans(gpu):
     problem = next(iter(torch_cuda._PLANS.values())).plan.problem
     dispatch.forget(problem, gpu.device)
     assert not torch_cuda._PLANS
+
+
+def test_a_new_signature_during_graph_capture_is_refused(gpu, monkeypatch):
+    """Capture forbids compiling and loading: a first call while the current stream captures must
+    say to call the signature once before capture; a seen signature launches as usual."""
+    import contextlib
+
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    capturing = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: capturing.append(index) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)  # seen: no question asked
+    assert not capturing and len(gpu.launches) == 2
+    with pytest.raises(ValueError, match="call each signature once before capture"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 6), NONE)
+    assert capturing == [x.device.index] and len(gpu.launches) == 2 and len(gpu.modules) == 1
