@@ -46,8 +46,8 @@ import threading
 
 import numpy as np
 
-from . import cuda_compile, cuda_driver
-from .base import DeviceLimits
+from . import cuda_compile, cuda_driver, cuda_tuning
+from .base import DeviceLimits, TuningUnavailable
 
 BACKEND = "cuda"
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
@@ -200,6 +200,26 @@ class CudaDevice:
         """Kernel Tuner's PyCUDA backend on this ordinal: ``lang="PYCUDA"``, because plain ``"CUDA"``
         makes Kernel Tuner pick cuda-python first, which pool_tuner does not depend on."""
         return {"lang": "PYCUDA", "device": self.ordinal}
+
+    def tuning(self, work):
+        """Run ``work()`` (a tuning on this device) on the process's CUDA tuning thread, with
+        Kernel Tuner's PyCUDA backend set up to compile with the nvcc pool_tuner uses, and wait
+        for it (``backends/cuda_tuning.py`` says why).  Raises ``TuningUnavailable`` when no nvcc
+        is found, the driver is older than the nvcc, or its toolkit lacks ``libcudadevrt``."""
+        if cuda_tuning.on_tuning_thread():  # a tuning within a tuning: already set up
+            return work()
+        try:
+            nvcc = find_nvcc()
+        except NvccNotFoundError as why:
+            raise TuningUnavailable(f"{self.describe()} cannot be tuned: {why}") from None
+        cuda_tuning.check_driver(self.properties.driver_version, nvcc, self.describe())
+        variables = cuda_tuning.kernel_tuner_environment(nvcc)
+
+        def in_environment():
+            with cuda_tuning.environment(variables):
+                return work()
+
+        return cuda_tuning.run(in_environment)
 
     # ------------------------------------------------------------------ context and queue
 

@@ -25,6 +25,8 @@ import threading
 import warnings
 from pathlib import Path
 
+import platformdirs
+
 #: nvcc options of every build (the architecture is added per target).  Device code is optimised
 #: by default; the templates declare their kernels ``extern "C"`` themselves (prelude.h).
 NVCC_OPTIONS = ("-cubin",)
@@ -39,10 +41,11 @@ class CudaCompileError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where cubins are kept: ``cubin/`` in pool_tuner's user cache directory."""
-    from ..cache import default_user_dir
-
-    return default_user_dir() / "cubin"
+    """Where cubins are kept: ``cubin/`` in pool_tuner's user cache directory -- the directory of
+    ``cache.default_user_dir``, worked out here because backends sit below ``cache``."""
+    configured = os.environ.get("POOL_TUNER_CACHE_DIR")
+    root = Path(configured).expanduser() if configured else Path(platformdirs.user_cache_dir("pool_tuner"))
+    return root / "cubin"
 
 
 def nvcc_identity(nvcc: str) -> str:
