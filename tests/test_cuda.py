@@ -122,9 +122,8 @@ def run_variant(device, problem: Problem, variant, params, inputs, force_index_6
             device_outputs.append(out)
     # kernel arguments: forward (x, out[, indices]); backward (grad_out[, indices], grad_in); the planes
     args = [*device_inputs, *device_outputs, *problem.scalars]
-    event = device.launch(device.queue, kernel, variant.groups(params, problem), block, args)
-    event.wait()
-    assert event.elapsed_ms() >= 0
+    device.launch(device.queue, kernel, variant.groups(params, problem), block, args).wait()
+    assert device.timed_launch(device.queue, kernel, variant.groups(params, problem), block, args) >= 0
     with device.activated():
         return [from_memory(problem, out.get(), out_dtype) for out, (_, out_dtype, _) in zip(device_outputs, outputs)]
 

@@ -153,7 +153,8 @@ class CudaDevice:
         self.memory_bytes = self.max_allocation_bytes = properties.total_memory
         self._context = None
         self._queue = None
-        self._lock = threading.Lock()  # retaining the primary context, making the default queue
+        self._pool = None
+        self._lock = threading.Lock()  # retaining the primary context, making the default queue and the pool
         self._launch_lock = threading.Lock()  # preparing a kernel's argument format and calling it
 
     @property
@@ -273,8 +274,23 @@ class CudaDevice:
             return _pycuda()[1].to_gpu(np.ascontiguousarray(host))
 
     def empty(self, shape, dtype, queue: CudaQueue | None = None):
+        """An uninitialised C-contiguous GPUArray from the device's memory pool (``memory_pool``)."""
         with self.activated(queue.context if queue else None):
-            return _pycuda()[1].empty(tuple(shape), np.dtype(dtype))
+            return _pycuda()[1].empty(tuple(shape), np.dtype(dtype), allocator=self.memory_pool.allocate)
+
+    @property
+    def memory_pool(self):
+        """PyCUDA's ``DeviceMemoryPool`` of this device, made on first use.  Results of
+        ``pool_tuner.ops`` come from it: a result dropped -- on any thread -- returns its block to
+        the pool instead of calling ``cuMemFree``, and the next result of that size reuses it
+        without ``cuMemAlloc`` (``release_memory`` frees what it holds)."""
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    from pycuda.tools import DeviceMemoryPool
+
+                    self._pool = DeviceMemoryPool()
+        return self._pool
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """cuMemcpyDtoDAsync of ``source`` into ``destination`` on the queue's stream."""
@@ -287,10 +303,15 @@ class CudaDevice:
         """Never called: ``shares_host_memory`` is False, so ops copies numpy arrays in and out."""
         raise NotImplementedError(_NOT_HOST_MEMORY)
 
-    @staticmethod
-    def release_memory() -> int:
-        """Nothing to free: CUDA results are fresh allocations (see the OpenCL backend's pool)."""
-        return 0
+    def release_memory(self) -> int:
+        """Free the device memory the pool holds for reuse; returns the number of blocks freed."""
+        with self._lock:
+            if self._pool is None:
+                return 0
+            freed = self._pool.held_blocks
+            with self.activated():
+                self._pool.free_held()
+        return freed
 
     def fill(self, array, value, queue: CudaQueue | None = None):
         """Fill a GPUArray (used to poison outputs with NaN before a launch).  PyCUDA has no fill
@@ -353,29 +374,39 @@ class CudaDevice:
     def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
         ``(x, y)``) with ``args``: device arrays / pointers (GPUArray, ``DeviceAllocation``,
-        ``__cuda_array_interface__`` objects, ints) or numpy scalars.  Returns a ``CudaLaunch``
-        whose events bracket the kernel on the queue's stream.  ``wait_for`` is accepted for
-        interface parity with OpenCL and ignored: work on one stream runs in order."""
+        ``__cuda_array_interface__`` objects, ints) or numpy scalars, on the queue's stream.
+        Records no event (``timed_launch`` does, for timing): the returned ``CudaLaunch`` waits by
+        synchronising the stream.  ``wait_for`` is accepted for interface parity with OpenCL and
+        ignored: work on one stream runs in order."""
         queue = queue or self.queue
+        with self.activated(queue.context):
+            self._launch(queue, kernel, groups, block, args)
+        return CudaLaunch(self, queue)
+
+    def _launch(self, queue: CudaQueue, kernel, groups: int, block: tuple, args) -> None:
+        """The launch itself; the queue's context must be current."""
         if groups < 1 or groups > MAX_GRID_X:
             raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
-        drv = _pycuda()[0]
         block3 = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         values, arg_format = zip(*(_kernel_arg(a) for a in args)) if args else ((), ())
         arg_format = "".join(arg_format)
+        with self._launch_lock:
+            if getattr(kernel, "arg_format", None) != arg_format:
+                kernel.prepare(arg_format)
+            kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+
+    def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
+        """Launch between two CUDA events on the queue's stream, wait, and return the kernel's time
+        in ms between them."""
+        queue = queue or self.queue
+        drv = _pycuda()[0]
         with self.activated(queue.context):
             start, end = drv.Event(), drv.Event()
             start.record(queue.stream)
-            with self._launch_lock:
-                if getattr(kernel, "arg_format", None) != arg_format:
-                    kernel.prepare(arg_format)
-                kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+            self._launch(queue, kernel, groups, block, args)
             end.record(queue.stream)
-        return CudaLaunch(start, end)
-
-    def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
-        """``launch`` and wait; the kernel's time in ms between the events around it."""
-        return self.launch(queue, kernel, groups, block, args).elapsed_ms()
+            end.synchronize()
+            return float(start.time_till(end))
 
     @functools.cached_property
     def driver_target(self) -> "CudaDriverTarget":
@@ -386,17 +417,14 @@ class CudaDevice:
 
 @dataclasses.dataclass(frozen=True)
 class CudaLaunch:
-    """The events recorded before and after one kernel launch."""
+    """A launch on a queue: ``wait`` waits for everything sent to that queue so far (no event is
+    recorded per launch)."""
 
-    start: object
-    end: object
+    device: CudaDevice
+    queue: CudaQueue
 
     def wait(self) -> None:
-        self.end.synchronize()
-
-    def elapsed_ms(self) -> float:
-        self.end.synchronize()
-        return float(self.start.time_till(self.end))
+        self.device.synchronize(self.queue)
 
 
 class CudaDriverTarget:
