@@ -10,8 +10,8 @@ signature is one dictionary lookup, ``torch.empty_strided`` for each result on t
 device.
 
 So nothing here makes or frees a PyCUDA object, or touches PyCUDA's per-thread context stack, once
-a signature has been seen (the first call builds through PyCUDA's compiler only): calls work from
-any thread -- the autograd engine's backward thread, a DataLoader worker, a user's -- and inside
+a signature has been seen (the first call compiles through pool_tuner's cubin cache,
+``backends.cuda_compile``): calls work from any thread -- the autograd engine's backward thread, a DataLoader worker, a user's -- and inside
 ``torch.cuda.graph`` capture, where the launch is recorded into the graph and the results come
 from the graph's memory pool.  Capture a signature only after calling it once (PyTorch asks for
 such a warm-up before capture anyway): building a kernel is not allowed while a stream captures,

@@ -624,16 +624,18 @@ def tune_on_miss(problem: Problem, device) -> bool:
     memoises the decision that follows, so a problem is tuned once per process."""
     if not autotune_enabled():
         return False
+    # What the cache held when this call missed: read before waiting for the tuning thread or
+    # lock, so that a tuning of the same problem by another call meanwhile is recognised.
+    seen = dispatch.tuning_cache().lookup(cache_mod.cache_key(problem, device))
     try:
-        return device.tuning(lambda: _tune_on_miss(problem, device))
+        return device.tuning(lambda: _tune_on_miss(problem, device, seen))
     except TuningUnavailable as why:
         log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1, but %s; using the untuned decision", why)
         return False
 
 
-def _tune_on_miss(problem: Problem, device) -> bool:
+def _tune_on_miss(problem: Problem, device, seen) -> bool:
     key = cache_mod.cache_key(problem, device)
-    seen = dispatch.tuning_cache().lookup(key)
     with _TUNING:
         record = dispatch.tuning_cache().lookup(key)
         if record is not seen and record is not None and not cache_mod.is_partial(record):

@@ -19,7 +19,6 @@ import textwrap
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pool_tuner import cache, compile_check, dispatch, tuner
@@ -106,6 +105,18 @@ def test_autotune_through_a_training_step(user_cache, device, ptt, monkeypatch):
     model(x).sum().backward()
     assert not tuned
     assert cuda_tuning.tuning_thread().is_alive()
+
+
+def test_a_process_that_tuned_on_cuda_exits_cleanly(tmp_path):
+    """Kernel Tuner's PyCUDA backend registers, the first time it sets up a device, an exit hook
+    that pops the context it pushed -- on the main thread at exit, while it was pushed on the CUDA
+    tuning thread.  The process must still exit without an error or a traceback."""
+    code = ("import pool_tuner.tuner as t; t.tune('adaptive_avg_pool2d', (2, 8, 10, 9), (4, 7), "
+            f"device={DEVICES[0].id!r}, strategy='random_sample', max_fevals=2, store=False)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------- more than 2^31 elements

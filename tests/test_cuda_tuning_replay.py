@@ -19,7 +19,8 @@ What the replay replaces, and only a GPU checks: compiling and running each conf
 Tuner's simulation mode reads the results from the file instead), so the verification of every
 configuration against the reference does not run here; and the race's kernel times (the device
 below answers ``timed_launch`` with the recorded median of the configuration).  Kernel Tuner's
-PyCUDA backend itself (its context, nvcc options) is not exercised.
+PyCUDA backend itself (its context, nvcc options) is not exercised; where the tuning runs (the CUDA
+tuning thread, ``backends/cuda_tuning.py``) and the toolkit Kernel Tuner is given are.
 """
 
 import json
@@ -84,6 +85,19 @@ def synthetic_cache() -> dict:
                           "objective": "time", "cache": entries}
     return {"synthetic": LABEL, "problem": {"op": OP, "input_shape": SHAPE, "output_size": OUTPUT},
             "variants": recorded}
+
+
+def _nvcc_missing() -> str | None:
+    try:
+        cuda.find_nvcc()
+    except cuda.NvccNotFoundError as why:
+        return str(why)
+    return None
+
+
+#: A CUDA tuning sets Kernel Tuner up with pool_tuner's nvcc (``Device.tuning``), so even a replayed
+#: one needs an nvcc installed.
+needs_nvcc = pytest.mark.skipif(_nvcc_missing() is not None, reason=f"a CUDA tuning needs nvcc: {_nvcc_missing()}")
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +177,7 @@ def test_the_recorded_file_is_labelled_synthetic_and_matches_the_search_spaces(r
     assert recorded == json.loads(json.dumps(synthetic_cache())), "stale: PYTHONPATH=$PWD python tests/test_cuda_tuning_replay.py"
 
 
+@needs_nvcc
 def test_tuning_on_a_cuda_device_passes_pycuda_arguments_and_stores_a_cuda_record(user_cache, recorded,
                                                                                   replayed_kernel_tuner):
     device = ReplayCudaDevice(recorded)
@@ -204,6 +219,7 @@ def test_tuning_on_a_cuda_device_passes_pycuda_arguments_and_stores_a_cuda_recor
     assert (choice.source, choice.variant.name, choice.config) == ("cache", result.best_variant, result.best_params)
 
 
+@needs_nvcc
 def test_pool_tuner_tune_device_cuda_0_runs_the_same_path(user_cache, recorded, replayed_kernel_tuner, monkeypatch,
                                                           capsys):
     device = ReplayCudaDevice(recorded)
@@ -221,10 +237,6 @@ def test_pool_tuner_tune_device_cuda_0_runs_the_same_path(user_cache, recorded, 
 
 
 # ---------------------------------------------------------------------- where and how CUDA tuning runs
-
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.isfile("/usr/local/cuda/bin/nvcc"),
-                                reason="Kernel Tuner's toolkit is set up from an installed nvcc")
-
 
 @needs_nvcc
 def test_tuning_from_two_threads_runs_on_the_one_tuning_thread(user_cache, recorded, replayed_kernel_tuner):
@@ -273,6 +285,32 @@ def test_autotune_on_a_miss_from_another_thread(user_cache, recorded, replayed_k
     calls = len(replayed_kernel_tuner)
     assert dispatch.choose(problem(), device, on_miss=tuner.tune_on_miss).config == choice.config
     assert len(replayed_kernel_tuner) == calls
+
+
+@needs_nvcc
+def test_two_threads_missing_one_problem_tune_it_once(user_cache, recorded, replayed_kernel_tuner, monkeypatch):
+    monkeypatch.setenv(tuner.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(tuner, "variants_for", lambda op, direction="forward": {
+        name: variant for name, variant in variants_for(op, direction).items() if name in VARIANTS[:1]})
+    device = ReplayCudaDevice(recorded)
+    both_missed = threading.Barrier(2)
+    real_tuning = device.tuning
+
+    def after_both_missed(work):
+        if not cuda_tuning.on_tuning_thread():  # the callers, not the tuning's own nested calls
+            both_missed.wait(10)
+        return real_tuning(work)
+
+    monkeypatch.setattr(device, "tuning", after_both_missed)
+    answers = []
+    workers = [threading.Thread(target=lambda: answers.append(tuner.tune_on_miss(problem(), device)))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert answers == [True, True]
+    assert len(replayed_kernel_tuner) == 1, "the second miss tuned the problem again"
 
 
 @needs_nvcc

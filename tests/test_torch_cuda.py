@@ -22,7 +22,7 @@ STREAM = 0x5EED
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A fake GPU: the fake driver, one fake CudaDevice, PyCUDA's compiler stubbed and the rest of
+    """A fake GPU: the fake driver, one fake CudaDevice, the compiler stubbed and
     PyCUDA unreachable, PyTorch's current stream a settable handle."""
     driver = FakeDriver()
     driver.set_current(PRIMARY_CONTEXT)
