@@ -3,7 +3,10 @@
 For each shape and direction, in one run on one device: pool_tuner's dispatched kernel, pool_tuner
 forced to the heuristic default, and PyTorch (on the device's ``torch_device``: the same GPU for a
 CUDA device, the CPU for OpenCL devices), each timed as users call it -- a loop of calls back to
-back on device-resident data (``time_loop``), then waiting for the device once.  The candidates'
+back on device-resident data (``time_loop``), then waiting for the device once.  On a CUDA device
+users call ``pool_tuner.torch`` on CUDA tensors, so that is what is timed, with PyTorch's caching
+allocator on both sides, every loop between CUDA events, and the two kernels alone as well
+(``_measure_cuda``).  The candidates'
 loops are interleaved, a fresh random order every round, ``repeat`` rounds, medians.  The shapes are
 the presets' (which ``pool-tuner tune --preset all`` tunes) and ``presets.UNTUNED``, shapes no
 preset tunes, where dispatch has only a nearest tuned shape or the default to go on.  Devices are
@@ -91,8 +94,12 @@ class Row:
     source: str
     variant: str
     params: dict
+    #: On a CUDA device, the dispatched and the default kernel alone: CUDA events around launches
+    #: back to back on buffers allocated once (``_cuda_kernel_candidate``); None elsewhere.
+    tuned_kernel_ms: float | None = None
+    default_kernel_ms: float | None = None
     #: With ``tune_untuned``, for the untuned shapes: the problem tuned in this run (not stored),
-    #: its winner timed as a fourth candidate beside the others; None otherwise.
+    #: its winner timed as one more candidate beside the others; None otherwise.
     tuned_here_ms: float | None = None
     tuned_here_variant: str | None = None
     tuned_here_params: dict | None = None
@@ -120,6 +127,15 @@ class Row:
         }
 
 
+#: What the columns mean on a CUDA device (the report's ``method``).
+CUDA_METHOD = {
+    "pool_tuner": "pool_tuner.torch on CUDA tensors: the functional forward, or the backward custom op autograd runs; "
+                  "results from PyTorch's caching allocator, launches on its current stream",
+    "torch": "torch.nn.functional (forward) and ATen's backward ops on the same tensors",
+    "timing": "CUDA events around each loop of calls back to back",
+    "kernels": "tuned_kernel_ms, default_kernel_ms: pool_tuner's dispatched and default kernel alone, launched back "
+               "to back on buffers allocated once, between CUDA events",
+}
 #: The copies that ``memory_bandwidth`` times; the fastest is the device's copy bandwidth.
 COPY_METHODS = ("buffer_copy", "copy_kernel", "copy_kernel_streaming")
 #: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
@@ -259,14 +275,83 @@ def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device:
     return Candidate(run, lambda: None)
 
 
+def time_loop_cuda_events(candidate: Candidate, calls: int) -> float:
+    """Milliseconds per call of ``calls`` calls of ``candidate`` back to back, between two CUDA
+    events on PyTorch's current stream (the device's own clock, not the host's)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        candidate.call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _cuda_tensors(problem: Problem, x, grad, indices, torch_device: str) -> list:
+    """The tensors of a case on ``torch_device``: ``[x]`` (forward), ``[x, grad_out]`` or
+    ``[x, grad_out, indices]`` (backward)."""
+    import torch
+
+    arrays = [x] + ([] if problem.direction == "forward" else [grad] + ([indices] if problem.kind == "max" else []))
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(torch_device) for a in arrays]
+
+
+def _pool_tuner_torch_candidate(problem: Problem, tensors: list, variant=None, config=None) -> Candidate:
+    """What a user of ``pool_tuner.torch`` calls on CUDA tensors: the functional forward, or the
+    backward custom op autograd runs (``torch.ops.pool_tuner.<op>_backward``), with
+    ``variant``/``config`` forced when given.  Results come from PyTorch's caching allocator."""
+    import torch
+
+    from . import torch as ptt
+
+    out_size = list(problem.output_shape[-problem.ndim:])
+    if problem.direction == "forward":
+        run = functools.partial(getattr(ptt, problem.op), tensors[0], out_size, variant=variant, config=config)
+    else:
+        backward = getattr(torch.ops.pool_tuner, f"{problem.op}_backward")
+        run = functools.partial(backward, *tensors[1:], list(problem.input_shape),
+                                ptt._encode_options(None, variant, config))
+    return Candidate(run, functools.partial(torch.cuda.synchronize, tensors[0].device))
+
+
+def _cuda_kernel_candidate(problem: Problem, tensors: list, variant=None, config=None) -> Candidate:
+    """The kernel alone: the ``torch_cuda`` plan's prepared launch on PyTorch's current stream,
+    on inputs and results allocated once, so a call is one ``cuLaunchKernel``."""
+    import torch
+
+    from . import ops, torch_cuda
+
+    inputs = tensors[:1] if problem.direction == "forward" else tensors[1:]
+    size = problem.output_shape[-problem.ndim:] if problem.direction == "forward" else problem.input_shape
+    fn = getattr(ops, problem.op if problem.direction == "forward" else f"{problem.op}_backward")
+    plan = torch_cuda.plan(fn, inputs, size, {"device": None, "variant": variant, "config": config})
+    results = [torch.empty_strided(shape, strides, dtype=dtype, device=inputs[0].device)
+               for shape, strides, dtype in plan.outputs]
+    pointers = [t.data_ptr() for t in inputs + results]
+    index = inputs[0].device.index
+    return Candidate(lambda: plan.launch(torch_cuda.current_raw_stream(index), *pointers),
+                     functools.partial(torch.cuda.synchronize, inputs[0].device))
+
+
 def measure(name, op, shape, output_size, direction, device, repeat: int, rng, tune_here: bool = False) -> Row:
     """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case, each
-    timed in loops of calls back to back (``time_loop``).  With ``tune_here`` the problem is first
-    tuned as ``pool-tuner tune`` tunes it, without storing the result (so the dispatched candidate
-    is still what dispatch does without it), and the tuning's winner is a fourth candidate."""
+    timed in loops of calls back to back (``time_loop``).  On a CUDA device pool_tuner is timed as
+    ``pool_tuner.torch`` on CUDA tensors and the loops between CUDA events, and the kernels alone
+    are timed too (``_measure_cuda``).  With ``tune_here`` the problem is first tuned as
+    ``pool-tuner tune`` tunes it, without storing the result (so the dispatched candidate is still
+    what dispatch does without it), and the tuning's winner is one more candidate."""
     import pool_tuner as pt
 
     problem = Problem.create(op, shape, output_size, direction=direction)
+    tuned_here = None
+    if tune_here:
+        from . import tuner
+
+        tuned_here = tuner.tune(op, shape, output_size, direction=direction, device=device, store=False)
+    if device.backend == "cuda":
+        return _measure_cuda(name, problem, device, repeat, rng, tuned_here)
     out_size = problem.output_shape[-problem.ndim:]
     queue = device.queue
     x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(np.float32)
@@ -291,25 +376,69 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
                   wait),
         _torch_candidate(op, direction, x, out_size, grad, indices, device.torch_device),
     ]
-    tuned_here = None
-    if tune_here:
-        from . import tuner
-
-        tuned_here = tuner.tune(op, shape, output_size, direction=direction, device=device, store=False)
+    if tuned_here is not None:
         candidates.append(Candidate(functools.partial(fn, *args, device=device, variant=tuned_here.best_variant,
                                                       config=tuned_here.best_params), wait))
+    medians, calls = _interleaved(candidates, repeat, rng, time_loop)
+    return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
+               *problem.bytes_read_written(), *medians[:3], *calls[:3],
+               info["source"], info["variant"], info["params"], None, None, *_tuned_here_fields(tuned_here, medians[3:]))
+
+
+def _tuned_here_fields(tuned_here, medians: list) -> tuple:
+    """``Row``'s ``tuned_here_*`` fields: the winner's time (the last candidate's median), variant
+    and configuration; Nones without a tuning in the run."""
+    if tuned_here is None:
+        return (None, None, None)
+    return (medians[-1], tuned_here.best_variant, tuned_here.best_params)
+
+
+def _interleaved(candidates: list, repeat: int, rng, timer) -> tuple[list, list]:
+    """Medians (ms per call) of ``repeat`` rounds of ``timer`` loops of each candidate, in a fresh
+    order every round, and the calls per loop of each."""
     for candidate in candidates:  # warm-up: builds, first-touch, allocator pools
         time_loop(candidate, 2)
     calls = [calls_per_loop(candidate) for candidate in candidates]
     times = [[] for _ in candidates]
     for _ in range(repeat):
-        for i in rng.permutation(len(candidates)):  # a fresh order every round
-            times[i].append(time_loop(candidates[i], calls[i]))
-    medians = [float(np.median(t)) for t in times]
-    here = () if tuned_here is None else (medians[3], tuned_here.best_variant, tuned_here.best_params)
-    return Row(name, op, direction, list(problem.input_shape), list(problem.output_shape), problem.bytes_moved(),
-               *problem.bytes_read_written(), *medians[:3], *calls[:3],
-               info["source"], info["variant"], info["params"], *here)
+        for i in rng.permutation(len(candidates)):
+            times[i].append(timer(candidates[i], calls[i]))
+    return [float(np.median(t)) for t in times], calls
+
+
+def _measure_cuda(name: str, problem: Problem, device, repeat: int, rng, tuned_here=None) -> Row:
+    """``measure`` on a CUDA device: ``pool_tuner.torch`` (dispatched and default) against
+    ``torch.nn.functional`` (PyTorch's ATen kernels), both on CUDA tensors with PyTorch's caching
+    allocator, and pool_tuner's two kernels alone; every loop timed between CUDA events
+    (``time_loop_cuda_events``)."""
+    import pool_tuner as pt
+
+    out_size = problem.output_shape[-problem.ndim:]
+    x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(np.float32)
+    grad = indices = None
+    if problem.direction == "backward":
+        grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
+        if problem.kind == "max":
+            _, indices = getattr(pt, problem.op)(x, out_size, return_indices=True, device=device)
+    tensors = _cuda_tensors(problem, x, grad, indices, device.torch_device)
+    default = dispatch.default_choice(problem, device)
+    forced = dict(variant=default.variant.name, config=default.config)
+    info = dispatch.describe(problem, device, dispatch.choose(problem, device))
+    candidates = [
+        _pool_tuner_torch_candidate(problem, tensors),
+        _pool_tuner_torch_candidate(problem, tensors, **forced),
+        _torch_candidate(problem.op, problem.direction, x, out_size, grad, indices, device.torch_device),
+        _cuda_kernel_candidate(problem, tensors),
+        _cuda_kernel_candidate(problem, tensors, **forced),
+    ]
+    if tuned_here is not None:
+        candidates.append(_pool_tuner_torch_candidate(problem, tensors, variant=tuned_here.best_variant,
+                                                      config=tuned_here.best_params))
+    medians, calls = _interleaved(candidates, repeat, rng, time_loop_cuda_events)
+    return Row(name, problem.op, problem.direction, list(problem.input_shape), list(problem.output_shape),
+               problem.bytes_moved(), *problem.bytes_read_written(), *medians[:3], *calls[:3],
+               info["source"], info["variant"], info["params"], *medians[3:5],
+               *_tuned_here_fields(tuned_here, medians[5:]))
 
 
 def _summary(rows: list) -> dict:
@@ -380,7 +509,8 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
         "method": {"timing": "loops of calls back to back, then one wait for the device", "loop_s": LOOP_S,
-                   "min_calls": MIN_CALLS, "max_calls": MAX_CALLS},
+                   "min_calls": MIN_CALLS, "max_calls": MAX_CALLS,
+                   **({"cuda": CUDA_METHOD} if dev.backend == "cuda" else {})},
         "runtime_note": dev.runtime_note,
         "rows": report_rows,
         "summary": summary,
@@ -411,7 +541,10 @@ GB/s: bytes read + written per second; % of copy: that against the device's fast
 x floor: time / the copy floor (the bytes moved at copy speed); x stream floor: time / the stream
   floor (also the reads alone at read speed and the writes alone at write speed); 1.00 is at the floor
 tuned vs default: the default rules' choice's time / the dispatched kernel's (above 1x: tuning helped)
-kernel: the dispatched variant, and where dispatch took it from (cache, nearest tuned shape, default)"""
+kernel: the dispatched variant, and where dispatch took it from (cache, nearest tuned shape, default)
+On a CUDA device: pool_tuner is pool_tuner.torch on CUDA tensors, every loop is timed between CUDA
+  events, and "kernel alone" is the dispatched (and default) kernel launched back to back on buffers
+  allocated once"""
 
 
 def format_table(report: dict) -> str:
@@ -427,8 +560,10 @@ def format_table(report: dict) -> str:
     if report.get("runtime_note"):
         lines.insert(1, report["runtime_note"])
     for shape, r in zip(shapes, report["rows"]):
+        kernels = ("" if r.get("tuned_kernel_ms") is None
+                   else f"; kernel alone {r['tuned_kernel_ms']:.4f} ms, default's {r['default_kernel_ms']:.4f} ms")
         lines.append(f"{shape:{width}s} " + " ".join(f"{cell(r):>{w}s}" for _, w, cell in COLUMNS)
-                     + f"  {r['variant']} ({r['source']})")
+                     + f"  {r['variant']} ({r['source']}){kernels}")
     for direction, s in report["summary"].items():
         lines.append(f"{direction}: geomean {s['geomean_speedup_vs_torch']:.2f}x vs PyTorch, "
                      f"{s['geomean_times_floor']:.2f}x the copy floor, {s['geomean_times_stream_floor']:.2f}x the stream floor, "

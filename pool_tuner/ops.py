@@ -333,8 +333,8 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
 
 def release_memory() -> int:
     """Free the device memory that pool_tuner holds for reuse by later results (OpenCL results on
-    a device's own queue come from a memory pool, see docs/design.md "Memory"); returns the number of
-    blocks freed.  Arrays still referenced are untouched."""
+    a device's own queue and CUDA results on GPUArrays come from a memory pool, see docs/design.md
+    "Memory"); returns the number of blocks freed.  Arrays still referenced are untouched."""
     return sum(device.release_memory() for device in backends.all_devices())
 
 

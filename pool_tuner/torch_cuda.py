@@ -10,11 +10,12 @@ signature is one dictionary lookup, ``torch.empty_strided`` for each result on t
 device.
 
 So nothing here makes or frees a PyCUDA object, or touches PyCUDA's per-thread context stack, once
-a signature has been seen (the first call builds through PyCUDA's compiler only): calls work from
-any thread -- the autograd engine's backward thread, a DataLoader worker, a user's -- and inside
+a signature has been seen (the first call compiles through pool_tuner's cubin cache,
+``backends.cuda_compile``): calls work from any thread -- the autograd engine's backward thread, a DataLoader worker, a user's -- and inside
 ``torch.cuda.graph`` capture, where the launch is recorded into the graph and the results come
 from the graph's memory pool.  Capture a signature only after calling it once (PyTorch asks for
-such a warm-up before capture anyway): building a kernel is not allowed while a stream captures.
+such a warm-up before capture anyway): building a kernel is not allowed while a stream captures,
+so a signature first met during capture is a ``ValueError`` that says so.
 Results are ordered after the inputs' producers by the stream itself, as PyTorch's own ops are.
 """
 
@@ -58,10 +59,31 @@ def plan(fn, tensors, size, options: dict) -> "_Plan":
         key = None
     found = _PLANS.get(key) if key is not None else None
     if found is None:
+        _refuse_capture(tensors[0])
         found = _Plan(fn, tensors, size, options)
         if key is not None:
             _PLANS.put(key, found)
     return found
+
+
+def _refuse_capture(first) -> None:
+    """A first call may compile, load modules and tune -- none of which a stream being captured
+    into a CUDA graph allows, and whose failure there would surface as an obscure capture error.
+    So a plan miss during capture is refused with what to do instead."""
+    if _capturing(first.device.index):
+        raise ValueError(
+            f"pool_tuner.torch met a new call signature ({tuple(first.shape)}, {first.dtype}, strides "
+            f"{first.stride()}) while a CUDA graph is being captured on {first.device}: its first call compiles "
+            "and loads kernels, which capture forbids; call each signature once before capture (PyTorch's "
+            "warm-up on a side stream does that)")
+
+
+def _capturing(index) -> bool:
+    """Whether PyTorch's current stream of CUDA device ``index`` is being captured."""
+    if not torch.cuda.is_available():  # a CPU-only PyTorch captures nothing
+        return False
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _options_key(options: dict) -> tuple:

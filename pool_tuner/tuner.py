@@ -27,7 +27,12 @@ partial one never replaces a full one (``cache``).
 
 Threads: tuning runs one problem at a time per process (``_TUNING``): Kernel Tuner's runs would
 otherwise time each other's kernels on the same device, and two calls that miss the same shape
-with ``POOL_TUNER_AUTOTUNE=1`` tune it once.  Tuning changes nothing process-wide: Kernel Tuner's
+with ``POOL_TUNER_AUTOTUNE=1`` tune it once.  Each device says where its tuning runs
+(``Device.tuning``): an OpenCL tuning runs on the calling thread, every CUDA tuning on the
+process's one CUDA tuning thread while the caller waits (``backends/cuda_tuning.py``: Kernel Tuner's
+PyCUDA backend works on one thread only).  A device that cannot be tuned in this process
+(``TuningUnavailable``: no nvcc, a driver older than the nvcc) makes ``tune`` raise and
+``tune_on_miss`` warn and use the untuned decision.  Tuning changes nothing process-wide: Kernel Tuner's
 cache file and the sources it writes of failing configurations go to a scratch directory of the
 run (``_kernel_tuner_scratch``), never to the working directory, which stays where the
 application's other threads expect it.
@@ -49,6 +54,7 @@ import warnings
 import numpy as np
 
 from . import backends, dispatch, reference
+from .backends.base import TuningUnavailable
 from . import cache as cache_mod
 from . import kernel_source
 from .problem import Problem
@@ -267,8 +273,14 @@ def check_search_options(strategy=None, max_fevals=None, time_limit=None,
 
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
                  iterations=ITERATIONS, rng=None, quiet=True) -> tuple[dict | None, float | None, int, list]:
-    """Search one variant's space with Kernel Tuner.  Returns ``(best params, Kernel Tuner's median
-    time in ms, configurations evaluated, failures)``."""
+    """Search one variant's space with Kernel Tuner, where the device tunes (``Device.tuning``).
+    Returns ``(best params, Kernel Tuner's median time in ms, configurations evaluated, failures)``."""
+    return device.tuning(lambda: _tune_variant(variant, problem, device, strategy, max_fevals, time_limit, iterations,
+                                               rng, quiet))
+
+
+def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_limit, iterations, rng,
+                  quiet) -> tuple[dict | None, float | None, int, list]:
     from kernel_tuner import tune_kernel
 
     rng = rng or np.random.default_rng()
@@ -376,7 +388,11 @@ def _kernel_tuner_scratch(directory: str):
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
     """Median kernel time (ms) of each choice, launched interleaved on one queue and timed by the
-    device (``timed_launch``)."""
+    device (``timed_launch``), where the device tunes (``Device.tuning``)."""
+    return device.tuning(lambda: _race(problem, device, choices, repetitions, rng))
+
+
+def _race(problem: Problem, device, choices: list, repetitions: int, rng) -> list:
     rng = rng or np.random.default_rng()
     queue = device.queue
     arrays = [device.to_device(a, queue) for a in make_case(problem, rng).args]
@@ -402,10 +418,15 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
     ``BRUTE_FORCE_LIMIT`` legal points, else ``random_sample``); ``max_fevals`` and ``time_limit``
     (seconds per variant) bound the sampling strategies.  ``progress(variant_name)`` is called after
     each variant is searched.  One problem is tuned at a time per process (the module docstring)."""
-    with _TUNING:
-        return _tune(op, input_shape, output_size, dtype, layout, device, direction=direction, variants=variants,
-                     strategy=strategy, max_fevals=max_fevals, time_limit=time_limit, iterations=iterations,
-                     store=store, tuning_cache=tuning_cache, quiet=quiet, progress=progress)
+    dev = backends.resolve_device(device)
+
+    def one_at_a_time():
+        with _TUNING:
+            return _tune(op, input_shape, output_size, dtype, layout, dev, direction=direction, variants=variants,
+                         strategy=strategy, max_fevals=max_fevals, time_limit=time_limit, iterations=iterations,
+                         store=store, tuning_cache=tuning_cache, quiet=quiet, progress=progress)
+
+    return dev.tuning(one_at_a_time)
 
 
 def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, variants, strategy, max_fevals,
@@ -606,8 +627,18 @@ def tune_on_miss(problem: Problem, device) -> bool:
     memoises the decision that follows, so a problem is tuned once per process."""
     if not autotune_enabled():
         return False
+    # What the cache held when this call missed: read before waiting for the tuning thread or
+    # lock, so that a tuning of the same problem by another call meanwhile is recognised.
+    seen = dispatch.tuning_cache().lookup(cache_mod.cache_key(problem, device))
+    try:
+        return device.tuning(lambda: _tune_on_miss(problem, device, seen))
+    except TuningUnavailable as why:
+        log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1, but %s; using the untuned decision", why)
+        return False
+
+
+def _tune_on_miss(problem: Problem, device, seen) -> bool:
     key = cache_mod.cache_key(problem, device)
-    seen = dispatch.tuning_cache().lookup(key)
     with _TUNING:
         record = dispatch.tuning_cache().lookup(key)
         if record is not seen and record is not None and not cache_mod.is_partial(record):

@@ -87,7 +87,7 @@ class FakeDriver:
         return 0
 
     def cuModuleGetFunction(self, function, module, name):
-        self.calls.append(("cuModuleGetFunction", _target(module).value, name))
+        self.calls.append(("cuModuleGetFunction", _value(_target(module)), name))
         _target(function).value = 0xF000 + len(self.modules)
         return 0
 

@@ -27,10 +27,10 @@ def driver(monkeypatch):
     fake = FakeDriver()
     monkeypatch.setattr(cuda_driver, "library", lambda: fake)
     cuda_driver.primary_context.cache_clear()
-    cuda._build_for_driver.cache_clear()
+    cuda.forget_builds()
     yield fake
     cuda_driver.primary_context.cache_clear()
-    cuda._build_for_driver.cache_clear()
+    cuda.forget_builds()
 
 
 def test_launch_passes_pointers_grid_block_and_stream_handle(driver):

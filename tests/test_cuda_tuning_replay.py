@@ -19,19 +19,25 @@ What the replay replaces, and only a GPU checks: compiling and running each conf
 Tuner's simulation mode reads the results from the file instead), so the verification of every
 configuration against the reference does not run here; and the race's kernel times (the device
 below answers ``timed_launch`` with the recorded median of the configuration).  Kernel Tuner's
-PyCUDA backend itself (its context, nvcc options) is not exercised.
+PyCUDA backend itself (its context, nvcc options) is not exercised; where the tuning runs (the CUDA
+tuning thread, ``backends/cuda_tuning.py``) and the toolkit Kernel Tuner is given are.
 """
 
 import json
+import logging
+import os
 import random
 import re
+import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pool_tuner import cache, cli, dispatch, kernel_source, tuner
-from pool_tuner.backends import cuda
+from pool_tuner.backends import cuda, cuda_tuning
+from pool_tuner.backends.base import TuningUnavailable
 from pool_tuner.problem import Problem
 from pool_tuner.variants import variants_for
 
@@ -81,6 +87,19 @@ def synthetic_cache() -> dict:
             "variants": recorded}
 
 
+def _nvcc_missing() -> str | None:
+    try:
+        cuda.find_nvcc()
+    except cuda.NvccNotFoundError as why:
+        return str(why)
+    return None
+
+
+#: A CUDA tuning sets Kernel Tuner up with pool_tuner's nvcc (``Device.tuning``), so even a replayed
+#: one needs an nvcc installed.
+needs_nvcc = pytest.mark.skipif(_nvcc_missing() is not None, reason=f"a CUDA tuning needs nvcc: {_nvcc_missing()}")
+
+
 @pytest.fixture(scope="module")
 def recorded() -> dict:
     return json.loads(RECORDED.read_text())
@@ -102,6 +121,7 @@ class ReplayCudaDevice(cuda.CudaDevice):
         super().__init__(0, SYNTHETIC_H100)
         self.recorded = recorded
         self.timed = []
+        self.threads = set()  # the threads the race timed on
 
     queue = cuda.CudaQueue(context="replay")
 
@@ -121,6 +141,7 @@ class ReplayCudaDevice(cuda.CudaDevice):
         return None
 
     def timed_launch(self, queue, kernel, groups, block, args):
+        self.threads.add(threading.get_ident())
         (variant,) = [name for name in VARIANTS
                       if kernel.endswith(kernel_source.read(variants_for(OP)[name].template))]
         names = self.recorded["variants"][variant]["tune_params_keys"]
@@ -139,7 +160,8 @@ def replayed_kernel_tuner(monkeypatch, recorded):
     calls = []
 
     def tune_kernel(kernel_name, kernel_source, problem_size, arguments, tune_params, **options):
-        calls.append(dict(options, tune_params=tune_params))
+        calls.append(dict(options, tune_params=tune_params, thread=threading.get_ident(),
+                          nvcc_on_path=shutil.which("nvcc"), cuda_root=os.environ.get("CUDA_ROOT")))
         matching = [name for name, c in recorded["variants"].items() if c["tune_params"] == tune_params]
         assert len(matching) == 1, f"no recorded cache for the search space {tune_params}"
         Path(options["cache"]).write_text(json.dumps(recorded["variants"][matching[0]]))
@@ -155,6 +177,7 @@ def test_the_recorded_file_is_labelled_synthetic_and_matches_the_search_spaces(r
     assert recorded == json.loads(json.dumps(synthetic_cache())), "stale: PYTHONPATH=$PWD python tests/test_cuda_tuning_replay.py"
 
 
+@needs_nvcc
 def test_tuning_on_a_cuda_device_passes_pycuda_arguments_and_stores_a_cuda_record(user_cache, recorded,
                                                                                   replayed_kernel_tuner):
     device = ReplayCudaDevice(recorded)
@@ -196,6 +219,7 @@ def test_tuning_on_a_cuda_device_passes_pycuda_arguments_and_stores_a_cuda_recor
     assert (choice.source, choice.variant.name, choice.config) == ("cache", result.best_variant, result.best_params)
 
 
+@needs_nvcc
 def test_pool_tuner_tune_device_cuda_0_runs_the_same_path(user_cache, recorded, replayed_kernel_tuner, monkeypatch,
                                                           capsys):
     device = ReplayCudaDevice(recorded)
@@ -210,6 +234,159 @@ def test_pool_tuner_tune_device_cuda_0_runs_the_same_path(user_cache, recorded, 
                      "--device", "cuda:0"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["source"] == "cache" and info["device"].startswith("cuda:0 ") and "|cuda|" in info["cache_key"]
+
+
+# ---------------------------------------------------------------------- where and how CUDA tuning runs
+
+@needs_nvcc
+def test_tuning_from_two_threads_runs_on_the_one_tuning_thread(user_cache, recorded, replayed_kernel_tuner):
+    """Kernel Tuner's PyCUDA backend works on one thread only: whoever asks, every search and
+    every race runs on the process's CUDA tuning thread, which outlives each tuning."""
+    device = ReplayCudaDevice(recorded)
+    callers, errors = [], []
+
+    def tune_here(variants):
+        callers.append(threading.get_ident())
+        try:
+            tuner.tune(OP, SHAPE, OUTPUT, device=device, direction="forward", variants=variants, store=False)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=tune_here, args=(variants,)) for variants in (VARIANTS[:1], VARIANTS[1:2])]
+    for worker in workers:
+        worker.start()
+    tune_here(VARIANTS[:2])
+    for worker in workers:
+        worker.join()
+    assert not errors, errors
+    tuning_thread = cuda_tuning.tuning_thread().ident
+    assert {call["thread"] for call in replayed_kernel_tuner} == {tuning_thread}
+    assert device.threads == {tuning_thread}
+    assert tuning_thread not in callers and len(set(callers)) == 3
+
+
+@needs_nvcc
+def test_autotune_on_a_miss_from_another_thread(user_cache, recorded, replayed_kernel_tuner, monkeypatch):
+    """POOL_TUNER_AUTOTUNE=1 and a backward pass on PyTorch's autograd thread: the miss tunes on the
+    tuning thread, the calling thread gets the tuned decision, and the next miss asks nothing."""
+    monkeypatch.setenv(tuner.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(tuner, "variants_for", lambda op, direction="forward": {
+        name: variant for name, variant in variants_for(op, direction).items() if name in VARIANTS})
+    device = ReplayCudaDevice(recorded)
+    dispatch.forget(problem(), device)
+    chosen = []
+    worker = threading.Thread(target=lambda: chosen.append(dispatch.choose(problem(), device,
+                                                                           on_miss=tuner.tune_on_miss)))
+    worker.start()
+    worker.join()
+    (choice,) = chosen
+    assert choice.source == "cache"
+    assert {call["thread"] for call in replayed_kernel_tuner} == {cuda_tuning.tuning_thread().ident}
+    calls = len(replayed_kernel_tuner)
+    assert dispatch.choose(problem(), device, on_miss=tuner.tune_on_miss).config == choice.config
+    assert len(replayed_kernel_tuner) == calls
+
+
+@needs_nvcc
+def test_two_threads_missing_one_problem_tune_it_once(user_cache, recorded, replayed_kernel_tuner, monkeypatch):
+    monkeypatch.setenv(tuner.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(tuner, "variants_for", lambda op, direction="forward": {
+        name: variant for name, variant in variants_for(op, direction).items() if name in VARIANTS[:1]})
+    device = ReplayCudaDevice(recorded)
+    both_missed = threading.Barrier(2)
+    real_tuning = device.tuning
+
+    def after_both_missed(work):
+        if not cuda_tuning.on_tuning_thread():  # the callers, not the tuning's own nested calls
+            both_missed.wait(10)
+        return real_tuning(work)
+
+    monkeypatch.setattr(device, "tuning", after_both_missed)
+    answers = []
+    workers = [threading.Thread(target=lambda: answers.append(tuner.tune_on_miss(problem(), device)))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert answers == [True, True]
+    assert len(replayed_kernel_tuner) == 1, "the second miss tuned the problem again"
+
+
+@needs_nvcc
+def test_kernel_tuner_compiles_with_the_nvcc_pool_tuner_found(user_cache, recorded, replayed_kernel_tuner,
+                                                              monkeypatch, tmp_path):
+    """nvcc found only through CUDA_HOME: Kernel Tuner (nvcc from PATH, libcudadevrt from
+    CUDA_ROOT) is given that toolkit while it tunes, and the environment is restored after."""
+    nvcc = os.path.realpath(cuda.find_nvcc())
+    home = os.path.dirname(os.path.dirname(nvcc))
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setenv("CUDA_HOME", home)
+    monkeypatch.delenv("CUDA_ROOT", raising=False)
+    assert shutil.which("nvcc") is None and cuda.find_nvcc() == os.path.join(home, "bin", "nvcc")
+    tuner.tune(OP, SHAPE, OUTPUT, device=ReplayCudaDevice(recorded), direction="forward", variants=VARIANTS[:1],
+               store=False)
+    (call,) = replayed_kernel_tuner
+    assert os.path.realpath(call["nvcc_on_path"]) == nvcc
+    assert os.path.isfile(os.path.join(call["cuda_root"], "lib64", "libcudadevrt.a"))
+    assert os.environ["PATH"] == str(empty) and "CUDA_ROOT" not in os.environ
+
+
+@needs_nvcc
+def test_a_driver_older_than_nvcc_is_refused_with_what_to_do(user_cache, recorded, replayed_kernel_tuner,
+                                                              monkeypatch, caplog):
+    major, minor = cuda_tuning.nvcc_release(cuda.find_nvcc())
+    device = ReplayCudaDevice(recorded)
+    device.properties = SYNTHETIC_H100.__class__(**{**SYNTHETIC_H100.__dict__,
+                                                    "driver_version": major * 1000 + minor * 10 - 10})
+    with pytest.raises(TuningUnavailable, match="only a driver at least as new as the nvcc can load"):
+        tuner.tune(OP, SHAPE, OUTPUT, device=device, direction="forward", variants=VARIANTS)
+    monkeypatch.setenv(tuner.AUTOTUNE_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="pool_tuner"):
+        assert tuner.tune_on_miss(problem(), device) is False
+    assert "using the untuned decision" in caplog.text and "update the driver" in caplog.text
+    assert not replayed_kernel_tuner
+
+
+def test_the_tuning_thread_returns_results_raises_errors_and_runs_nested_work_in_place():
+    assert cuda_tuning.run(lambda: threading.get_ident()) == cuda_tuning.tuning_thread().ident
+    with pytest.raises(ZeroDivisionError):
+        cuda_tuning.run(lambda: 1 / 0)
+    assert cuda_tuning.run(lambda: cuda_tuning.run(lambda: "nested")) == "nested"
+
+
+def test_ctrl_c_while_waiting_interrupts_the_work_on_the_tuning_thread():
+    """Ctrl-C reaches the waiting main thread; the work on the tuning thread gets it, ends as the
+    tuner does (it raises TuningInterrupted), and that reaches the caller."""
+    import signal
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Ctrl-C (SIGINT) is handled on the main thread, and this test runs on another")
+    started = threading.Event()
+
+    def work():
+        started.set()
+        try:
+            while True:
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            raise tuner.TuningInterrupted("stored what was measured") from None
+
+    def press_ctrl_c():
+        started.wait(5)
+        os.kill(os.getpid(), signal.SIGINT)  # what a terminal's Ctrl-C does
+
+    threading.Thread(target=press_ctrl_c).start()
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # pytest-xdist's workers ignore SIGINT
+    try:
+        with pytest.raises(tuner.TuningInterrupted, match="stored what was measured"):
+            cuda_tuning.run(work)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert cuda_tuning.run(lambda: "still serving") == "still serving"
 
 
 if __name__ == "__main__":  # rewrite the recorded file from the current search spaces

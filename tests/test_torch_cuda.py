@@ -22,7 +22,7 @@ STREAM = 0x5EED
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A fake GPU: the fake driver, one fake CudaDevice, PyCUDA's compiler stubbed and the rest of
+    """A fake GPU: the fake driver, one fake CudaDevice, the compiler stubbed and
     PyCUDA unreachable, PyTorch's current stream a settable handle."""
     driver = FakeDriver()
     driver.set_current(PRIMARY_CONTEXT)
@@ -46,7 +46,7 @@ def gpu(monkeypatch):
 
 def _forget_builds_and_plans():
     cuda_driver.primary_context.cache_clear()
-    cuda._build_for_driver.cache_clear()
+    cuda.forget_builds()
     torch_cuda._PLANS.clear()
 
 
@@ -227,3 +227,65 @@ def test_forgetting_decisions_forgets_plans(gpu):
     problem = next(iter(torch_cuda._PLANS.values())).plan.problem
     dispatch.forget(problem, gpu.device)
     assert not torch_cuda._PLANS
+
+
+def test_a_new_signature_during_graph_capture_is_refused(gpu, monkeypatch):
+    """Capture forbids compiling and loading: a first call while the current stream captures must
+    say to call the signature once before capture; a seen signature launches as usual."""
+    import contextlib
+
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    capturing = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: capturing.append(index) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)  # seen: no question asked
+    assert not capturing and len(gpu.launches) == 2
+    with pytest.raises(ValueError, match="call each signature once before capture"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 6), NONE)
+    assert capturing == [x.device.index] and len(gpu.launches) == 2 and len(gpu.modules) == 1
+
+
+@pytest.fixture
+def cuda_bench(gpu, monkeypatch):
+    """``bench`` on the fake GPU: CPU tensors stand in for CUDA ones (``pool_tuner.torch`` sends
+    them down its CUDA path), a host clock for CUDA events, short loops."""
+    from pool_tuner import bench
+    from pool_tuner import torch as ptt
+
+    def cuda_path(op, direction, tensors, size, options):
+        fn = getattr(ops, op if direction == "forward" else f"{op}_backward")
+        return torch_cuda.plan(fn, tensors, size, dict(ptt._decode_options(options)))(tensors)
+
+    gpu.device.torch_device = "cpu"
+    monkeypatch.setattr(ptt, "_runs_eagerly_on_cpu", lambda input: False)
+    monkeypatch.setattr(ptt, "_run", cuda_path)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(bench, "time_loop_cuda_events", bench.time_loop)
+    monkeypatch.setattr(bench, "LOOP_S", 0.001)
+    return bench
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_the_cuda_benchmark_times_pool_tuner_torch_pytorch_and_the_kernels_alone(gpu, cuda_bench, direction):
+    import numpy as np
+
+    row = cuda_bench.measure("test", "adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7), direction, gpu.device, 2,
+                             np.random.default_rng(0))
+    assert row.tuned_ms > 0 and row.default_ms > 0 and row.torch_ms > 0
+    assert row.tuned_kernel_ms > 0 and row.default_kernel_ms > 0
+    assert {launch["stream"] for launch in gpu.launches} == {STREAM}  # PyTorch's current stream
+    assert "pool_tuner.torch" in cuda_bench.CUDA_METHOD["pool_tuner"]
+    assert "CUDA events" in cuda_bench.CUDA_METHOD["timing"]
+
+
+def test_the_kernel_alone_launches_on_buffers_allocated_once(gpu, cuda_bench, monkeypatch):
+    problem = ops.Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7))
+    x = _x((2, 3, 10, 9))
+    candidate = cuda_bench._cuda_kernel_candidate(problem, [x])
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: pytest.fail("allocated per call"))
+    for _ in range(3):
+        candidate.call()
+    arguments = [tuple(launch["arguments"]) for launch in gpu.launches]
+    assert len(arguments) == 3 and len(set(arguments)) == 1 and arguments[0][0] == x.data_ptr()

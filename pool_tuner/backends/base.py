@@ -41,6 +41,12 @@ class DeviceLimits:
     local_mem_size: int
 
 
+class TuningUnavailable(RuntimeError):
+    """``Device.tuning`` cannot tune on this device in this process (a missing compiler, a driver
+    too old for it, ...); the message says why and what to do.  Calls then use the untuned
+    decision (``tuner.tune_on_miss``)."""
+
+
 @runtime_checkable
 class Device(Protocol):
     """One device of one backend.
@@ -130,6 +136,13 @@ class Device(Protocol):
     def kernel_tuner_arguments(self) -> dict:
         """The arguments that make Kernel Tuner's ``tune_kernel`` compile and time on this device:
         ``lang`` and the device (and platform) indices in Kernel Tuner's numbering."""
+
+    def tuning(self, work):
+        """Run ``work()`` -- a tuning on this device: Kernel Tuner's searches and the race -- where
+        and how this device's tuning must run, and return its result.  OpenCL: right here; CUDA:
+        on the process's CUDA tuning thread, with Kernel Tuner set up to compile with pool_tuner's
+        nvcc (``backends/cuda_tuning.py``).  Raises ``TuningUnavailable`` when the device cannot
+        be tuned in this process."""
 
     # -------------------------------------------------------------- arrays in and out
     def to_device(self, host: np.ndarray, queue=None):

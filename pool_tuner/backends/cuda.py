@@ -19,7 +19,8 @@ input's own type (``like_input``).  Results stay on the device.
 Foreign streams: ``CudaDevice.driver_target`` builds the same kernels for ``backends.cuda_driver``,
 which launches them through the driver API on any stream handle (PyTorch's current stream, a
 stream being captured into a CUDA graph) with no PyCUDA object made or freed per call -- the path
-of CUDA tensors from ``pool_tuner.torch``.  PyCUDA compiles for both paths (``_compile``).
+of CUDA tensors from ``pool_tuner.torch``.  Both paths take their cubins from pool_tuner's own
+compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source, never on a hit.
 
 Threads: a PyCUDA launch prepares the shared ``Function``'s argument format and then calls it --
 two steps, between which another thread could prepare another format -- so ``launch`` holds the
@@ -45,13 +46,10 @@ import threading
 
 import numpy as np
 
-from . import cuda_driver
-from .base import DeviceLimits
+from . import cuda_compile, cuda_driver, cuda_tuning
+from .base import DeviceLimits, TuningUnavailable
 
 BACKEND = "cuda"
-#: Extra nvcc options of every runtime build (PyCUDA adds -arch for the device; device code is
-#: optimised by default).
-BUILD_OPTIONS = ()
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
 MAX_GRID_X = 2**31 - 1
 #: ``__cuda_array_interface__`` stream values that need no synchronisation before a launch on the
@@ -65,19 +63,17 @@ _IMPORT_ERROR: BaseException | None = None
 
 @functools.cache
 def _pycuda():
-    """``(driver, gpuarray, compile)`` (``compile``: ``pycuda.compiler.compile``), imported on first
-    use; None if PyCUDA is unusable."""
+    """``(driver, gpuarray)`` of PyCUDA, imported on first use; None if PyCUDA is unusable."""
     global _IMPORT_ERROR
     try:
         import pycuda.driver as drv
         import pycuda.gpuarray as gpuarray
-        from pycuda.compiler import compile as compile_source
 
         drv.init()
     except Exception as exc:  # noqa: BLE001 - no PyCUDA, no libcuda, no driver, no device, ...
         _IMPORT_ERROR = exc
         return None
-    return drv, gpuarray, compile_source
+    return drv, gpuarray
 
 
 def import_error():
@@ -157,7 +153,8 @@ class CudaDevice:
         self.memory_bytes = self.max_allocation_bytes = properties.total_memory
         self._context = None
         self._queue = None
-        self._lock = threading.Lock()  # retaining the primary context, making the default queue
+        self._pool = None
+        self._lock = threading.Lock()  # retaining the primary context, making the default queue and the pool
         self._launch_lock = threading.Lock()  # preparing a kernel's argument format and calling it
 
     @property
@@ -204,6 +201,26 @@ class CudaDevice:
         """Kernel Tuner's PyCUDA backend on this ordinal: ``lang="PYCUDA"``, because plain ``"CUDA"``
         makes Kernel Tuner pick cuda-python first, which pool_tuner does not depend on."""
         return {"lang": "PYCUDA", "device": self.ordinal}
+
+    def tuning(self, work):
+        """Run ``work()`` (a tuning on this device) on the process's CUDA tuning thread, with
+        Kernel Tuner's PyCUDA backend set up to compile with the nvcc pool_tuner uses, and wait
+        for it (``backends/cuda_tuning.py`` says why).  Raises ``TuningUnavailable`` when no nvcc
+        is found, the driver is older than the nvcc, or its toolkit lacks ``libcudadevrt``."""
+        if cuda_tuning.on_tuning_thread():  # a tuning within a tuning: already set up
+            return work()
+        try:
+            nvcc = find_nvcc()
+        except NvccNotFoundError as why:
+            raise TuningUnavailable(f"{self.describe()} cannot be tuned: {why}") from None
+        cuda_tuning.check_driver(self.properties.driver_version, nvcc, self.describe())
+        variables = cuda_tuning.kernel_tuner_environment(nvcc)
+
+        def in_environment():
+            with cuda_tuning.environment(variables):
+                return work()
+
+        return cuda_tuning.run(in_environment)
 
     # ------------------------------------------------------------------ context and queue
 
@@ -257,8 +274,23 @@ class CudaDevice:
             return _pycuda()[1].to_gpu(np.ascontiguousarray(host))
 
     def empty(self, shape, dtype, queue: CudaQueue | None = None):
+        """An uninitialised C-contiguous GPUArray from the device's memory pool (``memory_pool``)."""
         with self.activated(queue.context if queue else None):
-            return _pycuda()[1].empty(tuple(shape), np.dtype(dtype))
+            return _pycuda()[1].empty(tuple(shape), np.dtype(dtype), allocator=self.memory_pool.allocate)
+
+    @property
+    def memory_pool(self):
+        """PyCUDA's ``DeviceMemoryPool`` of this device, made on first use.  Results of
+        ``pool_tuner.ops`` come from it: a result dropped -- on any thread -- returns its block to
+        the pool instead of calling ``cuMemFree``, and the next result of that size reuses it
+        without ``cuMemAlloc`` (``release_memory`` frees what it holds)."""
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    from pycuda.tools import DeviceMemoryPool
+
+                    self._pool = DeviceMemoryPool()
+        return self._pool
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """cuMemcpyDtoDAsync of ``source`` into ``destination`` on the queue's stream."""
@@ -271,10 +303,15 @@ class CudaDevice:
         """Never called: ``shares_host_memory`` is False, so ops copies numpy arrays in and out."""
         raise NotImplementedError(_NOT_HOST_MEMORY)
 
-    @staticmethod
-    def release_memory() -> int:
-        """Nothing to free: CUDA results are fresh allocations (see the OpenCL backend's pool)."""
-        return 0
+    def release_memory(self) -> int:
+        """Free the device memory the pool holds for reuse; returns the number of blocks freed."""
+        with self._lock:
+            if self._pool is None:
+                return 0
+            freed = self._pool.held_blocks
+            with self.activated():
+                self._pool.free_held()
+        return freed
 
     def fill(self, array, value, queue: CudaQueue | None = None):
         """Fill a GPUArray (used to poison outputs with NaN before a launch).  PyCUDA has no fill
@@ -337,29 +374,39 @@ class CudaDevice:
     def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
         ``(x, y)``) with ``args``: device arrays / pointers (GPUArray, ``DeviceAllocation``,
-        ``__cuda_array_interface__`` objects, ints) or numpy scalars.  Returns a ``CudaLaunch``
-        whose events bracket the kernel on the queue's stream.  ``wait_for`` is accepted for
-        interface parity with OpenCL and ignored: work on one stream runs in order."""
+        ``__cuda_array_interface__`` objects, ints) or numpy scalars, on the queue's stream.
+        Records no event (``timed_launch`` does, for timing): the returned ``CudaLaunch`` waits by
+        synchronising the stream.  ``wait_for`` is accepted for interface parity with OpenCL and
+        ignored: work on one stream runs in order."""
         queue = queue or self.queue
+        with self.activated(queue.context):
+            self._launch(queue, kernel, groups, block, args)
+        return CudaLaunch(self, queue)
+
+    def _launch(self, queue: CudaQueue, kernel, groups: int, block: tuple, args) -> None:
+        """The launch itself; the queue's context must be current."""
         if groups < 1 or groups > MAX_GRID_X:
             raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
-        drv = _pycuda()[0]
         block3 = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         values, arg_format = zip(*(_kernel_arg(a) for a in args)) if args else ((), ())
         arg_format = "".join(arg_format)
+        with self._launch_lock:
+            if getattr(kernel, "arg_format", None) != arg_format:
+                kernel.prepare(arg_format)
+            kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+
+    def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
+        """Launch between two CUDA events on the queue's stream, wait, and return the kernel's time
+        in ms between them."""
+        queue = queue or self.queue
+        drv = _pycuda()[0]
         with self.activated(queue.context):
             start, end = drv.Event(), drv.Event()
             start.record(queue.stream)
-            with self._launch_lock:
-                if getattr(kernel, "arg_format", None) != arg_format:
-                    kernel.prepare(arg_format)
-                kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+            self._launch(queue, kernel, groups, block, args)
             end.record(queue.stream)
-        return CudaLaunch(start, end)
-
-    def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
-        """``launch`` and wait; the kernel's time in ms between the events around it."""
-        return self.launch(queue, kernel, groups, block, args).elapsed_ms()
+            end.synchronize()
+            return float(start.time_till(end))
 
     @functools.cached_property
     def driver_target(self) -> "CudaDriverTarget":
@@ -370,17 +417,14 @@ class CudaDevice:
 
 @dataclasses.dataclass(frozen=True)
 class CudaLaunch:
-    """The events recorded before and after one kernel launch."""
+    """A launch on a queue: ``wait`` waits for everything sent to that queue so far (no event is
+    recorded per launch)."""
 
-    start: object
-    end: object
+    device: CudaDevice
+    queue: CudaQueue
 
     def wait(self) -> None:
-        self.end.synchronize()
-
-    def elapsed_ms(self) -> float:
-        self.end.synchronize()
-        return float(self.start.time_till(self.end))
+        self.device.synchronize(self.queue)
 
 
 class CudaDriverTarget:
@@ -413,30 +457,52 @@ class CudaDriverTarget:
         return cuda_driver.PreparedLaunch(kernel, groups, block, n_pointers, scalars)
 
 
-@functools.lru_cache(maxsize=512)
-def _build(context, arch: str, source: str, kernel_name: str):
+# Loaded modules and their kernels are kept for the life of the process: a plan may launch a
+# kernel at any time, and unloading a module whose kernel is still launched is undefined behaviour.
+# Each source is compiled once (``cuda_compile``'s cache) and loaded once per context.
+
+@functools.cache
+def _pycuda_module(context, arch: str, source: str):
     image = _compile(source, arch)
     context.push()
     try:
-        return _pycuda()[0].module_from_buffer(image).get_function(kernel_name)
+        return _pycuda()[0].module_from_buffer(image)
     finally:
         _pycuda()[0].Context.pop()
 
 
-@functools.lru_cache(maxsize=512)
+@functools.cache
+def _build(context, arch: str, source: str, kernel_name: str):
+    module = _pycuda_module(context, arch, source)
+    context.push()
+    try:
+        return module.get_function(kernel_name)
+    finally:
+        _pycuda()[0].Context.pop()
+
+
+@functools.cache
+def _driver_module(ordinal: int, arch: str, source: str) -> int:
+    return cuda_driver.load_module(ordinal, _compile(source, arch))
+
+
+@functools.cache
 def _build_for_driver(ordinal: int, arch: str, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-    return cuda_driver.load_kernel(ordinal, _compile(source, arch), kernel_name)
+    return cuda_driver.get_kernel(ordinal, _driver_module(ordinal, arch, source), kernel_name)
+
+
+def forget_builds() -> None:
+    """Drop the memoised modules and kernels of both build paths (for tests that swap the driver
+    for a fake one; the modules themselves stay loaded)."""
+    for memoised in (_pycuda_module, _build, _driver_module, _build_for_driver):
+        memoised.cache_clear()
 
 
 def _compile(source: str, arch: str) -> bytes:
-    """The cubin of ``source`` for ``arch``, compiled by PyCUDA (through its on-disk cache).  The
-    architecture is given, so that compiling needs no current context."""
-    try:
-        nvcc = find_nvcc()
-    except NvccNotFoundError:
-        nvcc = "nvcc"  # PyCUDA's own default; its error message then names the problem
-    # The templates declare their kernels `extern "C"` themselves (prelude.h).
-    return _pycuda()[2](source, nvcc=nvcc, options=list(BUILD_OPTIONS), no_extern_c=True, arch=arch)
+    """The cubin of ``source`` for ``arch`` from pool_tuner's compiler cache (``cuda_compile``),
+    built with the nvcc ``find_nvcc`` finds.  The architecture is given, so that compiling needs
+    no current context."""
+    return cuda_compile.cubin(source, arch, find_nvcc())[1]
 
 
 # ---------------------------------------------------------------------- finding nvcc
@@ -554,7 +620,7 @@ def as_gpuarray(x):
     array's device must be current (``CudaDevice.as_gpuarray`` does that).  Raises ``ValueError``
     for non-contiguous or masked arrays.  If the producer names a stream other than the legacy
     default stream, that stream is synchronised first, so that its pending writes are visible."""
-    _, gpuarray, _ = _pycuda()
+    _, gpuarray = _pycuda()
     if isinstance(x, gpuarray.GPUArray):
         if not x.flags.c_contiguous:
             raise ValueError("x must be a C-contiguous GPUArray (channels-first, no strides)")

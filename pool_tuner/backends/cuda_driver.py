@@ -10,10 +10,10 @@ makes no driver object at all: the kernel, grid, block, ctypes argument array an
 are fixed once (``PreparedLaunch``), and each call fills in device pointers and calls
 ``cuLaunchKernel``.
 
-PyCUDA still compiles (``pycuda.compiler.compile``, with its on-disk cache; see
-``backends.cuda``).  Its ``Module`` and ``Function`` do not expose their driver handles (PyCUDA
-2026.1 binds no ``handle`` for either), so the compiled image is loaded here with
-``cuModuleLoadData``, once per kernel and device, and kept for the life of the process.
+The cubins come from pool_tuner's own compiler cache (``backends.cuda_compile``).  PyCUDA's
+``Module`` and ``Function`` do not expose their driver handles (PyCUDA 2026.1 binds no ``handle``
+for either), so the image is loaded here with ``cuModuleLoadData``, once per image and device
+(``backends.cuda`` memoises it), and kept for the life of the process.
 
 Contexts: kernels are loaded into, and launched in, the device's *primary* context -- the one the
 CUDA runtime, PyTorch and CuPy use -- retained here once per device and never released.  A launch
@@ -151,17 +151,31 @@ class DriverKernel:
     max_threads_per_block: int
 
 
-def load_kernel(ordinal: int, image: bytes, name: str) -> DriverKernel:
-    """Load a compiled module image (cubin) into device ``ordinal``'s primary context and look up
-    kernel ``name``.  The module stays loaded for the life of the process (callers memoise)."""
+def load_module(ordinal: int, image: bytes) -> int:
+    """Load a compiled module image (cubin) into device ``ordinal``'s primary context; its
+    ``CUmodule`` handle.  The module stays loaded for the life of the process: the caller memoises
+    it (``backends.cuda``), so each image is loaded once per device."""
+    lib = _driver()
+    module = ctypes.c_void_p()
+    with made_current(lib, primary_context(ordinal)):
+        check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+    return module.value
+
+
+def get_kernel(ordinal: int, module: int, name: str) -> DriverKernel:
+    """Kernel ``name`` of a module loaded by ``load_module`` on device ``ordinal``."""
     lib = _driver()
     context = primary_context(ordinal)
-    module, function, limit = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()
+    function, limit = ctypes.c_void_p(), ctypes.c_int()
     with made_current(lib, context):
-        check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
         check(lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"cuModuleGetFunction({name})")
         check(lib.cuFuncGetAttribute(ctypes.byref(limit), _MAX_THREADS_PER_BLOCK, function), "cuFuncGetAttribute")
     return DriverKernel(ordinal, context, function.value, name, limit.value)
+
+
+def load_kernel(ordinal: int, image: bytes, name: str) -> DriverKernel:
+    """``load_module`` then ``get_kernel``: kernel ``name`` of a freshly loaded ``image``."""
+    return get_kernel(ordinal, load_module(ordinal, image), name)
 
 
 def _unconverted(lib, name: str):

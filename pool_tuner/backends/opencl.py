@@ -273,6 +273,11 @@ class OpenCLDevice:
                                f"parent or in a process that was not forked")
         return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
 
+    @staticmethod
+    def tuning(work):
+        """Run ``work()`` here: PyOpenCL's objects work from any thread."""
+        return work()
+
     def _after_fork_in_child(self) -> None:
         """Forget the parent's queue, pool and lock, and move onto the fork fallback (see the
         module docstring); a PoCL device without one is unusable here, which its first use says."""

@@ -1,0 +1,155 @@
+"""pool_tuner's own cubin cache (``backends.cuda_compile``) and the two CUDA build paths on it:
+a hit starts no process, a source both paths need is compiled once, modules are loaded once per
+context and kept.  The nvcc tests compile for real (no GPU needed) and skip without nvcc."""
+
+import subprocess
+import threading
+
+import pytest
+
+from pool_tuner import kernel_source
+from pool_tuner.backends import cuda, cuda_compile, cuda_driver
+from pool_tuner.problem import Problem
+from pool_tuner.variants import REGISTRY
+
+from cuda_fakes import PRIMARY_CONTEXT, FakeDriver
+
+try:
+    NVCC, NO_NVCC = cuda.find_nvcc(), None
+except cuda.NvccNotFoundError as why:
+    NVCC, NO_NVCC = None, str(why)
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason=f"compiles with nvcc: {NO_NVCC}")
+
+
+def _source(size=(4, 7)):
+    problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), size)
+    variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
+    return kernel_source.render(variant.template, variant.defines(variant.default_for(problem), problem))
+
+
+@pytest.fixture
+def no_process(monkeypatch):
+    """Make starting any process an error (from the moment the fixture's ``arm()`` is called)."""
+    real = subprocess.run
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[0] if args else kwargs.get('args')}")
+
+    def arm():
+        monkeypatch.setattr(subprocess, "run", forbidden)
+
+    yield arm
+    monkeypatch.setattr(subprocess, "run", real)
+
+
+@needs_nvcc
+def test_a_hit_reads_the_cubin_and_starts_no_process(user_cache, no_process):
+    source = _source()
+    key, image = cuda_compile.cubin(source, "sm_80", NVCC)
+    assert image[:4] == b"\x7fELF", "nvcc -cubin makes an ELF image"
+    assert (user_cache / "cubin" / f"{key}.cubin").read_bytes() == image
+    no_process()
+    assert cuda_compile.cubin(source, "sm_80", NVCC) == (key, image)
+    assert cuda._compile(source, "sm_80") == image  # the backend's builds use the same cache
+
+
+@needs_nvcc
+def test_the_key_follows_source_arch_options_and_compiler(tmp_path):
+    source = _source()
+    key = cuda_compile.cache_key(source, "sm_80", NVCC)
+    assert len(key) == 64 and key == cuda_compile.cache_key(source, "sm_80", NVCC)
+    assert key != cuda_compile.cache_key(_source((4, 6)), "sm_80", NVCC)
+    assert key != cuda_compile.cache_key(source, "sm_90", NVCC)
+    assert key != cuda_compile.cache_key(source, "sm_80", NVCC, options=("-cubin", "-G"))
+    other = tmp_path / "bin" / "nvcc"  # another compiler: another identity
+    other.parent.mkdir()
+    other.write_bytes(b"#!/bin/sh\n")
+    assert key != cuda_compile.cache_key(source, "sm_80", str(other))
+
+
+@needs_nvcc
+def test_nvcc_errors_carry_its_output(user_cache):
+    with pytest.raises(cuda_compile.CudaCompileError, match="(?s)nvcc failed with status .*error: expected a declaration"):
+        cuda_compile.cubin("this is not C++;", "sm_80", NVCC)
+    assert not list((user_cache / "cubin").glob("*.cubin"))
+
+
+def test_concurrent_requests_for_one_source_compile_once(user_cache, monkeypatch):
+    compiled, gate = [], threading.Event()
+
+    def slow_compile(source, arch, nvcc, options=cuda_compile.NVCC_OPTIONS):
+        compiled.append(source)
+        gate.wait(5)
+        return b"\x7fELF" + source.encode()
+
+    monkeypatch.setattr(cuda_compile, "compile_source", slow_compile)
+    monkeypatch.setattr(cuda_compile, "nvcc_identity", lambda nvcc: "fake nvcc")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cuda_compile.cubin("src", "sm_90", "nvcc")))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join()
+    assert compiled == ["src"] and len(set(results)) == 1 and len(results) == 4
+
+
+class _FakePyCuda:
+    """PyCUDA's driver as ``_build`` uses it: contexts pushed and popped, modules from buffers."""
+
+    def __init__(self):
+        self.loaded = []
+        outer = self
+
+        class Module:
+            def __init__(self, image):
+                self.image = image
+
+            def get_function(self, name):
+                return (self.image, name, object())
+
+        class Context:
+            @staticmethod
+            def pop():
+                pass
+
+        self.Context = Context
+
+        def module_from_buffer(image):
+            outer.loaded.append(image)
+            return Module(image)
+
+        self.module_from_buffer = module_from_buffer
+
+
+class _Context:
+    def push(self):
+        pass
+
+
+def test_both_build_paths_compile_once_and_load_each_module_once(user_cache, monkeypatch):
+    """ops' PyCUDA build and torch's driver-API build of one source: one nvcc run; each path
+    loads the module once (for all the kernels in it) and returns the same kernel on every call."""
+    compiled = []
+    monkeypatch.setattr(cuda_compile, "compile_source", lambda source, arch, nvcc: compiled.append(source) or
+                        b"cubin:" + source.encode())
+    monkeypatch.setattr(cuda_compile, "nvcc_identity", lambda nvcc: "fake nvcc")
+    monkeypatch.setattr(cuda, "find_nvcc", lambda nvcc=None: "nvcc")
+    fake_pycuda, driver, context = _FakePyCuda(), FakeDriver(), _Context()
+    driver.set_current(PRIMARY_CONTEXT)
+    monkeypatch.setattr(cuda, "_pycuda", lambda: (fake_pycuda, None))
+    monkeypatch.setattr(cuda_driver, "library", lambda: driver)
+    cuda_driver.primary_context.cache_clear()
+    cuda.forget_builds()
+    try:
+        for name in ("copy", "read", "copy"):
+            kernel = cuda._build(context, "sm_90", "bandwidth source", name)
+            assert kernel is cuda._build(context, "sm_90", "bandwidth source", name)
+            driver_kernel = cuda._build_for_driver(0, "sm_90", "bandwidth source", name)
+            assert driver_kernel is cuda._build_for_driver(0, "sm_90", "bandwidth source", name)
+        assert compiled == ["bandwidth source"], "one compile for both paths and every kernel of the source"
+        assert fake_pycuda.loaded == [b"cubin:bandwidth source"] and len(driver.modules) == 1
+    finally:
+        cuda_driver.primary_context.cache_clear()
+        cuda.forget_builds()

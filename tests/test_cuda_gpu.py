@@ -1,0 +1,379 @@
+"""What only a CUDA GPU can show of the CUDA path (issue 28): tuning on the CUDA tuning thread,
+autotuning from autograd's thread, tensors of more than 2^31 elements, CUDA graph capture, stream
+ordering, a foreign context on a worker thread, leaks measured in a process of their own, and
+compute-sanitizer over the variant matrix.  Everything here skips, with the reason, without a GPU;
+the logic behind each is tested without one in test_torch_cuda.py, test_cuda_driver.py,
+test_cuda_compile.py, test_cuda_backend.py and test_cuda_tuning_replay.py.
+
+On a GPU machine run these first (docs/design.md, "GPU tests"):
+
+    python -m pytest -p no:cacheprovider -n 0 tests/test_cuda_gpu.py tests/test_cuda.py
+"""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from pool_tuner import cache, compile_check, dispatch, tuner
+from pool_tuner.backends import cuda, cuda_driver, cuda_tuning
+from pool_tuner.problem import OPS, Problem
+from pool_tuner.variants import REGISTRY
+
+torch = pytest.importorskip("torch")
+
+DEVICES = cuda.list_devices()
+_WHY = ("" if DEVICES else f"no CUDA device for pool_tuner ({cuda.import_error() or 'none listed'})") or \
+       ("" if torch.cuda.is_available() else "this PyTorch has no CUDA (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"needs a CUDA GPU: {_WHY}")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def device():
+    return DEVICES[0]
+
+
+@pytest.fixture
+def ptt():
+    import pool_tuner.torch as ptt
+
+    return ptt
+
+
+def _current_context() -> int | None:
+    context = ctypes.c_void_p()
+    cuda_driver.check(cuda_driver.library().cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+    return context.value
+
+
+# ---------------------------------------------------------------------- tuning (Build item 1)
+
+SMALL_SEARCH = dict(strategy="random_sample", max_fevals=3, time_limit=60.0)
+
+
+@pytest.mark.parametrize("op,direction", [("adaptive_avg_pool2d", "forward"), ("adaptive_avg_pool2d", "backward"),
+                                          ("adaptive_max_pool2d", "forward"), ("adaptive_max_pool2d", "backward")])
+def test_tuning_forward_and_backward_on_cuda_0(user_cache, device, op, direction):
+    result = tuner.tune(op, (2, 8, 10, 9), (4, 7), device=device, direction=direction, **SMALL_SEARCH)
+    errors = [f["error"] for v in result.variants for f in v.failures]
+    assert result.stored and result.best_time_ms > 0, errors
+    assert not [e for e in errors if "context" in e.lower()], errors
+
+
+def test_tuning_from_two_threads(user_cache, device):
+    results, errors = [], []
+
+    def tune(size):
+        try:
+            results.append(tuner.tune("adaptive_avg_pool2d", (2, 8, 10, 9), size, device=device, **SMALL_SEARCH))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=tune, args=(size,)) for size in ((4, 7), (3, 5))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors, errors
+    assert len(results) == 2 and all(r.stored for r in results)
+
+
+def test_autotune_through_a_training_step(user_cache, device, ptt, monkeypatch):
+    """POOL_TUNER_AUTOTUNE=1: the forward tunes on the main thread, the backward on autograd's
+    thread; both end on the CUDA tuning thread, both records are stored, and the next step tunes
+    nothing."""
+    monkeypatch.setenv(tuner.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(tuner, "DEFAULT_MAX_FEVALS", 3)
+    monkeypatch.setattr(tuner, "BRUTE_FORCE_LIMIT", 3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), ptt.AdaptiveAvgPool2d((3, 5)),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 5, 2)).cuda()
+    x = torch.randn(2, 4, 11, 13, device="cuda")
+    model(x).sum().backward()
+    for direction in ("forward", "backward"):
+        problem = Problem.create("adaptive_avg_pool2d", (2, 4, 11, 13), (3, 5), direction=direction)
+        assert dispatch.tuning_cache().lookup(cache.cache_key(problem, device)) is not None, direction
+    tuned = []
+    monkeypatch.setattr(tuner, "autotune", lambda problem, device: tuned.append(problem))
+    model(x).sum().backward()
+    assert not tuned
+    assert cuda_tuning.tuning_thread().is_alive()
+
+
+def test_a_process_that_tuned_on_cuda_exits_cleanly(tmp_path):
+    """Kernel Tuner's PyCUDA backend registers, the first time it sets up a device, an exit hook
+    that pops the context it pushed -- on the main thread at exit, while it was pushed on the CUDA
+    tuning thread.  The process must still exit without an error or a traceback."""
+    code = ("import pool_tuner.tuner as t; t.tune('adaptive_avg_pool2d', (2, 8, 10, 9), (4, 7), "
+            f"device={DEVICES[0].id!r}, strategy='random_sample', max_fevals=2, store=False)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- more than 2^31 elements
+
+#: Per rank, a float16 input of a little over 2^31 elements, and an output size.
+HUGE = {1: ((1, 2**16 + 1, 2**15), (5,)), 2: ((2, 64, 4096, 4097), (3, 5)), 3: ((1, 128, 64, 512, 513), (2, 3, 5))}
+
+
+def _variant_params():
+    if _WHY:  # one skipped case, with the reason, instead of one per variant
+        return [pytest.param(None, None, None, id="no-cuda-gpu")]
+    cases = []
+    for (op, direction), table in REGISTRY.items():
+        shape, size = HUGE[OPS[op][1]]
+        problem = Problem.create(op, shape, size, "float16", direction=direction)
+        for name, variant in table.items():
+            if compile_check.representative_configs(variant, problem):
+                cases.append(pytest.param(op, direction, name, id=f"{op}-{direction}-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("op,direction,variant", _variant_params())
+def test_more_than_2_31_elements_in_float16(device, ptt, op, direction, variant):
+    """Every variant (its default configuration) that takes the problem, both directions,
+    against PyTorch's own CUDA kernels."""
+    kind, ndim = OPS[op]
+    shape, size = HUGE[ndim]
+    torch.manual_seed(0)
+    x = torch.rand(shape, device="cuda", dtype=torch.float16)
+    reference = getattr(torch.nn.functional, f"adaptive_{kind}_pool{ndim}d")
+    ours = getattr(ptt, op)
+    if direction == "forward":
+        if kind == "avg":
+            torch.testing.assert_close(ours(x, size, variant=variant), reference(x, size), rtol=2e-3, atol=2e-3)
+        else:
+            values, indices = ours(x, size, return_indices=True, variant=variant)
+            expected, _ = reference(x, size, return_indices=True)
+            torch.testing.assert_close(values, expected, rtol=0, atol=0)
+            gathered = x.flatten(-ndim).gather(-1, indices.flatten(-ndim)).view_as(values)
+            torch.testing.assert_close(gathered, values, rtol=0, atol=0)  # ties may pick another position
+        return
+    x.requires_grad_()
+    if kind == "avg":
+        y = reference(x, size)
+        grad = torch.rand_like(y)
+        (expected,) = torch.autograd.grad(y, x, grad)
+        got = getattr(torch.ops.pool_tuner, f"{op}_backward")(grad, list(shape), ptt._encode_options(variant=variant))
+    else:
+        y, indices = reference(x, size, return_indices=True)
+        grad = torch.rand_like(y)
+        (expected,) = torch.autograd.grad(y, x, grad)
+        got = getattr(torch.ops.pool_tuner, f"{op}_backward")(grad, indices, list(shape),
+                                                              ptt._encode_options(variant=variant))
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------------- CUDA graphs (Build item 2)
+
+def _warm_up_and_capture(step):
+    """``step()`` three times on a side stream (PyTorch's prescribed warm-up), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "copied"])
+def test_capture_of_max_pooling_with_indices_and_both_backward_passes(ptt, layout):
+    size, shape = (4, 7), (2, 6, 10, 9)
+    source = torch.zeros(shape, device="cuda")
+    grad = torch.zeros((2, 6) + size, device="cuda")
+
+    def layout_of(t):
+        if layout == "channels_last":
+            return t.to(memory_format=torch.channels_last)
+        if layout == "copied":  # neither layout: pool_tuner copies it to contiguous first
+            return t.transpose(2, 3).contiguous().transpose(2, 3)
+        return t
+
+    def step():
+        x = layout_of(source).requires_grad_()
+        values, indices = ptt.adaptive_max_pool2d(x, size, return_indices=True)
+        (max_grad,) = torch.autograd.grad(values, x, grad)
+        (avg_grad,) = torch.autograd.grad(ptt.adaptive_avg_pool2d(x, size), x, grad)
+        return values, indices, max_grad, avg_grad
+
+    graph, (values, indices, max_grad, avg_grad) = _warm_up_and_capture(step)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            source.copy_(torch.rand(shape, device="cuda"))
+            grad.copy_(torch.rand(grad.shape, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        x = source.clone().requires_grad_()
+        expected_values, expected_indices = torch.nn.functional.adaptive_max_pool2d(x, size, return_indices=True)
+        torch.testing.assert_close(values, expected_values)
+        torch.testing.assert_close(indices, expected_indices)
+        torch.testing.assert_close(max_grad, torch.autograd.grad(expected_values, x, grad)[0])
+        torch.testing.assert_close(avg_grad, torch.autograd.grad(torch.nn.functional.adaptive_avg_pool2d(x, size),
+                                                                 x, grad)[0])
+
+
+def test_a_first_call_inside_capture_is_refused(ptt):
+    x = torch.rand((2, 3, 17, 11), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="call each signature once before capture"):
+        with torch.cuda.graph(graph):
+            ptt.adaptive_avg_pool2d(x, (5, 2))
+
+
+# ---------------------------------------------------------------------- streams and contexts
+
+def test_results_are_ordered_on_the_current_stream(ptt):
+    """The launch follows earlier work on PyTorch's current stream and is not done before it."""
+    size = (4, 7)
+    x = torch.rand((2, 3, 10, 9), device="cuda")
+    ptt.adaptive_avg_pool2d(x, size)  # built before timing anything
+    source = torch.rand_like(x)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy for a while
+    x.copy_(source)
+    y = ptt.adaptive_avg_pool2d(x, size)
+    assert not torch.cuda.current_stream().query(), "the stream finished before the sleep could have"
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, torch.nn.functional.adaptive_avg_pool2d(source, size))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        doubled = source * 2
+        z = ptt.adaptive_avg_pool2d(doubled, size)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(z, torch.nn.functional.adaptive_avg_pool2d(source * 2, size))
+
+
+def test_a_second_context_current_on_a_worker_thread(ptt, device):
+    """A worker thread with its own (non-primary) context current: pool_tuner launches in the
+    primary context, where PyTorch's memory lives, and leaves the worker's context current."""
+    import pycuda.driver as drv
+
+    x = torch.rand((2, 3, 10, 9), device="cuda")
+    ptt.adaptive_avg_pool2d(x, (4, 7))  # a seen signature; (3, 5) below is new
+    torch.cuda.synchronize()
+    results, errors = {}, []
+
+    def worker():
+        context = drv.Device(device.ordinal).make_context()
+        try:
+            mine = _current_context()
+            results["seen"] = ptt.adaptive_avg_pool2d(x, (4, 7))
+            results["new"] = ptt.adaptive_avg_pool2d(x, (3, 5))
+            torch.cuda.synchronize()
+            results["still_mine"] = _current_context() == mine
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+        finally:
+            context.pop()
+            context.detach()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert results["still_mine"]
+    for size, key in (((4, 7), "seen"), ((3, 5), "new")):
+        torch.testing.assert_close(results[key], torch.nn.functional.adaptive_avg_pool2d(x, size))
+
+
+# ---------------------------------------------------------------------- leaks, alone in a process
+
+LEAK_SCRIPT = textwrap.dedent("""
+    import json, os, sys, warnings
+    import torch
+    import pool_tuner.torch as ptt
+
+    def process_memory():
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid():
+                return process.usedGpuMemory
+        return None
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1), ptt.AdaptiveAvgPool2d((5, 7)),
+                                torch.nn.Flatten(), torch.nn.Linear(64 * 5 * 7, 10)).cuda()
+    optimiser = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, 23, 37, device="cuda")
+    target = torch.randint(0, 10, (32,), device="cuda")
+
+    def step():
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), target).backward()
+        optimiser.step()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), process_memory()
+        for _ in range(1000):
+            step()
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), process_memory()
+    print(json.dumps({"before": before, "after": after, "warnings": [str(w.message) for w in caught]}))
+""")
+
+
+def test_training_leaks_nothing_measured_in_its_own_process():
+    """1000 SGD steps through pool_tuner's AdaptiveAvgPool2d (backward on autograd's thread) in a
+    process of its own: PyTorch's allocated and reserved memory and this process's device memory
+    (NVML's per-process accounting, where pynvml is installed) end where they began, and nothing
+    is reported about memory that could not be freed.  Other processes on the GPU (pytest-xdist's
+    workers) cannot move these figures."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", LEAK_SCRIPT], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    (allocated0, reserved0, process0), (allocated1, reserved1, process1) = report["before"], report["after"]
+    print(f"allocated {allocated0} -> {allocated1}, reserved {reserved0} -> {reserved1}, "
+          f"process (NVML) {process0} -> {process1}")
+    assert allocated1 == allocated0 and reserved1 == reserved0
+    if process0 is not None and process1 is not None:
+        assert process1 - process0 <= 2 * 2**20, "the process's device memory grew over 1000 steps"
+    messages = report["warnings"] + [proc.stderr]
+    assert not any("could not be cleaned up" in m or "out-of-thread" in m for m in messages), messages
+
+
+# ---------------------------------------------------------------------- compute-sanitizer
+
+SANITIZER_SUBSET = "test_every_variant_on_the_shape_matrix and adaptive_avg_pool2d"
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_over_variants(tool):
+    """A slice of the variant matrix under compute-sanitizer; the whole matrix is the documented
+    command of docs/design.md ("GPU tests"), too slow for every run."""
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    command = [sanitizer, "--tool", tool, "--error-exitcode", "99", sys.executable, "-m", "pytest", "-q", "-n", "0",
+               "-p", "no:cacheprovider", "tests/test_cuda.py", "-k", SANITIZER_SUBSET]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=580, cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
