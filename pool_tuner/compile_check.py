@@ -152,7 +152,7 @@ def problems_for(op: str, direction: str, dtype: str, layout: str, table=PROBLEM
     ``Problem.create`` rejects the combination.  Raises ``ValueError`` if a problem does not get the
     index width it is for."""
     found = []
-    for label, shape, output_size, wide in table[OPS[op][1]]:
+    for label, shape, output_size, wide in table[OPS[op].ndim]:
         try:
             problem = Problem.create(op, _index_64_shape(shape) if wide else shape, output_size, dtype,
                                      layout, direction)
@@ -189,7 +189,7 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
         for dtype in DTYPES:
             if dtypes is not None and dtype not in dtypes:
                 continue
-            for layout in LAYOUT_NAMES[OPS[op][1]]:
+            for layout in LAYOUT_NAMES[OPS[op].ndim]:
                 problems = problems_for(op, direction, dtype, layout)
                 if not problems:
                     rejected.append(f"{op}/{direction}/{dtype}/{layout}")

@@ -125,14 +125,14 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
     """Shared body of every forward op."""
     plan = _plan(op, "forward", [x], output_size, device, variant, config, ("x",))
     results = _run(plan, [x], ("x",))
-    if plan.problem.kind == "max" and return_indices:
+    if plan.problem.operation.returns_indices and return_indices:
         return results[0], results[1]
     return results[0]
 
 
 def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, variant=None, config=None):
     """Shared body of every backward op."""
-    arrays = [grad_out] if OPS[op][0] == "avg" else [grad_out, indices]
+    arrays = [grad_out, indices] if OPS[op].selects else [grad_out]
     check_data = None
     if isinstance(indices, np.ndarray) and indices.size:
         def check_data(problem):
@@ -258,10 +258,11 @@ def _check_indices_in_windows(indices, problem):
             raise ValueError("indices must each lie inside their output's pooling window, as returned by the forward pass")
 
 
-def _doc_forward(kind, ndim):
+def _doc_forward(operation):
+    kind, ndim = operation.kind, operation.ndim
     shape = {1: "(N, C, L) or (C, L)", 2: "(N, C, H, W) or (C, H, W)", 3: "(N, C, T, H, W) or (C, T, H, W)"}[ndim]
     what = "average" if kind == "avg" else "max"
-    extra = ("" if kind == "avg" else
+    extra = ("" if not operation.returns_indices else
              " With ``return_indices=True`` also returns int64 indices (positions within each pooled "
              "plane, as PyTorch); NaN wins, ties go to the first position.")
     return (f"Adaptive {what} pooling of a {shape} array to ``output_size`` (an int, or {ndim} entries "
@@ -269,21 +270,20 @@ def _doc_forward(kind, ndim):
 
 
 def _make_forward(op):
-    kind, ndim = OPS[op]
-    if kind == "avg":
+    operation = OPS[op]
+    if not operation.returns_indices:
         def forward(x, output_size, *, device=None, variant=None, config=None):
             return pool_forward(op, x, output_size, device=device, variant=variant, config=config)
     else:
         def forward(x, output_size, return_indices=False, *, device=None, variant=None, config=None):
             return pool_forward(op, x, output_size, return_indices, device=device, variant=variant, config=config)
     forward.__name__ = forward.__qualname__ = op
-    forward.__doc__ = _doc_forward(kind, ndim)
+    forward.__doc__ = _doc_forward(operation)
     return forward
 
 
 def _make_backward(op):
-    kind, ndim = OPS[op]
-    if kind == "avg":
+    if not OPS[op].selects:
         def backward(grad_out, input_shape, *, device=None, variant=None, config=None):
             return pool_backward(op, grad_out, input_shape, device=device, variant=variant, config=config)
     else:

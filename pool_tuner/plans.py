@@ -136,7 +136,7 @@ class Plan:
         self._build = None if problem.is_empty else (build_target, context)
         first = problem.input_shape if problem.direction == "forward" else problem.output_shape
         sizes = [math.prod(first) * ELEMENT_BYTES[problem.dtype]]
-        if problem.direction == "backward" and problem.kind == "max":
+        if problem.direction == "backward" and problem.operation.selects:
             sizes.append(math.prod(problem.output_shape) * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
         self.nbytes = tuple(sizes)
@@ -182,7 +182,8 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     ``build=False``: the kernel is built on the plan's first launch instead (a plan that may never
     launch one: ``torch_cpu``'s race).  Raises ``TypeError`` /
     ``ValueError`` naming the argument before anything is built."""
-    kind, ndim = OPS[op]
+    operation = OPS[op]
+    ndim = operation.ndim
     first = specs[0]
     name = (names or ("x" if direction == "forward" else "grad_out",))[0]
     dtype = check_dtype(first.dtype, f"{name}.dtype")
@@ -191,13 +192,13 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     layout = layout or LAYOUT_NAMES[ndim][0]
     if direction == "forward":
         problem = Problem.create(op, first.shape, size, dtype, layout, shape_name=name)
-        results = [problem.output_shape] + ([problem.output_shape] if kind == "max" else [])
+        results = [problem.output_shape] + ([problem.output_shape] if operation.selects else [])
     else:
         if isinstance(size, (str, bytes)) or not hasattr(size, "__len__") or type(size).__module__ == "numpy":
             raise TypeError(f"input_shape must be a tuple of ints, got {type(size).__name__}")
         problem = backward_problem(op, first.shape, tuple(size), dtype, layout, name)
         results = [problem.input_shape]
-        if kind == "max":
+        if operation.selects:
             reorder.append(_check_indices_spec(specs[1] if len(specs) > 1 else None, first, problem))
     check_float64(device, dtype, name)
     if before_build is not None:
@@ -217,7 +218,7 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
 
 def backward_problem(op: str, grad_shape: tuple, input_shape: tuple, dtype: str, layout: str, name="grad_out") -> Problem:
     """The problem of a backward call: ``input_shape`` checked, and ``grad_out``'s shape against it."""
-    _, ndim = OPS[op]
+    ndim = OPS[op].ndim
     batch, spatial = shapes.split_input_shape(input_shape, ndim, "input_shape")
     grad_shape = tuple(grad_shape)
     if len(grad_shape) != len(batch) + ndim or grad_shape[: len(batch)] != batch:

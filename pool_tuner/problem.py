@@ -16,12 +16,11 @@ import math
 import numpy as np
 
 from . import shapes
+from .operations import OPERATIONS, Operation
 from .windows import fixed_pool_equivalent, max_window
 
-#: op name -> (pooling kind, number of pooled axes)
-OPS = {
-    f"adaptive_{kind}_pool{ndim}d": (kind, ndim) for kind in ("avg", "max") for ndim in (1, 2, 3)
-}
+#: op name -> its ``operations.Operation``
+OPS = OPERATIONS
 DIRECTIONS = ("forward", "backward")
 #: Storage dtypes and their kernel defines; float16/bfloat16 accumulate in float32.
 DTYPES = {
@@ -41,7 +40,8 @@ OVERSHOOT_MARGIN = 1 << 16
 PROBLEM_CLASSES = ("upsampling", "global", "uniform", "non-uniform")
 
 
-def check_op(op, direction: str = "forward") -> tuple[str, int]:
+def check_op(op, direction: str = "forward") -> Operation:
+    """The operation named ``op``, after checking ``op`` and ``direction``."""
     if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     if direction not in DIRECTIONS:
@@ -90,9 +90,11 @@ class Problem:
         # pickling and ``dataclasses.fields`` see only the six above).  A problem is consulted
         # several times on every call's path and hashed as a key of the dispatch memos, where each
         # property call or tuple hash costs microseconds with the cold caches after a blocking wait.
-        kind, ndim = check_op(self.op, self.direction)
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "ndim", ndim)
+        operation = check_op(self.op, self.direction)
+        object.__setattr__(self, "operation", operation)
+        object.__setattr__(self, "kind", operation.kind)
+        object.__setattr__(self, "ndim", operation.ndim)
+        ndim = operation.ndim
         object.__setattr__(self, "channels_last", self.layout == LAYOUT_NAMES[ndim][1])
         object.__setattr__(self, "_hash", hash((self.op, self.direction, self.dtype, self.layout,
                                                  self.input_shape, self.output_shape)))
@@ -107,12 +109,17 @@ class Problem:
     @classmethod
     def create(cls, op, input_shape, output_size, dtype="float32", layout=None, direction="forward", shape_name="input_shape"):
         """Validate every argument and build the problem (raises before anything is compiled)."""
-        _, ndim = check_op(op, direction)
+        ndim = check_op(op, direction).ndim
         dtype = check_dtype(dtype)
         layout = check_layout(LAYOUT_NAMES[ndim][0] if layout is None else layout, ndim)
         batch, spatial = shapes.split_input_shape(input_shape, ndim, shape_name)
         out_spatial = shapes.resolve_output_size(output_size, spatial)
         return cls(op, direction, dtype, layout, batch + spatial, batch + out_spatial)
+
+    @property
+    def output_size(self) -> tuple:
+        """The ``output_size`` argument of ``create`` that made this problem."""
+        return self.operation.output_size_of(self.input_shape, self.output_shape)
 
     @property
     def planes(self) -> int:
@@ -221,7 +228,7 @@ class Problem:
         return {
             DTYPES[self.dtype]: 1,
             "INDEX_64": int(self.index_64),
-            f"POOL_{self.kind.upper()}": 1,
+            **self.operation.kernel_defines(),
             "CHANNELS_LAST": int(self.channels_last),
             "N_CHANNELS": self.channels,
             "IN_T": it, "IN_H": ih, "IN_W": iw,
@@ -230,15 +237,9 @@ class Problem:
         }
 
     def bytes_read_written(self) -> tuple[int, int]:
-        """``(bytes read, bytes written)`` by an ideal kernel.  Forward reads the input and writes
-        the output (max pooling also its int64 indices); backward reads the output gradient (max:
-        and the indices) and writes the input gradient."""
-        itemsize = ITEMSIZE[self.dtype]
-        inputs, outputs = math.prod(self.input_shape) * itemsize, math.prod(self.output_shape) * itemsize
-        indices = math.prod(self.output_shape) * 8 if self.kind == "max" else 0
-        if self.direction == "forward":
-            return inputs, outputs + indices
-        return outputs + indices, inputs
+        """``(bytes read, bytes written)`` by an ideal kernel (``Operation.bytes_read_written``)."""
+        return self.operation.bytes_read_written(self.direction, self.input_shape, self.output_shape,
+                                                 ITEMSIZE[self.dtype])
 
     def bytes_moved(self) -> int:
         """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator."""

@@ -19,7 +19,7 @@ import itertools
 
 import numpy as np
 
-from pool_tuner.problem import OPS
+from pool_tuner.operations import OPERATIONS
 from pool_tuner.shapes import check_int, resolve_output_size, split_input_shape
 from pool_tuner.windows import pooling_windows
 
@@ -186,14 +186,17 @@ def adaptive_max_pool_backward(grad_out, indices, input_shape, ndim: int) -> np.
 
 
 def forward(op: str, x, output_size):
-    """The reference of a public forward op by name: avg -> values, max -> (values, indices)."""
-    kind, ndim = OPS[op]
-    return adaptive_avg_pool(x, output_size, ndim) if kind == "avg" else adaptive_max_pool(x, output_size, ndim)
+    """The reference of a public forward op by name: values, or for a selecting op (max)
+    ``(values, indices)``."""
+    operation = OPERATIONS[op]
+    if operation.selects:
+        return adaptive_max_pool(x, output_size, operation.ndim)
+    return adaptive_avg_pool(x, output_size, operation.ndim)
 
 
 def backward(op: str, grad_out, input_shape, indices=None) -> np.ndarray:
-    """The reference of a public backward op by name (``indices`` for max pooling)."""
-    kind, ndim = OPS[op]
-    if kind == "avg":
-        return adaptive_avg_pool_backward(grad_out, input_shape, ndim)
-    return adaptive_max_pool_backward(grad_out, indices, input_shape, ndim)
+    """The reference of a public backward op by name (``indices`` for a selecting op)."""
+    operation = OPERATIONS[op]
+    if operation.selects:
+        return adaptive_max_pool_backward(grad_out, indices, input_shape, operation.ndim)
+    return adaptive_avg_pool_backward(grad_out, input_shape, operation.ndim)

@@ -60,6 +60,7 @@ from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from .backends import env_device_setting
 from .decomposition import decompose
+from .problem import OPS
 from .shapes import RANK_NAMES, resolve_output_size
 from .variants import get_variant
 
@@ -218,11 +219,12 @@ def _define(kind: str, ndim: int, backward: bool, real, fake):
 def _register(kind: str, ndim: int):
     """Define the forward and backward ops of one (kind, ndim) and wire their autograd."""
     op = f"adaptive_{kind}_pool{ndim}d"
+    selects = OPS[op].selects
 
     def output_shape(input, output_size):
         return list(input.shape[: input.dim() - ndim]) + list(output_size)
 
-    if kind == "avg":
+    if not selects:
         def forward(input, output_size, options):
             (result,) = _run(op, "forward", [input], tuple(output_size), options)
             return _in_layout(result, _is_channels_last(input, ndim), ndim)
@@ -258,10 +260,10 @@ def _register(kind: str, ndim: int):
     def forward_setup(ctx, inputs, output):
         input, _, ctx.options = inputs
         ctx.input_shape = list(input.shape)
-        if kind == "max":
+        if selects:
             ctx.save_for_backward(output[1])
 
-    if kind == "avg":
+    if not selects:
         def forward_grad(ctx, grad_out):
             return backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options)), None, None
 

@@ -208,11 +208,11 @@ def make_case(problem: Problem, rng) -> Case:
         return device_values, _widen(device_values, problem.dtype)
 
     poison = _narrow(np.full(1, np.nan), problem.dtype)[0]
-    output_size = problem.output_shape[-problem.ndim:]
+    output_size = problem.output_size
     if problem.direction == "forward":
         x, x_exact = random(problem.input_shape)
         out = np.full(problem.memory_shape(problem.output_shape), poison)
-        if problem.kind == "avg":
+        if not problem.operation.selects:
             expected = reference.forward(problem.op, x_exact, output_size)
             return Case([memory(x), out], [None, memory(expected)], problem.dtype)
         values, indices = reference.forward(problem.op, x_exact, output_size)
@@ -220,7 +220,7 @@ def make_case(problem: Problem, rng) -> Case:
         return Case([memory(x), out, poisoned_indices], [None, memory(values), memory(indices)], problem.dtype)
     grad, grad_exact = random(problem.output_shape)
     grad_in = np.full(problem.memory_shape(problem.input_shape), poison)
-    if problem.kind == "avg":
+    if not problem.operation.selects:
         expected = reference.backward(problem.op, grad_exact, problem.input_shape)
         return Case([memory(grad), grad_in], [None, memory(expected)], problem.dtype)
     _, indices = reference.forward(problem.op, rng.standard_normal(problem.input_shape), output_size)
@@ -564,7 +564,7 @@ def autotune(problem: Problem, device) -> None:
     say("%s=%s and no tuning record for %s on %s: tuning it now, before this call returns -- up to %d "
         "configurations of %d variants to compile, time and verify (on PoCL's CPU device about half a second each)",
         AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV), what, device.describe(), searched, sum(1 for n in legal if n))
-    result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
+    result = tune(problem.op, problem.input_shape, problem.output_size, problem.dtype,
                   problem.layout, device, direction=problem.direction)
     say("tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
         result.best_params, result.best_time_ms,

@@ -261,7 +261,7 @@ class _Tiled(Variant):
 
     def local_mem_bytes(self, params, problem):
         per_element = _acc_bytes(problem)
-        if problem.direction == "backward" and problem.kind == "max":
+        if problem.direction == "backward" and problem.operation.selects:
             per_element += 8  # the staged int64 indices
         return math.prod(self.stage_extent(params, problem)) * per_element
 
@@ -315,7 +315,7 @@ class ThreadPerRow(Variant):
 
     @staticmethod
     def row_bytes(problem) -> int:
-        per_column = _acc_bytes(problem) + (8 if problem.kind == "max" else 0)  # value, max: position
+        per_column = _acc_bytes(problem) + (8 if problem.operation.selects else 0)  # value, selecting: position
         return problem.in_spatial[2] * per_column
 
     def illegal_reason(self, params, problem, limits):
@@ -325,7 +325,7 @@ class ThreadPerRow(Variant):
             return (f"input rows of {problem.in_spatial[2]} elements need {self.row_bytes(problem)} bytes of "
                     f"column partials per work-item; the limit is {self.ROW_BYTES_LIMIT}")
         if params["unrolled_columns"]:
-            if problem.kind != "avg":
+            if problem.operation.selects:
                 return "unrolled_columns is for average pooling (max pooling merges positions)"
             widest = _max_windows(problem)[2]
             if widest > self.UNROLLED_COLUMNS_LIMIT:
@@ -411,7 +411,7 @@ class PlaneReduce(_Global):
 
     def local_mem_bytes(self, params, problem):
         # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
-        return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+        return params["block_size_x"] * (16 if problem.operation.selects else 8)
 
 
 class GlobalPlanes(_Global):
@@ -454,7 +454,7 @@ class GlobalPlanes(_Global):
         if params["split"] == 1:
             return 0
         # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
-        return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+        return params["block_size_x"] * (16 if problem.operation.selects else 8)
 
 
 class GlobalChannels(_Global):
@@ -544,7 +544,7 @@ class ThreadPerRowBackward(Variant):
     default = {"block_size_x": 16}
 
     def illegal_reason(self, params, problem, limits):
-        if problem.kind != "avg":
+        if problem.operation.selects:
             return "is for average pooling (its runs share one value)"
         if problem.channels_last:
             return "needs channels-first memory (contiguous input rows)"
