@@ -113,6 +113,8 @@ def _largest_window(problem: Problem) -> int:
 
 def heuristic_default(problem: Problem, device) -> variants_mod.Variant:
     """The variant used when nothing was tuned (see the module docstring)."""
+    if problem.operation.multi_level:
+        return variants_mod.pyramid_default(problem, device.limits)
     table = variants_mod.variants_for(problem.op, problem.direction)
     if device.is_cpu and variants_mod.is_global(problem):
         if problem.direction == "backward":

@@ -160,7 +160,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         copies = [plan.device.to_device(_in_memory_order(a, problem).view(_storage_dtype(a.dtype)), queue)
                   for a in arrays]
         results = _run_on_device_arrays(plan, copies, queue, logical=False)
-        return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem)
+        return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)
                 for r, result in zip(results, plan.results)]
     outputs = [np.empty(r.memory_shape, _result_dtype(r, arrays[0])) for r in plan.results]
     if poison_outputs:
@@ -170,7 +170,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         plan.run_on_host([a.ctypes.data for a in arrays] + [out.ctypes.data for out in outputs])
     elif plan.zero_fill:
         outputs[0].view(np.uint8).fill(0)
-    return [_logical(out, problem) for out in outputs]
+    return [_logical(out, problem, result) for out, result in zip(outputs, plan.results)]
 
 
 def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool = True) -> list:
@@ -191,9 +191,7 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
             device.track(array, event)
     elif plan.zero_fill and outputs[0].size:
         device.fill(outputs[0].view(np.uint8), np.uint8(0), queue)
-    if not logical:
-        return outputs
-    if not problem.channels_last:
+    if not logical or not problem.channels_last or plan.results[0].flat:
         return outputs
     return [device.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))
             for out, result in zip(outputs, plan.results)]
@@ -207,9 +205,10 @@ def _in_memory_order(array: np.ndarray, problem: Problem) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _logical(out: np.ndarray, problem: Problem) -> np.ndarray:
-    """A result in memory order seen with the logical (channels-first) axes."""
-    if not problem.channels_last:
+def _logical(out: np.ndarray, problem: Problem, result: plans.Result) -> np.ndarray:
+    """A result in memory order seen with the logical (channels-first) axes (a multi-level op's flat
+    buffers are viewed level by level later, ``pyramid.views``)."""
+    if not problem.channels_last or result.flat:
         return out
     return np.moveaxis(out, -1, out.ndim - problem.ndim - 1)
 

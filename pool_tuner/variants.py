@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import kernel_source, memo
+from . import kernel_source, memo, pyramid
 from .problem import DIRECTIONS, OPS, Problem, check_op
 from .windows import max_window, pooling_windows
 
@@ -578,12 +578,132 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
+# ---------------------------------------------------------------------------- multi-level ops
+# The variants of the multi-level ops (pool_tuner.pyramid, kernels/pyramid.h).  The cell variants
+# reduce each cut-point cell of a plane once and combine the cells into every level's windows;
+# pyramid_windows reduces every window whole and is legal for every problem.
+
+
+class _CellVariant(Variant):
+    """Shared by the cell variants: their programs get the cut-point tables, which must stay small
+    enough for constant memory (``TABLE_ENTRIES_LIMIT`` int64 entries)."""
+
+    TABLE_ENTRIES_LIMIT = 4096
+
+    def illegal_reason(self, params, problem, limits):
+        if pyramid.table_entries(problem) > self.TABLE_ENTRIES_LIMIT:
+            return (f"its cut-point tables would have {pyramid.table_entries(problem)} entries; the limit is "
+                    f"{self.TABLE_ENTRIES_LIMIT} (levels this fine are pooled by pyramid_windows)")
+        return super().illegal_reason(params, problem, limits)
+
+    def extra_defines(self, params, problem):
+        return pyramid.cell_defines(problem)
+
+    @staticmethod
+    def cell_bytes(problem) -> int:
+        """Bytes of one cell's partial result: the value, a selecting op's position, avgmax's sum."""
+        acc = _acc_bytes(problem)
+        return acc + (8 if problem.operation.selects else 0) + (acc if problem.kind == "avgmax" else 0)
+
+
+class PyramidCells(_CellVariant):
+    name = "pyramid_cells"
+    summary = ("multi-level: a work-group per plane reduces each cut-point cell once into local memory, then "
+               "finishes every level's outputs from the cells of their windows")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        return pyramid.cell_count(problem) * self.cell_bytes(problem)
+
+
+class PyramidStream(_CellVariant):
+    name = "pyramid_stream"
+    summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) reads its plane once in "
+               "memory order into its cells (private memory), then finishes every level's outputs")
+    search_space = {"block_size_x": [1, 4, 16, 64, 256]}
+    default = {"block_size_x": 16}
+    #: Cells a work-item may keep in private memory.
+    CELLS_LIMIT = 256
+
+    def illegal_reason(self, params, problem, limits):
+        if pyramid.cell_count(problem) > self.CELLS_LIMIT:
+            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
+                    f"{self.CELLS_LIMIT}")
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
+class PyramidWindows(Variant):
+    name = "pyramid_windows"
+    summary = "multi-level: a work-item per output of any level reduces its whole window (no cells; always legal)"
+    search_space = {"block_size_x": [32, 64, 128, 256, 512]}
+    default = {"block_size_x": 256}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes * pyramid.layout(problem).values_per_plane, params["block_size_x"])
+
+
+class PyramidGather(Variant):
+    name = "pyramid_gather"
+    direction = "backward"
+    summary = ("multi-level gather: each work-item writes one input gradient once, adding every level's terms "
+               "in level order")
+    search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024]}
+    default = {"block_size_x": 256}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes * math.prod(problem.in_spatial), params["block_size_x"])
+
+
+class PyramidCellsBackward(_CellVariant):
+    name = "pyramid_cells"
+    direction = "backward"
+    summary = ("multi-level: a work-group per plane sums the average levels' terms once per cell into local "
+               "memory, then writes its plane row by row (a max level's terms gathered per input)")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        return pyramid.cell_count(problem) * _acc_bytes(problem)
+
+
+def pyramid_default(problem: Problem, limits) -> Variant:
+    """The variant a multi-level problem runs when nothing was tuned: the first legal of the cell
+    variants (one read of the input, and backward one pass of cell sums), else the cell-less one."""
+    table = variants_for(problem.op, problem.direction)
+    if problem.direction == "backward":
+        cells = table["pyramid_cells"]
+        return cells if cells.is_legal({}, problem, limits) else table["pyramid_gather"]
+    for name in ("pyramid_cells", "pyramid_stream"):
+        if table[name].is_legal({}, problem, limits):
+            return table[name]
+    return table["pyramid_windows"]
+
+
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
+_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidStream(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidGather())}
+
+
+def _variants_of(op: str, direction: str) -> tuple:
+    if OPS[op].multi_level:
+        return _MULTI_LEVEL[direction]
+    return _FORWARD if direction == "forward" else _BACKWARD
+
+
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {
-    (op, direction): {v.name: v for v in (_FORWARD if direction == "forward" else _BACKWARD)}
+    (op, direction): {v.name: v for v in _variants_of(op, direction)}
     for op in OPS
     for direction in DIRECTIONS
 }
