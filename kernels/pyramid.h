@@ -224,4 +224,18 @@ DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN
 }
 #define LEVEL_TERMS(l, plane, t, h, w, position) \
     level_terms(grad_out, IF_SELECTING(indices,) l, plane, t, h, w, position, n_planes)
+
+/* The terms of every max level (in level order) in the gradient of input (t, h, w): none for an
+ * op without max levels. */
+#if OP_SELECTS
+#define MAX_LEVEL_TERMS(sum, plane, t, h, w)                                        \
+    do {                                                                            \
+        const index_t position_ = PLANE_POSITION(t, h, w, IN_H, IN_W);             \
+        for (int l_ = 0; l_ < N_LEVELS; ++l_)                                       \
+            if (!IS_MEAN_LEVEL(l_))                                                 \
+                sum += LEVEL_TERMS(l_, plane, t, h, w, position_);                  \
+    } while (0)
+#else
+#define MAX_LEVEL_TERMS(sum, plane, t, h, w) ((void)0)
+#endif
 #endif

@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from .shapes import c_strides
 from .windows import pooling_windows
 
 
@@ -66,7 +67,8 @@ class LevelLayout:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout(kinds: tuple, spatial: tuple) -> LevelLayout:
+def level_layout(kinds: tuple, spatial: tuple) -> LevelLayout:
+    """The layout of levels of these kinds and pooled sizes (tuples of ints)."""
     sizes = tuple(math.prod(s) for s in spatial)
     value_bases, index_bases, value, index = [], [], 0, 0
     for kind, size in zip(kinds, sizes):
@@ -80,7 +82,7 @@ def _layout(kinds: tuple, spatial: tuple) -> LevelLayout:
 def layout(problem) -> LevelLayout:
     """The level layout of a multi-level problem (pooled sizes unpadded, as the levels' results)."""
     spatial = problem.operation.levels_of(problem.input_shape, problem.output_shape)
-    return _layout(problem.operation.level_kinds(len(spatial)), spatial)
+    return level_layout(problem.operation.level_kinds(len(spatial)), spatial)
 
 
 def level_memory_shape(problem, spatial: tuple) -> tuple:
@@ -111,10 +113,10 @@ def _logical_view(part, memory_shape, logical_shape, problem, strided_view):
     if not problem.channels_last:
         return part.reshape(logical_shape)
     if strided_view is not None:
-        from .plans import element_strides
-
-        itemsize = part.dtype.itemsize
-        return strided_view(part, logical_shape, tuple(s * itemsize for s in element_strides(problem, logical_shape)))
+        c = len(logical_shape) - problem.ndim - 1
+        strides = list(c_strides(memory_shape, part.dtype.itemsize))
+        strides.insert(c, strides.pop())
+        return strided_view(part, logical_shape, tuple(strides))
     shaped = part.reshape(memory_shape)
     c = len(logical_shape) - problem.ndim - 1
     if hasattr(shaped, "movedim"):  # a tensor

@@ -33,12 +33,7 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
             const acc_t cell_sum = cell_grad[row_cells + cw];
             for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
                 acc_t sum = cell_sum;
-#if OP_SELECTS
-                const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
-                for (int l = 0; l < N_LEVELS; ++l)
-                    if (!IS_MEAN_LEVEL(l))
-                        sum += LEVEL_TERMS(l, plane, t, h, w, position);
-#endif
+                MAX_LEVEL_TERMS(sum, plane, t, h, w);
                 STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
             }
         }
