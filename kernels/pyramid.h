@@ -23,7 +23,7 @@
 #define TABLE(name) __constant int64_t_ name[]
 #define TABLE_PARAM(name) __constant int64_t_* name
 #else
-#define TABLE(name) static __constant__ int64_t_ name[]
+#define TABLE(name) static __constant__ __attribute__((unused)) int64_t_ name[]
 #define TABLE_PARAM(name) const int64_t_* name
 #endif
 

@@ -24,7 +24,6 @@ buffer that holds the max levels only.  ``layout(problem)`` gives the offsets; `
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -66,7 +65,6 @@ class LevelLayout:
     indices_per_plane: int
 
 
-@functools.lru_cache(maxsize=1024)
 def level_layout(kinds: tuple, spatial: tuple) -> LevelLayout:
     """The layout of levels of these kinds and pooled sizes (tuples of ints)."""
     sizes = tuple(math.prod(s) for s in spatial)

@@ -118,7 +118,7 @@ def empty_result(result: plans.Result, problem, dtype: torch.dtype) -> torch.Ten
     storage = torch.from_numpy(np.empty(result.memory_shape, NUMPY_STORAGE[dtype]))
     if dtype == torch.bfloat16:
         storage = storage.view(torch.bfloat16)
-    if problem.channels_last:
+    if problem.channels_last and not result.flat:
         return storage.movedim(-1, len(result.shape) - problem.ndim - 1)
     return storage
 
