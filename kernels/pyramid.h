@@ -144,34 +144,37 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
     const index_t area = (index_t)(cuts_t[t_end] - cuts_t[t_first]) * (cuts_h[h_end] - cuts_h[h_first]) \
                        * (cuts_w[w_end] - cuts_w[w_first])
 
-/* Cells as arrays of their parts (local or private memory): values, a selecting op's positions
- * and ALSO_MEAN's sums, declared with CELL_ARRAYS(qualifier). */
+/* Partial reductions as arrays of their parts (local or private memory): `name`_value, a selecting
+ * op's `name`_position and ALSO_MEAN's `name`_sum, declared with PARTS(qualifier, name, count). */
 #if ALSO_MEAN
 #define IF_ALSO_MEAN(...) __VA_ARGS__
 #else
 #define IF_ALSO_MEAN(...)
 #endif
-#define CELL_ARRAYS(qualifier)                                  \
-    qualifier acc_t cell_value[N_CELLS];                        \
-    IF_SELECTING(qualifier index_t cell_position[N_CELLS];)     \
-    IF_ALSO_MEAN(qualifier acc_t cell_sum[N_CELLS];)
-#define PUT_CELL(k, c)                                          \
+#define PARTS(qualifier, name, count)                           \
+    qualifier acc_t name##_value[count];                        \
+    IF_SELECTING(qualifier index_t name##_position[count];)     \
+    IF_ALSO_MEAN(qualifier acc_t name##_sum[count];)
+#define PUT_PART(name, k, c)                                    \
     do {                                                        \
-        cell_value[k] = (c).r.value;                            \
-        IF_SELECTING(cell_position[k] = (c).r.position;)        \
-        IF_ALSO_MEAN(cell_sum[k] = (c).sum;)                    \
+        name##_value[k] = (c).r.value;                          \
+        IF_SELECTING(name##_position[k] = (c).r.position;)      \
+        IF_ALSO_MEAN(name##_sum[k] = (c).sum;)                  \
     } while (0)
 #if OP_SELECTS
-#define CELL_POSITION(k) cell_position[k]
+#define PART_POSITION(name, k) name##_position[k]
 #else
-#define CELL_POSITION(k) ((index_t)-1)
+#define PART_POSITION(name, k) ((index_t)-1)
 #endif
-#define GET_CELL(k, c)                                          \
+#define GET_PART(name, k, c)                                    \
     do {                                                        \
-        (c).r.value = cell_value[k];                            \
-        (c).r.position = CELL_POSITION(k);                      \
-        IF_ALSO_MEAN((c).sum = cell_sum[k];)                    \
+        (c).r.value = name##_value[k];                          \
+        (c).r.position = PART_POSITION(name, k);                \
+        IF_ALSO_MEAN((c).sum = name##_sum[k];)                  \
     } while (0)
+#define CELL_ARRAYS(qualifier) PARTS(qualifier, cell, N_CELLS)
+#define PUT_CELL(k, c) PUT_PART(cell, k, c)
+#define GET_CELL(k, c) GET_PART(cell, k, c)
 
 /* Combine the cells of output q of level l (in cell order) and write it. */
 #define COMBINE_AND_STORE(l, plane, q)                                                      \

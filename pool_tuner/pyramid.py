@@ -183,11 +183,16 @@ def cell_defines(problem) -> dict:
     return defines
 
 
-def cell_count(problem) -> int:
-    """Cells per plane: the product of every axis's cell count."""
+def cell_counts(problem) -> tuple:
+    """Cells along each axis (T, H, W) of a multi-level problem."""
     lay = layout(problem)
     padded = [(1,) * (3 - problem.ndim) + tuple(s) for s in lay.spatial]
-    return math.prod(len(cuts(problem.in_spatial[axis], [s[axis] for s in padded])) - 1 for axis in range(3))
+    return tuple(len(cuts(problem.in_spatial[axis], [s[axis] for s in padded])) - 1 for axis in range(3))
+
+
+def cell_count(problem) -> int:
+    """Cells per plane: the product of every axis's cell count."""
+    return math.prod(cell_counts(problem))
 
 
 def table_entries(problem) -> int:

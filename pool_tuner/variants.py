@@ -620,6 +620,28 @@ class PyramidCells(_CellVariant):
         return pyramid.cell_count(problem) * self.cell_bytes(problem)
 
 
+class PyramidColumns(_CellVariant):
+    name = "pyramid_columns"
+    summary = ("multi-level, channels-first: a work-group per plane, work-item w reducing input column w within "
+               "each row of cells (neighbours read neighbours), then cells from columns, then every level's outputs")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (neighbouring columns are neighbours)"
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        cells = pyramid.cell_count(problem)
+        (_, _, iw) = problem.in_spatial
+        column_parts = cells // pyramid.cell_counts(problem)[2] * iw
+        return (cells + column_parts) * self.cell_bytes(problem)
+
+
 class PyramidStream(_CellVariant):
     name = "pyramid_stream"
     summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) reads its plane once in "
@@ -637,6 +659,15 @@ class PyramidStream(_CellVariant):
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"])
+
+
+class PyramidStreamBackward(PyramidStream):
+    direction = "backward"
+    summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) sums the average levels' "
+               "terms once per cell (private memory), then writes its plane in memory order")
+
+    def local_mem_bytes(self, params, problem):
+        return 0
 
 
 class PyramidWindows(Variant):
@@ -676,14 +707,22 @@ class PyramidCellsBackward(_CellVariant):
         return pyramid.cell_count(problem) * _acc_bytes(problem)
 
 
+#: Planes of fewer elements default to a work-item per plane (pyramid_stream): on PoCL a work-group
+#: per plane of the spp_net and avgmax presets (13x13, 7x7) spent more in its phases than in reading.
+SMALL_PLANE = 1024
+
+
 def pyramid_default(problem: Problem, limits) -> Variant:
     """The variant a multi-level problem runs when nothing was tuned: the first legal of the cell
-    variants (one read of the input, and backward one pass of cell sums), else the cell-less one."""
+    variants (one read of the input, and backward one pass of cell sums) in the order that suits
+    its memory layout, else the cell-less one."""
     table = variants_for(problem.op, problem.direction)
+    small = math.prod(problem.in_spatial) < SMALL_PLANE
     if problem.direction == "backward":
-        cells = table["pyramid_cells"]
-        return cells if cells.is_legal({}, problem, limits) else table["pyramid_gather"]
-    for name in ("pyramid_cells", "pyramid_stream"):
+        order = ("pyramid_stream", "pyramid_cells") if small or problem.channels_last else ("pyramid_cells",)
+        return next((table[n] for n in order if table[n].is_legal({}, problem, limits)), table["pyramid_gather"])
+    order = ("pyramid_stream", "pyramid_cells") if small or problem.channels_last else ("pyramid_columns", "pyramid_cells")
+    for name in order:
         if table[name].is_legal({}, problem, limits):
             return table[name]
     return table["pyramid_windows"]
@@ -692,7 +731,7 @@ def pyramid_default(problem: Problem, limits) -> Variant:
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
-_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidStream(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidGather())}
+_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidGather())}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

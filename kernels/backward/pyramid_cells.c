@@ -1,8 +1,8 @@
 /* pyramid_cells -- multi-level backward by cells: a work-group per plane.  Every input of a cell lies
  * in the same windows of every level, so it gets the same average-level terms: the work-items first
- * sum them once per cell into local memory (levels in order), then write the plane row by row, each
- * input gradient once: its cell's sum, plus a max level's gradient where the level's index is this
- * input (level_terms, pyramid.h).
+ * sum them once per cell into local memory (levels in order), then write the plane, work-item w
+ * column w, each input gradient once: its cell's sum, plus a max level's gradient where the level's
+ * index is this input (level_terms, pyramid.h).
  * Launch: N_PLANES groups of block_size_x. */
 DEVICE_FN int cell_of(TABLE_PARAM(cuts), int cells, index_t x)
 {
@@ -26,13 +26,16 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
         cell_grad[k] = sum;
     }
     BARRIER();
-    for (int row = LOCAL_ID_X; row < IN_T * IN_H; row += block_size_x) {
-        const index_t t = row / IN_H, h = row % IN_H;
-        const int row_cells = (cell_of(cuts_t, N_CELLS_T, t) * N_CELLS_H + cell_of(cuts_h, N_CELLS_H, h)) * N_CELLS_W;
-        for (int cw = 0; cw < N_CELLS_W; ++cw) {
-            const acc_t cell_sum = cell_grad[row_cells + cw];
-            for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
-                acc_t sum = cell_sum;
+    /* Work-item w writes column w, rows in order: neighbouring work-items write neighbouring inputs. */
+    for (int w = LOCAL_ID_X; w < IN_W; w += block_size_x) {
+        const int cw = cell_of(cuts_w, N_CELLS_W, w);
+        int ct = 0;
+        for (index_t t = 0; t < IN_T; ++t) {
+            ct += t == cuts_t[ct + 1];
+            int ch = 0;
+            for (index_t h = 0; h < IN_H; ++h) {
+                ch += h == cuts_h[ch + 1];
+                acc_t sum = cell_grad[(ct * N_CELLS_H + ch) * N_CELLS_W + cw];
                 MAX_LEVEL_TERMS(sum, plane, t, h, w);
                 STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
             }
