@@ -24,6 +24,14 @@ from .ops import (
     variants,
 )
 from .fleet import tune_many
+from .fused import (
+    adaptive_avg_pool_pyramid,
+    adaptive_avg_pool_pyramid_backward,
+    adaptive_avgmax_pool2d,
+    adaptive_avgmax_pool2d_backward,
+    adaptive_max_pool_pyramid,
+    adaptive_max_pool_pyramid_backward,
+)
 from .tuner import tune
 from .version import __version__
 from .windows import fixed_pool_equivalent, pooling_windows
@@ -41,6 +49,12 @@ __all__ = [
     "adaptive_max_pool2d_backward",
     "adaptive_max_pool3d",
     "adaptive_max_pool3d_backward",
+    "adaptive_avg_pool_pyramid",
+    "adaptive_avg_pool_pyramid_backward",
+    "adaptive_max_pool_pyramid",
+    "adaptive_max_pool_pyramid_backward",
+    "adaptive_avgmax_pool2d",
+    "adaptive_avgmax_pool2d_backward",
     "devices",
     "explain",
     "fixed_pool_equivalent",

@@ -248,7 +248,8 @@ def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device:
     import torch
     import torch.nn.functional as F
 
-    kind, ndim = OPS[op]
+    operation = OPS[op]
+    kind, ndim = operation.kind, operation.ndim
 
     def tensor(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(torch_device)
@@ -263,7 +264,7 @@ def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device:
     if direction == "forward":
         fn = getattr(F, f"adaptive_{kind}_pool{dims}d")
         run = functools.partial(fn, xt, out_size)
-    elif kind == "avg":
+    elif not operation.selects:
         gt, backward = tensor(grad), getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
         run = functools.partial(backward, gt, xt)
     else:
@@ -362,7 +363,7 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
     else:
         grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
         fn = getattr(pt, f"{op}_backward")
-        if problem.kind == "max":
+        if problem.operation.selects:
             _, indices = getattr(pt, op)(x, out_size, return_indices=True, device=device)
             args = (device.to_device(grad, queue), device.to_device(indices, queue), problem.input_shape)
         else:
@@ -458,7 +459,7 @@ def _summary(rows: list) -> dict:
 
 def _is_global_row(row: dict) -> bool:
     """Whether a report row is global pooling (``variants.is_global``), suite and untuned shapes alike."""
-    ndim = OPS[row["op"]][1]
+    ndim = OPS[row["op"]].ndim
     return is_global(Problem.create(row["op"], row["input_shape"], row["output_shape"][-ndim:]))
 
 

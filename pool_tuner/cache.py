@@ -174,9 +174,9 @@ def problem_of(record: dict) -> Problem:
     raises ``ValueError``/``TypeError`` for one that no call could make."""
     p = record["problem"]
     input_shape, output_shape = tuple(p["input_shape"]), tuple(p["output_shape"])
-    _, ndim = check_op(p["op"], p["direction"])
-    problem = Problem.create(p["op"], input_shape, output_shape[-ndim:], p["dtype"], p["layout"],
-                             direction=p["direction"])
+    operation = check_op(p["op"], p["direction"])
+    problem = Problem.create(p["op"], input_shape, operation.output_size_of(input_shape, output_shape), p["dtype"],
+                             p["layout"], direction=p["direction"])
     if problem.output_shape != output_shape:
         raise ValueError(f"output shape {list(output_shape)} does not keep the input's batch sizes")
     return problem

@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
     p.add_argument("--input", help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
     p.add_argument("--output", help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
-    p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS))} or all")
+    p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS) + sorted(presets.FUSED_PRESETS))} "
+                                    f"or all (the single-level ones)")
     p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
     p.add_argument("--layout", help="memory layout, e.g. NCHW (default, contiguous) or NHWC (channels-last)")

@@ -79,6 +79,15 @@ GLOBAL_PROBLEMS = {
     2: (("global-idx32", (2, 3, 17, 19), (1, 1), False), ("global-idx64", (2, 3, 17, 19), (1, 1), True)),
     3: (("global-idx32", (2, 3, 3, 7, 13), (1, 1, 1), False), ("global-idx64", (2, 3, 3, 7, 13), (1, 1, 1), True)),
 }
+#: Per rank, the problems of the pyramids (pool_tuner.pyramid): PSPNet's levels on non-divisible
+#: planes, SPP's with 64-bit indexing; and avgmax's.
+PYRAMID_PROBLEMS = {
+    1: (("pyramid-idx32", (2, 3, 61), [1, 2, 3, 6], False), ("pyramid-idx64", (2, 3, 64), [1, 2, 4], True)),
+    2: (("pyramid-idx32", (2, 3, 10, 61), [1, 2, 3, 6], False), ("pyramid-idx64", (2, 3, 13, 13), [1, 2, 4], True)),
+    3: (("pyramid-idx32", (2, 3, 5, 10, 61), [1, 2, (2, 3, 4)], False),
+        ("pyramid-idx64", (2, 3, 6, 8, 64), [1, 2, 4], True)),
+}
+AVGMAX_PROBLEMS = {2: (("avgmax-idx32", (2, 3, 7, 9), (2, 3), False), ("avgmax-idx64", (2, 3, 7, 7), (1, 1), True))}
 #: nvcc flags of every compilation (the architecture and file names are added per job).
 NVCC_FLAGS = ("-cubin", "--Werror", "all-warnings", "-Xptxas", "-v")
 #: Instantiations per nvcc run (1: every instantiation compiled alone, from its plain source).
@@ -152,7 +161,7 @@ def problems_for(op: str, direction: str, dtype: str, layout: str, table=PROBLEM
     ``Problem.create`` rejects the combination.  Raises ``ValueError`` if a problem does not get the
     index width it is for."""
     found = []
-    for label, shape, output_size, wide in table[OPS[op][1]]:
+    for label, shape, output_size, wide in table[OPS[op].ndim]:
         try:
             problem = Problem.create(op, _index_64_shape(shape) if wide else shape, output_size, dtype,
                                      layout, direction)
@@ -189,8 +198,10 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
         for dtype in DTYPES:
             if dtypes is not None and dtype not in dtypes:
                 continue
-            for layout in LAYOUT_NAMES[OPS[op][1]]:
-                problems = problems_for(op, direction, dtype, layout)
+            operation = OPS[op]
+            own = PYRAMID_PROBLEMS if operation.pyramid else AVGMAX_PROBLEMS if operation.multi_level else PROBLEMS
+            for layout in LAYOUT_NAMES[operation.ndim]:
+                problems = problems_for(op, direction, dtype, layout, own)
                 if not problems:
                     rejected.append(f"{op}/{direction}/{dtype}/{layout}")
                     continue

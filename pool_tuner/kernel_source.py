@@ -37,6 +37,8 @@ HEADERS = ("prelude.h", "windows.h", "operators.h")
 DIRECTION_HEADERS = {"forward": ("reduction.h",), "backward": ("gradients.h",)}
 #: Variants (in either direction) that tile the array they write: their programs include tiles.h.
 TILED_VARIANTS = ("smem_tiled",)
+#: The variants of multi-level ops are named with this prefix: their programs include pyramid.h.
+PYRAMID_PREFIX = "pyramid_"
 
 
 def _data_dir(package: str, source_dir: str) -> Path:
@@ -84,8 +86,12 @@ def program_files(template: str) -> tuple:
     if direction not in DIRECTION_HEADERS or not file.endswith(".c"):
         raise ValueError(f"template must be '<direction>/<variant>.c' with direction one of "
                          f"{sorted(DIRECTION_HEADERS)}, got {template!r}")
-    tiles = ("tiles.h",) if file[: -len(".c")] in TILED_VARIANTS else ()
-    return HEADERS + DIRECTION_HEADERS[direction] + tiles + (template,)
+    name = file[: -len(".c")]
+    tiles = ("tiles.h",) if name in TILED_VARIANTS else ()
+    # pyramid.h reduces cells with reduction.h, in either direction.
+    levels = () if not name.startswith(PYRAMID_PREFIX) else ("pyramid.h",) if direction == "forward" else (
+        "reduction.h", "pyramid.h")
+    return HEADERS + DIRECTION_HEADERS[direction] + tiles + levels + (template,)
 
 
 @functools.cache

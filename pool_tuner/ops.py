@@ -125,14 +125,14 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
     """Shared body of every forward op."""
     plan = _plan(op, "forward", [x], output_size, device, variant, config, ("x",))
     results = _run(plan, [x], ("x",))
-    if plan.problem.kind == "max" and return_indices:
+    if plan.problem.operation.returns_indices and return_indices:
         return results[0], results[1]
     return results[0]
 
 
 def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, variant=None, config=None):
     """Shared body of every backward op."""
-    arrays = [grad_out] if OPS[op][0] == "avg" else [grad_out, indices]
+    arrays = [grad_out, indices] if OPS[op].selects else [grad_out]
     check_data = None
     if isinstance(indices, np.ndarray) and indices.size:
         def check_data(problem):
@@ -160,7 +160,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         copies = [plan.device.to_device(_in_memory_order(a, problem).view(_storage_dtype(a.dtype)), queue)
                   for a in arrays]
         results = _run_on_device_arrays(plan, copies, queue, logical=False)
-        return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem)
+        return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)
                 for r, result in zip(results, plan.results)]
     outputs = [np.empty(r.memory_shape, _result_dtype(r, arrays[0])) for r in plan.results]
     if poison_outputs:
@@ -170,7 +170,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         plan.run_on_host([a.ctypes.data for a in arrays] + [out.ctypes.data for out in outputs])
     elif plan.zero_fill:
         outputs[0].view(np.uint8).fill(0)
-    return [_logical(out, problem) for out in outputs]
+    return [_logical(out, problem, result) for out, result in zip(outputs, plan.results)]
 
 
 def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool = True) -> list:
@@ -191,9 +191,7 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
             device.track(array, event)
     elif plan.zero_fill and outputs[0].size:
         device.fill(outputs[0].view(np.uint8), np.uint8(0), queue)
-    if not logical:
-        return outputs
-    if not problem.channels_last:
+    if not logical or not problem.channels_last or plan.results[0].flat:
         return outputs
     return [device.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))
             for out, result in zip(outputs, plan.results)]
@@ -207,9 +205,10 @@ def _in_memory_order(array: np.ndarray, problem: Problem) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _logical(out: np.ndarray, problem: Problem) -> np.ndarray:
-    """A result in memory order seen with the logical (channels-first) axes."""
-    if not problem.channels_last:
+def _logical(out: np.ndarray, problem: Problem, result: plans.Result) -> np.ndarray:
+    """A result in memory order seen with the logical (channels-first) axes (a multi-level op's flat
+    buffers are viewed level by level later, ``pyramid.views``)."""
+    if not problem.channels_last or result.flat:
         return out
     return np.moveaxis(out, -1, out.ndim - problem.ndim - 1)
 
@@ -258,10 +257,11 @@ def _check_indices_in_windows(indices, problem):
             raise ValueError("indices must each lie inside their output's pooling window, as returned by the forward pass")
 
 
-def _doc_forward(kind, ndim):
+def _doc_forward(operation):
+    kind, ndim = operation.kind, operation.ndim
     shape = {1: "(N, C, L) or (C, L)", 2: "(N, C, H, W) or (C, H, W)", 3: "(N, C, T, H, W) or (C, T, H, W)"}[ndim]
     what = "average" if kind == "avg" else "max"
-    extra = ("" if kind == "avg" else
+    extra = ("" if not operation.returns_indices else
              " With ``return_indices=True`` also returns int64 indices (positions within each pooled "
              "plane, as PyTorch); NaN wins, ties go to the first position.")
     return (f"Adaptive {what} pooling of a {shape} array to ``output_size`` (an int, or {ndim} entries "
@@ -269,21 +269,20 @@ def _doc_forward(kind, ndim):
 
 
 def _make_forward(op):
-    kind, ndim = OPS[op]
-    if kind == "avg":
+    operation = OPS[op]
+    if not operation.returns_indices:
         def forward(x, output_size, *, device=None, variant=None, config=None):
             return pool_forward(op, x, output_size, device=device, variant=variant, config=config)
     else:
         def forward(x, output_size, return_indices=False, *, device=None, variant=None, config=None):
             return pool_forward(op, x, output_size, return_indices, device=device, variant=variant, config=config)
     forward.__name__ = forward.__qualname__ = op
-    forward.__doc__ = _doc_forward(kind, ndim)
+    forward.__doc__ = _doc_forward(operation)
     return forward
 
 
 def _make_backward(op):
-    kind, ndim = OPS[op]
-    if kind == "avg":
+    if not OPS[op].selects:
         def backward(grad_out, input_shape, *, device=None, variant=None, config=None):
             return pool_backward(op, grad_out, input_shape, device=device, variant=variant, config=config)
     else:

@@ -102,12 +102,14 @@ def check_float64(device, dtype: str, name: str) -> None:
 class Result:
     """One array a plan produces: logical (channels-first) shape, element strides, the shape of
     its memory (channels-last: channel axis last) and dtype name (``"int64"`` for indices, else
-    the input's)."""
+    the input's).  ``flat``: a multi-level op's buffer of every level (pool_tuner.pyramid), one
+    axis in memory order, which the front ends view level by level."""
 
     shape: tuple
     strides: tuple
     memory_shape: tuple
     dtype: str
+    flat: bool = False
 
 
 class Plan:
@@ -134,10 +136,11 @@ class Plan:
         self.zero_fill = problem.is_empty and problem.direction == "backward" and math.prod(problem.input_shape) > 0
         self._launch = None
         self._build = None if problem.is_empty else (build_target, context)
-        first = problem.input_shape if problem.direction == "forward" else problem.output_shape
-        sizes = [math.prod(first) * ELEMENT_BYTES[problem.dtype]]
-        if problem.direction == "backward" and problem.kind == "max":
-            sizes.append(math.prod(problem.output_shape) * ELEMENT_BYTES["int64"])
+        values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
+        first = math.prod(problem.input_shape) if problem.direction == "forward" else values
+        sizes = [first * ELEMENT_BYTES[problem.dtype]]
+        if problem.direction == "backward" and problem.operation.selects:
+            sizes.append(positions * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
         self.nbytes = tuple(sizes)
         #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
@@ -173,7 +176,9 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     """Validate a call and plan it (see the module docstring).
 
     ``specs``: ``[x]`` (forward), ``[grad_out]`` or ``[grad_out, indices]`` (backward), as
-    ``ArraySpec``s; ``size``: the output size (forward) or the input shape (backward); ``device``:
+    ``ArraySpec``s; ``size``: the output size (forward) or the input shape (backward) -- for a
+    multi-level op's backward ``(input_shape, output_size, layout)``, its ``grad_out`` and
+    ``indices`` being the flat buffers of every level (``multi_level_backward``); ``device``:
     the device it runs on (resolved by the caller); ``names``: the arguments' names as the caller
     wrote them, for error messages; ``context``: the context the kernel is built in (default: the
     device's default queue's); ``build_target``: what builds it, when not the device itself
@@ -182,42 +187,90 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     ``build=False``: the kernel is built on the plan's first launch instead (a plan that may never
     launch one: ``torch_cpu``'s race).  Raises ``TypeError`` /
     ``ValueError`` naming the argument before anything is built."""
-    kind, ndim = OPS[op]
+    operation = OPS[op]
+    ndim = operation.ndim
     first = specs[0]
     name = (names or ("x" if direction == "forward" else "grad_out",))[0]
     dtype = check_dtype(first.dtype, f"{name}.dtype")
+    check_float64(device, dtype, name)
+    if operation.multi_level and direction == "backward":
+        return _make_plan(*multi_level_backward(op, specs, size, dtype, name), device, variant, config, on_miss,
+                          context, build_target, before_build, build)
     layout = strides_layout(first.shape, first.strides, ndim)
     reorder = [layout is None]
     layout = layout or LAYOUT_NAMES[ndim][0]
     if direction == "forward":
         problem = Problem.create(op, first.shape, size, dtype, layout, shape_name=name)
-        results = [problem.output_shape] + ([problem.output_shape] if kind == "max" else [])
+        results = [problem.output_shape] + ([problem.output_shape] if operation.selects else [])
+        if operation.multi_level:
+            return _make_plan(problem, tuple(reorder), flat_results(problem), device, variant, config, on_miss,
+                              context, build_target, before_build, build)
     else:
         if isinstance(size, (str, bytes)) or not hasattr(size, "__len__") or type(size).__module__ == "numpy":
             raise TypeError(f"input_shape must be a tuple of ints, got {type(size).__name__}")
         problem = backward_problem(op, first.shape, tuple(size), dtype, layout, name)
         results = [problem.input_shape]
-        if kind == "max":
+        if operation.selects:
             reorder.append(_check_indices_spec(specs[1] if len(specs) > 1 else None, first, problem))
-    check_float64(device, dtype, name)
-    if before_build is not None:
-        before_build(problem)
-    choice = dispatch.choose(problem, device, variant, config, on_miss=on_miss)
     result_dtypes = [dtype, "int64"] if direction == "forward" else [dtype]
     results = tuple(Result(shape, element_strides(problem, shape), problem.memory_shape(shape), d)
                     for shape, d in zip(results, result_dtypes))
+    return _make_plan(problem, tuple(reorder), results, device, variant, config, on_miss, context, build_target,
+                      before_build, build)
+
+
+def _make_plan(problem, reorder, results, device, variant, config, on_miss, context, build_target, before_build,
+               build) -> Plan:
+    """``make_plan`` once the problem, the inputs' reordering and the results are known."""
+    if before_build is not None:
+        before_build(problem)
+    choice = dispatch.choose(problem, device, variant, config, on_miss=on_miss)
     if build_target is None:
         build_target = device
         context = device.queue.context if context is None else context
-    plan = Plan(problem, device, choice, tuple(reorder), results, build_target, context)
+    plan = Plan(problem, device, choice, reorder, results, build_target, context)
     if build:
         plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
     return plan
 
 
+def flat_results(problem: Problem) -> tuple:
+    """The results of a multi-level forward: the values of every level in one flat buffer, and a
+    selecting op's indices in another (pool_tuner.pyramid)."""
+    values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
+    results = [Result((values,), (1,), (values,), problem.dtype, flat=True)]
+    if problem.operation.selects:
+        results.append(Result((positions,), (1,), (positions,), "int64", flat=True))
+    return tuple(results)
+
+
+def multi_level_backward(op: str, specs: list, size, dtype: str, name: str) -> tuple:
+    """``(problem, reorder, results)`` of a multi-level backward call: ``size`` is ``(input_shape,
+    output_size, layout)``; ``specs`` the flat gradient buffer of every level and, for a selecting
+    op, the flat indices buffer, each checked against the problem."""
+    if not isinstance(size, tuple) or len(size) != 3:
+        raise TypeError(f"a multi-level backward plan takes (input_shape, output_size, layout), got {size!r}")
+    input_shape, output_size, layout = size
+    problem = Problem.create(op, input_shape, output_size, dtype, layout, direction="backward",
+                             shape_name="input_shape")
+    values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
+    expected = [(name, values, dtype)] + ([("indices", positions, "int64")] if problem.operation.selects else [])
+    if len(specs) < len(expected) or specs[-1] is None:
+        raise TypeError("indices must be the int64 indices of the forward pass")
+    for spec, (label, count, wanted) in zip(specs, expected):
+        if tuple(spec.shape) != (count,) or spec.strides not in ((1,), (None,)) and count > 1:
+            raise ValueError(f"{label} must be the flat buffer of every level ({count} elements), got shape "
+                             f"{tuple(spec.shape)}")
+        if check_dtype_name(spec.dtype) != wanted and (wanted == "int64" or check_dtype(spec.dtype) != wanted):
+            raise TypeError(f"{label} must have dtype {wanted}, got {spec.dtype}")
+    results = (Result(problem.input_shape, element_strides(problem, problem.input_shape),
+                      problem.memory_shape(problem.input_shape), dtype),)
+    return problem, (False,) * len(expected), results
+
+
 def backward_problem(op: str, grad_shape: tuple, input_shape: tuple, dtype: str, layout: str, name="grad_out") -> Problem:
     """The problem of a backward call: ``input_shape`` checked, and ``grad_out``'s shape against it."""
-    _, ndim = OPS[op]
+    ndim = OPS[op].ndim
     batch, spatial = shapes.split_input_shape(input_shape, ndim, "input_shape")
     grad_shape = tuple(grad_shape)
     if len(grad_shape) != len(batch) + ndim or grad_shape[: len(batch)] != batch:

@@ -23,12 +23,24 @@ PRESETS = {
 }
 
 
+#: Multi-level presets (pool_tuner.pyramid): pspnet_ppm's and spp_net's levels as one fused call each,
+#: and timm's avg+max head.  Tuned by name (``pool-tuner tune --preset pspnet_ppm_fused``) and
+#: measured by benchmarks/pyramid.py; ``all`` -- the benchmark suite -- keeps to the single-level ops.
+FUSED_PRESETS = {
+    "pspnet_ppm_fused": [("adaptive_avg_pool_pyramid2d", (8, 2048, 64, 64), [(s, s) for s in (1, 2, 3, 6)])],
+    "spp_net_fused": [("adaptive_max_pool_pyramid2d", (32, 256, 13, 13), [(s, s) for s in (4, 2, 1)])],
+    "avgmax_head": [("adaptive_avgmax_pool2d", (32, 2048, 7, 7), (1, 1))],
+}
+
+
 def preset_shapes(name: str) -> list:
-    """The shapes of a preset, or of every preset for ``"all"``."""
+    """The shapes of a preset, or of every (single-level) preset for ``"all"``."""
     if name == "all":
         return [shape for shapes in PRESETS.values() for shape in shapes]
+    if name in FUSED_PRESETS:
+        return list(FUSED_PRESETS[name])
     if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS) + ['all']}, got {name!r}")
+        raise ValueError(f"preset must be one of {sorted(PRESETS) + sorted(FUSED_PRESETS) + ['all']}, got {name!r}")
     return list(PRESETS[name])
 
 

@@ -16,12 +16,11 @@ import math
 import numpy as np
 
 from . import shapes
+from .operations import OPERATIONS, Operation
 from .windows import fixed_pool_equivalent, max_window
 
-#: op name -> (pooling kind, number of pooled axes)
-OPS = {
-    f"adaptive_{kind}_pool{ndim}d": (kind, ndim) for kind in ("avg", "max") for ndim in (1, 2, 3)
-}
+#: op name -> its ``operations.Operation``
+OPS = OPERATIONS
 DIRECTIONS = ("forward", "backward")
 #: Storage dtypes and their kernel defines; float16/bfloat16 accumulate in float32.
 DTYPES = {
@@ -38,10 +37,11 @@ INT32_LIMIT = 2**31 - 1
 #: 1024 threads x 8 outputs each); a 32-bit launch keeps this much headroom below 2^31.
 OVERSHOOT_MARGIN = 1 << 16
 #: The problem classes (``Problem.problem_class``), in the order their rules are tried.
-PROBLEM_CLASSES = ("upsampling", "global", "uniform", "non-uniform")
+PROBLEM_CLASSES = ("pyramid", "upsampling", "global", "uniform", "non-uniform")
 
 
-def check_op(op, direction: str = "forward") -> tuple[str, int]:
+def check_op(op, direction: str = "forward") -> Operation:
+    """The operation named ``op``, after checking ``op`` and ``direction``."""
     if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     if direction not in DIRECTIONS:
@@ -90,10 +90,15 @@ class Problem:
         # pickling and ``dataclasses.fields`` see only the six above).  A problem is consulted
         # several times on every call's path and hashed as a key of the dispatch memos, where each
         # property call or tuple hash costs microseconds with the cold caches after a blocking wait.
-        kind, ndim = check_op(self.op, self.direction)
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "ndim", ndim)
+        operation = check_op(self.op, self.direction)
+        object.__setattr__(self, "operation", operation)
+        object.__setattr__(self, "kind", operation.kind)
+        object.__setattr__(self, "ndim", operation.ndim)
+        ndim = operation.ndim
         object.__setattr__(self, "channels_last", self.layout == LAYOUT_NAMES[ndim][1])
+        # Every level's pooled sizes padded to 3 axes (T, H, W); one level for single-level ops.
+        object.__setattr__(self, "levels", tuple((1,) * (3 - ndim) + tuple(spatial) for spatial in
+                                                 operation.levels_of(self.input_shape, self.output_shape)))
         object.__setattr__(self, "_hash", hash((self.op, self.direction, self.dtype, self.layout,
                                                  self.input_shape, self.output_shape)))
 
@@ -107,12 +112,20 @@ class Problem:
     @classmethod
     def create(cls, op, input_shape, output_size, dtype="float32", layout=None, direction="forward", shape_name="input_shape"):
         """Validate every argument and build the problem (raises before anything is compiled)."""
-        _, ndim = check_op(op, direction)
+        operation = check_op(op, direction)
+        ndim = operation.ndim
         dtype = check_dtype(dtype)
         layout = check_layout(LAYOUT_NAMES[ndim][0] if layout is None else layout, ndim)
         batch, spatial = shapes.split_input_shape(input_shape, ndim, shape_name)
-        out_spatial = shapes.resolve_output_size(output_size, spatial)
-        return cls(op, direction, dtype, layout, batch + spatial, batch + out_spatial)
+        if not operation.multi_level:
+            return cls(op, direction, dtype, layout, batch + spatial, batch + shapes.resolve_output_size(output_size, spatial))
+        levels = operation.resolve_levels(output_size, spatial, "output_sizes" if operation.pyramid else "output_size")
+        return cls(op, direction, dtype, layout, batch + spatial, operation.output_shape(batch, levels))
+
+    @property
+    def output_size(self) -> tuple:
+        """The ``output_size`` argument of ``create`` that made this problem."""
+        return self.operation.output_size_of(self.input_shape, self.output_shape)
 
     @property
     def planes(self) -> int:
@@ -136,11 +149,12 @@ class Problem:
 
     @property
     def out_spatial(self) -> tuple:
-        return (1,) * (3 - self.ndim) + tuple(self.output_shape[-self.ndim :])
+        """Pooled output sizes padded to 3 axes (T, H, W); a multi-level op's first level (see ``levels``)."""
+        return self.levels[0]
 
     @property
     def is_empty(self) -> bool:
-        return math.prod(self.output_shape) == 0
+        return self.operation.output_counts(self.input_shape, self.output_shape)[0] == 0
 
     @functools.cached_property
     def problem_class(self) -> str:
@@ -151,12 +165,16 @@ class Problem:
         * ``global``: every pooled output extent is 1 (a plane reduces to one value);
         * ``uniform``: downsampling in which every pooled axis has a fixed-pool equivalent (one window
           size and stride, so kernels get them as constants; an empty axis has no windows to differ);
-        * ``non-uniform``: the remaining downsampling, whose windows differ in size or overlap.
+        * ``non-uniform``: the remaining downsampling, whose windows differ in size or overlap;
+        * ``pyramid``: a multi-level op (several output sizes, pool_tuner.pyramid), whose kernels
+          are its own.
 
         Kernels take different paths for these (per-plane reductions, constant-size unrolled
         windows, variable windows, repeated inputs), so a configuration tuned for one class says
         little about another, whatever the sizes.  Computed once per problem, on first use.
         """
+        if self.operation.multi_level:
+            return "pyramid"
         axes = list(zip(self.input_shape[-self.ndim:], self.output_shape[-self.ndim:]))
         if any(o > i for i, o in axes):
             return "upsampling"
@@ -172,18 +190,21 @@ class Problem:
         window along each pooled axis, the input and the output plane sizes, the number of planes
         and the bytes an ideal kernel moves.  Dispatch's nearest-shape distance compares the logs
         of these (design.md, Dispatch), so doubling any one of them counts the same."""
-        ins, outs = self.input_shape[-self.ndim:], self.output_shape[-self.ndim:]
-        windows = tuple(max_window(i, o) for i, o in zip(ins, outs))
-        return (*windows, math.prod(ins), math.prod(outs), self.planes, self.bytes_moved())
+        ins = self.input_shape[-self.ndim:]
+        levels = [level[3 - self.ndim:] for level in self.levels]
+        windows = tuple(max(max_window(i, level[axis]) for level in levels) for axis, i in enumerate(ins))
+        outs = sum(math.prod(level) for level in levels)
+        return (*windows, math.prod(ins), outs, self.planes, self.bytes_moved())
 
     @property
     def index_64(self) -> bool:
         """Whether 32-bit offsets could overflow: element counts, or the window products
         ``(o + 1) * I`` and ``(i + 1) * O`` of any axis, near 2^31."""
         limit = INT32_LIMIT - OVERSHOOT_MARGIN
-        if math.prod(self.input_shape) > limit or math.prod(self.output_shape) > limit:
+        outputs = self.operation.output_counts(self.input_shape, self.output_shape)[0]
+        if math.prod(self.input_shape) > limit or outputs > limit:
             return True
-        return any((i + 1) * (o + 1) > limit for i, o in zip(self.in_spatial, self.out_spatial))
+        return any((i + 1) * (o + 1) > limit for level in self.levels for i, o in zip(self.in_spatial, level))
 
     @property
     def kernel_key(self) -> tuple:
@@ -192,7 +213,7 @@ class Problem:
         the index width, which the batch extent can change.  Problems with equal keys have equal
         ``defines``, so every batch size of a per-sample shape shares one build."""
         return (self.op, self.direction, self.dtype, self.layout, self.channels,
-                self.in_spatial, self.out_spatial, self.index_64)
+                self.in_spatial, self.levels, self.index_64)
 
     @property
     def scalars(self) -> tuple:
@@ -205,6 +226,14 @@ class Problem:
         plane count is not one of them (``scalars``): sizes are defines so that divisions by them
         become multiply-shifts, and the planes, the outermost extent, are never a divisor."""
         (it, ih, iw), (ot, oh, ow) = self.in_spatial, self.out_spatial
+        common = {
+            DTYPES[self.dtype]: 1,
+            "INDEX_64": int(self.index_64),
+            **self.operation.kernel_defines(),
+            "CHANNELS_LAST": int(self.channels_last),
+            "N_CHANNELS": self.channels,
+            "IN_T": it, "IN_H": ih, "IN_W": iw,
+        }
         uniform = {}
         for axis, i, o in zip("THW", self.in_spatial, self.out_spatial):
             fixed = fixed_pool_equivalent(i, o) if o else None
@@ -218,27 +247,19 @@ class Problem:
             # The most outputs that pool one input: at 1 the gather loops of the axis vanish
             # (INVERSE_COUNT in windows.h).
             uniform[f"MAX_INVERSE_WINDOW_{axis}"] = max_window(o, i) if o else 0
-        return {
-            DTYPES[self.dtype]: 1,
-            "INDEX_64": int(self.index_64),
-            f"POOL_{self.kind.upper()}": 1,
-            "CHANNELS_LAST": int(self.channels_last),
-            "N_CHANNELS": self.channels,
-            "IN_T": it, "IN_H": ih, "IN_W": iw,
-            "OUT_T": ot, "OUT_H": oh, "OUT_W": ow,
-            **uniform,
-        }
+        defines = {**common, "OUT_T": ot, "OUT_H": oh, "OUT_W": ow, **uniform}
+        if self.operation.multi_level:
+            # The shared headers see the first level (``out_spatial``); the pyramid kernels read
+            # every level from these tables (kernels/pyramid.h).
+            from . import pyramid
+
+            defines.update(pyramid.kernel_defines(self))
+        return defines
 
     def bytes_read_written(self) -> tuple[int, int]:
-        """``(bytes read, bytes written)`` by an ideal kernel.  Forward reads the input and writes
-        the output (max pooling also its int64 indices); backward reads the output gradient (max:
-        and the indices) and writes the input gradient."""
-        itemsize = ITEMSIZE[self.dtype]
-        inputs, outputs = math.prod(self.input_shape) * itemsize, math.prod(self.output_shape) * itemsize
-        indices = math.prod(self.output_shape) * 8 if self.kind == "max" else 0
-        if self.direction == "forward":
-            return inputs, outputs + indices
-        return outputs + indices, inputs
+        """``(bytes read, bytes written)`` by an ideal kernel (``Operation.bytes_read_written``)."""
+        return self.operation.bytes_read_written(self.direction, self.input_shape, self.output_shape,
+                                                 ITEMSIZE[self.dtype])
 
     def bytes_moved(self) -> int:
         """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator."""

@@ -19,7 +19,7 @@ import itertools
 
 import numpy as np
 
-from pool_tuner.problem import OPS
+from pool_tuner.operations import OPERATIONS
 from pool_tuner.shapes import check_int, resolve_output_size, split_input_shape
 from pool_tuner.windows import pooling_windows
 
@@ -186,14 +186,42 @@ def adaptive_max_pool_backward(grad_out, indices, input_shape, ndim: int) -> np.
 
 
 def forward(op: str, x, output_size):
-    """The reference of a public forward op by name: avg -> values, max -> (values, indices)."""
-    kind, ndim = OPS[op]
-    return adaptive_avg_pool(x, output_size, ndim) if kind == "avg" else adaptive_max_pool(x, output_size, ndim)
+    """The reference of a public forward op by name.  One level: values, and for a selecting op
+    (max) ``(values, indices)``.  A multi-level op: ``(values, indices)``, lists over its levels
+    (indices of the max levels only), each level pooled on its own by its definition."""
+    operation = OPERATIONS[op]
+    if not operation.multi_level:
+        if operation.selects:
+            return adaptive_max_pool(x, output_size, operation.ndim)
+        return adaptive_avg_pool(x, output_size, operation.ndim)
+    x = _as_float64(x, "x")
+    levels = operation.resolve_levels(output_size, tuple(x.shape[x.ndim - operation.ndim:]))
+    values, indices = [], []
+    for kind, spatial in zip(operation.level_kinds(len(levels)), levels):
+        if kind == "avg":
+            values.append(adaptive_avg_pool(x, spatial, operation.ndim))
+        else:
+            level_values, level_indices = adaptive_max_pool(x, spatial, operation.ndim)
+            values.append(level_values)
+            indices.append(level_indices)
+    return values, indices
 
 
 def backward(op: str, grad_out, input_shape, indices=None) -> np.ndarray:
-    """The reference of a public backward op by name (``indices`` for max pooling)."""
-    kind, ndim = OPS[op]
-    if kind == "avg":
-        return adaptive_avg_pool_backward(grad_out, input_shape, ndim)
-    return adaptive_max_pool_backward(grad_out, indices, input_shape, ndim)
+    """The reference of a public backward op by name (``indices`` for a selecting op).  A
+    multi-level op: ``grad_out`` and ``indices`` are lists over its levels (indices of the max
+    levels), and the gradient is the sum of every level's, added in level order."""
+    operation = OPERATIONS[op]
+    if not operation.multi_level:
+        if operation.selects:
+            return adaptive_max_pool_backward(grad_out, indices, input_shape, operation.ndim)
+        return adaptive_avg_pool_backward(grad_out, input_shape, operation.ndim)
+    max_indices = iter(indices or ())
+    total = None
+    for kind, grad in zip(operation.level_kinds(len(grad_out)), grad_out):
+        if kind == "avg":
+            term = adaptive_avg_pool_backward(grad, input_shape, operation.ndim)
+        else:
+            term = adaptive_max_pool_backward(grad, next(max_indices), input_shape, operation.ndim)
+        total = term if total is None else total + term
+    return total

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import time
 
 import numpy as np
@@ -55,11 +56,14 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
         'pool_tuner.torch needs PyTorch, which is not installed: pip install "pool-tuner[torch]"'
     ) from error
 
+from . import fused as _fused
 from . import ops as _ops
+from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from .backends import env_device_setting
 from .decomposition import decompose
+from .problem import LAYOUT_NAMES, OPS
 from .shapes import RANK_NAMES, resolve_output_size
 from .variants import get_variant
 
@@ -77,6 +81,13 @@ __all__ = [
     "adaptive_max_pool2d",
     "adaptive_max_pool3d",
     "replace_pooling",
+    "AdaptiveAvgMaxPool2d",
+    "PyramidPooling",
+    "adaptive_avg_pool_pyramid",
+    "adaptive_avgmax_pool2d",
+    "adaptive_max_pool_pyramid",
+    "fuse_sibling_pools",
+    "fused_adaptive_pools",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -218,11 +229,12 @@ def _define(kind: str, ndim: int, backward: bool, real, fake):
 def _register(kind: str, ndim: int):
     """Define the forward and backward ops of one (kind, ndim) and wire their autograd."""
     op = f"adaptive_{kind}_pool{ndim}d"
+    selects = OPS[op].selects
 
     def output_shape(input, output_size):
         return list(input.shape[: input.dim() - ndim]) + list(output_size)
 
-    if kind == "avg":
+    if not selects:
         def forward(input, output_size, options):
             (result,) = _run(op, "forward", [input], tuple(output_size), options)
             return _in_layout(result, _is_channels_last(input, ndim), ndim)
@@ -258,10 +270,10 @@ def _register(kind: str, ndim: int):
     def forward_setup(ctx, inputs, output):
         input, _, ctx.options = inputs
         ctx.input_shape = list(input.shape)
-        if kind == "max":
+        if selects:
             ctx.save_for_backward(output[1])
 
-    if kind == "avg":
+    if not selects:
         def forward_grad(ctx, grad_out):
             return backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options)), None, None
 
@@ -549,6 +561,353 @@ REPLACEMENTS = {
 }
 
 
+# --------------------------------------------------------------------------------------------
+# Multi-level pooling: a pyramid, and avg+max, from one read of the input (pool_tuner.fused).
+# The custom ops ``torch.ops.pool_tuner.adaptive_{avg,max}_pool_pyramid{1,2,3}d`` and
+# ``…adaptive_avgmax_pool2d`` (and ``…_backward``) return the flat buffers of every level
+# (pool_tuner.pyramid); the functional forms view them level by level, in the input's memory
+# format, so that compile and export see one node and views.
+
+
+def _level_schema(selects: bool, backward: bool) -> str:
+    if not backward:
+        return "(Tensor input, SymInt[] sizes, str options) -> " + ("(Tensor, Tensor)" if selects else "Tensor")
+    indices = "Tensor indices, " if selects else ""
+    return (f"(Tensor grad_out, {indices}SymInt[] input_shape, SymInt[] sizes, bool channels_last, str options) "
+            f"-> Tensor")
+
+
+#: (op, backward) -> the registered multi-level op
+_LEVEL_OPS: dict = {}
+
+
+def _level_sizes(operation, sizes) -> tuple:
+    """A schema's flat ``sizes`` as the op's ``output_size`` argument: a pyramid's levels (tuples),
+    avgmax's one size."""
+    sizes = tuple(sizes)
+    levels = tuple(sizes[k:k + operation.ndim] for k in range(0, len(sizes), operation.ndim))
+    return levels if operation.pyramid else levels[0]
+
+
+def _level_layout(operation, sizes) -> _pyramid.LevelLayout:
+    """The level layout of a multi-level op whose schema ``sizes`` are these (plain ints)."""
+    sizes = tuple(int(n) for n in sizes)
+    spatial = tuple(sizes[k:k + operation.ndim] for k in range(0, len(sizes), operation.ndim))
+    if not operation.pyramid:
+        spatial = spatial * len(operation.level_kinds(1))
+    return _pyramid.level_layout(operation.level_kinds(len(spatial)), spatial)
+
+
+def _register_levels(op: str):
+    """Define a multi-level op's forward and backward custom ops and wire their autograd."""
+    operation = OPS[op]
+    ndim, selects = operation.ndim, operation.selects
+
+    def planes(shape):
+        return math.prod(shape[:len(shape) - ndim])
+
+    def forward(input, sizes, options):
+        results = _run(op, "forward", [input], _level_sizes(operation, sizes), options)
+        return tuple(results) if selects else results[0]
+
+    def forward_fake(input, sizes, options):
+        layout, n = _level_layout(operation, sizes), planes(input.shape)
+        values = input.new_empty((n * layout.values_per_plane,))
+        if not selects:
+            return values
+        return values, input.new_empty((n * layout.indices_per_plane,), dtype=torch.int64)
+
+    def backward(grad_out, *rest):
+        input_shape, sizes, channels_last, options = rest[-4:]
+        layout = LAYOUT_NAMES[ndim][1 if channels_last else 0]
+        tensors = [grad_out.contiguous()] + [t.contiguous() for t in rest[:-4]]
+        (result,) = _run(op, "backward", tensors, (tuple(input_shape), _level_sizes(operation, sizes), layout), options)
+        return _in_layout(result, channels_last, ndim)
+
+    def backward_fake(grad_out, *rest):
+        input_shape, channels_last = rest[-4], rest[-2]
+        return _empty(list(input_shape), grad_out, grad_out.dtype, channels_last, ndim)
+
+    ops = {}
+    for backward_op, (real, fake) in ((False, (forward, forward_fake)), (True, (backward, backward_fake))):
+        defined = torch.library.custom_op(f"pool_tuner::{op}" + ("_backward" if backward_op else ""), real,
+                                          mutates_args=(), device_types=("cpu",),
+                                          schema=_level_schema(selects, backward_op))
+        defined.register_fake(fake)
+        ops[backward_op] = _LEVEL_OPS[op, backward_op] = defined
+
+    def setup(ctx, inputs, output):
+        input, sizes, ctx.options = inputs
+        ctx.input_shape, ctx.sizes = list(input.shape), list(sizes)
+        ctx.channels_last = _is_channels_last(input, ndim)
+        if selects:
+            ctx.save_for_backward(output[1])
+
+    def gradient(ctx, grad_values, *_grad_indices):
+        args = [grad_values, *ctx.saved_tensors, ctx.input_shape, ctx.sizes, ctx.channels_last,
+                _backward_options(ctx.options)]
+        return ops[True](*args), None, None
+
+    ops[False].register_autograd(gradient, setup_context=setup)
+
+
+for _op, _operation in OPS.items():
+    if _operation.multi_level:
+        _register_levels(_op)
+
+
+def _level_views(flat, input, layout, ndim: int, channels_last: bool, kinds=None) -> list:
+    """The levels inside a multi-level op's flat buffer (values, or with ``kinds=("max",)`` the max
+    levels' indices), as views in the input's memory format; sizes may be symbolic."""
+    batch = list(input.shape[:input.dim() - ndim])
+    planes = math.prod(batch)
+    bases = layout.value_bases if kinds is None else layout.index_bases
+    views = []
+    for kind, spatial, size, base in zip(layout.kinds, layout.spatial, layout.sizes, bases):
+        if kinds is not None and kind not in kinds:
+            continue
+        part = flat.narrow(0, planes * base, planes * size)
+        if not channels_last:
+            views.append(part.view(batch + list(spatial)))
+        else:
+            views.append(part.view(batch[:-1] + list(spatial) + batch[-1:]).movedim(-1, len(batch) - 1))
+    return views
+
+
+def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[list, list]:
+    """``(values per level, indices per max level)`` of a multi-level op: through its custom op, or
+    under ``torch.onnx.export`` the exact per-level decompositions (values only)."""
+    operation = OPS[op]
+    _check_tensor(input, "input")
+    ndim = operation.ndim
+    if input.dim() not in (ndim + 1, ndim + 2):
+        raise ValueError(f"input must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
+                         f"got shape {tuple(input.shape)}")
+    spatial = tuple(input.shape[input.dim() - ndim:])
+    if any(size == 0 for size in spatial):
+        raise ValueError(f"input has a pooled dimension of size 0 (shape {tuple(input.shape)}); "
+                         f"pooled dimensions must be >= 1")
+    levels = operation.resolve_levels(output_size, spatial, name)
+    kinds = operation.level_kinds(len(levels))
+    if _exported_to_onnx():
+        return [decompose(kind, ndim, input, list(size), f"pool_tuner.torch.{op}")
+                for kind, size in zip(kinds, levels)], []
+    if input.is_cuda:
+        raise ValueError(f"{op} runs on CPU tensors (pool_tuner's multi-level kernels have no CUDA path in "
+                         f"pool_tuner.torch yet); input is on {input.device}")
+    _check_no_functorch_transform()
+    sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
+    out = _LEVEL_OPS[op, False](input, sizes, options)
+    values, indices = out if operation.selects else (out, None)
+    layout = _pyramid.level_layout(kinds, tuple(tuple(int(n) for n in level) for level in levels))
+    channels_last = _is_channels_last(input, ndim)
+    return (_level_views(values, input, layout, ndim, channels_last),
+            [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, ("max",)))
+
+
+def _pyramid_op(kind: str, input, output_sizes, ndim) -> str:
+    _check_tensor(input, "input")
+    return f"adaptive_{kind}_pool_pyramid{_fused.pyramid_rank(tuple(input.shape), output_sizes, ndim)}d"
+
+
+def adaptive_avg_pool_pyramid(input, output_sizes, *, ndim=None, device=None, variant=None, config=None) -> list:
+    """Adaptive average pooling of ``input`` to every size of ``output_sizes``, from one read of
+    ``input`` (``pool_tuner.adaptive_avg_pool_pyramid``): one tensor per size, each what
+    ``torch.nn.functional.adaptive_avg_pool{ndim}d`` gives, with autograd (the gradient written
+    once, every level's added in order)."""
+    op = _pyramid_op("avg", input, output_sizes, ndim)
+    return _multi_level(op, input, output_sizes, _encode_options(device, variant, config), "output_sizes")[0]
+
+
+def adaptive_max_pool_pyramid(input, output_sizes, return_indices=False, *, ndim=None, device=None, variant=None,
+                              config=None):
+    """Adaptive max pooling of ``input`` to every size of ``output_sizes`` from one read: a list of
+    tensors, and with ``return_indices=True`` also the list of their int64 indices (PyTorch's)."""
+    op = _pyramid_op("max", input, output_sizes, ndim)
+    values, indices = _multi_level(op, input, output_sizes, _encode_options(device, variant, config), "output_sizes")
+    return (values, indices) if return_indices else values
+
+
+def adaptive_avgmax_pool2d(input, output_size=1, mode="avg+max", *, device=None, variant=None, config=None):
+    """timm's ``adaptive_avgmax_pool2d`` (``mode="avg+max"``: ``0.5 * (avg + max)``) or
+    ``adaptive_catavgmax_pool2d`` (``mode="cat"``: ``torch.cat((avg, max), 1)``), both poolings
+    from one read of ``input``."""
+    _fused._check_mode(mode)
+    (avg, mx), _ = _multi_level("adaptive_avgmax_pool2d", input, output_size,
+                                _encode_options(device, variant, config), "output_size")
+    return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), 1)
+
+
+class PyramidPooling(torch.nn.Module):
+    """A pooling pyramid: ``forward(x)`` returns ``x`` pooled to every size of ``output_sizes``
+    (a list, one tensor per size), average (``mode="avg"``, PSPNet's pyramid pooling) or max
+    (``mode="max"``, SPP-Net), from one read of ``x``."""
+
+    def __init__(self, output_sizes, mode="avg", *, ndim=None, device=None, variant=None, config=None):
+        super().__init__()
+        if mode not in ("avg", "max"):
+            raise ValueError(f"mode must be 'avg' or 'max', got {mode!r}")
+        if isinstance(output_sizes, (str, bytes)) or not hasattr(output_sizes, "__len__") or not len(output_sizes):
+            raise ValueError(f"output_sizes must be a non-empty sequence of output sizes, got {output_sizes!r}")
+        self.output_sizes, self.mode, self.ndim = list(output_sizes), mode, ndim
+        self.device, self.variant, self.config = device, variant, config
+
+    def forward(self, input):
+        fn = adaptive_avg_pool_pyramid if self.mode == "avg" else adaptive_max_pool_pyramid
+        return fn(input, self.output_sizes, ndim=self.ndim, device=self.device, variant=self.variant,
+                  config=self.config)
+
+    def _get_name(self) -> str:
+        return "pool_tuner.torch.PyramidPooling"
+
+    def extra_repr(self) -> str:
+        return f"output_sizes={self.output_sizes!r}, mode={self.mode!r}"
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(NO_TORCHSCRIPT)
+
+
+class AdaptiveAvgMaxPool2d(torch.nn.Module):
+    """timm's ``AdaptiveAvgMaxPool2d`` (``mode="avg+max"``) and ``AdaptiveCatAvgMaxPool2d``
+    (``mode="cat"``) on one fused kernel."""
+
+    def __init__(self, output_size=1, mode="avg+max", *, device=None, variant=None, config=None):
+        super().__init__()
+        _fused._check_mode(mode)
+        self.output_size, self.mode = output_size, mode
+        self.device, self.variant, self.config = device, variant, config
+
+    def forward(self, input):
+        return adaptive_avgmax_pool2d(input, self.output_size, self.mode, device=self.device, variant=self.variant,
+                                      config=self.config)
+
+    def _get_name(self) -> str:
+        return "pool_tuner.torch.AdaptiveAvgMaxPool2d"
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size!r}, mode={self.mode!r}"
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(NO_TORCHSCRIPT)
+
+
+# --------------------------------------------------------------------------------------------
+# replace_pooling(fuse=True): sibling adaptive poolings of one tensor run as one fused op.
+
+
+def fused_adaptive_pools(input, levels, ndim: int) -> tuple:
+    """The results of the adaptive poolings ``levels`` (``(kind, output_size)`` pairs) of ``input``
+    over ``ndim`` axes, in order, from as few reads of ``input`` as the fused ops allow: an avg and a
+    max pooling of one 2-d size as one avgmax op, else the avg levels as one pyramid and the max
+    levels as another.  What ``replace_pooling(fuse=True)`` puts in place of sibling poolings."""
+    spatial = tuple(input.shape[input.dim() - ndim:])
+    resolved = [resolve_output_size(size, spatial) for _, size in levels]
+    kinds = [kind for kind, _ in levels]
+    if ndim == 2 and sorted(kinds) == ["avg", "max"] and resolved[0] == resolved[1]:
+        (avg, mx), _ = _multi_level("adaptive_avgmax_pool2d", input, resolved[0], "", "output_size")
+        return (avg, mx) if kinds[0] == "avg" else (mx, avg)
+    results = [None] * len(levels)
+    for kind in ("avg", "max"):
+        chosen = [k for k, level_kind in enumerate(kinds) if level_kind == kind]
+        if chosen:
+            op = f"adaptive_{kind}_pool_pyramid{ndim}d"
+            values, _ = _multi_level(op, input, [resolved[k] for k in chosen], "", "output_sizes")
+            for k, value in zip(chosen, values):
+                results[k] = value
+    return tuple(results)
+
+
+#: PyTorch's functional adaptive poolings, by name, as torch.fx records them: (kind, ndim).
+_FUNCTIONAL_POOLS = {f"adaptive_{kind}_pool{ndim}d": (kind, ndim) for kind in KINDS for ndim in NDIMS}
+_FUNCTIONAL_POOLS.update({f"_adaptive_max_pool{ndim}d": ("max", ndim) for ndim in NDIMS})
+
+
+def _pool_call(gm, node):
+    """``(input node, kind, ndim, output_size)`` of a graph node that is one adaptive pooling
+    without indices (a PyTorch or pool_tuner layer, or PyTorch's functional form), else None."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        pool = next((cls for cls in REPLACEMENTS if isinstance(module, cls)), None)
+        if pool is None or getattr(module, "return_indices", False) or len(node.args) != 1 or node.kwargs:
+            return None
+        ours = REPLACEMENTS[pool]
+        return node.args[0], ours.kind, ours.ndim, module.output_size
+    if node.op == "call_function" and getattr(node.target, "__module__", "") == "torch.nn.functional":
+        found = _FUNCTIONAL_POOLS.get(getattr(node.target, "__name__", ""))
+        if found is None:
+            return None
+        arguments = dict(zip(("input", "output_size", "return_indices"), node.args), **node.kwargs)
+        if arguments.get("return_indices", False) or "output_size" not in arguments:
+            return None
+        return arguments["input"], found[0], found[1], arguments["output_size"]
+    return None
+
+
+def _fuse_graph(gm) -> int:
+    """Fuse, in ``gm``'s graph, every group of two or more adaptive poolings of one tensor over the
+    same axes into one ``fused_adaptive_pools`` call; returns the number of groups fused."""
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        call = _pool_call(gm, node)
+        if call is not None and isinstance(call[0], torch.fx.Node):
+            groups.setdefault((call[0], call[2]), []).append((node, call[1], call[3]))
+    fused = 0
+    for (source, ndim), members in groups.items():
+        if len(members) < 2:
+            continue
+        with gm.graph.inserting_before(members[0][0]):
+            levels = tuple((kind, size) for _, kind, size in members)
+            call = gm.graph.call_function(fused_adaptive_pools, (source, levels, ndim))
+        for position, (node, _, _) in enumerate(members):
+            with gm.graph.inserting_before(node):
+                item = gm.graph.call_function(operator.getitem, (call, position))
+            node.replace_all_uses_with(item)
+            gm.graph.erase_node(node)
+        fused += 1
+    if fused:
+        gm.graph.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return fused
+
+
+def _count_pools(module) -> int:
+    return sum(isinstance(m, tuple(REPLACEMENTS)) for m in module.modules())
+
+
+def _trace(module: torch.nn.Module):
+    """``module`` as a torch.fx ``GraphModule`` (fused calls kept as single calls), or None where it
+    does not trace (Python control flow on tensor values, say)."""
+    tracer = torch.fx.Tracer(autowrap_functions=(fused_adaptive_pools,))
+    try:
+        graph = tracer.trace(module)
+    except Exception:  # whatever the module's Python does with proxies: its children may trace
+        return None
+    return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def fuse_sibling_pools(model: torch.nn.Module) -> torch.nn.Module:
+    """Run sibling adaptive poolings of one tensor as one fused op: the torch.fx pass of
+    ``replace_pooling(fuse=True)``.  Modules are visited bottom-up, so the smallest module that
+    holds a group is the one rewritten: each is traced with torch.fx, and where the trace finds
+    poolings to fuse the module is replaced by its rewritten ``GraphModule`` (same submodules and
+    parameter names).  Modules that do not trace, or hold nothing to fuse, stay as they are.
+    Returns the (new) model."""
+
+    def visit(module):
+        for name, child in list(module.named_children()):
+            replacement = visit(child)
+            if replacement is not child:
+                setattr(module, name, replacement)
+        gm = _trace(module) if module.__class__.__module__.split(".")[0] != "torch" else None
+        if gm is not None and _fuse_graph(gm):
+            gm.train(module.training)
+            return gm
+        return module
+
+    return visit(model)
+
+
 def swap_layers(model: torch.nn.Module, swap) -> torch.nn.Module:
     """Replace, in place, every submodule ``m`` of ``model`` (``model`` itself included) by
     ``swap(qualified_name, m)``; returns the (new) root.  Shared by ``replace_pooling`` and
@@ -561,10 +920,14 @@ def swap_layers(model: torch.nn.Module, swap) -> torch.nn.Module:
     return swap("", model)
 
 
-def replace_pooling(model: torch.nn.Module, *, device=None, variant=None, config=None) -> torch.nn.Module:
+def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=None, config=None) -> torch.nn.Module:
     """Swap every PyTorch adaptive pooling layer inside ``model`` (in place, ``model`` itself
     included) for pool_tuner's equivalent with the same arguments; returns the (new) model.
-    Layers that are already pool_tuner's, and subclasses of PyTorch's, are left alone."""
+    Layers that are already pool_tuner's, and subclasses of PyTorch's, are left alone.
+    ``fuse=True`` first runs sibling adaptive poolings of one tensor (PSPNet's pyramid, timm's
+    avg+max) as one fused op (``fuse_sibling_pools``)."""
+    if fuse:
+        model = fuse_sibling_pools(model)
 
     def swap(_name, module):
         cls = REPLACEMENTS.get(type(module))

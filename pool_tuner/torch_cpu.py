@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import backends, dispatch, ops, plans, tuner
-from .problem import OPS
+from .operations import SINGLE_LEVEL
 
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
 CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
@@ -45,7 +45,7 @@ RACE_MARGIN = 1.25
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
-PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in OPS}
+PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
 
 
 def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None, race: bool = False) -> plans.Plan:
@@ -118,7 +118,7 @@ def empty_result(result: plans.Result, problem, dtype: torch.dtype) -> torch.Ten
     storage = torch.from_numpy(np.empty(result.memory_shape, NUMPY_STORAGE[dtype]))
     if dtype == torch.bfloat16:
         storage = storage.view(torch.bfloat16)
-    if problem.channels_last:
+    if problem.channels_last and not result.flat:
         return storage.movedim(-1, len(result.shape) - problem.ndim - 1)
     return storage
 

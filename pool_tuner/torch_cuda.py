@@ -27,7 +27,7 @@ import torch
 
 from . import dispatch, ops, plans, tuner
 from .backends import cuda
-from .problem import OPS
+from .operations import SINGLE_LEVEL
 
 #: PyTorch's current stream of a CUDA device as a raw ``cudaStream_t`` (the call Inductor's
 #: generated code makes); CPU-only builds of PyTorch lack it and have no CUDA tensors.
@@ -35,7 +35,7 @@ current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 #: pool_tuner.ops function -> (op, direction)
 _SIGNATURES = {getattr(ops, op + suffix): (op, direction)
-               for op in OPS for suffix, direction in (("", "forward"), ("_backward", "backward"))}
+               for op in SINGLE_LEVEL for suffix, direction in (("", "forward"), ("_backward", "backward"))}
 
 _PLANS = plans.PlanTable("torch_cuda.plans")
 

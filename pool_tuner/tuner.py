@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ import warnings
 
 import numpy as np
 
-from . import backends, dispatch, reference
+from . import backends, dispatch, pyramid, reference
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
 from . import kernel_source
@@ -217,11 +218,13 @@ def make_case(problem: Problem, rng) -> Case:
         return device_values, _widen(device_values, problem.dtype)
 
     poison = _narrow(np.full(1, np.nan), problem.dtype)[0]
-    output_size = problem.output_shape[-problem.ndim:]
+    if problem.operation.multi_level:
+        return _multi_level_case(problem, random, poison, rng)
+    output_size = problem.output_size
     if problem.direction == "forward":
         x, x_exact = random(problem.input_shape)
         out = np.full(problem.memory_shape(problem.output_shape), poison)
-        if problem.kind == "avg":
+        if not problem.operation.selects:
             expected = reference.forward(problem.op, x_exact, output_size)
             return Case([memory(x), out], [None, memory(expected)], problem.dtype)
         values, indices = reference.forward(problem.op, x_exact, output_size)
@@ -229,12 +232,44 @@ def make_case(problem: Problem, rng) -> Case:
         return Case([memory(x), out, poisoned_indices], [None, memory(values), memory(indices)], problem.dtype)
     grad, grad_exact = random(problem.output_shape)
     grad_in = np.full(problem.memory_shape(problem.input_shape), poison)
-    if problem.kind == "avg":
+    if not problem.operation.selects:
         expected = reference.backward(problem.op, grad_exact, problem.input_shape)
         return Case([memory(grad), grad_in], [None, memory(expected)], problem.dtype)
     _, indices = reference.forward(problem.op, rng.standard_normal(problem.input_shape), output_size)
     expected = reference.backward(problem.op, grad_exact, problem.input_shape, indices)
     return Case([memory(grad), memory(indices), grad_in], [None, None, memory(expected)], problem.dtype)
+
+
+def _multi_level_case(problem: Problem, random, poison, rng) -> Case:
+    """``make_case`` of a multi-level op: every level's values (and the max levels' indices) in the
+    flat buffers its kernels use (pool_tuner.pyramid)."""
+    layout = pyramid.layout(problem)
+    planes = problem.planes
+    values_shape, indices_shape = (planes * layout.values_per_plane,), (planes * layout.indices_per_plane,)
+    selects = problem.operation.selects
+    memory_order = functools.partial(np.moveaxis, source=len(problem.input_shape) - problem.ndim - 1, destination=-1)
+
+    def memory(a):
+        return np.ascontiguousarray(memory_order(a) if problem.channels_last else a)
+
+    if problem.direction == "forward":
+        x, x_exact = random(problem.input_shape)
+        values, indices = reference.forward(problem.op, x_exact, problem.output_size)
+        args = [memory(x), np.full(values_shape, poison)]
+        answer = [None, pyramid.pack(problem, values)]
+        if selects:
+            args.append(np.full(indices_shape, np.iinfo(np.int64).min))
+            answer.append(pyramid.pack(problem, indices, kinds=("max",)))
+        return Case(args, answer, problem.dtype)
+    _, indices = reference.forward(problem.op, rng.standard_normal(problem.input_shape), problem.output_size)
+    per_level = [random(problem.input_shape[:len(problem.input_shape) - problem.ndim] + tuple(spatial))
+                 for spatial in layout.spatial]
+    expected = reference.backward(problem.op, [exact for _, exact in per_level], problem.input_shape, indices)
+    args = [pyramid.pack(problem, [device for device, _ in per_level])]
+    if selects:
+        args.append(pyramid.pack(problem, indices, kinds=("max",)))
+    args.append(np.full(problem.memory_shape(problem.input_shape), poison))
+    return Case(args, [None] * (len(args) - 1) + [memory(expected)], problem.dtype)
 
 
 def _search_plan(n_legal: int, strategy=None, max_fevals=None) -> tuple[str, int]:
@@ -588,7 +623,7 @@ def autotune(problem: Problem, device) -> None:
     say("%s=%s and no tuning record for %s on %s: tuning it now, before this call returns -- up to %d "
         "configurations of %d variants to compile, time and verify (on PoCL's CPU device about half a second each)",
         AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV), what, device.describe(), searched, sum(1 for n in legal if n))
-    result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
+    result = tune(problem.op, problem.input_shape, problem.output_size, problem.dtype,
                   problem.layout, device, direction=problem.direction)
     say("tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,
         result.best_params, result.best_time_ms,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import kernel_source, memo
+from . import kernel_source, memo, pyramid
 from .problem import DIRECTIONS, OPS, Problem, check_op
 from .windows import max_window, pooling_windows
 
@@ -264,7 +264,7 @@ class _Tiled(Variant):
 
     def local_mem_bytes(self, params, problem):
         per_element = _acc_bytes(problem)
-        if problem.direction == "backward" and problem.kind == "max":
+        if problem.direction == "backward" and problem.operation.selects:
             per_element += 8  # the staged int64 indices
         return math.prod(self.stage_extent(params, problem)) * per_element
 
@@ -320,7 +320,7 @@ class ThreadPerRow(Variant):
 
     @staticmethod
     def row_bytes(problem) -> int:
-        per_column = _acc_bytes(problem) + (8 if problem.kind == "max" else 0)  # value, max: position
+        per_column = _acc_bytes(problem) + (8 if problem.operation.selects else 0)  # value, selecting: position
         return problem.in_spatial[2] * per_column
 
     def illegal_reason(self, params, problem, limits):
@@ -330,7 +330,7 @@ class ThreadPerRow(Variant):
             return (f"input rows of {problem.in_spatial[2]} elements need {self.row_bytes(problem)} bytes of "
                     f"column partials per work-item; the limit is {self.ROW_BYTES_LIMIT}")
         if params["unrolled_columns"]:
-            if problem.kind != "avg":
+            if problem.operation.selects:
                 return "unrolled_columns is for average pooling (max pooling merges positions)"
             widest = _max_windows(problem)[2]
             if widest > self.UNROLLED_COLUMNS_LIMIT:
@@ -417,7 +417,7 @@ class PlaneReduce(_Global):
 
     def local_mem_bytes(self, params, problem):
         # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
-        return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+        return params["block_size_x"] * (16 if problem.operation.selects else 8)
 
 
 class GlobalPlanes(_Global):
@@ -460,7 +460,7 @@ class GlobalPlanes(_Global):
         if params["split"] == 1:
             return 0
         # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
-        return params["block_size_x"] * (16 if problem.kind == "max" else 8)
+        return params["block_size_x"] * (16 if problem.operation.selects else 8)
 
 
 class GlobalChannels(_Global):
@@ -568,7 +568,7 @@ class ThreadPerRowBackward(Variant):
     default = {"block_size_x": 16}
 
     def illegal_reason(self, params, problem, limits):
-        if problem.kind != "avg":
+        if problem.operation.selects:
             return "is for average pooling (its runs share one value)"
         if problem.channels_last:
             return "needs channels-first memory (contiguous input rows)"
@@ -603,12 +603,171 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
+# ---------------------------------------------------------------------------- multi-level ops
+# The variants of the multi-level ops (pool_tuner.pyramid, kernels/pyramid.h).  The cell variants
+# reduce each cut-point cell of a plane once and combine the cells into every level's windows;
+# pyramid_windows reduces every window whole and is legal for every problem.
+
+
+class _CellVariant(Variant):
+    """Shared by the cell variants: their programs get the cut-point tables, which must stay small
+    enough for constant memory (``TABLE_ENTRIES_LIMIT`` int64 entries)."""
+
+    TABLE_ENTRIES_LIMIT = 4096
+
+    def illegal_reason(self, params, problem, limits):
+        if pyramid.table_entries(problem) > self.TABLE_ENTRIES_LIMIT:
+            return (f"its cut-point tables would have {pyramid.table_entries(problem)} entries; the limit is "
+                    f"{self.TABLE_ENTRIES_LIMIT} (levels this fine are pooled by pyramid_windows)")
+        return super().illegal_reason(params, problem, limits)
+
+    def extra_defines(self, params, problem):
+        return pyramid.cell_defines(problem)
+
+    @staticmethod
+    def cell_bytes(problem) -> int:
+        """Bytes of one cell's partial result: the value, a selecting op's position, avgmax's sum."""
+        acc = _acc_bytes(problem)
+        return acc + (8 if problem.operation.selects else 0) + (acc if problem.kind == "avgmax" else 0)
+
+
+class PyramidCells(_CellVariant):
+    name = "pyramid_cells"
+    summary = ("multi-level: a work-group per plane reduces each cut-point cell once into local memory, then "
+               "finishes every level's outputs from the cells of their windows")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        return pyramid.cell_count(problem) * self.cell_bytes(problem)
+
+
+class PyramidColumns(_CellVariant):
+    name = "pyramid_columns"
+    summary = ("multi-level, channels-first: a work-group per plane, work-item w reducing input column w within "
+               "each row of cells (neighbours read neighbours), then cells from columns, then every level's outputs")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (neighbouring columns are neighbours)"
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        cells = pyramid.cell_count(problem)
+        (_, _, iw) = problem.in_spatial
+        column_parts = cells // pyramid.cell_counts(problem)[2] * iw
+        return (cells + column_parts) * self.cell_bytes(problem)
+
+
+class PyramidStream(_CellVariant):
+    name = "pyramid_stream"
+    summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) reads its plane once in "
+               "memory order into its cells (private memory), then finishes every level's outputs")
+    search_space = {"block_size_x": [1, 4, 16, 64, 256]}
+    default = {"block_size_x": 16}
+    #: Cells a work-item may keep in private memory.
+    CELLS_LIMIT = 256
+
+    def illegal_reason(self, params, problem, limits):
+        if pyramid.cell_count(problem) > self.CELLS_LIMIT:
+            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
+                    f"{self.CELLS_LIMIT}")
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
+class PyramidStreamBackward(PyramidStream):
+    direction = "backward"
+    summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) sums the average levels' "
+               "terms once per cell (private memory), then writes its plane in memory order")
+
+    def local_mem_bytes(self, params, problem):
+        return 0
+
+
+class PyramidWindows(Variant):
+    name = "pyramid_windows"
+    summary = "multi-level: a work-item per output of any level reduces its whole window (no cells; always legal)"
+    search_space = {"block_size_x": [32, 64, 128, 256, 512]}
+    default = {"block_size_x": 256}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes * pyramid.layout(problem).values_per_plane, params["block_size_x"])
+
+
+class PyramidGather(Variant):
+    name = "pyramid_gather"
+    direction = "backward"
+    summary = ("multi-level gather: each work-item writes one input gradient once, adding every level's terms "
+               "in level order")
+    search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024]}
+    default = {"block_size_x": 256}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes * math.prod(problem.in_spatial), params["block_size_x"])
+
+
+class PyramidCellsBackward(_CellVariant):
+    name = "pyramid_cells"
+    direction = "backward"
+    summary = ("multi-level: a work-group per plane sums the average levels' terms once per cell into local "
+               "memory, then writes its plane row by row (a max level's terms gathered per input)")
+    search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
+    default = {"block_size_x": 64}
+
+    def groups(self, params, problem):
+        return problem.planes
+
+    def local_mem_bytes(self, params, problem):
+        return pyramid.cell_count(problem) * _acc_bytes(problem)
+
+
+#: Planes of fewer elements default to a work-item per plane (pyramid_stream): on PoCL a work-group
+#: per plane of the spp_net and avgmax presets (13x13, 7x7) spent more in its phases than in reading.
+SMALL_PLANE = 1024
+
+
+def pyramid_default(problem: Problem, limits) -> Variant:
+    """The variant a multi-level problem runs when nothing was tuned: the first legal of the cell
+    variants (one read of the input, and backward one pass of cell sums) in the order that suits
+    its memory layout, else the cell-less one."""
+    table = variants_for(problem.op, problem.direction)
+    small = math.prod(problem.in_spatial) < SMALL_PLANE
+    if problem.direction == "backward":
+        order = ("pyramid_stream", "pyramid_cells") if small or problem.channels_last else ("pyramid_cells",)
+        return next((table[n] for n in order if table[n].is_legal({}, problem, limits)), table["pyramid_gather"])
+    order = ("pyramid_stream", "pyramid_cells") if small or problem.channels_last else ("pyramid_columns", "pyramid_cells")
+    for name in order:
+        if table[name].is_legal({}, problem, limits):
+            return table[name]
+    return table["pyramid_windows"]
+
+
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
+_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidGather())}
+
+
+def _variants_of(op: str, direction: str) -> tuple:
+    if OPS[op].multi_level:
+        return _MULTI_LEVEL[direction]
+    return _FORWARD if direction == "forward" else _BACKWARD
+
+
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
 REGISTRY = {
-    (op, direction): {v.name: v for v in (_FORWARD if direction == "forward" else _BACKWARD)}
+    (op, direction): {v.name: v for v in _variants_of(op, direction)}
     for op in OPS
     for direction in DIRECTIONS
 }

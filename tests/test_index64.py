@@ -28,7 +28,11 @@ import pool_tuner as pt
 from pool_tuner import backends, dispatch, kernel_source, reference, shapes
 from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.problem import INT32_LIMIT, LAYOUT_NAMES, OPS, OVERSHOOT_MARGIN, Problem
+
+#: The single-level ops and their variants (the multi-level ops: tests/test_pyramid.py).
+OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
 from pool_tuner.variants import REGISTRY
+REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
 from conftest import GLOBAL_ONLY, random_input
 

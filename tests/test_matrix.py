@@ -16,6 +16,9 @@ import pool_tuner as pt
 from pool_tuner import backends, kernel_source, reference
 from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
+
+#: The single-level ops and their variants (the multi-level ops: tests/test_pyramid.py).
+OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
 from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window

@@ -381,7 +381,11 @@ import pytest  # noqa: E402
 import pool_tuner as pt  # noqa: E402
 from pool_tuner import kernel_source  # noqa: E402
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem  # noqa: E402
+
+#: The single-level ops and their variants (the multi-level ops: tests/test_pyramid.py).
+OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
 from pool_tuner.variants import REGISTRY  # noqa: E402
+REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
 from conftest import RUN_SEED  # noqa: E402
 

@@ -1,0 +1,36 @@
+/* pyramid_stream -- multi-level backward: a work-item per plane, neighbours on neighbouring planes.  It
+ * sums the average levels' terms once per cell (private memory, levels in order), then writes its
+ * plane in memory order, each input gradient once: its cell's sum, plus a max level's gradient where
+ * the level's index is this input (level_terms, pyramid.h).
+ * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
+KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in PLANES_PARAM)
+{
+    const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (plane >= N_PLANES)
+        return;
+    acc_t cell_grad[N_CELLS];
+    for (int k = 0; k < N_CELLS; ++k) {
+        const int ct = k / (N_CELLS_H * N_CELLS_W), ch = k / N_CELLS_W % N_CELLS_H, cw = k % N_CELLS_W;
+        const index_t t = cuts_t[ct], h = cuts_h[ch], w = cuts_w[cw];
+        acc_t sum = (acc_t)0;
+        for (int l = 0; l < N_LEVELS; ++l)
+            if (IS_MEAN_LEVEL(l))
+                sum += LEVEL_TERMS(l, plane, t, h, w, PLANE_POSITION(t, h, w, IN_H, IN_W));
+        cell_grad[k] = sum;
+    }
+    int ct = 0;
+    for (index_t t = 0; t < IN_T; ++t) {
+        ct += t == cuts_t[ct + 1];
+        int ch = 0;
+        for (index_t h = 0; h < IN_H; ++h) {
+            ch += h == cuts_h[ch + 1];
+            const int row_cells = (ct * N_CELLS_H + ch) * N_CELLS_W;
+            for (int cw = 0; cw < N_CELLS_W; ++cw)
+                for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
+                    acc_t sum = cell_grad[row_cells + cw];
+                    MAX_LEVEL_TERMS(sum, plane, t, h, w);
+                    STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
+                }
+        }
+    }
+}

@@ -1,0 +1,233 @@
+"""The public multi-level functions: a pooling pyramid, and avg+max, from one read of the input.
+
+``adaptive_{avg,max}_pool_pyramid(x, output_sizes)`` pool ``x`` to every size of ``output_sizes``
+(PSPNet's pyramid pooling: 1, 2, 3, 6; SPP-Net: 1, 2, 4) and return one result per level, each
+exactly what ``adaptive_{avg,max}_pool{n}d`` gives for that size (max: the same values and indices;
+avg: the same means up to the order of addition).  ``adaptive_avgmax_pool2d`` is timm's ``avgmax``
+(``mode="avg+max"``: ``(avg + max) / 2``) and ``catavgmax`` (``mode="cat"``: both concatenated
+along the channels).  Their kernels read each input element once for every level
+(pool_tuner.pyramid), and their backward passes write each input gradient once, adding every
+level's contribution in level order.
+
+Arrays are as for the single-level functions (numpy in -> numpy out; device arrays stay on their
+device, forward).  The results of one call are views of one buffer (pool_tuner.pyramid), in the
+input's memory layout.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import ops, pyramid
+from .problem import LAYOUT_NAMES, OPS, Problem
+from .shapes import check_int
+
+#: avgmax's modes: timm's ``avgmax`` and ``catavgmax``.
+AVGMAX_MODES = ("avg+max", "cat")
+
+
+def pyramid_rank(shape, output_sizes, ndim) -> int:
+    """The number of pooled axes of a pyramid call: ``ndim`` when given, else the length of a
+    tuple among ``output_sizes``, else ``len(shape) - 2`` (an ``(N, C, ...)`` input)."""
+    if ndim is not None:
+        ndim = check_int(ndim, "ndim")
+        if ndim not in (1, 2, 3):
+            raise ValueError(f"ndim must be 1, 2 or 3 (the number of pooled axes), got {ndim}")
+        return ndim
+    if isinstance(output_sizes, (str, bytes, bytearray)) or not hasattr(output_sizes, "__len__"):
+        raise TypeError(f"output_sizes must be a non-empty sequence of output sizes (each an int or a tuple of "
+                        f"ints/None), got {type(output_sizes).__name__} {output_sizes!r}")
+    lengths = {len(s) for s in output_sizes if not isinstance(s, numbers.Integral) and hasattr(s, "__len__")}
+    if len(lengths) > 1:
+        raise ValueError(f"output_sizes must have tuples of one length (the pooled axes), got {output_sizes!r}")
+    if lengths:
+        return lengths.pop()
+    rank = len(shape) - 2
+    if rank not in (1, 2, 3):
+        raise ValueError(f"x of shape {tuple(shape)} is not (N, C, L), (N, C, H, W) or (N, C, T, H, W); pass ndim= "
+                         f"(the number of pooled axes)")
+    return rank
+
+
+def _pyramid_op(kind: str, ndim: int) -> str:
+    return f"adaptive_{kind}_pool_pyramid{ndim}d"
+
+
+def _sizes_key(output_sizes):
+    """A pyramid's output sizes as a tuple of tuples (a hashable plan key), entries unchanged."""
+    if isinstance(output_sizes, (list, tuple)):
+        return tuple(tuple(s) if isinstance(s, list) else s for s in output_sizes)
+    return output_sizes
+
+
+def _forward(op: str, x, output_size, device, variant, config) -> tuple[list, list, Problem]:
+    """Run a multi-level forward: ``(values per level, indices per max level, problem)``."""
+    plan = ops._plan(op, "forward", [x], output_size, device, variant, config, ("x",))
+    results = ops._run(plan, [x], ("x",))
+    strided_view = None if isinstance(x, np.ndarray) else plan.device.strided_view
+    values, indices = pyramid.views(plan.problem, results[0], results[1] if len(results) > 1 else None,
+                                    strided_view=strided_view)
+    return values, indices, plan.problem
+
+
+def adaptive_avg_pool_pyramid(x, output_sizes, *, ndim=None, device=None, variant=None, config=None) -> list:
+    """Adaptive average pooling of ``x`` to every size of ``output_sizes`` (each an int or ``ndim``
+    ints/None), from one read of ``x``: a list of results, one per size.  ``ndim`` (1, 2, 3): the
+    pooled axes, by default the length of a tuple size, else ``x.ndim - 2``."""
+    rank = pyramid_rank(getattr(x, "shape", ()), output_sizes, ndim)
+    values, _, _ = _forward(_pyramid_op("avg", rank), x, _sizes_key(output_sizes), device, variant, config)
+    return values
+
+
+def adaptive_max_pool_pyramid(x, output_sizes, return_indices=False, *, ndim=None, device=None, variant=None,
+                              config=None):
+    """Adaptive max pooling of ``x`` to every size of ``output_sizes``, from one read of ``x``: a list
+    of results, one per size, and with ``return_indices=True`` also the list of their int64 indices
+    (PyTorch's: positions within each pooled plane; NaN wins, the last NaN; ties the first)."""
+    rank = pyramid_rank(getattr(x, "shape", ()), output_sizes, ndim)
+    values, indices, _ = _forward(_pyramid_op("max", rank), x, _sizes_key(output_sizes), device, variant, config)
+    return (values, indices) if return_indices else values
+
+
+def _check_mode(mode) -> str:
+    if mode not in AVGMAX_MODES:
+        raise ValueError(f"mode must be one of {AVGMAX_MODES} (timm's avgmax and catavgmax), got {mode!r}")
+    return mode
+
+
+def adaptive_avgmax_pool2d(x, output_size, mode="avg+max", return_indices=False, *, device=None, variant=None,
+                           config=None):
+    """timm's ``adaptive_avgmax_pool2d`` (``mode="avg+max"``: ``(avg + max) / 2``) and
+    ``adaptive_catavgmax_pool2d`` (``mode="cat"``: avg and max concatenated along the channel
+    axis) from one read of ``x`` (numpy arrays).  ``return_indices=True`` also returns the max
+    pooling's int64 indices, which ``adaptive_avgmax_pool2d_backward`` takes."""
+    _check_mode(mode)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"x must be a numpy.ndarray for adaptive_avgmax_pool2d (device arrays: use pool_tuner.torch), "
+                        f"got {type(x).__name__}")
+    (avg, mx), (indices,), _ = _forward("adaptive_avgmax_pool2d", x, output_size, device, variant, config)
+    if mode == "avg+max":
+        result = (avg + mx) * np.asarray(0.5, dtype=avg.dtype)
+    else:
+        result = np.concatenate([avg, mx], axis=avg.ndim - 3)
+    return (result, indices) if return_indices else result
+
+
+# ------------------------------------------------------------------------------------- backward
+
+
+def _check_grads(grad_outs, expected: int, name: str = "grad_outs") -> list:
+    if isinstance(grad_outs, np.ndarray) or not isinstance(grad_outs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of numpy arrays, one per level, got {type(grad_outs).__name__}")
+    if expected is not None and len(grad_outs) != expected:
+        raise ValueError(f"{name} must hold {expected} arrays (one per level), got {len(grad_outs)}")
+    for level, grad in enumerate(grad_outs):
+        if not isinstance(grad, np.ndarray):
+            raise TypeError(f"{name}[{level}] must be a numpy.ndarray (the multi-level backward takes numpy arrays), "
+                            f"got {type(grad).__name__}")
+    return list(grad_outs)
+
+
+def _backward(op: str, grads: list, indices, input_shape, device, variant, config):
+    """The input gradient of a multi-level op from every level's gradient (and the max levels'
+    indices), as numpy arrays: packed into the flat buffers its kernel reads."""
+    operation = OPS[op]
+    if isinstance(input_shape, (str, bytes)) or not hasattr(input_shape, "__len__"):
+        raise TypeError(f"input_shape must be a tuple of ints, got {type(input_shape).__name__}")
+    input_shape = tuple(input_shape)
+    batch_rank = len(input_shape) - operation.ndim
+    for level, grad in enumerate(grads):
+        if grad.shape[:batch_rank] != input_shape[:batch_rank] or grad.ndim != len(input_shape):
+            raise ValueError(f"grad_outs[{level}] must have shape {input_shape[:batch_rank]} + ({operation.ndim} output "
+                             f"sizes) to match input_shape {input_shape}, got {grad.shape}")
+    sizes = tuple(tuple(g.shape[batch_rank:]) for g in grads)
+    layout = ops.memory_layout(grads[0], operation.ndim) or LAYOUT_NAMES[operation.ndim][0]
+    problem = Problem.create(op, input_shape, sizes if operation.pyramid else sizes[0], grads[0].dtype, layout,
+                             direction="backward", shape_name="input_shape")
+    arrays = [pyramid.pack(problem, grads)]
+    if operation.selects:
+        arrays.append(_pack_indices(problem, indices, sizes))
+    plan = ops._plan(op, "backward", arrays, (problem.input_shape, problem.output_size, layout), device, variant,
+                     config, ("grad_outs",))
+    return ops._run(plan, arrays, ("grad_outs", "indices"))[0]
+
+
+def _pack_indices(problem: Problem, indices, sizes) -> np.ndarray:
+    """The max levels' indices, checked (int64, shaped as their gradients, inside their windows) and packed."""
+    kinds = pyramid.layout(problem).kinds
+    max_sizes = [size for size, kind in zip(sizes, kinds) if kind == "max"]
+    indices = _check_grads(indices, len(max_sizes), "indices")
+    single = f"adaptive_max_pool{problem.ndim}d"
+    for level, (array, size) in enumerate(zip(indices, max_sizes)):
+        if array.dtype != np.int64:
+            raise TypeError(f"indices[{level}] must have dtype int64, got {array.dtype}")
+        if array.shape != problem.input_shape[:len(problem.input_shape) - problem.ndim] + size:
+            raise ValueError(f"indices[{level}] must have the shape of its gradient, got {array.shape}")
+        if array.size:
+            ops._check_indices_in_windows(array, Problem.create(single, problem.input_shape, size))
+    return pyramid.pack(problem, indices, kinds=("max",))
+
+
+def adaptive_avg_pool_pyramid_backward(grad_outs, input_shape, *, ndim=None, device=None, variant=None, config=None):
+    """Gradient of ``adaptive_avg_pool_pyramid`` with respect to its input: ``grad_outs`` holds one
+    numpy gradient per level (their shapes give the levels' sizes); each input gradient is written
+    once, the levels' shares added in level order (no atomics: bit-identical across runs).
+    ``ndim``: the pooled axes, by default ``len(input_shape) - 2``."""
+    grads = _check_grads(grad_outs, None)
+    ndim = _backward_rank(grads, input_shape, ndim)
+    return _backward(_pyramid_op("avg", ndim), grads, None, input_shape, device, variant, config)
+
+
+def adaptive_max_pool_pyramid_backward(grad_outs, indices, input_shape, *, ndim=None, device=None, variant=None,
+                                       config=None):
+    """Gradient of ``adaptive_max_pool_pyramid``: ``grad_outs`` and ``indices`` hold one numpy array
+    per level (the indices as the forward pass returned them)."""
+    grads = _check_grads(grad_outs, None)
+    ndim = _backward_rank(grads, input_shape, ndim)
+    return _backward(_pyramid_op("max", ndim), grads, indices, input_shape, device, variant, config)
+
+
+def adaptive_avgmax_pool2d_backward(grad_out, indices, input_shape, mode="avg+max", *, device=None, variant=None,
+                                    config=None):
+    """Gradient of ``adaptive_avgmax_pool2d`` (of the same ``mode``), with the indices that
+    ``return_indices=True`` gave."""
+    _check_mode(mode)
+    if not isinstance(grad_out, np.ndarray):
+        raise TypeError(f"grad_out must be a numpy.ndarray, got {type(grad_out).__name__}")
+    if mode == "avg+max":
+        half = grad_out * np.asarray(0.5, dtype=grad_out.dtype)
+        grads = [half, half]
+    else:
+        channels = grad_out.shape[grad_out.ndim - 3] // 2 if grad_out.ndim >= 3 else 0
+        if grad_out.ndim not in (3, 4) or grad_out.shape[grad_out.ndim - 3] != 2 * channels:
+            raise ValueError(f"grad_out must be the gradient of the mode='cat' result (twice the channels), got shape "
+                             f"{grad_out.shape}")
+        grads = [np.take(grad_out, range(channels), axis=grad_out.ndim - 3),
+                 np.take(grad_out, range(channels, 2 * channels), axis=grad_out.ndim - 3)]
+    return _backward("adaptive_avgmax_pool2d", grads, [indices] if isinstance(indices, np.ndarray) else indices,
+                     input_shape, device, variant, config)
+
+
+def _backward_rank(grads: list, input_shape, ndim) -> int:
+    """The pooled axes of a pyramid backward: ``ndim``, by default ``len(input_shape) - 2`` (an
+    ``(N, C, ...)`` input)."""
+    if not grads:
+        raise ValueError("grad_outs must hold at least one gradient (one per level)")
+    if ndim is not None:
+        return pyramid_rank((), (), ndim)
+    rank = len(tuple(input_shape)) - 2 if hasattr(input_shape, "__len__") else 0
+    if rank not in (1, 2, 3):
+        raise ValueError(f"input_shape must be (N, C, L), (N, C, H, W) or (N, C, T, H, W), got {input_shape!r}")
+    return rank
+
+
+__all__ = [
+    "adaptive_avg_pool_pyramid",
+    "adaptive_avg_pool_pyramid_backward",
+    "adaptive_avgmax_pool2d",
+    "adaptive_avgmax_pool2d_backward",
+    "adaptive_max_pool_pyramid",
+    "adaptive_max_pool_pyramid_backward",
+]

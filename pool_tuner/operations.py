@@ -1,0 +1,142 @@
+"""The public pooling ops as objects: what each op is, in one definition that every module reads.
+
+An ``Operation`` says what the kernels, the reference, dispatch, the tuner and the PyTorch glue
+need to know of an op -- its kind (``avg``, ``max``, ``avgmax``), its rank, whether it selects
+(keeps one element of each window, and so has a position per output), whether it returns those
+positions as indices, how many levels (results) it has and the bytes an ideal kernel moves -- so
+that no module tests an op's name.  Its float64 reference is ``pool_tuner.reference.forward`` /
+``backward``, which read these same attributes (the reference sits above this module, so that the
+op table imports nothing of it).  ``OPERATIONS`` maps each public name
+(``"adaptive_avg_pool2d"``) to its operation.
+
+Multi-level ops pool one input to several output sizes in one pass (pool_tuner.pyramid):
+``adaptive_{avg,max}_pool_pyramid{1,2,3}d`` take a list of output sizes, one level each;
+``adaptive_avgmax_pool2d`` takes one output size and has two levels of it, an average and a max.
+Their ``Problem.output_shape`` is the batch dimensions followed by every level's pooled sizes in
+turn, so that a problem stays six plain fields (and a cache record's shapes stay lists of ints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+#: The pooling kinds and the kernel defines of each (kernels/operators.h): avgmax is the max
+#: operator with the window sums kept beside it (ALSO_MEAN, kernels/pyramid.h).
+KINDS = {"avg": {"POOL_AVG": 1}, "max": {"POOL_MAX": 1}, "avgmax": {"POOL_MAX": 1, "ALSO_MEAN": 1}}
+RANKS = (1, 2, 3)
+#: Bytes of one index (int64) of a selecting op.
+INDEX_BYTES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+    """One public pooling op: ``name`` (its public function's name), ``kind``, ``ndim`` (the
+    number of pooled trailing axes) and ``pyramid`` (whether it takes a list of output sizes)."""
+
+    name: str
+    kind: str
+    ndim: int
+    pyramid: bool = False
+
+    def __iter__(self):
+        """An operation also unpacks as ``(kind, ndim)``, the form the op table had before it held
+        operations (``kind, ndim = OPS[op]``, ``OPS[op][1]``)."""
+        return iter((self.kind, self.ndim))
+
+    def __getitem__(self, index):
+        return (self.kind, self.ndim)[index]
+
+    @property
+    def selects(self) -> bool:
+        """Whether some output is one element of its window (max), which also has a position: the
+        forward pass writes it, the backward pass routes the output's gradient to it alone."""
+        return self.kind != "avg"
+
+    @property
+    def returns_indices(self) -> bool:
+        """Whether the public function can return the selected positions (``return_indices``);
+        avgmax keeps them for its backward pass only."""
+        return self.kind == "max"
+
+    @property
+    def multi_level(self) -> bool:
+        """Whether one call gives several results (levels) from one pass over the input."""
+        return self.pyramid or self.kind == "avgmax"
+
+    def level_kinds(self, levels: int) -> tuple:
+        """The kind (``avg`` or ``max``) of each of ``levels`` levels."""
+        return ("avg", "max") if self.kind == "avgmax" else (self.kind,) * levels
+
+    def resolve_levels(self, output_size, in_spatial: tuple, name: str = "output_size") -> tuple:
+        """The pooled sizes of every level, from a call's ``output_size`` (a pyramid's: a
+        non-empty sequence of output sizes, each an int or ``ndim`` ints/None)."""
+        from .shapes import resolve_output_size
+
+        if not self.pyramid:
+            spatial = resolve_output_size(output_size, in_spatial, name)
+            return (spatial,) * len(self.level_kinds(1))
+        if isinstance(output_size, (str, bytes, bytearray)) or not hasattr(output_size, "__len__"):
+            raise TypeError(f"{name} must be a non-empty sequence of output sizes (each an int or "
+                            f"{self.ndim} ints/None), got {type(output_size).__name__} {output_size!r}")
+        if len(output_size) == 0:
+            raise ValueError(f"{name} must hold at least one output size, got {output_size!r}")
+        return tuple(resolve_output_size(size, in_spatial, f"{name}[{level}]") for level, size in enumerate(output_size))
+
+    def output_shape(self, batch: tuple, levels: tuple) -> tuple:
+        """The problem's ``output_shape``: the batch dimensions, then each distinct result size
+        (avgmax's two levels share one)."""
+        return tuple(batch) + tuple(n for spatial in (levels if self.pyramid else levels[:1]) for n in spatial)
+
+    def levels_of(self, input_shape, output_shape) -> tuple:
+        """The pooled sizes of every level of a problem (``output_shape``'s inverse)."""
+        tail = tuple(output_shape[len(input_shape) - self.ndim:])
+        if not self.pyramid:
+            return (tail,) * len(self.level_kinds(1))
+        return tuple(tail[k:k + self.ndim] for k in range(0, len(tail), self.ndim))
+
+    def output_size_of(self, input_shape, output_shape):
+        """The ``output_size`` argument that gives ``output_shape`` from ``input_shape``: what a
+        cache record's shapes mean as a call."""
+        if self.pyramid:
+            return list(self.levels_of(input_shape, output_shape))
+        return tuple(output_shape[len(input_shape) - self.ndim:])
+
+    def kernel_defines(self) -> dict:
+        """The ``#define``s that make kernels/operators.h this op's operator."""
+        return dict(KINDS[self.kind])
+
+    # ------------------------------------------------------------------ traffic
+
+    def output_counts(self, input_shape, output_shape) -> tuple[int, int]:
+        """``(values, indices)``: how many output values every level has together, and how many
+        of them are positions of a max level (the int64 indices written beside them)."""
+        batch = math.prod(input_shape[:len(input_shape) - self.ndim])
+        levels = self.levels_of(input_shape, output_shape)
+        sizes = [batch * math.prod(spatial) for spatial in levels]
+        kinds = self.level_kinds(len(levels))
+        return sum(sizes), sum(n for n, kind in zip(sizes, kinds) if kind == "max")
+
+    def bytes_read_written(self, direction: str, input_shape, output_shape, itemsize: int) -> tuple[int, int]:
+        """``(bytes read, bytes written)`` by an ideal kernel.  Forward reads the input and writes
+        the outputs of every level (a max level also its int64 indices); backward reads the
+        output gradients (and the indices) and writes the input gradient once."""
+        values, positions = self.output_counts(input_shape, output_shape)
+        inputs, outputs = math.prod(input_shape) * itemsize, values * itemsize
+        indices = positions * INDEX_BYTES
+        if direction == "forward":
+            return inputs, outputs + indices
+        return outputs + indices, inputs
+
+
+def _all() -> dict:
+    ops = [Operation(f"adaptive_{kind}_pool{ndim}d", kind, ndim) for kind in ("avg", "max") for ndim in RANKS]
+    ops += [Operation(f"adaptive_{kind}_pool_pyramid{ndim}d", kind, ndim, pyramid=True)
+            for kind in ("avg", "max") for ndim in RANKS]
+    ops.append(Operation("adaptive_avgmax_pool2d", "avgmax", 2))
+    return {op.name: op for op in ops}
+
+
+OPERATIONS = _all()
+#: The single-level ops, PyTorch's own (``torch.nn.functional`` has each by this name).
+SINGLE_LEVEL = tuple(name for name, op in OPERATIONS.items() if not op.multi_level)

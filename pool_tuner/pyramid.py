@@ -1,0 +1,208 @@
+"""Multi-level pooling: several output sizes (levels) of one input from one pass over it.
+
+The cut-point method.  Along one axis, take every level's window bounds as cut points (with 0 and
+the input size); the cells between consecutive cuts tile the axis, and every window of every level
+-- overlapping windows included -- starts and ends on cuts, so it is a run of whole cells.  The
+Cartesian product of the axes' cells tiles a plane into boxes, and every window of every level is a
+box of whole cells.  So a kernel reduces each cell once (a sum, or a maximum and its position) and
+finishes every output of every level by combining the cells of its window:
+
+* average: the sum of the window's cell sums over the window's area -- the same numbers as the
+  level pooled alone, added in another order;
+* max: the cell whose maximum beats the others', ties going to the earlier position (NaN: the
+  later), as reduce_merge does (kernels/reduction.h).  A window's row-major order is its plane
+  positions' order, so comparing positions is the position rule exactly: values and indices are
+  those of the level pooled alone.
+
+Results.  A multi-level op's values are one buffer, level after level; each level's part is that
+level's result in the problem's memory order (contiguous or channels-last), so every level is a
+view of the buffer without copies.  A max level's indices are laid out the same way in a second
+buffer that holds the max levels only.  ``layout(problem)`` gives the offsets; ``views`` and
+``pack`` go between the buffer and the per-level arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .shapes import c_strides
+from .windows import pooling_windows
+
+
+def cuts(in_size: int, out_sizes) -> np.ndarray:
+    """The cut points of one axis: 0, ``in_size`` and every window bound of every output size
+    (sorted, int64).  Consecutive cuts bound the cells."""
+    points = {0, in_size}
+    for out_size in out_sizes:
+        if out_size:
+            starts, ends = pooling_windows(in_size, out_size)
+            points.update(starts.tolist())
+            points.update(ends.tolist())
+    return np.array(sorted(points), dtype=np.int64)
+
+
+def window_cells(axis_cuts: np.ndarray, in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, end)``: output ``o`` of an axis pools exactly the cells ``[first[o], end[o])``."""
+    starts, ends = pooling_windows(in_size, out_size)
+    return np.searchsorted(axis_cuts, starts), np.searchsorted(axis_cuts, ends)
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelLayout:
+    """Where each level lives in a multi-level op's buffers, per plane: level ``l`` has ``sizes[l]``
+    outputs per plane at value offset ``value_bases[l]`` (times the plane count), and -- a max
+    level -- its indices at ``index_bases[l]`` of the index buffer (-1 for an avg level)."""
+
+    kinds: tuple
+    spatial: tuple
+    sizes: tuple
+    value_bases: tuple
+    index_bases: tuple
+    values_per_plane: int
+    indices_per_plane: int
+
+
+def level_layout(kinds: tuple, spatial: tuple) -> LevelLayout:
+    """The layout of levels of these kinds and pooled sizes (tuples of ints)."""
+    sizes = tuple(math.prod(s) for s in spatial)
+    value_bases, index_bases, value, index = [], [], 0, 0
+    for kind, size in zip(kinds, sizes):
+        value_bases.append(value)
+        index_bases.append(index if kind == "max" else -1)
+        value += size
+        index += size if kind == "max" else 0
+    return LevelLayout(kinds, spatial, sizes, tuple(value_bases), tuple(index_bases), value, index)
+
+
+def layout(problem) -> LevelLayout:
+    """The level layout of a multi-level problem (pooled sizes unpadded, as the levels' results)."""
+    spatial = problem.operation.levels_of(problem.input_shape, problem.output_shape)
+    return level_layout(problem.operation.level_kinds(len(spatial)), spatial)
+
+
+def level_memory_shape(problem, spatial: tuple) -> tuple:
+    """The memory shape of one level's result: its logical shape in the problem's memory order."""
+    return problem.memory_shape(problem.input_shape[:len(problem.input_shape) - problem.ndim] + tuple(spatial))
+
+
+def views(problem, values, indices=None, *, strided_view=None) -> tuple[list, list]:
+    """The per-level results inside a multi-level op's flat ``values`` (and ``indices``) buffers:
+    ``(values per level, indices per max level)``, each with the logical (channels-first) axes.
+    numpy arrays and tensors are viewed directly; ``strided_view(flat_part, shape, strides)``
+    makes the channels-last views of device arrays."""
+    lay, planes = layout(problem), problem.planes
+    batch = problem.input_shape[:len(problem.input_shape) - problem.ndim]
+    out_values, out_indices = [], []
+    for level, (kind, spatial, size) in enumerate(zip(lay.kinds, lay.spatial, lay.sizes)):
+        memory = level_memory_shape(problem, spatial)
+        parts = [(values, lay.value_bases[level], out_values)]
+        if kind == "max" and indices is not None:
+            parts.append((indices, lay.index_bases[level], out_indices))
+        for flat, base, into in parts:
+            part = flat[planes * base: planes * (base + size)]
+            into.append(_logical_view(part, memory, batch + tuple(spatial), problem, strided_view))
+    return out_values, out_indices
+
+
+def _logical_view(part, memory_shape, logical_shape, problem, strided_view):
+    if not problem.channels_last:
+        return part.reshape(logical_shape)
+    if strided_view is not None:
+        c = len(logical_shape) - problem.ndim - 1
+        strides = list(c_strides(memory_shape, part.dtype.itemsize))
+        strides.insert(c, strides.pop())
+        return strided_view(part, logical_shape, tuple(strides))
+    shaped = part.reshape(memory_shape)
+    c = len(logical_shape) - problem.ndim - 1
+    if hasattr(shaped, "movedim"):  # a tensor
+        return shaped.movedim(-1, c)
+    return np.moveaxis(shaped, -1, c)
+
+
+def pack(problem, arrays, kinds=None, dtype=None) -> np.ndarray:
+    """The flat buffer of per-level numpy ``arrays`` (logical axes) in the problem's memory order:
+    every level's when ``kinds`` is None, else only the levels of those kinds (the indices of the
+    max levels)."""
+    lay, planes = layout(problem), problem.planes
+    chosen = [level for level, kind in enumerate(lay.kinds) if kinds is None or kind in kinds]
+    total = planes * (lay.values_per_plane if kinds is None else lay.indices_per_plane)
+    flat = np.empty(total, dtype=dtype if dtype is not None else arrays[0].dtype)
+    bases = lay.value_bases if kinds is None else lay.index_bases
+    for level, array in zip(chosen, arrays):
+        part = flat[planes * bases[level]: planes * (bases[level] + lay.sizes[level])]
+        memory = np.asarray(array)
+        if problem.channels_last:
+            memory = np.moveaxis(memory, memory.ndim - problem.ndim - 1, -1)
+        part.reshape(memory.shape)[...] = memory
+    return flat
+
+
+def kernel_defines(problem) -> dict:
+    """The level defines of a multi-level problem's kernels (kernels/pyramid.h): the level count,
+    the per-plane value and index counts, and per level its sizes, bases and kind as initialisers
+    of constant tables."""
+    lay = layout(problem)
+    padded = [(1,) * (3 - problem.ndim) + tuple(s) for s in lay.spatial]
+    return {
+        "N_LEVELS": len(padded),
+        "VALUES_PER_PLANE": lay.values_per_plane,
+        "INDICES_PER_PLANE": lay.indices_per_plane,
+        "LEVEL_OUT_T": _table(s[0] for s in padded),
+        "LEVEL_OUT_H": _table(s[1] for s in padded),
+        "LEVEL_OUT_W": _table(s[2] for s in padded),
+        "LEVEL_VALUE_BASE": _table(lay.value_bases),
+        "LEVEL_INDEX_BASE": _table(lay.index_bases),
+        "LEVEL_IS_MEAN": _table(int(kind == "avg") for kind in lay.kinds),
+    }
+
+
+def cell_defines(problem) -> dict:
+    """The cut-point tables of the cell variants: per axis its cuts, and per level and output its
+    window's first and end cell, each level's outputs from ``LEVEL_WINDOW_BASE_<axis>``."""
+    lay = layout(problem)
+    padded = [(1,) * (3 - problem.ndim) + tuple(s) for s in lay.spatial]
+    defines = {}
+    for axis, name in enumerate("THW"):
+        in_size = problem.in_spatial[axis]
+        axis_cuts = cuts(in_size, [s[axis] for s in padded])
+        firsts, ends, bases = [], [], []
+        for spatial in padded:
+            bases.append(len(firsts))
+            if spatial[axis]:
+                first, end = window_cells(axis_cuts, in_size, spatial[axis])
+                firsts += first.tolist()
+                ends += end.tolist()
+        defines[f"N_CELLS_{name}"] = len(axis_cuts) - 1
+        defines[f"CUTS_{name}"] = _table(axis_cuts.tolist())
+        defines[f"WINDOW_FIRST_CELL_{name}"] = _table(firsts or [0])
+        defines[f"WINDOW_END_CELL_{name}"] = _table(ends or [0])
+        defines[f"LEVEL_WINDOW_BASE_{name}"] = _table(bases)
+    return defines
+
+
+def cell_counts(problem) -> tuple:
+    """Cells along each axis (T, H, W) of a multi-level problem."""
+    lay = layout(problem)
+    padded = [(1,) * (3 - problem.ndim) + tuple(s) for s in lay.spatial]
+    return tuple(len(cuts(problem.in_spatial[axis], [s[axis] for s in padded])) - 1 for axis in range(3))
+
+
+def cell_count(problem) -> int:
+    """Cells per plane: the product of every axis's cell count."""
+    return math.prod(cell_counts(problem))
+
+
+def table_entries(problem) -> int:
+    """Entries of the constant tables of ``cell_defines`` (cuts and window cells of every axis)."""
+    lay = layout(problem)
+    padded = [(1,) * (3 - problem.ndim) + tuple(s) for s in lay.spatial]
+    return sum(len(cuts(problem.in_spatial[axis], [s[axis] for s in padded])) + 2 * sum(s[axis] for s in padded)
+               for axis in range(3))
+
+
+def _table(values) -> str:
+    """A C initialiser list: ``{1, 2, 3}``."""
+    return "{" + ", ".join(str(int(v)) for v in values) + "}"

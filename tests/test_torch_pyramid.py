@@ -1,0 +1,267 @@
+"""pool_tuner.torch's multi-level pooling: the pyramid and avg+max functional forms and modules,
+their custom ops (fake implementations, autograd, opcheck), torch.compile(fullgraph=True),
+torch.export, ONNX export by decomposition, and ``replace_pooling(fuse=True)`` -- on hand-made
+models always, on segmentation_models_pytorch's PSPNet and a timm model with
+``global_pool="catavgmax"`` where those are installed: same outputs and gradients as stock."""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import pool_tuner.torch as ptt  # noqa: E402
+
+F = torch.nn.functional
+TOL = dict(rtol=1e-5, atol=1e-6)
+DTYPE_TOL = {torch.float32: TOL, torch.float64: dict(rtol=1e-12, atol=1e-12),
+             torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def tensor(rng, shape, dtype=torch.float32):
+    x = rng.uniform(-2.0, 2.0, size=shape)
+    x[np.abs(x) < 1e-3] = 0.5
+    return torch.from_numpy(x).to(dtype)
+
+
+def _close(got, expected, dtype=torch.float32):
+    torch.testing.assert_close(got.double(), expected.double(), **DTYPE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_TOL))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pyramids_match_pytorch_level_by_level(dtype, channels_last, rng):
+    x = tensor(rng, (2, 6, 13, 11), dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    sizes = [1, 2, (3, None), 6]
+    for got, size in zip(ptt.adaptive_avg_pool_pyramid(x, sizes), sizes):
+        expected = F.adaptive_avg_pool2d(x.double(), size)
+        _close(got, expected, dtype)
+        assert got.dtype == dtype
+        if got.shape[-2:].numel() > 1:  # a 1x1 level is both contiguous and channels-last
+            assert got.is_contiguous(memory_format=torch.channels_last) == channels_last
+    values, indices = ptt.adaptive_max_pool_pyramid(x, sizes, return_indices=True)
+    for got, got_indices, size in zip(values, indices, sizes):
+        expected, expected_indices = F.adaptive_max_pool2d(x, size, return_indices=True)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert torch.equal(got_indices, expected_indices)
+
+
+@pytest.mark.parametrize("ndim,shape,sizes", [(1, (2, 3, 17), [1, 5, 20]), (3, (1, 2, 5, 6, 7), [1, 2, (3, 4, 5)])])
+def test_pyramids_1d_3d(ndim, shape, sizes, rng):
+    x = tensor(rng, shape)
+    avg_fn, max_fn = getattr(F, f"adaptive_avg_pool{ndim}d"), getattr(F, f"adaptive_max_pool{ndim}d")
+    for got, size in zip(ptt.adaptive_avg_pool_pyramid(x, sizes, ndim=ndim), sizes):
+        _close(got, avg_fn(x, size))
+    values, indices = ptt.adaptive_max_pool_pyramid(x, sizes, True, ndim=ndim)
+    for got, got_indices, size in zip(values, indices, sizes):
+        expected, expected_indices = max_fn(x, size, return_indices=True)
+        assert torch.equal(got, expected) and torch.equal(got_indices, expected_indices)
+
+
+@pytest.mark.parametrize("mode", ["avg+max", "cat"])
+def test_avgmax_is_timms_definition(mode, rng):
+    x = tensor(rng, (3, 8, 7, 7))
+    avg, mx = F.adaptive_avg_pool2d(x, 1), F.adaptive_max_pool2d(x, 1)
+    expected = 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), 1)
+    _close(ptt.adaptive_avgmax_pool2d(x, 1, mode), expected)
+    _close(ptt.AdaptiveAvgMaxPool2d(1, mode)(x), expected)
+
+
+def test_gradcheck_of_every_multi_level_op(rng):
+    x = tensor(rng, (2, 3, 9, 7), torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: ptt.adaptive_avg_pool_pyramid(t, [1, 2, (3, 4), 5]), (x,))
+    # max: tie-free inputs (random float64 values)
+    assert torch.autograd.gradcheck(lambda t: ptt.adaptive_max_pool_pyramid(t, [1, (2, 3), 4]), (x,))
+    assert torch.autograd.gradcheck(lambda t: ptt.adaptive_avgmax_pool2d(t, 2, "cat"), (x,))
+    xc = x.detach().to(memory_format=torch.channels_last).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: ptt.adaptive_avg_pool_pyramid(t, [1, 3]), (xc,))
+
+
+def test_gradients_match_pytorchs_separate_poolings(rng):
+    x = tensor(rng, (2, 4, 21, 19))
+    sizes = [1, 2, 3, 6]
+    ours, stock = x.clone().requires_grad_(), x.clone().requires_grad_()
+    weights = [tensor(rng, (2, 4, s, s)) for s in sizes]
+    sum((y * w).sum() for y, w in zip(ptt.adaptive_avg_pool_pyramid(ours, sizes), weights)).backward()
+    sum((F.adaptive_avg_pool2d(stock, s) * w).sum() for s, w in zip(sizes, weights)).backward()
+    _close(ours.grad, stock.grad)
+    first = ours.grad.clone()
+    ours.grad = None
+    sum((y * w).sum() for y, w in zip(ptt.adaptive_avg_pool_pyramid(ours, sizes), weights)).backward()
+    assert torch.equal(ours.grad, first), "deterministic: bit-identical across runs"
+
+
+def test_opcheck_of_the_custom_ops(rng):
+    x = tensor(rng, (2, 3, 9, 7)).requires_grad_()
+    xc = x.detach().to(memory_format=torch.channels_last).requires_grad_()
+    for op, args in [(torch.ops.pool_tuner.adaptive_avg_pool_pyramid2d, (x, [1, 1, 2, 2, 3, 3], "")),
+                     (torch.ops.pool_tuner.adaptive_max_pool_pyramid2d, (xc, [1, 1, 2, 3], "")),
+                     (torch.ops.pool_tuner.adaptive_avgmax_pool2d, (x, [2, 2], ""))]:
+        torch.library.opcheck(op, args)
+
+
+def test_compile_fullgraph_and_export(rng):
+    model = ptt.PyramidPooling([1, 2, 3, 6])
+    compiled = torch.compile(model, fullgraph=True)
+    x = tensor(rng, (2, 8, 20, 20)).requires_grad_()
+    outputs = compiled(x)
+    for got, size in zip(outputs, [1, 2, 3, 6]):
+        _close(got, F.adaptive_avg_pool2d(x, size))
+    sum(o.sum() for o in outputs).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    program = torch.export.export(ptt.AdaptiveAvgMaxPool2d(1, "cat"), (tensor(rng, (2, 8, 7, 7)),))
+    assert "pool_tuner.adaptive_avgmax_pool2d" in str(program.graph_module.code)
+    y = tensor(rng, (2, 8, 7, 7))
+    _close(program.module()(y), torch.cat((F.adaptive_avg_pool2d(y, 1), F.adaptive_max_pool2d(y, 1)), 1))
+
+
+def test_onnx_export_decomposes_every_level(rng):
+    onnxruntime = pytest.importorskip("onnxruntime")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pyramid, self.head = ptt.PyramidPooling([1, 2, 3, (2, 5)]), ptt.AdaptiveAvgMaxPool2d(1, "cat")
+
+        def forward(self, x):
+            return (*self.pyramid(x), self.head(x))
+
+    model = Model().eval()
+    x = tensor(rng, (2, 3, 10, 9))
+    program = torch.onnx.export(model, (x,), verbose=False)
+    assert "pool_tuner" not in {node.domain for node in program.model.graph}
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    results = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    for result, expected in zip(results, model(x), strict=True):
+        np.testing.assert_allclose(result, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_modules_and_their_errors(rng):
+    pool = ptt.PyramidPooling([1, 2], mode="max")
+    assert "PyramidPooling" in repr(pool) and "mode='max'" in repr(pool)
+    with pytest.raises(ValueError, match="mode must be 'avg' or 'max'"):
+        ptt.PyramidPooling([1], mode="sum")
+    with pytest.raises(ValueError, match="output_sizes must be a non-empty"):
+        ptt.PyramidPooling([])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ptt.AdaptiveAvgMaxPool2d(1, mode="max")
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        ptt.adaptive_avg_pool_pyramid(np.ones((2, 3, 4, 4)), [1])
+    with pytest.raises(ValueError, match=r"output_sizes\[1\]"):
+        ptt.adaptive_avg_pool_pyramid(tensor(rng, (2, 3, 4, 4)), [1, -1])
+    with pytest.raises(RuntimeError, match="torch.jit.script"):
+        torch.jit.script(pool)
+
+
+# --------------------------------------------------------------------------------- replace_pooling(fuse=True)
+
+
+class Pyramid(torch.nn.Module):
+    """PSPNet's pyramid pooling module in miniature: sibling pools of one tensor, each followed by
+    a 1x1 convolution, upsampled and concatenated."""
+
+    def __init__(self, channels=4, sizes=(1, 2, 3, 6)):
+        super().__init__()
+        self.pools = torch.nn.ModuleList(torch.nn.AdaptiveAvgPool2d(s) for s in sizes)
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(channels, 2, 1) for _ in sizes)
+
+    def forward(self, x):
+        h, w = x.shape[2:]
+        levels = [F.interpolate(conv(pool(x)), size=(h, w), mode="bilinear", align_corners=True)
+                  for pool, conv in zip(self.pools, self.convs)]
+        return torch.cat(levels + [x], 1)
+
+
+class CatAvgMax(torch.nn.Module):
+    """timm's catavgmax head in miniature: functional avg and max pooling of one tensor."""
+
+    def forward(self, x):
+        return torch.cat((F.adaptive_avg_pool2d(x, 1), F.adaptive_max_pool2d(x, 1)), 1).flatten(1)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.ppm = Pyramid()
+        self.head = CatAvgMax()
+        self.fc = torch.nn.Linear(2 * 12, 5)
+
+    def forward(self, x):
+        x = self.ppm(torch.relu(self.stem(x)))
+        if x.sum() > 0:  # data-dependent control flow: the whole model does not trace
+            x = x * 1.0
+        return self.fc(self.head(x))
+
+
+def _outputs_and_gradients(model, x, grad_seed=0):
+    x = x.clone().requires_grad_()
+    torch.manual_seed(grad_seed)  # the same dropout masks for both models
+    y = model(x)
+    y.backward(torch.from_numpy(np.random.default_rng(grad_seed).standard_normal(y.shape).astype(np.float32)))
+    return y.detach(), x.grad, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _assert_same(stock, fused, x, tol):
+    ys, gs, ps = _outputs_and_gradients(stock, x)
+    yf, gf, pf = _outputs_and_gradients(fused, x)
+    torch.testing.assert_close(yf, ys, **tol)
+    torch.testing.assert_close(gf, gs, **tol)
+    assert set(pf) == set(ps), "the same parameters under the same names"
+    for name, grad in ps.items():
+        if grad is None:
+            assert pf[name] is None
+        else:
+            scale = max(grad.abs().max().item(), 1.0)
+            torch.testing.assert_close(pf[name], grad, rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+def _fused_calls(model) -> int:
+    return sum(node.target is ptt.fused_adaptive_pools for m in model.modules() if isinstance(m, torch.fx.GraphModule)
+               for node in m.graph.nodes)
+
+
+def test_replace_pooling_fuses_sibling_pools_of_one_tensor(rng):
+    stock = Net()
+    fused = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
+    assert isinstance(fused, Net), "the model keeps its class: only the modules holding sibling pools are rewritten"
+    assert isinstance(fused.ppm, torch.fx.GraphModule) and isinstance(fused.head, torch.fx.GraphModule)
+    assert _fused_calls(fused) == 2
+    _assert_same(stock, fused, tensor(rng, (2, 3, 13, 11)), TOL)
+
+
+def test_replace_pooling_without_fuse_leaves_the_graph(rng):
+    model = ptt.replace_pooling(Net())
+    assert _fused_calls(model) == 0 and isinstance(model.ppm.pools[0], ptt.AdaptiveAvgPool2d)
+
+
+def test_fused_adaptive_pools_orders_results_as_the_calls(rng):
+    x = tensor(rng, (2, 3, 9, 9))
+    levels = (("max", 2), ("avg", 1), ("avg", (3, None)), ("max", 4))
+    results = ptt.fused_adaptive_pools(x, levels, 2)
+    for got, (kind, size) in zip(results, levels):
+        _close(got, getattr(F, f"adaptive_{kind}_pool2d")(x, size))
+
+
+def test_pspnet_from_segmentation_models_pytorch(rng):
+    smp = pytest.importorskip("segmentation_models_pytorch", reason="needs segmentation_models_pytorch")
+    torch.manual_seed(0)
+    stock = smp.PSPNet("resnet18", encoder_weights=None, classes=3)
+    fused = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
+    assert type(fused) is type(stock) and _fused_calls(fused) == 1
+    for training in (True, False):
+        stock.train(training), fused.train(training)
+        # batch norm in training mode sums in another order after the pooled sums: float32 noise
+        _assert_same(stock, fused, tensor(rng, (2, 3, 64, 64)), dict(rtol=1e-4, atol=1e-5))
+
+
+def test_timm_catavgmax_head(rng):
+    timm = pytest.importorskip("timm", reason="needs timm")
+    torch.manual_seed(0)
+    stock = timm.create_model("resnet18", pretrained=False, global_pool="catavgmax", num_classes=10)
+    fused = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
+    assert type(fused) is type(stock) and _fused_calls(fused) == 1
+    _assert_same(stock, fused, tensor(rng, (2, 3, 64, 64)), dict(rtol=1e-4, atol=1e-5))
