@@ -136,6 +136,10 @@ CUDA_METHOD = {
     "kernels": "tuned_kernel_ms, default_kernel_ms: pool_tuner's dispatched and default kernel alone, launched back "
                "to back on buffers allocated once, between CUDA events",
 }
+#: The search budget of ``measure``'s ``tune_here``: the one the shipped records were tuned with
+#: (tuning_cache/README.md), so that the comparison is with what shipping a record would give.
+TUNE_HERE_BUDGET = {"strategy": "random_sample", "max_fevals": 8, "time_limit": 4}
+
 #: The copies that ``memory_bandwidth`` times; the fastest is the device's copy bandwidth.
 COPY_METHODS = ("buffer_copy", "copy_kernel", "copy_kernel_streaming")
 #: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
@@ -340,9 +344,9 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
     """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case, each
     timed in loops of calls back to back (``time_loop``).  On a CUDA device pool_tuner is timed as
     ``pool_tuner.torch`` on CUDA tensors and the loops between CUDA events, and the kernels alone
-    are timed too (``_measure_cuda``).  With ``tune_here`` the problem is first tuned as
-    ``pool-tuner tune`` tunes it, without storing the result (so the dispatched candidate is still
-    what dispatch does without it), and the tuning's winner is one more candidate."""
+    are timed too (``_measure_cuda``).  With ``tune_here`` the problem is first tuned with the
+    shipped records' budget (``TUNE_HERE_BUDGET``), without storing the result (so the dispatched
+    candidate is still what dispatch does without it), and the tuning's winner is one more candidate."""
     import pool_tuner as pt
 
     problem = Problem.create(op, shape, output_size, direction=direction)
@@ -350,7 +354,8 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
     if tune_here:
         from . import tuner
 
-        tuned_here = tuner.tune(op, shape, output_size, direction=direction, device=device, store=False)
+        tuned_here = tuner.tune(op, shape, output_size, direction=direction, device=device, store=False,
+                                **TUNE_HERE_BUDGET)
     if device.backend == "cuda":
         return _measure_cuda(name, problem, device, repeat, rng, tuned_here)
     out_size = problem.output_shape[-problem.ndim:]

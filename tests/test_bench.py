@@ -326,8 +326,8 @@ def test_tune_here_times_the_winner_of_a_tuning_in_the_run_beside_dispatch(monke
     from pool_tuner.problem import Problem
 
     pytest.importorskip("torch")
-    monkeypatch.setattr(tuner, "tune", functools.partial(tuner.tune, strategy="random_sample", max_fevals=2,
-                                                         variants=["thread_per_output", "thread_per_row"]))
+    monkeypatch.setattr(bench, "TUNE_HERE_BUDGET", {"strategy": "random_sample", "max_fevals": 2, "time_limit": 4})
+    monkeypatch.setattr(tuner, "tune", functools.partial(tuner.tune, variants=["thread_per_output", "thread_per_row"]))
     device = backends.default_device()
     row = bench.measure("untuned", "adaptive_avg_pool2d", (2, 8, 10, 9), (4, 7), "forward", device, 2,
                         np.random.default_rng(), tune_here=True)
