@@ -306,8 +306,8 @@ def test_the_shipped_records_apply_at_the_model_tier_on_another_pocl(user_cache,
         mine = [r for r in records.values() if r["device"] == tuned_on]
         for record in mine:
             p = cache.problem_of(record)
-            info = pt.explain(p.op, p.input_shape, p.output_shape[-p.ndim:], p.dtype, p.layout, device=device,
-                              direction=p.direction)
+            info = pt.explain(p.op, p.input_shape, p.operation.output_size_of(p.input_shape, p.output_shape), p.dtype,
+                              p.layout, device=device, direction=p.direction)
             assert (info["source"], info["tier"], info["record_key"]) == ("cache", "model", record["key"]), info
             assert info["variant"] == record["best"]["variant"]
             assert record["best"]["params"].items() <= info["params"].items()
