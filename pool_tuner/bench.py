@@ -1,7 +1,7 @@
 """The benchmark suite: pool_tuner against PyTorch and the bandwidth floor.
 
 For each shape and direction, in one run on one device: pool_tuner's dispatched kernel, pool_tuner
-forced to the heuristic default, and PyTorch (on the device's ``torch_device``: the same GPU for a
+forced to the default rules' choice, and PyTorch (on the device's ``torch_device``: the same GPU for a
 CUDA device, the CPU for OpenCL devices), each timed as users call it -- a loop of calls back to
 back on device-resident data (``time_loop``), then waiting for the device once.  On a CUDA device
 users call ``pool_tuner.torch`` on CUDA tensors, so that is what is timed, with PyTorch's caching

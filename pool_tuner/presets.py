@@ -48,7 +48,7 @@ def preset_shapes(name: str) -> list:
 UNTUNED_NAME = "untuned"
 #: Shapes that no preset has -- so ``tune --preset all`` never tunes them -- which the benchmark runs
 #: beside the presets: how calls fare where dispatch has only the nearest tuned shape or the
-#: heuristic default to go on.  Each is a preset's layer at another size, with windows that do not
+#: default rules to go on.  Each is a preset's layer at another size, with windows that do not
 #: divide evenly.
 UNTUNED = [
     ("adaptive_avg_pool2d", (16, 1024, 14, 14), (1, 1)),

@@ -143,7 +143,7 @@ class TuneResult:
 
     @property
     def kept_default(self) -> bool:
-        """Whether the winner is the heuristic default configuration itself."""
+        """Whether the winner is the default rules' choice itself."""
         return (self.best_variant, self.best_params) == (self.default_variant, self.default_params)
 
 
