@@ -203,6 +203,15 @@ def add_output_argument(parser) -> None:
     parser.add_argument("--out", type=Path, help="also write the results as JSON to this file")
 
 
+def finish(info: dict, report: dict, path: Path | None) -> int:
+    """End a script's run: the load average at its end (printed and in ``info``), the report
+    written to ``path`` (``write_json``); returns the exit status."""
+    record_end(info)
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in info['load_average_after'])}")
+    write_json(path, report)
+    return 0
+
+
 def write_json(path: Path | None, report: dict) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ Needs segmentation_models_pytorch (``pip install segmentation-models-pytorch``).
 from __future__ import annotations
 
 import copy
-import json
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=512, help="input height and width (default 512)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--loop-s", type=float, default=1.0, help="seconds per timed loop (default 1)")
-    parser.add_argument("--out", help="JSON report")
+    common.add_output_argument(parser)
     args = parser.parse_args(argv)
     import segmentation_models_pytorch as smp
 
@@ -79,12 +78,7 @@ def main(argv=None) -> int:
                                   [[n, common.fmt_spread(timings.summary(n))] for n in ("stock", "fused")]))
         print(f"stock / fused: {ratio['of_medians']:.3f} (round by round {ratio['q1']:.3f}-{ratio['q3']:.3f})")
         report["cases"][case] = {"ms": {n: timings.summary(n) for n in ("stock", "fused")}, "stock_over_fused": ratio}
-    common.record_end(info)
-    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in info['load_average_after'])}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
+    return common.finish(info, report, args.out)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--loop-s", type=float, default=0.5, help="seconds per timed loop (default 0.5)")
     parser.add_argument("--presets", default=",".join(presets.FUSED_PRESETS), help="comma-separated fused presets")
     parser.add_argument("--directions", default="forward,backward")
-    parser.add_argument("--out", help="JSON report")
+    common.add_output_argument(parser)
     args = parser.parse_args(argv)
     chosen = common.choices(parser, args.presets, tuple(presets.FUSED_PRESETS), "--presets")
     directions = common.choices(parser, args.directions, ("forward", "backward"), "--directions")
@@ -141,12 +141,7 @@ def main(argv=None) -> int:
                     "ms": {n: timings.summary(n) for n in names},
                     "vs_fused": {n: timings.ratio(n, names[0]) for n in names},
                 })
-    common.record_end(info)
-    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in info['load_average_after'])}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
+    return common.finish(info, report, args.out)
 
 
 if __name__ == "__main__":
