@@ -100,7 +100,9 @@ def test_tune_shape_prints_table_with_winner_and_speedup(capsys, user_cache):
     assert code == 0, err
     assert "adaptive_avg_pool2d" in out and "2x3x5x7 -> 2x3x3x4" in out
     assert "thread_per_output" in out and "<- winner" in out
-    assert "than the default" in out  # the verdict on the winner against the heuristic default
+    # the verdict on the winner against the default rules' choice (thread_per_output here, which a
+    # search of thread_per_output alone may keep)
+    assert "than the default" in out or "is the best configuration found: kept" in out
     assert "NOT stored" not in out
     assert f"cache: {user_cache / cache_mod.USER_FILE}" in out
     assert "tuning" not in err  # --quiet: no progress bar
