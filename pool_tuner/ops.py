@@ -69,7 +69,9 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     owner = backends.device_of_array(first)
     if owner is not None:
         plans.check_device_option(owner, device, names[0])
-        chosen, context = owner, owner.queue_of(first).context
+        queue = owner.queue_of(first)
+        owner.check_first_call(queue, names[0])
+        chosen, context = owner, queue.context
         owner.wrap_input(first, names[0])
     else:
         if not isinstance(first, np.ndarray):
@@ -151,8 +153,9 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
     """Run a plan on numpy or device arrays; returns its results in the caller's kind of array."""
     if not isinstance(arrays[0], np.ndarray):
         device = plan.device
+        queue = device.queue_of(arrays[0])  # the caller's array: a CUDA array's interface names its stream
         arrays = [device.wrap_input(a, name) for a, name in zip(arrays, names)]
-        return _run_on_device_arrays(plan, arrays, device.queue_of(arrays[0]))
+        return _run_on_device_arrays(plan, arrays, queue)
     problem = plan.problem
     arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
     if not plan.device.shares_host_memory:  # through copies on the device

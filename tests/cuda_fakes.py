@@ -1,10 +1,15 @@
 """Stand-ins for a CUDA GPU, so that the driver-API launch path runs without one: ``FakeDriver``
 plays libcuda (per-thread current contexts, loaded modules, launches whose arguments it reads back
-from the ctypes argument array as the driver would), ``fake_cuda_device`` makes a real
-``CudaDevice`` without PyCUDA."""
+from the ctypes argument array as the driver would, and the stream calls around them),
+``FakePyCuda`` plays what the backend uses of PyCUDA (arrays, memory pools, contexts),
+``fake_cuda_device`` makes a real ``CudaDevice`` without PyCUDA."""
 
 import ctypes
+import math
 import threading
+import types
+
+import numpy as np
 
 from pool_tuner.backends import cuda
 
@@ -38,6 +43,8 @@ class FakeDriver:
         self.max_threads = MAX_THREADS
         self._local = threading.local()
         self.on_get_current = None  # called inside cuCtxGetCurrent (tests use it to force thread switches)
+        self.capturing = set()  # stream handles being captured into a graph
+        self.events = 0  # events made
 
     # contexts: a per-thread stack, as the driver keeps one
     def _stack(self):
@@ -112,6 +119,57 @@ class FakeDriver:
         })
         return self.launch_status
 
+    # streams, events, fills and copies: recorded in ``calls`` as (name, plain arguments...)
+    def _record(self, name, *args):
+        self.calls.append((name, *map(_value, args)))
+        return 0
+
+    def cuPointerGetAttribute(self, data, attribute, pointer):
+        return 1  # CUDA_ERROR_INVALID_VALUE: not a pointer the driver knows (its device is taken to be 0)
+
+    def cuStreamSynchronize(self, stream):
+        return self._record("cuStreamSynchronize", stream)
+
+    def cuStreamIsCapturing(self, stream, status):
+        _target(status).value = 1 if _value(stream) in self.capturing else 0  # ACTIVE or NONE
+        return 0
+
+    def cuEventCreate(self, event, flags):
+        self.events += 1
+        _target(event).value = 0xE000 + self.events
+        return self._record("cuEventCreate", flags)
+
+    def cuEventRecord(self, event, stream):
+        return self._record("cuEventRecord", event, stream)
+
+    def cuStreamWaitEvent(self, stream, event, flags):
+        return self._record("cuStreamWaitEvent", stream, event)
+
+    def cuEventSynchronize(self, event):
+        return self._record("cuEventSynchronize", event)
+
+    def cuEventElapsedTime(self, ms, start, end):
+        _target(ms).value = 0.25
+        return 0
+
+    def cuEventDestroy_v2(self, event):
+        return self._record("cuEventDestroy", event)
+
+    def cuMemsetD8Async(self, pointer, value, count, stream):
+        return self._record("cuMemsetD8Async", pointer, value, count, stream)
+
+    def cuMemsetD16Async(self, pointer, value, count, stream):
+        return self._record("cuMemsetD16Async", pointer, value, count, stream)
+
+    def cuMemsetD32Async(self, pointer, value, count, stream):
+        return self._record("cuMemsetD32Async", pointer, value, count, stream)
+
+    def cuMemsetD2D32Async(self, pointer, pitch, value, width, height, stream):
+        return self._record("cuMemsetD2D32Async", pointer, pitch, value, width, height, stream)
+
+    def cuMemcpyDtoDAsync_v2(self, destination, source, nbytes, stream):
+        return self._record("cuMemcpyDtoDAsync", destination, source, nbytes, stream)
+
     def cuGetErrorName(self, status, out):
         _target(out).value = b"CUDA_ERROR_FAKE"
         return 0
@@ -136,3 +194,98 @@ def fake_cuda_device(ordinal=0, compute_capability=(9, 0)):
     device = cuda.CudaDevice(ordinal, properties)
     device.__dict__["cu_device"] = None
     return device
+
+
+class FakeGPUArray:
+    """What the backend and ``pool_tuner.ops`` use of PyCUDA's ``GPUArray``, over made-up device
+    addresses; its interface names no stream, as PyCUDA's does not."""
+
+    def __init__(self, shape, dtype, allocator=None, base=None, gpudata=None, strides=None):
+        self.shape, self.dtype, self.base = tuple(shape), np.dtype(dtype), base
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        contiguous = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize for i in range(len(self.shape)))
+        self.strides = contiguous if strides is None else tuple(strides)
+        self.flags = types.SimpleNamespace(c_contiguous=self.strides == contiguous)
+        self.gpudata = gpudata if gpudata is not None else (allocator(self.nbytes) if self.size else None)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "strides": self.strides, "data": (int(self.gpudata or 0), False),
+                "typestr": self.dtype.str, "stream": None, "version": 3}
+
+    def view(self, dtype):
+        dtype = np.dtype(dtype)
+        return FakeGPUArray((self.nbytes // dtype.itemsize,), dtype, gpudata=self.gpudata, base=self)
+
+
+class FakePyCuda:
+    """What the backend uses of ``pycuda.driver``, ``pycuda.gpuarray`` and ``pycuda.tools``,
+    recording the events and streams made (none should be, per call), the pools and their
+    allocations (made-up addresses, 0x1000 apart)."""
+
+    def __init__(self):
+        self.events, self.streams, self.allocations, self.pools = [], [], [], []
+        fake = self
+
+        class Event:
+            def __init__(self, *args):
+                fake.events.append(self)
+
+        class Stream:
+            def __init__(self, *args):
+                fake.streams.append(self)
+
+        class Context:
+            @staticmethod
+            def pop():
+                pass
+
+            @staticmethod
+            def synchronize():
+                pass
+
+        class DeviceMemoryPool:
+            def __init__(self):
+                self.held_blocks, self.freed = 0, 0
+                fake.pools.append(self)
+
+            def allocate(self, nbytes):
+                fake.allocations.append(nbytes)
+                return 0x1000 * len(fake.allocations)
+
+            def free_held(self):
+                self.freed += self.held_blocks
+                self.held_blocks = 0
+
+        self.driver = types.SimpleNamespace(Event=Event, Stream=Stream, Context=Context)
+        self.gpuarray = types.SimpleNamespace(GPUArray=FakeGPUArray)
+        self.tools = types.SimpleNamespace(DeviceMemoryPool=DeviceMemoryPool)
+
+
+class FakeContext:
+    """PyCUDA's primary context as the backend uses it."""
+
+    def push(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class ForeignArray:
+    """A CUDA array of another library (Numba, CuPy, ...): shape, strides (bytes) and dtype, and a
+    ``__cuda_array_interface__`` naming ``stream`` (left out when ``stream`` is ``...``)."""
+
+    def __init__(self, shape, pointer, stream=..., dtype=np.float32):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize for i in range(len(self.shape)))
+        self.pointer, self.stream = pointer, stream
+
+    @property
+    def __cuda_array_interface__(self):
+        interface = {"shape": self.shape, "strides": None, "data": (self.pointer, False), "typestr": self.dtype.str,
+                     "version": 3}
+        if self.stream is not ...:
+            interface["stream"] = self.stream
+        return interface

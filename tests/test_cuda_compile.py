@@ -12,7 +12,7 @@ from pool_tuner.backends import cuda, cuda_compile, cuda_driver
 from pool_tuner.problem import Problem
 from pool_tuner.variants import REGISTRY
 
-from cuda_fakes import PRIMARY_CONTEXT, FakeDriver
+from cuda_fakes import PRIMARY_CONTEXT, FakeDriver, fake_cuda_device
 
 try:
     NVCC, NO_NVCC = cuda.find_nvcc(), None
@@ -95,61 +95,27 @@ def test_concurrent_requests_for_one_source_compile_once(user_cache, monkeypatch
     assert compiled == ["src"] and len(set(results)) == 1 and len(results) == 4
 
 
-class _FakePyCuda:
-    """PyCUDA's driver as ``_build`` uses it: contexts pushed and popped, modules from buffers."""
-
-    def __init__(self):
-        self.loaded = []
-        outer = self
-
-        class Module:
-            def __init__(self, image):
-                self.image = image
-
-            def get_function(self, name):
-                return (self.image, name, object())
-
-        class Context:
-            @staticmethod
-            def pop():
-                pass
-
-        self.Context = Context
-
-        def module_from_buffer(image):
-            outer.loaded.append(image)
-            return Module(image)
-
-        self.module_from_buffer = module_from_buffer
-
-
-class _Context:
-    def push(self):
-        pass
-
-
-def test_both_build_paths_compile_once_and_load_each_module_once(user_cache, monkeypatch):
-    """ops' PyCUDA build and torch's driver-API build of one source: one nvcc run; each path
-    loads the module once (for all the kernels in it) and returns the same kernel on every call."""
+def test_a_source_compiles_once_and_loads_once_for_every_kernel_and_caller(user_cache, monkeypatch):
+    """ops' build (``CudaDevice.build``) and torch's (``CudaDriverTarget.build``) of one source's
+    kernels: one nvcc run, the module loaded once for all of them, the same kernel on every call."""
     compiled = []
     monkeypatch.setattr(cuda_compile, "compile_source", lambda source, arch, nvcc: compiled.append(source) or
                         b"cubin:" + source.encode())
     monkeypatch.setattr(cuda_compile, "nvcc_identity", lambda nvcc: "fake nvcc")
     monkeypatch.setattr(cuda, "find_nvcc", lambda nvcc=None: "nvcc")
-    fake_pycuda, driver, context = _FakePyCuda(), FakeDriver(), _Context()
+    driver = FakeDriver()
     driver.set_current(PRIMARY_CONTEXT)
-    monkeypatch.setattr(cuda, "_pycuda", lambda: (fake_pycuda, None))
     monkeypatch.setattr(cuda_driver, "library", lambda: driver)
     cuda_driver.primary_context.cache_clear()
     cuda.forget_builds()
+    device = fake_cuda_device()
     try:
         for name in ("copy", "read", "copy"):
-            kernel = cuda._build(context, "sm_90", "bandwidth source", name)
-            assert kernel is cuda._build(context, "sm_90", "bandwidth source", name)
-            driver_kernel = cuda._build_for_driver(0, "sm_90", "bandwidth source", name)
-            assert driver_kernel is cuda._build_for_driver(0, "sm_90", "bandwidth source", name)
-        assert compiled == ["bandwidth source"], "one compile for both paths and every kernel of the source"
-        assert fake_pycuda.loaded == [b"cubin:bandwidth source"] and len(driver.modules) == 1
+            kernel = device.build(None, "bandwidth source", name)
+            assert kernel is device.build("any context", "bandwidth source", name)
+            assert kernel is device.driver_target.build(device.driver_target, "bandwidth source", name)
+        assert compiled == ["bandwidth source"], "one compile for every kernel of the source"
+        assert driver.modules == [(b"cubin:bandwidth source", PRIMARY_CONTEXT)]
     finally:
         cuda_driver.primary_context.cache_clear()
         cuda.forget_builds()

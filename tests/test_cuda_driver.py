@@ -218,3 +218,33 @@ def test_load_kernel_through_a_c_abi(stub_libcuda, monkeypatch):
     finally:
         cuda_driver.primary_context.cache_clear()
     assert kernel == cuda_driver.DriverKernel(3, 0xC0000000C3, 0xF00D, "pool_backward", 1024)
+
+
+# ---------------------------------------------------------------------- one-off launches and stream calls
+
+def test_a_one_off_launch_passes_pointers_and_scalars_in_order(driver):
+    driver.set_current(None)
+    cuda_driver.launch(KERNEL, 7, (64, 2), 0x5EED, [0x7000, np.int64(-3), 2**63 + 8, np.int64(2**40)])
+    (record,) = driver.launches
+    assert record["grid"] == (7, 1, 1) and record["block"] == (64, 2, 1) and record["stream"] == 0x5EED
+    assert record["arguments"] == [0x7000, 2**64 - 3, 2**63 + 8, 2**40]
+    assert record["context"] == PRIMARY_CONTEXT and driver.current() is None
+
+
+def test_fill_sets_8_byte_elements_as_two_words(driver):
+    driver.set_current(PRIMARY_CONTEXT)
+    cuda_driver.fill(PRIMARY_CONTEXT, 0x1000, 0x7FF8000000000000, 8, 5, 2)
+    cuda_driver.fill(PRIMARY_CONTEXT, 0x2000, 0x7E00, 2, 9, 2)
+    assert [c for c in driver.calls if c[0].startswith("cuMemset")] == [
+        ("cuMemsetD2D32Async", 0x1000, 8, 0, 1, 5, 2), ("cuMemsetD2D32Async", 0x1004, 8, 0x7FF80000, 1, 5, 2),
+        ("cuMemsetD16Async", 0x2000, 0x7E00, 9, 2)]
+
+
+def test_a_stream_join_makes_its_event_once(driver):
+    driver.set_current(PRIMARY_CONTEXT)
+    join = cuda_driver.StreamJoin(PRIMARY_CONTEXT)
+    join(0xA, 0xB)
+    join(0xA, 2)
+    event = 0xE001
+    assert driver.calls == [("cuEventCreate", 2), ("cuEventRecord", event, 0xB), ("cuStreamWaitEvent", 0xA, event),
+                            ("cuEventRecord", event, 2), ("cuStreamWaitEvent", 0xA, event)]

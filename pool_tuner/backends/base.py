@@ -109,7 +109,14 @@ class Device(Protocol):
         """The device's default queue (own context; kernel timing enabled)."""
 
     def queue_of(self, array):
-        """The queue that work on ``array`` (one of this device's arrays) goes to."""
+        """The queue that work on ``array`` (a caller's array of this device) goes to: OpenCL, the
+        array's own queue; CUDA, the stream its ``__cuda_array_interface__`` names, else the legacy
+        default stream."""
+
+    def check_first_call(self, queue, name: str) -> None:
+        """Raise ``ValueError`` (naming array ``name``) when a call signature's first call, which
+        builds kernels, cannot run on ``queue`` now (CUDA: its stream is being captured into a
+        graph)."""
 
     def synchronize(self, queue=None) -> None:
         """Wait until everything sent to ``queue`` (default: the default queue) has finished."""

@@ -3,8 +3,8 @@
 Implements the device contract of ``backends.base``: ``id`` (``cuda:<n>``, CUDA's numbering),
 ``fingerprint``, ``limits``, ``build`` (template text -> kernel, cached), ``launch`` and
 ``timed_launch`` (CUDA events), arrays, and Kernel Tuner's arguments (its PyCUDA backend).  A
-device's ``queue`` is a ``CudaQueue`` (context and stream), the counterpart of an OpenCL command
-queue.  What identifies a device (``CudaProperties``) is read once, when it is listed; identity,
+device's ``queue`` is a ``CudaQueue`` (context and stream handle), the counterpart of an OpenCL
+command queue.  What identifies a device (``CudaProperties``) is read once, when it is listed; identity,
 fingerprint, limits and Kernel Tuner's arguments need no PyCUDA afterwards.
 
 Contexts: every device works in its *primary* context -- the one the CUDA runtime, PyTorch and
@@ -16,16 +16,20 @@ Arrays: ``pycuda.gpuarray.GPUArray`` is the native array type; any object exposi
 as a ``GPUArray`` over the same memory (``as_gpuarray``), and results can be handed back in the
 input's own type (``like_input``).  Results stay on the device.
 
-Foreign streams: ``CudaDevice.driver_target`` builds the same kernels for ``backends.cuda_driver``,
-which launches them through the driver API on any stream handle (PyTorch's current stream, a
-stream being captured into a CUDA graph) with no PyCUDA object made or freed per call -- the path
-of CUDA tensors from ``pool_tuner.torch``.  Both paths take their cubins from pool_tuner's own
-compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source, never on a hit.
+Streams: kernels are loaded and launched through the driver API (``backends.cuda_driver``), never
+through PyCUDA, because only the driver API launches on another library's stream handle.  Work on
+a caller's CUDA array goes to the stream its ``__cuda_array_interface__`` names (``queue_of``,
+``launch_stream``), after the streams of the launch's other arrays (``launch``), with no host wait;
+results are ``StreamArray``s that name that stream in their own interface.  docs/design.md, "CUDA
+arrays and streams", states the rules.  ``CudaDevice.driver_target`` is the same build for
+``pool_tuner.torch``'s prepared launches on PyTorch's current stream.  Cubins come from
+pool_tuner's own compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source,
+never on a hit.
 
-Threads: a PyCUDA launch prepares the shared ``Function``'s argument format and then calls it --
-two steps, between which another thread could prepare another format -- so ``launch`` holds the
-device's launch lock across both.  The primary context, the default queue and the device list are
-made once, under a lock.
+Threads: a launch shares nothing between threads (its argument array is its own); the event a
+device uses to order one stream after another is recorded and waited for under a lock
+(``cuda_driver.StreamJoin``).  The primary context, the default queue, the memory pools and the
+device list are made once, under a lock.
 
 Importing this module never imports PyCUDA: it is loaded on first use, and ``list_devices()``
 returns ``()`` when PyCUDA is not installed, when there is no driver or no GPU, or on any other
@@ -52,9 +56,9 @@ from .base import DeviceLimits, TuningUnavailable
 BACKEND = "cuda"
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
 MAX_GRID_X = 2**31 - 1
-#: ``__cuda_array_interface__`` stream values that need no synchronisation before a launch on the
-#: legacy default stream: None (no stream given) and 1 (the legacy default stream itself).
-_NO_SYNC_STREAMS = (None, 0, 1)
+#: The legacy default stream, as ``__cuda_array_interface__`` names it and as a stream handle of the
+#: driver API (``CU_STREAM_LEGACY``): where work goes when no stream is named.
+LEGACY_STREAM = 1
 
 _NOT_HOST_MEMORY = "CUDA device memory is not host memory: copy numpy arrays with to_device"
 
@@ -91,10 +95,12 @@ def unknown_id_message(text: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class CudaQueue:
-    """Where work goes: a context and a stream (``None``: the legacy default stream)."""
+    """Where work goes: a context (PyCUDA's, for allocations and copies) and a stream handle as
+    ``__cuda_array_interface__`` and the driver API both write it (1: the legacy default stream,
+    2: the per-thread default stream, else a ``CUstream``)."""
 
     context: object
-    stream: object = None
+    stream: int = LEGACY_STREAM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +159,23 @@ class CudaDevice:
         self.memory_bytes = self.max_allocation_bytes = properties.total_memory
         self._context = None
         self._queue = None
-        self._pool = None
-        self._lock = threading.Lock()  # retaining the primary context, making the default queue and the pool
-        self._launch_lock = threading.Lock()  # preparing a kernel's argument format and calling it
+        self._pools = {}  # stream handle -> DeviceMemoryPool (``memory_pool``)
+        self._lock = threading.Lock()  # retaining the primary context, making the default queue and the pools
 
     @property
     def arch(self) -> str:
         """nvcc's target for this device, e.g. ``sm_90``."""
         return "sm_{}{}".format(*self.properties.compute_capability)
+
+    @functools.cached_property
+    def driver_context(self) -> int:
+        """The primary context's driver handle (``cuda_driver.primary_context``)."""
+        return cuda_driver.primary_context(self.ordinal)
+
+    @functools.cached_property
+    def _join(self) -> cuda_driver.StreamJoin:
+        """Orders one stream after another for ``launch`` (one event, made on first use)."""
+        return cuda_driver.StreamJoin(self.driver_context)
 
     @functools.cached_property
     def cu_device(self):
@@ -255,10 +270,10 @@ class CudaDevice:
 
     def synchronize(self, queue: CudaQueue | None = None) -> None:
         """Wait for the queue's stream (default: the whole primary context)."""
-        if queue is not None and queue.stream is not None:
-            queue.stream.synchronize()
+        if queue is not None:
+            cuda_driver.synchronize(self.driver_context, queue.stream)
             return
-        with self.activated(queue.context if queue else None) as context:
+        with self.activated() as context:
             context.synchronize()
 
     # ------------------------------------------------------------------ arrays
@@ -274,29 +289,37 @@ class CudaDevice:
             return _pycuda()[1].to_gpu(np.ascontiguousarray(host))
 
     def empty(self, shape, dtype, queue: CudaQueue | None = None):
-        """An uninitialised C-contiguous GPUArray from the device's memory pool (``memory_pool``)."""
-        with self.activated(queue.context if queue else None):
-            return _pycuda()[1].empty(tuple(shape), np.dtype(dtype), allocator=self.memory_pool.allocate)
+        """An uninitialised C-contiguous ``StreamArray`` from the memory pool of the queue's stream
+        (``memory_pool``), naming that stream."""
+        queue = queue or self.queue
+        with self.activated(queue.context):
+            pool = self.memory_pool(queue.stream)
+            array = stream_array_type()(tuple(shape), np.dtype(dtype), allocator=pool.allocate)
+        array.stream = queue.stream
+        return array
 
-    @property
-    def memory_pool(self):
-        """PyCUDA's ``DeviceMemoryPool`` of this device, made on first use.  Results of
-        ``pool_tuner.ops`` come from it: a result dropped -- on any thread -- returns its block to
-        the pool instead of calling ``cuMemFree``, and the next result of that size reuses it
-        without ``cuMemAlloc`` (``release_memory`` frees what it holds)."""
-        if self._pool is None:
+    def memory_pool(self, stream: int):
+        """PyCUDA's ``DeviceMemoryPool`` for results made on ``stream``, made on first use.
+        Results of ``pool_tuner.ops`` come from it: a result dropped -- on any thread -- returns
+        its block to the pool instead of calling ``cuMemFree``, and the next result of that size on
+        that stream reuses it without ``cuMemAlloc`` (``release_memory`` frees what the pools
+        hold).  One pool per stream: the pool knows nothing of streams, and a block whose last
+        user was queued on one stream could otherwise be handed to a launch on another while that
+        work still reads it; on one stream, later work runs after earlier work."""
+        pool = self._pools.get(stream)
+        if pool is None:
             with self._lock:
-                if self._pool is None:
+                pool = self._pools.get(stream)
+                if pool is None:
                     from pycuda.tools import DeviceMemoryPool
 
-                    self._pool = DeviceMemoryPool()
-        return self._pool
+                    pool = self._pools[stream] = DeviceMemoryPool()
+        return pool
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
-        """cuMemcpyDtoDAsync of ``source`` into ``destination`` on the queue's stream."""
-        with self.activated(queue.context if queue else None):
-            _pycuda()[0].memcpy_dtod_async(destination.gpudata, source.gpudata, source.nbytes,
-                                           queue.stream if queue else None)
+        """Copy ``source`` into ``destination`` on the queue's stream."""
+        cuda_driver.copy(self.driver_context, int(destination.gpudata), int(source.gpudata), source.nbytes,
+                         (queue or self.queue).stream)
 
     @staticmethod
     def host_launch(launch, nbytes: tuple, n_inputs: int):
@@ -304,35 +327,44 @@ class CudaDevice:
         raise NotImplementedError(_NOT_HOST_MEMORY)
 
     def release_memory(self) -> int:
-        """Free the device memory the pool holds for reuse; returns the number of blocks freed."""
+        """Free the device memory the pools hold for reuse; returns the number of blocks freed."""
         with self._lock:
-            if self._pool is None:
-                return 0
-            freed = self._pool.held_blocks
-            with self.activated():
-                self._pool.free_held()
+            pools = list(self._pools.values())
+            freed = sum(pool.held_blocks for pool in pools)
+            if pools:
+                with self.activated():
+                    for pool in pools:
+                        pool.free_held()
         return freed
 
     def fill(self, array, value, queue: CudaQueue | None = None):
-        """Fill a GPUArray (used to poison outputs with NaN before a launch).  PyCUDA has no fill
-        kernel for float16, so a float16 array is filled through its bits."""
-        if array.dtype == np.float16:
-            return self.fill_bits(array, np.array(value, np.float16).view(np.uint16)[()], queue)
-        with self.activated(queue.context if queue else None):
-            array.fill(array.dtype.type(value), stream=queue.stream if queue else None)
-        return array
+        """Fill a GPUArray with ``value`` on the queue's stream (output poisoning, zero results)."""
+        bits = np.array(value, array.dtype).view(f"u{array.dtype.itemsize}")[()]
+        return self.fill_bits(array, bits, queue)
 
     def fill_bits(self, array, bits, queue: CudaQueue | None = None):
-        """Fill an array of 16-bit elements with the bit pattern ``bits`` (a float16 or bfloat16
-        NaN); the uint16 view is made inside the context, as PyCUDA needs one to make it."""
-        with self.activated(queue.context if queue else None):
-            array.view(np.uint16).fill(np.uint16(bits), stream=queue.stream if queue else None)
+        """Fill an array with the bit pattern ``bits`` per element (a float16 or bfloat16 NaN), on
+        the queue's stream, by the driver's memset: ordered with the launch that follows."""
+        cuda_driver.fill(self.driver_context, int(array.gpudata), int(bits), array.dtype.itemsize, array.size,
+                         (queue or self.queue).stream)
         return array
 
     # ------------------------------------------------------------------ what ops needs of arrays
 
     def queue_of(self, array) -> CudaQueue:
-        return self.queue
+        """The queue of the stream a caller's array names (``launch_stream``)."""
+        stream = launch_stream(array)
+        return self.queue if stream == LEGACY_STREAM else CudaQueue(self.context, stream)
+
+    def check_first_call(self, queue: CudaQueue, name: str) -> None:
+        """A first call compiles and loads kernels and may tune, which a stream being captured
+        into a CUDA graph forbids, and whose failure there would be an obscure capture error: so
+        it is refused with what to do instead."""
+        if cuda_driver.is_capturing(self.driver_context, queue.stream):
+            raise ValueError(
+                f"pool_tuner met a new call signature while {name}'s stream is being captured into a CUDA graph: "
+                "its first call compiles and loads kernels, which capture forbids; call each signature once "
+                "before capture")
 
     def wrap_input(self, array, name: str):
         """A caller's array as a C-contiguous GPUArray over the same memory (no copy)."""
@@ -343,15 +375,18 @@ class CudaDevice:
 
     @staticmethod
     def track(array, handle) -> None:
-        """Nothing to do: work on one stream runs in order."""
+        """Nothing to do: a result names the stream it is written on (``StreamArray``)."""
 
     def to_host(self, array) -> np.ndarray:
         with self.activated():
             return array.get()
 
     def strided_view(self, array, shape, strides):
-        """``array``'s memory seen with another shape and strides (channels-last results)."""
-        return _pycuda()[1].GPUArray(tuple(shape), array.dtype, gpudata=array.gpudata, strides=tuple(strides), base=array)
+        """``array``'s memory seen with another shape and strides (channels-last results), naming
+        the same stream."""
+        view = stream_array_type()(tuple(shape), array.dtype, gpudata=array.gpudata, strides=tuple(strides), base=array)
+        view.stream = array.stream
+        return view
 
     def as_gpuarray(self, x):
         """``x`` as a C-contiguous GPUArray over the same memory (no copy); see ``as_gpuarray``."""
@@ -360,53 +395,47 @@ class CudaDevice:
 
     # ------------------------------------------------------------------ kernels
 
-    def build(self, context, source: str, kernel_name: str):
-        """Compile ``source`` for this device (cached per context) and return the kernel function.
-        ``context`` is a context of this device (``queue.context``), or None for the primary one."""
-        return _build(self.context if context is None else context, self.arch, source, kernel_name)
+    def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
+        """Compile ``source`` for this device and return kernel ``kernel_name``, loaded into the
+        primary context through the driver API (cached; every context of this device that
+        pool_tuner uses is the primary one, so ``context`` changes nothing)."""
+        return _build_for_driver(self.ordinal, self.arch, source, kernel_name)
 
-    def kernel_work_group_limit(self, kernel) -> int:
+    @staticmethod
+    def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
         """The most threads per block the built kernel can launch with (register use can lower it)."""
-        drv = _pycuda()[0]
-        with self.activated():
-            return int(kernel.get_attribute(drv.function_attribute.MAX_THREADS_PER_BLOCK))
+        return kernel.max_threads_per_block
 
     def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
         ``(x, y)``) with ``args``: device arrays / pointers (GPUArray, ``DeviceAllocation``,
-        ``__cuda_array_interface__`` objects, ints) or numpy scalars, on the queue's stream.
-        Records no event (``timed_launch`` does, for timing): the returned ``CudaLaunch`` waits by
-        synchronising the stream.  ``wait_for`` is accepted for interface parity with OpenCL and
-        ignored: work on one stream runs in order."""
+        ``__cuda_array_interface__`` objects, ints) or numpy scalars, on the queue's stream,
+        through the driver API.  An array that names another stream than the queue's (its
+        interface's ``stream``; None names none) is waited for on the device first
+        (``cuda_driver.StreamJoin``), never on the host.  Records no event per call
+        (``timed_launch`` does, for timing): the returned ``CudaLaunch`` waits by synchronising
+        the stream.  ``wait_for`` is accepted for interface parity with OpenCL and ignored: the
+        streams order the work."""
         queue = queue or self.queue
-        with self.activated(queue.context):
-            self._launch(queue, kernel, groups, block, args)
-        return CudaLaunch(self, queue)
-
-    def _launch(self, queue: CudaQueue, kernel, groups: int, block: tuple, args) -> None:
-        """The launch itself; the queue's context must be current."""
         if groups < 1 or groups > MAX_GRID_X:
             raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
-        block3 = tuple(int(b) for b in block) + (1,) * (3 - len(block))
-        values, arg_format = zip(*(_kernel_arg(a) for a in args)) if args else ((), ())
-        arg_format = "".join(arg_format)
-        with self._launch_lock:
-            if getattr(kernel, "arg_format", None) != arg_format:
-                kernel.prepare(arg_format)
-            kernel.prepared_async_call((int(groups), 1), block3, queue.stream, *values)
+        values, producers = [], set()
+        for a in args:
+            value, producer = _kernel_arg(a)
+            values.append(value)
+            if producer is not None and producer != queue.stream:
+                producers.add(producer)
+        for producer in producers:
+            self._join(queue.stream, producer)
+        cuda_driver.launch(kernel, groups, block, queue.stream, values)
+        return CudaLaunch(self, queue)
 
     def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
         """Launch between two CUDA events on the queue's stream, wait, and return the kernel's time
         in ms between them."""
         queue = queue or self.queue
-        drv = _pycuda()[0]
-        with self.activated(queue.context):
-            start, end = drv.Event(), drv.Event()
-            start.record(queue.stream)
-            self._launch(queue, kernel, groups, block, args)
-            end.record(queue.stream)
-            end.synchronize()
-            return float(start.time_till(end))
+        return cuda_driver.elapsed_ms(self.driver_context, queue.stream,
+                                      lambda: self.launch(queue, kernel, groups, block, args))
 
     @functools.cached_property
     def driver_target(self) -> "CudaDriverTarget":
@@ -428,12 +457,12 @@ class CudaLaunch:
 
 
 class CudaDriverTarget:
-    """What ``dispatch.prepare`` needs to build a kernel for the driver-API launch path of one
-    device: ``build`` gives a ``cuda_driver.DriverKernel`` (compiled by PyCUDA, loaded into the
-    primary context through the driver API, never through PyCUDA's context stack), and
+    """What ``dispatch.prepare`` needs to build a kernel for ``pool_tuner.torch``'s prepared
+    launches on one device: ``build`` gives the device's ``cuda_driver.DriverKernel`` (loaded into
+    the primary context through the driver API, never through PyCUDA's context stack), and
     ``prepared`` fixes grid, block and argument layout as a ``cuda_driver.PreparedLaunch``.
     Pass the target itself as ``dispatch.prepare``'s context: its launches are memoised apart from
-    PyCUDA-built ones."""
+    the device's own, and need no PyCUDA context to be made."""
 
     def __init__(self, device: CudaDevice):
         self.device = device
@@ -442,7 +471,7 @@ class CudaDriverTarget:
         return f"{self.device.describe()} (driver-API launches)"
 
     def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-        return _build_for_driver(self.device.ordinal, self.device.arch, source, kernel_name)
+        return self.device.build(context, source, kernel_name)
 
     @staticmethod
     def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
@@ -459,27 +488,7 @@ class CudaDriverTarget:
 
 # Loaded modules and their kernels are kept for the life of the process: a plan may launch a
 # kernel at any time, and unloading a module whose kernel is still launched is undefined behaviour.
-# Each source is compiled once (``cuda_compile``'s cache) and loaded once per context.
-
-@functools.cache
-def _pycuda_module(context, arch: str, source: str):
-    image = _compile(source, arch)
-    context.push()
-    try:
-        return _pycuda()[0].module_from_buffer(image)
-    finally:
-        _pycuda()[0].Context.pop()
-
-
-@functools.cache
-def _build(context, arch: str, source: str, kernel_name: str):
-    module = _pycuda_module(context, arch, source)
-    context.push()
-    try:
-        return module.get_function(kernel_name)
-    finally:
-        _pycuda()[0].Context.pop()
-
+# Each source is compiled once (``cuda_compile``'s cache) and loaded once per device.
 
 @functools.cache
 def _driver_module(ordinal: int, arch: str, source: str) -> int:
@@ -492,9 +501,9 @@ def _build_for_driver(ordinal: int, arch: str, source: str, kernel_name: str) ->
 
 
 def forget_builds() -> None:
-    """Drop the memoised modules and kernels of both build paths (for tests that swap the driver
-    for a fake one; the modules themselves stay loaded)."""
-    for memoised in (_pycuda_module, _build, _driver_module, _build_for_driver):
+    """Drop the memoised modules and kernels (for tests that swap the driver for a fake one; the
+    modules themselves stay loaded)."""
+    for memoised in (_driver_module, _build_for_driver):
         memoised.cache_clear()
 
 
@@ -540,19 +549,19 @@ def find_nvcc(nvcc: str | None = None) -> str:
 
 
 def _kernel_arg(a):
-    """``(value, struct format)`` of one kernel argument for ``Function.prepare``."""
-    if isinstance(a, np.generic):
-        return a, a.dtype.char
-    if isinstance(a, int):
-        return a, "P"
+    """``(value, producer)`` of one kernel argument: the value ``cuda_driver.launch`` takes (a
+    numpy scalar, or a device pointer as an int) and, for an array, the stream its interface
+    names (None: none named; a plain GPUArray names none)."""
+    if isinstance(a, (np.generic, int)):
+        return a, None
     gpudata = getattr(a, "gpudata", None)
     if gpudata is not None:
-        return int(gpudata), "P"
+        return int(gpudata), getattr(a, "stream", None)  # a StreamArray names its stream, a plain GPUArray none
     interface = cuda_array_interface(a)
     if interface is not None:
-        return int(interface["data"][0]), "P"
+        return int(interface["data"][0]), interface.get("stream")
     try:
-        return int(a), "P"  # DeviceAllocation and other pointer holders
+        return int(a), None  # DeviceAllocation and other pointer holders
     except TypeError:
         raise TypeError(f"cannot pass a {type(a).__name__} to a CUDA kernel") from None
 
@@ -614,12 +623,45 @@ def _c_contiguous(shape, strides, itemsize) -> bool:
     return True
 
 
+def stream_array_type() -> type:
+    """``StreamArray``: PyCUDA's ``GPUArray`` with a ``stream``, a stream
+    handle as ``__cuda_array_interface__`` writes it, which its own interface names.  It is the
+    stream the array's contents are written on: the stream a result was launched on, or the one
+    a caller's array named (None: none).  A consumer that follows the interface orders its reads
+    after that stream's work.  Made on first use, as PyCUDA is imported on first use; arrays
+    PyCUDA derives from one (``result * 2``, ``view``) are PyCUDA's own and name no stream, as
+    PyCUDA's arrays do not."""
+    return _stream_array_type(_pycuda()[1].GPUArray)
+
+
+@functools.cache
+def _stream_array_type(gpuarray_type: type) -> type:
+    class StreamArray(gpuarray_type):
+        stream = None
+
+        @property
+        def __cuda_array_interface__(self):
+            return {**super().__cuda_array_interface__, "stream": self.stream}
+
+    return StreamArray
+
+
+def launch_stream(x) -> int:
+    """The stream that work on the CUDA array ``x`` goes to: the one its
+    ``__cuda_array_interface__`` names (1: the legacy default stream, 2: the per-thread default
+    stream, else a ``CUstream`` handle), else the legacy default stream.  The interface forbids
+    0; it is read as the driver reads a null handle, the legacy default stream."""
+    interface = cuda_array_interface(x)
+    stream = interface.get("stream") if interface is not None else None
+    return LEGACY_STREAM if not stream else int(stream)
+
+
 def as_gpuarray(x):
     """``x`` (a GPUArray or an object with ``__cuda_array_interface__``) as a C-contiguous GPUArray
-    over the same device memory; the wrapper keeps ``x`` alive (``base``).  A context of the
-    array's device must be current (``CudaDevice.as_gpuarray`` does that).  Raises ``ValueError``
-    for non-contiguous or masked arrays.  If the producer names a stream other than the legacy
-    default stream, that stream is synchronised first, so that its pending writes are visible."""
+    over the same device memory; the wrapper keeps ``x`` alive (``base``) and is a ``StreamArray``
+    naming the stream ``x``'s interface names, so that a launch on another stream waits for it.
+    A context of the array's device must be current (``CudaDevice.as_gpuarray`` does that).
+    Raises ``ValueError`` for non-contiguous or masked arrays."""
     _, gpuarray = _pycuda()
     if isinstance(x, gpuarray.GPUArray):
         if not x.flags.c_contiguous:
@@ -640,12 +682,11 @@ def as_gpuarray(x):
     strides = interface.get("strides")
     if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
         raise ValueError(f"x must be C-contiguous (channels-first, no strides); it has strides {tuple(strides)}")
-    stream = interface.get("stream")
-    if stream not in _NO_SYNC_STREAMS:
-        _synchronize_stream(int(stream))
     pointer = int(interface["data"][0])
     # GPUArray takes any int-convertible pointer as gpudata and does not free what it did not allocate.
-    return gpuarray.GPUArray(shape, dtype, gpudata=pointer, base=x)
+    wrapped = stream_array_type()(shape, dtype, gpudata=pointer, base=x)
+    wrapped.stream = interface.get("stream") or None  # 0 (forbidden) names no stream
+    return wrapped
 
 
 def like_input(result, x):
@@ -681,8 +722,8 @@ def array_device_ordinal(x) -> int | None:
     return None
 
 
-# cuPointerGetAttribute(..., CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) and cuStreamSynchronize straight
-# from libcuda: PyCUDA wraps neither for foreign pointers/streams.
+# cuPointerGetAttribute(..., CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) straight from libcuda: PyCUDA
+# does not wrap it for foreign pointers.
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
@@ -693,13 +734,6 @@ def _pointer_device_ordinal(pointer: int) -> int | None:
     ordinal = ctypes.c_int(-1)
     status = lib.cuPointerGetAttribute(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)
     return ordinal.value if status == 0 and ordinal.value >= 0 else None
-
-
-def _synchronize_stream(handle: int) -> None:
-    lib = cuda_driver.library()
-    status = lib.cuStreamSynchronize(ctypes.c_void_p(handle)) if lib is not None else -1
-    if status != 0:  # unknown stream or no libcuda: fall back to the whole context
-        _pycuda()[0].Context.synchronize()
 
 
 def device_of_array(x):

@@ -1,14 +1,18 @@
 """The CUDA driver API through ctypes: kernels loaded into a device's primary context and launched
-on any stream handle.  This is the launch path of CUDA tensors from PyTorch (``pool_tuner.torch``).
+on any stream handle, and the few stream operations around a launch (fills, copies, a stream
+waiting for another, timing).  Every CUDA launch of pool_tuner goes through here: CUDA tensors from
+PyTorch (``pool_tuner.torch``, a ``PreparedLaunch`` per call signature) and ``backends.cuda``'s
+``launch`` (``launch`` below, for ``pool_tuner.ops`` on CUDA arrays, the tuner and the benchmark).
 
 Why not PyCUDA at call time: a PyCUDA launch takes a PyCUDA ``Stream`` (or none), never a stream
 handle made by another library, so it cannot honour ``torch.cuda.current_stream()`` or CUDA graph
-capture; the PyCUDA objects a call makes and frees (arrays, events, context pushes) are tied to
-PyCUDA's per-thread context stack, which breaks on threads PyCUDA did not set up (PyTorch's
-autograd thread: allocations that are never released, ``cuCtxGetDevice failed``).  Here a call
-makes no driver object at all: the kernel, grid, block, ctypes argument array and run-time scalars
-are fixed once (``PreparedLaunch``), and each call fills in device pointers and calls
-``cuLaunchKernel``.
+capture, nor the stream a CUDA array's ``__cuda_array_interface__`` names; the PyCUDA objects a
+call makes and frees (arrays, events, context pushes) are tied to PyCUDA's per-thread context
+stack, which breaks on threads PyCUDA did not set up (PyTorch's autograd thread: allocations that
+are never released, ``cuCtxGetDevice failed``).  Here a launch makes no driver object at all: for
+a ``PreparedLaunch`` the kernel, grid, block, ctypes argument array and run-time scalars are fixed
+once, and each call fills in device pointers and calls ``cuLaunchKernel``; ``launch`` makes its
+ctypes arguments per call.  The one event a device's ``StreamJoin`` uses is made once.
 
 The cubins come from pool_tuner's own compiler cache (``backends.cuda_compile``).  PyCUDA's
 ``Module`` and ``Function`` do not expose their driver handles (PyCUDA 2026.1 binds no ``handle``
@@ -56,7 +60,26 @@ _SIGNATURES = {
     "cuLaunchKernel": [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, _c_void_p_p, _c_void_p_p],
     "cuPointerGetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64],
     "cuStreamSynchronize": [ctypes.c_void_p],
+    "cuStreamIsCapturing": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
+    "cuStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cuEventCreate": [_c_void_p_p, ctypes.c_uint],
+    "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuEventSynchronize": [ctypes.c_void_p],
+    "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p],
+    "cuEventDestroy_v2": [ctypes.c_void_p],
+    # destination, value, count, stream
+    "cuMemsetD8Async": [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p],
+    "cuMemsetD16Async": [ctypes.c_uint64, ctypes.c_ushort, ctypes.c_size_t, ctypes.c_void_p],
+    "cuMemsetD32Async": [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p],
+    # destination, pitch, value, width, height, stream
+    "cuMemsetD2D32Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t,
+                           ctypes.c_void_p],
+    "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
 }
+#: ``CU_EVENT_DISABLE_TIMING``: an event only for ordering, which records faster than a timed one.
+_EVENT_DISABLE_TIMING = 0x2
+#: ``CU_STREAM_CAPTURE_STATUS_NONE``: the stream is not being captured into a graph.
+_CAPTURE_STATUS_NONE = 0
 
 
 class DriverError(RuntimeError):
@@ -178,6 +201,127 @@ def load_kernel(ordinal: int, image: bytes, name: str) -> DriverKernel:
     return get_kernel(ordinal, load_module(ordinal, image), name)
 
 
+def _ctypes_scalar(value: np.generic):
+    """A numpy scalar as the ctypes object of its type (a kernel's run-time scalar)."""
+    return np.ctypeslib.as_ctypes_type(value.dtype)(value)
+
+
+def _parameter_array(arguments) -> ctypes.Array:
+    """``cuLaunchKernel``'s ``kernelParams``: the address of each argument's ctypes object."""
+    return (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
+
+
+def launch(kernel: DriverKernel, groups: int, block: tuple, stream: int, arguments) -> None:
+    """Launch ``kernel`` once: ``groups`` blocks of shape ``block`` on the stream handle
+    ``stream``, with ``arguments`` -- device pointers (ints) and numpy scalars, in the kernel's
+    order.  The argument array is made for this call alone (a ``PreparedLaunch`` fixes one per
+    call signature instead), so threads share nothing and no lock is needed."""
+    lib = _driver()
+    values = [_ctypes_scalar(a) if isinstance(a, np.generic) else ctypes.c_uint64(a) for a in arguments]
+    block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+    with made_current(lib, kernel.context):
+        status = lib.cuLaunchKernel(kernel.function, int(groups), 1, 1, *block, 0, stream, _parameter_array(values),
+                                    None)
+    if status:
+        raise DriverError(f"cuLaunchKernel({kernel.name})", status)
+
+
+# ---------------------------------------------------------------------- streams
+
+#: ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT``: asked about the legacy default stream while a blocking
+#: stream captures (work there would join the capture, so it counts as capturing).
+_ERROR_CAPTURE_IMPLICIT = 906
+
+
+def is_capturing(context: int, stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph (or, for the legacy default stream,
+    would join one)."""
+    lib = _driver()
+    status = ctypes.c_int()
+    with made_current(lib, context):
+        result = lib.cuStreamIsCapturing(stream, ctypes.byref(status))
+    if result == _ERROR_CAPTURE_IMPLICIT:
+        return True
+    check(result, "cuStreamIsCapturing")
+    return status.value != _CAPTURE_STATUS_NONE
+
+
+def synchronize(context: int, stream: int) -> None:
+    """Wait on the host until the work sent to ``stream`` so far has finished."""
+    lib = _driver()
+    with made_current(lib, context):
+        check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+class StreamJoin:
+    """``join(stream, producer)``: work sent to ``stream`` from now on waits for the work sent to
+    ``producer`` so far, on the device, with no host wait.  One event, made on first use and kept,
+    is recorded on ``producer`` and waited for on ``stream`` each time: ``cuStreamWaitEvent``
+    waits for the record made before it, so recording the event again later does not change an
+    earlier wait.  A record and its wait are one step under a lock, so that two threads never
+    wait for each other's record."""
+
+    def __init__(self, context: int):
+        self.context = context
+        self._event = None
+        self._lock = threading.Lock()
+
+    def __call__(self, stream: int, producer: int) -> None:
+        lib = _driver()
+        with self._lock, made_current(lib, self.context):
+            if self._event is None:
+                event = ctypes.c_void_p()
+                check(lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+                self._event = event.value
+            check(lib.cuEventRecord(self._event, producer), "cuEventRecord")
+            check(lib.cuStreamWaitEvent(stream, self._event, 0), "cuStreamWaitEvent")
+
+
+def fill(context: int, pointer: int, pattern: int, width: int, count: int, stream: int) -> None:
+    """Set ``count`` elements of ``width`` bytes (1, 2, 4 or 8) at ``pointer`` to the bit
+    pattern ``pattern``, on ``stream``.  The driver has no 8-byte fill: an 8-byte element is two
+    4-byte words, each set by a 2-d fill one word wide with a pitch of 8 bytes."""
+    lib = _driver()
+    with made_current(lib, context):
+        if width == 8:
+            for offset, word in ((0, pattern & 0xFFFFFFFF), (4, pattern >> 32)):
+                check(lib.cuMemsetD2D32Async(pointer + offset, 8, word, 1, count, stream), "cuMemsetD2D32Async")
+            return
+        name = {1: "cuMemsetD8Async", 2: "cuMemsetD16Async", 4: "cuMemsetD32Async"}[width]
+        check(getattr(lib, name)(pointer, pattern, count, stream), name)
+
+
+def copy(context: int, destination: int, source: int, nbytes: int, stream: int) -> None:
+    """Copy ``nbytes`` of device memory from ``source`` to ``destination`` on ``stream``."""
+    lib = _driver()
+    with made_current(lib, context):
+        check(lib.cuMemcpyDtoDAsync_v2(destination, source, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
+def elapsed_ms(context: int, stream: int, work) -> float:
+    """Run ``work()`` (launches on ``stream``) between two events recorded on ``stream``, wait
+    for the second, and return the milliseconds between them.  Two events per call: this is the
+    timing path (the tuner's race), never a pooling call's."""
+    lib = _driver()
+    events = []
+    with made_current(lib, context):
+        try:
+            for _ in range(2):
+                event = ctypes.c_void_p()
+                check(lib.cuEventCreate(ctypes.byref(event), 0), "cuEventCreate")
+                events.append(event.value)
+            check(lib.cuEventRecord(events[0], stream), "cuEventRecord")
+            work()
+            check(lib.cuEventRecord(events[1], stream), "cuEventRecord")
+            check(lib.cuEventSynchronize(events[1]), "cuEventSynchronize")
+            ms = ctypes.c_float()
+            check(lib.cuEventElapsedTime(ctypes.byref(ms), events[0], events[1]), "cuEventElapsedTime")
+            return float(ms.value)
+        finally:
+            for event in events:
+                lib.cuEventDestroy_v2(event)
+
+
 def _unconverted(lib, name: str):
     """Driver function ``name`` without declared argument types, for calls whose arguments are
     ctypes objects made in advance: ctypes then passes them as they are instead of converting
@@ -209,9 +353,8 @@ class PreparedLaunch:
         self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         self._lib = lib = _driver() if lib is None else lib
         self._slots = tuple(ctypes.c_uint64() for _ in range(n_pointers))  # CUdeviceptr values
-        self._scalars = tuple(np.ctypeslib.as_ctypes_type(s.dtype)(s) for s in scalars)
-        arguments = self._slots + self._scalars
-        params = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
+        self._scalars = tuple(_ctypes_scalar(s) for s in scalars)
+        params = _parameter_array(self._slots + self._scalars)
         self._stream = ctypes.c_void_p()
         self._current = ctypes.c_void_p()
         self._current_ref = ctypes.pointer(self._current)

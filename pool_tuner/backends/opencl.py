@@ -446,6 +446,10 @@ class OpenCLDevice:
         return array.queue
 
     @staticmethod
+    def check_first_call(queue, name: str) -> None:
+        """Nothing to check: an OpenCL queue can always take a first call."""
+
+    @staticmethod
     def wrap_input(array, name: str):
         """A caller's device array as a kernel argument (kernels take no offsets)."""
         if array.offset:

@@ -2,6 +2,7 @@
  * through a real C ABI (no GPU) how ctypes passes their arguments.  Launches are recorded, not run:
  * the test reads `last_launch` and `pushes` back through ctypes.  Contexts: one per thread. */
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 
 struct launch {
@@ -30,6 +31,19 @@ int cuModuleGetFunction(void **function, void *module, const char *name) { *func
 int cuFuncGetAttribute(int *value, int attribute, void *function) { *value = 1024; return 0; }
 int cuPointerGetAttribute(void *data, int attribute, uint64_t pointer) { return 1; }
 int cuStreamSynchronize(void *stream) { return 0; }
+int cuStreamIsCapturing(void *stream, int *status) { *status = 0; return 0; }
+int cuStreamWaitEvent(void *stream, void *event, unsigned flags) { return 0; }
+int cuEventCreate(void **event, unsigned flags) { *event = (void *)0xE0E0ull; return 0; }
+int cuEventRecord(void *event, void *stream) { return 0; }
+int cuEventSynchronize(void *event) { return 0; }
+int cuEventElapsedTime(float *ms, void *start, void *end) { *ms = 0.5f; return 0; }
+int cuEventDestroy_v2(void *event) { return 0; }
+int cuMemsetD8Async(uint64_t dst, unsigned char value, size_t count, void *stream) { return 0; }
+int cuMemsetD16Async(uint64_t dst, unsigned short value, size_t count, void *stream) { return 0; }
+int cuMemsetD32Async(uint64_t dst, unsigned value, size_t count, void *stream) { return 0; }
+int cuMemsetD2D32Async(uint64_t dst, size_t pitch, unsigned value, size_t width, size_t height, void *stream)
+{ return 0; }
+int cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t nbytes, void *stream) { return 0; }
 
 /* Reads as many 64-bit arguments (device pointers, then the plane count) as the test says the
  * kernel takes (`n_pointers`). */
