@@ -1,7 +1,8 @@
 """What only a CUDA GPU can show of the CUDA path (issue 28): tuning on the CUDA tuning thread,
 autotuning from autograd's thread, tensors of more than 2^31 elements, CUDA graph capture, stream
-ordering, a foreign context on a worker thread, leaks measured in a process of their own, and
-compute-sanitizer over the variant matrix.  Everything here skips, with the reason, without a GPU;
+ordering (PyTorch's current stream; the stream a CUDA array's interface names), a foreign context
+on a worker thread, leaks measured in a process of their own, and compute-sanitizer over the
+variant matrix.  Everything here skips, with the reason, without a GPU;
 the logic behind each is tested without one in test_torch_cuda.py, test_cuda_driver.py,
 test_cuda_compile.py, test_cuda_backend.py and test_cuda_tuning_replay.py.
 
@@ -19,6 +20,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pool_tuner import cache, compile_check, dispatch, tuner
@@ -258,6 +260,68 @@ def test_results_are_ordered_on_the_current_stream(ptt):
         z = ptt.adaptive_avg_pool2d(doubled, size)
     torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(z, torch.nn.functional.adaptive_avg_pool2d(source * 2, size))
+
+
+class _OnStream:
+    """A tensor as another library hands a CUDA array over: shape, byte strides, dtype and a
+    ``__cuda_array_interface__`` naming the stream its writes are queued on (PyTorch's own names
+    none)."""
+
+    def __init__(self, tensor, stream):
+        self.tensor, self.shape = tensor, tuple(tensor.shape)
+        self.dtype = np.dtype(str(tensor.dtype).removeprefix("torch."))
+        self.strides = tuple(s * tensor.element_size() for s in tensor.stride())
+        self.__cuda_array_interface__ = {**tensor.__cuda_array_interface__, "stream": stream.cuda_stream,
+                                         "version": 3}
+
+
+def test_pt_calls_on_a_cuda_array_run_on_the_stream_its_interface_names():
+    """``pt.adaptive_avg_pool2d`` on an array whose interface names a side stream still busy
+    (``torch.cuda._sleep``, then the write of the input): the call returns without waiting for it,
+    the launch runs after the write, and the result names the side stream.  Only that stream is
+    synchronised before the result is read."""
+    import pool_tuner as pt
+
+    size = (4, 7)
+    x = torch.rand((2, 3, 10, 9), device="cuda")
+    side = torch.cuda.Stream()
+    pt.adaptive_avg_pool2d(_OnStream(x, side), size)  # built before timing anything
+    source = torch.rand_like(x)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy for a while
+        x.copy_(source)
+    y = pt.adaptive_avg_pool2d(_OnStream(x, side), size)
+    assert not side.query(), "the call waited on the host for the side stream"
+    assert y.__cuda_array_interface__["stream"] == side.cuda_stream
+    side.synchronize()
+    expected = torch.nn.functional.adaptive_avg_pool2d(source, size)
+    np.testing.assert_allclose(y.get(), expected.cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_max_backward_waits_for_indices_written_on_another_stream():
+    """``grad_out`` named on one side stream, ``indices`` on another that is still writing them:
+    the launch on grad_out's stream waits for the indices' stream on the device, so syncing
+    grad_out's stream alone gives the right gradient."""
+    import pool_tuner as pt
+
+    size, shape = (4, 7), (2, 3, 10, 9)
+    x = torch.rand(shape, device="cuda")
+    values, indices = torch.nn.functional.adaptive_max_pool2d(x, size, return_indices=True)
+    grad = torch.rand_like(values)
+    grad_stream, indices_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    written = torch.zeros_like(indices)
+    pt.adaptive_max_pool2d_backward(_OnStream(grad, grad_stream), _OnStream(written, indices_stream), shape)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(indices_stream):
+        torch.cuda._sleep(200_000_000)
+        written.copy_(indices)
+    result = pt.adaptive_max_pool2d_backward(_OnStream(grad, grad_stream), _OnStream(written, indices_stream), shape)
+    assert not indices_stream.query(), "the call waited on the host for the indices' stream"
+    grad_stream.synchronize()
+    x.requires_grad_()
+    (expected,) = torch.autograd.grad(torch.nn.functional.adaptive_max_pool2d(x, size), x, grad)
+    np.testing.assert_allclose(result.get(), expected.cpu().numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_second_context_current_on_a_worker_thread(ptt, device):
