@@ -161,8 +161,7 @@ def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
     ``pool_tuner.torch_cuda`` (PyTorch's allocator and current stream, any thread, CUDA graphs).
     Returns the results as a list of tensors."""
     if tensors[0].is_cuda:
-        fn = getattr(_ops, op if direction == "forward" else f"{op}_backward")
-        return _torch_cuda.plan(fn, tensors, size, dict(_decode_options(options)))(tensors)
+        return _torch_cuda.plan_op(op, direction, tensors, size, dict(_decode_options(options)))(tensors)
     found = _torch_cpu.plan(op, direction, tensors, size, _decode_options(options))
     return _torch_cpu.run(found, tensors)
 
@@ -638,7 +637,7 @@ def _register_levels(op: str):
     ops = {}
     for backward_op, (real, fake) in ((False, (forward, forward_fake)), (True, (backward, backward_fake))):
         defined = torch.library.custom_op(f"pool_tuner::{op}" + ("_backward" if backward_op else ""), real,
-                                          mutates_args=(), device_types=("cpu",),
+                                          mutates_args=(), device_types=("cpu", "cuda"),
                                           schema=_level_schema(selects, backward_op))
         defined.register_fake(fake)
         ops[backward_op] = _LEVEL_OPS[op, backward_op] = defined
@@ -755,9 +754,6 @@ def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[
     if _exported_to_onnx():
         return [decompose(kind, ndim, input, list(size), f"pool_tuner.torch.{op}")
                 for kind, size in zip(kinds, levels)], []
-    if input.is_cuda:
-        raise ValueError(f"{op} runs on CPU tensors (pool_tuner's multi-level kernels have no CUDA path in "
-                         f"pool_tuner.torch yet); input is on {input.device}")
     _check_no_functorch_transform()
     sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
     out = _LEVEL_OPS[op, False](input, sizes, options)
