@@ -159,7 +159,10 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
     arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
     if not plan.device.shares_host_memory:  # through copies on the device
         queue = plan.device.queue
-        copies = [plan.device.to_device(_in_memory_order(a, problem).view(_storage_dtype(a.dtype)), queue)
+        # a multi-level backward's inputs are flat buffers, already in memory order (pool_tuner.fused)
+        flat = problem.operation.multi_level and problem.direction == "backward"
+        copies = [plan.device.to_device((a if flat else _in_memory_order(a, problem)).view(_storage_dtype(a.dtype)),
+                                        queue)
                   for a in arrays]
         results = _run_on_device_arrays(plan, copies, queue, logical=False)
         return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)
