@@ -10,8 +10,10 @@ along the channels).  Their kernels read each input element once for every level
 level's contribution in level order.
 
 Arrays are as for the single-level functions (numpy in -> numpy out; device arrays stay on their
-device, forward).  The results of one call are views of one buffer (pool_tuner.pyramid), in the
-input's memory layout.
+device), except avgmax, which takes numpy arrays only.  The results of one call are views of one
+buffer (pool_tuner.pyramid), in the input's memory layout.  The pyramids' backward passes take
+device gradients (and indices) stored in one memory order, contiguous or channels-last, and copy
+them level by level into the flat buffers their kernels read, on the device.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numbers
 
 import numpy as np
 
-from . import ops, pyramid
+from . import backends, ops, plans, pyramid
 from .problem import LAYOUT_NAMES, OPS, Problem
 from .shapes import check_int
 
@@ -118,21 +120,28 @@ def adaptive_avgmax_pool2d(x, output_size, mode="avg+max", return_indices=False,
 # ------------------------------------------------------------------------------------- backward
 
 
-def _check_grads(grad_outs, expected: int, name: str = "grad_outs") -> list:
+def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False) -> list:
+    """A list of arrays, one per level, all numpy arrays or all device arrays of one device (the
+    first one's, or ``owner``'s when given: None for numpy)."""
     if isinstance(grad_outs, np.ndarray) or not isinstance(grad_outs, (list, tuple)):
-        raise TypeError(f"{name} must be a list of numpy arrays, one per level, got {type(grad_outs).__name__}")
+        raise TypeError(f"{name} must be a list of arrays, one per level, got {type(grad_outs).__name__}")
     if expected is not None and len(grad_outs) != expected:
         raise ValueError(f"{name} must hold {expected} arrays (one per level), got {len(grad_outs)}")
+    if owner is False and grad_outs:
+        owner = backends.device_of_array(grad_outs[0])
     for level, grad in enumerate(grad_outs):
-        if not isinstance(grad, np.ndarray):
-            raise TypeError(f"{name}[{level}] must be a numpy.ndarray (the multi-level backward takes numpy arrays), "
-                            f"got {type(grad).__name__}")
+        if owner is None and not isinstance(grad, np.ndarray):
+            raise TypeError(f"{name}[{level}] must be a numpy.ndarray like grad_outs[0], got {type(grad).__name__}")
+        if owner is not None and backends.device_of_array(grad) is not owner:
+            raise TypeError(f"{name}[{level}] must be a device array on {owner.describe()} like grad_outs[0], got "
+                            f"{type(grad).__name__}")
     return list(grad_outs)
 
 
 def _backward(op: str, grads: list, indices, input_shape, device, variant, config):
     """The input gradient of a multi-level op from every level's gradient (and the max levels'
-    indices), as numpy arrays: packed into the flat buffers its kernel reads."""
+    indices): packed into the flat buffers its kernel reads -- numpy arrays on the host, device
+    arrays on their device (the result stays there)."""
     operation = OPS[op]
     if isinstance(input_shape, (str, bytes)) or not hasattr(input_shape, "__len__"):
         raise TypeError(f"input_shape must be a tuple of ints, got {type(input_shape).__name__}")
@@ -143,36 +152,76 @@ def _backward(op: str, grads: list, indices, input_shape, device, variant, confi
             raise ValueError(f"grad_outs[{level}] must have shape {input_shape[:batch_rank]} + ({operation.ndim} output "
                              f"sizes) to match input_shape {input_shape}, got {grad.shape}")
     sizes = tuple(tuple(g.shape[batch_rank:]) for g in grads)
-    layout = ops.memory_layout(grads[0], operation.ndim) or LAYOUT_NAMES[operation.ndim][0]
+    layouts = [ops.memory_layout(g, operation.ndim) for g in grads]
+    channels_last = LAYOUT_NAMES[operation.ndim][1]
+    # A level whose memory reads both ways (1x1, one channel) counts as contiguous: any other level decides.
+    layout = channels_last if channels_last in layouts else LAYOUT_NAMES[operation.ndim][0]
     problem = Problem.create(op, input_shape, sizes if operation.pyramid else sizes[0], grads[0].dtype, layout,
                              direction="backward", shape_name="input_shape")
-    arrays = [pyramid.pack(problem, grads)]
+    owner = backends.device_of_array(grads[0])
+    if owner is not None:
+        _check_memory_order(problem, grads, "grad_outs")
+    arrays = [_pack(problem, grads, owner)]
     if operation.selects:
-        arrays.append(_pack_indices(problem, indices, sizes))
+        arrays.append(_pack_indices(problem, indices, sizes, owner))
     plan = ops._plan(op, "backward", arrays, (problem.input_shape, problem.output_size, layout), device, variant,
                      config, ("grad_outs",))
     return ops._run(plan, arrays, ("grad_outs", "indices"))[0]
 
 
-def _pack_indices(problem: Problem, indices, sizes) -> np.ndarray:
-    """The max levels' indices, checked (int64, shaped as their gradients, inside their windows) and packed."""
+def _pack_indices(problem: Problem, indices, sizes, owner):
+    """The max levels' indices, checked (int64, shaped as their gradients; numpy ones inside their
+    windows, device arrays are not read back) and packed."""
     kinds = pyramid.layout(problem).kinds
     max_sizes = [size for size, kind in zip(sizes, kinds) if kind == "max"]
-    indices = _check_grads(indices, len(max_sizes), "indices")
+    indices = _check_grads(indices, len(max_sizes), "indices", owner)
     single = f"adaptive_max_pool{problem.ndim}d"
     for level, (array, size) in enumerate(zip(indices, max_sizes)):
         if array.dtype != np.int64:
             raise TypeError(f"indices[{level}] must have dtype int64, got {array.dtype}")
-        if array.shape != problem.input_shape[:len(problem.input_shape) - problem.ndim] + size:
+        if tuple(array.shape) != problem.input_shape[:len(problem.input_shape) - problem.ndim] + size:
             raise ValueError(f"indices[{level}] must have the shape of its gradient, got {array.shape}")
-        if array.size:
+        if owner is None and array.size:
             ops._check_indices_in_windows(array, Problem.create(single, problem.input_shape, size))
-    return pyramid.pack(problem, indices, kinds=("max",))
+    if owner is not None:
+        _check_memory_order(problem, indices, "indices")
+    return _pack(problem, indices, owner, kinds=("max",))
+
+
+def _check_memory_order(problem: Problem, arrays: list, name: str) -> None:
+    """Device arrays are packed as they lie in memory, never copied into another layout: each must
+    be stored in the problem's memory order (contiguous or channels-last, as the levels are)."""
+    for level, array in enumerate(arrays):
+        spec = plans.numpy_spec(array)
+        if array.size and not plans.same_strides(spec.shape, spec.strides, plans.element_strides(problem, spec.shape)):
+            raise ValueError(f"{name}[{level}] must be stored {problem.layout} like the other levels (device arrays "
+                             f"are not copied into another layout); got strides {spec.strides} (in elements) for "
+                             f"shape {spec.shape}")
+
+
+def _pack(problem: Problem, arrays: list, owner, kinds=None):
+    """``pyramid.pack`` of numpy arrays; device arrays (each contiguous in the problem's memory
+    order, checked by the caller) are copied level by level into one flat array on their device."""
+    if owner is None:
+        return pyramid.pack(problem, arrays, kinds=kinds)
+    lay, planes = pyramid.layout(problem), problem.planes
+    chosen = [level for level, kind in enumerate(lay.kinds) if kinds is None or kind in kinds]
+    bases = lay.value_bases if kinds is None else lay.index_bases
+    total = planes * (lay.values_per_plane if kinds is None else lay.indices_per_plane)
+    first = owner.wrap_input(arrays[0], "grad_outs[0]")
+    flat = owner.empty((total,), first.dtype, owner.queue_of(first))
+    for level, array in zip(chosen, arrays):
+        array = owner.wrap_input(array, "grad_outs" if kinds is None else "indices")
+        count = planes * lay.sizes[level]
+        if count:
+            memory = owner.strided_view(array, (count,), (array.dtype.itemsize,))
+            flat[planes * bases[level]: planes * bases[level] + count] = memory
+    return flat
 
 
 def adaptive_avg_pool_pyramid_backward(grad_outs, input_shape, *, ndim=None, device=None, variant=None, config=None):
     """Gradient of ``adaptive_avg_pool_pyramid`` with respect to its input: ``grad_outs`` holds one
-    numpy gradient per level (their shapes give the levels' sizes); each input gradient is written
+    gradient per level (numpy arrays, or device arrays of one device and memory order) (their shapes give the levels' sizes); each input gradient is written
     once, the levels' shares added in level order (no atomics: bit-identical across runs).
     ``ndim``: the pooled axes, by default ``len(input_shape) - 2``."""
     grads = _check_grads(grad_outs, None)
@@ -182,8 +231,8 @@ def adaptive_avg_pool_pyramid_backward(grad_outs, input_shape, *, ndim=None, dev
 
 def adaptive_max_pool_pyramid_backward(grad_outs, indices, input_shape, *, ndim=None, device=None, variant=None,
                                        config=None):
-    """Gradient of ``adaptive_max_pool_pyramid``: ``grad_outs`` and ``indices`` hold one numpy array
-    per level (the indices as the forward pass returned them)."""
+    """Gradient of ``adaptive_max_pool_pyramid``: ``grad_outs`` and ``indices`` hold one array per
+    level, all numpy or all device arrays (the indices as the forward pass returned them)."""
     grads = _check_grads(grad_outs, None)
     ndim = _backward_rank(grads, input_shape, ndim)
     return _backward(_pyramid_op("max", ndim), grads, indices, input_shape, device, variant, config)

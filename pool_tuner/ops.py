@@ -96,6 +96,8 @@ def _device_layouts_check(specs: list, name: str, check_data):
 
     def check(problem):
         first = specs[0]
+        if problem.operation.multi_level and problem.direction == "backward":
+            return  # the flat buffers of every level (pool_tuner.fused checked each level's layout)
         if plans.strides_layout(first.shape, first.strides, problem.ndim) is None:
             raise ValueError(f"{name} must be contiguous or channels-last; got strides {first.strides} (in elements) "
                              f"for shape {first.shape}")
@@ -160,7 +162,10 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
     arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
     if not plan.device.shares_host_memory:  # through copies on the device
         queue = plan.device.queue
-        copies = [plan.device.to_device(_in_memory_order(a, problem).view(_storage_dtype(a.dtype)), queue)
+        # a multi-level backward's inputs are flat buffers, already in memory order (pool_tuner.fused)
+        flat = problem.operation.multi_level and problem.direction == "backward"
+        copies = [plan.device.to_device((a if flat else _in_memory_order(a, problem)).view(_storage_dtype(a.dtype)),
+                                        queue)
                   for a in arrays]
         results = _run_on_device_arrays(plan, copies, queue, logical=False)
         return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)

@@ -56,16 +56,17 @@ def strides_layout(shape: tuple, strides: tuple, ndim: int) -> str | None:
     channels-first (``NCHW``-like) or channels-last (``NHWC``-like), else None.  Axes of size 1
     may have any stride; ambiguous cases (one channel, empty arrays) count as contiguous."""
     contiguous, channels_last = LAYOUT_NAMES[ndim]
-    if math.prod(shape) == 0 or _same_strides(shape, strides, shapes.c_strides(shape, 1)):
+    if math.prod(shape) == 0 or same_strides(shape, strides, shapes.c_strides(shape, 1)):
         return contiguous
     c = len(shape) - ndim - 1
     if c < 0:
         return None
     memory = shape[:c] + shape[c + 1:] + (shape[c],)
-    return channels_last if _same_strides(shape, strides, last_axis_to(shapes.c_strides(memory, 1), c)) else None
+    return channels_last if same_strides(shape, strides, last_axis_to(shapes.c_strides(memory, 1), c)) else None
 
 
-def _same_strides(shape, strides, expected) -> bool:
+def same_strides(shape, strides, expected) -> bool:
+    """Whether element ``strides`` address the memory of ``expected`` (axes of size 1 may have any)."""
     return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
 
 

@@ -161,8 +161,7 @@ def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
     ``pool_tuner.torch_cuda`` (PyTorch's allocator and current stream, any thread, CUDA graphs).
     Returns the results as a list of tensors."""
     if tensors[0].is_cuda:
-        fn = getattr(_ops, op if direction == "forward" else f"{op}_backward")
-        return _torch_cuda.plan(fn, tensors, size, dict(_decode_options(options)))(tensors)
+        return _torch_cuda.plan_op(op, direction, tensors, size, dict(_decode_options(options)))(tensors)
     found = _torch_cpu.plan(op, direction, tensors, size, _decode_options(options))
     return _torch_cpu.run(found, tensors)
 
@@ -458,9 +457,30 @@ def adaptive_max_pool3d(input, output_size, return_indices=False, *, device=None
 # are PyTorch's own.
 
 
-class _PoolTunerModule:
-    """What the six modules share: keyword-only pool_tuner options (shown in the repr only when
-    set), a repr that says the layer is pool_tuner's, and a clear refusal of TorchScript."""
+class _OwnModule:
+    """What every pool_tuner module shares: a repr that names it ``pool_tuner.torch.…`` (so a
+    printed model shows which layers run pool_tuner), shows its arguments -- PyTorch's own for the
+    drop-ins, ``repr_fields`` for the modules PyTorch has no counterpart of -- and the pool_tuner
+    options where set; and a clear refusal of TorchScript."""
+
+    repr_fields: tuple = ()
+
+    def _get_name(self) -> str:
+        return f"pool_tuner.torch.{type(self).__name__}"
+
+    def extra_repr(self) -> str:
+        parts = [super().extra_repr()] + [f"{name}={getattr(self, name)!r}" for name in self.repr_fields]
+        parts += [f"{name}={getattr(self, name)!r}" for name in ("device", "variant", "config")
+                  if getattr(self, name) is not None]
+        return ", ".join(part for part in parts if part)
+
+    def __prepare_scriptable__(self):
+        """Called by ``torch.jit.script`` on every submodule before compiling it."""
+        raise RuntimeError(NO_TORCHSCRIPT)
+
+
+class _PoolTunerModule(_OwnModule):
+    """What the six drop-in modules share: keyword-only pool_tuner options and the forward."""
 
     kind: str
     ndim: int
@@ -474,20 +494,6 @@ class _PoolTunerModule:
     def forward(self, input):
         return _pool(self.kind, self.ndim, input, self.output_size, getattr(self, "return_indices", False),
                      _encode_options(self.device, self.variant, self.config))
-
-    def _get_name(self) -> str:
-        return f"pool_tuner.torch.{type(self).__name__}"
-
-    def extra_repr(self) -> str:
-        text = super().extra_repr()
-        for name in ("device", "variant", "config"):
-            if getattr(self, name) is not None:
-                text += f", {name}={getattr(self, name)!r}"
-        return text
-
-    def __prepare_scriptable__(self):
-        """Called by ``torch.jit.script`` on every submodule before compiling it."""
-        raise RuntimeError(NO_TORCHSCRIPT)
 
 
 class AdaptiveAvgPool1d(_PoolTunerModule, torch.nn.AdaptiveAvgPool1d):
@@ -631,7 +637,7 @@ def _register_levels(op: str):
     ops = {}
     for backward_op, (real, fake) in ((False, (forward, forward_fake)), (True, (backward, backward_fake))):
         defined = torch.library.custom_op(f"pool_tuner::{op}" + ("_backward" if backward_op else ""), real,
-                                          mutates_args=(), device_types=("cpu",),
+                                          mutates_args=(), device_types=("cpu", "cuda"),
                                           schema=_level_schema(selects, backward_op))
         defined.register_fake(fake)
         ops[backward_op] = _LEVEL_OPS[op, backward_op] = defined
@@ -648,7 +654,63 @@ def _register_levels(op: str):
                 _backward_options(ctx.options)]
         return ops[True](*args), None, None
 
+    def backward_setup(ctx, inputs, output):
+        ctx.input_shape, ctx.sizes, ctx.channels_last, ctx.options = inputs[-4:]
+        if selects:
+            ctx.save_for_backward(inputs[1])
+
+    def second_gradient(ctx, grad_grad_in):
+        """The multi-level backward is linear in the levels' gradients: its adjoint pools
+        ``grad_grad_in`` to every level again -- averages through the avg pyramid's forward,
+        max levels by a gather at their indices (see ``_adjoint_of_backward``)."""
+        indices = ctx.saved_tensors[0] if selects else None
+        grad_values = _adjoint_of_backward(operation, grad_grad_in, indices, ctx.input_shape, ctx.sizes,
+                                           ctx.channels_last, ctx.options)
+        return (grad_values,) + (None,) * (4 + selects)
+
     ops[False].register_autograd(gradient, setup_context=setup)
+    ops[True].register_autograd(second_gradient, setup_context=backward_setup)
+
+
+def _adjoint_of_backward(operation, grad_grad_in, indices, input_shape, sizes, channels_last: bool, options: str):
+    """The gradient of a multi-level backward with respect to its flat ``grad_out``: every level
+    of ``grad_grad_in`` (the input's shape), in the flat buffer's order and memory format.  An avg
+    level's backward spreads its gradient over its windows, so its adjoint is that level's average
+    pooling (the avg pyramid's forward kernel, one read for every avg level); a max level's routes
+    it to its index, so its adjoint gathers at the index (pure index math, as the single-level max
+    backward's)."""
+    ndim = operation.ndim
+    grad_grad_in = _in_layout(grad_grad_in, channels_last, ndim)
+    layout = _level_layout(operation, sizes)
+    batch = list(input_shape[:len(input_shape) - ndim])
+    means = iter(())
+    if "avg" in layout.kinds:
+        avg_sizes = [n for spatial, kind in zip(layout.spatial, layout.kinds) if kind == "avg" for n in spatial]
+        avg_op = OPS[f"adaptive_avg_pool_pyramid{ndim}d"]
+        flat_means = _LEVEL_OPS[avg_op.name, False](grad_grad_in, avg_sizes, options)
+        if operation.kind == "avg":  # every level an average: the avg pyramid's buffer is the answer
+            return flat_means
+        means = iter(_level_views(flat_means, grad_grad_in, _level_layout(avg_op, avg_sizes), ndim, channels_last))
+    maxima = iter(())
+    if indices is not None:
+        maxima = iter(_level_views(indices, grad_grad_in, layout, ndim, channels_last, ("max",)))
+    plane = grad_grad_in.reshape(batch + [math.prod(input_shape[len(batch):])])
+    parts = []
+    for kind in layout.kinds:
+        if kind == "avg":
+            level = next(means)
+        else:
+            level_indices = next(maxima)
+            flat_indices = level_indices.reshape(batch + [-1])
+            level = torch.gather(plane, -1, flat_indices).reshape(level_indices.shape)
+        parts.append(_memory_order(level, channels_last, ndim).reshape(-1))
+    return torch.cat(parts)
+
+
+def _memory_order(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
+    """A level's logical tensor with its axes in the order of its memory in a flat buffer (the
+    channel axis last where channels-last), so that ``reshape(-1)`` lays it out as the buffer."""
+    return t.movedim(t.dim() - ndim - 1, -1) if channels_last else t
 
 
 for _op, _operation in OPS.items():
@@ -692,9 +754,6 @@ def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[
     if _exported_to_onnx():
         return [decompose(kind, ndim, input, list(size), f"pool_tuner.torch.{op}")
                 for kind, size in zip(kinds, levels)], []
-    if input.is_cuda:
-        raise ValueError(f"{op} runs on CPU tensors (pool_tuner's multi-level kernels have no CUDA path in "
-                         f"pool_tuner.torch yet); input is on {input.device}")
     _check_no_functorch_transform()
     sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
     out = _LEVEL_OPS[op, False](input, sizes, options)
@@ -738,10 +797,12 @@ def adaptive_avgmax_pool2d(input, output_size=1, mode="avg+max", *, device=None,
     return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), 1)
 
 
-class PyramidPooling(torch.nn.Module):
+class PyramidPooling(_OwnModule, torch.nn.Module):
     """A pooling pyramid: ``forward(x)`` returns ``x`` pooled to every size of ``output_sizes``
     (a list, one tensor per size), average (``mode="avg"``, PSPNet's pyramid pooling) or max
     (``mode="max"``, SPP-Net), from one read of ``x``."""
+
+    repr_fields = ("output_sizes", "mode")
 
     def __init__(self, output_sizes, mode="avg", *, ndim=None, device=None, variant=None, config=None):
         super().__init__()
@@ -757,19 +818,12 @@ class PyramidPooling(torch.nn.Module):
         return fn(input, self.output_sizes, ndim=self.ndim, device=self.device, variant=self.variant,
                   config=self.config)
 
-    def _get_name(self) -> str:
-        return "pool_tuner.torch.PyramidPooling"
 
-    def extra_repr(self) -> str:
-        return f"output_sizes={self.output_sizes!r}, mode={self.mode!r}"
-
-    def __prepare_scriptable__(self):
-        raise RuntimeError(NO_TORCHSCRIPT)
-
-
-class AdaptiveAvgMaxPool2d(torch.nn.Module):
+class AdaptiveAvgMaxPool2d(_OwnModule, torch.nn.Module):
     """timm's ``AdaptiveAvgMaxPool2d`` (``mode="avg+max"``) and ``AdaptiveCatAvgMaxPool2d``
     (``mode="cat"``) on one fused kernel."""
+
+    repr_fields = ("output_size", "mode")
 
     def __init__(self, output_size=1, mode="avg+max", *, device=None, variant=None, config=None):
         super().__init__()
@@ -780,15 +834,6 @@ class AdaptiveAvgMaxPool2d(torch.nn.Module):
     def forward(self, input):
         return adaptive_avgmax_pool2d(input, self.output_size, self.mode, device=self.device, variant=self.variant,
                                       config=self.config)
-
-    def _get_name(self) -> str:
-        return "pool_tuner.torch.AdaptiveAvgMaxPool2d"
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size!r}, mode={self.mode!r}"
-
-    def __prepare_scriptable__(self):
-        raise RuntimeError(NO_TORCHSCRIPT)
 
 
 # --------------------------------------------------------------------------------------------

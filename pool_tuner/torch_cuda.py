@@ -17,6 +17,10 @@ from the graph's memory pool.  Capture a signature only after calling it once (P
 such a warm-up before capture anyway): building a kernel is not allowed while a stream captures,
 so a signature first met during capture is a ``ValueError`` that says so.
 Results are ordered after the inputs' producers by the stream itself, as PyTorch's own ops are.
+
+The multi-level ops take the same path (``plan_op``): a forward's results are the flat buffers of
+every level (pool_tuner.pyramid), which ``pool_tuner.torch`` views level by level, and a
+backward reads such flat buffers of the levels' gradients and indices.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from .operations import SINGLE_LEVEL
 #: generated code makes); CPU-only builds of PyTorch lack it and have no CUDA tensors.
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-#: pool_tuner.ops function -> (op, direction)
+#: pool_tuner.ops function -> (op, direction): what ``call`` and ``plan`` take (the multi-level ops
+#: have no function of that form; ``plan_op`` takes any op by name)
 _SIGNATURES = {getattr(ops, op + suffix): (op, direction)
                for op in SINGLE_LEVEL for suffix, direction in (("", "forward"), ("_backward", "backward"))}
 
@@ -51,16 +56,24 @@ def call(fn, tensors, size, options: dict):
 
 
 def plan(fn, tensors, size, options: dict) -> "_Plan":
-    """The plan of a call signature (see ``call``), made and memoised on its first use."""
+    """The plan of a call of single-level ``fn`` (see ``call``), made and memoised on its first use."""
+    return plan_op(*_SIGNATURES[fn], tensors, size, options)
+
+
+def plan_op(op: str, direction: str, tensors, size, options: dict) -> "_Plan":
+    """The plan of a call of any op -- single- or multi-level -- in ``direction``, made and
+    memoised on its first use.  ``size`` is what ``plans.make_plan`` takes: the output size, the
+    input shape, or a multi-level backward's ``(input_shape, output_size, layout)`` with its flat
+    gradient (and indices) buffers as ``tensors``."""
     try:
-        key = (fn, ops._exact(size), _options_key(options),
+        key = (op, direction, ops._exact(size), _options_key(options),
                *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
     except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
         key = None
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         _refuse_capture(tensors[0])
-        found = _Plan(fn, tensors, size, options)
+        found = _Plan(op, direction, tensors, size, options)
         if key is not None:
             _PLANS.put(key, found)
     return found
@@ -103,8 +116,7 @@ class _Plan:
     def problem(self):
         return self.plan.problem
 
-    def __init__(self, fn, tensors, size, options):
-        op, direction = _SIGNATURES[fn]
+    def __init__(self, op, direction, tensors, size, options):
         first, name = tensors[0], ("x" if direction == "forward" else "grad_out")
         index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
         device = cuda.device_by_ordinal(0 if index is None else index, name)

@@ -12,6 +12,7 @@ On a GPU machine run these first (docs/design.md, "GPU tests"):
 """
 
 import ctypes
+import math
 import os
 import shutil
 import subprocess
@@ -132,6 +133,8 @@ def _variant_params():
         return [pytest.param(None, None, None, id="no-cuda-gpu")]
     cases = []
     for (op, direction), table in REGISTRY.items():
+        if OPS[op].multi_level:  # test_multi_level_more_than_2_31_elements_in_float16
+            continue
         shape, size = HUGE[OPS[op][1]]
         problem = Problem.create(op, shape, size, "float16", direction=direction)
         for name, variant in table.items():
@@ -173,6 +176,184 @@ def test_more_than_2_31_elements_in_float16(device, ptt, op, direction, variant)
         got = getattr(torch.ops.pool_tuner, f"{op}_backward")(grad, indices, list(shape),
                                                               ptt._encode_options(variant=variant))
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+
+
+def _multi_level_variant_params():
+    if _WHY:
+        return [pytest.param(None, None, None, id="no-cuda-gpu")]
+    cases = []
+    for (op, direction), table in REGISTRY.items():
+        if OPS[op].multi_level:
+            shape, size = HUGE[OPS[op].ndim]
+            problem = Problem.create(op, shape, _huge_levels(op, size), "float16", direction=direction)
+            cases += [pytest.param(op, direction, name, id=f"{op}-{direction}-{name}")
+                      for name, variant in table.items() if compile_check.representative_configs(variant, problem)]
+    return cases
+
+
+def _huge_levels(op, size):
+    """A pyramid's levels on a HUGE input (global pooling and ``size``), avgmax's one size."""
+    return [1, size] if OPS[op].pyramid else size
+
+
+@pytest.mark.parametrize("op,direction,variant", _multi_level_variant_params())
+def test_multi_level_more_than_2_31_elements_in_float16(device, ptt, op, direction, variant):
+    """Every multi-level variant that takes the problem, both directions, against PyTorch's
+    separate per-level CUDA kernels (the backward with PyTorch's indices, packed flat)."""
+    operation = OPS[op]
+    shape, size = HUGE[operation.ndim]
+    levels = operation.resolve_levels(_huge_levels(op, size), shape[2:])
+    kinds = operation.level_kinds(len(levels))
+    torch.manual_seed(0)
+    x = torch.rand(shape, device="cuda", dtype=torch.float16)
+    pools = {kind: getattr(torch.nn.functional, f"adaptive_{kind}_pool{operation.ndim}d") for kind in ("avg", "max")}
+    options = ptt._encode_options(variant=variant)
+    flat_sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
+    if direction == "forward":
+        out = getattr(torch.ops.pool_tuner, op)(x, flat_sizes, options)
+        values, indices = out if operation.selects else (out, None)
+        start, index_start = 0, 0
+        for kind, level in zip(kinds, levels):
+            count = x.shape[0] * x.shape[1] * math.prod(level)
+            got = values[start:start + count].view(*shape[:2], *level)
+            if kind == "avg":
+                torch.testing.assert_close(got, pools["avg"](x, level), rtol=2e-3, atol=2e-3)
+            else:
+                torch.testing.assert_close(got, pools["max"](x, level), rtol=0, atol=0)
+                positions = indices[index_start:index_start + count].view(*shape[:2], -1)
+                gathered = x.flatten(2).gather(-1, positions).view_as(got)
+                torch.testing.assert_close(gathered, got, rtol=0, atol=0)  # ties may pick another position
+                index_start += count
+            start += count
+        return
+    x.requires_grad_()
+    grads, index_parts, expected = [], [], None
+    for kind, level in zip(kinds, levels):
+        y = pools[kind](x, level) if kind == "avg" else pools[kind](x, level, return_indices=True)
+        if kind == "max":
+            y, positions = y
+            index_parts.append(positions.reshape(-1))
+        grad = torch.rand_like(y)
+        (part,) = torch.autograd.grad(y, x, grad)
+        expected = part if expected is None else expected + part
+        grads.append(grad.reshape(-1))
+    backward = getattr(torch.ops.pool_tuner, f"{op}_backward")
+    extra = [torch.cat(index_parts)] if operation.selects else []
+    got = backward(torch.cat(grads), *extra, list(shape), flat_sizes, False, options)
+    torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3)
+
+
+# ---------------------------------------------------------------------- multi-level ops on CUDA tensors (issue 26)
+
+#: (ndim, shape, pyramid levels, memory format): divisible and not, unequal axes, upsampling.
+PYRAMIDS = [
+    (1, (2, 3, 17), [1, 5, 20], torch.contiguous_format),
+    (2, (2, 6, 13, 11), [1, 2, (3, None), 6], torch.contiguous_format),
+    (2, (2, 6, 12, 12), [1, 2, 3, 6], torch.channels_last),
+    (3, (1, 2, 5, 6, 7), [1, 2, (3, 4, 5)], torch.contiguous_format),
+    (3, (2, 3, 4, 4, 4), [(1, 2, 3), 4], torch.channels_last_3d),
+]
+GPU_TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12),
+                  torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _cuda_input(rng, shape, dtype, memory_format, nans=False):
+    from conftest import random_input
+
+    x = random_input(rng, shape, np.float64)
+    if nans:  # NaN in some windows, two in some: values NaN, the index the last NaN's
+        flat = x.reshape(-1)
+        flat[rng.choice(flat.size, size=max(2, flat.size // 7), replace=False)] = np.nan
+    return torch.from_numpy(x).to(device="cuda", dtype=dtype).contiguous(memory_format=memory_format)
+
+
+def _host64(t):
+    return t.detach().double().cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", list(GPU_TOLERANCES))
+@pytest.mark.parametrize("ndim,shape,sizes,memory_format", PYRAMIDS)
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_pyramids_on_cuda_tensors(ptt, rng, kind, ndim, shape, sizes, memory_format, dtype):
+    """Values, indices and gradients of the pyramids on CUDA tensors against the float64 reference
+    and PyTorch's per-level CUDA calls; results in the input's memory format."""
+    from pool_tuner import reference
+
+    op = f"adaptive_{kind}_pool_pyramid{ndim}d"
+    x = _cuda_input(rng, shape, dtype, memory_format).requires_grad_()
+    pool = getattr(torch.nn.functional, f"adaptive_{kind}_pool{ndim}d")
+    if kind == "avg":
+        values, indices = ptt.adaptive_avg_pool_pyramid(x, sizes, ndim=ndim), None
+        expected, _ = reference.forward(op, _host64(x), sizes)
+    else:
+        values, indices = ptt.adaptive_max_pool_pyramid(x, sizes, return_indices=True, ndim=ndim)
+        expected, expected_indices = reference.forward(op, _host64(x), sizes)
+        for got, want in zip(indices, expected_indices):
+            assert got.is_cuda and np.array_equal(got.cpu().numpy(), want)
+    for level, (got, want, size) in enumerate(zip(values, expected, sizes)):
+        assert got.is_cuda and got.dtype == dtype
+        np.testing.assert_allclose(_host64(got), want, **GPU_TOLERANCES[dtype])
+        if kind == "avg":
+            torch.testing.assert_close(got, pool(x, size), **GPU_TOLERANCES[dtype])
+        else:
+            theirs, their_indices = pool(x, size, return_indices=True)
+            assert torch.equal(got, theirs) and torch.equal(indices[level], their_indices)
+        if got[0, 0].numel() > 1 and memory_format != torch.contiguous_format:
+            assert got.is_contiguous(memory_format=memory_format)
+    weights = [torch.from_numpy(rng.uniform(0.5, 2.0, tuple(v.shape))).to(device="cuda", dtype=dtype) for v in values]
+    (grad,) = torch.autograd.grad(values, x, weights)
+    expected_grad = reference.backward(op, [_host64(w) for w in weights], shape,
+                                       None if indices is None else [i.cpu().numpy() for i in indices])
+    np.testing.assert_allclose(_host64(grad), expected_grad, **GPU_TOLERANCES[dtype])
+    theirs = [pool(x, size) if kind == "avg" else pool(x, size, return_indices=True)[0] for size in sizes]
+    (their_grad,) = torch.autograd.grad(theirs, x, weights)
+    torch.testing.assert_close(grad, their_grad, **GPU_TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("ndim,shape,sizes,memory_format", PYRAMIDS)
+def test_max_pyramid_nans_on_cuda_tensors(ptt, rng, ndim, shape, sizes, memory_format):
+    from pool_tuner import reference
+
+    x = _cuda_input(rng, shape, torch.float32, memory_format, nans=True)
+    values, indices = ptt.adaptive_max_pool_pyramid(x, sizes, return_indices=True, ndim=ndim)
+    expected, expected_indices = reference.forward(f"adaptive_max_pool_pyramid{ndim}d", _host64(x), sizes)
+    for got, got_indices, want, want_indices in zip(values, indices, expected, expected_indices):
+        np.testing.assert_array_equal(_host64(got), want)  # NaN where the reference has NaN
+        assert np.array_equal(got_indices.cpu().numpy(), want_indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("mode", ["avg+max", "cat"])
+def test_avgmax_on_cuda_tensors(ptt, rng, mode, memory_format, dtype):
+    from pool_tuner import reference
+
+    x = _cuda_input(rng, (3, 8, 13, 11), dtype, memory_format).requires_grad_()
+    got = ptt.adaptive_avgmax_pool2d(x, (3, 4), mode)
+    (avg, mx), (indices,) = reference.forward("adaptive_avgmax_pool2d", _host64(x), (3, 4))
+    want = 0.5 * (avg + mx) if mode == "avg+max" else np.concatenate([avg, mx], axis=1)
+    np.testing.assert_allclose(_host64(got), want, **GPU_TOLERANCES[dtype])
+    F = torch.nn.functional
+    theirs = (0.5 * (F.adaptive_avg_pool2d(x, (3, 4)) + F.adaptive_max_pool2d(x, (3, 4))) if mode == "avg+max" else
+              torch.cat((F.adaptive_avg_pool2d(x, (3, 4)), F.adaptive_max_pool2d(x, (3, 4))), 1))
+    torch.testing.assert_close(got, theirs, **GPU_TOLERANCES[dtype])
+    weight = torch.from_numpy(rng.uniform(0.5, 2.0, tuple(got.shape))).to(device="cuda", dtype=dtype)
+    (grad,) = torch.autograd.grad(got, x, weight)
+    w = _host64(weight)
+    grads = [0.5 * w, 0.5 * w] if mode == "avg+max" else [w[:, :8], w[:, 8:]]
+    expected = reference.backward("adaptive_avgmax_pool2d", grads, tuple(x.shape), [indices])
+    np.testing.assert_allclose(_host64(grad), expected, **GPU_TOLERANCES[dtype])
+    (their_grad,) = torch.autograd.grad(theirs, x, weight)
+    torch.testing.assert_close(grad, their_grad, **GPU_TOLERANCES[dtype])
+
+
+def test_gradgradcheck_of_the_multi_level_ops_on_cuda_tensors(ptt, rng):
+    x = _cuda_input(rng, (2, 3, 9, 7), torch.float64, torch.contiguous_format).requires_grad_()
+    for fn in (lambda t: ptt.adaptive_avg_pool_pyramid(t, [1, 2, (3, 4), 5]),
+               lambda t: ptt.adaptive_max_pool_pyramid(t, [1, (2, 3), 4]),
+               lambda t: ptt.adaptive_avgmax_pool2d(t, (3, 2), "avg+max"),
+               lambda t: ptt.adaptive_avgmax_pool2d(t, 2, "cat")):
+        assert torch.autograd.gradcheck(fn, (x,)) and torch.autograd.gradgradcheck(fn, (x,))
 
 
 # ---------------------------------------------------------------------- CUDA graphs (Build item 2)

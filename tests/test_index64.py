@@ -11,7 +11,9 @@ fits too (the window formulas compute ``(o + 1) * I + O - 1`` and ``(i + 1) * O 
 - real runs on PoCL whose window products overflow 32 bits while the arrays stay tiny
   (I = 46340 -> O = 46341: ``(I + 1) * (O + 1) > 2^31``), every variant, against an exact oracle;
 - the 64-bit kernels of every variant on small shapes (index width forced), against the reference;
-- ``slow``: real inputs of more than 2^31 elements (skipped where the device cannot allocate them).
+- ``slow``: real inputs of more than 2^31 elements (skipped where the device cannot allocate them);
+- the multi-level ops: the selection over every level, the 64-bit build of every variant, and a
+  pyramid level whose window products pass 32 bits.
 """
 
 import gc
@@ -29,7 +31,7 @@ from pool_tuner import backends, dispatch, kernel_source, reference, shapes
 from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.problem import INT32_LIMIT, LAYOUT_NAMES, OPS, OVERSHOOT_MARGIN, Problem
 
-#: The single-level ops and their variants (the multi-level ops: tests/test_pyramid.py).
+#: The single-level ops and their variants (the multi-level ops: the end of this file).
 OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
 from pool_tuner.variants import REGISTRY
 REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
@@ -424,3 +426,121 @@ def test_real_2d_max_window_of_more_than_2_31_rows():
     height = 2**31 + 2**20
     assert pt.explain("adaptive_max_pool2d", (1, 1, height, 1), (1, 1), dtype="float16")["index_bits"] == 64
     _tall_maximum(height)
+
+
+# ---------------------------------------------------------------------- the multi-level ops
+
+from pool_tuner.variants import REGISTRY as ALL_VARIANTS  # noqa: E402
+from pool_tuner.problem import OPS as ALL_OPS  # noqa: E402
+
+from conftest import variants_legal_for  # noqa: E402
+
+#: (op, input shape, output size): small, non-divisible, one level upsampling.
+MULTI_LEVEL_SHAPES = {
+    "adaptive_avg_pool_pyramid1d": ((2, 3, 11), [1, 4, 13]),
+    "adaptive_max_pool_pyramid1d": ((2, 3, 11), [1, 4, 13]),
+    "adaptive_avg_pool_pyramid2d": ((2, 3, 7, 5), [1, (3, 4), 2]),
+    "adaptive_max_pool_pyramid2d": ((2, 3, 7, 5), [1, (3, 4), 2]),
+    "adaptive_avg_pool_pyramid3d": ((1, 2, 5, 4, 3), [1, (2, 3, 2)]),
+    "adaptive_max_pool_pyramid3d": ((1, 2, 5, 4, 3), [1, (2, 3, 2)]),
+    "adaptive_avgmax_pool2d": ((2, 3, 7, 5), (3, 4)),
+}
+
+
+def test_multi_level_selection_counts_every_level():
+    """A window product of any level, or the outputs of every level together, past the margin."""
+    op = "adaptive_avg_pool_pyramid1d"
+    assert bits(op, (1, 2, 46339), [3, 46339]) == 32
+    assert bits(op, (1, 2, 46340), [3, 46341]) == 64 == bits(op, (1, 2, 46340), [46341, 3])
+    # each level's outputs below the limit, the levels' together above it (never allocated)
+    planes = LIMIT // 2 + 1
+    assert bits(op, (1, planes, 1), [1]) == 32
+    assert bits(op, (1, planes, 1), [1, 1]) == 64
+    assert bits("adaptive_avgmax_pool2d", (1, 1, 1, 46340), (1, 46341)) == 64
+
+
+def _multi_level_forced_cases():
+    """Every multi-level (op, direction, variant) in each layout it takes (pyramid_columns:
+    channels-first only)."""
+    cases = []
+    for (op, direction), table in ALL_VARIANTS.items():
+        if op in MULTI_LEVEL_SHAPES:
+            shape, sizes = MULTI_LEVEL_SHAPES[op]
+            for layout in LAYOUT_NAMES[ALL_OPS[op].ndim]:
+                legal = variants_legal_for(Problem.create(op, shape, sizes, layout=layout, direction=direction))
+                cases += [pytest.param(op, direction, name, layout, id=f"{op}-{direction}-{name}-{layout}")
+                          for name in table if name in legal]
+    return cases
+
+
+def _multi_level_run(op, direction, x_or_shape, sizes, grads=None, indices=None, layout=None, **forced):
+    """Run a multi-level op through its public function: forward ``(values, indices)`` per level,
+    or the backward's input gradient (avgmax as ``mode="cat"``, its levels split along the
+    channels); arrays are given, and the results compared, with logical axes."""
+    operation = ALL_OPS[op]
+    lay = (lambda a: _to_layout(a, operation.ndim, layout)) if layout else (lambda a: a)  # noqa: E731
+    if direction == "forward":
+        x = lay(x_or_shape)
+        if operation.kind == "avgmax":
+            both, index = pt.adaptive_avgmax_pool2d(x, sizes, "cat", return_indices=True, **forced)
+            channels = x.shape[1]
+            return [both[:, :channels], both[:, channels:]], [index]
+        if operation.kind == "avg":
+            return pt.adaptive_avg_pool_pyramid(x, sizes, **forced), []
+        return pt.adaptive_max_pool_pyramid(x, sizes, True, **forced)
+    if operation.kind == "avgmax":
+        return pt.adaptive_avgmax_pool2d_backward(lay(np.concatenate(grads, axis=1)), lay(indices[0]), x_or_shape,
+                                                  "cat", **forced)
+    if operation.kind == "avg":
+        return pt.adaptive_avg_pool_pyramid_backward([lay(g) for g in grads], x_or_shape, **forced)
+    return pt.adaptive_max_pool_pyramid_backward([lay(g) for g in grads], [lay(i) for i in indices], x_or_shape,
+                                                 **forced)
+
+
+@pytest.mark.parametrize("op,direction,variant,layout", _multi_level_forced_cases())
+def test_64_bit_kernels_of_every_multi_level_variant(op, direction, variant, layout, monkeypatch, built_sources, rng):
+    """The INDEX_64 build of every multi-level variant on a small shape (width forced), against the
+    float64 reference."""
+    monkeypatch.setattr(Problem, "index_64", property(lambda self: True))
+    shape, sizes = MULTI_LEVEL_SHAPES[op]
+    x = random_input(rng, shape)
+    values, indices = reference.forward(op, x, sizes)
+    if direction == "forward":
+        got_values, got_indices = _multi_level_run(op, direction, x, sizes, layout=layout, variant=variant)
+        for got, want in zip(got_values, values, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for got, want in zip(got_indices, indices, strict=True):
+            np.testing.assert_array_equal(got, want)
+    else:
+        grads = [random_input(rng, v.shape) for v in values]
+        got = _multi_level_run(op, direction, shape, sizes, grads, indices, layout=layout, variant=variant)
+        np.testing.assert_allclose(got, reference.backward(op, grads, shape, indices or None), rtol=1e-5, atol=1e-6)
+    assert built_sources and all("#define INDEX_64 1\n" in s for s in built_sources)
+
+
+@pytest.mark.parametrize("kind", ["avg", "max"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_multi_level_window_products_beyond_32_bits(kind, direction, rng):
+    """A 1d pyramid I = 46340 -> [46341, 3]: tiny arrays, 64-bit window math in one level, against
+    the exact per-level oracle, by every variant that takes it."""
+    op = f"adaptive_{kind}_pool_pyramid1d"
+    shape, sizes = (1, 3, BIG_I), [BIG_O, 3]
+    problem = Problem.create(op, shape, sizes, direction=direction)
+    assert problem.index_64
+    x = random_input(rng, shape)
+    wants = [_oracle_forward(kind, x, size) for size in sizes]
+    grads = [random_input(rng, (1, 3, size)) for size in sizes]
+    names = variants_legal_for(problem)
+    assert names
+    for name in names:
+        if direction == "forward":
+            values, indices = _multi_level_run(op, direction, x, sizes, variant=name)
+            for got, got_indices, (want, want_idx) in zip(values, indices or [None] * 2, wants, strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+                if kind == "max":
+                    np.testing.assert_array_equal(got_indices, want_idx)
+        else:
+            indices = [want_idx.astype(np.int64) for _, want_idx in wants] if kind == "max" else None
+            got = _multi_level_run(op, direction, shape, sizes, grads, indices, variant=name)
+            expected = sum(_oracle_backward(kind, g, want_idx, BIG_I) for g, (_, want_idx) in zip(grads, wants))
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

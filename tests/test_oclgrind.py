@@ -6,7 +6,9 @@ representative configurations (the default and the smallest and largest legal po
 space on the Oclgrind device), on tiny odd shapes (one upsampling), contiguous and channels-last,
 float32 -- plus float16 and bfloat16 at the default configurations -- the kernel runs on the
 Oclgrind simulator with its data-race and uninitialised-value plugins and API checking on, and its
-result is compared with ``pool_tuner.reference``.
+result is compared with ``pool_tuner.reference``.  The multi-level ops' variants likewise
+(``_multi_level_cases``: pyramids of every rank, divisible and not, one level upsampling, and
+avgmax; NaNs in the max kinds' inputs), through ``pool_tuner.fused``'s public functions.
 
 How it works.  Oclgrind reads its ``OCLGRIND_*`` variables when its platform is loaded, so the
 checks run in worker subprocesses (this file run as a script) started with those variables set.
@@ -128,13 +130,13 @@ def _f64(a):
     return a.astype(np.float32).astype(np.float64) if a.dtype.name == "bfloat16" else a.astype(np.float64)
 
 
-def _compare(name, got, expected, rtol, atol) -> str | None:
+def _compare(name, got, expected, rtol, atol, equal_nan=False) -> str | None:
     import numpy as np
 
     got = _f64(got)
     if got.shape != expected.shape:
         return f"{name}: shape {got.shape}, expected {expected.shape}"
-    bad = ~np.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=False)
+    bad = ~np.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=equal_nan)
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         return (f"{name}: {int(bad.sum())} of {bad.size} elements differ from the reference, first at "
@@ -205,6 +207,63 @@ def _run_pool_case(spec, device) -> str | None:
     return "; ".join(p for p in problems if p) or None
 
 
+def _run_multi_level_case(spec, device) -> str | None:
+    """Run one multi-level instantiation through pool_tuner.fused's public functions (avgmax as
+    ``mode="cat"``, its levels split along the channels); None if every level matches the
+    reference.  Max kinds get NaNs in some windows, two in some: values NaN where the
+    reference's are, indices exactly the reference's (the last NaN's)."""
+    import numpy as np
+
+    import pool_tuner as pt
+    from pool_tuner import reference
+    from pool_tuner.problem import OPS
+
+    op, direction = spec["op"], spec["direction"]
+    operation = OPS[op]
+    ndim = operation.ndim
+    in_shape = tuple(spec["input_shape"])
+    sizes = [tuple(size) for size in spec["output_size"]] if operation.pyramid else tuple(spec["output_size"])
+    rng = np.random.default_rng(spec["seed"])
+    rtol, atol = TOLERANCE["float32"]
+    lay = (lambda a: _channels_last(a, ndim)) if spec["channels_last"] else (lambda a: a)
+    forced = dict(device=device, variant=spec["variant"], config=spec["config"])
+    x = _random(rng, in_shape, "float32")
+    if operation.selects:
+        flat = x.reshape(-1)
+        flat[rng.choice(flat.size, size=max(2, flat.size // 6), replace=False)] = np.nan
+    values, indices = reference.forward(op, x, sizes)
+    channel_axis = len(in_shape) - ndim - 1
+    _marker(BEGIN, spec["id"])
+    if direction == "forward":
+        if operation.kind == "avgmax":
+            both, index = pt.adaptive_avgmax_pool2d(lay(x), sizes, "cat", return_indices=True, **forced)
+            got, got_indices = np.split(both, 2, axis=channel_axis), [index]
+        elif operation.kind == "avg":
+            got, got_indices = pt.adaptive_avg_pool_pyramid(lay(x), sizes, ndim=ndim, **forced), []
+        else:
+            got, got_indices = pt.adaptive_max_pool_pyramid(lay(x), sizes, True, ndim=ndim, **forced)
+        device.queue.finish()
+        _marker(END, spec["id"])
+        problems = [_compare(f"level {level}", g, want, rtol, atol, equal_nan=True)
+                    for level, (g, want) in enumerate(zip(got, values, strict=True))]
+        problems += [None if np.array_equal(g, want) else f"indices of max level {level} differ from the reference"
+                     for level, (g, want) in enumerate(zip(got_indices, indices, strict=True))]
+    else:
+        grads = [_random(rng, v.shape, "float32") for v in values]
+        if operation.kind == "avgmax":
+            result = pt.adaptive_avgmax_pool2d_backward(lay(np.concatenate(grads, axis=channel_axis)),
+                                                        lay(indices[0]), in_shape, "cat", **forced)
+        elif operation.kind == "avg":
+            result = pt.adaptive_avg_pool_pyramid_backward([lay(g) for g in grads], in_shape, ndim=ndim, **forced)
+        else:
+            result = pt.adaptive_max_pool_pyramid_backward([lay(g) for g in grads], [lay(i) for i in indices],
+                                                           in_shape, ndim=ndim, **forced)
+        device.queue.finish()
+        _marker(END, spec["id"])
+        problems = [_compare("grad_in", result, reference.backward(op, grads, in_shape, indices or None), rtol, atol)]
+    return "; ".join(p for p in problems if p) or None
+
+
 def _run_raw_case(spec, device) -> str | None:
     """Build ``spec["source"]`` and launch it on buffers made as the spec says, then its int64
     scalars (self-tests)."""
@@ -271,7 +330,7 @@ def worker_main(spec_path: str, result_path: str) -> None:
                 _marker(BEGIN, spec["id"])
                 os.abort()
             try:
-                run = _run_raw_case if spec["kind"] == "raw" else _run_pool_case
+                run = {"raw": _run_raw_case, "multi_level": _run_multi_level_case}.get(spec["kind"], _run_pool_case)
                 error = run(spec, device)
             except Exception:  # reported per instantiation; the worker carries on
                 error = traceback.format_exc()
@@ -380,11 +439,13 @@ import pytest  # noqa: E402
 
 import pool_tuner as pt  # noqa: E402
 from pool_tuner import kernel_source  # noqa: E402
+from pool_tuner.operations import OPERATIONS  # noqa: E402
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem  # noqa: E402
 
-#: The single-level ops and their variants (the multi-level ops: tests/test_pyramid.py).
-OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
+#: The multi-level ops' variants (``_multi_level_cases``), and the single-level ops and their variants.
 from pool_tuner.variants import REGISTRY  # noqa: E402
+MULTI_LEVEL = {key: table for key, table in REGISTRY.items() if OPS[key[0]].multi_level}
+OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
 REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
 from conftest import RUN_SEED  # noqa: E402
@@ -441,7 +502,45 @@ def _cases() -> list:
     return specs
 
 
-CASES = {spec["id"]: spec for spec in _cases()}
+#: Per rank, multi-level problems: a non-divisible pyramid with an upsampling level, and a divisible
+#: one; avgmax's sizes alike.
+MULTI_LEVEL_SHAPES = {
+    1: [((2, 3, 11), [[1], [4], [13]]), ((1, 2, 12), [[1], [3], [4]])],
+    2: [((2, 3, 5, 7), [[1, 1], [3, 4], [6, 8]]), ((1, 2, 6, 6), [[1, 1], [2, 2], [3, 3]])],
+    3: [((1, 2, 3, 5, 4), [[1, 1, 1], [2, 3, 3]]), ((1, 2, 4, 4, 4), [[2, 2, 2], [4, 4, 4]])],
+}
+AVGMAX_SHAPES = [((2, 3, 5, 7), [3, 4]), ((1, 2, 6, 6), [2, 2])]
+
+
+def _multi_level_cases() -> list:
+    """Every multi-level variant in each layout it takes, float32: its representative
+    configurations on the first problem, its default on the second."""
+    if OCLGRIND is None:
+        return []
+    specs = []
+    for (op, direction), table in MULTI_LEVEL.items():
+        operation = OPERATIONS[op]
+        ndim = operation.ndim
+        problems = AVGMAX_SHAPES if operation.kind == "avgmax" else MULTI_LEVEL_SHAPES[ndim]
+        for name, variant in table.items():
+            for layout in LAYOUT_NAMES[ndim]:
+                for number, (shape, sizes) in enumerate(problems):
+                    size = [tuple(s) for s in sizes] if operation.pyramid else tuple(sizes)
+                    problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
+                    configs = list(variant.representative_configurations(problem, OCLGRIND.limits).items())
+                    for label, config in configs if number == 0 else configs[:1]:
+                        levels = "+".join("x".join(map(str, s)) for s in (sizes if operation.pyramid else [sizes]))
+                        case_id = f"{op}-{direction}-{name}-{label}-{'x'.join(map(str, shape))}-{levels}-{layout}-float32"
+                        specs.append({
+                            "id": case_id, "kind": "multi_level", "op": op, "direction": direction, "variant": name,
+                            "config": config, "input_shape": list(shape), "output_size": sizes, "dtype": "float32",
+                            "layout": layout, "channels_last": layout == LAYOUT_NAMES[ndim][1],
+                            "seed": [RUN_SEED, zlib.crc32(case_id.encode())],
+                        })
+    return specs
+
+
+CASES = {spec["id"]: spec for spec in _cases() + _multi_level_cases()}
 _RUNTIME: dict = {}
 
 
@@ -499,6 +598,19 @@ def test_every_variant_is_covered():
     for direction in ("forward", "backward"):
         dtypes = {s["dtype"] for s in CASES.values() if s["direction"] == direction}
         assert dtypes == {"float32", *HALF_DTYPES}
+
+
+def test_every_multi_level_variant_is_covered():
+    """Every multi-level (op, direction) x variant has instantiations in both layouts (pyramid_columns:
+    channels-first only), on both problems, with more than its default configuration on the first."""
+    for (op, direction), table in MULTI_LEVEL.items():
+        ndim = OPERATIONS[op].ndim
+        for name in table:
+            mine = [s for s in CASES.values() if (s["op"], s["direction"], s["variant"]) == (op, direction, name)]
+            expected = set(LAYOUT_NAMES[ndim][:1] if name == "pyramid_columns" else LAYOUT_NAMES[ndim])
+            assert {s["layout"] for s in mine} == expected, (op, direction, name)
+            assert len({tuple(s["input_shape"]) for s in mine}) == 2, (op, direction, name)
+            assert len({s["id"].split("-")[3] for s in mine}) > 1, (op, direction, name)
 
 
 # ---------------------------------------------------------------------- the harness can fail

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pool_tuner as pt
-from pool_tuner import backends, pyramid, reference
-from pool_tuner.problem import Problem
+from pool_tuner import backends, pyramid, reference, shapes
+from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.tuner import TOLERANCES
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import pooling_windows
@@ -23,6 +23,7 @@ from conftest import random_input
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
 CHANNELS_LAST = {1: "NLC", 2: "NHWC", 3: "NDHWC"}
+CONTIGUOUS = {ndim: names[0] for ndim, names in LAYOUT_NAMES.items()}
 #: (shape, output sizes): PSPNet's and SPP's level sets on divisible and non-divisible planes,
 #: levels of unequal axes and None, an upsampling level, an empty level.
 CASES_2D = [
@@ -225,6 +226,61 @@ def test_pyramid_backward_every_variant_matches_reference(kind, ndim, shape, siz
             got = pt.adaptive_max_pool_pyramid_backward(grads_in, indices, shape, ndim=ndim, variant=variant)
         assert got.shape == tuple(shape)
         _close(got, expected, "float32")
+
+
+@pytest.mark.parametrize("ndim,shape,sizes,layout", [c for c in _cases() if c[0] != 3])
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_pyramid_backward_on_device_arrays(kind, ndim, shape, sizes, layout, rng):
+    """Device gradients and indices in, the input gradient out on the device, in their layout,
+    every variant (results poisoned with NaN before each launch: POOL_TUNER_POISON_OUTPUTS)."""
+    cl_array = pytest.importorskip("pyopencl.array")
+    device = backends.resolve_device(None)
+    op = f"adaptive_{kind}_pool_pyramid{ndim}d"
+    values, indices = reference.forward(op, random_input(rng, shape), sizes)
+    grads = [random_input(rng, v.shape) for v in values]
+    expected = reference.backward(op, grads, shape, indices)
+    store = (lambda a: _channels_last(a, ndim)) if layout else (lambda a: a)  # noqa: E731
+
+    def on_device(a):
+        a = store(a)
+        memory = device.to_device(np.ascontiguousarray(np.moveaxis(a, a.ndim - ndim - 1, -1)) if layout else a,
+                                  device.queue)
+        if not layout:
+            return memory
+        return device.strided_view(memory, a.shape, a.strides)
+
+    grads_dev = [on_device(g) for g in grads]
+    for variant in _variants(op, "backward", shape, sizes, layout):
+        if kind == "avg":
+            got = pt.adaptive_avg_pool_pyramid_backward(grads_dev, shape, ndim=ndim, variant=variant)
+        else:
+            got = pt.adaptive_max_pool_pyramid_backward(grads_dev, [on_device(i) for i in indices], shape, ndim=ndim,
+                                                        variant=variant)
+        assert isinstance(got, cl_array.Array) and got.shape == tuple(shape)
+        assert pt.ops.memory_layout(got, ndim) == (layout or CONTIGUOUS[ndim])
+        c = len(shape) - ndim - 1
+        memory_shape = shape[:c] + shape[c + 1:] + shape[c:c + 1] if layout else shape
+        memory = device.strided_view(got, memory_shape, shapes.c_strides(memory_shape, got.dtype.itemsize)).get()
+        _close(np.moveaxis(memory, -1, c) if layout else memory, expected, "float32")
+
+
+def test_pyramid_backward_device_array_errors(rng):
+    pytest.importorskip("pyopencl.array")
+    device = backends.resolve_device(None)
+    shape, sizes = (2, 3, 7, 6), [(2, 2), (3, 3)]
+    grads = [random_input(rng, (2, 3) + s) for s in sizes]
+    grads_dev = [device.to_device(g, device.queue) for g in grads]
+    with pytest.raises(TypeError, match=r"grad_outs\[1\] must be a device array"):
+        pt.adaptive_avg_pool_pyramid_backward([grads_dev[0], grads[1]], shape)
+    with pytest.raises(TypeError, match=r"grad_outs\[1\] must be a numpy.ndarray"):
+        pt.adaptive_avg_pool_pyramid_backward([grads[0], grads_dev[1]], shape)
+    channels_last = device.to_device(np.ascontiguousarray(np.moveaxis(grads[1], 1, -1)), device.queue)
+    mixed = device.strided_view(channels_last, grads[1].shape, _channels_last(grads[1], 2).strides)
+    with pytest.raises(ValueError, match=r"grad_outs\[0\] must be stored NHWC"):
+        pt.adaptive_avg_pool_pyramid_backward([grads_dev[0], mixed], shape)
+    _, indices = reference.forward("adaptive_max_pool_pyramid2d", random_input(rng, shape), sizes)
+    with pytest.raises(TypeError, match=r"indices\[0\] must be a device array"):
+        pt.adaptive_max_pool_pyramid_backward(grads_dev, indices, shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -177,6 +177,81 @@ def test_bad_arguments_raise_before_any_launch(gpu):
     assert not gpu.launches and not torch_cuda._PLANS
 
 
+# ------------------------------------------------------------------ the multi-level ops
+
+PYRAMID = ((1, 1), (2, 3), (4, 4))
+PYRAMID_VALUES = 2 * 3 * (1 + 6 + 16)  # every level's outputs of a (2, 3, ...) input
+
+
+@pytest.mark.parametrize("memory_format,layout", [(torch.contiguous_format, "NCHW"), (torch.channels_last, "NHWC")])
+def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_format, layout):
+    x = _x((2, 3, 10, 9)).to(memory_format=memory_format)
+    values, indices = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, NONE)([x])
+    assert values.shape == indices.shape == (PYRAMID_VALUES,) and indices.dtype == torch.int64
+    assert torch.isnan(values).all() and (indices == ops.INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
+    (launch,) = gpu.launches
+    assert launch["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), 2 * 3]  # read in place
+    problem = ops.Problem.create("adaptive_max_pool_pyramid2d", (2, 3, 10, 9), PYRAMID, layout=layout)
+    groups, block = _expected_launch(gpu.device, problem)
+    assert launch["grid"] == (groups, 1, 1) and launch["block"] == block + (1,) * (3 - len(block))
+    assert launch["stream"] == STREAM
+
+
+def test_avgmax_forward_has_one_flat_buffer_of_both_levels(gpu):
+    x = _x((2, 3, 10, 9), torch.float16)
+    values, indices = torch_cuda.plan_op("adaptive_avgmax_pool2d", "forward", [x], (4, 7), NONE)([x])
+    assert values.shape == (2 * 2 * 3 * 4 * 7,) and values.dtype == torch.float16 and indices.shape == (2 * 3 * 4 * 7,)
+    assert gpu.launches[0]["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), 2 * 3]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_multi_level_backward_reads_flat_buffers_and_writes_the_input_gradient(gpu, layout):
+    grad, indices = _x((PYRAMID_VALUES,)), torch.zeros(PYRAMID_VALUES, dtype=torch.int64)
+    size = ((2, 3, 10, 9), PYRAMID, layout)
+    (grad_in,) = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, NONE)([grad, indices])
+    expected = torch.empty(2, 3, 10, 9)
+    if layout == "NHWC":
+        expected = expected.to(memory_format=torch.channels_last)
+    assert grad_in.shape == (2, 3, 10, 9) and grad_in.stride() == expected.stride() and torch.isnan(grad_in).all()
+    assert gpu.launches[0]["arguments"] == [grad.data_ptr(), indices.data_ptr(), grad_in.data_ptr(), 2 * 3]
+    (avg,) = torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [grad], size, NONE)([grad])
+    assert avg.stride() == expected.stride() and gpu.launches[1]["arguments"] == [grad.data_ptr(), avg.data_ptr(), 6]
+
+
+def test_multi_level_bad_arguments_raise_before_any_launch(gpu):
+    size = ((2, 3, 10, 9), PYRAMID, "NCHW")
+    with pytest.raises(ValueError, match="grad_out must be the flat buffer of every level"):
+        torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [_x((PYRAMID_VALUES - 1,))], size, NONE)
+    with pytest.raises(TypeError, match="indices must be an int64 tensor"):
+        torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [_x((PYRAMID_VALUES,))] * 2, size, NONE)
+    with pytest.raises(ValueError, match=r"output_sizes\[1\]"):
+        torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "forward", [_x((2, 3, 10, 9))], (1, -2), NONE)
+    assert not gpu.launches and not torch_cuda._PLANS
+
+
+def test_pool_tuner_torch_sends_the_multi_level_ops_and_their_gradients_down_the_cuda_path(gpu, monkeypatch):
+    """The functional forms and autograd of pool_tuner.torch on the CUDA path (CPU tensors stand in,
+    sent there as pool_tuner.torch sends CUDA tensors): levels are views of the launch's buffers,
+    the backward launches on the flat gradient of every level and the forward's indices."""
+    from pool_tuner import torch as ptt
+
+    def cuda_path(op, direction, tensors, size, options):
+        return torch_cuda.plan_op(op, direction, tensors, size, dict(ptt._decode_options(options)))(tensors)
+
+    monkeypatch.setattr(ptt, "_run", cuda_path)
+    x = _x((2, 3, 10, 9)).requires_grad_()
+    values, indices = ptt.adaptive_max_pool_pyramid(x, [1, (2, 3), 4], return_indices=True)
+    assert [tuple(v.shape) for v in values] == [(2, 3, 1, 1), (2, 3, 2, 3), (2, 3, 4, 4)]
+    (forward,) = gpu.launches
+    assert forward["arguments"][1:3] == [values[0].data_ptr(), indices[0].data_ptr()]
+    assert values[1].data_ptr() == values[0].data_ptr() + 2 * 3 * 4  # level 1 follows level 0's 6 floats
+    torch.autograd.backward(values, [torch.ones_like(v) for v in values])
+    backward = gpu.launches[1]
+    assert backward["arguments"][1] == indices[0].data_ptr() and backward["arguments"][2] == x.grad.data_ptr()
+    avgmax = ptt.adaptive_avgmax_pool2d(x.detach(), 3, "cat")
+    assert avgmax.shape == (2, 6, 3, 3) and len(gpu.launches) == 3
+
+
 def test_unhashable_options_are_validated_on_every_call(gpu):
     options = dict(NONE, variant="thread_per_output", config={"block_size_x": [64]})
     for _ in range(2):

@@ -80,6 +80,29 @@ def test_gradcheck_of_every_multi_level_op(rng):
     assert torch.autograd.gradcheck(lambda t: ptt.adaptive_avg_pool_pyramid(t, [1, 3]), (xc,))
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_gradgradcheck_of_every_multi_level_op(channels_last, rng):
+    """Double backward: the backward's own gradient (avg levels by the avg pyramid's forward, max
+    levels by a gather at their indices), checked numerically in float64, both memory formats."""
+    x = tensor(rng, (2, 3, 9, 7), torch.float64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    # max: tie-free inputs (random float64 values)
+    for fn in (lambda t: ptt.adaptive_avg_pool_pyramid(t, [1, 2, (3, 4), 5]),
+               lambda t: ptt.adaptive_max_pool_pyramid(t, [1, (2, 3), 4, 9]),
+               lambda t: ptt.adaptive_avgmax_pool2d(t, (3, 2), "avg+max"),
+               lambda t: ptt.adaptive_avgmax_pool2d(t, 2, "cat")):
+        assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("ndim,shape,sizes", [(1, (2, 3, 11), [1, 4, 13]), (3, (1, 2, 4, 5, 3), [1, (2, 3, 2)])])
+def test_gradgradcheck_1d_3d(ndim, shape, sizes, rng):
+    x = tensor(rng, shape, torch.float64).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: ptt.adaptive_avg_pool_pyramid(t, sizes, ndim=ndim), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: ptt.adaptive_max_pool_pyramid(t, sizes, ndim=ndim), (x,))
+
+
 def test_gradients_match_pytorchs_separate_poolings(rng):
     x = tensor(rng, (2, 4, 21, 19))
     sizes = [1, 2, 3, 6]
@@ -141,7 +164,9 @@ def test_onnx_export_decomposes_every_level(rng):
 
 def test_modules_and_their_errors(rng):
     pool = ptt.PyramidPooling([1, 2], mode="max")
-    assert "PyramidPooling" in repr(pool) and "mode='max'" in repr(pool)
+    assert repr(pool) == "pool_tuner.torch.PyramidPooling(output_sizes=[1, 2], mode='max')"
+    assert repr(ptt.AdaptiveAvgMaxPool2d(3, "cat", device="opencl:pocl:0")) == (
+        "pool_tuner.torch.AdaptiveAvgMaxPool2d(output_size=3, mode='cat', device='opencl:pocl:0')")
     with pytest.raises(ValueError, match="mode must be 'avg' or 'max'"):
         ptt.PyramidPooling([1], mode="sum")
     with pytest.raises(ValueError, match="output_sizes must be a non-empty"):
