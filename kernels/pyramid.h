@@ -190,6 +190,32 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
                 }                                                                           \
         STORE_LEVEL_RESULT(l, plane, q, window_, area);                                     \
     } while (0)
+
+/* Finish every output of every level of `plane` from its cells, in one work-item.  Where the
+ * windows come as a list of constants (LEVEL_WINDOWS: level, output, first and end cell per axis,
+ * area), each is combined in straight-line code with constant cell numbers; otherwise from the
+ * tables. */
+#ifdef LEVEL_WINDOWS
+#define COMBINE_CONSTANT_WINDOW(l, q, t_first, t_end, h_first, h_end, w_first, w_end, area)  \
+    {                                                                                       \
+        cell_t window_ = cell_init();                                                       \
+        for (int ct = t_first; ct < t_end; ++ct)                                            \
+            for (int ch = h_first; ch < h_end; ++ch)                                        \
+                for (int cw = w_first; cw < w_end; ++cw) {                                  \
+                    cell_t c_;                                                              \
+                    GET_CELL((ct * N_CELLS_H + ch) * N_CELLS_W + cw, c_);                   \
+                    window_ = cell_merge(window_, c_);                                      \
+                }                                                                           \
+        STORE_LEVEL_RESULT(l, plane, q, window_, area);                                     \
+    }
+#define FINISH_PLANE(plane) LEVEL_WINDOWS(COMBINE_CONSTANT_WINDOW)
+#else
+#define FINISH_PLANE(plane)                                                                 \
+    for (int q = 0; q < VALUES_PER_PLANE; ++q) {                                            \
+        const int l = level_of(q);                                                          \
+        COMBINE_AND_STORE(l, plane, q - level_value_base[l]);                               \
+    }
+#endif
 #endif
 
 /* ---------------------------------------------------------------- gradients (backward programs)

@@ -180,7 +180,40 @@ def cell_defines(problem) -> dict:
         defines[f"WINDOW_FIRST_CELL_{name}"] = _table(firsts or [0])
         defines[f"WINDOW_END_CELL_{name}"] = _table(ends or [0])
         defines[f"LEVEL_WINDOW_BASE_{name}"] = _table(bases)
+    if cell_merges(problem) <= UNROLLED_MERGES_LIMIT:
+        defines["LEVEL_WINDOWS(X)"] = " ".join(f"X({', '.join(map(str, w))})" for w in windows(problem))
+        w_cuts = cuts(problem.in_spatial[2], [s[2] for s in padded])
+        defines["CELLS_W(X)"] = " ".join(f"X({k}, {w_cuts[k]}, {w_cuts[k + 1]})" for k in range(len(w_cuts) - 1))
     return defines
+
+
+#: A plane whose windows merge at most this many cells in all gets its windows as a list of
+#: constants (``LEVEL_WINDOWS``), which the work-item-per-plane kernels finish in straight-line code.
+UNROLLED_MERGES_LIMIT = 2048
+
+
+def windows(problem):
+    """Every output of every level as ``(level, q, t_first, t_end, h_first, h_end, w_first, w_end,
+    area)``: its position ``q`` in its level's plane, the cells of its window along each axis and
+    the window's element count -- the combine as data (kernels/pyramid.h, ``LEVEL_WINDOWS``)."""
+    lay = layout(problem)
+    padded = [(1,) * (3 - problem.ndim) + tuple(s) for s in lay.spatial]
+    axis_cuts = [cuts(problem.in_spatial[axis], [s[axis] for s in padded]) for axis in range(3)]
+    for level, spatial in enumerate(padded):
+        if not math.prod(spatial):
+            continue
+        per_axis = [window_cells(axis_cuts[axis], problem.in_spatial[axis], spatial[axis]) for axis in range(3)]
+        for q, (ot, oh, ow) in enumerate(np.ndindex(*spatial)):
+            bounds = [(int(per_axis[axis][0][o]), int(per_axis[axis][1][o])) for axis, o in enumerate((ot, oh, ow))]
+            area = math.prod(int(axis_cuts[axis][end] - axis_cuts[axis][first])
+                             for axis, (first, end) in enumerate(bounds))
+            yield (level, q, *(b for pair in bounds for b in pair), area)
+
+
+def cell_merges(problem) -> int:
+    """Cells combined by the outputs of every level of one plane: the work of the combine."""
+    return sum((t_end - t_first) * (h_end - h_first) * (w_end - w_first)
+               for _, _, t_first, t_end, h_first, h_end, w_first, w_end, _ in windows(problem))
 
 
 def cell_counts(problem) -> tuple:

@@ -686,6 +686,33 @@ class PyramidStream(_CellVariant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
+class PyramidRows(_CellVariant):
+    name = "pyramid_rows"
+    summary = ("multi-level, channels-first: a work-item per plane reads each row of cells as contiguous runs "
+               "into lanes (one per input column, or `cell_lanes` where every level has one column), lanes "
+               "stepping together on contiguous loads, then every level's outputs")
+    search_space = {"block_size_x": [1, 4, 16, 64], "cell_lanes": [4, 8, 16, 32]}
+    default = {"block_size_x": 16, "cell_lanes": 8}
+    #: Input columns a work-item may keep as lanes (private memory).
+    LANES_LIMIT = 256
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (a row of cells is a contiguous run)"
+        columns = pyramid.cell_counts(problem)[2] > 1
+        if columns and problem.in_spatial[2] > self.LANES_LIMIT:
+            return f"keeps an input row as lanes; rows here have {problem.in_spatial[2]} elements, the limit is {self.LANES_LIMIT}"
+        if columns and params.get("cell_lanes", self.default["cell_lanes"]) != self.default["cell_lanes"]:
+            return "cell_lanes applies only where every level has one column (here the lanes are the input's columns)"
+        if pyramid.cell_count(problem) > PyramidStream.CELLS_LIMIT:
+            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
+                    f"{PyramidStream.CELLS_LIMIT}")
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
 class PyramidStreamBackward(PyramidStream):
     direction = "backward"
     summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) sums the average levels' "
@@ -732,31 +759,24 @@ class PyramidCellsBackward(_CellVariant):
         return pyramid.cell_count(problem) * _acc_bytes(problem)
 
 
-#: Planes of fewer elements default to a work-item per plane (pyramid_stream): on PoCL a work-group
-#: per plane of the spp_net and avgmax presets (13x13, 7x7) spent more in its phases than in reading.
-SMALL_PLANE = 1024
-
-
 def pyramid_default(problem: Problem, limits) -> Variant:
     """The variant a multi-level problem runs when nothing was tuned: the first legal of the cell
     variants (one read of the input, and backward one pass of cell sums) in the order that suits
     its memory layout, else the cell-less one."""
     table = variants_for(problem.op, problem.direction)
-    small = math.prod(problem.in_spatial) < SMALL_PLANE
     if problem.direction == "backward":
-        order = ("pyramid_stream", "pyramid_cells") if small or problem.channels_last else ("pyramid_cells",)
-        return next((table[n] for n in order if table[n].is_legal({}, problem, limits)), table["pyramid_gather"])
-    order = ("pyramid_stream", "pyramid_cells") if small or problem.channels_last else ("pyramid_columns", "pyramid_cells")
-    for name in order:
-        if table[name].is_legal({}, problem, limits):
-            return table[name]
-    return table["pyramid_windows"]
+        order, fallback = ("pyramid_stream", "pyramid_cells"), "pyramid_gather"
+    elif problem.channels_last:
+        order, fallback = ("pyramid_stream", "pyramid_cells"), "pyramid_windows"
+    else:
+        order, fallback = ("pyramid_rows", "pyramid_columns", "pyramid_cells"), "pyramid_windows"
+    return next((table[n] for n in order if table[n].is_legal({}, problem, limits)), table[fallback])
 
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
-_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidGather())}
+_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidGather())}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

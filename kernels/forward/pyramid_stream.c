@@ -30,8 +30,5 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
             }
         }
     }
-    for (int q = 0; q < VALUES_PER_PLANE; ++q) {
-        const int l = level_of(q);
-        COMBINE_AND_STORE(l, plane, q - level_value_base[l]);
-    }
+    FINISH_PLANE(plane);
 }

@@ -1,0 +1,120 @@
+/* pyramid_rows -- multi-level forward (pyramid.h), channels-first: a work-item per plane reads it once
+ * in memory order, one row of cells (the inputs between two cuts along T and along H) at a time.
+ *
+ * In channels-first memory a row of cells is one contiguous run per t.  Element j of a run goes to
+ * lane j % ROW_LANES, and the lanes step together on contiguous loads, which CPU compilers turn
+ * into vector operations within the work-item.  With lanes as wide as an input row (ROW_LANES =
+ * IN_W) lane w holds input column w of the row of cells, and at its end the lanes combine into its
+ * cells along W; where every level has one column (N_CELLS_W = 1) the row of cells is one cell and
+ * the lanes are cell_lanes wide.  Then every output of every level from the cells of its window.
+ *
+ * The lanes combine values only (and avgmax's sums).  A selecting op then finds each cell's
+ * position in a second pass over the cell, which is still in cache: the first element in position
+ * order that the cell's value does not beat (the last, where ties go to the later position) -- the
+ * position rule, without positions in the hot loop.
+ * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
+#if N_CELLS_W == 1
+#define ROW_LANES cell_lanes
+#define CELL_COLUMNS(cw, first, end) const int first = 0, end = ROW_LANES
+#else
+#define ROW_LANES IN_W
+#define CELL_COLUMNS(cw, first, end) const int first = (int)cuts_w[cw], end = (int)cuts_w[(cw) + 1]
+#endif
+
+/* Lanes: the running values (and avgmax's sums) of the elements of each lane. */
+#define LANES()                                     \
+    acc_t lane_value[ROW_LANES];                    \
+    IF_ALSO_MEAN(acc_t lane_sum[ROW_LANES];)
+
+/* Add the element at plane position `position` to lane k. */
+#define LANE_STEP(k, position)                                                          \
+    do {                                                                                \
+        const acc_t x_ = LOAD(in, plane_base + (position) * ELEMENT_STEP);              \
+        lane_value[k] = OP_COMBINE(lane_value[k], OP_MAP(x_));                          \
+        IF_ALSO_MEAN(lane_sum[k] += x_;)                                                \
+    } while (0)
+
+#if OP_SELECTS
+/* The position of the cell (ct, ch, cw) whose elements combine to `value`: the first element in
+ * position order that `value` does not beat, or the last where ties go to the later position.
+ * Every element is visited (no early exit), so the search is a min over its runs (a max where ties
+ * go to the later position, a copy of its own), which CPU compilers vectorise.  The runs: where every level has one column, the cell's rows (one run
+ * per t, as the lanes read them), else each row's part of the cell. */
+#define HELD_POSITIONS(start, length)                                                                   \
+    for (index_t j = 0; j < (length); ++j) {                                                           \
+        const index_t position = (start) + j;                                                           \
+        const int held = !OP_BEATS(value, OP_MAP(LOAD(in, plane_base + position * ELEMENT_STEP)));     \
+        const index_t candidate = held ? position : none;                                               \
+        found = (to_later ? candidate > found : candidate < found) ? candidate : found;                 \
+    }
+DEVICE_FN index_t position_in_cell(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, int ct, int ch, int cw,
+                                   acc_t value, const int to_later)
+{
+    const index_t none = to_later ? -1 : IN_PLANE_SIZE;
+    index_t found = none;
+    for (index_t t = cuts_t[ct]; t < cuts_t[ct + 1]; ++t) {
+#if N_CELLS_W == 1
+        (void)cw;
+        HELD_POSITIONS(PLANE_POSITION(t, cuts_h[ch], 0, IN_H, IN_W), (cuts_h[ch + 1] - cuts_h[ch]) * IN_W)
+#else
+        for (index_t h = cuts_h[ch]; h < cuts_h[ch + 1]; ++h)
+            HELD_POSITIONS(PLANE_POSITION(t, h, cuts_w[cw], IN_H, IN_W), cuts_w[cw + 1] - cuts_w[cw])
+#endif
+    }
+    return found;
+}
+/* The two orders get their own copies of the search, each one reduction. */
+#define FIND_POSITION(c, ct, ch, cw)                                                                   \
+    ((c).r.position = OP_TIE_TO_LATER((c).r.value) ? position_in_cell(in, plane_base, ct, ch, cw, (c).r.value, 1) \
+                                                   : position_in_cell(in, plane_base, ct, ch, cw, (c).r.value, 0))
+#else
+#define FIND_POSITION(c, ct, ch, cw) ((void)0)
+#endif
+
+/* Combine lanes [first, end) into cell cw of the row of cells (ct, ch). */
+#define MERGE_LANES(cw, first, end)                                             \
+    {                                                                           \
+        cell_t c_ = cell_init();                                                \
+        for (int k = first; k < end; ++k) {                                     \
+            c_.r.value = OP_COMBINE(c_.r.value, lane_value[k]);                 \
+            IF_ALSO_MEAN(c_.sum += lane_sum[k];)                                \
+        }                                                                       \
+        FIND_POSITION(c_, ct, ch, cw);                                          \
+        PUT_CELL((ct * N_CELLS_H + ch) * N_CELLS_W + (cw), c_);                 \
+    }
+
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+{
+    const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (plane >= N_PLANES)
+        return;
+    CELL_ARRAYS()
+    LANES()
+    const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    for (int ct = 0; ct < N_CELLS_T; ++ct)
+        for (int ch = 0; ch < N_CELLS_H; ++ch) {
+            for (int k = 0; k < ROW_LANES; ++k) {
+                lane_value[k] = OP_IDENTITY;
+                IF_ALSO_MEAN(lane_sum[k] = (acc_t)0;)
+            }
+            const index_t run_length = (index_t)(cuts_h[ch + 1] - cuts_h[ch]) * IN_W;
+            for (index_t t = cuts_t[ct]; t < cuts_t[ct + 1]; ++t) {
+                const index_t start = PLANE_POSITION(t, cuts_h[ch], 0, IN_H, IN_W);
+                index_t j = 0;
+                for (; j + ROW_LANES <= run_length; j += ROW_LANES)
+                    for (int k = 0; k < ROW_LANES; ++k)
+                        LANE_STEP(k, start + j + k);
+                for (int k = 0; j + k < run_length; ++k)
+                    LANE_STEP(k, start + j + k);
+            }
+#if defined(CELLS_W) && N_CELLS_W > 1
+            CELLS_W(MERGE_LANES)
+#else
+            for (int cw = 0; cw < N_CELLS_W; ++cw) {
+                CELL_COLUMNS(cw, first, end);
+                MERGE_LANES(cw, first, end)
+            }
+#endif
+        }
+    FINISH_PLANE(plane);
+}
