@@ -130,6 +130,37 @@ def test_pyramid_every_variant_matches_reference(kind, ndim, shape, sizes, layou
             assert g.dtype == np.int64 and np.array_equal(g, e), variant
 
 
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_windows_past_the_unrolled_limit_are_finished_from_the_tables(kind, rng):
+    """The work-item-per-plane kernels finish a plane from a list of constant windows where it is
+    short (LEVEL_WINDOWS) and from the tables past ``UNROLLED_MERGES_LIMIT``: both paths against
+    the reference, with ties and NaNs for max."""
+    op, shape, sizes = f"adaptive_{kind}_pool_pyramid2d", (2, 3, 15, 15), [1, 2, 3, 5, 7, 9, 11]
+    long_list = Problem.create(op, shape, sizes)
+    short_list = Problem.create(op, shape, sizes[:3])
+    assert pyramid.cell_merges(long_list) > pyramid.UNROLLED_MERGES_LIMIT >= pyramid.cell_merges(short_list)
+    assert "LEVEL_WINDOWS(X)" not in pyramid.cell_defines(long_list)
+    assert "LEVEL_WINDOWS(X)" in pyramid.cell_defines(short_list)
+    for levels in (sizes, sizes[:3]):
+        x = random_input(rng, shape)
+        if kind == "max":
+            x.reshape(-1)[::7] = x.reshape(-1)[1]
+            x[0, 1, 3, 4] = x[1, 2, 12, 9] = np.nan
+        values, indices = reference.forward(op, x, levels)
+        for variant in ("pyramid_rows", "pyramid_stream"):
+            if kind == "avg":
+                got, got_indices = pt.adaptive_avg_pool_pyramid(x, levels, variant=variant), []
+            else:
+                got, got_indices = pt.adaptive_max_pool_pyramid(x, levels, return_indices=True, variant=variant)
+            for g, e in zip(got, values):
+                if kind == "avg":
+                    _close(g, e, "float32")
+                else:  # max values are exact, NaN where a window holds one
+                    assert np.array_equal(g, e.astype(np.float32), equal_nan=True), variant
+            for g, e in zip(got_indices, indices):
+                assert np.array_equal(g, e), variant
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", [None, "NHWC"])
 @pytest.mark.parametrize("kind", ["avg", "max"])
