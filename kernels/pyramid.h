@@ -222,11 +222,13 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
  * The terms of level l in the gradient of the input (t, h, w) at plane position `position` of
  * `plane`: every output of the level whose window holds the input (its inverse windows, windows.h)
  * contributes its share (an average level) or, where its index is this input, its gradient (a max
- * level), outputs in row-major order. */
+ * level), outputs in row-major order.  `first_chooser` receives the first output of a max level
+ * whose index is this input (-1 for none). */
 #ifdef INDICES_IN
-DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN int l, index_t plane, index_t t,
-                            index_t h, index_t w, index_t position PLANES_PARAM)
+DEVICE_FN acc_t level_terms_chosen(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN int l, index_t plane,
+                                   index_t t, index_t h, index_t w, index_t position, index_t* first_chooser PLANES_PARAM)
 {
+    *first_chooser = -1;
     const index_t OT = level_out_t[l], OH = level_out_h[l], OW = level_out_w[l];
     acc_t sum = (acc_t)0;
     if (OT * OH * OW == 0)
@@ -245,11 +247,18 @@ DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN
                                        * (WINDOW_END(ow, IN_W, OW) - WINDOW_START(ow, IN_W, OW));
                     sum += grad / (acc_t)area;
                 } else {
-                    IF_SELECTING(sum += indices[LEVEL_OFFSET(level_index_base[l], l, plane, q)] == (int64_t_)position
-                                            ? grad : (acc_t)0;)
+                    IF_SELECTING(const int chosen = indices[LEVEL_OFFSET(level_index_base[l], l, plane, q)] == (int64_t_)position;
+                                 *first_chooser = chosen && *first_chooser < 0 ? q : *first_chooser;
+                                 sum += chosen ? grad : (acc_t)0;)
                 }
             }
     return sum;
+}
+DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN int l, index_t plane, index_t t,
+                            index_t h, index_t w, index_t position PLANES_PARAM)
+{
+    index_t first_chooser;
+    return level_terms_chosen(grad_out, IF_SELECTING(indices,) l, plane, t, h, w, position, &first_chooser, n_planes);
 }
 #define LEVEL_TERMS(l, plane, t, h, w, position) \
     level_terms(grad_out, IF_SELECTING(indices,) l, plane, t, h, w, position, n_planes)
@@ -266,5 +275,52 @@ DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN
     } while (0)
 #else
 #define MAX_LEVEL_TERMS(sum, plane, t, h, w) ((void)0)
+#endif
+
+#ifdef CUTS_W
+/* The average levels' terms of every cell of `plane`, in one work-item: cell_grad[k] is the sum over
+ * the average levels, in order, of each level's terms at the cell (level_terms at its first
+ * input; every input of a cell has the same windows).  Where the windows come as a list of
+ * constants (LEVEL_WINDOWS), each window instead adds its share to its cells in straight-line code,
+ * a level's shares summed apart and then added to the cells' sums: the same additions in the same
+ * order, so the same bits. */
+#ifdef LEVEL_WINDOWS
+#define ADD_WINDOW_SHARE(l, q, t_first, t_end, h_first, h_end, w_first, w_end, area)                   \
+    if (IS_MEAN_LEVEL(l)) {                                                                         \
+        if ((l) != level_) {                                                                        \
+            ADD_LEVEL_TERMS();                                                                      \
+            level_ = (l);                                                                           \
+        }                                                                                           \
+        const acc_t share_ = LOAD(grad_out, LEVEL_OFFSET(level_value_base[l], l, plane, q)) / (acc_t)(area); \
+        for (int ct = t_first; ct < t_end; ++ct)                                                    \
+            for (int ch = h_first; ch < h_end; ++ch)                                                \
+                for (int cw = w_first; cw < w_end; ++cw)                                            \
+                    level_grad_[(ct * N_CELLS_H + ch) * N_CELLS_W + cw] += share_;                  \
+    }
+#define ADD_LEVEL_TERMS()                                                                           \
+    for (int k = 0; k < N_CELLS; ++k) {                                                             \
+        cell_grad[k] += level_grad_[k];                                                             \
+        level_grad_[k] = (acc_t)0;                                                                  \
+    }
+#define CELL_GRADIENTS(plane)                                                                       \
+    acc_t cell_grad[N_CELLS], level_grad_[N_CELLS];                                                 \
+    for (int k = 0; k < N_CELLS; ++k)                                                               \
+        cell_grad[k] = level_grad_[k] = (acc_t)0;                                                   \
+    int level_ = -1;                                                                                \
+    LEVEL_WINDOWS(ADD_WINDOW_SHARE)                                                                 \
+    ADD_LEVEL_TERMS()
+#else
+#define CELL_GRADIENTS(plane)                                                                       \
+    acc_t cell_grad[N_CELLS];                                                                       \
+    for (int k = 0; k < N_CELLS; ++k) {                                                             \
+        const int ct = k / (N_CELLS_H * N_CELLS_W), ch = k / N_CELLS_W % N_CELLS_H, cw = k % N_CELLS_W; \
+        const index_t t = cuts_t[ct], h = cuts_h[ch], w = cuts_w[cw];                               \
+        acc_t sum = (acc_t)0;                                                                       \
+        for (int l = 0; l < N_LEVELS; ++l)                                                          \
+            if (IS_MEAN_LEVEL(l))                                                                   \
+                sum += LEVEL_TERMS(l, plane, t, h, w, PLANE_POSITION(t, h, w, IN_H, IN_W));         \
+        cell_grad[k] = sum;                                                                         \
+    }
+#endif
 #endif
 #endif

@@ -722,6 +722,32 @@ class PyramidStreamBackward(PyramidStream):
         return 0
 
 
+class PyramidRowsBackward(_CellVariant):
+    name = "pyramid_rows"
+    direction = "backward"
+    summary = ("multi-level, channels-first: a work-item per plane sums the average levels' terms once per cell, "
+               "writes each row of cells' input rows from one row of cell values, then adds the max levels' "
+               "gradients at their indices in order")
+    search_space = {"block_size_x": [1, 4, 16, 64]}
+    default = {"block_size_x": 16}
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (a cell's part of a row is a contiguous run)"
+        if problem.operation.selects and problem.dtype not in ("float32", "float64"):
+            return "adds the max levels' gradients in the stored gradient, so it needs float32 or float64"
+        if pyramid.cell_counts(problem)[2] > 1 and problem.in_spatial[2] > PyramidRows.LANES_LIMIT:
+            return (f"keeps an input row of gradients; rows here have {problem.in_spatial[2]} elements, the limit "
+                    f"is {PyramidRows.LANES_LIMIT}")
+        if pyramid.cell_count(problem) > PyramidStream.CELLS_LIMIT:
+            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
+                    f"{PyramidStream.CELLS_LIMIT}")
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
 class PyramidWindows(Variant):
     name = "pyramid_windows"
     summary = "multi-level: a work-item per output of any level reduces its whole window (no cells; always legal)"
@@ -776,7 +802,7 @@ def pyramid_default(problem: Problem, limits) -> Variant:
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
-_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidGather())}
+_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidRowsBackward(), PyramidGather())}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

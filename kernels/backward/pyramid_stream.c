@@ -8,16 +8,7 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
     const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
     if (plane >= N_PLANES)
         return;
-    acc_t cell_grad[N_CELLS];
-    for (int k = 0; k < N_CELLS; ++k) {
-        const int ct = k / (N_CELLS_H * N_CELLS_W), ch = k / N_CELLS_W % N_CELLS_H, cw = k % N_CELLS_W;
-        const index_t t = cuts_t[ct], h = cuts_h[ch], w = cuts_w[cw];
-        acc_t sum = (acc_t)0;
-        for (int l = 0; l < N_LEVELS; ++l)
-            if (IS_MEAN_LEVEL(l))
-                sum += LEVEL_TERMS(l, plane, t, h, w, PLANE_POSITION(t, h, w, IN_H, IN_W));
-        cell_grad[k] = sum;
-    }
+    CELL_GRADIENTS(plane);
     int ct = 0;
     for (index_t t = 0; t < IN_T; ++t) {
         ct += t == cuts_t[ct + 1];
