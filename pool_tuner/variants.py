@@ -727,6 +727,7 @@ class PyramidWindows(Variant):
     summary = "multi-level: a work-item per output of any level reduces its whole window (no cells; always legal)"
     search_space = {"block_size_x": [32, 64, 128, 256, 512]}
     default = {"block_size_x": 256}
+    runs_every_problem = True
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes * pyramid.layout(problem).values_per_plane, params["block_size_x"])
@@ -739,6 +740,7 @@ class PyramidGather(Variant):
                "in level order")
     search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024]}
     default = {"block_size_x": 256}
+    runs_every_problem = True
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes * math.prod(problem.in_spatial), params["block_size_x"])
