@@ -761,20 +761,6 @@ class PyramidCellsBackward(_CellVariant):
         return pyramid.cell_count(problem) * _acc_bytes(problem)
 
 
-def pyramid_default(problem: Problem, limits) -> Variant:
-    """The variant a multi-level problem runs when nothing was tuned: the first legal of the cell
-    variants (one read of the input, and backward one pass of cell sums) in the order that suits
-    its memory layout, else the cell-less one."""
-    table = variants_for(problem.op, problem.direction)
-    if problem.direction == "backward":
-        order, fallback = ("pyramid_stream", "pyramid_cells"), "pyramid_gather"
-    elif problem.channels_last:
-        order, fallback = ("pyramid_stream", "pyramid_cells"), "pyramid_windows"
-    else:
-        order, fallback = ("pyramid_rows", "pyramid_columns", "pyramid_cells"), "pyramid_windows"
-    return next((table[n] for n in order if table[n].is_legal({}, problem, limits)), table[fallback])
-
-
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
