@@ -11,6 +11,10 @@ as an ordered rule list -- a split's "yes" side first, so each leaf needs only t
 its path that held -- per direction, each ending with a rule whose variant runs every problem.  A
 leaf's configuration is the one its variant won with most often among the leaf's problems.
 
+The grid is of single-level problems, so the rules it writes are the single-level ones (no
+``levels`` condition); the device type's multi-level rules (``"levels": "multi"``, written by hand)
+are kept as they are, in their order, after them.
+
     python benchmarks/derive_rules.py            # print the rules and their fit, write them
     python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
 
@@ -151,12 +155,19 @@ def geomean_slowdown(samples: list, choose) -> float:
     return math.exp(sum(math.log(s.slowdown(choose(s))) for s in samples) / len(samples))
 
 
-def fit_report(samples: list, rules: list, device, device_type: str) -> list[str]:
+def multi_level_rules(entry: dict) -> list:
+    """The multi-level rules of a device type's ``entry`` in the rules file, in their order: the
+    ones this script keeps rather than derives."""
+    return [rule for rule in entry.get("rules", []) if default_rules.family(rule["when"]) != "single"]
+
+
+def fit_report(samples: list, rules: list, kept: list, device, device_type: str) -> list[str]:
     """How the rules fare on the grid -- on the problems they were derived from, and on each problem
     left out of the derivation (rules derived from the others), which is how they fare on shapes
-    nobody tuned -- against the nearest other grid problem's winner, by distance."""
+    nobody tuned -- against the nearest other grid problem's winner, by distance.  ``kept`` (the
+    multi-level rules) completes each rule list for ``default_rules.parse``."""
     def variant_by(rule_list):
-        parsed = default_rules.parse({"devices": {"derived": {"rules": rule_list}}})["derived"]
+        parsed = default_rules.parse({"devices": {"derived": {"rules": rule_list + kept}}})["derived"]
         return lambda sample: default_rules.decide(sample.problem, device, parsed).variant.name
 
     in_sample = variant_by(rules)
@@ -197,19 +208,20 @@ def main(argv=None) -> int:
     samples = [Sample(r) for r in records.values() if not cache.is_partial(r)]
     rules = derive(samples, args.device_type)
     document = json.loads(default_rules.RULES_FILE.read_text())
+    kept = multi_level_rules(document["devices"].get(args.device_type, {}))
     entry = {"derived_from": f"benchmarks/dispatch_grid/{args.grid}/{cache.USER_FILE}",
              "device": sorted({r["device"]["name"] for r in records.values()}),
-             "problems": len(samples), "rules": rules}
+             "problems": len(samples), "rules": rules + kept}
     if args.check:
         same = document["devices"].get(args.device_type) == entry
         print("the shipped rules are the data's" if same else "the shipped rules differ from the data's")
         return 0 if same else 1
-    for line in fit_report(samples, rules, backends.default_device(), args.device_type):
+    for line in fit_report(samples, rules, kept, backends.default_device(), args.device_type):
         print(line)
     document["devices"][args.device_type] = entry
     default_rules.RULES_FILE.write_text(json.dumps(document, indent=1) + "\n")
     print(default_rules.markdown_table(default_rules.parse({"devices": {"new": entry}})["new"]))
-    print(f"wrote {len(rules)} rules to {default_rules.RULES_FILE}")
+    print(f"wrote {len(rules)} rules, and kept {len(kept)} multi-level ones, in {default_rules.RULES_FILE}")
     return 0
 
 

@@ -5,14 +5,23 @@ The rules are data, in ``default_rules.json`` beside this module -- the one writ
 test keeps those copies true.  Each device type (``cpu``, ``gpu``) has an ordered list of rules;
 the first rule whose conditions hold for the problem and whose variant is legal for it fires.  A
 rule's conditions are on the problem's ``features``: equality for words, ``{"min": a, "max": b}``
-(``a <= value < b``) for numbers.  Each direction's last rule has no condition but the direction
-and a variant that runs every problem (``Variant.runs_every_problem``), so every problem gets a rule.
+(``a <= value < b``) for numbers.
+
+A rule applies to one family of ops, which have one variant table (``variants.variants_for``):
+the multi-level ops (``Operation.multi_level``: pyramids and avgmax) where it says
+``"levels": "multi"``, else the single-level ops -- a rule without a ``levels`` condition is
+single-level only, so the rules written before the multi-level ops, and those ``derive_rules.py``
+fits to a grid of single-level problems, keep their meaning.  Its variant must be in its family's
+table.  Each family's last rule of each direction has no condition but the direction (and the
+family) and a variant that runs every problem (``Variant.runs_every_problem``), so every problem
+gets a rule.
 
 The CPU rules are derived from measurements: ``benchmarks/dispatch_grid.py`` tunes a broad grid of
 problems and ``benchmarks/derive_rules.py`` fits a small decision tree to the results (each leaf's
 variant is the one with the least geomean slowdown against each problem's best) and writes its
-leaves here, with how many grid problems each leaf held and that slowdown.  The GPU rules are
-written by hand until a GPU grid exists (the file says which).
+leaves here, with how many grid problems each leaf held and that slowdown; it keeps the
+multi-level rules as they are.  The multi-level rules, and the GPU rules, are written by hand until
+a grid of them exists (each rule's evidence says which).
 
 A rule's configuration is a partial one: its parameters over the variant's default for the problem
 (``Variant.default_for``).  Where that configuration is not legal for the problem the variant's own
@@ -33,10 +42,11 @@ from .problem import Problem
 RULES_FILE = Path(__file__).with_name("default_rules.json")
 #: The features a rule may test, and what each is (the table's legend).
 FEATURES = {
+    "levels": "single or multi (Operation.multi_level: pyramids and avgmax); a rule without it is single-level",
     "direction": "forward or backward",
-    "kind": "avg or max",
+    "kind": "avg, max or avgmax",
     "layout": "channels_first or channels_last",
-    "problem_class": "global, uniform, non-uniform or upsampling (Problem.problem_class)",
+    "problem_class": "global, uniform, non-uniform or upsampling; pyramid for every multi-level op (Problem.problem_class)",
     "rank": "pooled axes: 1, 2 or 3",
     "plane": "input elements per plane",
     "output_plane": "output elements per plane",
@@ -45,12 +55,21 @@ FEATURES = {
     "output_row": "output extent of the last axis",
 }
 NUMERIC = ("rank", "plane", "output_plane", "window", "planes", "output_row")
+#: Each family of ops (the values of ``levels``) and one of its ops: every op of a family has the
+#: same variant tables (``variants._variants_of``), against which a rule's variant is checked.
+FAMILY_OPS = {"single": "adaptive_avg_pool2d", "multi": "adaptive_avg_pool_pyramid2d"}
+
+
+def family(when: dict) -> str:
+    """The family of ops a rule with conditions ``when`` applies to: its ``levels``, else single."""
+    return when.get("levels", "single")
 
 
 def features(problem: Problem) -> dict:
     """The values of ``FEATURES`` for ``problem``."""
     windows = (variants_mod.max_window(i, o) for i, o in zip(problem.in_spatial, problem.out_spatial))
     return {
+        "levels": "multi" if problem.operation.multi_level else "single",
         "direction": problem.direction,
         "kind": problem.kind,
         "layout": "channels_last" if problem.channels_last else "channels_first",
@@ -72,7 +91,15 @@ class Rule:
     config: tuple  # sorted (parameter, value) pairs over the variant's default
     evidence: str  # where the rule comes from: the grid problems it held and their slowdown, or "by hand"
 
+    @property
+    def levels(self) -> str:
+        """The family of ops the rule applies to (``family``); it holds for no problem of another,
+        whose variant table may not have its variant."""
+        return family(dict(self.when))
+
     def holds(self, values: dict) -> bool:
+        if values["levels"] != self.levels:
+            return False
         for feature, condition in self.when:
             value = values[feature]
             if isinstance(condition, tuple):
@@ -115,6 +142,8 @@ def _parse_condition(feature: str, condition, where: str):
         return (condition.get("min"), condition.get("max"))
     if not isinstance(condition, str):
         raise ValueError(f"{where}: {feature} needs a word, got {condition!r}")
+    if feature == "levels" and condition not in FAMILY_OPS:
+        raise ValueError(f"{where}: levels must be one of {sorted(FAMILY_OPS)}, got {condition!r}")
     return condition
 
 
@@ -123,26 +152,31 @@ def _parse_rule(entry: dict, where: str) -> Rule:
                         for feature, condition in entry.get("when", {}).items()))
     directions = {c for f, c in when if f == "direction"}
     for direction in directions or {"forward", "backward"}:
-        variants_mod.get_variant("adaptive_avg_pool2d", entry["variant"], direction, argument=f"{where} variant")
+        variants_mod.get_variant(FAMILY_OPS[family(dict(when))], entry["variant"], direction,
+                                 argument=f"{where} variant")
     return Rule(entry["name"], when, entry["variant"], tuple(sorted(entry.get("config", {}).items())),
                 entry.get("evidence", "by hand"))
 
 
 def parse(data: dict, where: str = RULES_FILE.name) -> dict:
     """``{device type: ordered rules}`` of a rules document (the content of ``RULES_FILE``);
-    ValueError for an unknown feature, variant or condition, or a list without a last rule for
-    each direction."""
+    ValueError for an unknown feature, variant (of the rule's family) or condition, or a list
+    without a last rule for each family and direction."""
     parsed = {}
     for device_type_name, entry in data["devices"].items():
         table = tuple(_parse_rule(rule, f"{where} {device_type_name} rule {i}")
                       for i, rule in enumerate(entry["rules"]))
-        for direction in ("forward", "backward"):
-            last = [rule for rule in table if dict(rule.when).get("direction", direction) == direction][-1:]
-            if not last or last[0].when != (("direction", direction),) or not variants_mod.get_variant(
-                    "adaptive_avg_pool2d", last[0].variant, direction).runs_every_problem:
-                raise ValueError(f"{where}: the {device_type_name} rules need a last rule for every {direction} pass, "
-                                 f"on the direction alone, whose variant runs every problem (e.g. "
-                                 f"{[v.name for v in variants_mod.variants_for('adaptive_avg_pool2d', direction).values() if v.runs_every_problem]})")
+        for levels, op in FAMILY_OPS.items():
+            for direction in ("forward", "backward"):
+                last = [rule for rule in table
+                        if rule.levels == levels and dict(rule.when).get("direction", direction) == direction][-1:]
+                alone = {"direction": direction, **({} if levels == "single" else {"levels": levels})}
+                if not last or dict(last[0].when) != alone or not variants_mod.get_variant(
+                        op, last[0].variant, direction).runs_every_problem:
+                    fallbacks = [v.name for v in variants_mod.variants_for(op, direction).values() if v.runs_every_problem]
+                    raise ValueError(f"{where}: the {device_type_name} rules need a last rule for every {levels}-level "
+                                     f"{direction} pass, on {alone} alone, whose variant runs every problem "
+                                     f"(e.g. {fallbacks})")
         parsed[device_type_name] = table
     return parsed
 

@@ -90,13 +90,8 @@ class Launch:
 
 
 def default_choice(problem: Problem, device) -> Choice:
-    """The default rules' decision (never the cache): what tuning compares its winner against.
-    Multi-level ops (``pool_tuner.pyramid``) have no grid yet; their default is
-    ``variants.pyramid_default``, named as their rule."""
-    if problem.operation.multi_level:
-        variant = variants_mod.pyramid_default(problem, device.limits)
-        params = variant.check_config({}, problem, device.limits, name=f"default config of {variant.name}")
-        return Choice(variant, tuple(sorted(params.items())), "default", rule="multi-level: variants.pyramid_default")
+    """The default rules' decision (never the cache), for every op: what tuning compares its winner
+    against."""
     decided = default_rules.decide(problem, device)
     return Choice(decided.variant, tuple(sorted(decided.params.items())), "default", rule=decided.rule.name,
                   rule_config=decided.config_note)

@@ -753,6 +753,7 @@ class PyramidWindows(Variant):
     summary = "multi-level: a work-item per output of any level reduces its whole window (no cells; always legal)"
     search_space = {"block_size_x": [32, 64, 128, 256, 512]}
     default = {"block_size_x": 256}
+    runs_every_problem = True
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes * pyramid.layout(problem).values_per_plane, params["block_size_x"])
@@ -765,6 +766,7 @@ class PyramidGather(Variant):
                "in level order")
     search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024]}
     default = {"block_size_x": 256}
+    runs_every_problem = True
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes * math.prod(problem.in_spatial), params["block_size_x"])
@@ -783,20 +785,6 @@ class PyramidCellsBackward(_CellVariant):
 
     def local_mem_bytes(self, params, problem):
         return pyramid.cell_count(problem) * _acc_bytes(problem)
-
-
-def pyramid_default(problem: Problem, limits) -> Variant:
-    """The variant a multi-level problem runs when nothing was tuned: the first legal of the cell
-    variants (one read of the input, and backward one pass of cell sums) in the order that suits
-    its memory layout, else the cell-less one."""
-    table = variants_for(problem.op, problem.direction)
-    if problem.direction == "backward":
-        order, fallback = ("pyramid_stream", "pyramid_cells"), "pyramid_gather"
-    elif problem.channels_last:
-        order, fallback = ("pyramid_stream", "pyramid_cells"), "pyramid_windows"
-    else:
-        order, fallback = ("pyramid_rows", "pyramid_columns", "pyramid_cells"), "pyramid_windows"
-    return next((table[n] for n in order if table[n].is_legal({}, problem, limits)), table[fallback])
 
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),

@@ -19,7 +19,8 @@ from test_forward import to_channels_last
 ROOT = Path(__file__).resolve().parent.parent
 
 #: A rule list exercising each mechanism: a backward variant legal only in float32/float64, a
-#: forward rule on a numeric range whose configuration is illegal for narrow windows, fallbacks.
+#: forward rule on a numeric range whose configuration is illegal for narrow windows, multi-level
+#: rules (a variant illegal channels-last), fallbacks of each family.
 SYNTHETIC = {"devices": {"test": {"rules": [
     {"name": "scatter", "when": {"direction": "backward"}, "variant": "plane_scatter"},
     {"name": "wide", "when": {"direction": "forward", "window": {"min": 10}}, "variant": "thread_per_output",
@@ -28,6 +29,9 @@ SYNTHETIC = {"devices": {"test": {"rules": [
      "variant": "global_planes"},
     {"name": "forward", "when": {"direction": "forward"}, "variant": "thread_per_output"},
     {"name": "backward", "when": {"direction": "backward"}, "variant": "thread_per_input"},
+    {"name": "multi-columns", "when": {"direction": "forward", "levels": "multi"}, "variant": "pyramid_columns"},
+    {"name": "multi-forward", "when": {"direction": "forward", "levels": "multi"}, "variant": "pyramid_windows"},
+    {"name": "multi-backward", "when": {"direction": "backward", "levels": "multi"}, "variant": "pyramid_gather"},
 ]}}}
 
 
@@ -44,6 +48,16 @@ def test_the_first_rule_that_holds_fires(synthetic):
     assert decide("adaptive_avg_pool2d", (2, 3, 40, 40), (4, 4), synthetic).rule.name == "wide"  # window 10x10
     assert decide("adaptive_avg_pool2d", (2, 3, 8, 8), (4, 4), synthetic).rule.name == "forward"  # window 2x2
     assert decide("adaptive_max_pool2d", (2, 3, 3, 3), (1, 1), synthetic).rule.name == "max-global"
+
+
+def test_a_rule_applies_to_its_family_of_ops_only(synthetic):
+    """Rules without ``levels`` are single-level: a pyramid skips them, a single-level op skips
+    the multi-level ones; pyramid_columns needs channels-first memory."""
+    assert decide("adaptive_avg_pool_pyramid2d", (2, 3, 40, 40), [1, 2], synthetic).rule.name == "multi-columns"
+    assert decide("adaptive_avg_pool_pyramid2d", (2, 3, 40, 40), [1, 2], synthetic,
+                  layout="NHWC").rule.name == "multi-forward"
+    assert decide("adaptive_avgmax_pool2d", (2, 3, 8, 8), 1, synthetic, direction="backward").rule.name == "multi-backward"
+    assert decide("adaptive_avg_pool2d", (2, 3, 8, 8), (4, 4), synthetic).rule.name == "forward"
 
 
 def test_a_rule_whose_variant_cannot_run_the_problem_passes_it_on(synthetic):
@@ -70,19 +84,45 @@ def test_a_rule_configuration_that_is_illegal_here_runs_the_variant_default_and_
     ({"when": {"direction": "forward", "window": 10}}, "window needs"),
     ({"when": {"direction": "forward", "kind": 1}}, "kind needs a word"),
     ({"variant": "no_such_variant"}, "variant must be one of"),
+    ({"variant": "pyramid_cells"}, r"variant must be one of .* for adaptive_avg_pool2d forward"),
+    ({"when": {"direction": "forward", "levels": "multi"}}, r"variant must be one of .* for adaptive_avg_pool_pyramid2d"),
+    ({"when": {"direction": "forward", "levels": "many"}}, "levels must be one of"),
 ])
 def test_a_bad_rule_is_refused_with_what_is_wrong(change, message):
+    """Rule 1 is single-level forward ``thread_per_output``; a rule's variant is checked against
+    the table of its family (``levels``)."""
     bad = json.loads(json.dumps(SYNTHETIC))
     bad["devices"]["test"]["rules"][1].update(change)
     with pytest.raises(ValueError, match=message):
         default_rules.parse(bad)
 
 
-def test_a_rule_list_without_a_last_rule_for_a_direction_is_refused():
+@pytest.mark.parametrize("dropped,message", [("backward", "last rule for every single-level backward pass"),
+                                             ("multi-forward", "last rule for every multi-level forward pass")])
+def test_a_rule_list_without_a_last_rule_for_a_family_and_direction_is_refused(dropped, message):
     bad = json.loads(json.dumps(SYNTHETIC))
-    bad["devices"]["test"]["rules"] = [r for r in bad["devices"]["test"]["rules"] if r["name"] != "backward"]
-    with pytest.raises(ValueError, match="last rule for every backward pass"):
+    bad["devices"]["test"]["rules"] = [r for r in bad["devices"]["test"]["rules"] if r["name"] != dropped]
+    with pytest.raises(ValueError, match=message):
         default_rules.parse(bad)
+
+
+def test_the_cpu_multi_level_rules_keep_the_measured_order():
+    """Forward channels-first pyramid_rows, then pyramid_columns (rows wider than pyramid_rows'
+    lanes); channels-last and backward pyramid_stream, then pyramid_cells (more cells than a
+    work-item keeps); levels too fine for any cell table the cell-less variants."""
+    cpu = default_rules.rules("cpu")
+    cases = [
+        ("adaptive_avg_pool_pyramid2d", (2, 8, 64, 64), [1, 2, 3, 6], None, "forward", "pyramid_rows"),
+        ("adaptive_avg_pool_pyramid2d", (2, 8, 8, 300), [1, 2, 3, 6], None, "forward", "pyramid_columns"),
+        ("adaptive_max_pool_pyramid2d", (2, 8, 64, 64), [1, 2, 3, 6], "NHWC", "forward", "pyramid_stream"),
+        ("adaptive_avg_pool_pyramid2d", (2, 8, 64, 64), [5, 7, 11], "NHWC", "forward", "pyramid_cells"),
+        ("adaptive_avgmax_pool2d", (2, 8, 7, 7), 1, None, "backward", "pyramid_stream"),
+        ("adaptive_avg_pool_pyramid2d", (2, 8, 64, 64), [5, 7, 11], None, "backward", "pyramid_cells"),
+        ("adaptive_avg_pool_pyramid1d", (1, 1, 5000), [1, 2000, 4999], None, "forward", "pyramid_windows"),
+        ("adaptive_avg_pool_pyramid1d", (1, 1, 5000), [1, 2000, 4999], None, "backward", "pyramid_gather"),
+    ]
+    for op, shape, out, layout, direction, variant in cases:
+        assert decide(op, shape, out, cpu, layout=layout, direction=direction).variant.name == variant, (op, shape, out)
 
 
 #: Shapes outside the grid of benchmarks/dispatch_grid.py: other plane sizes, ranks, dtypes, windows.
@@ -98,20 +138,27 @@ OUTSIDE_THE_GRID = [
 ]
 
 
+def assert_explain_names_the_first_rule(problem):
+    """``explain`` names, as the default, the first shipped rule that holds for ``problem`` and
+    whose variant is legal for it."""
+    device = backends.default_device()
+    values = default_rules.features(problem)
+    expected = next(r for r in default_rules.rules(default_rules.device_type(device))
+                    if r.holds(values) and dispatch.variants_mod.variants_for(problem.op, problem.direction)[
+                        r.variant].is_legal({}, problem, device.limits))
+    info = pt.explain(problem.op, problem.input_shape, problem.output_size, dtype=problem.dtype, layout=problem.layout,
+                      direction=problem.direction)
+    assert (info["source"], info["rule"], info["variant"]) == ("default", expected.name, expected.variant)
+
+
 @pytest.mark.parametrize("op,shape,out,dtype,layout,direction", OUTSIDE_THE_GRID)
 def test_the_shipped_rules_decide_shapes_outside_the_grid_and_their_kernels_are_right(
         op, shape, out, dtype, layout, direction, user_cache, rng):
     """With no record at all (the tests' shipped cache is empty), dispatch is the rules': explain
     names the rule, which is the first shipped rule that holds and whose variant is legal, and the
     call it dispatches matches the float64 reference."""
-    device = backends.default_device()
     problem = Problem.create(op, shape, out, dtype, layout, direction=direction)
-    info = pt.explain(op, shape, out, dtype=dtype, layout=layout, direction=direction)
-    values = default_rules.features(problem)
-    expected = next(r for r in default_rules.rules(default_rules.device_type(device))
-                    if r.holds(values) and dispatch.variants_mod.variants_for(op, direction)[r.variant].is_legal(
-                        {}, problem, device.limits))
-    assert (info["source"], info["rule"], info["variant"]) == ("default", expected.name, expected.variant)
+    assert_explain_names_the_first_rule(problem)
     if dtype == "bfloat16":
         return  # numpy has no bfloat16 without ml_dtypes; the decision is what this case checks
     ndim, tolerance = problem.ndim, (2e-2 if dtype == "float16" else 1e-5)
@@ -130,12 +177,60 @@ def test_the_shipped_rules_decide_shapes_outside_the_grid_and_their_kernels_are_
     assert np.allclose(np.asarray(got, np.float64), want, rtol=tolerance, atol=tolerance)
 
 
+#: Multi-level problems: pyramids of each layout and avgmax, both directions, and levels too fine
+#: for the cell variants.
+MULTI_LEVEL = [
+    ("adaptive_avg_pool_pyramid2d", (2, 3, 13, 11), [1, 2, 3], None, "forward"),
+    ("adaptive_max_pool_pyramid2d", (2, 4, 9, 10), [1, 3], "NHWC", "forward"),
+    ("adaptive_avgmax_pool2d", (2, 5, 7, 7), (2, 3), None, "forward"),
+    ("adaptive_avg_pool_pyramid2d", (2, 3, 13, 11), [1, 2, 4], "NHWC", "backward"),
+    ("adaptive_max_pool_pyramid2d", (2, 4, 9, 10), [1, 3], None, "backward"),
+    ("adaptive_avgmax_pool2d", (2, 5, 7, 7), 1, None, "backward"),
+    ("adaptive_avg_pool_pyramid1d", (1, 2, 5000), [1, 2000, 4999], None, "backward"),
+]
+
+
+@pytest.mark.parametrize("op,shape,out,layout,direction", MULTI_LEVEL)
+def test_the_shipped_rules_decide_multi_level_ops_and_their_kernels_are_right(
+        op, shape, out, layout, direction, user_cache, rng):
+    """As for single-level shapes: with no record, explain names the first shipped rule that holds
+    and whose variant is legal, and the call it dispatches matches the float64 reference (avgmax
+    in its ``cat`` mode: the average levels' channels, then the max levels')."""
+    problem = Problem.create(op, shape, out, layout=layout, direction=direction)
+    assert_explain_names_the_first_rule(problem)
+    operation, ndim = problem.operation, problem.ndim
+    in_memory = (lambda a: to_channels_last(a, ndim)) if problem.channels_last else (lambda a: a)
+    x = random_input(rng, shape)
+    values, indices = reference.forward(op, x.astype(np.float64), out)
+    if direction == "forward":
+        if not operation.pyramid:
+            got, values = [pt.adaptive_avgmax_pool2d(in_memory(x), out, "cat")], [np.concatenate(values, axis=1)]
+        elif operation.kind == "avg":
+            got = pt.adaptive_avg_pool_pyramid(in_memory(x), out, ndim=ndim)
+        else:
+            got = pt.adaptive_max_pool_pyramid(in_memory(x), out, ndim=ndim)
+        for g, want in zip(got, values, strict=True):
+            assert np.allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-5)
+        return
+    grads = [random_input(rng, v.shape) for v in values]
+    want = reference.backward(op, [g.astype(np.float64) for g in grads], shape, indices)
+    if not operation.pyramid:
+        got = pt.adaptive_avgmax_pool2d_backward(in_memory(np.concatenate(grads, axis=1)), indices[0], shape, "cat")
+    elif operation.kind == "avg":
+        got = pt.adaptive_avg_pool_pyramid_backward([in_memory(g) for g in grads], shape, ndim=ndim)
+    else:
+        got = pt.adaptive_max_pool_pyramid_backward([in_memory(g) for g in grads], indices, shape, ndim=ndim)
+    assert np.allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
 def test_every_shipped_rule_names_a_known_variant_and_each_list_ends_in_fallbacks():
+    fallbacks = {(("direction", "forward"),): "thread_per_output", (("direction", "backward"),): "thread_per_input",
+                 (("direction", "forward"), ("levels", "multi")): "pyramid_windows",
+                 (("direction", "backward"), ("levels", "multi")): "pyramid_gather"}
     for device_type in ("cpu", "gpu"):
         table = default_rules.rules(device_type)
-        for direction, fallback in (("forward", "thread_per_output"), ("backward", "thread_per_input")):
-            last = [r for r in table if r.when == (("direction", direction),)][-1]
-            assert last.variant == fallback
+        for when, fallback in fallbacks.items():
+            assert [r for r in table if r.when == when][-1].variant == fallback
 
 
 def test_the_design_doc_prints_the_rules_as_they_are():
