@@ -62,9 +62,9 @@ def _close(got, expected, dtype):
     np.testing.assert_allclose(got, expected, **TOLERANCES[dtype])
 
 
-def _variants(op, direction, shape, sizes, layout=None):
+def _variants(op, direction, shape, sizes, layout=None, dtype="float32"):
     device = backends.resolve_device(None)
-    problem = Problem.create(op, shape, sizes, layout=layout, direction=direction)
+    problem = Problem.create(op, shape, sizes, dtype, layout=layout, direction=direction)
     return [name for name, v in variants_for(op, direction).items() if v.is_legal({}, problem, device.limits)]
 
 
@@ -322,7 +322,7 @@ def test_pyramid_backward_dtypes_and_determinism(kind, dtype, rng):
     values, indices = reference.forward(op, x, sizes)
     grads = [random_input(rng, v.shape).astype(_dtype(dtype)) for v in values]
     expected = reference.backward(op, [_as64(g) for g in grads], shape, indices)
-    for variant in _variants(op, "backward", shape, sizes):
+    for variant in _variants(op, "backward", shape, sizes, dtype=dtype):
         fn = pt.adaptive_avg_pool_pyramid_backward if kind == "avg" else (
             lambda g, s, **kw: pt.adaptive_max_pool_pyramid_backward(g, indices, s, **kw))
         first = fn(grads, shape, variant=variant)
