@@ -190,7 +190,7 @@ MULTI_LEVEL = [
     ("adaptive_avg_pool_pyramid2d", (2, 3, 13, 11), [1, 2, 4], "NHWC", "backward"),
     ("adaptive_max_pool_pyramid2d", (2, 4, 9, 10), [1, 3], None, "backward"),
     ("adaptive_avgmax_pool2d", (2, 5, 7, 7), 1, None, "backward"),
-    ("adaptive_avg_pool_pyramid1d", (1, 2, 5000), [1, 2000, 4999], "float32", None, "backward"),
+    ("adaptive_avg_pool_pyramid1d", (1, 2, 5000), [1, 2000, 4999], None, "backward"),
 ]
 
 
