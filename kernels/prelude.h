@@ -21,6 +21,10 @@ typedef long int64_t_;
 #if DTYPE_FLOAT64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #endif
+/* A work-item's many partial results as plain scalars in straight-line code (pyramid.h's constant
+ * window list): what CPU compilers, PoCL's among them, vectorise and keep in registers, where a
+ * GPU's registers would spill. */
+#define STRAIGHT_LINE_PARTIALS 1
 
 #else
 /* ---------------------------------------------------------------- CUDA */
@@ -28,6 +32,7 @@ typedef long int64_t_;
 /* `unused`: a helper that one variant does not call must not trip nvcc's #177 warning
  * (compile-check builds with --Werror all-warnings). */
 #define DEVICE_FN static __device__ __forceinline__ __attribute__((unused))
+#define STRAIGHT_LINE_PARTIALS 0
 #define GLOBAL
 #define LOCAL_MEM __shared__
 #define RESTRICT __restrict__

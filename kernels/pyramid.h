@@ -193,9 +193,9 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
 
 /* Finish every output of every level of `plane` from its cells, in one work-item.  Where the
  * windows come as a list of constants (LEVEL_WINDOWS: level, output, first and end cell per axis,
- * area), each is combined in straight-line code with constant cell numbers; otherwise from the
- * tables. */
-#ifdef LEVEL_WINDOWS
+ * area) and the compiler keeps straight-line partials (STRAIGHT_LINE_PARTIALS, prelude.h), each is
+ * combined in straight-line code with constant cell numbers; otherwise from the tables. */
+#if defined(LEVEL_WINDOWS) && STRAIGHT_LINE_PARTIALS
 #define COMBINE_CONSTANT_WINDOW(l, q, t_first, t_end, h_first, h_end, w_first, w_end, area)  \
     {                                                                                       \
         cell_t window_ = cell_init();                                                       \
@@ -281,10 +281,10 @@ DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN
 /* The average levels' terms of every cell of `plane`, in one work-item: cell_grad[k] is the sum over
  * the average levels, in order, of each level's terms at the cell (level_terms at its first
  * input; every input of a cell has the same windows).  Where the windows come as a list of
- * constants (LEVEL_WINDOWS), each window instead adds its share to its cells in straight-line code,
- * a level's shares summed apart and then added to the cells' sums: the same additions in the same
- * order, so the same bits. */
-#ifdef LEVEL_WINDOWS
+ * constants (LEVEL_WINDOWS) and straight-line partials suit the compiler, each window instead adds
+ * its share to its cells in straight-line code, a level's shares summed apart and then added to
+ * the cells' sums: the same additions in the same order, so the same bits. */
+#if defined(LEVEL_WINDOWS) && STRAIGHT_LINE_PARTIALS
 #define ADD_WINDOW_SHARE(l, q, t_first, t_end, h_first, h_end, w_first, w_end, area)                   \
     if (IS_MEAN_LEVEL(l)) {                                                                         \
         if ((l) != level_) {                                                                        \

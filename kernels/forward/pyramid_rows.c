@@ -107,7 +107,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
                 for (int k = 0; j + k < run_length; ++k)
                     LANE_STEP(k, start + j + k);
             }
-#if defined(CELLS_W) && N_CELLS_W > 1
+#if defined(CELLS_W) && N_CELLS_W > 1 && STRAIGHT_LINE_PARTIALS
             CELLS_W(MERGE_LANES)
 #else
             for (int cw = 0; cw < N_CELLS_W; ++cw) {
