@@ -75,6 +75,7 @@ DEVICE_FN index_t position_in_cell(const GLOBAL scalar_t* RESTRICT in, index_t p
 #define MERGE_LANES(cw, first, end)                                             \
     {                                                                           \
         cell_t c_ = cell_init();                                                \
+        PARTIALS_LOOP                                                           \
         for (int k = first; k < end; ++k) {                                     \
             c_.r.value = OP_COMBINE(c_.r.value, lane_value[k]);                 \
             IF_ALSO_MEAN(c_.sum += lane_sum[k];)                                \
@@ -93,6 +94,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
     for (int ct = 0; ct < N_CELLS_T; ++ct)
         for (int ch = 0; ch < N_CELLS_H; ++ch) {
+            PARTIALS_LOOP
             for (int k = 0; k < ROW_LANES; ++k) {
                 lane_value[k] = OP_IDENTITY;
                 IF_ALSO_MEAN(lane_sum[k] = (acc_t)0;)
@@ -102,8 +104,10 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
                 const index_t start = PLANE_POSITION(t, cuts_h[ch], 0, IN_H, IN_W);
                 index_t j = 0;
                 for (; j + ROW_LANES <= run_length; j += ROW_LANES)
+                    PARTIALS_LOOP
                     for (int k = 0; k < ROW_LANES; ++k)
                         LANE_STEP(k, start + j + k);
+                PARTIALS_LOOP
                 for (int k = 0; j + k < run_length; ++k)
                     LANE_STEP(k, start + j + k);
             }
