@@ -21,12 +21,6 @@ typedef long int64_t_;
 #if DTYPE_FLOAT64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #endif
-/* A work-item's many partial results as plain scalars in straight-line code (pyramid.h's constant
- * window list): what CPU compilers, PoCL's among them, vectorise and keep in registers, where a
- * GPU's registers would spill.  For the same reason a loop over such an array (PARTIALS_LOOP before
- * it) is left to the compiler here, and kept a loop over local memory on a GPU. */
-#define STRAIGHT_LINE_PARTIALS 1
-#define PARTIALS_LOOP
 
 #else
 /* ---------------------------------------------------------------- CUDA */
@@ -34,8 +28,6 @@ typedef long int64_t_;
 /* `unused`: a helper that one variant does not call must not trip nvcc's #177 warning
  * (compile-check builds with --Werror all-warnings). */
 #define DEVICE_FN static __device__ __forceinline__ __attribute__((unused))
-#define STRAIGHT_LINE_PARTIALS 0
-#define PARTIALS_LOOP _Pragma("unroll 1")
 #define GLOBAL
 #define LOCAL_MEM __shared__
 #define RESTRICT __restrict__

@@ -16,8 +16,9 @@
  *
  * The shared headers (windows.h, reduction.h) are built with the first level as their output size;
  * these kernels read only their memory layout and their reductions, and the tables below for every
- * level.  Constant tables are declared here rather than in prelude.h so that the single-level
- * kernels' sources, which identify their tuning records, stay as they are. */
+ * level.  Constant tables and the two differences of language below are declared here rather
+ * than in prelude.h so that the single-level kernels' sources, which identify their tuning
+ * records, stay as they are. */
 
 #ifdef __OPENCL_VERSION__
 #define TABLE(name) __constant int64_t_ name[]
@@ -25,6 +26,18 @@
 #else
 #define TABLE(name) static __constant__ __attribute__((unused)) int64_t_ name[]
 #define TABLE_PARAM(name) const int64_t_* name
+#endif
+
+/* A work-item's many partial results as plain scalars in straight-line code (the constant window
+ * list below): what CPU compilers, PoCL's among them, vectorise and keep in registers, where a
+ * GPU's registers would spill.  For the same reason a loop over such an array (PARTIALS_LOOP before
+ * it) is left to the compiler in OpenCL, and kept a loop over local memory in CUDA. */
+#ifdef __OPENCL_VERSION__
+#define STRAIGHT_LINE_PARTIALS 1
+#define PARTIALS_LOOP
+#else
+#define STRAIGHT_LINE_PARTIALS 0
+#define PARTIALS_LOOP _Pragma("unroll 1")
 #endif
 
 TABLE(level_out_t) = LEVEL_OUT_T;
@@ -193,7 +206,7 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
 
 /* Finish every output of every level of `plane` from its cells, in one work-item.  Where the
  * windows come as a list of constants (LEVEL_WINDOWS: level, output, first and end cell per axis,
- * area) and the compiler keeps straight-line partials (STRAIGHT_LINE_PARTIALS, prelude.h), each is
+ * area) and the compiler keeps straight-line partials (STRAIGHT_LINE_PARTIALS, above), each is
  * combined in straight-line code with constant cell numbers; otherwise from the tables. */
 #if defined(LEVEL_WINDOWS) && STRAIGHT_LINE_PARTIALS
 #define COMBINE_CONSTANT_WINDOW(l, q, t_first, t_end, h_first, h_end, w_first, w_end, area)  \
