@@ -189,10 +189,48 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
 #define PUT_CELL(k, c) PUT_PART(cell, k, c)
 #define GET_CELL(k, c) GET_PART(cell, k, c)
 
-/* Combine the cells of output q of level l (in cell order) and write it. */
-#define COMBINE_AND_STORE(l, plane, q)                                                      \
+#if OP_SELECTS
+/* The position of the cell (ct, ch, cw) whose elements combine to `value`: the first element in
+ * position order that `value` does not beat, or the last where ties go to the later position.
+ * Every element is visited (no early exit), so the search is a min over its runs (a max where ties
+ * go to the later position, a copy of its own), which CPU compilers vectorise.  The runs: where
+ * every level has one column, the cell's rows (one run per t), else each row's part of the cell.
+ * pyramid_rows finds its cells' positions so, after reducing their values alone. */
+#define HELD_POSITIONS(start, length)                                                                   \
+    for (index_t j = 0; j < (length); ++j) {                                                           \
+        const index_t position = (start) + j;                                                           \
+        const int held = !OP_BEATS(value, OP_MAP(LOAD(in, plane_base + position * ELEMENT_STEP)));     \
+        const index_t candidate = held ? position : none;                                               \
+        found = (to_later ? candidate > found : candidate < found) ? candidate : found;                 \
+    }
+DEVICE_FN index_t position_in_cell(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, int ct, int ch, int cw,
+                                   acc_t value, const int to_later)
+{
+    const index_t none = to_later ? -1 : IN_PLANE_SIZE;
+    index_t found = none;
+    for (index_t t = cuts_t[ct]; t < cuts_t[ct + 1]; ++t) {
+#if N_CELLS_W == 1
+        (void)cw;
+        HELD_POSITIONS(PLANE_POSITION(t, cuts_h[ch], 0, IN_H, IN_W), (cuts_h[ch + 1] - cuts_h[ch]) * IN_W)
+#else
+        for (index_t h = cuts_h[ch]; h < cuts_h[ch + 1]; ++h)
+            HELD_POSITIONS(PLANE_POSITION(t, h, cuts_w[cw], IN_H, IN_W), cuts_w[cw + 1] - cuts_w[cw])
+#endif
+    }
+    return found;
+}
+/* The two orders get their own copies of the search, each one reduction. */
+#define FIND_POSITION(c, in, plane_base, ct, ch, cw)                                                                   \
+    ((c).r.position = OP_TIE_TO_LATER((c).r.value) ? position_in_cell(in, plane_base, ct, ch, cw, (c).r.value, 1) \
+                                                   : position_in_cell(in, plane_base, ct, ch, cw, (c).r.value, 0))
+#else
+#define FIND_POSITION(c, in, plane_base, ct, ch, cw) ((void)0)
+#endif
+
+/* Combine the cells [t_first, t_end) x [h_first, h_end) x [w_first, w_end) of a window, in cell
+ * order, and write them as output q of level l. */
+#define COMBINE_CELLS_AND_STORE(l, plane, q, t_first, t_end, h_first, h_end, w_first, w_end, area) \
     do {                                                                                    \
-        WINDOW_CELLS(l, q);                                                                 \
         cell_t window_ = cell_init();                                                       \
         for (int ct = t_first; ct < t_end; ++ct)                                            \
             for (int ch = h_first; ch < h_end; ++ch)                                        \
@@ -204,23 +242,20 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
         STORE_LEVEL_RESULT(l, plane, q, window_, area);                                     \
     } while (0)
 
+/* Combine the cells of output q of level l, read from the tables, and write it. */
+#define COMBINE_AND_STORE(l, plane, q)                                                      \
+    do {                                                                                    \
+        WINDOW_CELLS(l, q);                                                                 \
+        COMBINE_CELLS_AND_STORE(l, plane, q, t_first, t_end, h_first, h_end, w_first, w_end, area); \
+    } while (0)
+
 /* Finish every output of every level of `plane` from its cells, in one work-item.  Where the
  * windows come as a list of constants (LEVEL_WINDOWS: level, output, first and end cell per axis,
  * area) and the compiler keeps straight-line partials (STRAIGHT_LINE_PARTIALS, above), each is
  * combined in straight-line code with constant cell numbers; otherwise from the tables. */
 #if defined(LEVEL_WINDOWS) && STRAIGHT_LINE_PARTIALS
 #define COMBINE_CONSTANT_WINDOW(l, q, t_first, t_end, h_first, h_end, w_first, w_end, area)  \
-    {                                                                                       \
-        cell_t window_ = cell_init();                                                       \
-        for (int ct = t_first; ct < t_end; ++ct)                                            \
-            for (int ch = h_first; ch < h_end; ++ch)                                        \
-                for (int cw = w_first; cw < w_end; ++cw) {                                  \
-                    cell_t c_;                                                              \
-                    GET_CELL((ct * N_CELLS_H + ch) * N_CELLS_W + cw, c_);                   \
-                    window_ = cell_merge(window_, c_);                                      \
-                }                                                                           \
-        STORE_LEVEL_RESULT(l, plane, q, window_, area);                                     \
-    }
+    COMBINE_CELLS_AND_STORE(l, plane, q, t_first, t_end, h_first, h_end, w_first, w_end, area);
 #define FINISH_PLANE(plane) LEVEL_WINDOWS(COMBINE_CONSTANT_WINDOW)
 #else
 #define FINISH_PLANE(plane)                                                                 \
@@ -278,6 +313,47 @@ DEVICE_FN acc_t level_terms(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN
 
 /* The terms of every max level (in level order) in the gradient of input (t, h, w): none for an
  * op without max levels. */
+/* The cell along one axis that holds coordinate x. */
+DEVICE_FN int cell_of(TABLE_PARAM(axis_cuts), int n_cells, index_t x)
+{
+    int k = 0;
+    while (k + 1 < n_cells && axis_cuts[k + 1] <= x)
+        ++k;
+    return k;
+}
+
+#if OP_SELECTS
+/* Write, once each, the inputs of `plane` that outputs of max levels chose (after the plane was
+ * written from its cells): at an input's first chooser in the first max level that chose it, its
+ * cell's sum plus every max level's terms in level order -- what MAX_LEVEL_TERMS adds, in its
+ * order.  An index outside the plane, or outside its output's window, writes nothing (as no gather
+ * would find it). */
+#define WRITE_CHOSEN_INPUTS(plane, plane_base, cell_grad)                                            \
+    for (int l = 0; l < N_LEVELS; ++l)                                                               \
+        if (!IS_MEAN_LEVEL(l))                                                                       \
+            for (index_t q = 0; q < LEVEL_SIZE(l); ++q) {                                            \
+                const int64_t_ chosen = indices[LEVEL_OFFSET(level_index_base[l], l, plane, q)];     \
+                if (chosen < 0 || chosen >= IN_PLANE_SIZE)                                           \
+                    continue;                                                                        \
+                const index_t position = (index_t)chosen;                                            \
+                const index_t t = position / (IN_H * IN_W), h = position / IN_W % IN_H, w = position % IN_W; \
+                acc_t sum = cell_grad[(cell_of(cuts_t, N_CELLS_T, t) * N_CELLS_H + cell_of(cuts_h, N_CELLS_H, h)) \
+                                      * N_CELLS_W + cell_of(cuts_w, N_CELLS_W, w)];                  \
+                int writer = 1;                                                                      \
+                for (int m = 0; m < N_LEVELS && writer; ++m)                                         \
+                    if (!IS_MEAN_LEVEL(m)) {                                                         \
+                        index_t first_chooser;                                                       \
+                        sum += level_terms_chosen(grad_out, indices, m, plane, t, h, w, position, &first_chooser, \
+                                                  n_planes);                                         \
+                        writer = m < l ? first_chooser < 0 : m > l || first_chooser == q;            \
+                    }                                                                                \
+                if (writer)                                                                          \
+                    STORE(grad_in, plane_base + position, sum);                                      \
+            }
+#else
+#define WRITE_CHOSEN_INPUTS(plane, plane_base, cell_grad) ((void)0)
+#endif
+
 #if OP_SELECTS
 #define MAX_LEVEL_TERMS(sum, plane, t, h, w)                                        \
     do {                                                                            \

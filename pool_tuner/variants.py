@@ -611,14 +611,20 @@ class PlaneScatter(Variant):
 
 class _CellVariant(Variant):
     """Shared by the cell variants: their programs get the cut-point tables, which must stay small
-    enough for constant memory (``TABLE_ENTRIES_LIMIT`` int64 entries)."""
+    enough for constant memory (``TABLE_ENTRIES_LIMIT`` int64 entries); a variant whose work-items
+    keep a plane's cells in private memory (``private_cells``) takes at most ``PRIVATE_CELLS_LIMIT``."""
 
     TABLE_ENTRIES_LIMIT = 4096
+    PRIVATE_CELLS_LIMIT = 256
+    private_cells = False
 
     def illegal_reason(self, params, problem, limits):
         if pyramid.table_entries(problem) > self.TABLE_ENTRIES_LIMIT:
             return (f"its cut-point tables would have {pyramid.table_entries(problem)} entries; the limit is "
                     f"{self.TABLE_ENTRIES_LIMIT} (levels this fine are pooled by pyramid_windows)")
+        if self.private_cells and pyramid.cell_count(problem) > self.PRIVATE_CELLS_LIMIT:
+            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
+                    f"{self.PRIVATE_CELLS_LIMIT}")
         return super().illegal_reason(params, problem, limits)
 
     def extra_defines(self, params, problem):
@@ -673,14 +679,7 @@ class PyramidStream(_CellVariant):
                "memory order into its cells (private memory), then finishes every level's outputs")
     search_space = {"block_size_x": [1, 4, 16, 64, 256]}
     default = {"block_size_x": 16}
-    #: Cells a work-item may keep in private memory.
-    CELLS_LIMIT = 256
-
-    def illegal_reason(self, params, problem, limits):
-        if pyramid.cell_count(problem) > self.CELLS_LIMIT:
-            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
-                    f"{self.CELLS_LIMIT}")
-        return super().illegal_reason(params, problem, limits)
+    private_cells = True
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"])
@@ -695,6 +694,7 @@ class PyramidRows(_CellVariant):
     default = {"block_size_x": 16, "cell_lanes": 8}
     #: Input columns a work-item may keep as lanes (private memory).
     LANES_LIMIT = 256
+    private_cells = True
 
     def illegal_reason(self, params, problem, limits):
         if problem.channels_last:
@@ -704,9 +704,6 @@ class PyramidRows(_CellVariant):
             return f"keeps an input row as lanes; rows here have {problem.in_spatial[2]} elements, the limit is {self.LANES_LIMIT}"
         if columns and params.get("cell_lanes", self.default["cell_lanes"]) != self.default["cell_lanes"]:
             return "cell_lanes applies only where every level has one column (here the lanes are the input's columns)"
-        if pyramid.cell_count(problem) > PyramidStream.CELLS_LIMIT:
-            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
-                    f"{PyramidStream.CELLS_LIMIT}")
         return super().illegal_reason(params, problem, limits)
 
     def groups(self, params, problem):
@@ -730,6 +727,7 @@ class PyramidRowsBackward(_CellVariant):
                "gradients at their indices in order")
     search_space = {"block_size_x": [1, 4, 16, 64]}
     default = {"block_size_x": 16}
+    private_cells = True
 
     def illegal_reason(self, params, problem, limits):
         if problem.channels_last:
@@ -739,9 +737,6 @@ class PyramidRowsBackward(_CellVariant):
         if pyramid.cell_counts(problem)[2] > 1 and problem.in_spatial[2] > PyramidRows.LANES_LIMIT:
             return (f"keeps an input row of gradients; rows here have {problem.in_spatial[2]} elements, the limit "
                     f"is {PyramidRows.LANES_LIMIT}")
-        if pyramid.cell_count(problem) > PyramidStream.CELLS_LIMIT:
-            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
-                    f"{PyramidStream.CELLS_LIMIT}")
         return super().illegal_reason(params, problem, limits)
 
     def groups(self, params, problem):

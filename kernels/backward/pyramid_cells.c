@@ -4,14 +4,6 @@
  * column w, each input gradient once: its cell's sum, plus a max level's gradient where the level's
  * index is this input (level_terms, pyramid.h).
  * Launch: N_PLANES groups of block_size_x. */
-DEVICE_FN int cell_of(TABLE_PARAM(cuts), int cells, index_t x)
-{
-    int k = 0;
-    while (k + 1 < cells && cuts[k + 1] <= x)
-        ++k;
-    return k;
-}
-
 KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN GLOBAL scalar_t* RESTRICT grad_in PLANES_PARAM)
 {
     LOCAL_MEM acc_t cell_grad[N_CELLS];

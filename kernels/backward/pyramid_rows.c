@@ -37,22 +37,5 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
                 }
 #endif
             }
-#if OP_SELECTS
-    for (int l = 0; l < N_LEVELS; ++l)
-        if (!IS_MEAN_LEVEL(l))
-            for (index_t q = 0; q < LEVEL_SIZE(l); ++q) {
-                const int64_t_ chosen = indices[LEVEL_OFFSET(level_index_base[l], l, plane, q)];
-                if (chosen < 0 || chosen >= IN_PLANE_SIZE)
-                    continue;
-                const index_t position = (index_t)chosen;
-                const index_t t = position / (IN_H * IN_W), h = position / IN_W % IN_H, w = position % IN_W;
-                index_t first_chooser;
-                const acc_t terms = level_terms_chosen(grad_out, indices, l, plane, t, h, w, position, &first_chooser,
-                                                       n_planes);
-                if (first_chooser == q) { /* the level's terms at this input, added once */
-                    const index_t at = plane_base + position;
-                    STORE(grad_in, at, LOAD(grad_in, at) + terms);
-                }
-            }
-#endif
+    WRITE_CHOSEN_INPUTS(plane, plane_base, cell_grad);
 }

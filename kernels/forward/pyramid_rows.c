@@ -9,9 +9,8 @@
  * the lanes are cell_lanes wide.  Then every output of every level from the cells of its window.
  *
  * The lanes combine values only (and avgmax's sums).  A selecting op then finds each cell's
- * position in a second pass over the cell, which is still in cache: the first element in position
- * order that the cell's value does not beat (the last, where ties go to the later position) -- the
- * position rule, without positions in the hot loop.
+ * position in a second pass over the cell, which is still in cache (FIND_POSITION, pyramid.h) --
+ * the position rule without positions in the hot loop.
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
 #if N_CELLS_W == 1
 #define ROW_LANES cell_lanes
@@ -34,42 +33,6 @@
         IF_ALSO_MEAN(lane_sum[k] += x_;)                                                \
     } while (0)
 
-#if OP_SELECTS
-/* The position of the cell (ct, ch, cw) whose elements combine to `value`: the first element in
- * position order that `value` does not beat, or the last where ties go to the later position.
- * Every element is visited (no early exit), so the search is a min over its runs (a max where ties
- * go to the later position, a copy of its own), which CPU compilers vectorise.  The runs: where every level has one column, the cell's rows (one run
- * per t, as the lanes read them), else each row's part of the cell. */
-#define HELD_POSITIONS(start, length)                                                                   \
-    for (index_t j = 0; j < (length); ++j) {                                                           \
-        const index_t position = (start) + j;                                                           \
-        const int held = !OP_BEATS(value, OP_MAP(LOAD(in, plane_base + position * ELEMENT_STEP)));     \
-        const index_t candidate = held ? position : none;                                               \
-        found = (to_later ? candidate > found : candidate < found) ? candidate : found;                 \
-    }
-DEVICE_FN index_t position_in_cell(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, int ct, int ch, int cw,
-                                   acc_t value, const int to_later)
-{
-    const index_t none = to_later ? -1 : IN_PLANE_SIZE;
-    index_t found = none;
-    for (index_t t = cuts_t[ct]; t < cuts_t[ct + 1]; ++t) {
-#if N_CELLS_W == 1
-        (void)cw;
-        HELD_POSITIONS(PLANE_POSITION(t, cuts_h[ch], 0, IN_H, IN_W), (cuts_h[ch + 1] - cuts_h[ch]) * IN_W)
-#else
-        for (index_t h = cuts_h[ch]; h < cuts_h[ch + 1]; ++h)
-            HELD_POSITIONS(PLANE_POSITION(t, h, cuts_w[cw], IN_H, IN_W), cuts_w[cw + 1] - cuts_w[cw])
-#endif
-    }
-    return found;
-}
-/* The two orders get their own copies of the search, each one reduction. */
-#define FIND_POSITION(c, ct, ch, cw)                                                                   \
-    ((c).r.position = OP_TIE_TO_LATER((c).r.value) ? position_in_cell(in, plane_base, ct, ch, cw, (c).r.value, 1) \
-                                                   : position_in_cell(in, plane_base, ct, ch, cw, (c).r.value, 0))
-#else
-#define FIND_POSITION(c, ct, ch, cw) ((void)0)
-#endif
 
 /* Combine lanes [first, end) into cell cw of the row of cells (ct, ch). */
 #define MERGE_LANES(cw, first, end)                                             \
@@ -80,7 +43,7 @@ DEVICE_FN index_t position_in_cell(const GLOBAL scalar_t* RESTRICT in, index_t p
             c_.r.value = OP_COMBINE(c_.r.value, lane_value[k]);                 \
             IF_ALSO_MEAN(c_.sum += lane_sum[k];)                                \
         }                                                                       \
-        FIND_POSITION(c_, ct, ch, cw);                                          \
+        FIND_POSITION(c_, in, plane_base, ct, ch, cw);                          \
         PUT_CELL((ct * N_CELLS_H + ch) * N_CELLS_W + (cw), c_);                 \
     }
 
