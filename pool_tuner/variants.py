@@ -723,8 +723,8 @@ class PyramidRowsBackward(_CellVariant):
     name = "pyramid_rows"
     direction = "backward"
     summary = ("multi-level, channels-first: a work-item per plane sums the average levels' terms once per cell, "
-               "writes each row of cells' input rows from one row of cell values, then adds the max levels' "
-               "gradients at their indices in order")
+               "writes each row of cells' input rows from one row of cell values, then rewrites once each input "
+               "that max levels chose")
     search_space = {"block_size_x": [1, 4, 16, 64]}
     default = {"block_size_x": 16}
     private_cells = True
@@ -732,8 +732,6 @@ class PyramidRowsBackward(_CellVariant):
     def illegal_reason(self, params, problem, limits):
         if problem.channels_last:
             return "needs channels-first memory (a cell's part of a row is a contiguous run)"
-        if problem.operation.selects and problem.dtype not in ("float32", "float64"):
-            return "adds the max levels' gradients in the stored gradient, so it needs float32 or float64"
         if pyramid.cell_counts(problem)[2] > 1 and problem.in_spatial[2] > PyramidRows.LANES_LIMIT:
             return (f"keeps an input row of gradients; rows here have {problem.in_spatial[2]} elements, the limit "
                     f"is {PyramidRows.LANES_LIMIT}")
