@@ -180,9 +180,10 @@ def cell_defines(problem) -> dict:
         defines[f"WINDOW_FIRST_CELL_{name}"] = _table(firsts or [0])
         defines[f"WINDOW_END_CELL_{name}"] = _table(ends or [0])
         defines[f"LEVEL_WINDOW_BASE_{name}"] = _table(bases)
-    if cell_merges(problem) <= UNROLLED_MERGES_LIMIT:
-        defines["LEVEL_WINDOWS(X)"] = " ".join(f"X({', '.join(map(str, w))})" for w in windows(problem))
-        w_cuts = cuts(problem.in_spatial[2], [s[2] for s in padded])
+    listed = list(windows(problem))
+    if _merges(listed) <= UNROLLED_MERGES_LIMIT:
+        defines["LEVEL_WINDOWS(X)"] = " ".join(f"X({', '.join(map(str, w))})" for w in listed)
+        w_cuts = axis_cuts  # the last axis of the loop above: W
         defines["CELLS_W(X)"] = " ".join(f"X({k}, {w_cuts[k]}, {w_cuts[k + 1]})" for k in range(len(w_cuts) - 1))
     return defines
 
@@ -212,8 +213,12 @@ def windows(problem):
 
 def cell_merges(problem) -> int:
     """Cells combined by the outputs of every level of one plane: the work of the combine."""
+    return _merges(windows(problem))
+
+
+def _merges(listed) -> int:
     return sum((t_end - t_first) * (h_end - h_first) * (w_end - w_first)
-               for _, _, t_first, t_end, h_first, h_end, w_first, w_end, _ in windows(problem))
+               for _, _, t_first, t_end, h_first, h_end, w_first, w_end, _ in listed)
 
 
 def cell_counts(problem) -> tuple:
