@@ -5,10 +5,12 @@ avgmax_head), forward and backward, the time per call in loops of calls back to 
 (``bench.time_loop``), the candidates interleaved in a fresh random order every round (medians and
 quartiles, and the round-by-round ratios):
 
-* forward: the fused call (numpy arrays, and device arrays for the pyramids), pool_tuner's separate
-  single-level calls, PyTorch's separate calls (``torch.nn.functional``, its own threads);
-* backward: the fused backward (every input gradient written once), pool_tuner's separate backward
-  calls plus the numpy sum of their gradients, PyTorch's separate ATen backward calls plus their sum.
+* forward: the fused call (numpy arrays, and device arrays; avgmax's includes timm's ``avg+max``
+  join), pool_tuner's separate single-level calls (not joined), PyTorch's separate calls
+  (``torch.nn.functional``, its own threads);
+* backward: the fused backward (every input gradient written once; avgmax's from the joined
+  gradient), pool_tuner's separate backward calls plus the sum of their gradients (numpy's, or
+  PyOpenCL's ``+=`` on device arrays), PyTorch's separate ATen backward calls plus their sum.
 
 The machine's load average is recorded before and after: on a shared machine every number moves.
 
@@ -59,12 +61,14 @@ def candidates(op: str, shape, output_size, direction: str, device, rng) -> dict
             "PyTorch separate": Candidate(
                 lambda: [getattr(F, f"adaptive_{k}_pool2d")(xt, s) for k, s in zip(kinds, sizes)], done),
         }
-        if op != "adaptive_avgmax_pool2d":
-            x_dev = device.to_device(x, device.queue)
+        x_dev = device.to_device(x, device.queue)
+        if op == "adaptive_avgmax_pool2d":
+            found["fused (device arrays)"] = Candidate(lambda: pt.adaptive_avgmax_pool2d(x_dev, output_size), wait)
+        else:
             fn = getattr(pt, f"adaptive_{kinds[0]}_pool_pyramid")
             found["fused (device arrays)"] = Candidate(lambda: fn(x_dev, sizes), wait)
-            found["pool_tuner separate (device arrays)"] = Candidate(
-                lambda: [f(x_dev, s) for f, s in zip(single, sizes)], wait)
+        found["pool_tuner separate (device arrays)"] = Candidate(
+            lambda: [f(x_dev, s) for f, s in zip(single, sizes)], wait)
         return found
     values, indices = reference.forward(op, x, sizes if op != "adaptive_avgmax_pool2d" else output_size)
     grads = [rng.uniform(-1.0, 1.0, v.shape).astype(np.float32) for v in values]
@@ -73,24 +77,36 @@ def candidates(op: str, shape, output_size, direction: str, device, rng) -> dict
     for level, kind in enumerate(kinds):
         if kind == "max":
             indices_of[level] = next(max_levels)
+    on_device = functools.partial(device.to_device, queue=device.queue)
     if op == "adaptive_avgmax_pool2d":
         # timm's avgmax, (avg + max) / 2: the gradient of its result reaches each pooling halved
-        grads = [grads[0] * 0.5, grads[0] * 0.5]
-        fused = functools.partial(pt.adaptive_avgmax_pool2d_backward, grads[0] * 2, indices_of[1], shape)
+        joined = grads[0]
+        grads = [joined * 0.5, joined * 0.5]
+        fused = functools.partial(pt.adaptive_avgmax_pool2d_backward, joined, indices_of[1], shape)
+        fused_dev = functools.partial(pt.adaptive_avgmax_pool2d_backward, on_device(joined),
+                                      on_device(indices_of[1]), shape)
     elif kinds[0] == "avg":
         fused = functools.partial(pt.adaptive_avg_pool_pyramid_backward, grads, shape)
+        fused_dev = functools.partial(pt.adaptive_avg_pool_pyramid_backward, [on_device(g) for g in grads], shape)
     else:
         fused = functools.partial(pt.adaptive_max_pool_pyramid_backward, grads, list(indices), shape)
+        fused_dev = functools.partial(pt.adaptive_max_pool_pyramid_backward, [on_device(g) for g in grads],
+                                      [on_device(i) for i in indices], shape)
 
-    def ours_separate():
+    def separate(grads, indices_of, add):
         total = None
         for level, (kind, grad) in enumerate(zip(kinds, grads)):
             if kind == "avg":
                 g = pt.adaptive_avg_pool2d_backward(grad, shape)
             else:
                 g = pt.adaptive_max_pool2d_backward(grad, indices_of[level], shape)
-            total = g if total is None else np.add(total, g, out=total)
+            total = g if total is None else add(total, g)
         return total
+
+    ours_separate = functools.partial(separate, grads, indices_of, lambda total, g: np.add(total, g, out=total))
+    grads_dev = [on_device(g) for g in grads]
+    indices_dev = {level: on_device(i) for level, i in indices_of.items()}
+    ours_separate_dev = functools.partial(separate, grads_dev, indices_dev, lambda total, g: total.__iadd__(g))
 
     grads_t = [torch.from_numpy(g) for g in grads]
     indices_t = {level: torch.from_numpy(i) for level, i in indices_of.items()}
@@ -103,7 +119,9 @@ def candidates(op: str, shape, output_size, direction: str, device, rng) -> dict
         return total
 
     return {"fused (numpy)": Candidate(fused, done), "pool_tuner separate + sum (numpy)": Candidate(ours_separate, done),
-            "PyTorch separate + sum": Candidate(torch_separate, done)}
+            "PyTorch separate + sum": Candidate(torch_separate, done),
+            "fused (device arrays)": Candidate(fused_dev, wait),
+            "pool_tuner separate + sum (device arrays)": Candidate(ours_separate_dev, wait)}
 
 
 def main(argv=None) -> int:

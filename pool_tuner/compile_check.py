@@ -21,6 +21,9 @@ directions, dtypes, layouts and variants are covered as soon as they are registe
   configuration on either (global pooling only) gets global pooling in both widths instead
   (``GLOBAL_PROBLEMS``).
 
+And the helper programs outside the variant tables (``helper_programs``: avgmax's join kernels),
+whole, per dtype and architecture; they count as instantiations in the summary.
+
 Speed: most of one nvcc run is spent parsing CUDA's headers, so instantiations are compiled in
 batches: one translation unit holds up to ``BATCH_SIZE`` of them, each in a namespace of its own
 with its kernel renamed and its macros ``#undef``-ed after it; ptxas reports each kernel under its
@@ -235,6 +238,34 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
     return found, notes
 
 
+@dataclasses.dataclass(frozen=True)
+class HelperProgram:
+    """A program outside the variant tables, compiled whole for one dtype and architecture:
+    avgmax's join kernels (pool_tuner.avgmax), which run after its forward and before its
+    backward on device arrays."""
+
+    program: str
+    dtype: str
+    arch: str
+    kernel_names: tuple
+    source: str = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.program}/{self.dtype}/{self.arch}"
+
+
+def helper_programs(archs=ARCHS, ops=None, dtypes=None, variants=None, directions=None) -> list:
+    """The helper programs to compile: avgmax's join kernels, per dtype and architecture, unless the
+    filters leave avgmax out (a ``variants`` filter names variants only)."""
+    from . import avgmax
+
+    if variants is not None or (ops is not None and avgmax.OP not in ops):
+        return []
+    return [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
+            for dtype in DTYPES if dtypes is None or dtype in dtypes for arch in archs]
+
+
 # ---------------------------------------------------------------------- compiling
 
 @dataclasses.dataclass(frozen=True)
@@ -337,15 +368,21 @@ def _function_spills(output: str) -> dict:
 
 def compile_single(nvcc: str, job: Job) -> Result:
     """Compile one plain source; fail on any warning, on a missing entry function or spill report."""
-    status, output = _nvcc(nvcc, job.source, job.arch)
+    return compile_program(nvcc, job.source, job.arch, (job.kernel_name,))
+
+
+def compile_program(nvcc: str, source: str, arch: str, kernel_names: tuple) -> Result:
+    """Compile ``source`` alone; fail on any warning, or where one of ``kernel_names`` has no entry
+    function or spill report."""
+    status, output = _nvcc(nvcc, source, arch)
     if status != 0:
         return Result(False, output)
-    if f"Compiling entry function '{job.kernel_name}'" not in output:
-        return Result(False, f"no entry function '{job.kernel_name}' was compiled (does the variant's "
-                             f"kernel file define it?)\n{output}")
     spills = _function_spills(output)
-    if job.kernel_name not in spills:
-        return Result(False, f"no spill report for '{job.kernel_name}' in ptxas's output\n{output}")
+    for name in kernel_names:
+        if f"Compiling entry function '{name}'" not in output:
+            return Result(False, f"no entry function '{name}' was compiled (does the kernel file define it?)\n{output}")
+        if name not in spills:
+            return Result(False, f"no spill report for '{name}' in ptxas's output\n{output}")
     return Result(True, output, sum(s for s, _ in spills.values()), sum(l for _, l in spills.values()))
 
 
@@ -398,7 +435,9 @@ def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, j
     cpu_start = _children_cpu_s()
     todo, notes = instantiations(archs, ops, dtypes, variants, directions)
     distinct = list(dict.fromkeys(Job(i.arch, i.source, i.kernel_name) for i in todo))
-    print(f"compile-check cuda: {len(todo)} instantiations ({len(distinct)} distinct sources) for "
+    helpers = helper_programs(archs, ops, dtypes, variants, directions)
+    print(f"compile-check cuda: {len(todo)} instantiations ({len(distinct)} distinct sources) and "
+          f"{len(helpers)} helper programs for "
           f"{', '.join(archs)} with {nvcc} ({nvcc_version(nvcc)}); {jobs} jobs, batches of {batch_size}",
           file=out, flush=True)
     for note in notes:
@@ -411,9 +450,11 @@ def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, j
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         for batch, batch_results in zip(batches, pool.map(lambda b: compile_jobs(nvcc, b), batches)):
             results.update(zip(batch, batch_results))
+        results.update(zip(helpers, pool.map(lambda h: compile_program(nvcc, h.source, h.arch, h.kernel_names),
+                                             helpers)))
     failed = spilled = 0
-    for inst in todo:
-        result = results[Job(inst.arch, inst.source, inst.kernel_name)]
+    for inst in todo + helpers:
+        result = results[inst if isinstance(inst, HelperProgram) else Job(inst.arch, inst.source, inst.kernel_name)]
         if not result.ok:
             failed += 1
             print(f"FAILED {inst.name}", file=out)
@@ -425,7 +466,7 @@ def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, j
                   f"{result.spill_loads} bytes spill loads", file=out)
     cpu = "" if cpu_start is None else f", {_children_cpu_s() - cpu_start:.1f} s CPU in nvcc"
     print(f"time: {time.perf_counter() - start:.1f} s wall{cpu}", file=out)
-    print(SUMMARY.format(n=len(todo), failed=failed, spills=spilled), file=out, flush=True)
+    print(SUMMARY.format(n=len(todo) + len(helpers), failed=failed, spills=spilled), file=out, flush=True)
     return 0 if failed == 0 and spilled == 0 else 1
 
 

@@ -10,10 +10,10 @@ along the channels).  Their kernels read each input element once for every level
 level's contribution in level order.
 
 Arrays are as for the single-level functions (numpy in -> numpy out; device arrays stay on their
-device), except avgmax, which takes numpy arrays only.  The results of one call are views of one
-buffer (pool_tuner.pyramid), in the input's memory layout.  The pyramids' backward passes take
+device).  A pyramid's results are views of one buffer (pool_tuner.pyramid), in the input's memory
+layout; avgmax joins its two levels into one result (pool_tuner.avgmax).  The backward passes take
 device gradients (and indices) stored in one memory order, contiguous or channels-last, and copy
-them level by level into the flat buffers their kernels read, on the device.
+them level by level -- avgmax's: split -- into the flat buffers their kernels read, on the device.
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ import numbers
 
 import numpy as np
 
-from . import backends, ops, plans, pyramid
+from . import avgmax, backends, ops, plans, pyramid
 from .problem import LAYOUT_NAMES, OPS, Problem
 from .shapes import check_int
-
-#: avgmax's modes: timm's ``avgmax`` and ``catavgmax``.
-AVGMAX_MODES = ("avg+max", "cat")
-
 
 def pyramid_rank(shape, output_sizes, ndim) -> int:
     """The number of pooled axes of a pyramid call: ``ndim`` when given, else the length of a
@@ -64,14 +60,17 @@ def _sizes_key(output_sizes):
     return output_sizes
 
 
-def _forward(op: str, x, output_size, device, variant, config) -> tuple[list, list, Problem]:
-    """Run a multi-level forward: ``(values per level, indices per max level, problem)``."""
+def _forward(op: str, x, output_size, device, variant, config) -> tuple:
+    """Run a multi-level forward: ``(plan, flat values, flat indices or None)`` (pyramid.layout)."""
     plan = ops._plan(op, "forward", [x], output_size, device, variant, config, ("x",))
     results = ops._run(plan, [x], ("x",))
-    strided_view = None if isinstance(x, np.ndarray) else plan.device.strided_view
-    values, indices = pyramid.views(plan.problem, results[0], results[1] if len(results) > 1 else None,
-                                    strided_view=strided_view)
-    return values, indices, plan.problem
+    return plan, results[0], results[1] if len(results) > 1 else None
+
+
+def _views(plan, values, indices) -> tuple[list, list]:
+    """``(values per level, indices per max level)`` of a multi-level forward's flat results."""
+    strided_view = None if isinstance(values, np.ndarray) else plan.device.strided_view
+    return pyramid.views(plan.problem, values, indices, strided_view=strided_view)
 
 
 def adaptive_avg_pool_pyramid(x, output_sizes, *, ndim=None, device=None, variant=None, config=None) -> list:
@@ -79,8 +78,8 @@ def adaptive_avg_pool_pyramid(x, output_sizes, *, ndim=None, device=None, varian
     ints/None), from one read of ``x``: a list of results, one per size.  ``ndim`` (1, 2, 3): the
     pooled axes, by default the length of a tuple size, else ``x.ndim - 2``."""
     rank = pyramid_rank(getattr(x, "shape", ()), output_sizes, ndim)
-    values, _, _ = _forward(_pyramid_op("avg", rank), x, _sizes_key(output_sizes), device, variant, config)
-    return values
+    plan, values, _ = _forward(_pyramid_op("avg", rank), x, _sizes_key(output_sizes), device, variant, config)
+    return _views(plan, values, None)[0]
 
 
 def adaptive_max_pool_pyramid(x, output_sizes, return_indices=False, *, ndim=None, device=None, variant=None,
@@ -89,31 +88,23 @@ def adaptive_max_pool_pyramid(x, output_sizes, return_indices=False, *, ndim=Non
     of results, one per size, and with ``return_indices=True`` also the list of their int64 indices
     (PyTorch's: positions within each pooled plane; NaN wins, the last NaN; ties the first)."""
     rank = pyramid_rank(getattr(x, "shape", ()), output_sizes, ndim)
-    values, indices, _ = _forward(_pyramid_op("max", rank), x, _sizes_key(output_sizes), device, variant, config)
+    values, indices = _views(*_forward(_pyramid_op("max", rank), x, _sizes_key(output_sizes), device, variant, config))
     return (values, indices) if return_indices else values
-
-
-def _check_mode(mode) -> str:
-    if mode not in AVGMAX_MODES:
-        raise ValueError(f"mode must be one of {AVGMAX_MODES} (timm's avgmax and catavgmax), got {mode!r}")
-    return mode
 
 
 def adaptive_avgmax_pool2d(x, output_size, mode="avg+max", return_indices=False, *, device=None, variant=None,
                            config=None):
     """timm's ``adaptive_avgmax_pool2d`` (``mode="avg+max"``: ``(avg + max) / 2``) and
     ``adaptive_catavgmax_pool2d`` (``mode="cat"``: avg and max concatenated along the channel
-    axis) from one read of ``x`` (numpy arrays).  ``return_indices=True`` also returns the max
-    pooling's int64 indices, which ``adaptive_avgmax_pool2d_backward`` takes."""
-    _check_mode(mode)
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a numpy.ndarray for adaptive_avgmax_pool2d (device arrays: use pool_tuner.torch), "
-                        f"got {type(x).__name__}")
-    (avg, mx), (indices,), _ = _forward("adaptive_avgmax_pool2d", x, output_size, device, variant, config)
-    if mode == "avg+max":
-        result = (avg + mx) * np.asarray(0.5, dtype=avg.dtype)
+    axis) from one read of ``x``, joined as pool_tuner.avgmax says.  ``return_indices=True`` also
+    returns the max pooling's int64 indices, which ``adaptive_avgmax_pool2d_backward`` takes."""
+    avgmax.check_mode(mode)
+    plan, values, indices = _forward("adaptive_avgmax_pool2d", x, output_size, device, variant, config)
+    (avg, mx), (indices,) = _views(plan, values, indices)
+    if isinstance(values, np.ndarray):
+        result = avgmax.join_numpy(avg, mx, mode)
     else:
-        result = np.concatenate([avg, mx], axis=avg.ndim - 3)
+        result = avgmax.join_device(plan.problem, plan.device, values, mode)
     return (result, indices) if return_indices else result
 
 
@@ -142,38 +133,50 @@ def _backward(op: str, grads: list, indices, input_shape, device, variant, confi
     """The input gradient of a multi-level op from every level's gradient (and the max levels'
     indices): packed into the flat buffers its kernel reads -- numpy arrays on the host, device
     arrays on their device (the result stays there)."""
+    ndim, labels = OPS[op].ndim, [f"grad_outs[{level}]" for level in range(len(grads))]
+    problem = _backward_problem(op, [g.shape for g in grads], [ops.memory_layout(g, ndim) for g in grads],
+                                grads[0].dtype, input_shape, labels)
+    owner = backends.device_of_array(grads[0])
+    if owner is not None:
+        _check_memory_order(problem, grads, labels)
+    return _run_backward(problem, _pack(problem, grads, owner), indices, owner, device, variant, config)
+
+
+def _backward_problem(op: str, shapes: list, layouts: list, dtype, input_shape, labels: list) -> Problem:
+    """The backward problem of gradients of ``shapes`` (one per level, ``labels`` in errors) whose
+    memory has ``layouts``."""
     operation = OPS[op]
     if isinstance(input_shape, (str, bytes)) or not hasattr(input_shape, "__len__"):
         raise TypeError(f"input_shape must be a tuple of ints, got {type(input_shape).__name__}")
     input_shape = tuple(input_shape)
     batch_rank = len(input_shape) - operation.ndim
-    for level, grad in enumerate(grads):
-        if grad.shape[:batch_rank] != input_shape[:batch_rank] or grad.ndim != len(input_shape):
-            raise ValueError(f"grad_outs[{level}] must have shape {input_shape[:batch_rank]} + ({operation.ndim} output "
-                             f"sizes) to match input_shape {input_shape}, got {grad.shape}")
-    sizes = tuple(tuple(g.shape[batch_rank:]) for g in grads)
-    layouts = [ops.memory_layout(g, operation.ndim) for g in grads]
+    for label, shape in zip(labels, shapes):
+        if tuple(shape[:batch_rank]) != input_shape[:batch_rank] or len(shape) != len(input_shape):
+            raise ValueError(f"{label} must have shape {input_shape[:batch_rank]} + ({operation.ndim} output sizes) to "
+                             f"match input_shape {input_shape}, got {tuple(shape)}")
+    sizes = tuple(tuple(shape[batch_rank:]) for shape in shapes)
     channels_last = LAYOUT_NAMES[operation.ndim][1]
     # A level whose memory reads both ways (1x1, one channel) counts as contiguous: any other level decides.
     layout = channels_last if channels_last in layouts else LAYOUT_NAMES[operation.ndim][0]
-    problem = Problem.create(op, input_shape, sizes if operation.pyramid else sizes[0], grads[0].dtype, layout,
-                             direction="backward", shape_name="input_shape")
-    owner = backends.device_of_array(grads[0])
-    if owner is not None:
-        _check_memory_order(problem, grads, "grad_outs")
-    arrays = [_pack(problem, grads, owner)]
-    if operation.selects:
-        arrays.append(_pack_indices(problem, indices, sizes, owner))
-    plan = ops._plan(op, "backward", arrays, (problem.input_shape, problem.output_size, layout), device, variant,
-                     config, ("grad_outs",))
+    return Problem.create(op, input_shape, sizes if operation.pyramid else sizes[0], dtype, layout,
+                          direction="backward", shape_name="input_shape")
+
+
+def _run_backward(problem: Problem, flat_grads, indices, owner, device, variant, config):
+    """Run a multi-level backward on its flat level gradients (and the max levels' indices)."""
+    arrays = [flat_grads]
+    if problem.operation.selects:
+        arrays.append(_pack_indices(problem, indices, owner))
+    plan = ops._plan(problem.op, "backward", arrays, (problem.input_shape, problem.output_size, problem.layout), device,
+                     variant, config, ("grad_outs",))
     return ops._run(plan, arrays, ("grad_outs", "indices"))[0]
 
 
-def _pack_indices(problem: Problem, indices, sizes, owner):
+def _pack_indices(problem: Problem, indices, owner):
     """The max levels' indices, checked (int64, shaped as their gradients; numpy ones inside their
     windows, device arrays are not read back) and packed."""
-    kinds = pyramid.layout(problem).kinds
-    max_sizes = [size for size, kind in zip(sizes, kinds) if kind == "max"]
+    lay = pyramid.layout(problem)
+    max_sizes = [tuple(size) for size, kind in zip(lay.spatial, lay.kinds) if kind == "max"]
     indices = _check_grads(indices, len(max_sizes), "indices", owner)
     single = f"adaptive_max_pool{problem.ndim}d"
     for level, (array, size) in enumerate(zip(indices, max_sizes)):
@@ -184,17 +187,18 @@ def _pack_indices(problem: Problem, indices, sizes, owner):
         if owner is None and array.size:
             ops._check_indices_in_windows(array, Problem.create(single, problem.input_shape, size))
     if owner is not None:
-        _check_memory_order(problem, indices, "indices")
+        _check_memory_order(problem, indices, [f"indices[{level}]" for level in range(len(indices))])
     return _pack(problem, indices, owner, kinds=("max",))
 
 
-def _check_memory_order(problem: Problem, arrays: list, name: str) -> None:
+def _check_memory_order(problem: Problem, arrays: list, labels: list) -> None:
     """Device arrays are packed as they lie in memory, never copied into another layout: each must
-    be stored in the problem's memory order (contiguous or channels-last, as the levels are)."""
-    for level, array in enumerate(arrays):
+    be stored in the problem's memory order (contiguous or channels-last, as the levels are).
+    ``labels``: each array's name in errors."""
+    for label, array in zip(labels, arrays):
         spec = plans.numpy_spec(array)
         if array.size and not plans.same_strides(spec.shape, spec.strides, plans.element_strides(problem, spec.shape)):
-            raise ValueError(f"{name}[{level}] must be stored {problem.layout} like the other levels (device arrays "
+            raise ValueError(f"{label} must be stored {problem.layout} like the other levels (device arrays "
                              f"are not copied into another layout); got strides {spec.strides} (in elements) for "
                              f"shape {spec.shape}")
 
@@ -241,22 +245,27 @@ def adaptive_max_pool_pyramid_backward(grad_outs, indices, input_shape, *, ndim=
 def adaptive_avgmax_pool2d_backward(grad_out, indices, input_shape, mode="avg+max", *, device=None, variant=None,
                                     config=None):
     """Gradient of ``adaptive_avgmax_pool2d`` (of the same ``mode``), with the indices that
-    ``return_indices=True`` gave."""
-    _check_mode(mode)
-    if not isinstance(grad_out, np.ndarray):
-        raise TypeError(f"grad_out must be a numpy.ndarray, got {type(grad_out).__name__}")
-    if mode == "avg+max":
-        half = grad_out * np.asarray(0.5, dtype=grad_out.dtype)
-        grads = [half, half]
-    else:
-        channels = grad_out.shape[grad_out.ndim - 3] // 2 if grad_out.ndim >= 3 else 0
-        if grad_out.ndim not in (3, 4) or grad_out.shape[grad_out.ndim - 3] != 2 * channels:
+    ``return_indices=True`` gave: numpy arrays, or device arrays (``grad_out`` stored as the
+    input was, the result on its device)."""
+    op = "adaptive_avgmax_pool2d"
+    avgmax.check_mode(mode)
+    owner = backends.device_of_array(grad_out)
+    if owner is None and not isinstance(grad_out, np.ndarray):
+        raise TypeError(f"grad_out must be a numpy.ndarray or a device array, got {type(grad_out).__name__}")
+    level_shape = tuple(grad_out.shape)
+    if mode == "cat":
+        if len(level_shape) not in (3, 4) or level_shape[-3] % 2:
             raise ValueError(f"grad_out must be the gradient of the mode='cat' result (twice the channels), got shape "
-                             f"{grad_out.shape}")
-        grads = [np.take(grad_out, range(channels), axis=grad_out.ndim - 3),
-                 np.take(grad_out, range(channels, 2 * channels), axis=grad_out.ndim - 3)]
-    return _backward("adaptive_avgmax_pool2d", grads, [indices] if isinstance(indices, np.ndarray) else indices,
-                     input_shape, device, variant, config)
+                             f"{level_shape}")
+        level_shape = level_shape[:-3] + (level_shape[-3] // 2,) + level_shape[-2:]
+    indices = list(indices) if isinstance(indices, (list, tuple)) else [indices]
+    if owner is None:
+        return _backward(op, avgmax.split_numpy(grad_out, mode), indices, input_shape, device, variant, config)
+    problem = _backward_problem(op, [level_shape] * 2, [ops.memory_layout(grad_out, 2)], grad_out.dtype, input_shape,
+                                ["grad_out"] * 2)
+    _check_memory_order(problem, [grad_out], ["grad_out"])
+    flat_grads = avgmax.split_device(problem, owner, grad_out, mode)
+    return _run_backward(problem, flat_grads, indices, owner, device, variant, config)
 
 
 def _backward_rank(grads: list, input_shape, ndim) -> int:

@@ -56,6 +56,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
         'pool_tuner.torch needs PyTorch, which is not installed: pip install "pool-tuner[torch]"'
     ) from error
 
+from . import avgmax as _avgmax
 from . import fused as _fused
 from . import ops as _ops
 from . import pyramid as _pyramid
@@ -791,10 +792,10 @@ def adaptive_avgmax_pool2d(input, output_size=1, mode="avg+max", *, device=None,
     """timm's ``adaptive_avgmax_pool2d`` (``mode="avg+max"``: ``0.5 * (avg + max)``) or
     ``adaptive_catavgmax_pool2d`` (``mode="cat"``: ``torch.cat((avg, max), 1)``), both poolings
     from one read of ``input``."""
-    _fused._check_mode(mode)
+    _avgmax.check_mode(mode)
     (avg, mx), _ = _multi_level("adaptive_avgmax_pool2d", input, output_size,
                                 _encode_options(device, variant, config), "output_size")
-    return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), 1)
+    return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), avg.dim() - 3)
 
 
 class PyramidPooling(_OwnModule, torch.nn.Module):
@@ -827,7 +828,7 @@ class AdaptiveAvgMaxPool2d(_OwnModule, torch.nn.Module):
 
     def __init__(self, output_size=1, mode="avg+max", *, device=None, variant=None, config=None):
         super().__init__()
-        _fused._check_mode(mode)
+        _avgmax.check_mode(mode)
         self.output_size, self.mode = output_size, mode
         self.device, self.variant, self.config = device, variant, config
 

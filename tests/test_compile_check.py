@@ -137,6 +137,17 @@ def test_bad_filters_are_rejected_before_compiling():
         compile_check.run(archs=("80",), nvcc="/nonexistent/bin/nvcc")
 
 
+def test_helper_programs_cover_every_dtype_and_leave_with_the_filters():
+    found = compile_check.helper_programs(archs=("sm_80", "sm_90"))
+    assert {(h.program, h.dtype, h.arch) for h in found} == {
+        ("avgmax_join", dtype, arch) for dtype in DTYPES for arch in ("sm_80", "sm_90")}
+    assert all(f"KERNEL void {name}(" in found[0].source for name in found[0].kernel_names)
+    assert compile_check.helper_programs(archs=("sm_80",), variants=["thread_per_output"]) == []
+    assert compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avg_pool2d"]) == []
+    assert len(compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avgmax_pool2d"],
+                                             dtypes=["float16"])) == 1
+
+
 # ---------------------------------------------------------------------- compiling (nvcc)
 
 @needs_nvcc
@@ -146,6 +157,18 @@ def test_subset_compiles_without_warnings_or_spills():
     assert (failed, spills) == (0, 0), text
     assert status == 0
     assert n == len(compile_check.instantiations(**kwargs)[0]) > 0
+
+
+@needs_nvcc
+def test_helper_programs_compile_and_a_missing_kernel_fails():
+    kwargs = dict(archs=("sm_80",), ops=["adaptive_avgmax_pool2d"], dtypes=["bfloat16"], directions=["forward"])
+    status, text, (n, failed, spills) = run_check(**kwargs)
+    assert (status, failed, spills) == (0, 0, 0), text
+    assert n == len(compile_check.instantiations(**kwargs)[0]) + 1
+    helper = compile_check.helper_programs(archs=("sm_80",), dtypes=["float32"])[0]
+    broken = helper.source.replace("KERNEL void split_cat(", "DEVICE_FN void split_cat(")
+    result = compile_check.compile_program(NVCC, broken, helper.arch, helper.kernel_names)
+    assert not result.ok and "no entry function 'split_cat'" in result.output
 
 
 #: Injected into every smem_tiled source: an error confined to one function (the batch's diagnostics

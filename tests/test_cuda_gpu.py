@@ -505,6 +505,40 @@ def test_max_backward_waits_for_indices_written_on_another_stream():
     np.testing.assert_allclose(result.get(), expected.cpu().numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["avg+max", "cat"])
+def test_avgmax_on_a_cuda_array_joins_and_splits_on_its_stream(mode):
+    """``pt.adaptive_avgmax_pool2d`` and its backward on arrays whose interface names a busy side
+    stream: the pooling, the join (kernels/avgmax_join.c), the split and the backward all run on
+    that stream without a host wait; values, indices and the gradient match PyTorch's."""
+    import pool_tuner as pt
+
+    shape, size = (3, 6, 13, 11), (2, 3)
+    x = torch.rand(shape, device="cuda")
+    side = torch.cuda.Stream()
+    result, indices = pt.adaptive_avgmax_pool2d(_OnStream(x, side), size, mode, return_indices=True)
+    grad = torch.rand(result.shape, device="cuda")
+    pt.adaptive_avgmax_pool2d_backward(_OnStream(grad, side), indices, shape, mode)  # built before the busy stream
+    source = torch.rand_like(x)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        x.copy_(source)
+    result, indices = pt.adaptive_avgmax_pool2d(_OnStream(x, side), size, mode, return_indices=True)
+    grad_in = pt.adaptive_avgmax_pool2d_backward(_OnStream(grad, side), indices, shape, mode)
+    assert not side.query(), "the call waited on the host for the side stream"
+    assert result.__cuda_array_interface__["stream"] == side.cuda_stream
+    assert grad_in.__cuda_array_interface__["stream"] == side.cuda_stream
+    side.synchronize()
+    leaf = source.clone().requires_grad_()
+    avg = torch.nn.functional.adaptive_avg_pool2d(leaf, size)
+    mx, expected_indices = torch.nn.functional.adaptive_max_pool2d(leaf, size, return_indices=True)
+    expected = 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), 1)
+    (expected_grad,) = torch.autograd.grad(expected, leaf, grad)
+    np.testing.assert_allclose(result.get(), expected.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(indices.get(), expected_indices.cpu().numpy())
+    np.testing.assert_allclose(grad_in.get(), expected_grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_second_context_current_on_a_worker_thread(ptt, device):
     """A worker thread with its own (non-primary) context current: pool_tuner launches in the
     primary context, where PyTorch's memory lives, and leaves the worker's context current."""

@@ -8,7 +8,8 @@ float32 -- plus float16 and bfloat16 at the default configurations -- the kernel
 Oclgrind simulator with its data-race and uninitialised-value plugins and API checking on, and its
 result is compared with ``pool_tuner.reference``.  The multi-level ops' variants likewise
 (``_multi_level_cases``: pyramids of every rank, divisible and not, one level upsampling, and
-avgmax; NaNs in the max kinds' inputs), through ``pool_tuner.fused``'s public functions.
+avgmax; NaNs in the max kinds' inputs), through ``pool_tuner.fused``'s public functions; and
+avgmax's join kernels on device arrays (``_avgmax_join_cases``).
 
 How it works.  Oclgrind reads its ``OCLGRIND_*`` variables when its platform is loaded, so the
 checks run in worker subprocesses (this file run as a script) started with those variables set.
@@ -264,6 +265,47 @@ def _run_multi_level_case(spec, device) -> str | None:
     return "; ".join(p for p in problems if p) or None
 
 
+def _run_avgmax_join_case(spec, device) -> str | None:
+    """avgmax on device arrays (kernels/avgmax_join.c joins its levels and splits the gradient)
+    in one mode, layout and dtype, forward then backward; None if both give the numpy path's
+    bits."""
+    import numpy as np
+
+    import pool_tuner as pt
+    from pool_tuner import shapes
+
+    in_shape, size, mode, dtype = tuple(spec["input_shape"]), tuple(spec["output_size"]), spec["mode"], spec["dtype"]
+    rng = np.random.default_rng(spec["seed"])
+    lay = (lambda a: _channels_last(a, 2)) if spec["channels_last"] else (lambda a: a)
+
+    def on_device(a):
+        memory = np.ascontiguousarray(np.moveaxis(a, 1, -1)) if spec["channels_last"] else a
+        array = device.to_device(memory, device.queue)
+        return device.strided_view(array, a.shape, lay(a).strides) if spec["channels_last"] else array
+
+    def from_device(a):
+        if not spec["channels_last"]:
+            return a.get()
+        memory_shape = a.shape[:1] + a.shape[2:] + a.shape[1:2]
+        memory = device.strided_view(a, memory_shape, shapes.c_strides(memory_shape, a.dtype.itemsize)).get()
+        return np.moveaxis(memory, -1, 1)
+
+    x = _random(rng, in_shape, dtype)
+    want, indices = pt.adaptive_avgmax_pool2d(lay(x), size, mode, return_indices=True, device=device)
+    grad = _random(rng, want.shape, dtype)
+    want_grad = pt.adaptive_avgmax_pool2d_backward(lay(grad), indices, in_shape, mode, device=device)
+    x_dev, grad_dev = on_device(x), on_device(grad)
+    device.queue.finish()
+    _marker(BEGIN, spec["id"])
+    got, got_indices = pt.adaptive_avgmax_pool2d(x_dev, size, mode, return_indices=True, device=device)
+    got_grad = pt.adaptive_avgmax_pool2d_backward(grad_dev, got_indices, in_shape, mode, device=device)
+    device.queue.finish()
+    _marker(END, spec["id"])
+    problems = [None if from_device(got).tobytes() == want.tobytes() else "the joined result differs from numpy's",
+                None if from_device(got_grad).tobytes() == want_grad.tobytes() else "grad_in differs from numpy's"]
+    return "; ".join(p for p in problems if p) or None
+
+
 def _run_raw_case(spec, device) -> str | None:
     """Build ``spec["source"]`` and launch it on buffers made as the spec says, then its int64
     scalars (self-tests)."""
@@ -330,7 +372,8 @@ def worker_main(spec_path: str, result_path: str) -> None:
                 _marker(BEGIN, spec["id"])
                 os.abort()
             try:
-                run = {"raw": _run_raw_case, "multi_level": _run_multi_level_case}.get(spec["kind"], _run_pool_case)
+                run = {"raw": _run_raw_case, "multi_level": _run_multi_level_case,
+                       "avgmax_join": _run_avgmax_join_case}.get(spec["kind"], _run_pool_case)
                 error = run(spec, device)
             except Exception:  # reported per instantiation; the worker carries on
                 error = traceback.format_exc()
@@ -540,7 +583,29 @@ def _multi_level_cases() -> list:
     return specs
 
 
-CASES = {spec["id"]: spec for spec in _cases() + _multi_level_cases()}
+def _avgmax_join_cases() -> list:
+    """avgmax's join kernels: each mode, layout and a full and a half dtype, on the first avgmax
+    problem."""
+    if OCLGRIND is None:
+        return []
+    (shape, size), specs = AVGMAX_SHAPES[0], []
+    for mode in ("avg+max", "cat"):
+        for layout in LAYOUT_NAMES[2]:
+            for dtype in ("float32", "float16"):
+                case_id = f"avgmax_join-{mode}-{_shape_id(shape, size)}-{layout}-{dtype}"
+                specs.append({"id": case_id, "kind": "avgmax_join", "op": "adaptive_avgmax_pool2d",
+                              "direction": "forward+backward", "variant": "avgmax_join", "mode": mode,
+                              "input_shape": list(shape),
+                              "output_size": size, "dtype": dtype, "channels_last": layout == LAYOUT_NAMES[2][1],
+                              "seed": [RUN_SEED, zlib.crc32(case_id.encode())]})
+    return specs
+
+
+#: The join cases come first, so that each runs early in its worker: after some hundreds of
+#: instantiations in one worker, Oclgrind 21.10 has flagged the join's reads of a buffer the
+#: forward kernel had just written (values right, bit for bit) as uninitialised -- and not when
+#: the same case ran again in that worker.
+CASES = {spec["id"]: spec for spec in _avgmax_join_cases() + _cases() + _multi_level_cases()}
 _RUNTIME: dict = {}
 
 

@@ -345,6 +345,82 @@ def test_avgmax_backward(mode, rng):
         _close(got, expected, "float32")
 
 
+def _avgmax_on_device(device, a, layout):
+    """A numpy array on the device, stored as ``layout`` says (None: contiguous), logical axes."""
+    if not layout:
+        return device.to_device(a, device.queue)
+    memory = np.ascontiguousarray(np.moveaxis(a, -3, -1))
+    return device.strided_view(device.to_device(memory, device.queue), a.shape, np.moveaxis(memory, -1, -3).strides)
+
+
+def _avgmax_from_device(device, a):
+    """A device array's values with its logical axes, whatever its memory order."""
+    if pt.ops.memory_layout(a, 2) != "NHWC" or a.ndim < 3:
+        return a.get()
+    memory_shape = a.shape[:-3] + a.shape[-2:] + a.shape[-3:-2]
+    memory = device.strided_view(a, memory_shape, shapes.c_strides(memory_shape, a.dtype.itemsize)).get()
+    return np.moveaxis(memory, -1, -3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("layout", [None, "NHWC"])
+@pytest.mark.parametrize("mode", ["avg+max", "cat"])
+def test_avgmax_on_device_arrays(mode, layout, dtype, rng):
+    """Device arrays in, the joined result, indices and the input gradient out on the device, in
+    the input's layout: the numpy path's bits (the join kernels round as numpy does) and the
+    reference's values; every variant, a batch and an unbatched input (results poisoned with NaN
+    before each launch: POOL_TUNER_POISON_OUTPUTS)."""
+    pytest.importorskip("pyopencl.array")
+    device = backends.resolve_device(None)
+    for shape, size in (((3, 6, 7, 9), (2, 3)), ((5, 13, 11), (3, 3))):
+        x = random_input(rng, shape).astype(dtype)
+        (avg, mx), (indices,) = reference.forward("adaptive_avgmax_pool2d", _as64(x), size)
+        expected = (avg + mx) / 2 if mode == "avg+max" else np.concatenate([avg, mx], axis=-3)
+        grad = random_input(rng, expected.shape).astype(dtype)
+        channels = avg.shape[-3]
+        level_grads = [_as64(grad) / 2] * 2 if mode == "avg+max" else [_as64(grad)[..., :channels, :, :],
+                                                                        _as64(grad)[..., channels:, :, :]]
+        expected_grad = reference.backward("adaptive_avgmax_pool2d", level_grads, shape, [indices])
+        x_dev, grad_dev = _avgmax_on_device(device, x, layout), _avgmax_on_device(device, grad, layout)
+        for variant in _variants("adaptive_avgmax_pool2d", "forward", shape, size, layout, dtype):
+            result, got_indices = pt.adaptive_avgmax_pool2d(x_dev, size, mode, return_indices=True, variant=variant)
+            assert pt.ops.memory_layout(result, 2) == (layout or "NCHW")
+            got = _avgmax_from_device(device, result)
+            numpy_result = pt.adaptive_avgmax_pool2d(x, size, mode, variant=variant)  # the same sums' order
+            assert got.shape == expected.shape and got.tobytes() == numpy_result.tobytes()
+            _close(got, expected, dtype)
+            assert np.array_equal(_avgmax_from_device(device, got_indices), indices)
+        for variant in _variants("adaptive_avgmax_pool2d", "backward", shape, size, layout, dtype):
+            got = pt.adaptive_avgmax_pool2d_backward(grad_dev, got_indices, shape, mode, variant=variant)
+            assert pt.ops.memory_layout(got, 2) == (layout or "NCHW")
+            got = _avgmax_from_device(device, got)
+            numpy_grad = pt.adaptive_avgmax_pool2d_backward(grad, indices, shape, mode, variant=variant)
+            assert got.tobytes() == numpy_grad.tobytes()
+            _close(got, expected_grad, dtype)
+
+
+def test_avgmax_device_array_errors(rng):
+    pytest.importorskip("pyopencl.array")
+    device = backends.resolve_device(None)
+    shape = (2, 4, 7, 7)
+    result, indices = pt.adaptive_avgmax_pool2d(device.to_device(random_input(rng, shape), device.queue), 2, "cat",
+                                                return_indices=True)
+    grad = random_input(rng, result.shape)
+    with pytest.raises(ValueError, match=r"indices\[0\] must be stored NHWC like the other levels"):
+        pt.adaptive_avgmax_pool2d_backward(_avgmax_on_device(device, grad, "NHWC"), indices, shape, "cat")
+    n_major = device.strided_view(device.to_device(grad, device.queue), grad.shape, (4, 8, 2 * 4 * 8, 4 * 8))
+    with pytest.raises(ValueError, match=r"grad_out must be stored NCHW like the other levels"):
+        pt.adaptive_avgmax_pool2d_backward(n_major, indices, shape, "cat")
+    with pytest.raises(ValueError, match=r"grad_out must be the gradient of the mode='cat' result"):
+        pt.adaptive_avgmax_pool2d_backward(device.to_device(np.ascontiguousarray(grad[:, :7]), device.queue), indices, shape, "cat")
+    with pytest.raises(ValueError, match=r"grad_out must have shape \(2, 4\)"):
+        pt.adaptive_avgmax_pool2d_backward(device.to_device(grad[:1], device.queue), indices, shape, "cat")
+    with pytest.raises(TypeError, match=r"indices\[0\] must be a device array"):
+        pt.adaptive_avgmax_pool2d_backward(device.to_device(grad, device.queue), indices.get(), shape, "cat")
+    with pytest.raises(TypeError, match=r"grad_out must be a numpy.ndarray or a device array, got list"):
+        pt.adaptive_avgmax_pool2d_backward(grad.tolist(), indices, shape, "cat")
+
+
 # --------------------------------------------------------------------------------- dispatch, errors
 
 

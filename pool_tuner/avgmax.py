@@ -1,0 +1,126 @@
+"""timm's two ways of joining avgmax's levels, and the split of their gradient into the levels'.
+
+``adaptive_avgmax_pool2d`` (pool_tuner.fused) pools an average and a max level from one read of
+the input; timm then joins them, as ``mode`` says:
+
+* ``"avg+max"`` (timm's ``avgmax``): ``0.5 * (avg + max)``, the sum rounded to the dtype first;
+* ``"cat"`` (timm's ``catavgmax``): both concatenated along the channels.
+
+The backward pass undoes the join: each level's gradient is half the joined gradient, or its own
+channels of it.  numpy arrays are joined and split by numpy; device arrays by the kernels of
+``kernels/avgmax_join.c`` on their queue, with the same roundings, so both give the same bits.
+The kernels work on memory order: the levels of avgmax's flat buffer (pool_tuner.pyramid) are
+stored as the input is, channels-first or channels-last, and so is what they join.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import kernel_source, ops
+from .problem import DTYPES, Problem
+
+#: The op whose levels are joined.
+OP = "adaptive_avgmax_pool2d"
+#: timm's ``avgmax`` and ``catavgmax``.
+MODES = ("avg+max", "cat")
+#: The kernels of ``kernels/avgmax_join.c``: ``<join|split>_<mean|cat>``.
+KERNELS = ("join_mean", "join_cat", "split_mean", "split_cat")
+#: Work-items per work-group of the join kernels (at most the device's limit).
+JOIN_BLOCK = 256
+
+
+def check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (timm's avgmax and catavgmax), got {mode!r}")
+    return mode
+
+
+def joined_shape(problem: Problem, mode: str) -> tuple:
+    """The logical shape of the joined result: a level's, with twice the channels for ``cat``."""
+    level = list(problem.output_shape)
+    if mode == "cat":
+        level[-3] *= 2
+    return tuple(level)
+
+
+def join_numpy(avg: np.ndarray, mx: np.ndarray, mode: str) -> np.ndarray:
+    """The joined result of two numpy levels (logical axes)."""
+    if mode == "avg+max":
+        return (avg + mx) * np.asarray(0.5, dtype=avg.dtype)
+    return np.concatenate([avg, mx], axis=avg.ndim - 3)
+
+
+def split_numpy(grad: np.ndarray, mode: str) -> list:
+    """The levels' gradients from the joined result's numpy gradient (logical axes)."""
+    if mode == "avg+max":
+        half = grad * np.asarray(0.5, dtype=grad.dtype)
+        return [half, half]
+    channels = grad.shape[-3] // 2
+    return [grad[..., :channels, :, :], grad[..., channels:, :, :]]
+
+
+def join_device(problem: Problem, device, levels, mode: str):
+    """The joined result of avgmax's flat device buffer ``levels``, on its queue, in the input's
+    layout."""
+    shape = joined_shape(problem, mode)
+    queue = device.queue_of(levels)
+    memory = device.empty(problem.memory_shape(shape), levels.dtype, queue)
+    _launch(problem, device, queue, f"join_{_kernel_mode(mode)}", levels, memory)
+    if not problem.channels_last:
+        return memory
+    c = len(shape) - 3
+    strides = list(memory.strides)
+    strides.insert(c, strides.pop())
+    return device.strided_view(memory, shape, tuple(strides))
+
+
+def split_device(problem: Problem, device, grad, mode: str):
+    """avgmax's flat buffer of level gradients (what its backward kernels read) from the joined
+    result's gradient ``grad`` (a device array stored in the problem's memory order)."""
+    queue = device.queue_of(grad)
+    grad = device.wrap_input(grad, "grad_out")
+    levels = device.empty((2 * problem.planes * _level_size(problem),), grad.dtype, queue)
+    _launch(problem, device, queue, f"split_{_kernel_mode(mode)}", grad, levels)
+    return levels
+
+
+def _kernel_mode(mode: str) -> str:
+    return "mean" if mode == "avg+max" else "cat"
+
+
+def _level_size(problem: Problem) -> int:
+    """Outputs of one level per plane."""
+    return int(np.prod(problem.output_shape[-2:]))
+
+
+def _row(problem: Problem) -> int:
+    """The elements of one level side by side in a ``cat`` row: a sample's channels and positions
+    (channels-first) or one position's channels (channels-last)."""
+    return problem.channels * (1 if problem.channels_last else _level_size(problem))
+
+
+def _launch(problem: Problem, device, queue, name: str, source, destination) -> None:
+    """Run one join kernel from ``source`` into ``destination`` (both in memory order)."""
+    count = problem.planes * _level_size(problem)
+    elements = count if name.endswith("mean") else 2 * count
+    if ops.poison_outputs and destination.size:
+        ops._poison_device(device, destination, problem.dtype, queue)
+    if not elements:
+        return
+    block = min(JOIN_BLOCK, device.limits.max_work_group_size)
+    kernel = device.build(queue.context, program(problem.dtype, block), name)
+    scalars = (np.int64(count),) if name.endswith("mean") else (np.int64(count), np.int64(_row(problem)))
+    event = device.launch(queue, kernel, -(-elements // block), (block,), (source, destination) + scalars)
+    for array in (source, destination):
+        device.track(array, event)
+
+
+@functools.cache
+def program(dtype: str, block: int) -> str:
+    """The join kernels' program for one storage dtype and work-group size."""
+    defines = {DTYPES[dtype]: 1, "INDEX_64": 1, "JOIN_BLOCK": block}
+    return kernel_source.format_defines(defines) + kernel_source.read("prelude.h") + kernel_source.read(
+        "avgmax_join.c")
