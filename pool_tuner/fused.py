@@ -99,7 +99,7 @@ def adaptive_avgmax_pool2d(x, output_size, mode="avg+max", return_indices=False,
     axis) from one read of ``x``, joined as pool_tuner.avgmax says.  ``return_indices=True`` also
     returns the max pooling's int64 indices, which ``adaptive_avgmax_pool2d_backward`` takes."""
     avgmax.check_mode(mode)
-    plan, values, indices = _forward("adaptive_avgmax_pool2d", x, output_size, device, variant, config)
+    plan, values, indices = _forward(avgmax.OP, x, output_size, device, variant, config)
     (avg, mx), (indices,) = _views(plan, values, indices)
     if isinstance(values, np.ndarray):
         result = avgmax.join_numpy(avg, mx, mode)
@@ -247,7 +247,7 @@ def adaptive_avgmax_pool2d_backward(grad_out, indices, input_shape, mode="avg+ma
     """Gradient of ``adaptive_avgmax_pool2d`` (of the same ``mode``), with the indices that
     ``return_indices=True`` gave: numpy arrays, or device arrays (``grad_out`` stored as the
     input was, the result on its device)."""
-    op = "adaptive_avgmax_pool2d"
+    op = avgmax.OP
     avgmax.check_mode(mode)
     owner = backends.device_of_array(grad_out)
     if owner is None and not isinstance(grad_out, np.ndarray):

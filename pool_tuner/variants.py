@@ -685,29 +685,44 @@ class PyramidStream(_CellVariant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
-class PyramidRows(_CellVariant):
+class _PlaneRows(_CellVariant):
+    """The ``pyramid_rows`` kernels of both directions: a work-item per plane walks its rows of
+    cells, each one contiguous run per ``t`` -- so they need channels-first memory -- and keeps an
+    input row in private memory (forward: as lanes; backward: a row of gradients) where the levels
+    have more than one column."""
+
+    #: Input columns a work-item may keep in private memory.
+    LANES_LIMIT = 256
+    private_cells = True
+
+    def row_refusal(self, problem) -> str | None:
+        if problem.channels_last:
+            return "needs channels-first memory (a row of cells is a contiguous run)"
+        if pyramid.cell_counts(problem)[2] > 1 and problem.in_spatial[2] > self.LANES_LIMIT:
+            return (f"keeps an input row in private memory; rows here have {problem.in_spatial[2]} elements, the "
+                    f"limit is {self.LANES_LIMIT}")
+        return None
+
+    def illegal_reason(self, params, problem, limits):
+        return self.row_refusal(problem) or super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
+class PyramidRows(_PlaneRows):
     name = "pyramid_rows"
     summary = ("multi-level, channels-first: a work-item per plane reads each row of cells as contiguous runs "
                "into lanes (one per input column, or `cell_lanes` where every level has one column), lanes "
                "stepping together on contiguous loads, then every level's outputs")
     search_space = {"block_size_x": [1, 4, 16, 64], "cell_lanes": [4, 8, 16, 32]}
     default = {"block_size_x": 16, "cell_lanes": 8}
-    #: Input columns a work-item may keep as lanes (private memory).
-    LANES_LIMIT = 256
-    private_cells = True
 
     def illegal_reason(self, params, problem, limits):
-        if problem.channels_last:
-            return "needs channels-first memory (a row of cells is a contiguous run)"
-        columns = pyramid.cell_counts(problem)[2] > 1
-        if columns and problem.in_spatial[2] > self.LANES_LIMIT:
-            return f"keeps an input row as lanes; rows here have {problem.in_spatial[2]} elements, the limit is {self.LANES_LIMIT}"
-        if columns and params.get("cell_lanes", self.default["cell_lanes"]) != self.default["cell_lanes"]:
+        if (not self.row_refusal(problem) and pyramid.cell_counts(problem)[2] > 1
+                and params.get("cell_lanes", self.default["cell_lanes"]) != self.default["cell_lanes"]):
             return "cell_lanes applies only where every level has one column (here the lanes are the input's columns)"
         return super().illegal_reason(params, problem, limits)
-
-    def groups(self, params, problem):
-        return _ceil_div(problem.planes, params["block_size_x"])
 
 
 class PyramidStreamBackward(PyramidStream):
@@ -719,7 +734,7 @@ class PyramidStreamBackward(PyramidStream):
         return 0
 
 
-class PyramidRowsBackward(_CellVariant):
+class PyramidRowsBackward(_PlaneRows):
     name = "pyramid_rows"
     direction = "backward"
     summary = ("multi-level, channels-first: a work-item per plane sums the average levels' terms once per cell, "
@@ -727,18 +742,6 @@ class PyramidRowsBackward(_CellVariant):
                "that max levels chose")
     search_space = {"block_size_x": [1, 4, 16, 64]}
     default = {"block_size_x": 16}
-    private_cells = True
-
-    def illegal_reason(self, params, problem, limits):
-        if problem.channels_last:
-            return "needs channels-first memory (a cell's part of a row is a contiguous run)"
-        if pyramid.cell_counts(problem)[2] > 1 and problem.in_spatial[2] > PyramidRows.LANES_LIMIT:
-            return (f"keeps an input row of gradients; rows here have {problem.in_spatial[2]} elements, the limit "
-                    f"is {PyramidRows.LANES_LIMIT}")
-        return super().illegal_reason(params, problem, limits)
-
-    def groups(self, params, problem):
-        return _ceil_div(problem.planes, params["block_size_x"])
 
 
 class PyramidWindows(Variant):
