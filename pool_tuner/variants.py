@@ -685,6 +685,39 @@ class PyramidStream(_CellVariant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
+class PyramidChannels(_CellVariant):
+    name = "pyramid_channels"
+    summary = ("multi-level, channels-last: a work-item takes `channels_per_item` neighbouring channels of one "
+               "batch entry, loaded as one contiguous run at each position into their cells (private memory), "
+               "then finishes every level's outputs of each")
+    search_space = {"block_size_x": [1, 4, 16, 64], "channels_per_item": [1, 2, 4, 8, 16, 32]}
+    default = {"block_size_x": 16, "channels_per_item": 16}
+    #: Cells times channels_per_item: the lanes a work-item keeps in private memory.
+    LANES_LIMIT = 4096
+
+    def illegal_reason(self, params, problem, limits):
+        if not problem.channels_last:
+            return "needs channels-last memory (neighbouring channels are neighbours)"
+        per_item = params.get("channels_per_item", self.default["channels_per_item"])
+        if problem.channels % per_item:
+            return "channels_per_item must divide the number of channels"
+        if pyramid.cell_count(problem) * per_item > self.LANES_LIMIT:
+            return (f"planes here have {pyramid.cell_count(problem)} cells; a work-item keeps at most "
+                    f"{self.LANES_LIMIT} lanes (cells x channels_per_item)")
+        return super().illegal_reason(params, problem, limits)
+
+    def default_for(self, problem):
+        """The widest channel run of at most the default's that divides the channels and keeps the
+        lanes within the limit (1 where none does: then the variant is not legal)."""
+        cells = pyramid.cell_count(problem)
+        fitting = [n for n in self.search_space["channels_per_item"] if n <= self.default["channels_per_item"]
+                   and problem.channels % n == 0 and cells * n <= self.LANES_LIMIT]
+        return {**self.default, "channels_per_item": max(fitting, default=1)}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes // params["channels_per_item"], params["block_size_x"])
+
+
 class _PlaneRows(_CellVariant):
     """The ``pyramid_rows`` kernels of both directions: a work-item per plane walks its rows of
     cells, each one contiguous run per ``t`` -- so they need channels-first memory -- and keeps an
@@ -786,7 +819,8 @@ class PyramidCellsBackward(_CellVariant):
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
-_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidRowsBackward(), PyramidGather())}
+_MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidChannels(),
+                            PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidRowsBackward(), PyramidGather())}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

@@ -667,14 +667,16 @@ def test_every_variant_is_covered():
 
 def test_every_multi_level_variant_is_covered():
     """Every multi-level (op, direction) x variant has instantiations in both layouts (those that need
-    channels-first memory: that one), on both problems, with more than its default configuration on
+    one memory order: that one), on both problems, with more than its default configuration on
     the first."""
     channels_first_only = {"pyramid_columns", "pyramid_rows"}
+    channels_last_only = {"pyramid_channels"}
     for (op, direction), table in MULTI_LEVEL.items():
         ndim = OPERATIONS[op].ndim
         for name in table:
             mine = [s for s in CASES.values() if (s["op"], s["direction"], s["variant"]) == (op, direction, name)]
-            expected = set(LAYOUT_NAMES[ndim][:1] if name in channels_first_only else LAYOUT_NAMES[ndim])
+            expected = set(LAYOUT_NAMES[ndim][:1] if name in channels_first_only else
+                           LAYOUT_NAMES[ndim][1:] if name in channels_last_only else LAYOUT_NAMES[ndim])
             assert {s["layout"] for s in mine} == expected, (op, direction, name)
             assert len({tuple(s["input_shape"]) for s in mine}) == 2, (op, direction, name)
             assert len({s["id"].split("-")[3] for s in mine}) > 1, (op, direction, name)
