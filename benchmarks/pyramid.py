@@ -17,6 +17,7 @@ quartiles, and the round-by-round ratios):
 The machine's load average is recorded before and after: on a shared machine every number moves.
 
     python benchmarks/pyramid.py [--rounds 5] [--loop-s 0.5] [--presets pspnet_ppm_fused,...] [--out report.json]
+    python benchmarks/pyramid.py --channels-last --directions forward   # inputs stored channels-last
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import common
 import pool_tuner as pt
 from pool_tuner import backends, dispatch, presets, reference
 from pool_tuner.bench import Candidate
-from pool_tuner.problem import Problem
+from pool_tuner.problem import LAYOUT_NAMES, Problem
 
 F = torch.nn.functional
 ATEN_BACKWARD = {"avg": torch.ops.aten._adaptive_avg_pool2d_backward, "max": torch.ops.aten.adaptive_max_pool2d_backward}
@@ -44,10 +45,12 @@ def _levels(op: str, shape, output_size) -> tuple[list, list]:
     return list(problem.operation.level_kinds(len(sizes))), list(sizes)
 
 
-def candidates(op: str, shape, output_size, direction: str, device, rng) -> dict:
+def candidates(op: str, shape, output_size, direction: str, device, rng, channels_last: bool = False) -> dict:
     """name -> Candidate for one preset and pass (``fused`` first, then the separate calls)."""
     kinds, sizes = _levels(op, shape, output_size)
     x = rng.uniform(-1.0, 1.0, shape).astype(np.float32)
+    if channels_last:  # the same logical array, its memory channels-last (a torch tensor of it too)
+        x = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
     xt = torch.from_numpy(x)
     wait = functools.partial(device.synchronize, device.queue)
     done = lambda: None  # noqa: E731 -- numpy and torch CPU calls return finished
@@ -63,7 +66,9 @@ def candidates(op: str, shape, output_size, direction: str, device, rng) -> dict
             "PyTorch separate": Candidate(
                 lambda: [getattr(F, f"adaptive_{k}_pool2d")(xt, s) for k, s in zip(kinds, sizes)], done),
         }
-        x_dev = device.to_device(x, device.queue)
+        x_dev = device.to_device(np.ascontiguousarray(np.moveaxis(x, 1, -1)) if channels_last else x, device.queue)
+        if channels_last:
+            x_dev = device.strided_view(x_dev, x.shape, x.strides)
         if op == "adaptive_avgmax_pool2d":
             found["fused (device arrays)"] = Candidate(lambda: pt.adaptive_avgmax_pool2d(x_dev, output_size), wait)
         else:
@@ -132,10 +137,14 @@ def main(argv=None) -> int:
     parser.add_argument("--loop-s", type=float, default=0.5, help="seconds per timed loop (default 0.5)")
     parser.add_argument("--presets", default=",".join(presets.FUSED_PRESETS), help="comma-separated fused presets")
     parser.add_argument("--directions", default="forward,backward")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="inputs stored channels-last (with --directions forward)")
     common.add_output_argument(parser)
     args = parser.parse_args(argv)
     chosen = common.choices(parser, args.presets, tuple(presets.FUSED_PRESETS), "--presets")
     directions = common.choices(parser, args.directions, ("forward", "backward"), "--directions")
+    if args.channels_last and "backward" in directions:
+        parser.error("--channels-last times the forward pass only: pass --directions forward")
     device = backends.default_device()
     rng = np.random.default_rng(0)
     info = common.circumstances(torch, device)
@@ -144,9 +153,10 @@ def main(argv=None) -> int:
     for name in chosen:
         for op, shape, output_size in presets.preset_shapes(name):
             for direction in directions:
-                problem = Problem.create(op, shape, output_size, direction=direction)
+                layout = LAYOUT_NAMES[len(shape) - 2][1] if args.channels_last else None
+                problem = Problem.create(op, shape, output_size, layout=layout, direction=direction)
                 explained = dispatch.describe(problem, device, dispatch.choose(problem, device))
-                found = candidates(op, shape, output_size, direction, device, rng)
+                found = candidates(op, shape, output_size, direction, device, rng, args.channels_last)
                 timings = common.interleave(found, args.rounds, args.loop_s, rng)
                 names = list(found)
                 rows = [[n, common.fmt_spread(timings.summary(n)),
@@ -155,7 +165,7 @@ def main(argv=None) -> int:
                       f"{explained['variant']} {explained['params']} ({explained['source']})")
                 print(common.format_table(["candidate", "ms per call (q1-q3)", "x fused"], rows))
                 report["results"].append({
-                    "preset": name, "op": op, "input_shape": list(shape), "output_size": json.loads(json.dumps(output_size)),
+                    "preset": name, "op": op, "layout": problem.layout, "input_shape": list(shape), "output_size": json.loads(json.dumps(output_size)),
                     "direction": direction, "fused_variant": explained["variant"], "fused_params": explained["params"],
                     "fused_source": explained["source"],
                     "ms": {n: timings.summary(n) for n in names},

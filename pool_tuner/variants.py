@@ -691,7 +691,7 @@ class PyramidChannels(_CellVariant):
                "batch entry, loaded as one contiguous run at each position into their cells (private memory), "
                "then finishes every level's outputs of each")
     search_space = {"block_size_x": [1, 4, 16, 64], "channels_per_item": [1, 2, 4, 8, 16, 32]}
-    default = {"block_size_x": 16, "channels_per_item": 16}
+    default = {"block_size_x": 16, "channels_per_item": 32}
     #: Cells times channels_per_item: the lanes a work-item keeps in private memory.
     LANES_LIMIT = 4096
 
