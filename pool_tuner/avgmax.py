@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from . import kernel_source, ops
-from .problem import DTYPES, Problem
+from .problem import DTYPES, LAYOUT_NAMES, Problem
 
 #: The op whose levels are joined.
 OP = "adaptive_avgmax_pool2d"
@@ -54,12 +54,16 @@ def join_numpy(avg: np.ndarray, mx: np.ndarray, mode: str) -> np.ndarray:
 
 
 def split_numpy(grad: np.ndarray, mode: str) -> list:
-    """The levels' gradients from the joined result's numpy gradient (logical axes)."""
+    """The levels' gradients from the joined result's numpy gradient (logical axes), stored as
+    ``grad`` is (a channels-last ``grad`` gives channels-last levels, as on device arrays)."""
     if mode == "avg+max":
         half = grad * np.asarray(0.5, dtype=grad.dtype)
         return [half, half]
     channels = grad.shape[-3] // 2
-    return [grad[..., :channels, :, :], grad[..., channels:, :, :]]
+    levels = [grad[..., :channels, :, :], grad[..., channels:, :, :]]
+    if ops.memory_layout(grad, 2) == LAYOUT_NAMES[2][1]:
+        levels = [np.moveaxis(np.ascontiguousarray(np.moveaxis(level, -3, -1)), -1, -3) for level in levels]
+    return levels
 
 
 def join_device(problem: Problem, device, levels, mode: str):

@@ -758,6 +758,13 @@ class PyramidRows(_PlaneRows):
         return super().illegal_reason(params, problem, limits)
 
 
+class PyramidChannelsBackward(PyramidChannels):
+    direction = "backward"
+    summary = ("multi-level, channels-last: a work-item takes `channels_per_item` neighbouring channels of one "
+               "batch entry, sums the average levels' terms once per cell and channel (private memory), then "
+               "writes them position by position, each position's channels one contiguous run")
+
+
 class PyramidStreamBackward(PyramidStream):
     direction = "backward"
     summary = ("multi-level: a work-item per plane (neighbours on neighbouring planes) sums the average levels' "
@@ -820,7 +827,9 @@ _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), Sme
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
 _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidChannels(),
-                            PyramidWindows()), "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidRowsBackward(), PyramidGather())}
+                            PyramidWindows()),
+                "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidRowsBackward(),
+                             PyramidChannelsBackward(), PyramidGather())}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

@@ -108,9 +108,9 @@ def test_a_rule_list_without_a_last_rule_for_a_family_and_direction_is_refused(d
 
 def test_the_cpu_multi_level_rules_keep_the_measured_order():
     """Channels-first pyramid_rows, then forward pyramid_columns (rows wider than pyramid_rows'
-    lanes); channels-last forward pyramid_channels; backward where pyramid_rows stands back
-    (channels-last, rows wider than its row of gradients) pyramid_stream; then pyramid_cells (more
-    cells than a work-item keeps); levels too fine for any cell table the cell-less variants."""
+    lanes); channels-last pyramid_channels; backward where neither applies (rows wider than
+    pyramid_rows' row of gradients) pyramid_stream; then pyramid_cells (more cells than a work-item
+    keeps); levels too fine for any cell table the cell-less variants."""
     cpu = default_rules.rules("cpu")
     cases = [
         ("adaptive_avg_pool_pyramid2d", (2, 8, 64, 64), [1, 2, 3, 6], "float32", None, "forward", "pyramid_rows"),
@@ -120,7 +120,9 @@ def test_the_cpu_multi_level_rules_keep_the_measured_order():
         ("adaptive_avg_pool_pyramid2d", (2, 8, 64, 64), [5, 7, 11], "float32", "NHWC", "forward", "pyramid_channels"),
         ("adaptive_avg_pool_pyramid2d", (2, 8, 90, 90), [7, 11, 13, 17], "float32", "NHWC", "forward", "pyramid_cells"),
         ("adaptive_avgmax_pool2d", (2, 8, 7, 7), 1, "float32", None, "backward", "pyramid_rows"),
-        ("adaptive_avgmax_pool2d", (2, 8, 7, 7), 1, "float32", "NHWC", "backward", "pyramid_stream"),
+        ("adaptive_avgmax_pool2d", (2, 8, 7, 7), 2, "float32", "NHWC", "backward", "pyramid_channels"),
+        ("adaptive_avg_pool_pyramid2d", (2, 8, 90, 90), [7, 11, 13, 17], "float32", "NHWC", "backward",
+         "pyramid_cells"),
         ("adaptive_max_pool_pyramid2d", (2, 8, 13, 13), [4, 2, 1], "float16", None, "backward", "pyramid_rows"),
         ("adaptive_avg_pool_pyramid2d", (2, 8, 8, 300), [1, 2, 3, 6], "float32", None, "backward", "pyramid_stream"),
         ("adaptive_avg_pool_pyramid2d", (2, 8, 64, 64), [5, 7, 11], "float32", None, "backward", "pyramid_cells"),
