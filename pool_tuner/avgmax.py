@@ -16,10 +16,11 @@ stored as the input is, channels-first or channels-last, and so is what they joi
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
-from . import kernel_source, ops
+from . import kernel_source, ops, pyramid
 from .problem import DTYPES, LAYOUT_NAMES, Problem
 
 #: The op whose levels are joined.
@@ -68,17 +69,12 @@ def split_numpy(grad: np.ndarray, mode: str) -> list:
 
 def join_device(problem: Problem, device, levels, mode: str):
     """The joined result of avgmax's flat device buffer ``levels``, on its queue, in the input's
-    layout."""
+    layout (viewed as pool_tuner.pyramid views the levels themselves)."""
     shape = joined_shape(problem, mode)
     queue = device.queue_of(levels)
-    memory = device.empty(problem.memory_shape(shape), levels.dtype, queue)
-    _launch(problem, device, queue, f"join_{_kernel_mode(mode)}", levels, memory)
-    if not problem.channels_last:
-        return memory
-    c = len(shape) - 3
-    strides = list(memory.strides)
-    strides.insert(c, strides.pop())
-    return device.strided_view(memory, shape, tuple(strides))
+    joined = device.empty((math.prod(shape),), levels.dtype, queue)
+    _launch(problem, device, queue, "join", mode, levels, joined)
+    return pyramid.logical_view(joined, problem.memory_shape(shape), shape, problem, device.strided_view)
 
 
 def split_device(problem: Problem, device, grad, mode: str):
@@ -86,37 +82,28 @@ def split_device(problem: Problem, device, grad, mode: str):
     result's gradient ``grad`` (a device array stored in the problem's memory order)."""
     queue = device.queue_of(grad)
     grad = device.wrap_input(grad, "grad_out")
-    levels = device.empty((2 * problem.planes * _level_size(problem),), grad.dtype, queue)
-    _launch(problem, device, queue, f"split_{_kernel_mode(mode)}", grad, levels)
+    levels = device.empty((pyramid.layout(problem).values_per_plane * problem.planes,), grad.dtype, queue)
+    _launch(problem, device, queue, "split", mode, grad, levels)
     return levels
 
 
-def _kernel_mode(mode: str) -> str:
-    return "mean" if mode == "avg+max" else "cat"
-
-
-def _level_size(problem: Problem) -> int:
-    """Outputs of one level per plane."""
-    return int(np.prod(problem.output_shape[-2:]))
-
-
-def _row(problem: Problem) -> int:
-    """The elements of one level side by side in a ``cat`` row: a sample's channels and positions
-    (channels-first) or one position's channels (channels-last)."""
-    return problem.channels * (1 if problem.channels_last else _level_size(problem))
-
-
-def _launch(problem: Problem, device, queue, name: str, source, destination) -> None:
-    """Run one join kernel from ``source`` into ``destination`` (both in memory order)."""
-    count = problem.planes * _level_size(problem)
-    elements = count if name.endswith("mean") else 2 * count
+def _launch(problem: Problem, device, queue, step: str, mode: str, source, destination) -> None:
+    """Run the kernel ``<step>_<mean|cat>`` of ``mode`` from ``source`` into ``destination`` (both
+    in memory order): over the ``count`` outputs of one level (mean) or the ``2 * count`` joined
+    elements (cat, rows of ``row`` elements of each level)."""
+    count = problem.planes * pyramid.layout(problem).sizes[0]
     if ops.poison_outputs and destination.size:
         ops._poison_device(device, destination, problem.dtype, queue)
+    if mode == "avg+max":
+        name, elements, scalars = "mean", count, (np.int64(count),)
+    else:
+        # A cat row: a sample's channels and positions (channels-first) or one position's channels.
+        row = problem.channels * (1 if problem.channels_last else pyramid.layout(problem).sizes[0])
+        name, elements, scalars = "cat", 2 * count, (np.int64(count), np.int64(row))
     if not elements:
         return
     block = min(JOIN_BLOCK, device.limits.max_work_group_size)
-    kernel = device.build(queue.context, program(problem.dtype, block), name)
-    scalars = (np.int64(count),) if name.endswith("mean") else (np.int64(count), np.int64(_row(problem)))
+    kernel = device.build(queue.context, program(problem.dtype, block), f"{step}_{name}")
     event = device.launch(queue, kernel, -(-elements // block), (block,), (source, destination) + scalars)
     for array in (source, destination):
         device.track(array, event)

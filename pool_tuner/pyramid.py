@@ -103,11 +103,13 @@ def views(problem, values, indices=None, *, strided_view=None) -> tuple[list, li
             parts.append((indices, lay.index_bases[level], out_indices))
         for flat, base, into in parts:
             part = flat[planes * base: planes * (base + size)]
-            into.append(_logical_view(part, memory, batch + tuple(spatial), problem, strided_view))
+            into.append(logical_view(part, memory, batch + tuple(spatial), problem, strided_view))
     return out_values, out_indices
 
 
-def _logical_view(part, memory_shape, logical_shape, problem, strided_view):
+def logical_view(part, memory_shape, logical_shape, problem, strided_view=None):
+    """A flat result ``part`` stored as ``memory_shape`` in the problem's memory order, seen with
+    the logical (channels-first) axes ``logical_shape``; ``strided_view`` as for ``views``."""
     if not problem.channels_last:
         return part.reshape(logical_shape)
     if strided_view is not None:
