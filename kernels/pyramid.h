@@ -143,6 +143,14 @@ TABLE(level_window_base_w) = LEVEL_WINDOW_BASE_W;
 
 #define N_CELLS (N_CELLS_T * N_CELLS_H * N_CELLS_W)
 
+/* A plane's input rows (t, h) in memory order, the statement that follows run for each, with
+ * `row_cells` the number of the first cell of the row of cells that holds the row (that row's cell
+ * cw is row_cells + cw): the cell rows along T and H advance as t and h pass their cuts. */
+#define FOR_EACH_INPUT_ROW(t, h, row_cells)                                                          \
+    for (index_t t = 0, ct_ = 0; t < IN_T; ++t, ct_ += t == cuts_t[ct_ + 1])                        \
+        for (index_t h = 0, ch_ = 0, row_cells = ct_ * N_CELLS_H * N_CELLS_W; h < IN_H;              \
+             ++h, ch_ += h == cuts_h[ch_ + 1], row_cells = (ct_ * N_CELLS_H + ch_) * N_CELLS_W)
+
 /* The cells of output q (within its level's plane) of level l: [*_first, *_end) along each axis,
  * and the window's area from their cuts. */
 #define WINDOW_CELLS(l, q)                                                                              \

@@ -21,16 +21,10 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
     /* Work-item w writes column w, rows in order: neighbouring work-items write neighbouring inputs. */
     for (int w = LOCAL_ID_X; w < IN_W; w += block_size_x) {
         const int cw = cell_of(cuts_w, N_CELLS_W, w);
-        int ct = 0;
-        for (index_t t = 0; t < IN_T; ++t) {
-            ct += t == cuts_t[ct + 1];
-            int ch = 0;
-            for (index_t h = 0; h < IN_H; ++h) {
-                ch += h == cuts_h[ch + 1];
-                acc_t sum = cell_grad[(ct * N_CELLS_H + ch) * N_CELLS_W + cw];
-                MAX_LEVEL_TERMS(sum, plane, t, h, w);
-                STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
-            }
+        FOR_EACH_INPUT_ROW(t, h, row_cells) {
+            acc_t sum = cell_grad[row_cells + cw];
+            MAX_LEVEL_TERMS(sum, plane, t, h, w);
+            STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
         }
     }
 }

@@ -20,25 +20,17 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
         for (int k = 0; k < N_CELLS; ++k)
             lane_grad[k * channels_per_item + c] = cell_grad[k];
     }
-    int ct = 0;
-    for (index_t t = 0; t < IN_T; ++t) {
-        ct += t == cuts_t[ct + 1];
-        int ch = 0;
-        for (index_t h = 0; h < IN_H; ++h) {
-            ch += h == cuts_h[ch + 1];
-            const int row_cells = (ct * N_CELLS_H + ch) * N_CELLS_W;
-            for (int cw = 0; cw < N_CELLS_W; ++cw) {
-                const int lanes = (row_cells + cw) * channels_per_item;
-                for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
-                    const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
+    FOR_EACH_INPUT_ROW(t, h, row_cells)
+        for (int cw = 0; cw < N_CELLS_W; ++cw) {
+            const index_t lanes = (row_cells + cw) * channels_per_item;
+            for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
+                const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
 #pragma unroll
-                    for (int c = 0; c < channels_per_item; ++c) {
-                        acc_t sum = lane_grad[lanes + c];
-                        MAX_LEVEL_TERMS(sum, first_plane + c, t, h, w);
-                        STORE(grad_in, base + position * ELEMENT_STEP + c, sum);
-                    }
+                for (int c = 0; c < channels_per_item; ++c) {
+                    acc_t sum = lane_grad[lanes + c];
+                    MAX_LEVEL_TERMS(sum, first_plane + c, t, h, w);
+                    STORE(grad_in, base + position * ELEMENT_STEP + c, sum);
                 }
             }
         }
-    }
 }

@@ -9,19 +9,11 @@ KERNEL void pool_backward(const GLOBAL scalar_t* RESTRICT grad_out, INDICES_IN G
     if (plane >= N_PLANES)
         return;
     CELL_GRADIENTS(plane);
-    int ct = 0;
-    for (index_t t = 0; t < IN_T; ++t) {
-        ct += t == cuts_t[ct + 1];
-        int ch = 0;
-        for (index_t h = 0; h < IN_H; ++h) {
-            ch += h == cuts_h[ch + 1];
-            const int row_cells = (ct * N_CELLS_H + ch) * N_CELLS_W;
-            for (int cw = 0; cw < N_CELLS_W; ++cw)
-                for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
-                    acc_t sum = cell_grad[row_cells + cw];
-                    MAX_LEVEL_TERMS(sum, plane, t, h, w);
-                    STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
-                }
-        }
-    }
+    FOR_EACH_INPUT_ROW(t, h, row_cells)
+        for (int cw = 0; cw < N_CELLS_W; ++cw)
+            for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
+                acc_t sum = cell_grad[row_cells + cw];
+                MAX_LEVEL_TERMS(sum, plane, t, h, w);
+                STORE(grad_in, IN_OFFSET(plane, t, h, w), sum);
+            }
 }

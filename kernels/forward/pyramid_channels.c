@@ -16,28 +16,20 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     PARTS(, lane, N_CELLS * channels_per_item)
     for (int k = 0; k < N_CELLS * channels_per_item; ++k)
         PUT_PART(lane, k, cell_init());
-    int ct = 0;
-    for (index_t t = 0; t < IN_T; ++t) {
-        ct += t == cuts_t[ct + 1];
-        int ch = 0;
-        for (index_t h = 0; h < IN_H; ++h) {
-            ch += h == cuts_h[ch + 1];
-            const int row_cells = (ct * N_CELLS_H + ch) * N_CELLS_W;
-            for (int cw = 0; cw < N_CELLS_W; ++cw) {
-                const int lanes = (row_cells + cw) * channels_per_item;
-                for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
-                    const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
+    FOR_EACH_INPUT_ROW(t, h, row_cells)
+        for (int cw = 0; cw < N_CELLS_W; ++cw) {
+            const index_t lanes = (row_cells + cw) * channels_per_item;
+            for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
+                const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
 #pragma unroll
-                    for (int c = 0; c < channels_per_item; ++c) {
-                        cell_t lane_;
-                        GET_PART(lane, lanes + c, lane_);
-                        cell_step(&lane_, LOAD(in, base + position * ELEMENT_STEP + c), position);
-                        PUT_PART(lane, lanes + c, lane_);
-                    }
+                for (int c = 0; c < channels_per_item; ++c) {
+                    cell_t lane_;
+                    GET_PART(lane, lanes + c, lane_);
+                    cell_step(&lane_, LOAD(in, base + position * ELEMENT_STEP + c), position);
+                    PUT_PART(lane, lanes + c, lane_);
                 }
             }
         }
-    }
     for (int c = 0; c < channels_per_item; ++c) {
         CELL_ARRAYS()
         for (int k = 0; k < N_CELLS; ++k) {

@@ -12,23 +12,15 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     for (int k = 0; k < N_CELLS; ++k)
         PUT_CELL(k, cell_init());
     const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
-    int ct = 0;
-    for (index_t t = 0; t < IN_T; ++t) {
-        ct += t == cuts_t[ct + 1];
-        int ch = 0;
-        for (index_t h = 0; h < IN_H; ++h) {
-            ch += h == cuts_h[ch + 1];
-            const int row_cells = (ct * N_CELLS_H + ch) * N_CELLS_W;
-            for (int cw = 0; cw < N_CELLS_W; ++cw) {
-                cell_t c;
-                GET_CELL(row_cells + cw, c);
-                for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
-                    const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
-                    cell_step(&c, LOAD(in, plane_base + position * ELEMENT_STEP), position);
-                }
-                PUT_CELL(row_cells + cw, c);
+    FOR_EACH_INPUT_ROW(t, h, row_cells)
+        for (int cw = 0; cw < N_CELLS_W; ++cw) {
+            cell_t c;
+            GET_CELL(row_cells + cw, c);
+            for (index_t w = cuts_w[cw]; w < cuts_w[cw + 1]; ++w) {
+                const index_t position = PLANE_POSITION(t, h, w, IN_H, IN_W);
+                cell_step(&c, LOAD(in, plane_base + position * ELEMENT_STEP), position);
             }
+            PUT_CELL(row_cells + cw, c);
         }
-    }
     FINISH_PLANE(plane);
 }
