@@ -322,7 +322,9 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     (``forced``/``cache``/``nearest``/``default``), device, cache key, and ``partial``: for a
     decision from an interrupted tuning's record, what that tuning covered (else None);
     ``measured_candidate``: where ``pool_tuner.torch`` raced PyTorch's own kernel on this problem
-    for CPU tensors in this process, the times and the winner that such calls run (else None).
+    for CPU tensors in this process, the times and the winner that such calls run (else None);
+    ``host_fallback``: why the device's kernels cannot run in this process (a forked child of a
+    process that started PoCL), whose calls on host memory are then pooled on the host (else None).
     ``layout=None`` means contiguous channels-first; ``direction="backward"`` explains the
     backward pass."""
     dev = backends.resolve_device(device)
@@ -335,6 +337,9 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     # Where another kernel raced pool_tuner's on this problem in this process (pool_tuner.torch's
     # PyTorch candidate for CPU tensors): both times and the winner, which is what such calls run.
     info["measured_candidate"] = dispatch.measured_candidate(problem, dev)
+    # Where the device's kernels cannot run in this process (a forked child of a PoCL process): why,
+    # as calls on host memory then run on the host (pool_tuner.host_fallback); else None.
+    info["host_fallback"] = dev.host_fallback
     return info
 
 

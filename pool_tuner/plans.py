@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from . import backends, dispatch, memo, shapes
+from . import backends, dispatch, host_fallback, memo, shapes
 from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
 
 #: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
@@ -168,7 +168,11 @@ class Plan:
         if self.launch is None:
             return
         if self.host_launch is None:
-            self.host_launch = self.device.host_launch(self.launch, self.nbytes, len(self.nbytes) - len(self.results))
+            n_inputs = len(self.nbytes) - len(self.results)
+            if self.device.host_fallback is not None:  # its kernels cannot run in this process
+                self.host_launch = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
+            else:
+                self.host_launch = self.device.host_launch(self.launch, self.nbytes, n_inputs)
         self.host_launch(pointers)
 
 

@@ -1,6 +1,6 @@
-"""pool_tuner asks PoCL to pin its worker threads (POCL_AFFINITY=1) only where that cannot abort the
-process or move threads out of the process's CPUs, never overrides a user's own setting, and lets
-a child process that inherits its setting check again (backends/opencl.py, request_pocl_affinity)."""
+"""pool_tuner never pins PoCL's worker threads itself (POCL_AFFINITY is the user's: setting it would
+pin the user's own OpenCL code and every child process too); it says whether they are pinned and
+whether pinning would be safe here (backends/pocl_env.py)."""
 
 import os
 import subprocess
@@ -8,80 +8,56 @@ import sys
 
 import pytest
 
-from pool_tuner.backends import opencl
+from pool_tuner.backends import opencl, pocl_env
 
-AFFINITY, MARK = opencl.POCL_AFFINITY_ENV, opencl.POCL_AFFINITY_MARK_ENV
+AFFINITY = pocl_env.AFFINITY_ENV
 
 
 @pytest.fixture
 def four_cpus(monkeypatch):
     """A machine of 4 online CPUs on which the process may run on all of them (tests narrow it)."""
-    monkeypatch.setattr(opencl, "online_cpus", lambda: 4)
+    monkeypatch.setattr(pocl_env, "online_cpus", lambda: 4)
     allowed = {0, 1, 2, 3}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed), raising=False)
     return allowed
 
 
-def test_sets_the_variable_and_its_mark_when_every_cpu_is_allowed(four_cpus):
+def test_pinning_is_advised_where_it_is_safe(four_cpus):
     environ = {}
-    said = opencl.request_pocl_affinity(environ)
-    assert environ == {AFFINITY: "1", MARK: "1"}
-    assert "POCL_AFFINITY=1 set by pool_tuner" in said
+    said = pocl_env.affinity_note(environ)
+    assert environ == {}
+    assert "not pinned" in said and "set POCL_AFFINITY=1" in said
 
 
 @pytest.mark.parametrize("value", ["0", "1", ""])
-def test_a_users_setting_is_kept(four_cpus, value):
+def test_a_users_setting_is_reported(four_cpus, value):
     environ = {AFFINITY: value}
-    four_cpus.clear()  # even where pinning would not be safe: it is the user's choice
-    said = opencl.request_pocl_affinity(environ)
+    four_cpus.clear()
+    assert f"POCL_AFFINITY={value!r} as set by the user" in pocl_env.affinity_note(environ)
     assert environ == {AFFINITY: value}
-    assert f"POCL_AFFINITY={value!r} as set by the user" in said
 
 
-@pytest.mark.parametrize("name", opencl.POCL_WORKER_COUNT_ENVS)
-def test_left_alone_when_the_worker_count_is_chosen(four_cpus, name):
+@pytest.mark.parametrize("name", pocl_env.WORKER_COUNT_ENVS)
+def test_not_advised_when_the_worker_count_is_chosen(four_cpus, name):
     # More workers than CPUs with pinning makes PoCL abort ("PTHREAD ERROR ... Invalid argument").
-    environ = {name: "6"}
-    said = opencl.request_pocl_affinity(environ)
-    assert environ == {name: "6"}
-    assert f"{name} is set" in said
+    said = pocl_env.affinity_note({name: "6"})
+    assert f"{name} is set" in said and "not safe" in said
 
 
 @pytest.mark.parametrize("allowed", [{0, 1}, {2, 3}, {0, 1, 3}, {1, 2, 3}])
-def test_left_alone_when_the_process_may_not_run_on_every_cpu(four_cpus, allowed):
+def test_not_advised_when_the_process_may_not_run_on_every_cpu(four_cpus, allowed):
     four_cpus.intersection_update(allowed)
-    environ = {}
-    said = opencl.request_pocl_affinity(environ)
-    assert environ == {}
-    assert "may not run on every CPU" in said
+    assert "may not run on every CPU" in pocl_env.affinity_note({})
 
 
-def test_left_alone_without_cpu_affinity(four_cpus, monkeypatch):
+def test_not_advised_without_cpu_affinity(four_cpus, monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
-    environ = {}
-    assert "no CPU affinity" in opencl.request_pocl_affinity(environ)
-    assert environ == {}
-
-
-@pytest.mark.parametrize("safe", [True, False])
-def test_an_inherited_setting_is_checked_again(four_cpus, safe):
-    """A child process inherits the variable and its mark: kept where pinning is safe for it,
-    both dropped where it is not (a child started on fewer CPUs)."""
-    if not safe:
-        four_cpus.discard(0)
-    environ = {AFFINITY: "1", MARK: "1"}
-    said = opencl.request_pocl_affinity(environ)
-    if safe:
-        assert environ == {AFFINITY: "1", MARK: "1"} and "set by pool_tuner" in said
-    else:
-        assert environ == {} and "may not run on every CPU" in said
+    assert "no CPU affinity" in pocl_env.affinity_note({})
 
 
 CHILD = """
 import os, sys
 import numpy as np
-if sys.argv[1] == "one_cpu":
-    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
 import pool_tuner as pt
 from pool_tuner import reference
 from pool_tuner.backends import opencl
@@ -100,20 +76,21 @@ print(os.environ.get("POCL_AFFINITY"), float(abs(y - expected).max()) < 1e-6, so
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc/self/task"),
                     reason="CPU affinity and /proc are Linux-only")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
-                    reason="needs two CPUs, to tell a pinned worker from the process and to restrict the child to one")
-@pytest.mark.parametrize("cpus, inherited", [("all", False), ("one_cpu", False), ("one_cpu", True)])
-def test_decision_in_a_fresh_process(cpus, inherited):
-    """In a fresh process pool_tuner sets the variable exactly when pinning is safe, PoCL then pins
-    a worker to CPU 0 alone (read from /proc), and pooling gives right results either way -- also
-    in a child that inherited pool_tuner's setting and was then restricted to one CPU."""
-    env = {k: v for k, v in os.environ.items() if k not in (AFFINITY, MARK) + opencl.POCL_WORKER_COUNT_ENVS}
-    if inherited:
-        env.update({AFFINITY: "1", MARK: "1"})
-    done = subprocess.run([sys.executable, "-c", CHILD, cpus], env=env, capture_output=True, text=True, timeout=300)
+                    reason="needs two CPUs, to tell a pinned worker from the process")
+@pytest.mark.parametrize("users", [None, "1"])
+def test_in_a_fresh_process_pinning_is_the_users_choice(users):
+    """Without the user's POCL_AFFINITY no thread is pinned and the variable stays unset; with
+    POCL_AFFINITY=1 (where pinning is safe) PoCL pins a worker to CPU 0 alone (read from /proc).
+    Results are right either way."""
+    env = {k: v for k, v in os.environ.items() if k != AFFINITY and k not in pocl_env.WORKER_COUNT_ENVS}
+    if users is not None:
+        env[AFFINITY] = users
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     value, correct, cpus_of_threads, said = done.stdout.strip().split("|")
     assert correct == "True", said
-    pinned = cpus == "all" and os.sched_getaffinity(0) == set(range(opencl.online_cpus()))
-    assert value == ("1" if pinned else "None"), said
-    if pinned:
+    assert value == str(users), said
+    if users is None:
+        assert "'0'" not in cpus_of_threads or len(os.sched_getaffinity(0)) == 1, cpus_of_threads
+    elif os.sched_getaffinity(0) == set(range(pocl_env.online_cpus())):
         assert "'0'" in cpus_of_threads, cpus_of_threads  # a worker allowed CPU 0 only

@@ -93,6 +93,11 @@ class Device(Protocol):
         """What the backend set up in this process that changes this device's timings (PoCL's
         worker pinning), in words, or None; ``pool-tuner devices`` and ``bench.json`` show it."""
 
+    #: Why this device's kernels cannot run in this process (a forked child of a process that
+    #: started PoCL's worker threads), in words, or None: then calls on host memory are computed by
+    #: ``pool_tuner.host_fallback`` and ``explain`` shows it.
+    host_fallback: str | None
+
     def describe(self) -> str:
         """``<id> <name>``."""
 

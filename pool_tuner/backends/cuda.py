@@ -145,6 +145,7 @@ class CudaDevice:
     platform_name = "CUDA"
     #: Nothing set up in this process changes a CUDA device's timings.
     runtime_note = None
+    host_fallback = None
 
     def __init__(self, ordinal: int, properties: CudaProperties):
         self.ordinal = ordinal

@@ -18,15 +18,14 @@ module builds (``LockedKernel``) carries a lock held from its first argument to 
 default queue, its memory pool and the device list are made once under a lock; built programs and
 kernels are ``memo`` tables (bounded, shared limit).
 
-Fork: PoCL's threaded CPU driver runs kernels on worker threads started when PoCL is first listed;
-a forked child has none of them, so every command it enqueues there waits forever, in a new
-context as much as in the parent's.  PoCL's single-threaded ``basic`` driver runs commands on the
-thread that waits for them and so works in a child.  pool_tuner therefore asks PoCL for both
-drivers (``request_pocl_fork_fallback``; the user's own ``POCL_DEVICES`` is left alone), lists only
-the threaded one and keeps the other as its ``fork_fallback``: after ``os.fork`` the child drops
-every queue, memory pool and built kernel of the parent and runs the same device -- same id,
-fingerprint and limits, so the same dispatch decisions and bit-identical results -- on the
-fallback, in a new context (docs/design.md, "Threads and processes").
+Fork and PoCL's environment: pool_tuner never sets a variable of PoCL's (``pocl_env``), so the
+user's OpenCL code and child processes see the devices and settings they would without it.  PoCL's
+threaded CPU driver runs kernels on worker threads started when PoCL is first listed; a forked
+child has none of them, so every command it enqueues there waits forever, in a new context as much
+as in the parent's.  After ``os.fork`` the child drops every queue, memory pool and built kernel of
+the parent, and such a device gets a ``host_fallback``: calls on host memory (numpy arrays, CPU
+tensors) are computed on the host (``pool_tuner.host_fallback``), device arrays are refused with
+what to do (docs/design.md, "The user's process").
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import numpy as np
 
 from .. import memo
 from ..shapes import c_strides
+from . import pocl_env
 from .base import DeviceLimits
 
 try:  # PyOpenCL is a hard dependency, but keep a clear message if the install is broken.
@@ -63,100 +63,11 @@ PLATFORM_SLUGS = {POCL_PLATFORM: "pocl"}
 MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
 memory_pool_enabled = os.environ.get(MEMORY_POOL_ENV, "1") != "0"
 
-POCL_AFFINITY_ENV = "POCL_AFFINITY"
-#: Set beside a POCL_AFFINITY that pool_tuner set, so that a child process inheriting both checks
-#: again whether pinning is safe for it rather than taking the value for the user's own.
-POCL_AFFINITY_MARK_ENV = "POOL_TUNER_SET_POCL_AFFINITY"
-#: PoCL variables that change how many worker threads it starts (or CPUs it counts).
-POCL_WORKER_COUNT_ENVS = ("POCL_MAX_PTHREAD_COUNT", "POCL_PTHREAD_MIN_THREADS", "POCL_CPU_MAX_CU_COUNT",
-                          "POCL_CPU_MIN_CU_COUNT")
-
-POCL_DEVICES_ENV = "POCL_DEVICES"
-#: Set beside a POCL_DEVICES that pool_tuner set (``request_pocl_fork_fallback``).
-POCL_DEVICES_MARK_ENV = "POOL_TUNER_SET_POCL_DEVICES"
-#: PoCL's drivers as pool_tuner asks for them: the threaded CPU driver, which it lists, and the
-#: single-threaded one, its device's ``fork_fallback``.
-POCL_DEVICES_REQUESTED = "pthread basic"
-POCL_FALLBACK_DRIVER = "basic"
 
 
-def online_cpus() -> int:
-    """How many CPUs are online (os.cpu_count() can be overridden on Python 3.13+)."""
-    try:
-        return int(os.sysconf("SC_NPROCESSORS_ONLN"))
-    except (AttributeError, ValueError, OSError):
-        return os.cpu_count() or 0
-
-
-def pocl_pinning_hazard(environ) -> str | None:
-    """Why pinning PoCL's workers (worker i to CPU i) could fail in this process, or None.
-
-    PoCL starts one worker per CPU it counts and, pinning, moves worker i to CPU i: a CPU outside
-    the process's cgroup cpuset (or offline) makes it abort the whole process ("PTHREAD ERROR ...
-    Invalid argument"; so did POCL_MAX_PTHREAD_COUNT=4 on 2 CPUs), and one outside a `taskset`
-    mask moves the worker out of the mask.  So pinning is safe only where the process may run on
-    every online CPU 0, 1, ... and no variable changes the number of workers.  (PoCL falls back to 8
-    workers where hwloc finds no CPUs; that cannot be seen from here.)"""
-    for name in POCL_WORKER_COUNT_ENVS:
-        if name in environ:
-            return f"{name} is set"
-    if not hasattr(os, "sched_getaffinity"):
-        return "no CPU affinity on this platform"
-    if os.sched_getaffinity(0) != set(range(online_cpus())):
-        return "this process may not run on every CPU"
-    return None
-
-
-def request_pocl_affinity(environ=os.environ) -> str:
-    """Ask PoCL to pin its CPU driver's worker threads by setting ``POCL_AFFINITY=1``, unless the
-    user set the variable or pinning could fail (pocl_pinning_hazard); return what was decided, in
-    words (``pool-tuner devices`` and ``bench.json`` show it).
-
-    Why: unpinned, PoCL's workers sleep between kernels and wake wherever the scheduler puts them.
-    On the 2-core machine the benchmarks ran on, a small kernel then took twice as long after a
-    blocking wait (upsample_area: 220 us by its own OpenCL event, 120 us pinned), and whole calls
-    on small layers ran 1.3-1.9x faster pinned (docs/design.md, "PoCL worker pinning"; figures in
-    docs/benchmarks.md, "Measurements behind design choices").
-
-    PoCL reads the variable once, when the process first lists OpenCL devices, so list_devices
-    calls this just before; a program that listed them before keeps what it had.  The variable
-    stays set, with POCL_AFFINITY_MARK_ENV beside it, so child processes inherit both and check
-    again, dropping both where pinning is not safe for them."""
-    set_by_us = environ.get(POCL_AFFINITY_MARK_ENV) == "1" and environ.get(POCL_AFFINITY_ENV) == "1"
-    if POCL_AFFINITY_ENV in environ and not set_by_us:
-        return f"{POCL_AFFINITY_ENV}={environ[POCL_AFFINITY_ENV]!r} as set by the user"
-    hazard = pocl_pinning_hazard(environ)
-    if hazard is not None:
-        if set_by_us:  # inherited from a process where pinning was safe
-            del environ[POCL_AFFINITY_ENV], environ[POCL_AFFINITY_MARK_ENV]
-        return f"{POCL_AFFINITY_ENV} not set by pool_tuner: {hazard}"
-    environ[POCL_AFFINITY_ENV] = environ[POCL_AFFINITY_MARK_ENV] = "1"
-    return (f"{POCL_AFFINITY_ENV}=1 set by pool_tuner: PoCL pins its worker threads"
-            " (unless this process listed OpenCL devices before)")
-
-
-def request_pocl_fork_fallback(environ=os.environ) -> str:
-    """Ask PoCL for its single-threaded driver beside the threaded one (``POCL_DEVICES``), unless
-    the user chose PoCL's drivers; return what was decided, in words.  PoCL reads the variable
-    once, when the process first lists OpenCL devices, so list_devices calls this just before.
-    The variable stays set, with POCL_DEVICES_MARK_ENV beside it, so that child processes list the
-    same devices."""
-    if POCL_DEVICES_ENV in environ and not fallback_requested(environ):
-        return f"{POCL_DEVICES_ENV}={environ[POCL_DEVICES_ENV]!r} as set by the user: no fallback for forked children"
-    environ[POCL_DEVICES_ENV] = POCL_DEVICES_REQUESTED
-    environ[POCL_DEVICES_MARK_ENV] = "1"
-    return f"{POCL_DEVICES_ENV}={POCL_DEVICES_REQUESTED!r} set by pool_tuner: forked children run on PoCL's basic driver"
-
-
-def fallback_requested(environ=os.environ) -> bool:
-    """Whether the PoCL devices of this process are the ones request_pocl_fork_fallback chose."""
-    return environ.get(POCL_DEVICES_MARK_ENV) == "1" and environ.get(POCL_DEVICES_ENV) == POCL_DEVICES_REQUESTED
-
-
-@functools.cache
 def pocl_affinity() -> str:
-    """What request_pocl_affinity decided for this process (decided once, on first call)."""
-    return request_pocl_affinity()
+    """Whether PoCL pins its worker threads in this process, in words (``pocl_env.affinity_note``)."""
+    return pocl_env.affinity_note()
 
 
 def platform_slug(platform_name: str) -> str:
@@ -179,23 +90,18 @@ def device_type(device) -> str:
 
 class OpenCLDevice:
     """One OpenCL device, identified as ``opencl:<platform slug>:<number>`` (see the module
-    docstring): ``number`` counts the devices pool_tuner lists on the platform, so a hidden
-    ``fork_fallback`` never renumbers them; ``platform_index`` and ``device_index`` are the ICD
-    loader's numbering of the device that runs the kernels, which Kernel Tuner takes."""
+    docstring): ``number`` counts the devices pool_tuner lists on the platform; ``platform_index``
+    and ``device_index`` are the ICD loader's numbering, which Kernel Tuner takes."""
 
     backend = BACKEND
     source_suffix = ".cl"
     #: PyTorch has no OpenCL backend: the benchmark compares with PyTorch on the CPU.
     torch_device = "cpu"
 
-    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str, number: int | None = None,
-                 fork_fallback: tuple | None = None):
+    def __init__(self, platform_index: int, device_index: int, cl_device, slug: str, number: int | None = None):
         self.cl_device = cl_device
         self.platform_index = platform_index
         self.device_index = device_index
-        #: ``(device index, cl device)`` of the device that runs this one's kernels in a forked child.
-        self.fork_fallback = fork_fallback
-        self._listed_device = cl_device
         self.name = cl_device.name.strip()
         self.platform_name = cl_device.platform.name.strip()
         self.id = f"{BACKEND}:{slug}:{device_index if number is None else number}"
@@ -233,8 +139,12 @@ class OpenCLDevice:
         # host-memory launches (host_memory_aliases, host_buffers), found and made on first use
         self._host_memory_aliases = self._host_buffers = None
         self._lock = threading.Lock()  # making the default queue and its pool; allocating from it
-        #: Why this device cannot run in this (forked) process, or None.
-        self._unusable: str | None = None
+        #: Why this device's kernels cannot run in this process (a forked child of a process that
+        #: started PoCL's worker threads), so that calls on host memory are computed on the host
+        #: (``pool_tuner.host_fallback``); None where its kernels run.
+        self.host_fallback: str | None = None
+        if _pocl_started_before_fork:
+            self._lose_worker_threads()
 
     def __repr__(self):
         return f"<{self.id} {self.name}>"
@@ -263,14 +173,13 @@ class OpenCLDevice:
 
     @property
     def runtime_note(self) -> str | None:
-        """PoCL's CPU device: whether pool_tuner pinned its worker threads (``pocl_affinity``)."""
+        """PoCL's CPU device: whether its worker threads are pinned (``pocl_affinity``)."""
         return f"PoCL: {pocl_affinity()}" if self.is_pocl and self.is_cpu else None
 
     def kernel_tuner_arguments(self) -> dict:
-        if self.cl_device is not self._listed_device:
-            raise RuntimeError(f"{self.describe()} cannot be tuned in a forked child process: it runs on PoCL's "
-                               f"single-threaded driver here, whose timings are not this device's; tune in the "
-                               f"parent or in a process that was not forked")
+        if self.host_fallback is not None:
+            raise RuntimeError(f"{self.describe()} cannot be tuned in this process: {self.host_fallback}; tune in a "
+                               f"process that was not forked")
         return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
 
     @staticmethod
@@ -279,20 +188,28 @@ class OpenCLDevice:
         return work()
 
     def _after_fork_in_child(self) -> None:
-        """Forget the parent's queue, pool and lock, and move onto the fork fallback (see the
-        module docstring); a PoCL device without one is unusable here, which its first use says."""
+        """Forget the parent's queue, pool and lock (see the module docstring)."""
         self._lock = threading.Lock()
         self._default_queue = self._pool = None
         self._host_memory_aliases = self._host_buffers = None
-        if self.fork_fallback is not None:
-            self.device_index, self.cl_device = self.fork_fallback
-        elif self.is_pocl:
-            self._unusable = (
-                f"{self.describe()} cannot run in this forked child process: PoCL's worker threads were started "
-                f"in the parent and do not exist here, and no fallback device was listed "
-                f"({POCL_DEVICES_ENV} was set by the user, or PoCL was listed before pool_tuner could ask for "
-                f"its '{POCL_FALLBACK_DRIVER}' driver); start worker processes with 'spawn' or 'forkserver' instead"
-            )
+        if _pocl_started_before_fork:
+            self._lose_worker_threads()
+
+    def _lose_worker_threads(self) -> None:
+        """In a forked child of a process that started PoCL: a device run by PoCL's worker threads
+        gets its host fallback."""
+        if self.is_pocl and pocl_env.runs_worker_threads(self.name):
+            self.host_fallback = (f"this is a forked child of a process that started PoCL, whose worker threads "
+                                  f"that run {self.name}'s kernels stay in the parent; numpy arrays and CPU tensors "
+                                  f"are pooled on the host by the float64 reference instead (pool_tuner.host_fallback)")
+
+    def check_first_call(self, queue, name: str) -> None:
+        """A device array on a device whose kernels cannot run in this process is refused, with
+        what to do, instead of hanging."""
+        if self.host_fallback is not None:
+            raise RuntimeError(f"{name} is a pyopencl array on {self.describe()}, whose kernels cannot run here: "
+                               f"{self.host_fallback}; pass {name}.get() (a numpy array), or start worker processes "
+                               f"with the 'spawn' or 'forkserver' start method")
 
     # ------------------------------------------------------------------ queues and arrays
 
@@ -303,8 +220,6 @@ class OpenCLDevice:
         if queue is None:
             with self._lock:
                 if self._default_queue is None:
-                    if self._unusable is not None:
-                        raise RuntimeError(self._unusable)
                     context = cl.Context([self.cl_device])
                     self._default_queue = cl.CommandQueue(
                         context, properties=cl.command_queue_properties.PROFILING_ENABLE
@@ -444,10 +359,6 @@ class OpenCLDevice:
     @staticmethod
     def queue_of(array):
         return array.queue
-
-    @staticmethod
-    def check_first_call(queue, name: str) -> None:
-        """Nothing to check: an OpenCL queue can always take a first call."""
 
     @staticmethod
     def wrap_input(array, name: str):
@@ -667,8 +578,6 @@ def enumerate_devices() -> tuple:
     """List the devices afresh (``list_devices`` lists once and keeps the result)."""
     if cl is None:
         return ()
-    pocl_affinity()  # before PoCL starts, which reads it
-    request_pocl_fork_fallback()
     found = []
     try:
         platforms = cl.get_platforms()
@@ -680,28 +589,47 @@ def enumerate_devices() -> tuple:
             devices = list(enumerate(platform.get_devices()))
         except cl.Error:
             continue
-        fallback = None
-        if platform.name.strip() == POCL_PLATFORM and fallback_requested():
-            spare = [(i, d) for i, d in devices if d.name.startswith(POCL_FALLBACK_DRIVER + "-")]
-            if spare and len(spare) < len(devices):
-                fallback = spare[0]
-                devices = [(i, d) for i, d in devices if (i, d) != fallback]
         for number, (d_index, device) in enumerate(devices):
-            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index], number, fallback))
+            found.append(OpenCLDevice(p_index, d_index, device, slugs[p_index], number))
     return tuple(found)
 
 
+#: Whether this process is a forked child of a process in which PoCL was loaded (``pocl_loaded``):
+#: its worker threads, if it started them, stayed in that process.
+_pocl_started_before_fork = False
+
+
+def pocl_loaded() -> bool:
+    """Whether PoCL's library is loaded in this process (by pool_tuner or by the user's own OpenCL
+    code), read from the process's memory map: where it cannot be read, assumed loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libpocl" in line for line in maps)
+    except OSError:
+        return True
+
+
+def _before_fork() -> None:
+    global _pocl_loaded_in_parent
+    _pocl_loaded_in_parent = pocl_loaded()
+
+
+#: ``pocl_loaded()`` in the process that forks, read just before it forks.
+_pocl_loaded_in_parent = False
+
+
 def _after_fork_in_child() -> None:
-    """A forked child: a fresh listing lock, and every listed device moved off the parent's OpenCL
-    state (``OpenCLDevice._after_fork_in_child``); ``memo`` empties the built kernels."""
-    global _listing_lock, _PYOPENCL_KERNELS
+    """A forked child: a fresh listing lock, and every listed device off the parent's OpenCL state
+    (``OpenCLDevice._after_fork_in_child``); ``memo`` empties the built kernels."""
+    global _listing_lock, _PYOPENCL_KERNELS, _pocl_started_before_fork
     _listing_lock, _PYOPENCL_KERNELS = threading.Lock(), threading.Lock()
+    _pocl_started_before_fork = _pocl_loaded_in_parent
     for device in _listing or ():
         device._after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _unique_slugs(platform_names: list) -> list:
@@ -743,7 +671,10 @@ def device_of_array(x):
     for d in devices:
         if d.owns(x):
             return d
-    raise ValueError("x is a pyopencl array on a device that pool_tuner cannot see")
+    raise ValueError(f"the pyopencl array is on {x.queue.device.name.strip()!r} (platform "
+                     f"{x.queue.device.platform.name.strip()!r}), a device pool_tuner does not serve; it serves "
+                     f"{', '.join(d.describe() for d in devices) or 'no OpenCL device'}. Pass the array's .get() "
+                     f"(a numpy array), or an array made on a queue of one of those devices")
 
 
 def import_error():
