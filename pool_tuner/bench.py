@@ -26,6 +26,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -240,6 +241,10 @@ def suite(names=None) -> list:
     among them for those)."""
     chosen = names or list(presets.PRESETS) + [presets.UNTUNED_NAME]
     for name in chosen:
+        if name in presets.FUSED_PRESETS:
+            raise ValueError(f"preset {name!r} is a fused (multi-level) preset: bench times single-level ops against "
+                             f"PyTorch's one-to-one, which has no fused equivalent; benchmarks/pyramid.py times the "
+                             f"fused presets against pool_tuner's and PyTorch's separate calls")
         if name not in presets.PRESETS and name not in ("all", presets.UNTUNED_NAME):
             raise ValueError(f"preset must be one of {sorted(presets.PRESETS) + ['all', presets.UNTUNED_NAME]}, "
                              f"got {name!r}")
@@ -484,6 +489,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
     # The streams are timed before and after the suite and each keeps the faster median: a shared
     # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
+    load_before = load_average()
     streams_before = memory_bandwidth(dev)
     rng = np.random.default_rng()
     rows = []
@@ -494,6 +500,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
             if progress:
                 progress(rows[-1])
     streams_after = memory_bandwidth(dev)
+    load_after = load_average()
     streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
     copy_gbs = copy_bandwidth(streams)
     report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
@@ -518,9 +525,33 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
                    "min_calls": MIN_CALLS, "max_calls": MAX_CALLS,
                    **({"cuda": CUDA_METHOD} if dev.backend == "cuda" else {})},
         "runtime_note": dev.runtime_note,
+        "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
         "rows": report_rows,
         "summary": summary,
     }
+
+
+def load_average() -> float | None:
+    """The 1-minute load average of the machine (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def load_warning(report: dict) -> str | None:
+    """Why the report's figures may not hold (a busy machine), or None: the load average before
+    the run above half the CPUs (other work then competes with both sides of every comparison), or
+    after it above the CPU count (the run itself keeps the CPUs busy, so more is someone else's)."""
+    load = report.get("load_average") or {}
+    before, after, cpus = load.get("before"), load.get("after"), load.get("cpus")
+    if before is None or after is None or not cpus:
+        return None
+    if before <= cpus / 2 and after <= cpus:
+        return None
+    return (f"the machine was busy (load average {before:.2f} before the run, {after:.2f} after, on {cpus} CPUs): "
+            f"other processes competed with the timings, so the figures, speed-ups included, are noisy; rerun "
+            f"on an idle machine before relying on them")
 
 
 def _shape_label(row: dict, separator: str = "->") -> str:
@@ -565,6 +596,12 @@ def format_table(report: dict) -> str:
              f"{'shape':{width}s} " + " ".join(f"{h:>{w}s}" for h, w, _ in COLUMNS) + "  kernel"]
     if report.get("runtime_note"):
         lines.insert(1, report["runtime_note"])
+    load = report.get("load_average")
+    if load and load.get("before") is not None:
+        lines.insert(1, f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after the run, "
+                        f"on {load['cpus']} CPUs")
+    if load_warning(report):
+        lines.insert(2, f"WARNING: {load_warning(report)}")
     for shape, r in zip(shapes, report["rows"]):
         kernels = ("" if r.get("tuned_kernel_ms") is None
                    else f"; kernel alone {r['tuned_kernel_ms']:.4f} ms, default's {r['default_kernel_ms']:.4f} ms")

@@ -18,6 +18,7 @@ from .ops import explain
 from .tuner import DEFAULT_TIME_LIMIT, check_search_options, tune
 from .problem import OPS, Problem
 from .variants import get_variant, variants_for
+from .version import __version__
 
 EXIT_ERROR = 2
 #: Exit status after Ctrl-C, as shells report a process ended by SIGINT (128 + 2).
@@ -45,6 +46,11 @@ def _check_positive(value, name: str) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
+#: What an --output looks like, for messages.
+OUTPUT_FORM = ("an output size such as 1x1, 56xNone (None keeps that size) or 7 (every pooled axis); for a pyramid op "
+               "a comma-separated list of levels such as 1,2,3,6 or 1x1,2x2")
+
+
 def parse_shape(text: str, name: str, output: bool | None = None) -> tuple:
     """``32x2048x7x7`` -> (32, 2048, 7, 7); output sizes (``output``, default: ``name`` is ``--output``)
     may hold ``None`` entries (``56xNone``), and a single number applies to every pooled axis
@@ -58,22 +64,36 @@ def parse_shape(text: str, name: str, output: bool | None = None) -> tuple:
         try:
             entries.append(int(token))
         except ValueError:
-            raise ValueError(f"{name} must look like 32x2048x7x7 (integers joined by 'x'), got {text!r}") from None
+            form = OUTPUT_FORM if output else "an input shape such as 32x2048x7x7 (integers joined by 'x')"
+            raise ValueError(f"{name} must be {form}, got {text!r}") from None
     check_sizes(entries, name, text, output=output)
     if output and len(entries) == 1 and entries[0] is not None:
         return entries[0]
     return tuple(entries)
 
 
+def parse_output(text: str, op: str, name: str = "--output"):
+    """An ``--output`` for ``op``: ``parse_shape``'s output size, or for a pyramid op a list of
+    levels, comma-separated (``1,2,3,6``, ``1x1,2x2``)."""
+    if not OPS[op].pyramid:
+        if "," in str(text):
+            raise ValueError(f"{name} {text!r} is a list of levels, which only the pyramid ops take "
+                             f"(--op {', '.join(n for n in OP_NAMES if OPS[n].pyramid)}); {op} takes one output size "
+                             f"such as 1x1")
+        return parse_shape(text, name)
+    return [parse_shape(level, name) for level in str(text).split(",")]
+
+
 def check_sizes(entries, name: str, given, output: bool) -> None:
-    """Input sizes must be positive, output sizes (``output``) >= 0 (0: an empty output) or None (keep
+    """Input sizes must be >= 0 (0: an empty batch or channel axis, as the API allows; the library
+    refuses a pooled axis of 0), output sizes (``output``) >= 0 (0: an empty output) or None (keep
     that size), checked here so that the message names the command-line option rather than the
     library argument."""
     if output:
         if any(e is not None and (not isinstance(e, int) or e < 0) for e in entries):
             raise ValueError(f"{name} sizes must be integers >= 0 or None (e.g. 1x1 or 56xNone), got {given!r}")
-    elif any(not isinstance(e, int) or e < 1 for e in entries):
-        raise ValueError(f"{name} sizes must be positive integers (e.g. 32x2048x7x7), got {given!r}")
+    elif any(not isinstance(e, int) or e < 0 for e in entries):
+        raise ValueError(f"{name} sizes must be integers >= 0 (e.g. 32x2048x7x7), got {given!r}")
 
 
 def _shapes_from_args(args) -> list:
@@ -93,7 +113,7 @@ def _shapes_from_args(args) -> list:
         return [_shapes_entry(entry, i, args.op) for i, entry in enumerate(entries)]
     if args.output is None:
         raise ValueError("--input needs --output (e.g. --output 1x1)")
-    return [(args.op, parse_shape(args.input, "--input"), parse_shape(args.output, "--output"))]
+    return [(args.op, parse_shape(args.input, "--input"), parse_output(args.output, args.op))]
 
 
 def _shapes_entry(entry, i: int, op: str) -> tuple:
@@ -316,7 +336,7 @@ def _partial_note(record) -> str:
 
 
 def cmd_explain(args) -> int:
-    shape, out = parse_shape(args.input, "--input"), parse_shape(args.output, "--output")
+    shape, out = parse_shape(args.input, "--input"), parse_output(args.output, args.op)
     _problem(args.op, shape, out, args.dtype, args.layout, args.direction)
     info = explain(args.op, shape, out, args.dtype, args.layout, args.device, direction=args.direction)
     print(json.dumps(info, indent=2))
@@ -330,7 +350,7 @@ def cmd_bench(args) -> int:
     bench.suite(names)  # validates the names before any work
     _check_positive(args.repeat, "--repeat")
     _check_positive(args.torch_threads, "--torch-threads")
-    out = Path(args.out)
+    out = Path(args.out) if args.out is not None else default_bench_dir()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -343,9 +363,19 @@ def cmd_bench(args) -> int:
                            f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
                        tune_untuned=args.tune_untuned)
     print(bench.format_table(report))
+    if bench.load_warning(report):
+        warnings.warn(bench.load_warning(report))
     json_path, png_path = bench.save(report, out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
     return 0
+
+
+def default_bench_dir() -> Path:
+    """Where ``bench`` writes by default: the user's data directory for pool-tuner (a clone's
+    tracked files stay untouched)."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("pool-tuner")) / "bench"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -365,6 +395,7 @@ def cmd_compile_check(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pool-tuner", description="Autotuned adaptive pooling kernels.")
+    parser.add_argument("--version", action="version", version=f"pool-tuner {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("devices", help="list the devices pool_tuner can use")
@@ -376,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="tune shapes on a device and store the winners in the cache")
     p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
                    help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
-    p.add_argument("--input", help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
-    p.add_argument("--output", help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
+    p.add_argument("--input", help="input shape, sizes joined by 'x', e.g. 32x2048x7x7 (batch and channels may be 0)")
+    p.add_argument("--output", help=f"output size: {OUTPUT_FORM}")
     p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS) + sorted(presets.FUSED_PRESETS))} "
                                     f"or all (the single-level ones)")
     p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
@@ -424,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="device id (see `pool-tuner devices`)")
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds of timed loops per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
-    p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
+    p.add_argument("--out", help=f"directory for bench.json and bench.png (default {default_bench_dir()}, outside "
+                                 f"any clone)")
     p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")
     p.add_argument("--tune-untuned", action="store_true",
                    help="also tune each untuned shape in the run (not stored) and time its winner beside dispatch's "
@@ -434,9 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")
     p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
                    help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
-    p.add_argument("--input", required=True, help="input shape, positive sizes joined by 'x', e.g. 32x2048x7x7")
-    p.add_argument("--output", required=True,
-                   help="output size, e.g. 1x1, 56xNone (None keeps that size) or 1 (every axis)")
+    p.add_argument("--input", required=True, help="input shape, sizes joined by 'x', e.g. 32x2048x7x7 (batch and channels may be 0)")
+    p.add_argument("--output", required=True, help=f"output size: {OUTPUT_FORM}")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
     p.add_argument("--layout", help="memory layout, e.g. NCHW (default, contiguous) or NHWC (channels-last)")
     p.add_argument("--direction", choices=["forward", "backward"], default="forward",

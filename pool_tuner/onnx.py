@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import copy
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as error:  # only torch itself missing, not something torch imports
+    if error.name != "torch":
+        raise
+    raise ImportError(
+        'pool_tuner.onnx needs PyTorch, which is not installed: pip install "pool-tuner[onnx]"'
+    ) from error
 
 from .decomposition import decompose
 from .shapes import resolve_output_size

@@ -64,6 +64,12 @@ class Operation:
         """Whether one call gives several results (levels) from one pass over the input."""
         return self.pyramid or self.kind == "avgmax"
 
+    @property
+    def function_name(self) -> str:
+        """The public function that runs this op, ``pool_tuner.<function_name>(x, output_size)``: a
+        pyramid's rank is taken from its input, so the pyramids of every rank share one."""
+        return f"adaptive_{self.kind}_pool_pyramid" if self.pyramid else self.name
+
     def level_kinds(self, levels: int) -> tuple:
         """The kind (``avg`` or ``max``) of each of ``levels`` levels."""
         return ("avg", "max") if self.kind == "avgmax" else (self.kind,) * levels

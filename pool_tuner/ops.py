@@ -100,7 +100,9 @@ def _device_layouts_check(specs: list, name: str, check_data):
             return  # the flat buffers of every level (pool_tuner.fused checked each level's layout)
         if plans.strides_layout(first.shape, first.strides, problem.ndim) is None:
             raise ValueError(f"{name} must be contiguous or channels-last; got strides {first.strides} (in elements) "
-                             f"for shape {first.shape}")
+                             f"for shape {first.shape}. Device arrays are never copied behind your back: pass a "
+                             f"contiguous copy (PyOpenCL cannot copy such a view on the device, so make the data "
+                             f"contiguous where it is produced, or pool a numpy array, which is copied for you)")
         if len(specs) > 1 and plans.strides_layout(specs[1].shape, specs[1].strides, problem.ndim) != problem.layout:
             raise ValueError(f"indices must have the memory layout of grad_out ({problem.layout})")
         if check_data is not None:
@@ -329,6 +331,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     backward pass."""
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
+    plans.check_fits(problem, dev)
     info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, memoise=False))
     record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.

@@ -94,6 +94,29 @@ def check_device_option(owner, device, name: str) -> None:
         )
 
 
+def check_fits(problem: Problem, device) -> None:
+    """The results of ``problem`` must fit ``device``: each in one allocation, all in its memory.
+    Checked before anything is sized by the output (window tables, buffers), so that a mistyped
+    size (``output_size=(2**31 - 1, 1)``) is a ``ValueError`` naming the argument instead of an
+    allocation failure deep inside numpy or the driver."""
+    itemsize = ELEMENT_BYTES[problem.dtype]
+    if problem.direction == "forward":
+        values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
+        parts, name = [values * itemsize, positions * ELEMENT_BYTES["int64"]], "output_size"
+        what = f"an output of shape {problem.output_shape}"
+    else:
+        parts, name = [math.prod(problem.input_shape) * itemsize], "input_shape"
+        what = f"an input gradient of shape {problem.input_shape}"
+    if max(parts) > device.max_allocation_bytes or sum(parts) > device.memory_bytes:
+        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {device.describe()} can hold "
+                         f"({_gib(device.max_allocation_bytes)} in one buffer, {_gib(device.memory_bytes)} in all); "
+                         f"check {name}")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
 def check_float64(device, dtype: str, name: str) -> None:
     if dtype == "float64" and not device.supports_float64:
         raise TypeError(f"{name} has dtype float64, which {device.describe()} does not support; use float32")
@@ -229,6 +252,7 @@ def _make_plan(problem, reorder, results, device, variant, config, on_miss, cont
     """``make_plan`` once the problem, the inputs' reordering and the results are known."""
     if before_build is not None:
         before_build(problem)
+    check_fits(problem, device)
     choice = dispatch.choose(problem, device, variant, config, on_miss=on_miss)
     if build_target is None:
         build_target = device
@@ -278,7 +302,11 @@ def backward_problem(op: str, grad_shape: tuple, input_shape: tuple, dtype: str,
     ndim = OPS[op].ndim
     batch, spatial = shapes.split_input_shape(input_shape, ndim, "input_shape")
     grad_shape = tuple(grad_shape)
-    if len(grad_shape) != len(batch) + ndim or grad_shape[: len(batch)] != batch:
+    if len(grad_shape) != len(batch) + ndim:  # which of the two is wrong cannot be known: name both
+        raise ValueError(f"input_shape {tuple(input_shape)} has {len(batch) + ndim} dimensions and {name} "
+                         f"{grad_shape} has {len(grad_shape)}; both must be {shapes.RANK_NAMES[ndim]} alike, the "
+                         f"input_shape being the forward input's shape")
+    if grad_shape[: len(batch)] != batch:
         raise ValueError(
             f"{name} must have shape {batch} + ({ndim} output sizes) to match input_shape "
             f"{tuple(input_shape)}, got {grad_shape}"

@@ -39,7 +39,9 @@ def split_input_shape(shape, ndim: int, name: str = "x") -> tuple[tuple[int, ...
         shape = tuple(shape)
     except TypeError:
         raise TypeError(f"{name} must have a shape (a sequence of ints), got {type(shape).__name__}") from None
-    shape = tuple(check_int(s, f"{name}.shape[{i}]", minimum=0) for i, s in enumerate(shape))
+    # an array's sizes are x.shape[i]; a shape argument's (input_shape) its own entries
+    item = f"{name}[{{}}]" if name.endswith("shape") else f"{name}.shape[{{}}]"
+    shape = tuple(check_int(s, item.format(i), minimum=0) for i, s in enumerate(shape))
     if len(shape) not in (ndim + 1, ndim + 2):
         raise ValueError(
             f"{name} must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
@@ -61,7 +63,7 @@ def resolve_output_size(output_size, in_spatial: tuple[int, ...], name: str = "o
     if output_size is None:
         raise TypeError(f"{name} must be an int or a sequence of {ndim} ints/None, got None")
     if isinstance(output_size, numbers.Integral) and not isinstance(output_size, bool):
-        entries = (output_size,) * ndim
+        entries = (check_int(output_size, name, minimum=0),) * ndim
     elif isinstance(output_size, (str, bytes, bytearray)):  # sequences, but of characters or byte codes
         raise TypeError(
             f"{name} must be an int or a sequence of {ndim} ints/None, got {type(output_size).__name__} {output_size!r}"

@@ -42,7 +42,7 @@ def no_kernel_may_run(monkeypatch):
         (lambda: pt.adaptive_avg_pool2d(np.ones((8, 8), np.float32), 1), ValueError, "x must be 3-d or 4-d"),
         (lambda: pt.adaptive_avg_pool2d(np.ones((1, 2, 3, 8, 8), np.float32), 1), ValueError, "x must be 3-d or 4-d"),
         (lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 0, 8), np.float32), 1), ValueError, "pooled dimension of size 0"),
-        (lambda: pt.adaptive_avg_pool2d(GOOD, -1), ValueError, r"output_size\[0\] must be >= 0"),
+        (lambda: pt.adaptive_avg_pool2d(GOOD, -1), ValueError, r"output_size must be >= 0"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, (2, -3)), ValueError, r"output_size\[1\] must be >= 0"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, 2.5), TypeError, "output_size must be an int"),
         (lambda: pt.adaptive_avg_pool2d(GOOD, (2.0, 2)), TypeError, r"output_size\[0\] must be an int"),

@@ -364,7 +364,7 @@ class OpenCLDevice:
     def wrap_input(array, name: str):
         """A caller's device array as a kernel argument (kernels take no offsets)."""
         if array.offset:
-            raise ValueError(f"{name} must start at the beginning of its buffer (offset 0); pass a copy")
+            raise ValueError(f"{name} must start at the beginning of its buffer (offset 0); pass {name}.copy()")
         return array
 
     @staticmethod
