@@ -610,8 +610,9 @@ def pocl_loaded() -> bool:
 
 
 def _before_fork() -> None:
+    """Read whether PoCL is loaded, once it is no more (a loaded driver stays loaded)."""
     global _pocl_loaded_in_parent
-    _pocl_loaded_in_parent = pocl_loaded()
+    _pocl_loaded_in_parent = _pocl_loaded_in_parent or pocl_loaded()
 
 
 #: ``pocl_loaded()`` in the process that forks, read just before it forks.
