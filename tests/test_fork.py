@@ -119,6 +119,30 @@ def test_a_forked_child_runs_every_kind_of_op(rng, layout):
     assert _wait(_in_child(child)) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_a_forked_child_rounds_to_the_dtype_as_the_kernels_do(rng, dtype):
+    """The host fallback stores each dtype as the kernels do (bfloat16 as its bits, rounded to
+    nearest even): the child's results are the parent's up to one unit in the last place."""
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        numpy_dtype = ml_dtypes.bfloat16
+    else:
+        numpy_dtype = np.dtype(dtype)
+    x = random_input(rng, (2, 3, 11, 9)).astype(numpy_dtype)
+    avg = pt.adaptive_avg_pool2d(x, OUT)
+    values, indices = pt.adaptive_max_pool2d(x, OUT, return_indices=True)
+    ulp = {"float16": 2e-3, "bfloat16": 1.6e-2, "float64": 1e-12}[dtype]
+
+    def child():
+        again_values, again_indices = pt.adaptive_max_pool2d(x, OUT, return_indices=True)
+        again = pt.adaptive_avg_pool2d(x, OUT)
+        return (again.dtype == avg.dtype and np.array_equal(again_indices, indices)
+                and np.array_equal(again_values.astype(np.float64), values.astype(np.float64))
+                and np.allclose(again.astype(np.float64), avg.astype(np.float64), rtol=ulp, atol=ulp))
+
+    assert _wait(_in_child(child)) == 0
+
+
 def test_a_device_array_in_a_forked_child_is_refused_not_hung(rng):
     import pyopencl.array as cl_array
     from pool_tuner.backends import opencl
