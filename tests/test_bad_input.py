@@ -170,6 +170,35 @@ def _array_on_another_device():
     pt.adaptive_avg_pool2d(x, 2, device=others[0].id if others else "opencl:99:0")  # no other: an unknown id
 
 
+def _device_array_at_an_offset():
+    import pyopencl.array as cl_array
+
+    pt.adaptive_avg_pool2d(cl_array.to_device(backends.default_device().queue, GOOD)[1:], 2)
+
+
+def _array_on_an_unserved_device():
+    """As if pool_tuner served no OpenCL device: the array's device is one it does not serve."""
+    import pyopencl.array as cl_array
+    from pool_tuner.backends import opencl
+
+    x = cl_array.to_device(backends.default_device().queue, GOOD)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(opencl, "list_devices", lambda: ())
+        pt.adaptive_avg_pool2d(x, 2)
+
+
+def _device_array_in_a_forked_child():
+    """A device array where the device's kernels cannot run (a forked child of a process that
+    started PoCL), as the device then says (``host_fallback``)."""
+    import pyopencl.array as cl_array
+
+    device = backends.default_device()
+    x = cl_array.to_device(device.queue, np.ones((1, 2, 5, 3), np.float32))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(device, "host_fallback", "a forked child, as a test pretends")
+        pt.adaptive_avg_pool2d(x, (2, 3))
+
+
 def _unknown_device_in_the_environment():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("POOL_TUNER_DEVICE", "opencl:99:99")
@@ -187,10 +216,16 @@ README_ERRORS = {
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD.astype(np.complex64), 1)),
         (TypeError, _float64_on_a_device_without_doubles),
     ],
-    "wrong rank; zero-size pooled dimension; device arrays neither contiguous nor channels-last": [
+    "wrong rank; zero-size pooled dimension; device arrays neither contiguous nor channels-last (with what to do: "
+    "pyopencl cannot copy such a view), or not at the start of their buffer (pass `x.copy()`)": [
         (ValueError, lambda: pt.adaptive_avg_pool2d(np.ones((8, 8), np.float32), 1)),
         (ValueError, lambda: pt.adaptive_avg_pool2d(np.ones((2, 3, 8, 0), np.float32), 1)),
         (ValueError, _device_array_with_other_strides),
+        (ValueError, _device_array_at_an_offset),
+    ],
+    "a pyopencl array on a device pool_tuner does not serve (the message names its device, the devices served and "
+    "the way out)": [
+        (ValueError, _array_on_an_unserved_device),
     ],
     "`output_size` of the wrong type (float, bool, None, str, bytes)": [
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2.0)),
@@ -199,15 +234,23 @@ README_ERRORS = {
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, "47")),
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, b"47")),
     ],
-    "`output_size` negative, above 2**31 - 1 on an axis, or with the wrong number of entries": [
+    "`output_size` negative, above 2**31 - 1 on an axis, or with the wrong number of entries; results larger than "
+    "the device can hold (one buffer, or its memory), checked before anything is sized by them": [
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (-1, 2))),
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (3, 2**41))),
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (2,))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, (2**31 - 1, 2**31 - 1))),
     ],
-    "backward `input_shape` with non-integers / of the wrong rank / not matching `grad_out`": [
+    "backward `input_shape` with non-integers / of the wrong rank / not matching `grad_out` (a rank that differs "
+    "from `grad_out`'s names both)": [
         (TypeError, lambda: pt.adaptive_avg_pool2d_backward(G, (2, 3, 8.0, 8))),
         (ValueError, lambda: pt.adaptive_avg_pool2d_backward(G, (8, 8))),
         (ValueError, lambda: pt.adaptive_avg_pool2d_backward(G, (2, 4, 8, 8))),
+        (ValueError, lambda: pt.adaptive_avg_pool2d_backward(G, (3, 8, 8))),
+    ],
+    "a device array in a forked child of a process that started PoCL's worker threads (see "
+    "[Fork](#threads-and-processes))": [
+        (RuntimeError, _device_array_in_a_forked_child),
     ],
     "max backward `indices` missing or not int64": [
         (TypeError, lambda: pt.adaptive_max_pool2d_backward(G, None, G_SHAPE)),
