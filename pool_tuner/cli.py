@@ -341,7 +341,7 @@ def cmd_bench(args) -> int:
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
                            f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
-                       tune_untuned=args.tune_untuned)
+                       tune_untuned=args.tune_untuned, dtype=args.dtype)
     print(bench.format_table(report))
     json_path, png_path = bench.save(report, out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
@@ -422,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
                    help="which passes to benchmark (default both)")
     p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--dtype", default="float32", help="element type of every shape: float32 (default), float16 or "
+                                                       "float64")
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds of timed loops per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
     p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
