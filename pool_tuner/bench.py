@@ -479,10 +479,11 @@ def geomean(values) -> float:
 
 
 def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
-        progress=None, tune_untuned: bool = False, dtype: str = "float32") -> dict:
+        progress=None, tune_untuned: bool = False, dtype: str = "float32", stream_bytes: int = STREAM_BYTES) -> dict:
     """Run the suite in ``dtype`` (one of ``DTYPES``); returns the JSON-ready report.
     ``tune_untuned``: tune each of the untuned shapes in the run and time its winner beside
-    dispatch's choice (``measure``'s ``tune_here``)."""
+    dispatch's choice (``measure``'s ``tune_here``).  ``stream_bytes``: the bandwidth streams'
+    buffer size (``memory_bandwidth``); small ones make a quick check, whose floors are a cache's."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (numpy has no bfloat16 for the inputs), "
                          f"got {dtype!r}")
@@ -495,7 +496,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
     # They take as many rounds as the shapes, up to memory_bandwidth's default (a short run stays short).
     stream_repeat = min(repeat, STREAM_REPEAT)
-    streams_before = memory_bandwidth(dev, repeat=stream_repeat)
+    streams_before = memory_bandwidth(dev, stream_bytes, stream_repeat)
     rng = np.random.default_rng()
     rows = []
     for name, op, shape, out in suite(names):
@@ -504,7 +505,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
                                 tune_here=tune_untuned and name == presets.UNTUNED_NAME, dtype=dtype))
             if progress:
                 progress(rows[-1])
-    streams_after = memory_bandwidth(dev, repeat=stream_repeat)
+    streams_after = memory_bandwidth(dev, stream_bytes, stream_repeat)
     streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
     copy_gbs = copy_bandwidth(streams)
     report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
@@ -526,6 +527,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "memory_gbs": streams,
         "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
+        "stream_bytes": stream_bytes,
         "method": {"timing": "loops of calls back to back, then one wait for the device", "loop_s": LOOP_S,
                    "min_calls": MIN_CALLS, "max_calls": MAX_CALLS,
                    **({"cuda": CUDA_METHOD} if dev.backend == "cuda" else {})},

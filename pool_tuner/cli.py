@@ -330,6 +330,7 @@ def cmd_bench(args) -> int:
     bench.suite(names)  # validates the names before any work
     _check_positive(args.repeat, "--repeat")
     _check_positive(args.torch_threads, "--torch-threads")
+    _check_positive(args.stream_mib, "--stream-mib")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -341,7 +342,8 @@ def cmd_bench(args) -> int:
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
                            f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
-                       tune_untuned=args.tune_untuned, dtype=args.dtype)
+                       tune_untuned=args.tune_untuned, dtype=args.dtype,
+                       **({} if args.stream_mib is None else {"stream_bytes": args.stream_mib * 2**20}))
     print(bench.format_table(report))
     json_path, png_path = bench.save(report, out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
@@ -426,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "float64")
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds of timed loops per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
+    p.add_argument("--stream-mib", type=int,
+                   help="MiB of each bandwidth stream's buffers (default: enough to measure memory, not caches; a "
+                        "small one makes a quick check, whose floors are a cache's)")
     p.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
     p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")
     p.add_argument("--tune-untuned", action="store_true",
