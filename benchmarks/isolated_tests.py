@@ -11,6 +11,8 @@ single fault fails every case after it.  Here:
   as it goes, and ends the session after a failure whose report names an error that poisons a
   CUDA context (``POISONING``).  A shard that stopped so, or died (a segfault, an abort), is started
   again on the cases it did not finish; the case it died in is counted ``crashed``;
+* a case whose ``skip``/``skipif`` mark skips it (every case of the GPU files without a GPU) is
+  counted skipped, with its reason, without starting a process for it;
 * every process runs under one deadline: one still running then is killed, the case it was in is
   counted ``timed out`` and the cases after it ``not run``.
 
@@ -49,9 +51,10 @@ POISONING = re.compile(r"illegal memory access|ILLEGAL_ADDRESS|unspecified launc
                        r"context is destroyed|CONTEXT_IS_DESTROYED|hardware stack error|ECC error", re.IGNORECASE)
 #: Every outcome a case can end with, in the summary's order.
 OUTCOMES = ("passed", "failed", "skipped", "crashed", "timed out", "not run")
-#: pytest's options of every process: one process each (the project's addopts ask for workers), no
-#: cache files written into the checkout.
-PYTEST = ("-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rN")
+#: pytest's options of every process: the project's addopts cleared (they ask for pytest-xdist's
+#: workers; the processes here are the workers, and need no pytest-xdist), no cache files written
+#: into the checkout.
+PYTEST = ("-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rN")
 
 
 # ---------------------------------------------------------------------- the plugin (inside each pytest process)
@@ -76,7 +79,21 @@ def pytest_sessionstart(session):
 
 def pytest_collection_finish(session):
     for item in session.items:
-        _event({"nodeid": item.nodeid, "event": "collected", "alone": item.get_closest_marker(OWN_PROCESS) is not None})
+        _event({"nodeid": item.nodeid, "event": "collected", "alone": item.get_closest_marker(OWN_PROCESS) is not None,
+                "skip": _skip_reason(item)})
+
+
+def _skip_reason(item) -> str | None:
+    """The reason of a ``skip`` mark, or of a ``skipif`` mark whose condition is True, on ``item``
+    (conditions given as strings are left to pytest): a case that would only start a process to
+    skip (every case of the GPU test files on a machine without a GPU)."""
+    for mark in item.iter_markers("skip"):
+        return mark.kwargs.get("reason", mark.args[0] if mark.args else "skipped")
+    for mark in item.iter_markers("skipif"):
+        conditions = mark.args or (mark.kwargs.get("condition"),)
+        if any(isinstance(c, bool) and c for c in conditions):
+            return mark.kwargs.get("reason", "skipif")
+    return None
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -105,9 +122,10 @@ class Case:
     message: str = ""
 
 
-def collect(test_file: str, log_dir: Path, env: dict, timeout_s: float) -> tuple[list[str], list[str], str]:
-    """The node ids of ``test_file`` marked ``own_process`` and the others, and pytest's output when
-    it could not collect the file (an empty string when it could).  Ids carry pytest's root
+def collect(test_file: str, log_dir: Path, env: dict, timeout_s: float) -> tuple[list, list, dict, str]:
+    """The node ids of ``test_file`` to run, marked ``own_process`` and not, the cases its marks
+    skip (``_skip_reason``: run in no process), and pytest's output when it could not collect the
+    file (an empty string when it could).  Ids carry pytest's root
     directory before pytest's own (``_event``)."""
     events_path = log_dir / "collection.events"
     events_path.unlink(missing_ok=True)
@@ -116,13 +134,16 @@ def collect(test_file: str, log_dir: Path, env: dict, timeout_s: float) -> tuple
                               cwd=ROOT, env=dict(env, **{EVENTS_ENV: str(events_path)}), capture_output=True,
                               text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return [], [], f"collecting {test_file} took more than the {timeout_s:.0f} s left"
-    alone, together = [], []
+        return [], [], {}, f"collecting {test_file} took more than the {timeout_s:.0f} s left"
+    alone, together, skipped = [], [], {}
     if events_path.exists():
         for line in events_path.read_text(encoding="utf-8").splitlines():
             entry = json.loads(line)
-            (alone if entry["alone"] else together).append(entry["nodeid"])
-    return alone, together, "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-3000:]
+            if entry["skip"] is not None:
+                skipped[entry["nodeid"]] = Case(entry["nodeid"], "skipped", entry["skip"])
+            else:
+                (alone if entry["alone"] else together).append(entry["nodeid"])
+    return alone, together, skipped, "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-3000:]
 
 
 def _outcome(reports: list) -> tuple[str, str]:
@@ -216,24 +237,23 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
     for test_file in test_files:
         log_dir = out / Path(test_file).stem
         log_dir.mkdir(parents=True, exist_ok=True)
-        alone, together, error = collect(test_file, log_dir, env, max(1.0, deadline - time.monotonic()))
+        alone, together, skipped, error = collect(test_file, log_dir, env, max(1.0, deadline - time.monotonic()))
         if error:
             (log_dir / "collection.log").write_text(error, encoding="utf-8")
         # the cases of their own first: the long ones among them overlap the shards
         work = [([nodeid], f"alone-{i}") for i, nodeid in enumerate(alone)]
         work += [(part, f"shard-{i}") for i, part in enumerate(shards(together, jobs))]
-        plans[test_file] = (log_dir, alone + together, work, error)
+        plans[test_file] = (log_dir, skipped, work, error)
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {test_file: [pool.submit(run_shard, ids, log_dir, name, env, deadline) for ids, name in work]
                    for test_file, (log_dir, _, work, _) in plans.items()}
-        for test_file, (log_dir, ids, work, error) in plans.items():
-            cases, processes = {}, 0
+        for test_file, (log_dir, skipped, work, error) in plans.items():
+            ordered, processes = list(skipped.values()), 0
             for future in futures[test_file]:
                 shard_cases, shard_processes = future.result()
-                cases.update(shard_cases)
+                ordered += shard_cases.values()
                 processes += shard_processes
-            ordered = [cases[nodeid] for nodeid in ids]
             note = "collection failed, see collection.log" if error else ""
             results[test_file] = {"cases": [dataclasses.asdict(c) for c in ordered], "collection_error": error,
                                   "summary": summary_line(test_file, ordered, processes, time.monotonic() - started,
