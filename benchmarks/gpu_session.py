@@ -24,13 +24,17 @@ a GPU; the steps that need one are expected to fail): its exit status is 0 when 
 
     python benchmarks/gpu_session.py [--out DIR] [--budget 480] [--jobs 6] [--only STEPS] [--dry-run]
 
-The output folder is ``--out``, else ``$OUT``, else a new temporary directory; ``report.md`` there
-says what each step did, with its log beside it.
+Each step writes into the session's working folder (``--work``, else a new temporary directory);
+after each step the output folder (``--out``, else ``$OUT``, else a new temporary directory) gets
+``report.md``, what each step did so far, and ``session.tar.gz``, the working folder (compiled
+kernels left out): two files, as few as a lease's ``$OUT`` brings back, and a session cut off by its
+lease's limit still leaves what it had done.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -39,6 +43,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -48,8 +53,13 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 #: Seconds kept back from the budget for the report.
 RESERVE_S = 5.0
+#: Seconds a step has to end after SIGTERM at its timeout, before SIGKILL.
+STOP_GRACE_S = 10.0
 #: A step is not started with less than this left (it would only be killed).
 MIN_STEP_S = 10.0
+#: The session's working folder packed into the output folder, and its name inside the archive.
+PACKED = "session.tar.gz"
+SESSION_DIR = "session"
 #: The test files that need a GPU.
 GPU_TEST_FILES = ("tests/test_cuda_gpu.py", "tests/test_cuda.py")
 
@@ -129,8 +139,8 @@ def memory_figures(step_dir: Path, log: str) -> list:
     return table[:table.index("")] if "" in table else table
 
 
-def export_records(step_dir: Path, log: str, out: Path) -> list:
-    """The tuned records (the step's cache) merged into ``tuning_cache/<device>.json`` under ``out``:
+def export_records(step_dir: Path, log: str, work: Path) -> list:
+    """The tuned records (the step's cache) merged into ``tuning_cache/<device>.json`` under ``work``:
     ``cuda_sm_<arch>`` for a CUDA GPU, ``<backend>_<type>`` elsewhere."""
     from pool_tuner import cache
 
@@ -143,24 +153,24 @@ def export_records(step_dir: Path, log: str, out: Path) -> list:
     for device in map(json.loads, sorted(devices)):
         name = (f"cuda_sm_{device['compute_capability'].replace('.', '')}" if device.get("backend") == "cuda"
                 else f"{device.get('backend')}_{device.get('type', 'device')}")
-        target = out / "tuning_cache" / f"{name}.json"
+        target = work / "tuning_cache" / f"{name}.json"
         target.parent.mkdir(parents=True, exist_ok=True)
         count = cache.merge_files([source], target)
-        lines.append(f"{count} records of {device.get('name')} merged into {target.relative_to(out)}")
+        lines.append(f"{count} records of {device.get('name')} merged into {target.relative_to(work)}")
     return lines
 
 
-def grid_data_dir(out: Path) -> Path:
-    """The one device directory ``dispatch_grid.py --data-root`` made under ``out``."""
-    found = sorted(p.parent for p in (out / "dispatch_grid").glob("*/records.json"))
+def grid_data_dir(work: Path) -> Path:
+    """The one device directory ``dispatch_grid.py --data-root`` made under ``work``."""
+    found = sorted(p.parent for p in (work / "dispatch_grid").glob("*/records.json"))
     if len(found) != 1:
-        raise FileNotFoundError(f"expected one grid data directory under {out / 'dispatch_grid'}, found {found}")
+        raise FileNotFoundError(f"expected one grid data directory under {work / 'dispatch_grid'}, found {found}")
     return found[0]
 
 
 # ---------------------------------------------------------------------- the steps
 
-def steps(out: Path, dry_run: bool, jobs: int) -> list:
+def steps(work: Path, dry_run: bool, jobs: int) -> list:
     """The session's steps: on a GPU (``cuda:0``) sized to its budget, or tiny on this machine's
     default device for ``dry_run``."""
     device = [] if dry_run else ["--device", "cuda:0"]
@@ -182,37 +192,37 @@ def steps(out: Path, dry_run: bool, jobs: int) -> list:
         grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", "105"]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
-    tune_cache = {"POOL_TUNER_CACHE_DIR": str(out / "tune" / "cache")}
+    tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
     return [
-        Step("tests", python(BENCHMARKS / "isolated_tests.py", *GPU_TEST_FILES, "--out", out / "tests", "--jobs", jobs,
+        Step("tests", python(BENCHMARKS / "isolated_tests.py", *GPU_TEST_FILES, "--out", work / "tests", "--jobs", jobs,
                              "--timeout", 50 if dry_run else 140), 60 if dry_run else 150, tests_figures),
-        *[Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--quiet", "--out", out / f"suite_{dtype}",
+        *[Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--quiet", "--out", work / f"suite_{dtype}",
                                         *suite],
                30 if dry_run else (50 if dtype == "float32" else 35), suite_figures)
           for dtype in ("float32", "float16")],
         Step("call_overhead", python(BENCHMARKS / "cuda_call_overhead.py", *overhead, "--json",
-                                     out / "call_overhead" / "call_overhead.json"), 25, needs_gpu=True),
+                                     work / "call_overhead" / "call_overhead.json"), 25, needs_gpu=True),
         Step("models", python(BENCHMARKS / "models.py", "--device", "cuda", *models, "--out",
-                              out / "models" / "models.json"), 30 if dry_run else 45, needs_gpu=True),
-        Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", out / "memory" / "memory.json"),
+                              work / "models" / "models.json"), 30 if dry_run else 45, needs_gpu=True),
+        Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
              25, memory_figures),
-        Step("dispatch_grid", python(BENCHMARKS / "dispatch_grid.py", *device, "--data-root", out / "dispatch_grid",
+        Step("dispatch_grid", python(BENCHMARKS / "dispatch_grid.py", *device, "--data-root", work / "dispatch_grid",
                                      *grid), 40 if dry_run else 120),
-        Step("derive_rules", lambda: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(out),
+        Step("derive_rules", lambda: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(work),
                                             "--device-type", "cpu" if dry_run else "gpu",
-                                            "--rules-out", out / "default_rules.json"), 20,
+                                            "--rules-out", work / "default_rules.json"), 20,
              lambda step_dir, log: last_lines(log, 2)),
         *[Step(f"tune_{dtype}", cli + ["tune", *device, "--dtype", dtype, "--quiet", *tune],
-               30 if dry_run else 45, lambda step_dir, log: export_records(out / "tune", log, out), env=tune_cache)
+               30 if dry_run else 45, lambda step_dir, log: export_records(work / "tune", log, work), env=tune_cache)
           for dtype in ("float32", "float16")],
     ]
 
 
 # ---------------------------------------------------------------------- running them
 
-def run_step(step: Step, out: Path, deadline: float) -> Outcome:
+def run_step(step: Step, work: Path, deadline: float) -> Outcome:
     """Run ``step`` under its timeout (or what is left of the budget), its output in its log."""
-    step_dir = out / step.name
+    step_dir = work / step.name
     step_dir.mkdir(parents=True, exist_ok=True)
     log_path = step_dir / "log.txt"
     left = deadline - time.monotonic() - RESERVE_S
@@ -234,8 +244,7 @@ def run_step(step: Step, out: Path, deadline: float) -> Outcome:
         try:
             status = "ok" if proc.wait(timeout=timeout) == 0 else f"failed (exit {proc.returncode})"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the step's own process group: it and what it started
-            proc.wait()
+            stop(proc)
             status = f"timed out after {timeout:.0f} s"
     seconds = time.monotonic() - started
     text = log_path.read_text(encoding="utf-8", errors="replace")
@@ -243,7 +252,20 @@ def run_step(step: Step, out: Path, deadline: float) -> Outcome:
         figures = step.conclude(step_dir, text)
     except Exception as exc:  # noqa: BLE001 - a report with the reason beats no report
         figures = [f"could not read the step's results: {type(exc).__name__}: {exc}"] + last_lines(text)
-    return Outcome(step.name, status, seconds, figures, str(log_path.relative_to(out)), shlex.join(command))
+    return Outcome(step.name, status, seconds, figures, str(log_path.relative_to(work)), shlex.join(command))
+
+
+def stop(proc) -> None:
+    """End a step at its timeout: SIGTERM to its process group (``isolated_tests.py`` then kills the
+    pytest processes it started in groups of their own), SIGKILL after ``STOP_GRACE_S``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def machine() -> str:
@@ -256,12 +278,15 @@ def machine() -> str:
     return "; ".join(proc.stdout.split("\n")[:-1]) or "nvidia-smi lists no GPU"
 
 
-def report(outcomes: list, out: Path, dry_run: bool, budget: float, seconds: float, needs_gpu: set) -> str:
+def report(outcomes: list, pending: list, dry_run: bool, budget: float, seconds: float, needs_gpu: set,
+           gpus: str) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     lines = [f"# GPU session{' (dry run)' if dry_run else ''}, {when}", "",
-             f"- machine: {machine()}", f"- command: `{shlex.join(sys.argv)}`",
-             f"- budget {budget:.0f} s, took {seconds:.0f} s; every file named here is under `{out}`", "",
+             f"- machine: {gpus}", f"- command: `{shlex.join(sys.argv)}`",
+             f"- budget {budget:.0f} s, {seconds:.0f} s so far; the logs named here are in `{PACKED}` "
+             f"(`tar xzf {PACKED}`: `{SESSION_DIR}/<step>/...`)", "",
              "| step | status | seconds | log |", "|---|---|---|---|"]
+    lines += [f"| {name} | not run yet |  |  |" for name in pending]
     for o in outcomes:
         note = " (needs a CUDA GPU: expected in a dry run)" if dry_run and o.name in needs_gpu and not o.ok else ""
         lines.append(f"| {o.name} | {o.status}{note} | {o.seconds:.0f} | {o.log} |")
@@ -275,12 +300,27 @@ def report(outcomes: list, out: Path, dry_run: bool, budget: float, seconds: flo
 
 
 def default_out() -> Path:
-    return Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_session_"))
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_session_out_"))
+
+
+def pack(work: Path, out: Path) -> None:
+    """``out/session.tar.gz``: the working folder as ``session/``, without compiled kernels (the
+    tuning cache's ``cubin/``) and lock files; written to a temporary name, then renamed."""
+    def keep(member):
+        parts = Path(member.name).parts
+        return None if "cubin" in parts or member.name.endswith(".lock") else member
+
+    partial = out / f".{PACKED}.partial"
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(work, arcname=SESSION_DIR, filter=keep)
+    os.replace(partial, out / PACKED)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="output folder (default: $OUT, else a new temporary directory)")
+    parser.add_argument("--out", help="folder for report.md and session.tar.gz (default: $OUT, else a new temporary "
+                                      "directory)")
+    parser.add_argument("--work", help="the session's working folder (default: a new temporary directory)")
     parser.add_argument("--budget", type=float, help="seconds for every step together (default: 480; dry run 300)")
     parser.add_argument("--jobs", type=int, default=6, help="test processes at a time (default: %(default)s)")
     parser.add_argument("--only", help="comma-separated step names to run (default: every step)")
@@ -293,9 +333,11 @@ def main(argv=None) -> int:
     if budget <= 0:
         parser.error(f"--budget must be a positive number of seconds, got {budget}")
     out = Path(args.out) if args.out else default_out()
-    out.mkdir(parents=True, exist_ok=True)
-    out = out.resolve()
-    chosen = steps(out, args.dry_run, args.jobs)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_session_"))
+    for folder in (out, work):
+        folder.mkdir(parents=True, exist_ok=True)
+    out, work = out.resolve(), work.resolve()
+    chosen = steps(work, args.dry_run, args.jobs)
     if args.only:
         names = args.only.split(",")
         unknown = sorted(set(names) - {s.name for s in chosen})
@@ -304,16 +346,19 @@ def main(argv=None) -> int:
         chosen = [s for s in chosen if s.name in names]
     started = time.monotonic()
     deadline = started + budget
-    outcomes = []
-    for step in chosen:
-        print(f"[gpu_session] {step.name} ...", flush=True)
-        outcomes.append(run_step(step, out, deadline))
-        print(f"[gpu_session] {step.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.0f} s)", flush=True)
     needs_gpu = {s.name for s in chosen if s.needs_gpu}
-    text = report(outcomes, out, args.dry_run, budget, time.monotonic() - started, needs_gpu)
-    (out / "report.md").write_text(text, encoding="utf-8")
+    gpus = machine()
+    outcomes = []
+    for done, step in enumerate(chosen, 1):
+        print(f"[gpu_session] {step.name} ...", flush=True)
+        outcomes.append(run_step(step, work, deadline))
+        print(f"[gpu_session] {step.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.0f} s)", flush=True)
+        text = report(outcomes, [s.name for s in chosen[done:]], args.dry_run, budget, time.monotonic() - started,
+                      needs_gpu, gpus)
+        (out / "report.md").write_text(text, encoding="utf-8")
+        pack(work, out)
     print(text)
-    print(f"[gpu_session] report: {out / 'report.md'}")
+    print(f"[gpu_session] {out / 'report.md'}, {out / PACKED} (the working folder {work})")
     failed = [o for o in outcomes if not o.ok and not (args.dry_run and o.name in needs_gpu)]
     return 1 if failed else 0
 

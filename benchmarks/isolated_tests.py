@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +37,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,19 +188,40 @@ def run_shard(ids: list[str], log_dir: Path, name: str, env: dict, deadline: flo
     return cases, attempt
 
 
+#: The process groups of the pytest processes running now, and whether the runner was told to stop
+#: (SIGTERM: its caller's timeout).
+_running: set = set()
+_stopped = threading.Event()
+
+
+def _stop(signum, frame):
+    """SIGTERM: kill every pytest process group still running and start no other (their processes
+    live in groups of their own, out of reach of a signal to the runner's group)."""
+    _stopped.set()
+    for group in list(_running):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def _run_until(ids: list[str], log_path: Path, env: dict, deadline: float) -> bool:
-    """One pytest process on ``ids``, killed (its whole process group) at ``deadline``; whether it was."""
+    """One pytest process on ``ids``, killed (its whole process group) at ``deadline`` or when the
+    runner is stopped; whether it was."""
+    if _stopped.is_set():
+        return True
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen([sys.executable, *PYTEST, "-p", "isolated_tests", *ids], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _running.add(proc.pid)
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            return False
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             log.write("\n[isolated_tests] killed at the deadline\n")
             return True
+        finally:
+            _running.discard(proc.pid)
+        return _stopped.is_set()
 
 
 def _read_events(path: Path) -> tuple[list, set, dict]:
@@ -283,6 +306,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    signal.signal(signal.SIGTERM, _stop)
     results = run_files(args.files, Path(args.out), args.jobs, args.timeout)
     bad = 0
     for result in results.values():

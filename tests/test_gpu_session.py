@@ -6,9 +6,12 @@ same in every process (what pytest-xdist's workers need), and the grid data name
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -139,33 +142,73 @@ def test_the_deadline_kills_what_still_runs(tmp_path):
                                                   "test_after_the_hang": "not run"}
 
 
+def test_a_stopped_runner_leaves_no_test_process_behind(tmp_path):
+    """SIGTERM (gpu_session.py's step timeout) to the runner ends the pytest processes it started in
+    process groups of their own, and it still writes its results."""
+    test_file = tmp_path / "test_hangs.py"
+    pid_file = tmp_path / "pid"
+    test_file.write_text(textwrap.dedent(f'''
+        import os
+        import time
+
+
+        def test_hangs():
+            open({str(pid_file)!r}, "w").write(str(os.getpid()))
+            time.sleep(600)
+    '''))
+    runner = subprocess.Popen([sys.executable, str(BENCHMARKS / "isolated_tests.py"), str(test_file), "--out",
+                               str(tmp_path / "out"), "--jobs", "1", "--timeout", "300"], cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int(pid_file.read_text())
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 1
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert _outcomes(results[str(test_file)]) == {"test_hangs": "timed out"}
+
+
 def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
     """``gpu_session.py --dry-run``: every step runs here (the GPU test files skip, the steps that
     need a GPU fail and are reported so without stopping the others), records and rules are
-    written under the output folder, and the exit status says the plumbing works."""
+    written, and the exit status says the plumbing works.  What comes back from a lease is two
+    files: the report and the packed working folder."""
     gpu_session = _script("gpu_session")
-    out = tmp_path / "session"
+    out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_session.py"), "--dry-run", "--jobs", "2", "--out",
                            str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    report = (out / "report.md").read_text()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    names = [step.name for step in gpu_session.steps(out, dry_run=True, jobs=2)]
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "session.tar.gz"]
+    report = (out / "report.md").read_text()
+    with tarfile.open(out / "session.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    work = tmp_path / "session"
+    names = [step.name for step in gpu_session.steps(work, dry_run=True, jobs=2)]
     assert names == ["tests", "suite_float32", "suite_float16", "call_overhead", "models", "memory", "dispatch_grid",
                      "derive_rules", "tune_float32", "tune_float16"]
     rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
     for name in names:
-        assert f"## {name}: " in report and (out / name / "log.txt").exists(), name
+        assert f"## {name}: " in report and (work / name / "log.txt").exists(), name
         if name in ("call_overhead", "models"):
             assert "expected in a dry run" in rows[name] or "| ok |" in rows[name], rows[name]
         else:
             assert f"| {name} | ok |" in rows[name], rows[name]
+    assert "not run yet" not in report
     assert "tests/test_cuda_gpu.py: " in report and "tests/test_cuda.py: " in report
     assert "geomean" in report  # the suite's figures
-    records = list((out / "tuning_cache").glob("*.json"))
+    records = list((work / "tuning_cache").glob("*.json"))
     assert len(records) == 1 and json.loads(records[0].read_text())["records"]
-    rules = json.loads((out / "default_rules.json").read_text())["devices"]["cpu"]
-    assert rules["derived_from"] == f"benchmarks/dispatch_grid/{gpu_session.grid_data_dir(out).name}/records.json"
+    rules = json.loads((work / "default_rules.json").read_text())["devices"]["cpu"]
+    assert rules["derived_from"] == f"benchmarks/dispatch_grid/{gpu_session.grid_data_dir(work).name}/records.json"
     assert rules["problems"] >= 1
 
 
