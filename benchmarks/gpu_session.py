@@ -112,7 +112,7 @@ def tests_figures(step_dir: Path, log: str) -> list:
     for result in json.loads(results.read_text()).values():
         lines.append(result["summary"])
         bad = [c for c in result["cases"] if c["outcome"] not in ("passed", "skipped")]
-        lines += [f"{c['outcome']}: {c['nodeid'].removeprefix(f'{ROOT}/')}" for c in bad[:15]]
+        lines += [f"{c['outcome']}: {c['nodeid']}" for c in bad[:15]]
         if len(bad) > 15:
             lines.append(f"... and {len(bad) - 15} more (results.json)")
     return lines

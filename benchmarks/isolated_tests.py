@@ -68,8 +68,8 @@ def _event(entry: dict) -> None:
     """Append ``entry`` to the events file, its ``nodeid`` prefixed with pytest's root directory
     (the argument that selects the case from any working directory)."""
     path = os.environ.get(EVENTS_ENV)
-    entry["nodeid"] = f"{_session.config.rootpath}/{entry['nodeid']}"
     if path:
+        entry["nodeid"] = f"{_session.config.rootpath}/{entry['nodeid']}"
         with open(path, "a", encoding="utf-8") as events:
             events.write(json.dumps(entry) + "\n")
 
@@ -107,7 +107,7 @@ def pytest_runtest_logreport(report):
     poisoned = bool(POISONING.search(text))
     _event({"nodeid": report.nodeid, "event": report.when, "outcome": report.outcome, "poisoned": poisoned,
             "message": text[-2000:]})
-    if poisoned and _session is not None:
+    if poisoned:
         _session.shouldstop = f"{report.nodeid} left the CUDA context unusable"
 
 
@@ -127,8 +127,8 @@ class Case:
 def collect(test_file: str, log_dir: Path, env: dict, timeout_s: float) -> tuple[list, list, dict, str]:
     """The node ids of ``test_file`` to run, marked ``own_process`` and not, the cases its marks
     skip (``_skip_reason``: run in no process), and pytest's output when it could not collect the
-    file (an empty string when it could).  Ids carry pytest's root
-    directory before pytest's own (``_event``)."""
+    file (an empty string when it could).  Ids carry pytest's root directory before pytest's own
+    (``_event``)."""
     events_path = log_dir / "collection.events"
     events_path.unlink(missing_ok=True)
     try:
@@ -278,7 +278,8 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
                 ordered += shard_cases.values()
                 processes += shard_processes
             note = "collection failed, see collection.log" if error else ""
-            results[test_file] = {"cases": [dataclasses.asdict(c) for c in ordered], "collection_error": error,
+            cases = [dict(dataclasses.asdict(c), nodeid=display_id(c.nodeid)) for c in ordered]
+            results[test_file] = {"cases": cases, "collection_error": error,
                                   "summary": summary_line(test_file, ordered, processes, time.monotonic() - started,
                                                           note)}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
@@ -286,7 +287,7 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
 
 
 def display_id(nodeid: str) -> str:
-    """A case's id relative to the project root where it lies under it."""
+    """A case's id relative to the project root where it lies under it (as ``results.json`` names it)."""
     return nodeid.removeprefix(f"{ROOT}/")
 
 
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
         for case in result["cases"]:
             if case["outcome"] not in ("passed", "skipped"):
                 bad += 1
-                print(f"  {case['outcome']}: {display_id(case['nodeid'])}")
+                print(f"  {case['outcome']}: {case['nodeid']}")
     return 1 if bad else 0
 
 
