@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -51,6 +52,8 @@ EVENTS_ENV = "POOL_TUNER_ISOLATED_EVENTS"
 POISONING = re.compile(r"illegal memory access|ILLEGAL_ADDRESS|unspecified launch failure|LAUNCH_FAILED|"
                        r"misaligned address|illegal instruction|device-side assert|CUDA_ERROR_ASSERT|"
                        r"context is destroyed|CONTEXT_IS_DESTROYED|hardware stack error|ECC error", re.IGNORECASE)
+#: The test seed (tests/conftest.py) every process is given, so that a failure can be replayed.
+SEED_ENV = "POOL_TUNER_TEST_SEED"
 #: Every outcome a case can end with, in the summary's order.
 OUTCOMES = ("passed", "failed", "skipped", "crashed", "timed out", "not run")
 #: pytest's options of every process: the project's addopts cleared (they ask for pytest-xdist's
@@ -253,6 +256,8 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
     started = time.monotonic()
     deadline = started + timeout_s
     env = dict(os.environ if env is None else env)
+    # one seed for every process (tests/conftest.py draws the inputs from it): a failure replays
+    env.setdefault(SEED_ENV, str(random.randrange(2**31)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), str(ROOT),
                                                       env.get("PYTHONPATH", "")]))
     out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +282,7 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
                 shard_cases, shard_processes = future.result()
                 ordered += shard_cases.values()
                 processes += shard_processes
-            note = "collection failed, see collection.log" if error else ""
+            note = f"{SEED_ENV}={env[SEED_ENV]}" + ("; collection failed, see collection.log" if error else "")
             cases = [dict(dataclasses.asdict(c), nodeid=display_id(c.nodeid)) for c in ordered]
             results[test_file] = {"cases": cases, "collection_error": error,
                                   "summary": summary_line(test_file, ordered, processes, time.monotonic() - started,

@@ -112,6 +112,7 @@ def test_a_fault_or_a_crash_takes_no_other_case_down(tmp_path):
     # the shard: a first process stopped after the poisoning failure, a second died in the crash, a
     # third finished; and one process for each case of its own
     assert "11 cases: 4 passed, 3 failed, 2 skipped, 2 crashed (5 pytest processes" in result["summary"]
+    assert f"POOL_TUNER_TEST_SEED={os.environ['POOL_TUNER_TEST_SEED']}" in result["summary"]  # one seed: replayable
     written = json.loads((tmp_path / "out" / "results.json").read_text())
     assert written == results
     messages = {case["nodeid"].rsplit("::", 1)[1]: case["message"] for case in result["cases"]}
