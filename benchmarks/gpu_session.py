@@ -39,7 +39,9 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,18 +163,28 @@ def export_records(step_dir: Path, log: str, work: Path) -> list:
 
 
 def grid_data_dir(work: Path) -> Path:
-    """The one device directory ``dispatch_grid.py --data-root`` made under ``work``."""
-    found = sorted(p.parent for p in (work / "dispatch_grid").glob("*/records.json"))
-    if len(found) != 1:
-        raise FileNotFoundError(f"expected one grid data directory under {work / 'dispatch_grid'}, found {found}")
-    return found[0]
+    """The device directory the ``dispatch_grid`` step worked in (its log's first line names it),
+    among the grids of other GPUs that ``seed_grid`` copied beside it."""
+    log = work / "dispatch_grid" / "log.txt"
+    found = re.search(r"; data: (.+)/records\.json$", log.read_text(), re.MULTILINE) if log.exists() else None
+    if found is None:
+        raise FileNotFoundError(f"the dispatch_grid step's log ({log}) names no grid data")
+    return Path(found.group(1))
+
+
+def seed_grid(work: Path) -> None:
+    """Copy the GPUs' grid data of the checkout (``benchmarks/dispatch_grid/cuda_*``, what earlier
+    leases measured) into ``work``: ``dispatch_grid.py`` skips the problems already there, so each
+    lease's budget adds to the grid."""
+    for directory in (BENCHMARKS / "dispatch_grid").glob("cuda_*"):
+        shutil.copytree(directory, work / "dispatch_grid" / directory.name, dirs_exist_ok=True)
 
 
 # ---------------------------------------------------------------------- the steps
 
-def steps(work: Path, dry_run: bool, jobs: int) -> list:
-    """The session's steps: on a GPU (``cuda:0``) sized to its budget, or tiny on this machine's
-    default device for ``dry_run``."""
+def steps(work: Path, dry_run: bool, jobs: int, grid_budget: float = 105.0) -> list:
+    """The session's steps: on a GPU (``cuda:0``) sized to its budget (the grid's ``grid_budget``
+    seconds), or tiny on this machine's default device for ``dry_run``."""
     device = [] if dry_run else ["--device", "cuda:0"]
     cli = python("-m", "pool_tuner.cli")
     if dry_run:  # one shape, one round, the variants that run every problem
@@ -189,7 +201,7 @@ def steps(work: Path, dry_run: bool, jobs: int) -> list:
         overhead = ["--calls", "100", "--repeat", "5"]
         models = ["--rounds", "3"]
         memory = ["--api", "numpy", "--shapes", "100", "--every", "50", "--pocl-cache", "cold"]
-        grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", "105"]
+        grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", grid_budget]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
     tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
@@ -207,7 +219,7 @@ def steps(work: Path, dry_run: bool, jobs: int) -> list:
         Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
              25, memory_figures),
         Step("dispatch_grid", python(BENCHMARKS / "dispatch_grid.py", *device, "--data-root", work / "dispatch_grid",
-                                     *grid), 40 if dry_run else 120),
+                                     *grid), 40 if dry_run else grid_budget + 15),
         Step("derive_rules", lambda: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(work),
                                             "--device-type", "cpu" if dry_run else "gpu",
                                             "--rules-out", work / "default_rules.json"), 20,
@@ -324,6 +336,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, help="seconds for every step together (default: 480; dry run 300)")
     parser.add_argument("--jobs", type=int, default=6, help="test processes at a time (default: %(default)s)")
     parser.add_argument("--only", help="comma-separated step names to run (default: every step)")
+    parser.add_argument("--grid-budget", type=float, default=105.0,
+                        help="seconds after which the dispatch grid starts no problem (default: %(default)s; a lease "
+                             "for the grid alone: --only dispatch_grid,derive_rules --grid-budget 420)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every step here on this machine's default device and tiny sizes: checks the plumbing")
     args = parser.parse_args(argv)
@@ -332,20 +347,23 @@ def main(argv=None) -> int:
     budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 480.0)
     if budget <= 0:
         parser.error(f"--budget must be a positive number of seconds, got {budget}")
+    if args.grid_budget <= 0:
+        parser.error(f"--grid-budget must be a positive number of seconds, got {args.grid_budget}")
+    every = [s.name for s in steps(Path(), args.dry_run, args.jobs, args.grid_budget)]
+    names = args.only.split(",") if args.only else every
+    unknown = sorted(set(names) - set(every))
+    if unknown:
+        parser.error(f"--only: no step {', '.join(unknown)}; the steps are {', '.join(every)}")
     out = Path(args.out) if args.out else default_out()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_session_"))
     for folder in (out, work):
         folder.mkdir(parents=True, exist_ok=True)
     out, work = out.resolve(), work.resolve()
-    chosen = steps(work, args.dry_run, args.jobs)
-    if args.only:
-        names = args.only.split(",")
-        unknown = sorted(set(names) - {s.name for s in chosen})
-        if unknown:
-            parser.error(f"--only: no step {', '.join(unknown)}; the steps are {', '.join(s.name for s in chosen)}")
-        chosen = [s for s in chosen if s.name in names]
+    chosen = [s for s in steps(work, args.dry_run, args.jobs, args.grid_budget) if s.name in names]
     started = time.monotonic()
     deadline = started + budget
+    if not args.dry_run:
+        seed_grid(work)
     needs_gpu = {s.name for s in chosen if s.needs_gpu}
     gpus = machine()
     outcomes = []
