@@ -12,17 +12,18 @@ debugging it.  The steps, in the order of what a lease must not miss:
 3. ``call_overhead``: benchmarks/cuda_call_overhead.py;
 4. ``models``: benchmarks/models.py --device cuda;
 5. ``memory``: benchmarks/memory_growth.py;
-6. ``dispatch_grid`` and ``derive_rules``: the grid within its budget, then the ``gpu`` rules derived
-   from it, written to ``default_rules.json`` in the output folder (``derived_from`` names the
-   grid's directory, which names the device);
+6. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
+   in the checkout), then the ``gpu`` rules derived from it, written to ``default_rules.json``
+   (``derived_from`` names the grid's directory, which names the GPU);
 7. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all`` with a time budget, the
-   records then exported to ``tuning_cache/cuda_<arch>.json`` in the output folder.
+   records then exported to ``tuning_cache/cuda_<arch>.json``.
 
 A step that fails or runs out of time is reported so, and the next one runs.  ``--dry-run`` runs
 every step here, on this machine's default device and tiny sizes (the CUDA test files skip without
 a GPU; the steps that need one are expected to fail): its exit status is 0 when the plumbing works.
 
-    python benchmarks/gpu_session.py [--out DIR] [--budget 480] [--jobs 6] [--only STEPS] [--dry-run]
+    python benchmarks/gpu_session.py [--out DIR] [--work DIR] [--budget 480] [--jobs 6] [--only STEPS]
+                                     [--grid-budget 105] [--dry-run]
 
 Each step writes into the session's working folder (``--work``, else a new temporary directory);
 after each step the output folder (``--out``, else ``$OUT``, else a new temporary directory) gets
@@ -298,10 +299,10 @@ def report(outcomes: list, pending: list, dry_run: bool, budget: float, seconds:
              f"- budget {budget:.0f} s, {seconds:.0f} s so far; the logs named here are in `{PACKED}` "
              f"(`tar xzf {PACKED}`: `{SESSION_DIR}/<step>/...`)", "",
              "| step | status | seconds | log |", "|---|---|---|---|"]
-    lines += [f"| {name} | not run yet |  |  |" for name in pending]
     for o in outcomes:
         note = " (needs a CUDA GPU: expected in a dry run)" if dry_run and o.name in needs_gpu and not o.ok else ""
         lines.append(f"| {o.name} | {o.status}{note} | {o.seconds:.0f} | {o.log} |")
+    lines += [f"| {name} | not run yet |  |  |" for name in pending]
     for o in outcomes:
         lines += ["", f"## {o.name}: {o.status}", ""]
         if o.command:
