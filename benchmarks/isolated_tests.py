@@ -258,8 +258,8 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
     env = dict(os.environ if env is None else env)
     # one seed for every process (tests/conftest.py draws the inputs from it): a failure replays
     env.setdefault(SEED_ENV, str(random.randrange(2**31)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), str(ROOT),
-                                                      env.get("PYTHONPATH", "")]))
+    # the plugin (this module) last: benchmarks/ holds scripts whose names a test must not import
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", ""), str(ROOT / "benchmarks")]))
     out.mkdir(parents=True, exist_ok=True)
     plans = {}
     for test_file in test_files:
