@@ -496,7 +496,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
     # They take as many rounds as the shapes, up to memory_bandwidth's default (a short run stays short).
     stream_repeat = min(repeat, STREAM_REPEAT)
-    streams_before = memory_bandwidth(dev, stream_bytes, stream_repeat)
+    streams_before = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
     rng = np.random.default_rng()
     rows = []
     for name, op, shape, out in suite(names):
@@ -505,7 +505,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
                                 tune_here=tune_untuned and name == presets.UNTUNED_NAME, dtype=dtype))
             if progress:
                 progress(rows[-1])
-    streams_after = memory_bandwidth(dev, stream_bytes, stream_repeat)
+    streams_after = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
     streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
     copy_gbs = copy_bandwidth(streams)
     report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]

@@ -280,7 +280,7 @@ def test_bench_runs_the_suite_in_float16_and_refuses_what_numpy_cannot_make(monk
     from pool_tuner.problem import Problem
 
     streams = synthetic_report()["memory_gbs"]
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, repeat=bench.STREAM_REPEAT: streams)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, **stream_options: streams)
     report = bench.run(["upsample_area"], ("forward", "backward"), repeat=1, dtype="float16")
     assert report["dtype"] == "float16" and [r["direction"] for r in report["rows"]] == ["forward", "backward"]
     for row in report["rows"]:
@@ -299,7 +299,7 @@ def test_untuned_shapes_get_their_own_geomeans(monkeypatch):
 
     report = synthetic_report()
     streams = report["memory_gbs"]
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, repeat=bench.STREAM_REPEAT: streams)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, **stream_options: streams)
 
     def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False, dtype="float32"):
         speed = 2.0 if name == presets.UNTUNED_NAME else 8.0
@@ -318,7 +318,7 @@ def test_global_pooling_gets_its_own_geomeans(monkeypatch):
     """Rows whose every output size is 1, suite and untuned shapes alike, are summarised apart too."""
     report = synthetic_report()
     streams = report["memory_gbs"]
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, repeat=bench.STREAM_REPEAT: streams)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, **stream_options: streams)
 
     def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False, dtype="float32"):
         out = list(shape[:2]) + [1 if s == 1 else s for s in output_size]
