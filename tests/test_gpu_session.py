@@ -246,3 +246,21 @@ def test_the_cuda_variant_matrix_collects_the_same_in_every_process(tmp_path):
 def test_a_gpus_grid_data_is_named_after_the_gpu():
     dispatch_grid = _script("dispatch_grid")
     assert dispatch_grid.device_slug(fake_cuda_device()) == "cuda_fake_gpu"
+
+
+def test_records_tuned_on_a_gpu_are_exported_under_its_architecture(tmp_path):
+    """A record tuned on a CUDA GPU (compute capability 9.0) goes to ``tuning_cache/cuda_sm_90.json``."""
+    from pool_tuner import cache
+
+    gpu_session = _script("gpu_session")
+    shipped = json.loads((ROOT / "tuning_cache" / "pocl_cpu.json").read_text())
+    record = next(iter(shipped["records"].values()))
+    device = fake_cuda_device()
+    record = dict(record, device=device.fingerprint, key=cache.cache_key(cache.problem_of(record), device))
+    (tmp_path / "tune" / "cache").mkdir(parents=True)
+    (tmp_path / "tune" / "cache" / cache.USER_FILE).write_text(
+        json.dumps({"schema": shipped["schema"], "records": {record["key"]: record}}))
+    figures = gpu_session.export_records(tmp_path / "tune", "tuned\n", tmp_path)
+    assert figures[-1] == "1 records of Fake GPU merged into tuning_cache/cuda_sm_90.json"
+    exported = json.loads((tmp_path / "tuning_cache" / "cuda_sm_90.json").read_text())["records"]
+    assert list(exported) == [record["key"]] and exported[record["key"]]["device"] == device.fingerprint
