@@ -23,7 +23,7 @@ every step here, on this machine's default device and tiny sizes (the CUDA test 
 a GPU; the steps that need one are expected to fail): its exit status is 0 when the plumbing works.
 
     python benchmarks/gpu_session.py [--out DIR] [--work DIR] [--budget 480] [--jobs 6] [--only STEPS]
-                                     [--grid-budget 105] [--dry-run]
+                                     [--timeout STEP=SECONDS ...] [--dry-run]
 
 Each step writes into the session's working folder (``--work``, else a new temporary directory);
 after each step the output folder (``--out``, else ``$OUT``, else a new temporary directory) gets
@@ -60,6 +60,17 @@ RESERVE_S = 5.0
 STOP_GRACE_S = 10.0
 #: A step is not started with less than this left (it would only be killed).
 MIN_STEP_S = 10.0
+#: Seconds each step may take on a GPU, from earlier leases' figures (nvcc about 0.65 s per tuned
+#: configuration), not yet from a run of this script there: the first lease that runs it should
+#: move time between the steps from its report's durations (``--timeout STEP=SECONDS``).
+TIMEOUTS = {"tests": 150, "suite_float32": 50, "suite_float16": 35, "call_overhead": 25, "models": 45, "memory": 25,
+            "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45, "tune_float16": 45}
+#: ... and here, in a dry run (a shared machine: generous).
+DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "call_overhead": 25, "models": 30,
+                    "memory": 25, "dispatch_grid": 40, "derive_rules": 20, "tune_float32": 30, "tune_float16": 30}
+#: Seconds of a step's timeout kept for what follows its own budget: the tests' runner writing its
+#: results, the grid finishing the problem in progress.
+WIND_DOWN_S = 10
 #: The session's working folder packed into the output folder, and its name inside the archive.
 PACKED = "session.tar.gz"
 SESSION_DIR = "session"
@@ -183,9 +194,10 @@ def seed_grid(work: Path) -> None:
 
 # ---------------------------------------------------------------------- the steps
 
-def steps(work: Path, dry_run: bool, jobs: int, grid_budget: float = 105.0) -> list:
-    """The session's steps: on a GPU (``cuda:0``) sized to its budget (the grid's ``grid_budget``
-    seconds), or tiny on this machine's default device for ``dry_run``."""
+def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) -> list:
+    """The session's steps: on a GPU (``cuda:0``), or tiny on this machine's default device for
+    ``dry_run``; each with its timeout of ``TIMEOUTS`` (``DRY_RUN_TIMEOUTS``) or ``timeouts``."""
+    timeout = {**(DRY_RUN_TIMEOUTS if dry_run else TIMEOUTS), **(timeouts or {})}
     device = [] if dry_run else ["--device", "cuda:0"]
     cli = python("-m", "pool_tuner.cli")
     if dry_run:  # one shape, one round, the variants that run every problem
@@ -201,32 +213,32 @@ def steps(work: Path, dry_run: bool, jobs: int, grid_budget: float = 105.0) -> l
         suite = ["--direction", "both", "--repeat", "5"]
         overhead = ["--calls", "100", "--repeat", "5"]
         models = ["--rounds", "3"]
-        memory = ["--api", "numpy", "--shapes", "100", "--every", "50", "--pocl-cache", "cold"]
-        grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", grid_budget]
+        memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
+        grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", timeout["dispatch_grid"] - WIND_DOWN_S]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
     tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
     return [
         Step("tests", python(BENCHMARKS / "isolated_tests.py", *GPU_TEST_FILES, "--out", work / "tests", "--jobs", jobs,
-                             "--timeout", 50 if dry_run else 140), 60 if dry_run else 150, tests_figures),
+                             "--timeout", timeout["tests"] - WIND_DOWN_S), timeout["tests"], tests_figures),
         *[Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--quiet", "--out", work / f"suite_{dtype}",
-                                        *suite],
-               30 if dry_run else (50 if dtype == "float32" else 35), suite_figures)
+                                        *suite], timeout[f"suite_{dtype}"], suite_figures)
           for dtype in ("float32", "float16")],
         Step("call_overhead", python(BENCHMARKS / "cuda_call_overhead.py", *overhead, "--json",
-                                     work / "call_overhead" / "call_overhead.json"), 25, needs_gpu=True),
+                                     work / "call_overhead" / "call_overhead.json"), timeout["call_overhead"],
+             needs_gpu=True),
         Step("models", python(BENCHMARKS / "models.py", "--device", "cuda", *models, "--out",
-                              work / "models" / "models.json"), 30 if dry_run else 45, needs_gpu=True),
+                              work / "models" / "models.json"), timeout["models"], needs_gpu=True),
         Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
-             25, memory_figures),
+             timeout["memory"], memory_figures),
         Step("dispatch_grid", python(BENCHMARKS / "dispatch_grid.py", *device, "--data-root", work / "dispatch_grid",
-                                     *grid), 40 if dry_run else grid_budget + 15),
+                                     *grid), timeout["dispatch_grid"]),
         Step("derive_rules", lambda: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(work),
                                             "--device-type", "cpu" if dry_run else "gpu",
-                                            "--rules-out", work / "default_rules.json"), 20,
+                                            "--rules-out", work / "default_rules.json"), timeout["derive_rules"],
              lambda step_dir, log: last_lines(log, 2)),
-        *[Step(f"tune_{dtype}", cli + ["tune", *device, "--dtype", dtype, "--quiet", *tune],
-               30 if dry_run else 45, lambda step_dir, log: export_records(work / "tune", log, work), env=tune_cache)
+        *[Step(f"tune_{dtype}", cli + ["tune", *device, "--dtype", dtype, "--quiet", *tune], timeout[f"tune_{dtype}"],
+               lambda step_dir, log: export_records(work / "tune", log, work), env=tune_cache)
           for dtype in ("float32", "float16")],
     ]
 
@@ -337,9 +349,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, help="seconds for every step together (default: 480; dry run 300)")
     parser.add_argument("--jobs", type=int, default=6, help="test processes at a time (default: %(default)s)")
     parser.add_argument("--only", help="comma-separated step names to run (default: every step)")
-    parser.add_argument("--grid-budget", type=float, default=105.0,
-                        help="seconds after which the dispatch grid starts no problem (default: %(default)s; a lease "
-                             "for the grid alone: --only dispatch_grid,derive_rules --grid-budget 420)")
+    parser.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS",
+                        help="a step's timeout instead of its default, repeatable (a lease for the grid alone: "
+                             "--only dispatch_grid,derive_rules --timeout dispatch_grid=420)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every step here on this machine's default device and tiny sizes: checks the plumbing")
     args = parser.parse_args(argv)
@@ -348,9 +360,14 @@ def main(argv=None) -> int:
     budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 480.0)
     if budget <= 0:
         parser.error(f"--budget must be a positive number of seconds, got {budget}")
-    if args.grid_budget <= 0:
-        parser.error(f"--grid-budget must be a positive number of seconds, got {args.grid_budget}")
-    every = [s.name for s in steps(Path(), args.dry_run, args.jobs, args.grid_budget)]
+    every = [s.name for s in steps(Path(), args.dry_run, args.jobs)]
+    timeouts = {}
+    for given in args.timeout:
+        name, _, seconds = given.partition("=")
+        if name not in every or not re.fullmatch(r"\d+", seconds) or int(seconds) <= WIND_DOWN_S:
+            parser.error(f"--timeout takes STEP=SECONDS, a step of {', '.join(every)} and more than {WIND_DOWN_S} "
+                         f"seconds, got {given!r}")
+        timeouts[name] = int(seconds)
     names = args.only.split(",") if args.only else every
     unknown = sorted(set(names) - set(every))
     if unknown:
@@ -360,7 +377,7 @@ def main(argv=None) -> int:
     for folder in (out, work):
         folder.mkdir(parents=True, exist_ok=True)
     out, work = out.resolve(), work.resolve()
-    chosen = [s for s in steps(work, args.dry_run, args.jobs, args.grid_budget) if s.name in names]
+    chosen = [s for s in steps(work, args.dry_run, args.jobs, timeouts) if s.name in names]
     started = time.monotonic()
     deadline = started + budget
     if not args.dry_run:
