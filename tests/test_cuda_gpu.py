@@ -6,9 +6,10 @@ variant matrix.  Everything here skips, with the reason, without a GPU;
 the logic behind each is tested without one in test_torch_cuda.py, test_cuda_driver.py,
 test_cuda_compile.py, test_cuda_backend.py and test_cuda_tuning_replay.py.
 
-On a GPU machine run these first (docs/design.md, "GPU tests"):
+On a GPU machine run these first, so that one fault fails no other case (cases marked
+``own_process`` each in a process of their own; docs/gpu.md):
 
-    python -m pytest -p no:cacheprovider -n 0 tests/test_cuda_gpu.py tests/test_cuda.py
+    python benchmarks/isolated_tests.py tests/test_cuda_gpu.py tests/test_cuda.py --out /tmp/gpu_tests
 """
 
 import ctypes
