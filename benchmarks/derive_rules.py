@@ -17,6 +17,7 @@ are kept as they are, in their order, after them.
 
     python benchmarks/derive_rules.py            # print the rules and their fit, write them
     python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
+    python benchmarks/derive_rules.py --data-dir DIR --device-type gpu --rules-out FILE   # a GPU session's grid
 
 It prints, beside the rules, how well they fit the grid (geomean slowdown against each problem's
 best) and how the nearest tuned grid problem would have done, by distance: the evidence for
@@ -141,8 +142,10 @@ def derive(samples: list, device_type: str) -> list:
     rules = []
     for direction in ("forward", "backward"):
         flat: list = []
-        flatten(grow([s for s in samples if s.features["direction"] == direction], 0), {"direction": direction}, flat)
-        if flat[-1]["variant"] != FALLBACK[direction]:
+        own = [s for s in samples if s.features["direction"] == direction]
+        if own:  # a grid cut short by its budget may hold problems of one direction only
+            flatten(grow(own, 0), {"direction": direction}, flat)
+        if not flat or flat[-1]["variant"] != FALLBACK[direction]:
             flat.append({"when": {"direction": direction}, "variant": FALLBACK[direction], "config": {},
                          "evidence": "fallback: runs every problem"})
         rules.extend(flat)
@@ -199,17 +202,24 @@ def fit_report(samples: list, rules: list, kept: list, device, device_type: str)
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", default="pocl_cpu", help="grid data directory under benchmarks/dispatch_grid")
+    parser.add_argument("--data-dir", help="the grid data directory itself, anywhere (default: from --grid); the "
+                                           "rules name it as benchmarks/dispatch_grid/<its name>, where it belongs")
     parser.add_argument("--device-type", default="cpu", choices=("cpu", "gpu"), help="whose rules to write")
     parser.add_argument("--check", action="store_true", help="only compare with the shipped rules")
+    parser.add_argument("--rules-out", help="write the rules file here instead of the package's")
     args = parser.parse_args(argv)
     from pool_tuner import backends
 
-    records = cache.TuningCache(GRID_DIR / args.grid / "no_shipped_records", GRID_DIR / args.grid).records()
+    data_dir = Path(args.data_dir) if args.data_dir else GRID_DIR / args.grid
+    records = cache.TuningCache(data_dir / "no_shipped_records", data_dir).records()
     samples = [Sample(r) for r in records.values() if not cache.is_partial(r)]
+    if not samples:
+        print(f"no finished grid problems in {data_dir}", file=sys.stderr)
+        return 1
     rules = derive(samples, args.device_type)
     document = json.loads(default_rules.RULES_FILE.read_text())
     kept = multi_level_rules(document["devices"].get(args.device_type, {}))
-    entry = {"derived_from": f"benchmarks/dispatch_grid/{args.grid}/{cache.USER_FILE}",
+    entry = {"derived_from": f"benchmarks/dispatch_grid/{data_dir.name}/{cache.USER_FILE}",
              "device": sorted({r["device"]["name"] for r in records.values()}),
              "problems": len(samples), "rules": rules + kept}
     if args.check:
@@ -219,9 +229,10 @@ def main(argv=None) -> int:
     for line in fit_report(samples, rules, kept, backends.default_device(), args.device_type):
         print(line)
     document["devices"][args.device_type] = entry
-    default_rules.RULES_FILE.write_text(json.dumps(document, indent=1) + "\n")
+    rules_file = Path(args.rules_out) if args.rules_out else default_rules.RULES_FILE
+    rules_file.write_text(json.dumps(document, indent=1) + "\n")
     print(default_rules.markdown_table(default_rules.parse({"devices": {"new": entry}})["new"]))
-    print(f"wrote {len(rules)} rules, and kept {len(kept)} multi-level ones, in {default_rules.RULES_FILE}")
+    print(f"wrote {len(rules)} rules, and kept {len(kept)} multi-level ones, in {rules_file}")
     return 0
 
 

@@ -13,6 +13,7 @@ which a later run re-tunes) and resumed.
 
     python benchmarks/dispatch_grid.py                         # tune the grid on the default device
     python benchmarks/dispatch_grid.py --limit 20 --list       # see what it would tune
+    python benchmarks/dispatch_grid.py --budget 240            # stop starting problems after 4 minutes
     python benchmarks/derive_rules.py                          # rebuild the rules from the data
 
 The shipped data (``benchmarks/dispatch_grid/<device>/records.json``) is what the shipped rules
@@ -25,6 +26,7 @@ import argparse
 import itertools
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ from tqdm import tqdm
 import pool_tuner as pt
 from pool_tuner import backends, cache
 from pool_tuner.problem import Problem
+from pool_tuner.variants import variants_for
 from pool_tuner.windows import fixed_pool_equivalent
 
 GRID_DIR = Path(__file__).resolve().parent / "dispatch_grid"
@@ -84,9 +87,9 @@ def grid() -> list:
     return problems
 
 
-def grid_cache(device) -> cache.TuningCache:
-    """The grid's own cache: ``GRID_DIR/<device slug>/records.json``, and nothing shipped under it."""
-    directory = GRID_DIR / device_slug(device)
+def grid_cache(device, root: Path = GRID_DIR) -> cache.TuningCache:
+    """The grid's own cache: ``<root>/<device slug>/records.json``, and nothing shipped under it."""
+    directory = root / device_slug(device)
     directory.mkdir(parents=True, exist_ok=True)
     empty = directory / "no_shipped_records"
     empty.mkdir(exist_ok=True)
@@ -94,7 +97,12 @@ def grid_cache(device) -> cache.TuningCache:
 
 
 def device_slug(device) -> str:
-    """``pocl_cpu`` for PoCL's CPU device (id ``opencl:pocl:0``): the directory of a device's grid data."""
+    """The directory of a device's grid data: ``pocl_cpu`` for PoCL's CPU device (id
+    ``opencl:pocl:0``); for a CUDA GPU its name, e.g. ``cuda_nvidia_h100_80gb_hbm3`` (GPUs of one
+    backend differ more than CPUs of one OpenCL platform, and the rules derived from the data name
+    the directory they came from)."""
+    if device.backend == "cuda":
+        return "cuda_" + re.sub(r"[^a-z0-9]+", "_", device.name.lower()).strip("_")
     backend_or_platform = device.id.split(":")[1] if device.id.count(":") == 2 else device.id.split(":")[0]
     return f"{backend_or_platform}_{device.fingerprint.get('type', 'device')}"
 
@@ -105,12 +113,21 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="tune at most this many problems of the grid")
     parser.add_argument("--max-fevals", type=int, default=MAX_FEVALS, help="configurations per variant")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per variant's search")
+    parser.add_argument("--variants", help="comma-separated: tune only these, where a problem's op has them "
+                                           "(a quick check; the rules need every variant's times)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: start no problem after this long (the one in progress finishes)")
+    parser.add_argument("--data-root", default=str(GRID_DIR),
+                        help="directory holding each device's data directory (default: benchmarks/dispatch_grid)")
     parser.add_argument("--list", action="store_true", help="print the problems to tune and exit")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be a positive number of problems, got {args.limit}")
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
     device = backends.resolve_device(args.device)
-    table = grid_cache(device)
+    table = grid_cache(device, Path(args.data_root))
+    only = args.variants.split(",") if args.variants else None
     # Done: a full record of the problem on this device, of whatever kernel code (the grid is the
     # evidence of its day; rebuild it whole with a fresh directory after kernel changes).
     done = {(cache.problem_of(r), json.dumps(r["device"], sort_keys=True)) for r in table.records().values()
@@ -128,8 +145,12 @@ def main(argv=None) -> int:
     done = 0
     try:
         for op, shape, out, layout, direction in tqdm(todo, unit="problem"):
+            if args.budget is not None and time.perf_counter() - started > args.budget:
+                print(f"\nthe budget of {args.budget:.0f} s is spent after {done} problems; run again to go on")
+                break
             pt.tune(op, shape, out, layout=layout, direction=direction, device=device, max_fevals=args.max_fevals,
-                    time_limit=args.time_limit, tuning_cache=table)
+                    time_limit=args.time_limit, tuning_cache=table, variants=only and [
+                        name for name in variants_for(op, direction) if name in only])
             done += 1
     except KeyboardInterrupt as stop:
         print(f"\nstopped after {done} problems: {stop}; run again to go on", file=sys.stderr)

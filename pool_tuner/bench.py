@@ -140,11 +140,15 @@ CUDA_METHOD = {
 #: The search budget of ``measure``'s ``tune_here``: the one the shipped records were tuned with
 #: (tuning_cache/README.md), so that the comparison is with what shipping a record would give.
 TUNE_HERE_BUDGET = {"strategy": "random_sample", "max_fevals": 8, "time_limit": 4}
+#: The dtypes the suite runs in: numpy's, so that inputs are made on the host.
+DTYPES = ("float32", "float16", "float64")
 
 #: The copies that ``memory_bandwidth`` times; the fastest is the device's copy bandwidth.
 COPY_METHODS = ("buffer_copy", "copy_kernel", "copy_kernel_streaming")
 #: Everything ``memory_bandwidth`` times: the copies, and reading and writing alone.
 STREAMS = COPY_METHODS + ("read_kernel", "write_kernel")
+#: Rounds of ``memory_bandwidth``'s streams.
+STREAM_REPEAT = 15
 #: Elements each work-item of the bandwidth kernels' read kernel sums (passed as a define).
 READ_RUN = 64
 #: Buffer size for simulators (Oclgrind interprets every work-item: 64 KiB copies take 40 ms).
@@ -166,7 +170,7 @@ def _stream_elements(device, nbytes: int, unit: int) -> int:
     return max(nbytes // (4 * unit), 1) * unit
 
 
-def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = 15) -> dict:
+def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_REPEAT) -> dict:
     """``{stream: GB/s}`` for each of ``STREAMS``, on two buffers of about ``nbytes`` (see
     ``_stream_elements``), interleaved, medians of ``repeat`` rounds.  A copy counts bytes read
     plus bytes written: ``buffer_copy`` (the backend's own copy: clEnqueueCopyBuffer,
@@ -345,7 +349,8 @@ def _cuda_kernel_candidate(problem: Problem, tensors: list, variant=None, config
                      functools.partial(torch.cuda.synchronize, inputs[0].device))
 
 
-def measure(name, op, shape, output_size, direction, device, repeat: int, rng, tune_here: bool = False) -> Row:
+def measure(name, op, shape, output_size, direction, device, repeat: int, rng, tune_here: bool = False,
+            dtype: str = "float32") -> Row:
     """Interleaved medians of pool_tuner (dispatched and default) and PyTorch for one case, each
     timed in loops of calls back to back (``time_loop``).  On a CUDA device pool_tuner is timed as
     ``pool_tuner.torch`` on CUDA tensors and the loops between CUDA events, and the kernels alone
@@ -354,24 +359,24 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
     candidate is still what dispatch does without it), and the tuning's winner is one more candidate."""
     import pool_tuner as pt
 
-    problem = Problem.create(op, shape, output_size, direction=direction)
+    problem = Problem.create(op, shape, output_size, dtype, direction=direction)
     tuned_here = None
     if tune_here:
         from . import tuner
 
-        tuned_here = tuner.tune(op, shape, output_size, direction=direction, device=device, store=False,
+        tuned_here = tuner.tune(op, shape, output_size, dtype, direction=direction, device=device, store=False,
                                 **TUNE_HERE_BUDGET)
     if device.backend == "cuda":
         return _measure_cuda(name, problem, device, repeat, rng, tuned_here)
     out_size = problem.output_shape[-problem.ndim:]
     queue = device.queue
-    x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(np.float32)
+    x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(dtype)
     grad = indices = None
     if direction == "forward":
         fn = getattr(pt, op)
         args = (device.to_device(x, queue), out_size)
     else:
-        grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
+        grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(dtype)
         fn = getattr(pt, f"{op}_backward")
         if problem.operation.selects:
             _, indices = getattr(pt, op)(x, out_size, return_indices=True, device=device)
@@ -425,10 +430,10 @@ def _measure_cuda(name: str, problem: Problem, device, repeat: int, rng, tuned_h
     import pool_tuner as pt
 
     out_size = problem.output_shape[-problem.ndim:]
-    x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(np.float32)
+    x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(problem.dtype)
     grad = indices = None
     if problem.direction == "backward":
-        grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(np.float32)
+        grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(problem.dtype)
         if problem.kind == "max":
             _, indices = getattr(pt, problem.op)(x, out_size, return_indices=True, device=device)
     tensors = _cuda_tensors(problem, x, grad, indices, device.torch_device)
@@ -479,9 +484,14 @@ def geomean(values) -> float:
 
 
 def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
-        progress=None, tune_untuned: bool = False) -> dict:
-    """Run the suite; returns the JSON-ready report.  ``tune_untuned``: tune each of the untuned
-    shapes in the run and time its winner beside dispatch's choice (``measure``'s ``tune_here``)."""
+        progress=None, tune_untuned: bool = False, dtype: str = "float32", stream_bytes: int = STREAM_BYTES) -> dict:
+    """Run the suite in ``dtype`` (one of ``DTYPES``); returns the JSON-ready report.
+    ``tune_untuned``: tune each of the untuned shapes in the run and time its winner beside
+    dispatch's choice (``measure``'s ``tune_here``).  ``stream_bytes``: the bandwidth streams'
+    buffer size (``memory_bandwidth``); small ones make a quick check, whose floors are a cache's."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (numpy has no bfloat16 for the inputs), "
+                         f"got {dtype!r}")
     torch = require_torch()
     dev = backends.resolve_device(device)
     if torch_threads:
@@ -490,16 +500,18 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     # The streams are timed before and after the suite and each keeps the faster median: a shared
     # machine's bandwidth drifts by a third within minutes, and a floor is what the device can do.
     load_before = load_average()
-    streams_before = memory_bandwidth(dev)
+    # They take as many rounds as the shapes, up to memory_bandwidth's default (a short run stays short).
+    stream_repeat = min(repeat, STREAM_REPEAT)
+    streams_before = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
     rng = np.random.default_rng()
     rows = []
     for name, op, shape, out in suite(names):
         for direction in directions:
             rows.append(measure(name, op, shape, out, direction, dev, repeat, rng,
-                                tune_here=tune_untuned and name == presets.UNTUNED_NAME))
+                                tune_here=tune_untuned and name == presets.UNTUNED_NAME, dtype=dtype))
             if progress:
                 progress(rows[-1])
-    streams_after = memory_bandwidth(dev)
+    streams_after = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
     load_after = load_average()
     streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
     copy_gbs = copy_bandwidth(streams)
@@ -515,12 +527,14 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": dev.describe(),
+        "dtype": dtype,
         "host": platform.processor() or platform.machine(),
         "torch": torch_info,
         "copy_gbs": copy_gbs,
         "memory_gbs": streams,
         "memory_gbs_before_and_after": [streams_before, streams_after],
         "repeat": repeat,
+        "stream_bytes": stream_bytes,
         "method": {"timing": "loops of calls back to back, then one wait for the device", "loop_s": LOOP_S,
                    "min_calls": MIN_CALLS, "max_calls": MAX_CALLS,
                    **({"cuda": CUDA_METHOD} if dev.backend == "cuda" else {})},

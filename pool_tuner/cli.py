@@ -350,6 +350,7 @@ def cmd_bench(args) -> int:
     bench.suite(names)  # validates the names before any work
     _check_positive(args.repeat, "--repeat")
     _check_positive(args.torch_threads, "--torch-threads")
+    _check_positive(args.stream_mib, "--stream-mib")
     out = Path(args.out) if args.out is not None else default_bench_dir()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -361,7 +362,8 @@ def cmd_bench(args) -> int:
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
                            f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
-                       tune_untuned=args.tune_untuned)
+                       tune_untuned=args.tune_untuned, dtype=args.dtype,
+                       **({} if args.stream_mib is None else {"stream_bytes": args.stream_mib * 2**20}))
     print(bench.format_table(report))
     if bench.load_warning(report):
         warnings.warn(bench.load_warning(report))
@@ -453,8 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
                    help="which passes to benchmark (default both)")
     p.add_argument("--device", help="device id (see `pool-tuner devices`)")
+    p.add_argument("--dtype", default="float32", help="element type of every shape: float32 (default), float16 or "
+                                                       "float64")
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds of timed loops per shape (medians reported)")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the PyTorch side")
+    p.add_argument("--stream-mib", type=int,
+                   help="MiB of each bandwidth stream's buffers (default: enough to measure memory, not caches; a "
+                        "small one makes a quick check, whose floors are a cache's)")
     p.add_argument("--out", help=f"directory for bench.json and bench.png (default {default_bench_dir()}, outside "
                                  f"any clone)")
     p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")

@@ -32,7 +32,10 @@ kernel_source.shipped_cache_dir = lambda: kernel_source.Path(_EMPTY_SHIPPED_DIR)
 
 
 #: Fresh random inputs on every run; POOL_TUNER_TEST_SEED=<n> replays a run (printed in the header).
-RUN_SEED = int(os.environ.get("POOL_TUNER_TEST_SEED", random.randrange(2**31)))
+#: The seed is put in the environment before pytest-xdist starts its workers, so that every worker
+#: draws from the one the header prints.
+os.environ.setdefault("POOL_TUNER_TEST_SEED", str(random.randrange(2**31)))
+RUN_SEED = int(os.environ["POOL_TUNER_TEST_SEED"])
 
 
 def pytest_report_header(config):

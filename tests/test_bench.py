@@ -276,14 +276,32 @@ def test_the_suite_has_untuned_shapes_that_no_preset_tunes():
         bench.suite(["resnet"])
 
 
+def test_bench_runs_the_suite_in_float16_and_refuses_what_numpy_cannot_make(monkeypatch):
+    from pool_tuner.problem import Problem
+
+    streams = synthetic_report()["memory_gbs"]
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, **stream_options: streams)
+    report = bench.run(["upsample_area"], ("forward", "backward"), repeat=1, dtype="float16")
+    assert report["dtype"] == "float16" and [r["direction"] for r in report["rows"]] == ["forward", "backward"]
+    for row in report["rows"]:
+        sizes = row["output_shape"][2:]
+        problems = [Problem.create(row["op"], row["input_shape"], sizes, dtype, direction=row["direction"])
+                    for dtype in ("float16", "float32")]
+        assert row["bytes_moved"] == problems[0].bytes_moved() < problems[1].bytes_moved()
+        assert row["tuned_ms"] > 0 and row["torch_ms"] > 0
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda *a, **k: pytest.fail("bench ran with a bad dtype"))
+    with pytest.raises(ValueError, match="dtype must be one of float32, float16, float64.*got 'bfloat16'"):
+        bench.run(["upsample_area"], ("forward",), repeat=1, dtype="bfloat16")
+
+
 def test_untuned_shapes_get_their_own_geomeans(monkeypatch):
     from pool_tuner import presets
 
     report = synthetic_report()
     streams = report["memory_gbs"]
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: streams)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, **stream_options: streams)
 
-    def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False):
+    def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False, dtype="float32"):
         speed = 2.0 if name == presets.UNTUNED_NAME else 8.0
         return bench.Row(name, op, direction, list(shape), list(shape), 1000, 500, 500, 1.0, 1.0, speed, 3, 3, 3,
                          "default", "thread_per_output", {})
@@ -300,9 +318,9 @@ def test_global_pooling_gets_its_own_geomeans(monkeypatch):
     """Rows whose every output size is 1, suite and untuned shapes alike, are summarised apart too."""
     report = synthetic_report()
     streams = report["memory_gbs"]
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: streams)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device, **stream_options: streams)
 
-    def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False):
+    def measure(name, op, shape, output_size, direction, device, repeat, rng, tune_here=False, dtype="float32"):
         out = list(shape[:2]) + [1 if s == 1 else s for s in output_size]
         speed = 4.0 if set(output_size) == {1} else 1.0
         return bench.Row(name, op, direction, list(shape), out, 1000, 500, 500, 1.0, 1.0, speed, 3, 3, 3,

@@ -383,6 +383,7 @@ def test_torch_calls_make_no_pycuda_object_once_warm(rng, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.own_process
 def test_torch_cuda_graph_capture_and_replay(rng):
     """Forward and backward captured with torch.cuda.graph after a warm-up on a side stream (as
     PyTorch prescribes); replays on new inputs match the reference."""

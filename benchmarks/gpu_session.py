@@ -1,0 +1,403 @@
+"""One command for a GPU lease: everything that needs a GPU, each step under its own timeout, all
+within one budget, everything written under one folder, and a one-page report at the end.
+
+GPU machines are lent rarely and for minutes (docs/gpu.md): a lease is spent running this, not
+debugging it.  The steps, in the order of what a lease must not miss:
+
+1. ``tests``: tests/test_cuda_gpu.py and tests/test_cuda.py through ``isolated_tests.py`` (a case
+   that can fault in a process of its own, the rest in shards that start again after a fault), a
+   summary line per file;
+2. ``suite_float32``, ``suite_float16``: ``pool-tuner bench``, the suite's presets and the held-out
+   (untuned) layers against PyTorch, forward and backward;
+3. ``call_overhead``: benchmarks/cuda_call_overhead.py;
+4. ``models``: benchmarks/models.py --device cuda;
+5. ``memory``: benchmarks/memory_growth.py;
+6. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
+   in the checkout), then the ``gpu`` rules derived from it, written to ``default_rules.json``
+   (``derived_from`` names the grid's directory, which names the GPU);
+7. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all`` with a time budget, the
+   records then exported to ``tuning_cache/cuda_<arch>.json``.
+
+A step that fails or runs out of time is reported so, and the next one runs.  ``--dry-run`` runs
+every step here, on this machine's default device and tiny sizes (the CUDA test files skip without
+a GPU; the steps that need one are expected to fail): its exit status is 0 when the plumbing works.
+
+    python benchmarks/gpu_session.py [--out DIR] [--work DIR] [--budget 480] [--jobs 6] [--only STEPS]
+                                     [--timeout STEP=SECONDS ...] [--dry-run]
+
+Each step writes into the session's working folder (``--work``, else a new temporary directory);
+after each step the output folder (``--out``, else ``$OUT``, else a new temporary directory) gets
+``report.md``, what each step did so far, and ``session.tar.gz``, the working folder (compiled
+kernels left out): two files, as few as a lease's ``$OUT`` brings back, and a session cut off by its
+lease's limit still leaves what it had done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+#: Seconds kept back from the budget for the report.
+RESERVE_S = 5.0
+#: Seconds a step has to end after SIGTERM at its timeout, before SIGKILL.
+STOP_GRACE_S = 10.0
+#: A step is not started with less than this left (it would only be killed).
+MIN_STEP_S = 10.0
+#: Seconds each step may take on a GPU, from earlier leases' figures (nvcc about 0.65 s per tuned
+#: configuration), not yet from a run of this script there: the first lease that runs it should
+#: move time between the steps from its report's durations (``--timeout STEP=SECONDS``).
+TIMEOUTS = {"tests": 150, "suite_float32": 50, "suite_float16": 35, "call_overhead": 25, "models": 45, "memory": 25,
+            "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45, "tune_float16": 45}
+#: ... and here, in a dry run (a shared machine: generous).
+DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "call_overhead": 25, "models": 30,
+                    "memory": 25, "dispatch_grid": 40, "derive_rules": 20, "tune_float32": 30, "tune_float16": 30}
+#: Seconds of a step's timeout kept for what follows its own budget: the tests' runner writing its
+#: results, the grid finishing the problem in progress.
+WIND_DOWN_S = 10
+#: The session's working folder packed into the output folder, and its name inside the archive.
+PACKED = "session.tar.gz"
+SESSION_DIR = "session"
+#: The test files that need a GPU.
+GPU_TEST_FILES = ("tests/test_cuda_gpu.py", "tests/test_cuda.py")
+
+
+@dataclasses.dataclass
+class Step:
+    """One command of the session.  ``command`` is the argv, or a function returning it when it
+    depends on what an earlier step wrote.  ``conclude(step_dir, log_text)`` reads what the step
+    wrote, writes what follows from it, and returns the key figures for the report.
+    ``needs_gpu``: the step cannot work without a CUDA GPU (in a dry run its failure is expected)."""
+
+    name: str
+    command: list | Callable[[], list]
+    timeout_s: float
+    conclude: Callable[[Path, str], list] = lambda step_dir, log: last_lines(log)
+    env: dict = dataclasses.field(default_factory=dict)
+    needs_gpu: bool = False
+
+
+@dataclasses.dataclass
+class Outcome:
+    name: str
+    status: str  # "ok", "failed (exit N)", "timed out", "not started: ..."
+    seconds: float
+    figures: list
+    log: str
+    command: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def last_lines(log: str, count: int = 3) -> list:
+    """The last ``count`` non-empty lines of a log: the figures of a step that prints its summary last."""
+    return [line.rstrip() for line in log.splitlines() if line.strip()][-count:]
+
+
+def python(*args) -> list:
+    return [sys.executable, *map(str, args)]
+
+
+# ---------------------------------------------------------------------- what each step leaves
+
+def tests_figures(step_dir: Path, log: str) -> list:
+    results = step_dir / "results.json"
+    if not results.exists():
+        return last_lines(log)
+    lines = []
+    for result in json.loads(results.read_text()).values():
+        lines.append(result["summary"])
+        bad = [c for c in result["cases"] if c["outcome"] not in ("passed", "skipped")]
+        lines += [f"{c['outcome']}: {c['nodeid']}" for c in bad[:15]]
+        if len(bad) > 15:
+            lines.append(f"... and {len(bad) - 15} more (results.json)")
+    return lines
+
+
+def suite_figures(step_dir: Path, log: str) -> list:
+    path = step_dir / "bench.json"
+    if not path.exists():
+        return last_lines(log)
+    report = json.loads(path.read_text())
+    lines = [f"{report['device']}; copy {report['copy_gbs']:.0f} GB/s"]
+    for label, summary in report["summary"].items():
+        lines.append(f"{label}: geomean {summary['geomean_speedup_vs_torch']:.2f}x PyTorch, tuned/default "
+                     f"{summary['geomean_tuned_vs_default']:.2f}x, {summary['geomean_times_floor']:.2f}x the copy floor")
+    return lines
+
+
+def memory_figures(step_dir: Path, log: str) -> list:
+    """The summary table memory_growth.py prints (after the line ``Summary``)."""
+    lines = log.splitlines()
+    if "Summary" not in lines:
+        return last_lines(log)
+    table = lines[lines.index("Summary") + 1:]
+    return table[:table.index("")] if "" in table else table
+
+
+def export_records(step_dir: Path, log: str, work: Path) -> list:
+    """The tuned records (the step's cache) merged into ``tuning_cache/<device>.json`` under ``work``:
+    ``cuda_sm_<arch>`` for a CUDA GPU, ``<backend>_<type>`` elsewhere."""
+    from pool_tuner import cache
+
+    source = step_dir / "cache" / cache.USER_FILE
+    if not source.exists():
+        return last_lines(log) + ["no records written"]
+    records = json.loads(source.read_text())["records"]
+    devices = {json.dumps(r["device"], sort_keys=True) for r in records.values()}
+    lines = last_lines(log, 2)
+    for device in map(json.loads, sorted(devices)):
+        name = (f"cuda_sm_{device['compute_capability'].replace('.', '')}" if device.get("backend") == "cuda"
+                else f"{device.get('backend')}_{device.get('type', 'device')}")
+        target = work / "tuning_cache" / f"{name}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        count = cache.merge_files([source], target)
+        lines.append(f"{count} records of {device.get('name')} merged into {target.relative_to(work)}")
+    return lines
+
+
+def grid_data_dir(work: Path) -> Path:
+    """The device directory the ``dispatch_grid`` step worked in (its log's first line names it),
+    among the grids of other GPUs that ``seed_grid`` copied beside it."""
+    log = work / "dispatch_grid" / "log.txt"
+    found = re.search(r"; data: (.+)/records\.json$", log.read_text(), re.MULTILINE) if log.exists() else None
+    if found is None:
+        raise FileNotFoundError(f"the dispatch_grid step's log ({log}) names no grid data")
+    return Path(found.group(1))
+
+
+def seed_grid(work: Path) -> None:
+    """Copy the GPUs' grid data of the checkout (``benchmarks/dispatch_grid/cuda_*``, what earlier
+    leases measured) into ``work``: ``dispatch_grid.py`` skips the problems already there, so each
+    lease's budget adds to the grid."""
+    for directory in (BENCHMARKS / "dispatch_grid").glob("cuda_*"):
+        shutil.copytree(directory, work / "dispatch_grid" / directory.name, dirs_exist_ok=True)
+
+
+# ---------------------------------------------------------------------- the steps
+
+def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) -> list:
+    """The session's steps: on a GPU (``cuda:0``), or tiny on this machine's default device for
+    ``dry_run``; each with its timeout of ``TIMEOUTS`` (``DRY_RUN_TIMEOUTS``) or ``timeouts``."""
+    timeout = {**(DRY_RUN_TIMEOUTS if dry_run else TIMEOUTS), **(timeouts or {})}
+    device = [] if dry_run else ["--device", "cuda:0"]
+    cli = python("-m", "pool_tuner.cli")
+    if dry_run:  # one shape, one round, the variants that run every problem
+        suite = ["--preset", "upsample_area", "--direction", "forward", "--repeat", "1", "--stream-mib", "1"]
+        overhead = ["--preset", "upsample_area", "--no-tiny", "--calls", "5", "--repeat", "1"]
+        models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
+        memory = ["--api", "numpy", "--shapes", "4", "--every", "2", "--pocl-cache", "cold"]
+        grid = ["--limit", "1", "--max-fevals", "1", "--time-limit", "0.5", "--variants",
+                "thread_per_output,thread_per_input"]
+        tune = ["--preset", "upsample_area", "--direction", "forward", "--variants", "thread_per_output",
+                "--max-fevals", "1", "--time-limit", "0.5"]
+    else:
+        suite = ["--direction", "both", "--repeat", "5"]
+        overhead = ["--calls", "100", "--repeat", "5"]
+        models = ["--rounds", "3"]
+        memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
+        grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", timeout["dispatch_grid"] - WIND_DOWN_S]
+        tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
+                "--time-limit", "2"]
+    tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
+    return [
+        Step("tests", python(BENCHMARKS / "isolated_tests.py", *GPU_TEST_FILES, "--out", work / "tests", "--jobs", jobs,
+                             "--timeout", timeout["tests"] - WIND_DOWN_S), timeout["tests"], tests_figures),
+        *[Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--quiet", "--out", work / f"suite_{dtype}",
+                                        *suite], timeout[f"suite_{dtype}"], suite_figures)
+          for dtype in ("float32", "float16")],
+        Step("call_overhead", python(BENCHMARKS / "cuda_call_overhead.py", *overhead, "--json",
+                                     work / "call_overhead" / "call_overhead.json"), timeout["call_overhead"],
+             needs_gpu=True),
+        Step("models", python(BENCHMARKS / "models.py", "--device", "cuda", *models, "--out",
+                              work / "models" / "models.json"), timeout["models"], needs_gpu=True),
+        Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
+             timeout["memory"], memory_figures),
+        Step("dispatch_grid", python(BENCHMARKS / "dispatch_grid.py", *device, "--data-root", work / "dispatch_grid",
+                                     *grid), timeout["dispatch_grid"]),
+        Step("derive_rules", lambda: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(work),
+                                            "--device-type", "cpu" if dry_run else "gpu",
+                                            "--rules-out", work / "default_rules.json"), timeout["derive_rules"],
+             lambda step_dir, log: last_lines(log, 2)),
+        *[Step(f"tune_{dtype}", cli + ["tune", *device, "--dtype", dtype, "--quiet", *tune], timeout[f"tune_{dtype}"],
+               lambda step_dir, log: export_records(work / "tune", log, work), env=tune_cache)
+          for dtype in ("float32", "float16")],
+    ]
+
+
+# ---------------------------------------------------------------------- running them
+
+def run_step(step: Step, work: Path, deadline: float) -> Outcome:
+    """Run ``step`` under its timeout (or what is left of the budget), its output in its log."""
+    step_dir = work / step.name
+    step_dir.mkdir(parents=True, exist_ok=True)
+    log_path = step_dir / "log.txt"
+    left = deadline - time.monotonic() - RESERVE_S
+    if left < MIN_STEP_S:
+        return Outcome(step.name, f"not started: {left:.0f} s of the budget left", 0.0, [], "", "")
+    timeout = min(step.timeout_s, left)
+    started = time.monotonic()
+    try:
+        command = [str(part) for part in (step.command() if callable(step.command) else step.command)]
+    except Exception as exc:  # noqa: BLE001 - what the step needs from an earlier one is missing
+        return Outcome(step.name, f"not started: {exc}", 0.0, [], "", "")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **step.env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            status = "ok" if proc.wait(timeout=timeout) == 0 else f"failed (exit {proc.returncode})"
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            status = f"timed out after {timeout:.0f} s"
+    seconds = time.monotonic() - started
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    try:
+        figures = step.conclude(step_dir, text)
+    except Exception as exc:  # noqa: BLE001 - a report with the reason beats no report
+        figures = [f"could not read the step's results: {type(exc).__name__}: {exc}"] + last_lines(text)
+    return Outcome(step.name, status, seconds, figures, str(log_path.relative_to(work)), shlex.join(command))
+
+
+def stop(proc) -> None:
+    """End a step at its timeout: SIGTERM to its process group (``isolated_tests.py`` then kills the
+    pytest processes it started in groups of their own), SIGKILL after ``STOP_GRACE_S``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def machine() -> str:
+    """The GPUs ``nvidia-smi`` lists, or that it lists none."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "no nvidia-smi: no NVIDIA GPU here"
+    return "; ".join(proc.stdout.split("\n")[:-1]) or "nvidia-smi lists no GPU"
+
+
+def report(outcomes: list, pending: list, dry_run: bool, budget: float, seconds: float, needs_gpu: set,
+           gpus: str) -> str:
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = [f"# GPU session{' (dry run)' if dry_run else ''}, {when}", "",
+             f"- machine: {gpus}", f"- command: `{shlex.join(sys.argv)}`",
+             f"- budget {budget:.0f} s, {seconds:.0f} s so far; the logs named here are in `{PACKED}` "
+             f"(`tar xzf {PACKED}`: `{SESSION_DIR}/<step>/...`)", "",
+             "| step | status | seconds | log |", "|---|---|---|---|"]
+    for o in outcomes:
+        note = " (needs a CUDA GPU: expected in a dry run)" if dry_run and o.name in needs_gpu and not o.ok else ""
+        lines.append(f"| {o.name} | {o.status}{note} | {o.seconds:.0f} | {o.log} |")
+    lines += [f"| {name} | not run yet |  |  |" for name in pending]
+    for o in outcomes:
+        lines += ["", f"## {o.name}: {o.status}", ""]
+        if o.command:
+            lines.append(f"`{o.command}`")
+            lines.append("")
+        lines += [f"    {figure}" for figure in o.figures] or ["(no figures)"]
+    return "\n".join(lines) + "\n"
+
+
+def default_out() -> Path:
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_session_out_"))
+
+
+def pack(work: Path, out: Path) -> None:
+    """``out/session.tar.gz``: the working folder as ``session/``, without compiled kernels (the
+    tuning cache's ``cubin/``) and lock files; written to a temporary name, then renamed."""
+    def keep(member):
+        parts = Path(member.name).parts
+        return None if "cubin" in parts or member.name.endswith(".lock") else member
+
+    partial = out / f".{PACKED}.partial"
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(work, arcname=SESSION_DIR, filter=keep)
+    os.replace(partial, out / PACKED)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="folder for report.md and session.tar.gz (default: $OUT, else a new temporary "
+                                      "directory)")
+    parser.add_argument("--work", help="the session's working folder (default: a new temporary directory)")
+    parser.add_argument("--budget", type=float, help="seconds for every step together (default: 480; dry run 300)")
+    parser.add_argument("--jobs", type=int, default=6, help="test processes at a time (default: %(default)s)")
+    parser.add_argument("--only", help="comma-separated step names to run (default: every step)")
+    parser.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS",
+                        help="a step's timeout instead of its default, repeatable (a lease for the grid alone: "
+                             "--only dispatch_grid,derive_rules --timeout dispatch_grid=420)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every step here on this machine's default device and tiny sizes: checks the plumbing")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 480.0)
+    if budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {budget}")
+    every = [s.name for s in steps(Path(), args.dry_run, args.jobs)]
+    timeouts = {}
+    for given in args.timeout:
+        name, _, seconds = given.partition("=")
+        if name not in every or not re.fullmatch(r"\d+", seconds) or int(seconds) <= WIND_DOWN_S:
+            parser.error(f"--timeout takes STEP=SECONDS, a step of {', '.join(every)} and more than {WIND_DOWN_S} "
+                         f"seconds, got {given!r}")
+        timeouts[name] = int(seconds)
+    names = args.only.split(",") if args.only else every
+    unknown = sorted(set(names) - set(every))
+    if unknown:
+        parser.error(f"--only: no step {', '.join(unknown)}; the steps are {', '.join(every)}")
+    out = Path(args.out) if args.out else default_out()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_session_"))
+    for folder in (out, work):
+        folder.mkdir(parents=True, exist_ok=True)
+    out, work = out.resolve(), work.resolve()
+    chosen = [s for s in steps(work, args.dry_run, args.jobs, timeouts) if s.name in names]
+    started = time.monotonic()
+    deadline = started + budget
+    if not args.dry_run:
+        seed_grid(work)
+    needs_gpu = {s.name for s in chosen if s.needs_gpu}
+    gpus = machine()
+    outcomes = []
+    for done, step in enumerate(chosen, 1):
+        print(f"[gpu_session] {step.name} ...", flush=True)
+        outcomes.append(run_step(step, work, deadline))
+        print(f"[gpu_session] {step.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.0f} s)", flush=True)
+        text = report(outcomes, [s.name for s in chosen[done:]], args.dry_run, budget, time.monotonic() - started,
+                      needs_gpu, gpus)
+        (out / "report.md").write_text(text, encoding="utf-8")
+        pack(work, out)
+    print(text)
+    print(f"[gpu_session] {out / 'report.md'}, {out / PACKED} (the working folder {work})")
+    failed = [o for o in outcomes if not o.ok and not (args.dry_run and o.name in needs_gpu)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The one command for a GPU lease (benchmarks/gpu_session.py, docs/gpu.md) and what it stands on,
+proven without a GPU: the test runner that a fault cannot cascade through
+(benchmarks/isolated_tests.py), the dry run of every step, the CUDA variant matrix collecting the
+same in every process (what pytest-xdist's workers need), and the grid data named after the GPU."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cuda_fakes import fake_cuda_device
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+if not (BENCHMARKS / "gpu_session.py").exists():
+    pytest.skip("benchmarks/ is not beside the tests (installed package)", allow_module_level=True)
+
+
+def _script(name):
+    """A script of benchmarks/ as a module (registered, as its dataclasses need)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+#: Cases standing in for the GPU tests' failures: a CUDA error that poisons the process's context
+#: (simulated: every later case of the process fails), a crash, cases marked own_process that fail
+#: and die, and skips by mark and at run time.
+SYNTHETIC = textwrap.dedent('''
+    import os
+    import pytest
+
+    POISONED = []
+
+
+    def test_first():
+        assert not POISONED
+
+
+    def test_poisons():
+        POISONED.append(1)
+        raise RuntimeError("cuLaunchKernel: CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access was encountered)")
+
+
+    def test_after_the_poison():
+        assert not POISONED
+
+
+    def test_fails_plainly():
+        assert 1 == 2
+
+
+    def test_after_the_plain_failure():
+        assert not POISONED
+
+
+    def test_crashes():
+        os.abort()
+
+
+    def test_after_the_crash():
+        assert not POISONED
+
+
+    @pytest.mark.skipif(True, reason="no such device here")
+    def test_skipped_by_its_mark():
+        os.abort()  # never run: no process is started for it
+
+
+    def test_skips_when_run():
+        pytest.skip("decided at run time")
+
+
+    @pytest.mark.own_process
+    def test_alone_fails():
+        assert not POISONED and False
+
+
+    @pytest.mark.own_process
+    def test_alone_dies():
+        os._exit(3)
+''')
+
+
+def _outcomes(result):
+    return {case["nodeid"].rsplit("::", 1)[1]: case["outcome"] for case in result["cases"]}
+
+
+def test_a_fault_or_a_crash_takes_no_other_case_down(tmp_path):
+    isolated_tests = _script("isolated_tests")
+    test_file = tmp_path / "test_synthetic.py"
+    test_file.write_text(SYNTHETIC)
+    results = isolated_tests.run_files([str(test_file)], tmp_path / "out", jobs=1, timeout_s=240)
+    result = results[str(test_file)]
+    assert _outcomes(result) == {
+        "test_first": "passed", "test_poisons": "failed", "test_after_the_poison": "passed",
+        "test_fails_plainly": "failed", "test_after_the_plain_failure": "passed",
+        "test_crashes": "crashed", "test_after_the_crash": "passed",
+        "test_skipped_by_its_mark": "skipped", "test_skips_when_run": "skipped",
+        "test_alone_fails": "failed", "test_alone_dies": "crashed",
+    }
+    # the shard: a first process stopped after the poisoning failure, a second died in the crash, a
+    # third finished; and one process for each case of its own
+    assert "11 cases: 4 passed, 3 failed, 2 skipped, 2 crashed (5 pytest processes" in result["summary"]
+    assert f"POOL_TUNER_TEST_SEED={os.environ['POOL_TUNER_TEST_SEED']}" in result["summary"]  # one seed: replayable
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written == results
+    messages = {case["nodeid"].rsplit("::", 1)[1]: case["message"] for case in result["cases"]}
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in messages["test_poisons"]
+    assert messages["test_skipped_by_its_mark"] == "no such device here"
+
+
+def test_the_deadline_kills_what_still_runs(tmp_path):
+    isolated_tests = _script("isolated_tests")
+    test_file = tmp_path / "test_hangs.py"
+    test_file.write_text(textwrap.dedent('''
+        import time
+
+
+        def test_quick():
+            pass
+
+
+        def test_hangs():
+            time.sleep(600)
+
+
+        def test_after_the_hang():
+            pass
+    '''))
+    results = isolated_tests.run_files([str(test_file)], tmp_path / "out", jobs=1, timeout_s=20)
+    assert _outcomes(results[str(test_file)]) == {"test_quick": "passed", "test_hangs": "timed out",
+                                                  "test_after_the_hang": "not run"}
+
+
+def test_a_stopped_runner_leaves_no_test_process_behind(tmp_path):
+    """SIGTERM (gpu_session.py's step timeout) to the runner ends the pytest processes it started in
+    process groups of their own, and it still writes its results."""
+    test_file = tmp_path / "test_hangs.py"
+    pid_file = tmp_path / "pid"
+    test_file.write_text(textwrap.dedent(f'''
+        import os
+        import time
+
+
+        def test_hangs():
+            open({str(pid_file)!r}, "w").write(str(os.getpid()))
+            time.sleep(600)
+    '''))
+    runner = subprocess.Popen([sys.executable, str(BENCHMARKS / "isolated_tests.py"), str(test_file), "--out",
+                               str(tmp_path / "out"), "--jobs", "1", "--timeout", "300"], cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int(pid_file.read_text())
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 1
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert _outcomes(results[str(test_file)]) == {"test_hangs": "timed out"}
+
+
+def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
+    """``gpu_session.py --dry-run``: every step runs here (the GPU test files skip, the steps that
+    need a GPU fail and are reported so without stopping the others), records and rules are
+    written, and the exit status says the plumbing works.  What comes back from a lease is two
+    files: the report and the packed working folder."""
+    gpu_session = _script("gpu_session")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_session.py"), "--dry-run", "--jobs", "2", "--out",
+                           str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "session.tar.gz"]
+    report = (out / "report.md").read_text()
+    with tarfile.open(out / "session.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    work = tmp_path / "session"
+    names = [step.name for step in gpu_session.steps(work, dry_run=True, jobs=2)]
+    assert names == ["tests", "suite_float32", "suite_float16", "call_overhead", "models", "memory", "dispatch_grid",
+                     "derive_rules", "tune_float32", "tune_float16"]
+    rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    for name in names:
+        assert f"## {name}: " in report and (work / name / "log.txt").exists(), name
+        if name in ("call_overhead", "models"):
+            assert "expected in a dry run" in rows[name] or "| ok |" in rows[name], rows[name]
+        else:
+            assert f"| {name} | ok |" in rows[name], rows[name]
+    assert "not run yet" not in report
+    assert "tests/test_cuda_gpu.py: " in report and "tests/test_cuda.py: " in report
+    assert "geomean" in report  # the suite's figures
+    records = list((work / "tuning_cache").glob("*.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text())["records"]
+    rules = json.loads((work / "default_rules.json").read_text())["devices"]["cpu"]
+    assert rules["derived_from"] == f"benchmarks/dispatch_grid/{gpu_session.grid_data_dir(work).name}/records.json"
+    assert rules["problems"] >= 1
+
+
+#: A plugin that lists one fake CUDA GPU before the test files are imported, so that
+#: tests/test_cuda.py generates its whole variant matrix without a GPU.
+FAKE_GPU_PLUGIN = textwrap.dedent('''
+    import cuda_fakes
+    from pool_tuner.backends import cuda
+
+    _device = cuda_fakes.fake_cuda_device()
+    cuda.list_devices = lambda: (_device,)
+''')
+
+
+def test_the_cuda_variant_matrix_collects_the_same_in_every_process(tmp_path):
+    """pytest-xdist runs a file's cases in several workers only if every worker collects the same
+    cases in the same order (``-n 8 --dist load`` on a GPU, docs/gpu.md): the matrix of
+    tests/test_cuda.py, generated as on a GPU, is the same under other hash seeds and test seeds."""
+    (tmp_path / "fake_gpu.py").write_text(FAKE_GPU_PLUGIN)
+    collected = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, POOL_TUNER_TEST_SEED=seed,
+                   PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "tests"), str(ROOT)]))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-p",
+                               "fake_gpu", "--collect-only", "-q", "tests/test_cuda.py"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        collected.append([line for line in proc.stdout.splitlines() if "::" in line])
+    assert collected[0] == collected[1]
+    assert sum("test_every_variant_on_the_shape_matrix[" in nodeid for nodeid in collected[0]) > 100
+    assert not any("no-cuda-gpu" in nodeid for nodeid in collected[0])
+
+
+def test_a_gpus_grid_data_is_named_after_the_gpu():
+    dispatch_grid = _script("dispatch_grid")
+    assert dispatch_grid.device_slug(fake_cuda_device()) == "cuda_fake_gpu"
+
+
+def test_records_tuned_on_a_gpu_are_exported_under_its_architecture(tmp_path):
+    """A record tuned on a CUDA GPU (compute capability 9.0) goes to ``tuning_cache/cuda_sm_90.json``."""
+    from pool_tuner import cache
+
+    gpu_session = _script("gpu_session")
+    shipped = json.loads((ROOT / "tuning_cache" / "pocl_cpu.json").read_text())
+    record = next(iter(shipped["records"].values()))
+    device = fake_cuda_device()
+    record = dict(record, device=device.fingerprint, key=cache.cache_key(cache.problem_of(record), device))
+    (tmp_path / "tune" / "cache").mkdir(parents=True)
+    (tmp_path / "tune" / "cache" / cache.USER_FILE).write_text(
+        json.dumps({"schema": shipped["schema"], "records": {record["key"]: record}}))
+    figures = gpu_session.export_records(tmp_path / "tune", "tuned\n", tmp_path)
+    assert figures[-1] == "1 records of Fake GPU merged into tuning_cache/cuda_sm_90.json"
+    exported = json.loads((tmp_path / "tuning_cache" / "cuda_sm_90.json").read_text())["records"]
+    assert list(exported) == [record["key"]] and exported[record["key"]]["device"] == device.fingerprint
