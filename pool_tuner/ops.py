@@ -58,7 +58,7 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     try:
         key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
                backends.env_device_setting(),
-               *[(type(a), a.shape, a.strides, a.dtype, getattr(a, "queue", None)) for a in arrays])
+               *[(type(a), plans.numpy_spec(a), getattr(a, "queue", None)) for a in arrays])
     except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None
     plan = _PLANS.get(key) if key is not None else None
@@ -128,7 +128,7 @@ def _indices_spec(indices, grad_out, owner):
 def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """Shared body of every forward op."""
     plan = _plan(op, "forward", [x], output_size, device, variant, config, ("x",))
-    results = _run(plan, [x], ("x",))
+    results = _delivered(plan, _run(plan, [x], ("x",)), x)
     if plan.problem.operation.returns_indices and return_indices:
         return results[0], results[1]
     return results[0]
@@ -142,7 +142,17 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
         def check_data(problem):
             _check_indices_in_windows(indices, problem)
     plan = _plan(op, "backward", arrays, input_shape, device, variant, config, ("grad_out",), check_data)
-    return _run(plan, arrays, ("grad_out", "indices"))[0]
+    return _delivered(plan, _run(plan, arrays, ("grad_out", "indices")), grad_out)[0]
+
+
+def _delivered(plan: plans.Plan, results: list, first) -> list:
+    """Results of a call on device arrays as the kind of array the caller gave (``Device.deliver``:
+    a torch tensor for a torch tensor, a CuPy array for a CuPy array, ...); numpy results as they
+    are."""
+    if isinstance(first, np.ndarray):
+        return results
+    queue = plan.device.queue_of(first)
+    return [plan.device.deliver(r, queue) for r in results]
 
 
 def memory_layout(x, ndim: int) -> str | None:

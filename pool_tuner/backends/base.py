@@ -180,6 +180,10 @@ class Device(Protocol):
     def track(self, array, handle) -> None:
         """Let ``array``'s own waits include the launch ``handle`` that writes it."""
 
+    def deliver(self, array, queue):
+        """A result made on ``queue`` (from ``queue_of`` of the caller's array) as the kind of
+        array the caller gave: OpenCL, the array itself; CUDA, an array of the input's library."""
+
     def owns(self, array) -> bool:
         """Whether device array ``array`` lives on this device."""
 
