@@ -4,9 +4,9 @@ Each call validates all of its arguments (raising ``TypeError``/``ValueError`` t
 argument) before anything is built or launched, asks ``dispatch`` for the variant and configuration
 (handing it the tuner's tune-on-miss, ``POOL_TUNER_AUTOTUNE=1``), and launches the memoised kernel.
 Devices are used only through the contract of ``backends.base``.  numpy in -> numpy out (through the default queue of the chosen
-device); a device array in (``pyopencl.array.Array``, PyCUDA ``GPUArray`` or any
-``__cuda_array_interface__`` object) -> a device array out on the input's own queue/device, no
-host round trip.
+device); a device array in (``pyopencl.array.Array``, or any ``__cuda_array_interface__`` object:
+PyCUDA ``GPUArray``, CuPy, Numba, PyTorch CUDA tensors, ...) -> the same kind of array out, on the
+input's own queue/stream and context, no host round trip.
 
 Memory layout: contiguous (channels-first) and channels-last inputs are recognised from their
 strides and processed in place; the result has the same memory format.  Other strided numpy
@@ -350,7 +350,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
 
 def release_memory() -> int:
     """Free the device memory that pool_tuner holds for reuse by later results (OpenCL results on
-    a device's own queue and CUDA results on GPUArrays come from a memory pool, see docs/design.md
+    a device's own queue and CUDA results other than torch tensors come from a memory pool, see docs/design.md
     "Memory"); returns the number of blocks freed.  Arrays still referenced are untouched."""
     return sum(device.release_memory() for device in backends.all_devices())
 

@@ -314,3 +314,34 @@ def test_a_process_that_tuned_on_cuda_exits_without_a_traceback(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.strip() == "popped on pool_tuner-cuda-tuning"
+
+
+# ---------------------------------------------------------------------- the multi-level ops
+
+
+def test_multi_level_ops_on_torch_tensors_give_torch_tensors(gpu):
+    torch = pytest.importorskip("torch")
+    x = _TensorStandIn.make(torch.rand(SHAPE))
+    values, indices = pt.adaptive_max_pool_pyramid(x, [1, 2], return_indices=True)
+    assert [type(v) for v in values + indices] == [torch.Tensor] * 4
+    assert [tuple(v.shape) for v in values] == [(2, 3, 1, 1), (2, 3, 2, 2)] and indices[1].dtype == torch.int64
+    grads = [_TensorStandIn.make(torch.rand(v.shape)) for v in values]
+    grad = pt.adaptive_max_pool_pyramid_backward(grads, [_TensorStandIn.make(i) for i in indices], SHAPE)
+    assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
+    result, indices = pt.adaptive_avgmax_pool2d(x, (2, 3), "cat", return_indices=True)
+    assert type(result) is torch.Tensor and tuple(result.shape) == (2, 6, 2, 3) and type(indices) is torch.Tensor
+    grad = pt.adaptive_avgmax_pool2d_backward(_TensorStandIn.make(torch.rand(result.shape)), _TensorStandIn.make(indices),
+                                              SHAPE, "cat")
+    assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
+
+
+def test_a_pyramid_of_a_pycuda_autoinit_gpuarray_gives_gpuarrays_read_in_its_context(gpu):
+    _, pycuda, driver = gpu
+    context = pycuda.autoinit()
+    levels = pt.adaptive_avg_pool_pyramid(pycuda.gpuarray.to_gpu(_host()), [1, 2])
+    assert all(isinstance(level, pycuda.gpuarray.GPUArray) for level in levels)
+    assert [level.get().shape for level in levels] == [(2, 3, 1, 1), (2, 3, 2, 2)]
+    assert {launch["context"] for launch in driver.launches} == {context.handle}
+    del levels
+    gc.collect()
+    assert pycuda.fatal == []

@@ -53,8 +53,8 @@ class Device(Protocol):
 
     Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
     every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
-    the backend's own array type (``pyopencl.array.Array``, PyCUDA ``GPUArray``) in memory order,
-    bfloat16 as its uint16 bits."""
+    the backend's own array type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory
+    order, bfloat16 as its uint16 bits; ``deliver`` hands results back as the caller's kind."""
 
     # -------------------------------------------------------------- identity
     #: The backend's name, the first part of ``id``.

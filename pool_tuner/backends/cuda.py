@@ -22,16 +22,16 @@ Streams: kernels are loaded and launched through the driver API (``backends.cuda
 through PyCUDA, because only the driver API launches on another library's stream handle.  Work on
 a caller's CUDA array goes to the stream its ``__cuda_array_interface__`` names (``queue_of``,
 ``launch_stream``), after the streams of the launch's other arrays (``launch``), with no host wait;
-results are ``StreamArray``s that name that stream in their own interface.  docs/design.md, "CUDA
-arrays and streams", states the rules.  ``CudaDevice.driver_target`` is the same build for
+results name that stream in their own interface.  docs/design.md, "CUDA contexts" and "CUDA arrays
+and streams", states the rules.  ``CudaDevice.driver_target`` is the same build for
 ``pool_tuner.torch``'s prepared launches on PyTorch's current stream.  Cubins come from
 pool_tuner's own compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source,
 never on a hit.
 
 Threads: a launch shares nothing between threads (its argument array is its own); the event a
 device uses to order one stream after another is recorded and waited for under a lock
-(``cuda_driver.StreamJoin``).  The primary context, the default queue, the memory pools and the
-device list are made once, under a lock.
+(``cuda_driver.StreamJoin``, one per context).  The memory pools, the joins and the device list are
+made once, under a lock.
 
 Importing this module never imports PyCUDA: it is loaded on first use, and ``list_devices()``
 returns ``()`` when PyCUDA is not installed, when there is no driver or no GPU, or on any other
@@ -313,7 +313,7 @@ class CudaDevice:
         return sum(pool.free_held() for pool in pools)
 
     def fill(self, array, value, queue: CudaQueue | None = None):
-        """Fill a GPUArray with ``value`` on the queue's stream (output poisoning, zero results)."""
+        """Fill a ``CudaArray`` with ``value`` on the queue's stream (output poisoning, zero results)."""
         bits = np.array(value, array.dtype).view(f"u{array.dtype.itemsize}")[()]
         return self.fill_bits(array, bits, queue)
 
@@ -400,8 +400,8 @@ class CudaDevice:
 
     def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
-        ``(x, y)``) with ``args``: device arrays / pointers (GPUArray, ``DeviceAllocation``,
-        ``__cuda_array_interface__`` objects, ints) or numpy scalars, on the queue's stream,
+        ``(x, y)``) with ``args``: device arrays / pointers (``CudaArray``, ``__cuda_array_interface__``
+        objects, ints) or numpy scalars, on the queue's stream,
         through the driver API.  An array that names another stream than the queue's (its
         interface's ``stream``; None names none) is waited for on the device first
         (``cuda_driver.StreamJoin``), never on the host.  Records no event per call

@@ -98,14 +98,36 @@ class CudaArray:
         """The same memory seen with another shape and byte strides."""
         return CudaArray(shape, self.dtype, self.ptr, strides, self.stream, self)
 
+    def reshape(self, shape) -> CudaArray:
+        """A C-contiguous array seen with another shape of the same size."""
+        shape = tuple(int(s) for s in shape)
+        if math.prod(shape) != self.size or not self.c_contiguous:
+            raise ValueError(f"cannot view a CudaArray of shape {self.shape} as {shape}")
+        return CudaArray(shape, self.dtype, self.ptr, stream=self.stream, base=self)
+
+    def __getitem__(self, index: slice) -> CudaArray:
+        """``flat[start:stop]``: a contiguous slice of a flat array, over the same memory (the
+        levels of a multi-level op's flat result, ``pool_tuner.pyramid``)."""
+        start, stop, step = self._flat_slice(index)
+        return CudaArray((stop - start,), self.dtype, self.ptr + start * self.dtype.itemsize, stream=self.stream,
+                         base=self)
+
+    def _flat_slice(self, index) -> tuple:
+        if len(self.shape) != 1 or not isinstance(index, slice) or self.strides != (self.dtype.itemsize,):
+            raise TypeError("a CudaArray can only be sliced when it is flat and contiguous")
+        start, stop, step = index.indices(self.size)
+        if step != 1:
+            raise ValueError("a CudaArray slice must be contiguous (step 1)")
+        return start, max(start, stop), step
+
     def __setitem__(self, index: slice, value) -> None:
         """``flat[start:stop] = other``: copy a C-contiguous device array into a slice of a flat
         one, on this array's stream (``pool_tuner.fused`` packs levels so)."""
-        start, stop, step = index.indices(self.size)
+        start, stop, _ = self._flat_slice(index)
         source = as_cuda_array(value)
-        if len(self.shape) != 1 or step != 1 or source.size != stop - start or source.dtype != self.dtype:
-            raise ValueError("only a contiguous slice of a flat CudaArray can be assigned, from an array of its size "
-                             "and dtype")
+        if source.size != stop - start or source.dtype != self.dtype:
+            raise ValueError(f"a slice of {stop - start} {self.dtype} elements cannot be assigned {source.size} "
+                             f"{source.dtype} elements")
         cuda_driver.copy(self.ptr + start * self.dtype.itemsize, source.ptr, source.nbytes, self.stream or 1)
 
     def get(self) -> np.ndarray:
@@ -240,6 +262,8 @@ class ResultKind:
     __slots__ = ("like", "library")
 
     def __init__(self, like):
+        if isinstance(like, CudaArray):  # pool_tuner's own intermediate: allocate as its memory was
+            like = _memory_owner(like)
         self.like, self.library = like, _library(like)
 
     def allocate(self, nbytes: int, pool: MemoryPool):
@@ -282,6 +306,8 @@ def _as_tensor(array: CudaArray, like):
     import torch
 
     memory = _memory_owner(array)
+    if not isinstance(memory, torch.Tensor):  # memory of pool_tuner's pool: a tensor over it, keeping it alive
+        return torch.as_tensor(array, device=like.device)
     dtype = torch.int64 if array.dtype == np.int64 and like.dtype != torch.int64 else like.dtype
     itemsize = array.dtype.itemsize
     return memory.view(dtype).as_strided(array.shape, tuple(s // itemsize for s in array.strides),
