@@ -38,8 +38,10 @@ from . import cuda_driver
 
 
 def cuda_array_interface(x) -> dict | None:
-    """``x.__cuda_array_interface__``, or None when ``x`` has none (CPU tensors raise, too)."""
-    if isinstance(x, np.ndarray):
+    """``x.__cuda_array_interface__``, or None when ``x`` has none (CPU tensors raise, too).  The
+    type is asked first: most arrays that have none (numpy, PyOpenCL) answer without an exception."""
+    if isinstance(x, np.ndarray) or not (hasattr(type(x), "__cuda_array_interface__")
+                                         or "__cuda_array_interface__" in getattr(x, "__dict__", ())):
         return None
     try:
         interface = x.__cuda_array_interface__
