@@ -58,7 +58,7 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     try:
         key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
                backends.env_device_setting(),
-               *[(type(a), plans.numpy_spec(a), getattr(a, "queue", None)) for a in arrays])
+               *[_array_key(a) for a in arrays])
     except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None
     plan = _PLANS.get(key) if key is not None else None
@@ -88,6 +88,16 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     plan = plans.make_plan(op, direction, specs, size, chosen, variant, config, on_miss=tuner.tune_on_miss,
                            names=names, context=context, before_build=check_data)
     return _PLANS.put(key, plan) if key is not None else plan
+
+
+def _array_key(array) -> tuple:
+    """What of an array the plan key holds: numpy and PyOpenCL arrays as they describe themselves
+    (their own strides, and an OpenCL array's queue), CUDA arrays of any library as their
+    ``__cuda_array_interface__`` says (``plans.numpy_spec``)."""
+    queue = getattr(array, "queue", None)
+    if type(array) is np.ndarray or queue is not None:
+        return type(array), array.shape, array.strides, array.dtype, queue
+    return type(array), plans.numpy_spec(array)
 
 
 def _device_layouts_check(specs: list, name: str, check_data):
