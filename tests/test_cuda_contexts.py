@@ -345,3 +345,19 @@ def test_a_pyramid_of_a_pycuda_autoinit_gpuarray_gives_gpuarrays_read_in_its_con
     del levels
     gc.collect()
     assert pycuda.fatal == []
+
+
+def test_release_memory_frees_each_context_s_blocks_in_that_context(gpu):
+    """Blocks of a context that is not current are freed with it pushed for the frees and popped:
+    the thread's current context is as it was."""
+    _, pycuda, driver = gpu
+    own = pycuda.autoinit()
+    pt.adaptive_avg_pool2d(pycuda.gpuarray.to_gpu(_host()), SIZE)  # its result dropped: held by own's pool
+    gc.collect()
+    own.pop()
+    driver.set_current(PRIMARY_CONTEXT)
+    calls = len(driver.calls)
+    assert pt.release_memory() == 1 and driver.current() == PRIMARY_CONTEXT
+    (free,) = [c for c in driver.calls[calls:] if c[0] == "cuMemFree"]
+    assert driver.calls[calls:] == [("push", own.handle), free, "pop"]
+    assert free[1] not in driver.memory and pycuda.fatal == []

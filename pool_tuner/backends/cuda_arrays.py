@@ -26,6 +26,7 @@ current.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -223,26 +224,22 @@ class MemoryPool:
         return count
 
 
-class _context_current:
+@contextlib.contextmanager
+def _context_current(context: int):
     """``context`` current for a block of frees, the thread's own restored after.  Freeing is the
     one thing pool_tuner does in a context other than the caller's current one: a block belongs
     to the context that allocated it, and ``release_memory`` frees the blocks of every context."""
-
-    def __init__(self, context: int):
-        self.context = context
-
-    def __enter__(self):
-        lib = cuda_driver.library()
-        current = ctypes.c_void_p()
-        cuda_driver.check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
-        self.pushed = current.value != self.context
-        if self.pushed:
-            cuda_driver.check(lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
-
-    def __exit__(self, *exc):
-        if self.pushed:
-            cuda_driver.check(cuda_driver.library().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())),
-                              "cuCtxPopCurrent")
+    lib = cuda_driver.library()
+    current = ctypes.c_void_p()
+    cuda_driver.check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if current.value == context:
+        yield
+        return
+    cuda_driver.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        cuda_driver.check(lib.cuCtxPopCurrent_v2(ctypes.byref(current)), "cuCtxPopCurrent")
 
 
 # ---------------------------------------------------------------------- results in the input's kind
@@ -318,10 +315,11 @@ def _as_tensor(array: CudaArray, like):
 
 def _as_gpuarray(array: CudaArray, like):
     """A result as a PyCUDA ``GPUArray`` of the class ``like``'s derives from, naming its stream
-    (``stream_array_type``) and holding the memory."""
+    (``stream_array_type``) and keeping the result's memory alive (``base``; PyCUDA takes any int
+    as ``gpudata`` and never frees what it did not allocate)."""
     gpuarray_type = next(c for c in type(like).__mro__ if c.__name__ == "GPUArray")
-    result = stream_array_type(gpuarray_type)(array.shape, array.dtype, gpudata=_Pointer(array),
-                                              strides=array.strides)
+    result = stream_array_type(gpuarray_type)(array.shape, array.dtype, gpudata=array.ptr, strides=array.strides,
+                                              base=array)
     result.stream = array.stream
     return result
 
@@ -342,18 +340,3 @@ def stream_array_type(gpuarray_type: type) -> type:
             return {**super().__cuda_array_interface__, "stream": self.stream}
 
     return StreamArray
-
-
-class _Pointer:
-    """A device pointer that keeps its memory alive, as PyCUDA takes ``gpudata`` (anything that
-    converts to an int; PyCUDA never frees what it did not allocate)."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: CudaArray):
-        self.array = array
-
-    def __int__(self):
-        return self.array.ptr
-
-    __index__ = __int__

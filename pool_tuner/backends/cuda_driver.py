@@ -169,10 +169,10 @@ def current_context(ordinal: int) -> int:
     current, device ``ordinal``'s primary context, made current (``cuCtxSetCurrent``) and left so.
     Raises ``ContextError`` when the current context is another device's."""
     lib = _driver()
+    primary = primary_context(ordinal)  # memoised; its first call initialises the driver (cuInit)
     context = ctypes.c_void_p()
     check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
     if not context.value:
-        primary = primary_context(ordinal)
         check(lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
         return primary
     device = context_device()
