@@ -323,7 +323,8 @@ class FakeDriver:
         return status or self._record("cuMemsetD2D32Async", pointer, pitch, value, width, height, stream)
 
     def cuMemcpyDtoDAsync_v2(self, destination, source, nbytes, stream):
-        return self._check_memory(destination, source) or self._record("cuMemcpyDtoDAsync", destination, source, nbytes, stream)
+        return self._check_memory(destination, source) or self._record("cuMemcpyDtoDAsync", destination, source,
+                                                                       nbytes, stream)
 
     def cuGetErrorName(self, status, out):
         _target(out).value = b"CUDA_ERROR_FAKE"

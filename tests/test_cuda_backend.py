@@ -5,13 +5,10 @@ default stream) with no host wait, a stream joined to another's with an event ma
 PyCUDA stream or event made per call, a first call refused during graph capture.  Runs
 everywhere; test_cuda.py and test_cuda_gpu.py run the same on a GPU."""
 
-import sys
-
 import numpy as np
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import ops
 from pool_tuner.backends import cuda, cuda_driver
 
 from cuda_fakes import PRIMARY_CONTEXT, ForeignArray, forget_fake_gpu, install_fake_gpu

@@ -330,8 +330,8 @@ def test_multi_level_ops_on_torch_tensors_give_torch_tensors(gpu):
     assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
     result, indices = pt.adaptive_avgmax_pool2d(x, (2, 3), "cat", return_indices=True)
     assert type(result) is torch.Tensor and tuple(result.shape) == (2, 6, 2, 3) and type(indices) is torch.Tensor
-    grad = pt.adaptive_avgmax_pool2d_backward(_TensorStandIn.make(torch.rand(result.shape)), _TensorStandIn.make(indices),
-                                              SHAPE, "cat")
+    grad = pt.adaptive_avgmax_pool2d_backward(_TensorStandIn.make(torch.rand(result.shape)),
+                                              _TensorStandIn.make(indices), SHAPE, "cat")
     assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
 
 

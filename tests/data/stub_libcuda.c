@@ -34,7 +34,12 @@ int cuCtxSetCurrent(void *context)
     else stack[depth++] = context;
     return 0;
 }
-int cuCtxGetDevice(int *device) { if (!depth) return 201; *device = (int)((uintptr_t)stack[depth - 1] & 0xF); return 0; }
+int cuCtxGetDevice(int *device)
+{
+    if (!depth) return 201;
+    *device = (int)((uintptr_t)stack[depth - 1] & 0xF);
+    return 0;
+}
 int cuCtxSynchronize(void) { return depth ? 0 : 201; }
 int cuMemAlloc_v2(uint64_t *pointer, size_t nbytes) { if (!depth) return 201; *pointer = 0xD000000000ull; return 0; }
 int cuMemFree_v2(uint64_t pointer) { return depth ? 0 : 201; }
