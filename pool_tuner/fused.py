@@ -79,7 +79,7 @@ def adaptive_avg_pool_pyramid(x, output_sizes, *, ndim=None, device=None, varian
     pooled axes, by default the length of a tuple size, else ``x.ndim - 2``."""
     rank = pyramid_rank(getattr(x, "shape", ()), output_sizes, ndim)
     plan, values, _ = _forward(_pyramid_op("avg", rank), x, _sizes_key(output_sizes), device, variant, config)
-    return _views(plan, values, None)[0]
+    return ops._delivered(plan, _views(plan, values, None)[0], x)
 
 
 def adaptive_max_pool_pyramid(x, output_sizes, return_indices=False, *, ndim=None, device=None, variant=None,
@@ -88,7 +88,8 @@ def adaptive_max_pool_pyramid(x, output_sizes, return_indices=False, *, ndim=Non
     of results, one per size, and with ``return_indices=True`` also the list of their int64 indices
     (PyTorch's: positions within each pooled plane; NaN wins, the last NaN; ties the first)."""
     rank = pyramid_rank(getattr(x, "shape", ()), output_sizes, ndim)
-    values, indices = _views(*_forward(_pyramid_op("max", rank), x, _sizes_key(output_sizes), device, variant, config))
+    plan, values, indices = _forward(_pyramid_op("max", rank), x, _sizes_key(output_sizes), device, variant, config)
+    values, indices = (ops._delivered(plan, levels, x) for levels in _views(plan, values, indices))
     return (values, indices) if return_indices else values
 
 
@@ -104,7 +105,8 @@ def adaptive_avgmax_pool2d(x, output_size, mode="avg+max", return_indices=False,
     if isinstance(values, np.ndarray):
         result = avgmax.join_numpy(avg, mx, mode)
     else:
-        result = avgmax.join_device(plan.problem, plan.device, values, mode)
+        result, indices = ops._delivered(plan, [avgmax.join_device(plan.problem, plan.device, values, mode), indices],
+                                         x)
     return (result, indices) if return_indices else result
 
 
@@ -135,11 +137,11 @@ def _backward(op: str, grads: list, indices, input_shape, device, variant, confi
     arrays on their device (the result stays there)."""
     ndim, labels = OPS[op].ndim, [f"grad_outs[{level}]" for level in range(len(grads))]
     problem = _backward_problem(op, [g.shape for g in grads], [ops.memory_layout(g, ndim) for g in grads],
-                                grads[0].dtype, input_shape, labels)
+                                plans.numpy_spec(grads[0]).dtype, input_shape, labels)
     owner = backends.device_of_array(grads[0])
     if owner is not None:
         _check_memory_order(problem, grads, labels)
-    return _run_backward(problem, _pack(problem, grads, owner), indices, owner, device, variant, config)
+    return _run_backward(problem, _pack(problem, grads, owner), indices, owner, device, variant, config, grads[0])
 
 
 def _backward_problem(op: str, shapes: list, layouts: list, dtype, input_shape, labels: list) -> Problem:
@@ -162,14 +164,15 @@ def _backward_problem(op: str, shapes: list, layouts: list, dtype, input_shape, 
                           direction="backward", shape_name="input_shape")
 
 
-def _run_backward(problem: Problem, flat_grads, indices, owner, device, variant, config):
-    """Run a multi-level backward on its flat level gradients (and the max levels' indices)."""
+def _run_backward(problem: Problem, flat_grads, indices, owner, device, variant, config, like):
+    """Run a multi-level backward on its flat level gradients (and the max levels' indices); the
+    result is the kind of array ``like`` (the caller's gradient) is."""
     arrays = [flat_grads]
     if problem.operation.selects:
         arrays.append(_pack_indices(problem, indices, owner))
     plan = ops._plan(problem.op, "backward", arrays, (problem.input_shape, problem.output_size, problem.layout), device,
                      variant, config, ("grad_outs",))
-    return ops._run(plan, arrays, ("grad_outs", "indices"))[0]
+    return ops._delivered(plan, ops._run(plan, arrays, ("grad_outs", "indices")), like)[0]
 
 
 def _pack_indices(problem: Problem, indices, owner):
@@ -180,7 +183,7 @@ def _pack_indices(problem: Problem, indices, owner):
     indices = _check_grads(indices, len(max_sizes), "indices", owner)
     single = f"adaptive_max_pool{problem.ndim}d"
     for level, (array, size) in enumerate(zip(indices, max_sizes)):
-        if array.dtype != np.int64:
+        if plans.numpy_spec(array).dtype != np.int64:
             raise TypeError(f"indices[{level}] must have dtype int64, got {array.dtype}")
         if tuple(array.shape) != problem.input_shape[:len(problem.input_shape) - problem.ndim] + size:
             raise ValueError(f"indices[{level}] must have the shape of its gradient, got {array.shape}")
@@ -261,11 +264,11 @@ def adaptive_avgmax_pool2d_backward(grad_out, indices, input_shape, mode="avg+ma
     indices = list(indices) if isinstance(indices, (list, tuple)) else [indices]
     if owner is None:
         return _backward(op, avgmax.split_numpy(grad_out, mode), indices, input_shape, device, variant, config)
-    problem = _backward_problem(op, [level_shape] * 2, [ops.memory_layout(grad_out, 2)], grad_out.dtype, input_shape,
-                                ["grad_out"] * 2)
+    problem = _backward_problem(op, [level_shape] * 2, [ops.memory_layout(grad_out, 2)],
+                                plans.numpy_spec(grad_out).dtype, input_shape, ["grad_out"] * 2)
     _check_memory_order(problem, [grad_out], ["grad_out"])
     flat_grads = avgmax.split_device(problem, owner, grad_out, mode)
-    return _run_backward(problem, flat_grads, indices, owner, device, variant, config)
+    return _run_backward(problem, flat_grads, indices, owner, device, variant, config, grad_out)
 
 
 def _backward_rank(grads: list, input_shape, ndim) -> int:

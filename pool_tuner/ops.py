@@ -4,9 +4,9 @@ Each call validates all of its arguments (raising ``TypeError``/``ValueError`` t
 argument) before anything is built or launched, asks ``dispatch`` for the variant and configuration
 (handing it the tuner's tune-on-miss, ``POOL_TUNER_AUTOTUNE=1``), and launches the memoised kernel.
 Devices are used only through the contract of ``backends.base``.  numpy in -> numpy out (through the default queue of the chosen
-device); a device array in (``pyopencl.array.Array``, PyCUDA ``GPUArray`` or any
-``__cuda_array_interface__`` object) -> a device array out on the input's own queue/device, no
-host round trip.
+device); a device array in (``pyopencl.array.Array``, or any ``__cuda_array_interface__`` object:
+PyCUDA ``GPUArray``, CuPy, Numba, PyTorch CUDA tensors, ...) -> the same kind of array out, on the
+input's own queue/stream and context, no host round trip.
 
 Memory layout: contiguous (channels-first) and channels-last inputs are recognised from their
 strides and processed in place; the result has the same memory format.  Other strided numpy
@@ -58,7 +58,7 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     try:
         key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
                backends.env_device_setting(),
-               *[(type(a), a.shape, a.strides, a.dtype, getattr(a, "queue", None)) for a in arrays])
+               *[_array_key(a) for a in arrays])
     except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None
     plan = _PLANS.get(key) if key is not None else None
@@ -88,6 +88,16 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     plan = plans.make_plan(op, direction, specs, size, chosen, variant, config, on_miss=tuner.tune_on_miss,
                            names=names, context=context, before_build=check_data)
     return _PLANS.put(key, plan) if key is not None else plan
+
+
+def _array_key(array) -> tuple:
+    """What of an array the plan key holds: numpy and PyOpenCL arrays as they describe themselves
+    (their own strides, and an OpenCL array's queue), CUDA arrays of any library as their
+    ``__cuda_array_interface__`` says (``plans.numpy_spec``)."""
+    queue = getattr(array, "queue", None)
+    if type(array) is np.ndarray or queue is not None:
+        return type(array), array.shape, array.strides, array.dtype, queue
+    return type(array), plans.numpy_spec(array)
 
 
 def _device_layouts_check(specs: list, name: str, check_data):
@@ -130,7 +140,7 @@ def _indices_spec(indices, grad_out, owner):
 def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """Shared body of every forward op."""
     plan = _plan(op, "forward", [x], output_size, device, variant, config, ("x",))
-    results = _run(plan, [x], ("x",))
+    results = _delivered(plan, _run(plan, [x], ("x",)), x)
     if plan.problem.operation.returns_indices and return_indices:
         return results[0], results[1]
     return results[0]
@@ -144,7 +154,17 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
         def check_data(problem):
             _check_indices_in_windows(indices, problem)
     plan = _plan(op, "backward", arrays, input_shape, device, variant, config, ("grad_out",), check_data)
-    return _run(plan, arrays, ("grad_out", "indices"))[0]
+    return _delivered(plan, _run(plan, arrays, ("grad_out", "indices")), grad_out)[0]
+
+
+def _delivered(plan: plans.Plan, results: list, first) -> list:
+    """Results of a call on device arrays as the kind of array the caller gave (``Device.deliver``:
+    a torch tensor for a torch tensor, a CuPy array for a CuPy array, ...); numpy results as they
+    are."""
+    if isinstance(first, np.ndarray):
+        return results
+    queue = plan.device.queue_of(first)
+    return [plan.device.deliver(r, queue) for r in results]
 
 
 def memory_layout(x, ndim: int) -> str | None:
@@ -348,7 +368,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
 
 def release_memory() -> int:
     """Free the device memory that pool_tuner holds for reuse by later results (OpenCL results on
-    a device's own queue and CUDA results on GPUArrays come from a memory pool, see docs/design.md
+    a device's own queue and CUDA results other than torch tensors come from a memory pool, see docs/design.md
     "Memory"); returns the number of blocks freed.  Arrays still referenced are untouched."""
     return sum(device.release_memory() for device in backends.all_devices())
 

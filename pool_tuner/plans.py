@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from . import backends, dispatch, host_fallback, memo, shapes
+from .backends import cuda_arrays
 from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
 
 #: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
@@ -40,10 +41,18 @@ class ArraySpec:
 
 
 def numpy_spec(array) -> ArraySpec:
-    """The spec of a numpy or PyOpenCL array (their strides are in bytes)."""
-    itemsize = array.dtype.itemsize
-    strides = tuple(s // itemsize if s % itemsize == 0 else None for s in array.strides)
-    return ArraySpec(tuple(array.shape), strides, array.dtype)
+    """The spec of a numpy array, a PyOpenCL array or a CUDA array of any library, which is read
+    through its ``__cuda_array_interface__`` alone (libraries name their strides differently; a
+    torch tensor has no ``strides``).  Strides in bytes become element strides."""
+    interface = cuda_arrays.cuda_array_interface(array)
+    if interface is None:
+        shape, strides, dtype = tuple(array.shape), array.strides, array.dtype
+    else:
+        dtype = cuda_arrays.interface_dtype(interface, array)
+        shape = tuple(int(s) for s in interface["shape"])
+        strides = interface.get("strides") or cuda_arrays.c_strides(shape, dtype.itemsize)
+    itemsize = dtype.itemsize
+    return ArraySpec(shape, tuple(s // itemsize if s % itemsize == 0 else None for s in strides), dtype)
 
 
 def tensor_spec(tensor) -> ArraySpec:

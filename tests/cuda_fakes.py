@@ -1,8 +1,21 @@
-"""Stand-ins for a CUDA GPU, so that the driver-API launch path runs without one: ``FakeDriver``
-plays libcuda (per-thread current contexts, loaded modules, launches whose arguments it reads back
-from the ctypes argument array as the driver would, and the stream calls around them),
-``FakePyCuda`` plays what the backend uses of PyCUDA (arrays, memory pools, contexts),
-``fake_cuda_device`` makes a real ``CudaDevice`` without PyCUDA."""
+"""Stand-ins for a CUDA GPU, so that the driver-API launch path runs without one.
+
+``FakeDriver`` plays libcuda as far as contexts go, failing where the driver fails: each thread
+has its own context stack (``cuCtxGetCurrent``/``cuCtxSetCurrent``/push/pop as the driver
+defines them; a fresh thread has none current); memory belongs to the context that allocated it
+(``cuMemAlloc``) and holds bytes that copies move; copies, fills, frees, module loads and launches
+fail with ``CUDA_ERROR_INVALID_CONTEXT`` (201) when no context is current or when the memory or
+the kernel's module belongs to another context; ``cuPointerGetAttribute`` answers for its own
+allocations (context, device) and not for made-up addresses.  Launches are recorded with their
+arguments read back from the ctypes argument array as the driver would.
+
+``FakePyCuda`` plays PyCUDA on top of it: ``Context.push``/``pop`` through the driver's stack
+(``pop`` of an empty stack fails as PyCUDA's does), ``autoinit()`` (a context of its own, pushed,
+as ``pycuda.autoinit`` does) and ``autoprimaryctx()`` (the primary context, pushed), ``GPUArray``s
+whose memory (``DeviceAllocation``) is allocated in the current context, read with ``get()`` by a
+driver copy in the current context, and freed when dropped -- where a free in no or the wrong
+context is the case in which PyCUDA aborts the process: recorded in ``fatal`` for the test to
+assert on.  ``fake_cuda_device`` makes a real ``CudaDevice`` without PyCUDA."""
 
 import ctypes
 import math
@@ -14,8 +27,10 @@ import numpy as np
 from pool_tuner.backends import cuda
 
 PRIMARY_CONTEXT = 0xC0
-OTHER_CONTEXT = 0xD0
+OTHER_CONTEXT = 0xD0  # a context of another device (device 1)
 MAX_THREADS = 1024
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
 
 
 def _target(argument):
@@ -40,6 +55,11 @@ class FakeDriver:
         self.launches = []
         self.modules = []
         self.launch_status = 0
+        self.contexts = {PRIMARY_CONTEXT: 0, OTHER_CONTEXT: 1}  # context -> device ordinal
+        self.primary = {0: PRIMARY_CONTEXT, 1: OTHER_CONTEXT}
+        self.functions = {}  # function handle -> context of its module
+        self.memory = {}  # device address -> (context, bytearray)
+        self._next_address = 0x7_0000_0000
         self.max_threads = MAX_THREADS
         self._local = threading.local()
         self.on_get_current = None  # called inside cuCtxGetCurrent (tests use it to force thread switches)
@@ -68,9 +88,16 @@ class FakeDriver:
         return 0
 
     def cuDevicePrimaryCtxRetain(self, context, device):
-        self.calls.append(("cuDevicePrimaryCtxRetain", _target(device).value))
-        _target(context).value = PRIMARY_CONTEXT
+        ordinal = _value(device)
+        self.calls.append(("cuDevicePrimaryCtxRetain", ordinal))
+        _target(context).value = self.primary[ordinal]
         return 0
+
+    def create_context(self, ordinal=0):
+        """A new context of device ``ordinal`` (``cuCtxCreate``: not pushed here)."""
+        context = 0xA0 + len(self.contexts)
+        self.contexts[context] = ordinal
+        return context
 
     def cuCtxGetCurrent(self, out):
         if self.on_get_current is not None:
@@ -78,17 +105,44 @@ class FakeDriver:
         _target(out).value = self.current()
         return 0
 
+    def cuCtxSetCurrent(self, context):
+        """The driver's rule: replace the top of the stack (push onto an empty one); NULL pops."""
+        context = _value(context)
+        self.calls.append(("set", context))
+        stack = self._stack()
+        if not context:
+            if stack:
+                stack.pop()
+        elif stack:
+            stack[-1] = context
+        else:
+            stack.append(context)
+        return 0
+
+    def cuCtxGetDevice(self, out):
+        if self.current() is None:
+            return INVALID_CONTEXT
+        _target(out).value = self.contexts[self.current()]
+        return 0
+
+    def cuCtxSynchronize(self):
+        return INVALID_CONTEXT if self.current() is None else self._record("cuCtxSynchronize")
+
     def cuCtxPushCurrent_v2(self, context):
-        self.calls.append(("push", context))
-        self._stack().append(context)
+        self.calls.append(("push", _value(context)))
+        self._stack().append(_value(context))
         return 0
 
     def cuCtxPopCurrent_v2(self, out):
         self.calls.append("pop")
+        if not self._stack():
+            return INVALID_CONTEXT
         _target(out).value = self._stack().pop()
         return 0
 
     def cuModuleLoadData(self, module, image):
+        if self.current() is None:
+            return INVALID_CONTEXT
         self.modules.append((bytes(image), self.current()))
         _target(module).value = 0x100 + len(self.modules)
         return 0
@@ -96,7 +150,72 @@ class FakeDriver:
     def cuModuleGetFunction(self, function, module, name):
         self.calls.append(("cuModuleGetFunction", _value(_target(module)), name))
         _target(function).value = 0xF000 + len(self.modules)
+        self.functions[0xF000 + len(self.modules)] = self.current()
         return 0
+
+    # memory: owned by the context that allocated it; bytes that copies move
+    def _allocation(self, pointer):
+        """``(base, context, bytes)`` of the allocation holding ``pointer``, or None (made up)."""
+        for base, (context, data) in self.memory.items():
+            if base <= pointer < base + max(len(data), 1):
+                return base, context, data
+        return None
+
+    def _check_memory(self, *pointers):
+        """201 when no context is current or a known pointer belongs to another context."""
+        if self.current() is None:
+            return INVALID_CONTEXT
+        for pointer in pointers:
+            found = self._allocation(_value(pointer))
+            if found is not None and found[1] != self.current():
+                return INVALID_CONTEXT
+        return 0
+
+    def allocate_in(self, context, nbytes):
+        """Memory owned by ``context`` (as if another thread or library had allocated it there)."""
+        address = self._next_address
+        self._next_address += max(nbytes, 1) + 0x1000 - max(nbytes, 1) % 0x1000
+        self.memory[address] = (context, bytearray(nbytes))
+        return address
+
+    def cuMemAlloc_v2(self, pointer, nbytes):
+        if self.current() is None:
+            return INVALID_CONTEXT
+        address = self.allocate_in(self.current(), _value(nbytes))
+        _target(pointer).value = address
+        self.calls.append(("cuMemAlloc", address, _value(nbytes)))
+        return 0
+
+    def cuMemFree_v2(self, pointer):
+        pointer = _value(pointer)
+        status = self._check_memory(pointer)
+        if status:
+            return status
+        del self.memory[pointer]
+        self.calls.append(("cuMemFree", pointer))
+        return 0
+
+    def cuMemcpyHtoD_v2(self, destination, source, nbytes):
+        destination, source, nbytes = map(_value, (destination, source, nbytes))
+        status = self._check_memory(destination)
+        if status:
+            return status
+        found = self._allocation(destination)
+        if found is not None:
+            base, _, data = found
+            data[destination - base: destination - base + nbytes] = ctypes.string_at(source, nbytes)
+        return self._record("cuMemcpyHtoD", destination, nbytes)
+
+    def cuMemcpyDtoH_v2(self, destination, source, nbytes):
+        destination, source, nbytes = map(_value, (destination, source, nbytes))
+        status = self._check_memory(source)
+        if status:
+            return status
+        found = self._allocation(source)
+        if found is not None:
+            base, _, data = found
+            ctypes.memmove(destination, bytes(data[source - base: source - base + nbytes]), nbytes)
+        return self._record("cuMemcpyDtoH", source, nbytes)
 
     def cuFuncGetAttribute(self, value, attribute, function):
         assert attribute == 0  # CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
@@ -111,11 +230,15 @@ class FakeDriver:
         function, gx, gy, gz, bx, by, bz, shared, stream = map(_value, (function, gx, gy, gz, bx, by, bz, shared, stream))
         slots = [ctypes.c_void_p.from_address(ctypes.addressof(params) + i * ctypes.sizeof(ctypes.c_void_p)).value
                  for i in range(len(params))]
+        arguments = [ctypes.c_uint64.from_address(slot).value for slot in slots]
+        if self.current() is None or self.functions.get(function, self.current()) != self.current():
+            return INVALID_CONTEXT  # no context, or a kernel of another context's module
+        if self._check_memory(*arguments):
+            return INVALID_CONTEXT  # memory of another context
         self.launches.append({
             "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "shared": shared,
             "stream": stream, "extra": extra, "params_address": ctypes.addressof(params),
-            "arguments": [ctypes.c_uint64.from_address(slot).value for slot in slots],
-            "context": self.current(), "thread": threading.get_ident(),
+            "arguments": arguments, "context": self.current(), "thread": threading.get_ident(),
         })
         return self.launch_status
 
@@ -125,16 +248,23 @@ class FakeDriver:
         return 0
 
     def cuPointerGetAttribute(self, data, attribute, pointer):
-        return 1  # CUDA_ERROR_INVALID_VALUE: not a pointer the driver knows (its device is taken to be 0)
+        found = self._allocation(_value(pointer))
+        if found is None:
+            return INVALID_VALUE  # not a pointer the driver knows (its device is taken to be 0)
+        context = found[1]
+        _target(data).value = {1: context, 9: self.contexts[context]}[_value(attribute)]  # CONTEXT, DEVICE_ORDINAL
+        return 0
 
     def cuStreamSynchronize(self, stream):
-        return self._record("cuStreamSynchronize", stream)
+        return INVALID_CONTEXT if self.current() is None else self._record("cuStreamSynchronize", stream)
 
     def cuStreamIsCapturing(self, stream, status):
         _target(status).value = 1 if _value(stream) in self.capturing else 0  # ACTIVE or NONE
         return 0
 
     def cuEventCreate(self, event, flags):
+        if self.current() is None:
+            return INVALID_CONTEXT
         self.events += 1
         _target(event).value = 0xE000 + self.events
         return self._record("cuEventCreate", flags)
@@ -155,20 +285,46 @@ class FakeDriver:
     def cuEventDestroy_v2(self, event):
         return self._record("cuEventDestroy", event)
 
+    def _fill(self, pointer, pitch, word: bytes, count):
+        """Write ``word`` at ``count`` places ``pitch`` bytes apart, where the memory is known."""
+        found = self._allocation(pointer)
+        if found is not None:
+            base, _, data = found
+            for i in range(count):
+                at = pointer - base + i * pitch
+                data[at: at + len(word)] = word
+
     def cuMemsetD8Async(self, pointer, value, count, stream):
-        return self._record("cuMemsetD8Async", pointer, value, count, stream)
+        pointer, value, count = map(_value, (pointer, value, count))
+        status = self._check_memory(pointer)
+        if not status:
+            self._fill(pointer, 1, bytes([value]), count)
+        return status or self._record("cuMemsetD8Async", pointer, value, count, stream)
 
     def cuMemsetD16Async(self, pointer, value, count, stream):
-        return self._record("cuMemsetD16Async", pointer, value, count, stream)
+        pointer, value, count = map(_value, (pointer, value, count))
+        status = self._check_memory(pointer)
+        if not status:
+            self._fill(pointer, 2, value.to_bytes(2, "little"), count)
+        return status or self._record("cuMemsetD16Async", pointer, value, count, stream)
 
     def cuMemsetD32Async(self, pointer, value, count, stream):
-        return self._record("cuMemsetD32Async", pointer, value, count, stream)
+        pointer, value, count = map(_value, (pointer, value, count))
+        status = self._check_memory(pointer)
+        if not status:
+            self._fill(pointer, 4, value.to_bytes(4, "little"), count)
+        return status or self._record("cuMemsetD32Async", pointer, value, count, stream)
 
     def cuMemsetD2D32Async(self, pointer, pitch, value, width, height, stream):
-        return self._record("cuMemsetD2D32Async", pointer, pitch, value, width, height, stream)
+        pointer, pitch, value, width, height = map(_value, (pointer, pitch, value, width, height))
+        status = self._check_memory(pointer)
+        if not status:
+            self._fill(pointer, pitch, value.to_bytes(4, "little") * width, height)
+        return status or self._record("cuMemsetD2D32Async", pointer, pitch, value, width, height, stream)
 
     def cuMemcpyDtoDAsync_v2(self, destination, source, nbytes, stream):
-        return self._record("cuMemcpyDtoDAsync", destination, source, nbytes, stream)
+        return self._check_memory(destination, source) or self._record("cuMemcpyDtoDAsync", destination, source,
+                                                                       nbytes, stream)
 
     def cuGetErrorName(self, status, out):
         _target(out).value = b"CUDA_ERROR_FAKE"
@@ -191,101 +347,191 @@ def fake_cuda_device(ordinal=0, compute_capability=(9, 0)):
     properties = cuda.CudaProperties(name="Fake GPU", compute_capability=compute_capability, multiprocessors=132,
                                      max_threads_per_block=MAX_THREADS, max_shared_memory_per_block=48 * 1024,
                                      total_memory=80 * 2**30, driver_version=13000)
-    device = cuda.CudaDevice(ordinal, properties)
-    device.__dict__["cu_device"] = None
-    return device
+    return cuda.CudaDevice(ordinal, properties)
 
 
-class FakeGPUArray:
-    """What the backend and ``pool_tuner.ops`` use of PyCUDA's ``GPUArray``, over made-up device
-    addresses; its interface names no stream, as PyCUDA's does not."""
-
-    def __init__(self, shape, dtype, allocator=None, base=None, gpudata=None, strides=None):
-        self.shape, self.dtype, self.base = tuple(shape), np.dtype(dtype), base
-        self.size = math.prod(self.shape)
-        self.nbytes = self.size * self.dtype.itemsize
-        contiguous = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize for i in range(len(self.shape)))
-        self.strides = contiguous if strides is None else tuple(strides)
-        self.flags = types.SimpleNamespace(c_contiguous=self.strides == contiguous)
-        self.gpudata = gpudata if gpudata is not None else (allocator(self.nbytes) if self.size else None)
-
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": self.shape, "strides": self.strides, "data": (int(self.gpudata or 0), False),
-                "typestr": self.dtype.str, "stream": None, "version": 3}
-
-    def view(self, dtype):
-        dtype = np.dtype(dtype)
-        return FakeGPUArray((self.nbytes // dtype.itemsize,), dtype, gpudata=self.gpudata, base=self)
+class PyCudaError(RuntimeError):
+    """PyCUDA's ``LogicError``/``Error``: a driver call's failure, named as PyCUDA names it."""
 
 
 class FakePyCuda:
-    """What the backend uses of ``pycuda.driver``, ``pycuda.gpuarray`` and ``pycuda.tools``,
-    recording the events and streams made (none should be, per call), the pools and their
-    allocations (made-up addresses, 0x1000 apart)."""
+    """PyCUDA on a ``FakeDriver`` (see the module docstring): ``driver``, ``gpuarray`` and
+    ``tools`` as the modules ``pycuda.driver``, ``pycuda.gpuarray``, ``pycuda.tools``; ``fatal``
+    lists the frees PyCUDA would have aborted the process for."""
 
-    def __init__(self):
-        self.events, self.streams, self.allocations, self.pools = [], [], [], []
+    def __init__(self, driver: FakeDriver):
+        self.lib, self.fatal, self.pools = driver, [], []
         fake = self
 
-        class Event:
-            def __init__(self, *args):
-                fake.events.append(self)
-
-        class Stream:
-            def __init__(self, *args):
-                fake.streams.append(self)
+        def check(status, call):
+            if status:
+                raise PyCudaError(f"{call} failed: invalid device context" if status == INVALID_CONTEXT
+                                  else f"{call} failed: {status}")
 
         class Context:
+            def __init__(self, handle):
+                self.handle = handle
+
+            def push(self):
+                check(driver.cuCtxPushCurrent_v2(self.handle), "cuCtxPushCurrent")
+
             @staticmethod
             def pop():
-                pass
+                out = ctypes.c_void_p()
+                check(driver.cuCtxPopCurrent_v2(ctypes.byref(out)), "context::pop")
 
             @staticmethod
             def synchronize():
-                pass
+                check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+        class Device:
+            def __init__(self, ordinal):
+                self.ordinal = ordinal
+
+            def retain_primary_context(self):
+                return Context(driver.primary[self.ordinal])
+
+            def make_context(self):
+                context = Context(driver.create_context(self.ordinal))
+                context.push()
+                return context
+
+        class DeviceAllocation:
+            """Memory of the context current when it was made; freed in the current one when
+            dropped (PyCUDA aborts when that is no context or another)."""
+
+            def __init__(self, nbytes):
+                if driver.current() is None:
+                    raise PyCudaError("explicit_context_dependent failed: invalid device context - no currently "
+                                      "active context?")
+                pointer = ctypes.c_uint64()
+                check(driver.cuMemAlloc_v2(ctypes.byref(pointer), nbytes), "cuMemAlloc")
+                self.pointer, self.context = pointer.value, driver.current()
+
+            def __int__(self):
+                return self.pointer
+
+            __index__ = __int__
+
+            def __del__(self):
+                if driver.cuMemFree_v2(self.pointer):
+                    fake.fatal.append(f"cuMemFree failed: invalid device context (allocated in {self.context:#x}, "
+                                      f"freed with {driver.current()} current)")
+
+        class GPUArray:
+            """What pool_tuner and its tests use of PyCUDA's ``GPUArray``."""
+
+            def __init__(self, shape, dtype, allocator=None, base=None, gpudata=None, strides=None):
+                self.shape, self.dtype, self.base = tuple(shape), np.dtype(dtype), base
+                self.size = math.prod(self.shape)
+                self.nbytes = self.size * self.dtype.itemsize
+                contiguous = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize
+                                   for i in range(len(self.shape)))
+                self.strides = contiguous if strides is None else tuple(strides)
+                self.flags = types.SimpleNamespace(c_contiguous=self.strides == contiguous)
+                if gpudata is None and self.size:
+                    gpudata = (allocator or DeviceAllocation)(self.nbytes)
+                self.gpudata = gpudata
+
+            @property
+            def __cuda_array_interface__(self):
+                return {"shape": self.shape, "typestr": self.dtype.str, "data": (int(self.gpudata or 0), False),
+                        "strides": None if self.flags.c_contiguous else self.strides, "version": 3}
+
+            def get(self):
+                span = sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + self.dtype.itemsize
+                host = np.empty(span if self.size else 0, np.uint8)
+                if self.size:
+                    check(driver.cuMemcpyDtoH_v2(host.ctypes.data, int(self.gpudata), span), "cuMemcpyDtoH")
+                    return np.lib.stride_tricks.as_strided(host.view(self.dtype), self.shape, self.strides).copy()
+                return np.empty(self.shape, self.dtype)
+
+        GPUArray.__module__ = "pycuda.gpuarray"
+
+        def to_gpu(host):
+            host = np.ascontiguousarray(host)
+            array = GPUArray(host.shape, host.dtype)
+            if host.size:
+                check(driver.cuMemcpyHtoD_v2(int(array.gpudata), host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+            return array
 
         class DeviceMemoryPool:
+            """Blocks of the context current when each was allocated, kept when dropped;
+            ``free_held`` frees them in the current context."""
+
             def __init__(self):
-                self.held_blocks, self.freed = 0, 0
+                self.held = []
                 fake.pools.append(self)
 
+            @property
+            def held_blocks(self):
+                return len(self.held)
+
             def allocate(self, nbytes):
-                fake.allocations.append(nbytes)
-                return 0x1000 * len(fake.allocations)
+                block = DeviceAllocation(nbytes)
+                self.held.append(block)  # a pooled block: dropping the array keeps it here
+                return block
 
             def free_held(self):
-                self.freed += self.held_blocks
-                self.held_blocks = 0
+                self.held.clear()
 
-        self.driver = types.SimpleNamespace(Event=Event, Stream=Stream, Context=Context)
-        self.gpuarray = types.SimpleNamespace(GPUArray=FakeGPUArray)
+        self.driver = types.SimpleNamespace(Context=Context, Device=Device, DeviceAllocation=DeviceAllocation,
+                                            init=lambda: None, Event=None, Stream=None)
+        self.gpuarray = types.SimpleNamespace(GPUArray=GPUArray, to_gpu=to_gpu)
         self.tools = types.SimpleNamespace(DeviceMemoryPool=DeviceMemoryPool)
 
+    def autoinit(self):
+        """What ``import pycuda.autoinit`` does: a new context of device 0, pushed."""
+        return self.driver.Device(0).make_context()
 
-class FakeContext:
-    """PyCUDA's primary context as the backend uses it."""
-
-    def push(self):
-        pass
-
-    def synchronize(self):
-        pass
+    def autoprimaryctx(self):
+        """What ``import pycuda.autoprimaryctx`` does: device 0's primary context, pushed."""
+        context = self.driver.Device(0).retain_primary_context()
+        context.push()
+        return context
 
 
 class ForeignArray:
-    """A CUDA array of another library (Numba, CuPy, ...): shape, strides (bytes) and dtype, and a
-    ``__cuda_array_interface__`` naming ``stream`` (left out when ``stream`` is ``...``)."""
+    """A CUDA array of another library (Numba, CuPy, ...): shape, byte strides and dtype in its
+    ``__cuda_array_interface__`` (strides None when C-contiguous, as the interface asks), naming
+    ``stream`` (left out when ``stream`` is ``...``).  It has no ``strides`` attribute of its own:
+    pool_tuner must read the interface."""
 
-    def __init__(self, shape, pointer, stream=..., dtype=np.float32):
+    def __init__(self, shape, pointer, stream=..., dtype=np.float32, strides=None):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize for i in range(len(self.shape)))
+        self.byte_strides = strides
         self.pointer, self.stream = pointer, stream
 
     @property
     def __cuda_array_interface__(self):
-        interface = {"shape": self.shape, "strides": None, "data": (self.pointer, False), "typestr": self.dtype.str,
-                     "version": 3}
+        interface = {"shape": self.shape, "strides": self.byte_strides, "data": (self.pointer, False),
+                     "typestr": self.dtype.str, "version": 3}
         if self.stream is not ...:
             interface["stream"] = self.stream
         return interface
+
+
+def install_fake_gpu(monkeypatch):
+    """One fake GPU for pool_tuner: ``(device, pycuda, driver)``, the fake driver as libcuda (no
+    context current on any thread yet), the fake PyCUDA as ``pycuda``, kernels "compiled" to their
+    source, pool_tuner's memoised modules and plans forgotten (call ``forget_fake_gpu`` after)."""
+    driver = FakeDriver()
+    pycuda = FakePyCuda(driver)
+    device = fake_cuda_device()
+    monkeypatch.setattr(cuda, "_pycuda", lambda: (pycuda.driver, pycuda.gpuarray))
+    monkeypatch.setattr(cuda.cuda_driver, "library", lambda: driver)
+    monkeypatch.setattr(cuda, "_compile", lambda source, arch: b"cubin:" + source.encode())
+    monkeypatch.setattr(cuda, "list_devices", lambda: (device,))
+    forget_fake_gpu()
+    return device, pycuda, driver
+
+
+def forget_fake_gpu():
+    """Forget every kernel, launch and plan made on a fake driver (their handles mean nothing to
+    the next one)."""
+    from pool_tuner import dispatch, ops
+
+    cuda.cuda_driver.primary_context.cache_clear()
+    cuda.forget_builds()
+    dispatch.forget()
+    ops._PLANS.clear()

@@ -56,23 +56,33 @@ def test_every_call_reuses_the_argument_array(driver):
     assert [r["arguments"] for r in driver.launches] == [[0x1000 * k, 0x1100 * k] for k in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("current", [None, OTHER_CONTEXT], ids=["fresh-thread", "other-device-current"])
-def test_launch_makes_the_primary_context_current_and_restores_the_thread(driver, current):
-    driver.set_current(current)
+def test_a_thread_without_a_context_gets_the_primary_one_made_current_and_kept(driver):
+    """The runtime's rule, PyTorch's and CuPy's: no push and pop around the launch; the primary
+    context bound with cuCtxSetCurrent and left current for the thread's later work."""
+    driver.set_current(None)
     launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     launch(0, 1, 2)
-    assert driver.launches[0]["context"] == PRIMARY_CONTEXT
-    assert driver.calls == [("push", PRIMARY_CONTEXT), "pop"]
-    assert driver.current() == current
+    launch(0, 1, 2)
+    assert [r["context"] for r in driver.launches] == [PRIMARY_CONTEXT] * 2
+    assert driver.calls == [("set", PRIMARY_CONTEXT)]
+    assert driver.current() == PRIMARY_CONTEXT
 
 
-def test_failed_launch_raises_and_still_restores_the_context(driver):
+def test_a_launch_under_another_current_context_is_refused_naming_both(driver):
+    driver.set_current(OTHER_CONTEXT)
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
+    with pytest.raises(cuda_driver.ContextError, match=r"current CUDA context \(0xd0, device 1\).*0xc0, cuda:0"):
+        launch(0, 1, 2)
+    assert not driver.launches and driver.current() == OTHER_CONTEXT and not driver.calls
+
+
+def test_failed_launch_raises(driver):
     driver.set_current(None)
     driver.launch_status = 719
     launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     with pytest.raises(cuda_driver.DriverError, match=r"cuLaunchKernel\(pool_forward\) failed: CUDA_ERROR_FAKE \(719\)"):
         launch(0, 1, 2)
-    assert driver.current() is None
+    assert driver.current() == PRIMARY_CONTEXT
 
 
 def test_wrong_number_of_pointers_is_a_type_error(driver):
@@ -105,15 +115,19 @@ def test_concurrent_launches_never_launch_another_threads_pointers(driver):
     assert all(r["arguments"] == pointers[r["thread"]] for r in driver.launches)
 
 
-def test_load_kernel_loads_into_the_primary_context(driver):
+def test_load_kernel_loads_into_the_current_context_else_the_primary_one(driver):
     driver.set_current(None)
     kernel = cuda_driver.load_kernel(0, b"\x7fELF-cubin", "pool_backward")
     assert driver.modules == [(b"\x7fELF-cubin", PRIMARY_CONTEXT)]
     assert ("cuModuleGetFunction", 0x101, b"pool_backward") in driver.calls
     assert kernel == cuda_driver.DriverKernel(0, PRIMARY_CONTEXT, 0xF001, "pool_backward", MAX_THREADS)
-    assert driver.current() is None
-    cuda_driver.load_kernel(0, b"other", "pool_forward")
+    assert driver.current() == PRIMARY_CONTEXT, "the primary context stays current"
+    own = driver.create_context(0)
+    driver.set_current(own)  # a context of the caller's own (pycuda.autoinit makes one)
+    assert cuda_driver.load_kernel(0, b"other", "pool_forward").context == own
+    assert driver.modules[-1] == (b"other", own)
     assert driver.calls.count(("cuDevicePrimaryCtxRetain", 0)) == 1  # retained once per device
+    assert not [c for c in driver.calls if c == "pop" or c[0] == "push"]
 
 
 def _problem_and_choice(device, shape=(2, 3, 10, 9), size=(4, 7)):
@@ -187,27 +201,29 @@ def stub_libcuda(tmp_path_factory):
 
 def test_launch_arguments_cross_a_c_abi_intact(stub_libcuda):
     """Grid, block, stream, 64-bit pointers, the 64-bit plane count and a 64-bit context handle
-    arrive in C as given, on both paths (context pushed for the launch, and already current)."""
+    arrive in C as given, on both paths (no context current: the kernel's bound; already current)."""
     lib = stub_libcuda
     ctypes.c_int.in_dll(lib, "n_pointers").value = 4  # three pointers and the plane count
     context = 0xC0000000C0  # above 2^32: a handle truncated to an int would not compare equal
     kernel = cuda_driver.DriverKernel(0, context, 0xF00D, "pool_forward", 1024)
     launch = cuda_driver.PreparedLaunch(kernel, 2**31 - 1, (128, 4), 3, (np.int64(2**40 + 6),), lib=lib)
     recorded = _RecordedLaunch.in_dll(lib, "last_launch")
-    pushes = ctypes.c_int.in_dll(lib, "pushes")
+    counts = {name: ctypes.c_int.in_dll(lib, name) for name in ("pushes", "pops", "sets")}
     pointers = [2**63 + 8, 0x1000, 0xDEADBEEF0000]
+    try:
+        launch(0x7FFF00001234, *pointers)  # this thread has no current context: the kernel's is bound
+        assert (recorded.function, list(recorded.grid), list(recorded.block)) == (0xF00D, [2**31 - 1, 1, 1],
+                                                                                  [128, 4, 1])
+        assert (recorded.shared, recorded.stream, recorded.extra) == (0, 0x7FFF00001234, None)
+        assert list(recorded.pointers) == pointers + [2**40 + 6] and recorded.context == context
+        assert {name: count.value for name, count in counts.items()} == {"pushes": 0, "pops": 0, "sets": 1}
 
-    launch(0x7FFF00001234, *pointers)  # this thread has no current context: pushed and popped
-    assert (recorded.function, list(recorded.grid), list(recorded.block)) == (0xF00D, [2**31 - 1, 1, 1], [128, 4, 1])
-    assert (recorded.shared, recorded.stream, recorded.extra) == (0, 0x7FFF00001234, None)
-    assert list(recorded.pointers) == pointers + [2**40 + 6] and recorded.context == context
-    assert pushes.value == 1 and ctypes.c_int.in_dll(lib, "pops").value == 1
-
-    cuda_driver.check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")  # now current already
-    launch(0, 1, 2, 3)
-    assert list(recorded.pointers) == [1, 2, 3, 2**40 + 6] and recorded.stream is None and recorded.context == context
-    assert pushes.value == 2, "a launch in the current primary context pushes nothing"
-    cuda_driver.check(lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+        launch(0, 1, 2, 3)  # current now: nothing bound again
+        assert list(recorded.pointers) == [1, 2, 3, 2**40 + 6] and recorded.stream is None
+        assert recorded.context == context
+        assert {name: count.value for name, count in counts.items()} == {"pushes": 0, "pops": 0, "sets": 1}
+    finally:
+        lib.cuCtxSetCurrent(None)  # the stub's per-thread stack outlives the test
 
 
 def test_load_kernel_through_a_c_abi(stub_libcuda, monkeypatch):
@@ -217,24 +233,25 @@ def test_load_kernel_through_a_c_abi(stub_libcuda, monkeypatch):
         kernel = cuda_driver.load_kernel(3, b"\x7fELF cubin", "pool_backward")
     finally:
         cuda_driver.primary_context.cache_clear()
+        stub_libcuda.cuCtxSetCurrent(None)
     assert kernel == cuda_driver.DriverKernel(3, 0xC0000000C3, 0xF00D, "pool_backward", 1024)
 
 
 # ---------------------------------------------------------------------- one-off launches and stream calls
 
 def test_a_one_off_launch_passes_pointers_and_scalars_in_order(driver):
-    driver.set_current(None)
+    driver.set_current(PRIMARY_CONTEXT)
     cuda_driver.launch(KERNEL, 7, (64, 2), 0x5EED, [0x7000, np.int64(-3), 2**63 + 8, np.int64(2**40)])
     (record,) = driver.launches
     assert record["grid"] == (7, 1, 1) and record["block"] == (64, 2, 1) and record["stream"] == 0x5EED
     assert record["arguments"] == [0x7000, 2**64 - 3, 2**63 + 8, 2**40]
-    assert record["context"] == PRIMARY_CONTEXT and driver.current() is None
+    assert record["context"] == PRIMARY_CONTEXT and driver.calls == []
 
 
 def test_fill_sets_8_byte_elements_as_two_words(driver):
     driver.set_current(PRIMARY_CONTEXT)
-    cuda_driver.fill(PRIMARY_CONTEXT, 0x1000, 0x7FF8000000000000, 8, 5, 2)
-    cuda_driver.fill(PRIMARY_CONTEXT, 0x2000, 0x7E00, 2, 9, 2)
+    cuda_driver.fill(0x1000, 0x7FF8000000000000, 8, 5, 2)
+    cuda_driver.fill(0x2000, 0x7E00, 2, 9, 2)
     assert [c for c in driver.calls if c[0].startswith("cuMemset")] == [
         ("cuMemsetD2D32Async", 0x1000, 8, 0, 1, 5, 2), ("cuMemsetD2D32Async", 0x1004, 8, 0x7FF80000, 1, 5, 2),
         ("cuMemsetD16Async", 0x2000, 0x7E00, 9, 2)]
@@ -242,7 +259,7 @@ def test_fill_sets_8_byte_elements_as_two_words(driver):
 
 def test_a_stream_join_makes_its_event_once(driver):
     driver.set_current(PRIMARY_CONTEXT)
-    join = cuda_driver.StreamJoin(PRIMARY_CONTEXT)
+    join = cuda_driver.StreamJoin()
     join(0xA, 0xB)
     join(0xA, 2)
     event = 0xE001

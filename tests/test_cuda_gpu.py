@@ -642,13 +642,15 @@ def test_avgmax_on_a_cuda_array_joins_and_splits_on_its_stream(mode):
 
 
 @pytest.mark.own_process
-def test_a_second_context_current_on_a_worker_thread(ptt, device):
-    """A worker thread with its own (non-primary) context current: pool_tuner launches in the
-    primary context, where PyTorch's memory lives, and leaves the worker's context current."""
+def test_a_second_context_current_on_a_worker_thread_is_refused_naming_both(ptt, device):
+    """A worker thread with its own (non-primary) context current: PyTorch's tensors live in the
+    primary context, which the kernel cannot reach from the worker's, so the call is refused with a
+    ValueError naming both contexts -- and the worker's context stays current (nothing pushed or
+    popped around the call)."""
     import pycuda.driver as drv
 
     x = torch.rand((2, 3, 10, 9), device="cuda")
-    ptt.adaptive_avg_pool2d(x, (4, 7))  # a seen signature; (3, 5) below is new
+    ptt.adaptive_avg_pool2d(x, (4, 7))
     torch.cuda.synchronize()
     results, errors = {}, []
 
@@ -656,9 +658,8 @@ def test_a_second_context_current_on_a_worker_thread(ptt, device):
         context = drv.Device(device.ordinal).make_context()
         try:
             mine = _current_context()
-            results["seen"] = ptt.adaptive_avg_pool2d(x, (4, 7))
-            results["new"] = ptt.adaptive_avg_pool2d(x, (3, 5))
-            torch.cuda.synchronize()
+            with pytest.raises(ValueError, match="current CUDA context .* is not the one"):
+                ptt.adaptive_avg_pool2d(x, (4, 7))
             results["still_mine"] = _current_context() == mine
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
@@ -671,8 +672,70 @@ def test_a_second_context_current_on_a_worker_thread(ptt, device):
     thread.join()
     assert not errors, errors
     assert results["still_mine"]
-    for size, key in (((4, 7), "seen"), ((3, 5), "new")):
-        torch.testing.assert_close(results[key], torch.nn.functional.adaptive_avg_pool2d(x, size))
+
+
+# ---------------------------------------------------------------------- device arrays of every library
+
+#: Per library, a script run in a process of its own (pycuda.autoinit leaves a context of its own
+#: current for the rest of a process): a call through ``pool_tuner.adaptive_*`` on that library's
+#: array, channels-first and channels-last, forward and max backward, the result checked to be that
+#: library's kind and read with that library's own call against the float64 reference, then
+#: everything dropped and freed (PyCUDA aborts the process at a free in the wrong context).
+_LIBRARY_CHECK = textwrap.dedent("""
+    import gc
+    import numpy as np
+    import pool_tuner as pt
+    from pool_tuner import reference
+
+    def check(to_device, to_host, kind):
+        rng = np.random.default_rng(0)
+        for channels_last in (False, True):
+            x = rng.random((2, 3, 10, 9)).astype(np.float32)
+            device_x = to_device(np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1) if channels_last
+                                 else x)
+            y = pt.adaptive_avg_pool2d(device_x, (4, 7))
+            assert isinstance(y, kind), type(y)
+            np.testing.assert_allclose(to_host(y), reference.forward("adaptive_avg_pool2d", x.astype(np.float64),
+                                                                     (4, 7)), rtol=1e-5, atol=1e-6)
+        values, indices = pt.adaptive_max_pool2d(to_device(x), (4, 7), return_indices=True)
+        expected_values, expected_indices = reference.forward("adaptive_max_pool2d", x.astype(np.float64), (4, 7))
+        np.testing.assert_array_equal(to_host(values), expected_values)
+        np.testing.assert_array_equal(to_host(indices), expected_indices)
+        grad = rng.random((2, 3, 4, 7)).astype(np.float32)
+        grad_in = pt.adaptive_max_pool2d_backward(to_device(grad), indices, x.shape)
+        np.testing.assert_allclose(to_host(grad_in), reference.backward("adaptive_max_pool2d", grad.astype(np.float64),
+                                                                        x.shape, expected_indices), rtol=1e-6)
+        del y, values, indices, grad_in, device_x
+        gc.collect()
+        pt.release_memory()
+        print("ok")
+""")
+_LIBRARIES = {
+    "pycuda.autoinit": ("pycuda", "import pycuda.autoinit\nimport pycuda.gpuarray as ga\n"
+                                  "check(ga.to_gpu, lambda a: a.get(), ga.GPUArray)"),
+    "pycuda.autoprimaryctx": ("pycuda", "import pycuda.autoprimaryctx\nimport pycuda.gpuarray as ga\n"
+                                        "check(ga.to_gpu, lambda a: a.get(), ga.GPUArray)"),
+    "cupy": ("cupy", "import cupy\ncheck(cupy.asarray, cupy.asnumpy, cupy.ndarray)"),
+    "torch": ("torch", "import torch\ncheck(lambda a: torch.from_numpy(a).cuda(), lambda t: t.cpu().numpy(), "
+                       "torch.Tensor)"),
+    "numba": ("numba", "from numba import cuda\nfrom numba.cuda.cudadrv.devicearray import DeviceNDArray\n"
+                       "check(cuda.to_device, lambda a: a.copy_to_host(), DeviceNDArray)"),
+}
+
+
+@pytest.mark.parametrize("library", list(_LIBRARIES))
+def test_device_arrays_of_every_library(tmp_path, library):
+    import importlib.util
+
+    module, calls = _LIBRARIES[library]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    script = tmp_path / "library_check.py"
+    script.write_text(_LIBRARY_CHECK + calls + "\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stderr and "PyCUDA WARNING" not in proc.stderr, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------- leaks, alone in a process

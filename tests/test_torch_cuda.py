@@ -259,20 +259,33 @@ def test_unhashable_options_are_validated_on_every_call(gpu):
             torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9))], (4, 7), options)
 
 
-def test_a_thread_without_a_current_context_launches_in_the_primary_context(gpu):
+def test_a_thread_without_a_current_context_binds_the_primary_one_and_keeps_it(gpu):
     x = _x((2, 3, 10, 9))
     torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)  # the first call builds, here
+    calls = len(gpu.calls)
+    current = []
 
     def worker():
         gpu.set_current(None)  # a fresh thread: no context until something makes one current
         torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
-        assert gpu.current() is None
+        current.append(gpu.current())
 
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
     assert [launch["context"] for launch in gpu.launches] == [PRIMARY_CONTEXT] * 2
-    assert gpu.calls[-2:] == [("push", PRIMARY_CONTEXT), "pop"]
+    assert gpu.calls[calls:] == [("set", PRIMARY_CONTEXT)], "bound with cuCtxSetCurrent, nothing pushed or popped"
+    assert current == [PRIMARY_CONTEXT], "the primary context stays current on the thread, as the runtime leaves it"
+
+
+def test_a_call_under_another_current_context_is_refused_naming_both(gpu):
+    x = _x((2, 3, 10, 9))
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    own = gpu.create_context(0)  # e.g. pycuda.autoinit's context, current on this thread
+    gpu.set_current(own)
+    with pytest.raises(ValueError, match=f"current CUDA context \\({own:#x}, device 0\\).*{PRIMARY_CONTEXT:#x}"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    assert len(gpu.launches) == 1 and gpu.current() == own
 
 
 def test_float_dtypes_reach_the_problem(gpu):

@@ -53,8 +53,8 @@ class Device(Protocol):
 
     Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
     every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
-    the backend's own array type (``pyopencl.array.Array``, PyCUDA ``GPUArray``) in memory order,
-    bfloat16 as its uint16 bits."""
+    the backend's own array type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory
+    order, bfloat16 as its uint16 bits; ``deliver`` hands results back as the caller's kind."""
 
     # -------------------------------------------------------------- identity
     #: The backend's name, the first part of ``id``.
@@ -184,6 +184,10 @@ class Device(Protocol):
 
     def track(self, array, handle) -> None:
         """Let ``array``'s own waits include the launch ``handle`` that writes it."""
+
+    def deliver(self, array, queue):
+        """A result made on ``queue`` (from ``queue_of`` of the caller's array) as the kind of
+        array the caller gave: OpenCL, the array itself; CUDA, an array of the input's library."""
 
     def owns(self, array) -> bool:
         """Whether device array ``array`` lives on this device."""

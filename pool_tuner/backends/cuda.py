@@ -7,29 +7,31 @@ device's ``queue`` is a ``CudaQueue`` (context and stream handle), the counterpa
 command queue.  What identifies a device (``CudaProperties``) is read once, when it is listed; identity,
 fingerprint, limits and Kernel Tuner's arguments need no PyCUDA afterwards.
 
-Contexts: every device works in its *primary* context -- the one the CUDA runtime, PyTorch and
-CuPy use -- so pointers from those libraries are valid here without any copy.  Each operation that
-needs a current context pushes the primary context and pops it afterwards (``activated``).
+Contexts: one rule, ``backends.cuda_driver``'s -- everything (loading kernels, allocating,
+copying, launching) runs in the calling thread's current context, and a thread with none gets the
+device's primary context made current and left so.  A queue names that context (``CudaQueue``);
+kernels are loaded once per context; an input owned by another context is refused
+(``wrap_input``).  Nothing is pushed or popped around a call.
 
-Arrays: ``pycuda.gpuarray.GPUArray`` is the native array type; any object exposing
-``__cuda_array_interface__`` (PyTorch CUDA tensors, CuPy arrays, Numba device arrays, ...) is wrapped
-as a ``GPUArray`` over the same memory (``as_gpuarray``), and results can be handed back in the
-input's own type (``like_input``).  Results stay on the device.
+Arrays: any object exposing ``__cuda_array_interface__`` (PyCUDA ``GPUArray``s, PyTorch CUDA
+tensors, CuPy arrays, Numba device arrays, ...) is read through that interface as a ``CudaArray``
+over the same memory, and each result is handed back as the input's kind of array
+(``backends.cuda_arrays``).  Results stay on the device.
 
 Streams: kernels are loaded and launched through the driver API (``backends.cuda_driver``), never
 through PyCUDA, because only the driver API launches on another library's stream handle.  Work on
 a caller's CUDA array goes to the stream its ``__cuda_array_interface__`` names (``queue_of``,
 ``launch_stream``), after the streams of the launch's other arrays (``launch``), with no host wait;
-results are ``StreamArray``s that name that stream in their own interface.  docs/design.md, "CUDA
-arrays and streams", states the rules.  ``CudaDevice.driver_target`` is the same build for
+results name that stream in their own interface.  docs/design.md, "CUDA contexts" and "CUDA arrays
+and streams", states the rules.  ``CudaDevice.driver_target`` is the same build for
 ``pool_tuner.torch``'s prepared launches on PyTorch's current stream.  Cubins come from
 pool_tuner's own compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source,
 never on a hit.
 
 Threads: a launch shares nothing between threads (its argument array is its own); the event a
 device uses to order one stream after another is recorded and waited for under a lock
-(``cuda_driver.StreamJoin``).  The primary context, the default queue, the memory pools and the
-device list are made once, under a lock.
+(``cuda_driver.StreamJoin``, one per context).  The memory pools, the joins and the device list are
+made once, under a lock.
 
 Importing this module never imports PyCUDA: it is loaded on first use, and ``list_devices()``
 returns ``()`` when PyCUDA is not installed, when there is no driver or no GPU, or on any other
@@ -38,12 +40,11 @@ failure (``import_error()`` then says why).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import glob
 import importlib.util
+import math
 import os
 import shutil
 import threading
@@ -51,6 +52,7 @@ import threading
 import numpy as np
 
 from . import cuda_compile, cuda_driver, cuda_tuning
+from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface
 from .base import DeviceLimits, TuningUnavailable
 
 BACKEND = "cuda"
@@ -59,6 +61,9 @@ MAX_GRID_X = 2**31 - 1
 #: The legacy default stream, as ``__cuda_array_interface__`` names it and as a stream handle of the
 #: driver API (``CU_STREAM_LEGACY``): where work goes when no stream is named.
 LEGACY_STREAM = 1
+
+#: Results of calls on numpy arrays, and of the tuner and the benchmark: pool_tuner's ``CudaArray``.
+_OWN_KIND = ResultKind(None)
 
 _NOT_HOST_MEMORY = "CUDA device memory is not host memory: copy numpy arrays with to_device"
 
@@ -95,12 +100,15 @@ def unknown_id_message(text: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class CudaQueue:
-    """Where work goes: a context (PyCUDA's, for allocations and copies) and a stream handle as
-    ``__cuda_array_interface__`` and the driver API both write it (1: the legacy default stream,
-    2: the per-thread default stream, else a ``CUstream``)."""
+    """Where work goes: a context (the driver handle of the caller's current context) and a stream
+    handle as ``__cuda_array_interface__`` and the driver API both write it (1: the legacy default
+    stream, 2: the per-thread default stream, else a ``CUstream``); ``kind``: how results are
+    allocated and handed back (``cuda_arrays.ResultKind`` of the caller's array; None: pool_tuner's
+    own ``CudaArray``)."""
 
-    context: object
+    context: int
     stream: int = LEGACY_STREAM
+    kind: ResultKind | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,30 +166,28 @@ class CudaDevice:
             local_mem_size=properties.max_shared_memory_per_block,
         )
         self.memory_bytes = self.max_allocation_bytes = properties.total_memory
-        self._context = None
-        self._queue = None
-        self._pools = {}  # stream handle -> DeviceMemoryPool (``memory_pool``)
-        self._lock = threading.Lock()  # retaining the primary context, making the default queue and the pools
+        self._pools = {}  # (context, stream handle) -> MemoryPool (``memory_pool``)
+        self._joins = {}  # context -> cuda_driver.StreamJoin (``launch``)
+        self._lock = threading.Lock()  # making the pools and joins
 
     @property
     def arch(self) -> str:
         """nvcc's target for this device, e.g. ``sm_90``."""
         return "sm_{}{}".format(*self.properties.compute_capability)
 
-    @functools.cached_property
-    def driver_context(self) -> int:
-        """The primary context's driver handle (``cuda_driver.primary_context``)."""
-        return cuda_driver.primary_context(self.ordinal)
+    def current_context(self) -> int:
+        """The calling thread's current context, this device's primary one made current when there
+        is none (``cuda_driver.current_context``: the one context rule)."""
+        return cuda_driver.current_context(self.ordinal)
 
-    @functools.cached_property
-    def _join(self) -> cuda_driver.StreamJoin:
-        """Orders one stream after another for ``launch`` (one event, made on first use)."""
-        return cuda_driver.StreamJoin(self.driver_context)
-
-    @functools.cached_property
-    def cu_device(self):
-        """PyCUDA's ``Device``."""
-        return _pycuda()[0].Device(self.ordinal)
+    def _join(self, context: int) -> cuda_driver.StreamJoin:
+        """Orders one stream after another for ``launch`` in ``context`` (one event per context,
+        made on first use)."""
+        join = self._joins.get(context)
+        if join is None:
+            with self._lock:
+                join = self._joins.setdefault(context, cuda_driver.StreamJoin())
+        return join
 
     def __repr__(self):
         return f"<{self.id} {self.name}>"
@@ -241,41 +247,14 @@ class CudaDevice:
     # ------------------------------------------------------------------ context and queue
 
     @property
-    def context(self):
-        """The device's primary context, retained on first use (shared with PyTorch/CuPy)."""
-        if self._context is None:
-            with self._lock:
-                if self._context is None:
-                    self._context = self.cu_device.retain_primary_context()
-        return self._context
-
-    @property
     def queue(self) -> CudaQueue:
-        """The default queue: the primary context and the legacy default stream."""
-        if self._queue is None:
-            context = self.context
-            with self._lock:
-                if self._queue is None:
-                    self._queue = CudaQueue(context)
-        return self._queue
-
-    @contextlib.contextmanager
-    def activated(self, context=None):
-        """Make ``context`` (default: the primary context) current for the ``with`` block."""
-        context = self.context if context is None else context
-        context.push()
-        try:
-            yield context
-        finally:
-            _pycuda()[0].Context.pop()
+        """The default queue: the calling thread's current context and the legacy default stream."""
+        return CudaQueue(self.current_context())
 
     def synchronize(self, queue: CudaQueue | None = None) -> None:
-        """Wait for the queue's stream (default: the whole primary context)."""
-        if queue is not None:
-            cuda_driver.synchronize(self.driver_context, queue.stream)
-            return
-        with self.activated() as context:
-            context.synchronize()
+        """Wait for the queue's stream (default: all the work of the current context)."""
+        self.current_context()
+        cuda_driver.synchronize(None if queue is None else queue.stream)
 
     # ------------------------------------------------------------------ arrays
 
@@ -285,42 +264,43 @@ class CudaDevice:
         ordinal = array_device_ordinal(array)
         return (0 if ordinal is None else ordinal) == self.ordinal
 
-    def to_device(self, host: np.ndarray, queue: CudaQueue | None = None):
-        with self.activated(queue.context if queue else None):
-            return _pycuda()[1].to_gpu(np.ascontiguousarray(host))
-
-    def empty(self, shape, dtype, queue: CudaQueue | None = None):
-        """An uninitialised C-contiguous ``StreamArray`` from the memory pool of the queue's stream
-        (``memory_pool``), naming that stream."""
-        queue = queue or self.queue
-        with self.activated(queue.context):
-            pool = self.memory_pool(queue.stream)
-            array = stream_array_type()(tuple(shape), np.dtype(dtype), allocator=pool.allocate)
-        array.stream = queue.stream
+    def to_device(self, host: np.ndarray, queue: CudaQueue | None = None) -> CudaArray:
+        """A ``CudaArray`` holding a copy of ``host``, in the queue's context."""
+        host = np.ascontiguousarray(host)
+        array = self.empty(host.shape, host.dtype, queue)
+        if host.nbytes:
+            cuda_driver.copy_to_device(array.ptr, host)
         return array
 
-    def memory_pool(self, stream: int):
-        """PyCUDA's ``DeviceMemoryPool`` for results made on ``stream``, made on first use.
-        Results of ``pool_tuner.ops`` come from it: a result dropped -- on any thread -- returns
-        its block to the pool instead of calling ``cuMemFree``, and the next result of that size on
-        that stream reuses it without ``cuMemAlloc`` (``release_memory`` frees what the pools
-        hold).  One pool per stream: the pool knows nothing of streams, and a block whose last
-        user was queued on one stream could otherwise be handed to a launch on another while that
-        work still reads it; on one stream, later work runs after earlier work."""
-        pool = self._pools.get(stream)
+    def empty(self, shape, dtype, queue: CudaQueue | None = None) -> CudaArray:
+        """An uninitialised C-contiguous ``CudaArray`` in the queue's context, naming its stream:
+        allocated as the queue's result kind says (PyTorch's allocator for torch tensors), else
+        from the memory pool of the context and stream (``memory_pool``)."""
+        queue = queue or self.queue
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        pool = self.memory_pool(queue.context, queue.stream)
+        owner, ptr = (queue.kind or _OWN_KIND).allocate(nbytes, pool)
+        return CudaArray(shape, dtype, ptr, stream=queue.stream, base=owner)
+
+    def memory_pool(self, context: int, stream: int) -> MemoryPool:
+        """The ``MemoryPool`` of results made in ``context`` on ``stream``, made on first use.  A
+        result dropped -- on any thread -- returns its block to the pool, and the next result of
+        that size on that stream reuses it (``release_memory`` frees what the pools hold).  One
+        pool per stream: a block whose last user was queued on one stream could otherwise be handed
+        to a launch on another while that work still reads it; on one stream, later work runs
+        after earlier work."""
+        key = (context, stream)
+        pool = self._pools.get(key)
         if pool is None:
             with self._lock:
-                pool = self._pools.get(stream)
-                if pool is None:
-                    from pycuda.tools import DeviceMemoryPool
-
-                    pool = self._pools[stream] = DeviceMemoryPool()
+                pool = self._pools.setdefault(key, MemoryPool(context, stream))
         return pool
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """Copy ``source`` into ``destination`` on the queue's stream."""
-        cuda_driver.copy(self.driver_context, int(destination.gpudata), int(source.gpudata), source.nbytes,
-                         (queue or self.queue).stream)
+        source = as_cuda_array(source)
+        cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, (queue or self.queue).stream)
 
     @staticmethod
     def host_launch(launch, nbytes: tuple, n_inputs: int):
@@ -331,76 +311,88 @@ class CudaDevice:
         """Free the device memory the pools hold for reuse; returns the number of blocks freed."""
         with self._lock:
             pools = list(self._pools.values())
-            freed = sum(pool.held_blocks for pool in pools)
-            if pools:
-                with self.activated():
-                    for pool in pools:
-                        pool.free_held()
-        return freed
+        return sum(pool.free_held() for pool in pools)
 
     def fill(self, array, value, queue: CudaQueue | None = None):
-        """Fill a GPUArray with ``value`` on the queue's stream (output poisoning, zero results)."""
+        """Fill a ``CudaArray`` with ``value`` on the queue's stream (output poisoning, zero results)."""
         bits = np.array(value, array.dtype).view(f"u{array.dtype.itemsize}")[()]
         return self.fill_bits(array, bits, queue)
 
     def fill_bits(self, array, bits, queue: CudaQueue | None = None):
         """Fill an array with the bit pattern ``bits`` per element (a float16 or bfloat16 NaN), on
         the queue's stream, by the driver's memset: ordered with the launch that follows."""
-        cuda_driver.fill(self.driver_context, int(array.gpudata), int(bits), array.dtype.itemsize, array.size,
-                         (queue or self.queue).stream)
+        cuda_driver.fill(array.ptr, int(bits), array.dtype.itemsize, array.size, (queue or self.queue).stream)
         return array
 
     # ------------------------------------------------------------------ what ops needs of arrays
 
     def queue_of(self, array) -> CudaQueue:
-        """The queue of the stream a caller's array names (``launch_stream``)."""
-        stream = launch_stream(array)
-        return self.queue if stream == LEGACY_STREAM else CudaQueue(self.context, stream)
+        """The queue of a caller's array: the current context, the stream its interface names
+        (``launch_stream``), and results of the array's own kind."""
+        return CudaQueue(self.current_context(), launch_stream(array), ResultKind(array))
 
     def check_first_call(self, queue: CudaQueue, name: str) -> None:
         """A first call compiles and loads kernels and may tune, which a stream being captured
         into a CUDA graph forbids, and whose failure there would be an obscure capture error: so
         it is refused with what to do instead."""
-        if cuda_driver.is_capturing(self.driver_context, queue.stream):
+        if cuda_driver.is_capturing(queue.stream):
             raise ValueError(
                 f"pool_tuner met a new call signature while {name}'s stream is being captured into a CUDA graph: "
                 "its first call compiles and loads kernels, which capture forbids; call each signature once "
                 "before capture")
 
-    def wrap_input(self, array, name: str):
-        """A caller's array as a C-contiguous GPUArray over the same memory (no copy)."""
+    def wrap_input(self, array, name: str) -> CudaArray:
+        """A caller's array as a ``CudaArray`` over the same memory (no copy).  Memory owned by
+        another context than the current one is refused: the kernel could not read it."""
         try:
-            return self.as_gpuarray(array)
+            wrapped = as_cuda_array(array)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        owner = cuda_driver.pointer_context(wrapped.ptr)
+        if owner is not None:
+            current = self.current_context()
+            if owner != current:
+                raise cuda_driver.ContextError(
+                    f"{name} is memory of CUDA context {owner:#x} (device {cuda_driver.pointer_device(wrapped.ptr)}), "
+                    f"but the calling thread's current context is {current:#x} (cuda:{self.ordinal}); pool_tuner "
+                    f"works in the current context, as PyTorch and CuPy do: make {name}'s context current before "
+                    f"the call (PyCUDA: push it; the runtime's primary context: pop the other one), or copy {name} "
+                    "into the current context")
+        return wrapped
 
     @staticmethod
     def track(array, handle) -> None:
-        """Nothing to do: a result names the stream it is written on (``StreamArray``)."""
+        """Nothing to do: a result names the stream it is written on."""
+
+    @staticmethod
+    def deliver(array, queue: CudaQueue):
+        """A result as the kind of array the caller gave (``cuda_arrays.ResultKind``)."""
+        return array if queue.kind is None else queue.kind.deliver(array)
 
     def to_host(self, array) -> np.ndarray:
-        with self.activated():
-            return array.get()
+        """A numpy copy of a ``CudaArray`` (in its context, which must be current)."""
+        return array.get()
 
-    def strided_view(self, array, shape, strides):
+    @staticmethod
+    def strided_view(array, shape, strides) -> CudaArray:
         """``array``'s memory seen with another shape and strides (channels-last results), naming
         the same stream."""
-        view = stream_array_type()(tuple(shape), array.dtype, gpudata=array.gpudata, strides=tuple(strides), base=array)
-        view.stream = array.stream
-        return view
-
-    def as_gpuarray(self, x):
-        """``x`` as a C-contiguous GPUArray over the same memory (no copy); see ``as_gpuarray``."""
-        with self.activated():
-            return as_gpuarray(x)
+        return as_cuda_array(array).strided(shape, strides)
 
     # ------------------------------------------------------------------ kernels
 
     def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-        """Compile ``source`` for this device and return kernel ``kernel_name``, loaded into the
-        primary context through the driver API (cached; every context of this device that
-        pool_tuner uses is the primary one, so ``context`` changes nothing)."""
-        return _build_for_driver(self.ordinal, self.arch, source, kernel_name)
+        """Compile ``source`` for this device and return kernel ``kernel_name``, loaded through
+        the driver API into the calling thread's current context (cached per context; ``context``
+        is what the caller files the kernel under, the current context's handle for a queue's)."""
+        return _build_for_driver(self.current_context(), self.ordinal, self.arch, source, kernel_name)
+
+    def _in_context(self, kernel: cuda_driver.DriverKernel, context: int) -> cuda_driver.DriverKernel:
+        """``kernel`` as loaded into ``context`` (the current one): a plan made in one context and
+        called in another launches its kernel from a module of the other."""
+        if kernel.context == context:
+            return kernel
+        return _build_for_driver(context, self.ordinal, *kernel.origin, kernel.name)
 
     @staticmethod
     def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
@@ -409,8 +401,8 @@ class CudaDevice:
 
     def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
-        ``(x, y)``) with ``args``: device arrays / pointers (GPUArray, ``DeviceAllocation``,
-        ``__cuda_array_interface__`` objects, ints) or numpy scalars, on the queue's stream,
+        ``(x, y)``) with ``args``: device arrays / pointers (``CudaArray``, ``__cuda_array_interface__``
+        objects, ints) or numpy scalars, on the queue's stream,
         through the driver API.  An array that names another stream than the queue's (its
         interface's ``stream``; None names none) is waited for on the device first
         (``cuda_driver.StreamJoin``), never on the host.  Records no event per call
@@ -426,8 +418,10 @@ class CudaDevice:
             values.append(value)
             if producer is not None and producer != queue.stream:
                 producers.add(producer)
+        kernel = self._in_context(kernel, queue.context)
+        join = self._join(queue.context) if producers else None
         for producer in producers:
-            self._join(queue.stream, producer)
+            join(queue.stream, producer)
         cuda_driver.launch(kernel, groups, block, queue.stream, values)
         return CudaLaunch(self, queue)
 
@@ -435,8 +429,7 @@ class CudaDevice:
         """Launch between two CUDA events on the queue's stream, wait, and return the kernel's time
         in ms between them."""
         queue = queue or self.queue
-        return cuda_driver.elapsed_ms(self.driver_context, queue.stream,
-                                      lambda: self.launch(queue, kernel, groups, block, args))
+        return cuda_driver.elapsed_ms(queue.stream, lambda: self.launch(queue, kernel, groups, block, args))
 
     @functools.cached_property
     def driver_target(self) -> "CudaDriverTarget":
@@ -460,7 +453,7 @@ class CudaLaunch:
 class CudaDriverTarget:
     """What ``dispatch.prepare`` needs to build a kernel for ``pool_tuner.torch``'s prepared
     launches on one device: ``build`` gives the device's ``cuda_driver.DriverKernel`` (loaded into
-    the primary context through the driver API, never through PyCUDA's context stack), and
+    the current context -- PyTorch's, the primary one -- through the driver API), and
     ``prepared`` fixes grid, block and argument layout as a ``cuda_driver.PreparedLaunch``.
     Pass the target itself as ``dispatch.prepare``'s context: its launches are memoised apart from
     the device's own, and need no PyCUDA context to be made."""
@@ -489,16 +482,17 @@ class CudaDriverTarget:
 
 # Loaded modules and their kernels are kept for the life of the process: a plan may launch a
 # kernel at any time, and unloading a module whose kernel is still launched is undefined behaviour.
-# Each source is compiled once (``cuda_compile``'s cache) and loaded once per device.
+# Each source is compiled once (``cuda_compile``'s cache) and loaded once per context, with that
+# context current (the caller's).
 
 @functools.cache
-def _driver_module(ordinal: int, arch: str, source: str) -> int:
+def _driver_module(context: int, ordinal: int, arch: str, source: str) -> int:
     return cuda_driver.load_module(ordinal, _compile(source, arch))
 
 
 @functools.cache
-def _build_for_driver(ordinal: int, arch: str, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-    return cuda_driver.get_kernel(ordinal, _driver_module(ordinal, arch, source), kernel_name)
+def _build_for_driver(context: int, ordinal: int, arch: str, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
+    return cuda_driver.get_kernel(ordinal, _driver_module(context, ordinal, arch, source), kernel_name, (arch, source))
 
 
 def forget_builds() -> None:
@@ -552,12 +546,11 @@ def find_nvcc(nvcc: str | None = None) -> str:
 def _kernel_arg(a):
     """``(value, producer)`` of one kernel argument: the value ``cuda_driver.launch`` takes (a
     numpy scalar, or a device pointer as an int) and, for an array, the stream its interface
-    names (None: none named; a plain GPUArray names none)."""
+    names (None: none named)."""
     if isinstance(a, (np.generic, int)):
         return a, None
-    gpudata = getattr(a, "gpudata", None)
-    if gpudata is not None:
-        return int(gpudata), getattr(a, "stream", None)  # a StreamArray names its stream, a plain GPUArray none
+    if isinstance(a, CudaArray):
+        return a.ptr, a.stream
     interface = cuda_array_interface(a)
     if interface is not None:
         return int(interface["data"][0]), interface.get("stream")
@@ -596,55 +589,12 @@ def _listed() -> tuple:
 
 # ---------------------------------------------------------------------- arrays of other libraries
 
-def cuda_array_interface(x) -> dict | None:
-    """``x.__cuda_array_interface__``, or None when ``x`` has none (CPU tensors raise, too)."""
-    if isinstance(x, np.ndarray):
-        return None
-    try:
-        interface = x.__cuda_array_interface__
-    except Exception:  # noqa: BLE001 - e.g. torch raises for CPU tensors
-        return None
-    return interface if isinstance(interface, dict) else None
-
-
 def is_device_array(x) -> bool:
     """Whether ``x`` is a CUDA device array this backend can take (needs no PyCUDA to answer)."""
     if cuda_array_interface(x) is not None:
         return True
     loaded = _pycuda() if "pycuda" in type(x).__module__ else None
     return loaded is not None and isinstance(x, loaded[1].GPUArray)
-
-
-def _c_contiguous(shape, strides, itemsize) -> bool:
-    expected = itemsize
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def stream_array_type() -> type:
-    """``StreamArray``: PyCUDA's ``GPUArray`` with a ``stream``, a stream
-    handle as ``__cuda_array_interface__`` writes it, which its own interface names.  It is the
-    stream the array's contents are written on: the stream a result was launched on, or the one
-    a caller's array named (None: none).  A consumer that follows the interface orders its reads
-    after that stream's work.  Made on first use, as PyCUDA is imported on first use; arrays
-    PyCUDA derives from one (``result * 2``, ``view``) are PyCUDA's own and name no stream, as
-    PyCUDA's arrays do not."""
-    return _stream_array_type(_pycuda()[1].GPUArray)
-
-
-@functools.cache
-def _stream_array_type(gpuarray_type: type) -> type:
-    class StreamArray(gpuarray_type):
-        stream = None
-
-        @property
-        def __cuda_array_interface__(self):
-            return {**super().__cuda_array_interface__, "stream": self.stream}
-
-    return StreamArray
 
 
 def launch_stream(x) -> int:
@@ -655,54 +605,6 @@ def launch_stream(x) -> int:
     interface = cuda_array_interface(x)
     stream = interface.get("stream") if interface is not None else None
     return LEGACY_STREAM if not stream else int(stream)
-
-
-def as_gpuarray(x):
-    """``x`` (a GPUArray or an object with ``__cuda_array_interface__``) as a C-contiguous GPUArray
-    over the same device memory; the wrapper keeps ``x`` alive (``base``) and is a ``StreamArray``
-    naming the stream ``x``'s interface names, so that a launch on another stream waits for it.
-    A context of the array's device must be current (``CudaDevice.as_gpuarray`` does that).
-    Raises ``ValueError`` for non-contiguous or masked arrays."""
-    _, gpuarray = _pycuda()
-    if isinstance(x, gpuarray.GPUArray):
-        if not x.flags.c_contiguous:
-            raise ValueError("x must be a C-contiguous GPUArray (channels-first, no strides)")
-        return x
-    interface = cuda_array_interface(x)
-    if interface is None:
-        raise TypeError(f"x must be a pycuda GPUArray or expose __cuda_array_interface__, got {type(x).__name__}")
-    if interface.get("mask") is not None:
-        raise ValueError("x must not be a masked array")
-    shape = tuple(int(s) for s in interface["shape"])
-    dtype = np.dtype(interface["typestr"])
-    if dtype.kind == "V" and dtype.itemsize == 2 and str(getattr(x, "dtype", "")).endswith("bfloat16"):
-        # A bfloat16 tensor exports itself as two raw bytes ("<V2"); its own dtype says what they are.
-        import ml_dtypes
-
-        dtype = np.dtype(ml_dtypes.bfloat16)
-    strides = interface.get("strides")
-    if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
-        raise ValueError(f"x must be C-contiguous (channels-first, no strides); it has strides {tuple(strides)}")
-    pointer = int(interface["data"][0])
-    # GPUArray takes any int-convertible pointer as gpudata and does not free what it did not allocate.
-    wrapped = stream_array_type()(shape, dtype, gpudata=pointer, base=x)
-    wrapped.stream = interface.get("stream") or None  # 0 (forbidden) names no stream
-    return wrapped
-
-
-def like_input(result, x):
-    """``result`` (a GPUArray) in the array type of ``x``, without a copy: a torch tensor for a torch
-    tensor, a CuPy array for a CuPy array, else the GPUArray itself."""
-    module = type(x).__module__.split(".")[0]
-    if module == "torch":
-        import torch
-
-        return torch.as_tensor(result, device=x.device)
-    if module == "cupy":
-        import cupy
-
-        return cupy.asarray(result)
-    return result
 
 
 def array_device_ordinal(x) -> int | None:
@@ -716,25 +618,8 @@ def array_device_ordinal(x) -> int | None:
         return index
     interface = cuda_array_interface(x)
     if interface is not None and interface["data"][0]:
-        return _pointer_device_ordinal(int(interface["data"][0]))
-    gpudata = getattr(x, "gpudata", None)
-    if gpudata is not None:
-        return _pointer_device_ordinal(int(gpudata))
+        return cuda_driver.pointer_device(int(interface["data"][0]))
     return None
-
-
-# cuPointerGetAttribute(..., CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) straight from libcuda: PyCUDA
-# does not wrap it for foreign pointers.
-_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-
-
-def _pointer_device_ordinal(pointer: int) -> int | None:
-    lib = cuda_driver.library()
-    if lib is None:
-        return None
-    ordinal = ctypes.c_int(-1)
-    status = lib.cuPointerGetAttribute(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)
-    return ordinal.value if status == 0 and ordinal.value >= 0 else None
 
 
 def device_of_array(x):

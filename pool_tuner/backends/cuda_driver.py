@@ -1,5 +1,5 @@
-"""The CUDA driver API through ctypes: kernels loaded into a device's primary context and launched
-on any stream handle, and the few stream operations around a launch (fills, copies, a stream
+"""The CUDA driver API through ctypes: kernels loaded into a context and launched on any stream
+handle, device memory, and the few stream operations around a launch (fills, copies, a stream
 waiting for another, timing).  Every CUDA launch of pool_tuner goes through here: CUDA tensors from
 PyTorch (``pool_tuner.torch``, a ``PreparedLaunch`` per call signature) and ``backends.cuda``'s
 ``launch`` (``launch`` below, for ``pool_tuner.ops`` on CUDA arrays, the tuner and the benchmark).
@@ -12,26 +12,26 @@ stack, which breaks on threads PyCUDA did not set up (PyTorch's autograd thread:
 are never released, ``cuCtxGetDevice failed``).  Here a launch makes no driver object at all: for
 a ``PreparedLaunch`` the kernel, grid, block, ctypes argument array and run-time scalars are fixed
 once, and each call fills in device pointers and calls ``cuLaunchKernel``; ``launch`` makes its
-ctypes arguments per call.  The one event a device's ``StreamJoin`` uses is made once.
+ctypes arguments per call.
 
 The cubins come from pool_tuner's own compiler cache (``backends.cuda_compile``).  PyCUDA's
 ``Module`` and ``Function`` do not expose their driver handles (PyCUDA 2026.1 binds no ``handle``
-for either), so the image is loaded here with ``cuModuleLoadData``, once per image and device
+for either), so the image is loaded here with ``cuModuleLoadData``, once per image and context
 (``backends.cuda`` memoises it), and kept for the life of the process.
 
-Contexts: kernels are loaded into, and launched in, the device's *primary* context -- the one the
-CUDA runtime, PyTorch and CuPy use -- retained here once per device and never released.  A launch
-asks the driver which context is current on the calling thread (``cuCtxGetCurrent``, a
-thread-local read).  PyTorch does not guarantee one: a fresh thread that has only allocated
-tensors (served from the caching allocator, no runtime call) may have none, and a thread whose
-current device is another GPU has that GPU's.  So when the current context is not the device's
-primary context, the launch pushes it and pops it afterwards, leaving the thread as it found it.
-PyCUDA's own context stack is never consulted.
+Contexts -- the one rule, as PyTorch and CuPy have it: everything runs in the calling thread's
+*current* context (``current_context``).  When no context is current, the device's primary context
+(the one the CUDA runtime, PyTorch, CuPy and Numba use) is made current with ``cuCtxSetCurrent``
+and left current, as the runtime does on a thread's first call.  Nothing here pushes or pops a
+context around a call: a caller whose arrays live in a context of its own (``pycuda.autoinit``
+makes one) has that context current, so the launch, the results and the caller's later reads all
+happen in it.  A current context of another device, or an input owned by another context
+(``pointer_context``), is the caller's mistake, refused by ``backends.cuda`` with a ``ValueError``
+that names both.  Kernels are loaded per context (a module belongs to the context that loaded it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -51,6 +51,9 @@ _SIGNATURES = {
     "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
     "cuDevicePrimaryCtxRetain": [_c_void_p_p, ctypes.c_int],
     "cuCtxGetCurrent": [_c_void_p_p],
+    "cuCtxSetCurrent": [ctypes.c_void_p],
+    "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
+    "cuCtxSynchronize": [],
     "cuCtxPushCurrent_v2": [ctypes.c_void_p],
     "cuCtxPopCurrent_v2": [_c_void_p_p],
     "cuModuleLoadData": [_c_void_p_p, ctypes.c_char_p],
@@ -75,6 +78,11 @@ _SIGNATURES = {
     "cuMemsetD2D32Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t,
                            ctypes.c_void_p],
     "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+    "cuMemAlloc_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+    "cuMemFree_v2": [ctypes.c_uint64],
+    # destination, source, bytes
+    "cuMemcpyHtoD_v2": [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t],
+    "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
 }
 #: ``CU_EVENT_DISABLE_TIMING``: an event only for ordering, which records faster than a timed one.
 _EVENT_DISABLE_TIMING = 0x2
@@ -147,58 +155,132 @@ def primary_context(ordinal: int) -> int:
     return context.value
 
 
-@contextlib.contextmanager
-def made_current(lib, context: int):
-    """``context`` current on this thread for the block: pushed (and popped after) only when
-    another context, or none, is current."""
-    current = ctypes.c_void_p()
-    check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
-    if current.value == context:
-        yield
-        return
-    check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
-    try:
-        yield
-    finally:
-        check(lib.cuCtxPopCurrent_v2(ctypes.byref(current)), "cuCtxPopCurrent")
+#: ``CUDA_ERROR_INVALID_CONTEXT``: what the driver answers for work in no context or the wrong one.
+INVALID_CONTEXT = 201
+
+
+class ContextError(ValueError):
+    """The calling thread's current context cannot run this call: it is another device's, or the
+    call's arrays are owned by another context.  The message names both and what to do."""
+
+
+def current_context(ordinal: int) -> int:
+    """The calling thread's current context, which must be device ``ordinal``'s; when none is
+    current, device ``ordinal``'s primary context, made current (``cuCtxSetCurrent``) and left so.
+    Raises ``ContextError`` when the current context is another device's."""
+    lib = _driver()
+    primary = primary_context(ordinal)  # memoised; its first call initialises the driver (cuInit)
+    context = ctypes.c_void_p()
+    check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+    if not context.value:
+        check(lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+        return primary
+    device = context_device()
+    if device != ordinal:
+        raise ContextError(
+            f"the calling thread's current CUDA context ({context.value:#x}) is device {device}'s, but this call "
+            f"runs on cuda:{ordinal}; make a context of cuda:{ordinal} current first (torch.cuda.set_device("
+            f"{ordinal}), cupy.cuda.Device({ordinal}).use(), or push a PyCUDA context made on it)")
+    return context.value
+
+
+def context_device() -> int:
+    """The device ordinal of the calling thread's current context."""
+    device = ctypes.c_int()
+    check(_driver().cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
+    return device.value
+
+
+#: ``CU_POINTER_ATTRIBUTE_CONTEXT``, ``CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL``.
+_POINTER_CONTEXT, _POINTER_DEVICE_ORDINAL = 1, 9
+
+
+def pointer_context(pointer: int) -> int | None:
+    """The context that allocated device memory ``pointer``; None when the driver cannot tell (not
+    memory it allocated, memory of a stream-ordered pool, which belongs to no context)."""
+    lib = library()
+    if lib is None or not pointer:
+        return None
+    context = ctypes.c_void_p()
+    if lib.cuPointerGetAttribute(ctypes.byref(context), _POINTER_CONTEXT, pointer) != 0:
+        return None
+    return context.value or None
+
+
+def pointer_device(pointer: int) -> int | None:
+    """The ordinal of the device holding ``pointer``, or None when the driver cannot tell."""
+    lib = library()
+    if lib is None or not pointer:
+        return None
+    ordinal = ctypes.c_int(-1)
+    status = lib.cuPointerGetAttribute(ctypes.byref(ordinal), _POINTER_DEVICE_ORDINAL, pointer)
+    return ordinal.value if status == 0 and ordinal.value >= 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
 class DriverKernel:
-    """A kernel loaded into a device's primary context: its ``CUfunction`` handle and limits."""
+    """A kernel loaded into one context: its ``CUfunction`` handle and limits.  ``origin`` is how
+    it was built (``backends.cuda``: architecture and source), so that the same kernel can be
+    loaded into another context."""
 
     ordinal: int
     context: int
     function: int
     name: str
     max_threads_per_block: int
+    origin: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
 
 def load_module(ordinal: int, image: bytes) -> int:
-    """Load a compiled module image (cubin) into device ``ordinal``'s primary context; its
+    """Load a compiled module image (cubin) into the current context (``current_context``); its
     ``CUmodule`` handle.  The module stays loaded for the life of the process: the caller memoises
-    it (``backends.cuda``), so each image is loaded once per device."""
+    it per context (``backends.cuda``)."""
     lib = _driver()
+    current_context(ordinal)
     module = ctypes.c_void_p()
-    with made_current(lib, primary_context(ordinal)):
-        check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+    check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
     return module.value
 
 
-def get_kernel(ordinal: int, module: int, name: str) -> DriverKernel:
-    """Kernel ``name`` of a module loaded by ``load_module`` on device ``ordinal``."""
+def get_kernel(ordinal: int, module: int, name: str, origin: tuple = ()) -> DriverKernel:
+    """Kernel ``name`` of a module that ``load_module`` loaded into the current context."""
     lib = _driver()
-    context = primary_context(ordinal)
+    context = current_context(ordinal)
     function, limit = ctypes.c_void_p(), ctypes.c_int()
-    with made_current(lib, context):
-        check(lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"cuModuleGetFunction({name})")
-        check(lib.cuFuncGetAttribute(ctypes.byref(limit), _MAX_THREADS_PER_BLOCK, function), "cuFuncGetAttribute")
-    return DriverKernel(ordinal, context, function.value, name, limit.value)
+    check(lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"cuModuleGetFunction({name})")
+    check(lib.cuFuncGetAttribute(ctypes.byref(limit), _MAX_THREADS_PER_BLOCK, function), "cuFuncGetAttribute")
+    return DriverKernel(ordinal, context, function.value, name, limit.value, origin)
 
 
 def load_kernel(ordinal: int, image: bytes, name: str) -> DriverKernel:
     """``load_module`` then ``get_kernel``: kernel ``name`` of a freshly loaded ``image``."""
     return get_kernel(ordinal, load_module(ordinal, image), name)
+
+
+# ---------------------------------------------------------------------- memory
+
+def allocate(nbytes: int) -> int:
+    """``nbytes`` of device memory (``cuMemAlloc``), owned by the current context."""
+    pointer = ctypes.c_uint64()
+    check(_driver().cuMemAlloc_v2(ctypes.byref(pointer), nbytes), "cuMemAlloc")
+    return pointer.value
+
+
+def free(pointer: int) -> None:
+    """Free memory ``allocate`` gave, with its context current."""
+    check(_driver().cuMemFree_v2(pointer), "cuMemFree")
+
+
+def copy_to_device(pointer: int, host: np.ndarray) -> None:
+    """Copy the C-contiguous ``host`` to device memory ``pointer`` (waits for the legacy default
+    stream, as every synchronous copy does)."""
+    check(_driver().cuMemcpyHtoD_v2(pointer, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+
+
+def copy_to_host(host: np.ndarray, pointer: int) -> None:
+    """Copy device memory ``pointer`` into the C-contiguous ``host`` (after the work queued on the
+    legacy default stream, as every synchronous copy is)."""
+    check(_driver().cuMemcpyDtoH_v2(host.ctypes.data, pointer, host.nbytes), "cuMemcpyDtoH")
 
 
 def _ctypes_scalar(value: np.generic):
@@ -214,14 +296,14 @@ def _parameter_array(arguments) -> ctypes.Array:
 def launch(kernel: DriverKernel, groups: int, block: tuple, stream: int, arguments) -> None:
     """Launch ``kernel`` once: ``groups`` blocks of shape ``block`` on the stream handle
     ``stream``, with ``arguments`` -- device pointers (ints) and numpy scalars, in the kernel's
-    order.  The argument array is made for this call alone (a ``PreparedLaunch`` fixes one per
-    call signature instead), so threads share nothing and no lock is needed."""
+    order, in the current context, which must be the one ``kernel`` is loaded into.  The argument
+    array is made for this call alone (a ``PreparedLaunch`` fixes one per call signature instead),
+    so threads share nothing and no lock is needed."""
     lib = _driver()
     values = [_ctypes_scalar(a) if isinstance(a, np.generic) else ctypes.c_uint64(a) for a in arguments]
     block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
-    with made_current(lib, kernel.context):
-        status = lib.cuLaunchKernel(kernel.function, int(groups), 1, 1, *block, 0, stream, _parameter_array(values),
-                                    None)
+    status = lib.cuLaunchKernel(kernel.function, int(groups), 1, 1, *block, 0, stream, _parameter_array(values),
+                                None)
     if status:
         raise DriverError(f"cuLaunchKernel({kernel.name})", status)
 
@@ -233,23 +315,25 @@ def launch(kernel: DriverKernel, groups: int, block: tuple, stream: int, argumen
 _ERROR_CAPTURE_IMPLICIT = 906
 
 
-def is_capturing(context: int, stream: int) -> bool:
+def is_capturing(stream: int) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph (or, for the legacy default stream,
     would join one)."""
     lib = _driver()
     status = ctypes.c_int()
-    with made_current(lib, context):
-        result = lib.cuStreamIsCapturing(stream, ctypes.byref(status))
+    result = lib.cuStreamIsCapturing(stream, ctypes.byref(status))
     if result == _ERROR_CAPTURE_IMPLICIT:
         return True
     check(result, "cuStreamIsCapturing")
     return status.value != _CAPTURE_STATUS_NONE
 
 
-def synchronize(context: int, stream: int) -> None:
-    """Wait on the host until the work sent to ``stream`` so far has finished."""
+def synchronize(stream: int | None) -> None:
+    """Wait on the host until the work sent to ``stream`` so far has finished (None: all the work
+    of the current context)."""
     lib = _driver()
-    with made_current(lib, context):
+    if stream is None:
+        check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+    else:
         check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
@@ -259,16 +343,16 @@ class StreamJoin:
     is recorded on ``producer`` and waited for on ``stream`` each time: ``cuStreamWaitEvent``
     waits for the record made before it, so recording the event again later does not change an
     earlier wait.  A record and its wait are one step under a lock, so that two threads never
-    wait for each other's record."""
+    wait for each other's record.  An event belongs to the context that made it: one join per
+    context (``backends.cuda``), used with that context current."""
 
-    def __init__(self, context: int):
-        self.context = context
+    def __init__(self):
         self._event = None
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, producer: int) -> None:
         lib = _driver()
-        with self._lock, made_current(lib, self.context):
+        with self._lock:
             if self._event is None:
                 event = ctypes.c_void_p()
                 check(lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
@@ -277,49 +361,45 @@ class StreamJoin:
             check(lib.cuStreamWaitEvent(stream, self._event, 0), "cuStreamWaitEvent")
 
 
-def fill(context: int, pointer: int, pattern: int, width: int, count: int, stream: int) -> None:
+def fill(pointer: int, pattern: int, width: int, count: int, stream: int) -> None:
     """Set ``count`` elements of ``width`` bytes (1, 2, 4 or 8) at ``pointer`` to the bit
     pattern ``pattern``, on ``stream``.  The driver has no 8-byte fill: an 8-byte element is two
     4-byte words, each set by a 2-d fill one word wide with a pitch of 8 bytes."""
     lib = _driver()
-    with made_current(lib, context):
-        if width == 8:
-            for offset, word in ((0, pattern & 0xFFFFFFFF), (4, pattern >> 32)):
-                check(lib.cuMemsetD2D32Async(pointer + offset, 8, word, 1, count, stream), "cuMemsetD2D32Async")
-            return
-        name = {1: "cuMemsetD8Async", 2: "cuMemsetD16Async", 4: "cuMemsetD32Async"}[width]
-        check(getattr(lib, name)(pointer, pattern, count, stream), name)
+    if width == 8:
+        for offset, word in ((0, pattern & 0xFFFFFFFF), (4, pattern >> 32)):
+            check(lib.cuMemsetD2D32Async(pointer + offset, 8, word, 1, count, stream), "cuMemsetD2D32Async")
+        return
+    name = {1: "cuMemsetD8Async", 2: "cuMemsetD16Async", 4: "cuMemsetD32Async"}[width]
+    check(getattr(lib, name)(pointer, pattern, count, stream), name)
 
 
-def copy(context: int, destination: int, source: int, nbytes: int, stream: int) -> None:
+def copy(destination: int, source: int, nbytes: int, stream: int) -> None:
     """Copy ``nbytes`` of device memory from ``source`` to ``destination`` on ``stream``."""
-    lib = _driver()
-    with made_current(lib, context):
-        check(lib.cuMemcpyDtoDAsync_v2(destination, source, nbytes, stream), "cuMemcpyDtoDAsync")
+    check(_driver().cuMemcpyDtoDAsync_v2(destination, source, nbytes, stream), "cuMemcpyDtoDAsync")
 
 
-def elapsed_ms(context: int, stream: int, work) -> float:
+def elapsed_ms(stream: int, work) -> float:
     """Run ``work()`` (launches on ``stream``) between two events recorded on ``stream``, wait
     for the second, and return the milliseconds between them.  Two events per call: this is the
     timing path (the tuner's race), never a pooling call's."""
     lib = _driver()
     events = []
-    with made_current(lib, context):
-        try:
-            for _ in range(2):
-                event = ctypes.c_void_p()
-                check(lib.cuEventCreate(ctypes.byref(event), 0), "cuEventCreate")
-                events.append(event.value)
-            check(lib.cuEventRecord(events[0], stream), "cuEventRecord")
-            work()
-            check(lib.cuEventRecord(events[1], stream), "cuEventRecord")
-            check(lib.cuEventSynchronize(events[1]), "cuEventSynchronize")
-            ms = ctypes.c_float()
-            check(lib.cuEventElapsedTime(ctypes.byref(ms), events[0], events[1]), "cuEventElapsedTime")
-            return float(ms.value)
-        finally:
-            for event in events:
-                lib.cuEventDestroy_v2(event)
+    try:
+        for _ in range(2):
+            event = ctypes.c_void_p()
+            check(lib.cuEventCreate(ctypes.byref(event), 0), "cuEventCreate")
+            events.append(event.value)
+        check(lib.cuEventRecord(events[0], stream), "cuEventRecord")
+        work()
+        check(lib.cuEventRecord(events[1], stream), "cuEventRecord")
+        check(lib.cuEventSynchronize(events[1]), "cuEventSynchronize")
+        ms = ctypes.c_float()
+        check(lib.cuEventElapsedTime(ctypes.byref(ms), events[0], events[1]), "cuEventElapsedTime")
+        return float(ms.value)
+    finally:
+        for event in events:
+            lib.cuEventDestroy_v2(event)
 
 
 def _unconverted(lib, name: str):
@@ -342,7 +422,11 @@ class PreparedLaunch:
     The slots are shared by all calls, so filling them and launching happen under a lock: ctypes
     releases the GIL inside each driver call, and two threads must not launch each other's
     pointers.  ``cuLaunchKernel`` copies the argument values (also when a stream is being captured
-    into a CUDA graph), so the slots are free again as soon as it returns."""
+    into a CUDA graph), so the slots are free again as soon as it returns.
+
+    The launch runs in the calling thread's current context, which must be the kernel's (the
+    primary context, where PyTorch's tensors live); a thread with no current context gets the
+    kernel's made current (``cuCtxSetCurrent``) and keeps it, as the module docstring says."""
 
     __slots__ = ("kernel", "grid", "block", "_lib", "_slots", "_scalars", "_stream", "_current", "_current_ref",
                  "_get_current", "_launch", "_lock")
@@ -374,14 +458,20 @@ class PreparedLaunch:
             status = self._get_current(self._current_ref)
             if status:
                 raise DriverError("cuCtxGetCurrent", status)
-            if self._current.value == self.kernel.context:
-                status = self._launch()
-            else:  # a thread without (or with another) current context: see the module docstring
-                lib = self._lib
-                check(lib.cuCtxPushCurrent_v2(self.kernel.context), "cuCtxPushCurrent")
-                try:
-                    status = self._launch()
-                finally:
-                    check(lib.cuCtxPopCurrent_v2(ctypes.byref(self._current)), "cuCtxPopCurrent")
+            if self._current.value != self.kernel.context:
+                self._bind_kernel_context()
+            status = self._launch()
         if status:
             raise DriverError(f"cuLaunchKernel({self.kernel.name})", status)
+
+    def _bind_kernel_context(self) -> None:
+        """No current context: make the kernel's current, and keep it so.  Another context current:
+        a ``ContextError`` naming both."""
+        kernel = self.kernel
+        if self._current.value:
+            raise ContextError(
+                f"the calling thread's current CUDA context ({self._current.value:#x}, device {context_device()}) "
+                f"is not the one {kernel.name} runs in ({kernel.context:#x}, cuda:{kernel.ordinal}'s primary "
+                f"context, where PyTorch's tensors live); pop the other context (PyCUDA: context.pop()) or make "
+                f"the primary one current before calling")
+        check(self._lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")

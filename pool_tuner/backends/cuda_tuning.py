@@ -13,6 +13,14 @@ not be cleaned up"): the race's arrays and events are made and dropped on this t
 ``run(work)`` from any other thread queues ``work`` and waits for its result or exception; from the
 tuning thread itself (a tuning that races, ``tune_on_miss`` that tunes) it calls ``work`` directly.
 
+Exit: Kernel Tuner's PyCUDA backend pushes the primary context here, on the tuning thread, and
+registers an exit hook that pops it -- on the main thread, which has nothing to pop ("Exception
+ignored in atexit callback ... context::pop failed").  So after the first tuning that set it up,
+an exit hook of pool_tuner's is registered, which runs before Kernel Tuner's (exit hooks run
+last-registered first; the tuning thread, a daemon, still runs then): it pops the context here,
+where it was pushed, and leaves Kernel Tuner's hook nothing to pop.  That context is Kernel
+Tuner's alone: pool_tuner's calls never use this thread's context stack.
+
 Ctrl-C: the interrupt reaches the waiting (main) thread, not this one; ``run`` forwards it as a
 ``KeyboardInterrupt`` raised inside the work (``PyThreadState_SetAsyncExc``), where the tuner
 catches it, stores what was measured and raises ``TuningInterrupted``, which ``run`` re-raises in
@@ -30,6 +38,7 @@ driver older than the nvcc.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -38,6 +47,7 @@ import queue
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 
@@ -80,8 +90,44 @@ def _serve(jobs: queue.Queue) -> None:
     while True:
         try:
             jobs.get().run()
+            _pop_kernel_tuner_context_at_exit()
         except KeyboardInterrupt:  # a forwarded Ctrl-C that landed after its work had ended
             continue
+
+
+#: Seconds the exit hook waits for the tuning thread to pop Kernel Tuner's context.
+_EXIT_WAIT_S = 10.0
+_exit_hook_registered = False
+
+
+class _Popped:
+    """What Kernel Tuner's exit hook finds once its context is popped: nothing left to pop."""
+
+    @staticmethod
+    def pop() -> None:
+        pass
+
+
+def _pop_kernel_tuner_context_at_exit() -> None:
+    """Once a tuning has set up Kernel Tuner's PyCUDA backend, register ``_pop_kernel_tuner_context``
+    to run at exit, after Kernel Tuner's own hook was registered (see the module docstring)."""
+    global _exit_hook_registered
+    functions = getattr(sys.modules.get("kernel_tuner.backends.pycuda"), "PyCudaFunctions", None)
+    if _exit_hook_registered or functions is None or functions.last_selected_context is None:
+        return
+    _exit_hook_registered = True
+    atexit.register(_pop_kernel_tuner_context, functions)
+
+
+def _pop_kernel_tuner_context(functions) -> None:
+    """Pop the context Kernel Tuner pushed, on the tuning thread that pushed it."""
+    context, functions.last_selected_context = functions.last_selected_context, _Popped()
+    thread = _thread
+    if isinstance(context, _Popped) or thread is None or not thread.is_alive():
+        return
+    job = _Job(context.pop)
+    _jobs.put(job)
+    job.done.wait(_EXIT_WAIT_S)
 
 
 def tuning_thread() -> threading.Thread:

@@ -1,6 +1,6 @@
 /* A stand-in for libcuda with the symbols pool_tuner's driver-API launch path calls, for checking
  * through a real C ABI (no GPU) how ctypes passes their arguments.  Launches are recorded, not run:
- * the test reads `last_launch` and `pushes` back through ctypes.  Contexts: one per thread. */
+ * the test reads `last_launch`, `pushes` and `sets` back through ctypes.  Contexts: a stack per thread. */
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
@@ -15,7 +15,7 @@ struct launch {
 };
 
 struct launch last_launch;
-int pushes, pops;
+int pushes, pops, sets;
 static __thread void *stack[8];
 static __thread int depth;
 
@@ -25,8 +25,27 @@ int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
 int cuDevicePrimaryCtxRetain(void **context, int device) { *context = (void *)(uintptr_t)(0xC0000000C0ull + device); return 0; }
 int cuCtxGetCurrent(void **context) { *context = depth ? stack[depth - 1] : 0; return 0; }
 int cuCtxPushCurrent_v2(void *context) { ++pushes; stack[depth++] = context; return 0; }
-int cuCtxPopCurrent_v2(void **context) { ++pops; *context = stack[--depth]; return 0; }
-int cuModuleLoadData(void **module, const void *image) { *module = (void *)image; return 0; }
+int cuCtxPopCurrent_v2(void **context) { if (!depth) return 201; ++pops; *context = stack[--depth]; return 0; }
+int cuCtxSetCurrent(void *context)
+{
+    ++sets;
+    if (!context) { if (depth) --depth; }
+    else if (depth) stack[depth - 1] = context;
+    else stack[depth++] = context;
+    return 0;
+}
+int cuCtxGetDevice(int *device)
+{
+    if (!depth) return 201;
+    *device = (int)((uintptr_t)stack[depth - 1] & 0xF);
+    return 0;
+}
+int cuCtxSynchronize(void) { return depth ? 0 : 201; }
+int cuMemAlloc_v2(uint64_t *pointer, size_t nbytes) { if (!depth) return 201; *pointer = 0xD000000000ull; return 0; }
+int cuMemFree_v2(uint64_t pointer) { return depth ? 0 : 201; }
+int cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t nbytes) { return depth ? 0 : 201; }
+int cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t nbytes) { return depth ? 0 : 201; }
+int cuModuleLoadData(void **module, const void *image) { if (!depth) return 201; *module = (void *)image; return 0; }
 int cuModuleGetFunction(void **function, void *module, const char *name) { *function = (void *)0xF00Dull; return 0; }
 int cuFuncGetAttribute(int *value, int attribute, void *function) { *value = 1024; return 0; }
 int cuPointerGetAttribute(void *data, int attribute, uint64_t pointer) { return 1; }

@@ -1,0 +1,363 @@
+"""The one CUDA context rule and device arrays of every GPU library, through ``pool_tuner``'s
+public functions on the fake driver and the fake PyCUDA (tests/cuda_fakes.py), which fail where
+the real ones fail: work in no context or the wrong one is ``CUDA_ERROR_INVALID_CONTEXT``, and a
+PyCUDA allocation freed so is the case where PyCUDA aborts the process (``fatal``).
+
+The rule: allocate, copy and launch in the calling thread's current context; with none current,
+bind the device's primary context (``cuCtxSetCurrent``) and leave it bound; never push or pop
+around a call; modules per context; an input owned by another context refused, naming both.
+Results come back as the input's kind of array.  test_cuda_gpu.py runs the same with the real
+libraries on a GPU."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import numpy as np
+import pytest
+
+import pool_tuner as pt
+from pool_tuner.backends import cuda
+
+from cuda_fakes import OTHER_CONTEXT, PRIMARY_CONTEXT, ForeignArray, forget_fake_gpu, install_fake_gpu
+
+SHAPE, SIZE, OUT = (2, 3, 10, 9), (4, 7), (2, 3, 4, 7)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """``(device, pycuda, driver)``: the fake GPU, no context current on any thread yet."""
+    found = install_fake_gpu(monkeypatch)
+    yield found
+    pt.release_memory()
+    forget_fake_gpu()
+
+
+def _host(shape=SHAPE, dtype=np.float32):
+    return np.random.default_rng(0).random(shape).astype(dtype)
+
+
+def _pushes_and_pops(calls) -> list:
+    return [c for c in calls if c == "pop" or (isinstance(c, tuple) and c[0] == "push")]
+
+
+# ---------------------------------------------------------------------- PyCUDA
+
+
+def test_a_gpuarray_of_pycuda_autoinit_gives_a_gpuarray_read_and_freed_in_its_context(gpu):
+    """On a GPU (main at a90e77d): the result's ``get()`` raised ``cuMemcpyDtoH failed: invalid
+    device context`` and PyCUDA aborted the process at garbage collection -- the result was
+    allocated in the primary context, pushed around the call, and read in autoinit's."""
+    device, pycuda, driver = gpu
+    context = pycuda.autoinit()
+    calls = len(driver.calls)
+    x = pycuda.gpuarray.to_gpu(_host())
+    y = pt.adaptive_avg_pool2d(x, SIZE)
+    assert isinstance(y, pycuda.gpuarray.GPUArray) and y.shape == OUT
+    got = y.get()  # PyCUDA's own read, in the current context
+    assert got.shape == OUT and np.isnan(got).all(), "the poisoned result (the fake kernel writes nothing)"
+    (launch,) = driver.launches
+    assert launch["context"] == context.handle and launch["arguments"][:2] == [int(x.gpudata), int(y.gpudata)]
+    assert {c for _, c in driver.modules} == {context.handle}, "the kernel was loaded into another context"
+    assert driver.memory[int(y.gpudata)][0] == context.handle
+    assert _pushes_and_pops(driver.calls[calls:]) == []
+    assert driver.current() == context.handle
+    del x, y, got
+    gc.collect()
+    pt.release_memory()
+    assert pycuda.fatal == []
+
+
+def test_a_gpuarray_of_pycuda_autoprimaryctx(gpu):
+    device, pycuda, driver = gpu
+    pycuda.autoprimaryctx()
+    x = pycuda.gpuarray.to_gpu(_host())
+    values, indices = pt.adaptive_max_pool2d(x, SIZE, return_indices=True)
+    assert isinstance(values, pycuda.gpuarray.GPUArray) and values.get().shape == OUT
+    assert indices.dtype == np.int64 and indices.get().shape == OUT
+    assert [launch["context"] for launch in driver.launches] == [PRIMARY_CONTEXT]
+    assert _pushes_and_pops(driver.calls) == [("push", PRIMARY_CONTEXT)]  # autoprimaryctx's own, none of ours
+    del x, values, indices
+    gc.collect()
+    assert pycuda.fatal == []
+
+
+def test_a_result_dropped_on_a_thread_without_a_context_is_no_fatal_free(gpu):
+    """A result's block goes back to pool_tuner's pool when dropped, on any thread: no driver call,
+    so nothing PyCUDA would abort for."""
+    _, pycuda, driver = gpu
+    pycuda.autoinit()
+    x = pycuda.gpuarray.to_gpu(_host())
+    results = [pt.adaptive_avg_pool2d(x, SIZE)]
+    frees = len([c for c in driver.calls if c[0] == "cuMemFree"])
+    thread = threading.Thread(target=results.clear)
+    thread.start()
+    thread.join()
+    gc.collect()
+    assert pycuda.fatal == [] and len([c for c in driver.calls if c[0] == "cuMemFree"]) == frees
+    assert pt.release_memory() == 1 and pycuda.fatal == []
+
+
+# ---------------------------------------------------------------------- other libraries
+
+
+class _TensorStandIn:
+    """Makes CPU tensors stand in for CUDA ones: a subclass exposing ``__cuda_array_interface__``
+    as PyTorch writes it (version 2, no stream, strides None when contiguous) and, as a CUDA
+    tensor, no ``strides`` attribute."""
+
+    @staticmethod
+    def make(tensor):
+        torch = pytest.importorskip("torch")
+
+        class CudaTensorStandIn(torch.Tensor):
+            @property
+            def __cuda_array_interface__(self):
+                itemsize = self.element_size()
+                typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.int64: "<i8"}[self.dtype]
+                strides = None if self.is_contiguous() else tuple(s * itemsize for s in self.stride())
+                return {"typestr": typestr, "shape": tuple(self.shape), "strides": strides,
+                        "data": (self.data_ptr(), False), "version": 2}
+
+        return tensor.as_subclass(CudaTensorStandIn)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_a_torch_cuda_tensor_gives_a_torch_tensor_from_torch_allocator(gpu, channels_last):
+    """On a GPU (main at a90e77d): ``AttributeError: 'Tensor' object has no attribute 'strides'``
+    (the front end read ``.strides`` of the object instead of its interface)."""
+    torch = pytest.importorskip("torch")
+    _, _, driver = gpu
+    x = torch.rand(SHAPE)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    y = pt.adaptive_avg_pool2d(_TensorStandIn.make(x), SIZE)
+    assert type(y) is torch.Tensor and tuple(y.shape) == OUT and y.dtype == torch.float32
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    (launch,) = driver.launches
+    assert launch["arguments"][:2] == [x.data_ptr(), y.data_ptr()]
+    assert launch["context"] == PRIMARY_CONTEXT and driver.current() == PRIMARY_CONTEXT
+    grad = pt.adaptive_avg_pool2d_backward(_TensorStandIn.make(y), SHAPE)
+    assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
+
+
+def _fake_library(monkeypatch, driver, name: str, convert: str):
+    """A stand-in for CuPy or Numba: an array class of module ``name`` over fake-driver memory
+    (C-contiguous float32, read back by a driver copy in the current context), and the module's
+    function ``convert`` (``cupy.asarray``, ``numba.cuda.as_cuda_array``) that builds one from any
+    ``__cuda_array_interface__``, keeping its owner alive."""
+
+    class DeviceArray:
+        def __init__(self, interface, owner=None):
+            self.interface, self.owner = interface, owner
+            self.shape = tuple(interface["shape"])
+
+        @property
+        def __cuda_array_interface__(self):
+            return self.interface
+
+        def get(self):
+            assert self.interface["typestr"] == "<f4" and self.interface["strides"] is None
+            host = np.empty(self.shape, np.float32)
+            assert driver.cuMemcpyDtoH_v2(host.ctypes.data, self.interface["data"][0], host.nbytes) == 0
+            return host
+
+    DeviceArray.__module__ = name
+    module = types.ModuleType(name.split(".")[0])
+    target = module
+    if "." in name:
+        target = types.ModuleType(name)
+        setattr(module, name.split(".")[1], target)
+        monkeypatch.setitem(sys.modules, name, target)
+    setattr(target, convert, lambda obj: DeviceArray(obj.__cuda_array_interface__, obj))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return DeviceArray
+
+
+@pytest.mark.parametrize("name, convert", [("cupy", "asarray"), ("numba.cuda", "as_cuda_array")],
+                         ids=["cupy", "numba"])
+def test_arrays_of_cupy_and_numba_come_back_as_their_own_arrays(gpu, monkeypatch, name, convert):
+    device, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)  # as those libraries leave it
+    DeviceArray = _fake_library(monkeypatch, driver, name, convert)
+    pointer = driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE)))
+    x = DeviceArray({"shape": SHAPE, "typestr": "<f4", "data": (pointer, False), "strides": None, "stream": 0x5EED,
+                     "version": 3})
+    y = pt.adaptive_avg_pool2d(x, SIZE)
+    assert type(y) is DeviceArray and y.shape == OUT
+    assert y.__cuda_array_interface__["stream"] == 0x5EED and np.isnan(y.get()).all()
+    assert driver.launches[0]["arguments"][:2] == [pointer, y.__cuda_array_interface__["data"][0]]
+
+
+def test_any_other_cuda_array_gives_pool_tuners_own_array(gpu):
+    _, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    pointer = driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE)))
+    y = pt.adaptive_avg_pool2d(ForeignArray(SHAPE, pointer, 0x5EED), SIZE)
+    assert isinstance(y, cuda.CudaArray) and y.shape == OUT and y.stream == 0x5EED
+    assert y.__cuda_array_interface__ == {"shape": OUT, "typestr": "<f4", "data": (y.ptr, False), "strides": None,
+                                          "stream": 0x5EED, "version": 3}
+    assert np.isnan(y.get()).all()
+
+
+# ---------------------------------------------------------------------- the rule itself
+
+
+def test_a_thread_with_no_context_binds_the_primary_one_and_keeps_it(gpu):
+    _, _, driver = gpu
+    pointer = driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE)))
+    seen = []
+
+    def worker():
+        pt.adaptive_avg_pool2d(ForeignArray(SHAPE, pointer), SIZE)
+        seen.append(driver.current())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [PRIMARY_CONTEXT] and driver.launches[0]["context"] == PRIMARY_CONTEXT
+    assert ("set", PRIMARY_CONTEXT) in driver.calls and _pushes_and_pops(driver.calls) == []
+    assert driver.current() is None, "the test's own thread was left alone"
+
+
+def test_an_input_of_another_context_is_refused_naming_both(gpu):
+    _, pycuda, driver = gpu
+    own = pycuda.autoinit()  # current
+    pointer = driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE)))  # e.g. a CuPy array
+    with pytest.raises(ValueError, match=f"x is memory of CUDA context {PRIMARY_CONTEXT:#x}.*current context is "
+                                         f"{own.handle:#x}"):
+        pt.adaptive_avg_pool2d(ForeignArray(SHAPE, pointer), SIZE)
+    assert not driver.launches and driver.current() == own.handle
+
+
+def test_a_current_context_of_another_device_is_refused(gpu):
+    _, _, driver = gpu
+    driver.set_current(OTHER_CONTEXT)  # device 1's, while the array is device 0's
+    with pytest.raises(ValueError, match=r"current CUDA context \(0xd0\) is device 1's.*cuda:0"):
+        pt.adaptive_avg_pool2d(ForeignArray(SHAPE, 0xA0000), SIZE)
+    assert not driver.launches
+
+
+def test_one_signature_in_two_contexts_loads_its_kernel_into_each(gpu):
+    _, pycuda, driver = gpu
+    host = _host()
+    pycuda.autoprimaryctx()
+    in_primary = pycuda.gpuarray.to_gpu(host)
+    pt.adaptive_avg_pool2d(in_primary, SIZE)
+    own = pycuda.autoinit()  # pushed over the primary one
+    in_own = pycuda.gpuarray.to_gpu(host)
+    y = pt.adaptive_avg_pool2d(in_own, SIZE)
+    pt.adaptive_avg_pool2d(in_own, SIZE)
+    assert [launch["context"] for launch in driver.launches] == [PRIMARY_CONTEXT, own.handle, own.handle]
+    assert [c for _, c in driver.modules] == [PRIMARY_CONTEXT, own.handle], "one load per context"
+    assert np.isnan(y.get()).all()
+    del in_own, y
+    gc.collect()
+    assert pycuda.fatal == []
+
+
+# ---------------------------------------------------------------------- Kernel Tuner's exit hook
+
+
+_TUNED_THEN_EXIT = textwrap.dedent("""
+    import threading
+    from kernel_tuner.backends import pycuda as kt_pycuda
+    from pool_tuner.backends import cuda_tuning
+
+    stacks = threading.local()
+
+    class Context:  # PyCUDA's: pop() pops the calling thread's stack, and fails on an empty one
+        def push(self):
+            stacks.__dict__.setdefault("stack", []).append(self)
+
+        def pop(self):
+            stack = stacks.__dict__.get("stack")
+            if not stack:
+                raise RuntimeError("context::pop failed: invalid device context")
+            stack.pop()
+            print("popped on", threading.current_thread().name)
+
+    class Device:
+        def __init__(self, ordinal):
+            pass
+
+        def retain_primary_context(self):
+            context = Context()
+            context.get_device = lambda: (_ for _ in ()).throw(SystemExit)  # stop after the context part
+            return context
+
+    kt_pycuda.drv = type("drv", (), {"init": staticmethod(lambda: None), "Device": Device})
+    kt_pycuda.pycuda_available = True
+
+    def tune():  # what Kernel Tuner's PyCUDA backend does when a tuning sets up the device
+        try:
+            kt_pycuda.PyCudaFunctions(0)
+        except SystemExit:
+            pass
+
+    cuda_tuning.run(tune)
+    cuda_tuning.run(tune)  # a second tuning of the same device pushes nothing more
+""")
+
+
+def test_a_process_that_tuned_on_cuda_exits_without_a_traceback(tmp_path):
+    """Kernel Tuner's PyCUDA backend pushes the primary context on the tuning thread and registers
+    an exit hook that pops it -- on the main thread, where nothing was pushed: "Exception ignored
+    in atexit callback ... context::pop failed".  The tuning thread pops it first."""
+    pytest.importorskip("kernel_tuner")
+    script = tmp_path / "tuned.py"
+    script.write_text(_TUNED_THEN_EXIT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == "popped on pool_tuner-cuda-tuning"
+
+
+# ---------------------------------------------------------------------- the multi-level ops
+
+
+def test_multi_level_ops_on_torch_tensors_give_torch_tensors(gpu):
+    torch = pytest.importorskip("torch")
+    x = _TensorStandIn.make(torch.rand(SHAPE))
+    values, indices = pt.adaptive_max_pool_pyramid(x, [1, 2], return_indices=True)
+    assert [type(v) for v in values + indices] == [torch.Tensor] * 4
+    assert [tuple(v.shape) for v in values] == [(2, 3, 1, 1), (2, 3, 2, 2)] and indices[1].dtype == torch.int64
+    grads = [_TensorStandIn.make(torch.rand(v.shape)) for v in values]
+    grad = pt.adaptive_max_pool_pyramid_backward(grads, [_TensorStandIn.make(i) for i in indices], SHAPE)
+    assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
+    result, indices = pt.adaptive_avgmax_pool2d(x, (2, 3), "cat", return_indices=True)
+    assert type(result) is torch.Tensor and tuple(result.shape) == (2, 6, 2, 3) and type(indices) is torch.Tensor
+    grad = pt.adaptive_avgmax_pool2d_backward(_TensorStandIn.make(torch.rand(result.shape)),
+                                              _TensorStandIn.make(indices), SHAPE, "cat")
+    assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
+
+
+def test_a_pyramid_of_a_pycuda_autoinit_gpuarray_gives_gpuarrays_read_in_its_context(gpu):
+    _, pycuda, driver = gpu
+    context = pycuda.autoinit()
+    levels = pt.adaptive_avg_pool_pyramid(pycuda.gpuarray.to_gpu(_host()), [1, 2])
+    assert all(isinstance(level, pycuda.gpuarray.GPUArray) for level in levels)
+    assert [level.get().shape for level in levels] == [(2, 3, 1, 1), (2, 3, 2, 2)]
+    assert {launch["context"] for launch in driver.launches} == {context.handle}
+    del levels
+    gc.collect()
+    assert pycuda.fatal == []
+
+
+def test_release_memory_frees_each_context_s_blocks_in_that_context(gpu):
+    """Blocks of a context that is not current are freed with it pushed for the frees and popped:
+    the thread's current context is as it was."""
+    _, pycuda, driver = gpu
+    own = pycuda.autoinit()
+    pt.adaptive_avg_pool2d(pycuda.gpuarray.to_gpu(_host()), SIZE)  # its result dropped: held by own's pool
+    gc.collect()
+    own.pop()
+    driver.set_current(PRIMARY_CONTEXT)
+    calls = len(driver.calls)
+    assert pt.release_memory() == 1 and driver.current() == PRIMARY_CONTEXT
+    (free,) = [c for c in driver.calls[calls:] if c[0] == "cuMemFree"]
+    assert driver.calls[calls:] == [("push", own.handle), free, "pop"]
+    assert free[1] not in driver.memory and pycuda.fatal == []
