@@ -124,8 +124,8 @@ def circumstances(torch=None, device=None) -> dict:
         info["torch"] = {"version": torch.__version__, "threads": torch.get_num_threads(),
                          "interop_threads": torch.get_num_interop_threads()}
     if device is not None:
-        info["device"] = device.describe()
-        info["runtime_note"] = device.runtime_note
+        info["device"] = device.info.describe()
+        info["runtime_note"] = device.info.runtime_note
     return info
 
 

@@ -101,10 +101,10 @@ def device_slug(device) -> str:
     ``opencl:pocl:0``); for a CUDA GPU its name, e.g. ``cuda_nvidia_h100_80gb_hbm3`` (GPUs of one
     backend differ more than CPUs of one OpenCL platform, and the rules derived from the data name
     the directory they came from)."""
-    if device.backend == "cuda":
-        return "cuda_" + re.sub(r"[^a-z0-9]+", "_", device.name.lower()).strip("_")
-    backend_or_platform = device.id.split(":")[1] if device.id.count(":") == 2 else device.id.split(":")[0]
-    return f"{backend_or_platform}_{device.fingerprint.get('type', 'device')}"
+    if device.info.backend == "cuda":
+        return "cuda_" + re.sub(r"[^a-z0-9]+", "_", device.info.name.lower()).strip("_")
+    backend_or_platform = device.info.id.split(":")[1] if device.info.id.count(":") == 2 else device.info.id.split(":")[0]
+    return f"{backend_or_platform}_{device.info.fingerprint.get('type', 'device')}"
 
 
 def main(argv=None) -> int:
@@ -132,12 +132,12 @@ def main(argv=None) -> int:
     # evidence of its day; rebuild it whole with a fresh directory after kernel changes).
     done = {(cache.problem_of(r), json.dumps(r["device"], sort_keys=True)) for r in table.records().values()
             if not cache.is_partial(r)}
-    this_device = json.dumps(device.fingerprint, sort_keys=True)
+    this_device = json.dumps(device.info.fingerprint, sort_keys=True)
     todo = [(op, shape, out, layout, direction) for op, shape, out, layout, direction in grid()
             if (Problem.create(op, shape, out, layout=layout, direction=direction), this_device) not in done]
     random.Random(0).shuffle(todo)  # so that a run stopped early has sampled every part of the grid
     todo = todo[: args.limit]
-    print(f"{len(grid())} grid problems, {len(todo)} to tune on {device.describe()}; data: {table.path()}")
+    print(f"{len(grid())} grid problems, {len(todo)} to tune on {device.info.describe()}; data: {table.path()}")
     if args.list:
         print("\n".join(" ".join(map(str, entry)) for entry in todo))
         return 0

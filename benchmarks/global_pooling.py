@@ -105,7 +105,7 @@ def main():
     device = backends.default_device()
     rng = np.random.default_rng()
     bandwidth = bench.memory_bandwidth(device)
-    print(f"device {device.describe()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+    print(f"device {device.info.describe()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
           f"GB/s: " + ", ".join(f"{name} {gbs:.1f}" for name, gbs in bandwidth.items()), flush=True)
     for shape, layout in LAYERS:
         if args.layer and "x".join(map(str, shape)) not in args.layer:

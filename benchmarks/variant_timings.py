@@ -26,12 +26,12 @@ def main():
     parser.add_argument("--repeat", type=int, default=25)
     args = parser.parse_args()
     device = backends.resolve_device(args.device)
-    print(f"device: {device.describe()}   pool_tuner {pt.__version__}")
+    print(f"device: {device.info.describe()}   pool_tuner {pt.__version__}")
     for label, op, shape, out in SHAPES:
         problem = Problem.create(op, shape, out)
         table = variants_for(op)
         choices = [dispatch.choose(problem, device, variant=name) for name, v in table.items()
-                   if v.is_legal({}, problem, device.limits)]  # channels_vector: channels-last only
+                   if v.is_legal({}, problem, device.info.limits)]  # channels_vector: channels-last only
         times = tuner.race(problem, device, choices, repetitions=args.repeat)
         print(f"\n{label}: {op} {'x'.join(map(str, shape))} -> {'x'.join(map(str, problem.output_shape))}"
               f"  ({problem.bytes_moved() / 1e6:.1f} MB moved)")

@@ -44,7 +44,7 @@ def main():
 
     device = backends.default_device()
     rng = np.random.default_rng()
-    print(f"device: {device.describe()}")
+    print(f"device: {device.info.describe()}")
     for op, shape, output_size in preset_shapes(args.preset):
         pool = getattr(pt, OPERATIONS[op].function_name)
         x = rng.uniform(-1.0, 1.0, shape).astype(np.float32)

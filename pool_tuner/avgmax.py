@@ -102,7 +102,7 @@ def _launch(problem: Problem, device, queue, step: str, mode: str, source, desti
         name, elements, scalars = "cat", 2 * count, (np.int64(count), np.int64(row))
     if not elements:
         return
-    block = min(JOIN_BLOCK, device.limits.max_work_group_size)
+    block = min(JOIN_BLOCK, device.info.limits.max_work_group_size)
     kernel = device.build(queue.context, program(problem.dtype, block), f"{step}_{name}")
     event = device.launch(queue, kernel, -(-elements // block), (block,), (source, destination) + scalars)
     for array in (source, destination):

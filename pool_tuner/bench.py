@@ -164,9 +164,9 @@ def _stream_elements(device, nbytes: int, unit: int) -> int:
     """float32 elements per stream buffer: ``nbytes`` (a simulator: SIMULATOR_STREAM_BYTES), at most
     a quarter of the device's memory and its largest allocation, rounded down to a multiple of
     ``unit`` (at least one)."""
-    if device.is_simulator:
+    if device.info.is_simulator:
         nbytes = min(nbytes, SIMULATOR_STREAM_BYTES)
-    nbytes = min(nbytes, device.max_allocation_bytes, device.memory_bytes // 4)
+    nbytes = min(nbytes, device.info.max_allocation_bytes, device.info.memory_bytes // 4)
     return max(nbytes // (4 * unit), 1) * unit
 
 
@@ -180,7 +180,7 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_RE
     ``write_kernel`` fills one.  Every stream is first checked to do its work: a stream that did not
     would time nothing."""
     queue = device.queue
-    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.source_suffix)
+    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.info.source_suffix)
     kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
     # Work-groups of a power of two that every kernel can run (256 at most).
     limit = min([256] + [device.kernel_work_group_limit(k) for k in kernels.values()])
@@ -216,7 +216,7 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_RE
         else:
             done = np.array_equal(result, host)
         if not done:
-            raise RuntimeError(f"the benchmark's {name} did not do its work on {device.describe()}")
+            raise RuntimeError(f"the benchmark's {name} did not do its work on {device.info.describe()}")
     moved = {name: 2 * count * 4 for name in COPY_METHODS}
     moved.update(read_kernel=(count + read_sums) * 4, write_kernel=count * 4)
     times = {name: [] for name in STREAMS}
@@ -366,7 +366,7 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
 
         tuned_here = tuner.tune(op, shape, output_size, dtype, direction=direction, device=device, store=False,
                                 **TUNE_HERE_BUDGET)
-    if device.backend == "cuda":
+    if device.info.backend == "cuda":
         return _measure_cuda(name, problem, device, repeat, rng, tuned_here)
     out_size = problem.output_shape[-problem.ndim:]
     queue = device.queue
@@ -390,7 +390,7 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
         Candidate(functools.partial(fn, *args, device=device), wait),
         Candidate(functools.partial(fn, *args, device=device, variant=default.variant.name, config=default.config),
                   wait),
-        _torch_candidate(op, direction, x, out_size, grad, indices, device.torch_device),
+        _torch_candidate(op, direction, x, out_size, grad, indices, device.info.torch_device),
     ]
     if tuned_here is not None:
         candidates.append(Candidate(functools.partial(fn, *args, device=device, variant=tuned_here.best_variant,
@@ -436,14 +436,14 @@ def _measure_cuda(name: str, problem: Problem, device, repeat: int, rng, tuned_h
         grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(problem.dtype)
         if problem.kind == "max":
             _, indices = getattr(pt, problem.op)(x, out_size, return_indices=True, device=device)
-    tensors = _cuda_tensors(problem, x, grad, indices, device.torch_device)
+    tensors = _cuda_tensors(problem, x, grad, indices, device.info.torch_device)
     default = dispatch.default_choice(problem, device)
     forced = dict(variant=default.variant.name, config=default.config)
     info = dispatch.describe(problem, device, dispatch.choose(problem, device))
     candidates = [
         _pool_tuner_torch_candidate(problem, tensors),
         _pool_tuner_torch_candidate(problem, tensors, **forced),
-        _torch_candidate(problem.op, problem.direction, x, out_size, grad, indices, device.torch_device),
+        _torch_candidate(problem.op, problem.direction, x, out_size, grad, indices, device.info.torch_device),
         _cuda_kernel_candidate(problem, tensors),
         _cuda_kernel_candidate(problem, tensors, **forced),
     ]
@@ -526,7 +526,7 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
                 summary[label] = _summary(group)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": dev.describe(),
+        "device": dev.info.describe(),
         "dtype": dtype,
         "host": platform.processor() or platform.machine(),
         "torch": torch_info,
@@ -537,8 +537,8 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
         "stream_bytes": stream_bytes,
         "method": {"timing": "loops of calls back to back, then one wait for the device", "loop_s": LOOP_S,
                    "min_calls": MIN_CALLS, "max_calls": MAX_CALLS,
-                   **({"cuda": CUDA_METHOD} if dev.backend == "cuda" else {})},
-        "runtime_note": dev.runtime_note,
+                   **({"cuda": CUDA_METHOD} if dev.info.backend == "cuda" else {})},
+        "runtime_note": dev.info.runtime_note,
         "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
         "rows": report_rows,
         "summary": summary,

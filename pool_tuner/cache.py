@@ -141,28 +141,63 @@ def kernel_hash(problem) -> str:
 
 def cache_key(problem, device) -> str:
     """The key of ``problem`` tuned on ``device`` with the current kernel code."""
-    return make_key(problem, device.fingerprint, kernel_hash(problem))
+    return make_key(problem, device.info.fingerprint, kernel_hash(problem))
 
 
 def _shape_text(shape) -> str:
     return "x".join(str(int(n)) for n in shape)
 
 
-def device_tier(fingerprint: dict, device) -> str | None:
-    """How the device of ``fingerprint`` (a record's) relates to ``device``: ``"exact"`` (the same
-    fingerprint), ``"model"`` (the same model: another driver or compiler target), ``"family"``
-    (the same family), or None (nothing in common that a tuning would carry over).
+def _opencl_levels(fingerprint: dict) -> dict:
+    """An OpenCL fingerprint's model and family.
 
-    What makes a model and a family is the backend's (``fingerprint_levels`` of the device
-    contract); a fingerprint of another backend never matches.  Every tier still needs the record's
-    configuration to be legal here, which dispatch checks.
+    Model: the OpenCL implementation (platform), vendor, device name and compute units -- the
+    hardware under another driver version or compiler target (PoCL's ``version``).  Family:
+    platform, vendor and device type -- other hardware of that vendor's kind under the same
+    implementation.  The platform is in both because another implementation on the same hardware
+    is another compiler altogether, not another version of one."""
+    def level(*fields):
+        values = tuple(fingerprint.get(field) for field in fields)
+        return None if None in values else values
+
+    return {"model": level("platform", "vendor", "name", "compute_units"),
+            "family": level("platform", "vendor", "type")}
+
+
+def _cuda_levels(fingerprint: dict) -> dict:
+    """A CUDA fingerprint's model and family.  Model: name, compute capability and
+    multiprocessors -- the GPU under another driver.  Family: the major architecture (the first
+    number of the compute capability), whose GPUs share a memory system and instruction set
+    generation."""
+    capability = fingerprint.get("compute_capability")
+    model = tuple(fingerprint.get(field) for field in ("name", "compute_capability", "multiprocessors"))
+    return {"model": None if None in model else model,
+            "family": None if not isinstance(capability, str) else capability.split(".")[0]}
+
+
+#: Per backend (a fingerprint's ``backend`` field), what of its fingerprints makes the same device
+#: model and the same family: ``{"model": ..., "family": ...}`` of hashable values, None where the
+#: fingerprint lacks a field that decides one (records made before the field existed), which then
+#: matches nothing.  A new backend adds its rule here; one without a rule has only exact matches.
+FINGERPRINT_LEVELS = {"opencl": _opencl_levels, "cuda": _cuda_levels}
+
+
+def device_tier(fingerprint: dict, mine: dict) -> str | None:
+    """How the device of ``fingerprint`` (a record's) relates to the device of fingerprint
+    ``mine``: ``"exact"`` (the same fingerprint), ``"model"`` (the same model: another driver or
+    compiler target), ``"family"`` (the same family), or None (nothing in common that a tuning would
+    carry over).
+
+    What makes a model and a family is the backend's (``FINGERPRINT_LEVELS``); a fingerprint of
+    another backend never matches.  Every tier still needs the record's configuration to be legal
+    here, which dispatch checks.
     """
-    mine = device.fingerprint
     if fingerprint == mine:
         return "exact"
-    if fingerprint.get("backend") != mine.get("backend"):
+    levels = FINGERPRINT_LEVELS.get(mine.get("backend"))
+    if levels is None or fingerprint.get("backend") != mine.get("backend"):
         return None
-    theirs, ours = device.fingerprint_levels(fingerprint), device.fingerprint_levels(mine)
+    theirs, ours = levels(fingerprint), levels(mine)
     for tier in ("model", "family"):
         if theirs[tier] is not None and theirs[tier] == ours[tier]:
             return tier
@@ -585,7 +620,7 @@ class TuningCache:
         code = kernel_hash(problem)
         found = []
         for fingerprint, entries in self._index.get(_group(problem), {}).values():
-            tier = device_tier(fingerprint, device)
+            tier = device_tier(fingerprint, device.info.fingerprint)
             if tier is not None:
                 found += [Match(record, tuned, self.origin(record["key"]), tier)
                           for record, tuned in entries if record["kernel_hash"] == code]

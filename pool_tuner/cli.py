@@ -146,14 +146,14 @@ def cmd_devices(args) -> int:
         return 0
     default = backends.default_device()
     devices = backends.all_devices()
-    width = max(len(d.id) for d in devices)
+    width = max(len(d.info.id) for d in devices)
     for device in devices:
         marks = ["default"] if device is default else []
-        if device.is_simulator:
+        if device.info.is_simulator:
             marks.append("simulator, never chosen by default")
         suffix = f"  ({', '.join(marks)})" if marks else ""
-        print(f"{device.id:{width}s}  {device.name}  [{device.platform_name}]{suffix}")
-    for note in dict.fromkeys(d.runtime_note for d in devices if d.runtime_note):
+        print(f"{device.info.id:{width}s}  {device.info.name}  [{device.info.platform_name}]{suffix}")
+    for note in dict.fromkeys(d.info.runtime_note for d in devices if d.info.runtime_note):
         print(note)
     return 0
 
@@ -316,7 +316,7 @@ def _applies_summary(tiers: list, device) -> str:
     applying = sum(tier in cache.TIERS for tier in tiers)
     by_tier = ", ".join(f"{tiers.count(tier)} {words}" for tier, words in cache.TIERS.items())
     others = ", ".join(f"{tiers.count(reason)} {words}" for reason, words in NOT_APPLYING.items())
-    return f"{len(tiers)} records, {applying} apply to {device.describe()}: {by_tier}; not applying: {others}"
+    return f"{len(tiers)} records, {applying} apply to {device.info.describe()}: {by_tier}; not applying: {others}"
 
 
 #: ``cache show``'s words for the records that apply to no problem on the device (``dispatch.record_tier``).

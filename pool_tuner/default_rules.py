@@ -198,7 +198,7 @@ def source_of(device_type: str) -> dict:
 
 
 def device_type(device) -> str:
-    return "cpu" if device.is_cpu else "gpu"
+    return "cpu" if device.info.is_cpu else "gpu"
 
 
 def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision:
@@ -210,13 +210,13 @@ def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision
         if not rule.holds(values):
             continue
         variant = table[rule.variant]
-        if not variant.is_legal({}, problem, device.limits):
+        if not variant.is_legal({}, problem, device.info.limits):
             continue
         config = dict(rule.config)
         try:
-            return Decision(rule, variant, variant.check_config(config, problem, device.limits), None)
+            return Decision(rule, variant, variant.check_config(config, problem, device.info.limits), None)
         except ValueError as refused:
-            params = variant.check_config({}, problem, device.limits)
+            params = variant.check_config({}, problem, device.info.limits)
             return Decision(rule, variant, params, f"the rule's configuration {config} is not legal here ({refused}); "
                                                    f"the variant's default runs")
     raise AssertionError(f"no default rule holds for {problem}, though parse() checks each direction's last rule")

@@ -105,7 +105,7 @@ def _legal_winner(record: dict, problem: Problem, device) -> tuple | None:
     if variant is None:
         return None
     try:
-        return variant, variant.check_config(best.get("params", {}), problem, device.limits)
+        return variant, variant.check_config(best.get("params", {}), problem, device.info.limits)
     except (TypeError, ValueError):
         return None
 
@@ -178,10 +178,10 @@ class Dispatcher:
     def note_measured_candidate(self, problem: Problem, device, race: dict) -> None:
         """Remember how another kernel (``race["candidate"]``) fared against pool_tuner's on
         ``problem``, and which won, so that ``explain`` can say which runs."""
-        self._measured_candidates.put(problem, (device.id, problem), race)
+        self._measured_candidates.put(problem, (device.info.id, problem), race)
 
     def measured_candidate(self, problem: Problem, device) -> dict | None:
-        return self._measured_candidates.peek((device.id, problem))
+        return self._measured_candidates.peek((device.info.id, problem))
 
     def register_dependent_memo(self, table) -> None:
         """Have ``forget`` empty ``table`` too: its entries hold decisions of this dispatcher.
@@ -234,7 +234,7 @@ class Dispatcher:
         later call still gets its ``on_miss``."""
         if variant is not None or config is not None:
             return self._forced_choice(problem, device, variant, config)
-        memo_key = (device.id, problem)
+        memo_key = (device.info.id, problem)
         choice = self._decisions.get(memo_key)
         if choice is None:
             choice = self._from_cache(problem, device)
@@ -249,13 +249,13 @@ class Dispatcher:
         if variant is None:
             raise ValueError("config= needs variant= too: configurations belong to one variant")
         try:
-            forced_key = (device.id, problem, variant, config_key(config))
+            forced_key = (device.info.id, problem, variant, config_key(config))
             choice = self._forced.get(forced_key)
         except (TypeError, AttributeError):  # unhashable or not a dict: let validation explain
             forced_key, choice = None, None
         if choice is None:
             chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
-            params = chosen.check_config({} if config is None else config, problem, device.limits)
+            params = chosen.check_config({} if config is None else config, problem, device.info.limits)
             choice = Choice(chosen, tuple(sorted(params.items())), "forced")
             if forced_key is not None:
                 self._forced.put(problem, forced_key, choice)
@@ -301,7 +301,7 @@ class Dispatcher:
             if threads > limit:
                 raise ValueError(
                     f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
-                    f"built kernel allows at most {limit} on {device.describe()}"
+                    f"built kernel allows at most {limit} on {device.info.describe()}"
                 )
             self._kernels.put(problem.kernel_key, key, kernel)
         return kernel
@@ -331,7 +331,7 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "variant": choice.variant.name,
         "params": choice.config,
         "source": choice.source,
-        "device": device.describe(),
+        "device": device.info.describe(),
         "cache_key": cache_mod.cache_key(problem, device),
         "record_key": choice.record_key,
         "tier": choice.tier,
@@ -352,7 +352,7 @@ def record_tier(record: dict, device) -> str:
     tuned = cache_mod.problem_of(record)
     if record["kernel_hash"] != cache_mod.kernel_hash(tuned):
         return "stale"
-    tier = cache_mod.device_tier(record["device"], device)
+    tier = cache_mod.device_tier(record["device"], device.info.fingerprint)
     if tier is None:
         return "other device"
     return tier if _legal_winner(record, tuned, device) is not None else "illegal"

@@ -7,7 +7,7 @@ one device model is a Ray task.
 
 How the pieces fit:
 
-* A *device model* is one device fingerprint (``Device.fingerprint``), the unit a cache key names:
+* A *device model* is one device fingerprint (``DeviceInfo.fingerprint``), the unit a cache key names:
   records tuned on one node apply exactly on every node with the same fingerprint.  Its hash is
   the ``dev=`` part of cache keys.
 * Each node says which devices it has as Ray custom resources, ``pool_tuner_device:<hash>`` with
@@ -92,13 +92,13 @@ def resource_name(fingerprint: dict) -> str:
 def fleet_devices() -> list:
     """The devices a node offers to the fleet: every device but simulators (Oclgrind), which are
     exact but far too slow to time anything."""
-    return [d for d in backends.all_devices() if not d.is_simulator]
+    return [d for d in backends.all_devices() if not d.info.is_simulator]
 
 
 def node_resources() -> dict:
     """This machine's devices as Ray custom resources, ``{"pool_tuner_device:<hash>": count}``:
     what ``ray start --resources`` takes for a node of the fleet."""
-    counts = collections.Counter(resource_name(d.fingerprint) for d in fleet_devices())
+    counts = collections.Counter(resource_name(d.info.fingerprint) for d in fleet_devices())
     return dict(sorted(counts.items()))
 
 
@@ -122,7 +122,7 @@ def _node_devices(advertised: dict) -> dict:
     devices, after checking that it has every device its resources ``advertised``."""
     found: dict = {}
     for device in fleet_devices():
-        entry = found.setdefault(model_hash(device.fingerprint), {"fingerprint": device.fingerprint, "count": 0})
+        entry = found.setdefault(model_hash(device.info.fingerprint), {"fingerprint": device.info.fingerprint, "count": 0})
         entry["count"] += 1
     for name, count in advertised.items():
         have = found.get(name[len(RESOURCE_PREFIX):], {}).get("count", 0)
@@ -141,7 +141,7 @@ def _claim_device(model: str, node: str):
     number of devices; the lock says which device each one takes."""
     import filelock
 
-    devices = [d for d in fleet_devices() if model_hash(d.fingerprint) == model]
+    devices = [d for d in fleet_devices() if model_hash(d.info.fingerprint) == model]
     for number, device in enumerate(devices):
         lock = filelock.FileLock(os.path.join(tempfile.gettempdir(), f"pool_tuner_fleet_{node}_{model}_{number}.lock"))
         try:
@@ -169,7 +169,7 @@ def _tune_problem(problem: Problem, model: str, options: dict, ledger, index: in
     with _claim_device(model, node) as device:
         result = tune(problem.op, problem.input_shape, problem.output_shape[-problem.ndim:], problem.dtype,
                       problem.layout, device, direction=problem.direction, store=False, **options)
-    return {"record": result.record, "device": device.describe(), "host": socket.gethostname(), "node": node,
+    return {"record": result.record, "device": device.info.describe(), "host": socket.gethostname(), "node": node,
             "entered": entered, "finished": time.time(), "seconds": result.seconds}
 
 

@@ -126,7 +126,7 @@ def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False)
         if owner is None and not isinstance(grad, np.ndarray):
             raise TypeError(f"{name}[{level}] must be a numpy.ndarray like grad_outs[0], got {type(grad).__name__}")
         if owner is not None and backends.device_of_array(grad) is not owner:
-            raise TypeError(f"{name}[{level}] must be a device array on {owner.describe()} like grad_outs[0], got "
+            raise TypeError(f"{name}[{level}] must be a device array on {owner.info.describe()} like grad_outs[0], got "
                             f"{type(grad).__name__}")
     return list(grad_outs)
 

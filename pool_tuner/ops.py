@@ -182,7 +182,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         return _run_on_device_arrays(plan, arrays, queue)
     problem = plan.problem
     arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
-    if not plan.device.shares_host_memory:  # through copies on the device
+    if not plan.device.info.shares_host_memory:  # through copies on the device
         queue = plan.device.queue
         # a multi-level backward's inputs are flat buffers, already in memory order (pool_tuner.fused)
         flat = problem.operation.multi_level and problem.direction == "backward"
@@ -362,7 +362,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     info["measured_candidate"] = dispatch.measured_candidate(problem, dev)
     # Where the device's kernels cannot run in this process (a forked child of a PoCL process): why,
     # as calls on host memory then run on the host (pool_tuner.host_fallback); else None.
-    info["host_fallback"] = dev.host_fallback
+    info["host_fallback"] = dev.info.host_fallback
     return info
 
 

@@ -99,7 +99,7 @@ def check_device_option(owner, device, name: str) -> None:
     if device is not None and backends.resolve_device(device) is not owner:
         raise ValueError(
             f"device={device!r} does not hold {name}: {name} is an array on "
-            f"{owner.describe()}; pass device=None or that device"
+            f"{owner.info.describe()}; pass device=None or that device"
         )
 
 
@@ -116,9 +116,9 @@ def check_fits(problem: Problem, device) -> None:
     else:
         parts, name = [math.prod(problem.input_shape) * itemsize], "input_shape"
         what = f"an input gradient of shape {problem.input_shape}"
-    if max(parts) > device.max_allocation_bytes or sum(parts) > device.memory_bytes:
-        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {device.describe()} can hold "
-                         f"({_gib(device.max_allocation_bytes)} in one buffer, {_gib(device.memory_bytes)} in all); "
+    if max(parts) > device.info.max_allocation_bytes or sum(parts) > device.info.memory_bytes:
+        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {device.info.describe()} can hold "
+                         f"({_gib(device.info.max_allocation_bytes)} in one buffer, {_gib(device.info.memory_bytes)} in all); "
                          f"check {name}")
 
 
@@ -127,8 +127,8 @@ def _gib(nbytes: int) -> str:
 
 
 def check_float64(device, dtype: str, name: str) -> None:
-    if dtype == "float64" and not device.supports_float64:
-        raise TypeError(f"{name} has dtype float64, which {device.describe()} does not support; use float32")
+    if dtype == "float64" and not device.info.supports_float64:
+        raise TypeError(f"{name} has dtype float64, which {device.info.describe()} does not support; use float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,7 @@ class Plan:
             return
         if self.host_launch is None:
             n_inputs = len(self.nbytes) - len(self.results)
-            if self.device.host_fallback is not None:  # its kernels cannot run in this process
+            if self.device.info.host_fallback is not None:  # its kernels cannot run in this process
                 self.host_launch = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
             else:
                 self.host_launch = self.device.host_launch(self.launch, self.nbytes, n_inputs)

@@ -85,7 +85,7 @@ def run(found: plans.Plan, tensors: list) -> list:
     """Run a plan on CPU ``tensors`` (``[x]``, ``[grad_out]`` or ``[grad_out, indices]``);
     returns its results as tensors in the problem's layout."""
     problem = found.problem
-    if not found.device.shares_host_memory:
+    if not found.device.info.shares_host_memory:
         arrays = [ops_array(t) for t in tensors]
         names = ("x",) if problem.direction == "forward" else ("grad_out", "indices")
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]

@@ -319,7 +319,7 @@ def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_
     from kernel_tuner import tune_kernel
 
     rng = rng or np.random.default_rng()
-    legal = variant.legal_configurations(problem, device.limits)
+    legal = variant.legal_configurations(problem, device.info.limits)
     if not legal:
         return None, None, 0, []
     legal_keys = {_space_key(p) for p in legal}
@@ -491,7 +491,7 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
                 progress(name)
         tuned = [r for r in results if r.best_params is not None]
         if not tuned:
-            raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.describe()}; "
+            raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.info.describe()}; "
                                f"failures: {[f for r in results for f in r.failures][:3]}")
         candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
         times = race(problem, dev, candidates + [default], rng=rng)
@@ -513,12 +513,12 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
 def _search(variant, problem: Problem, dev, options: dict) -> VariantResult:
     """One variant's search as a ``VariantResult`` (best time: Kernel Tuner's median, until raced)."""
     t0 = time.perf_counter()
-    if not variant.legal_configurations(problem, dev.limits):
-        return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, dev.limits))
+    if not variant.legal_configurations(problem, dev.info.limits):
+        return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, dev.info.limits))
     try:
         params, kt_ms, evaluated, failures = tune_variant(variant, problem, dev, **options)
         seconds = time.perf_counter() - t0
-        strategy, budget = _search_plan(len(variant.legal_configurations(problem, dev.limits)), options["strategy"],
+        strategy, budget = _search_plan(len(variant.legal_configurations(problem, dev.info.limits)), options["strategy"],
                                         options["max_fevals"])
         cut_short = (strategy != "brute_force" and evaluated + len(failures) < budget
                      and seconds >= (options["time_limit"] or DEFAULT_TIME_LIMIT))
@@ -550,7 +550,7 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
     winner = tuned[0]
     key = cache_mod.cache_key(problem, dev)
     record = cache_mod.make_record(
-        problem, dev.fingerprint, cache_mod.kernel_hash(problem),
+        problem, dev.info.fingerprint, cache_mod.kernel_hash(problem),
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
         runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms} for r in tuned[1:]],
         extra={"default": default_entry,
@@ -567,7 +567,7 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
         not_stored = (None if stored else "the cache could not be written" if existing is None
                       or cache_mod.replaces(record, existing, faster_only=False)
                       else "the cache holds a tuning of this problem that verified more (variants, configurations)")
-    return TuneResult(problem, dev.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
+    return TuneResult(problem, dev.info.describe(), results, winner.variant, winner.best_params, winner.best_time_ms,
                       default.variant.name, default.config, default_entry["time_ms"], time.perf_counter() - started,
                       key, stored, partial, not_stored, record)
 
@@ -618,11 +618,11 @@ def autotune(problem: Problem, device) -> None:
     what = _title(problem)
     say = _speaker()
     variants = variants_for(problem.op, problem.direction).values()
-    legal = [len(v.legal_configurations(problem, device.limits)) for v in variants]
+    legal = [len(v.legal_configurations(problem, device.info.limits)) for v in variants]
     searched = sum(_search_plan(n)[1] for n in legal)
     say("%s=%s and no tuning record for %s on %s: tuning it now, before this call returns -- up to %d "
         "configurations of %d variants to compile, time and verify (on PoCL's CPU device about half a second each)",
-        AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV), what, device.describe(), searched, sum(1 for n in legal if n))
+        AUTOTUNE_ENV, os.environ.get(AUTOTUNE_ENV), what, device.info.describe(), searched, sum(1 for n in legal if n))
     result = tune(problem.op, problem.input_shape, problem.output_size, problem.dtype,
                   problem.layout, device, direction=problem.direction)
     say("tuned %s in %.1f s: %s %s (kernel %.4f ms), %s", what, result.seconds, result.best_variant,

@@ -83,6 +83,6 @@ def legal_variants(op, direction, shape, output_size, dtype="float32", layout=No
 
 def variants_legal_for(problem):
     """legal_variants of a Problem already made."""
-    limits = backends.default_device().limits
+    limits = backends.default_device().info.limits
     return [name for name, variant in variants_for(problem.op, problem.direction).items()
             if variant.is_legal({}, problem, limits)]

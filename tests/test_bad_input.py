@@ -1,5 +1,6 @@
 """Every bad argument raises TypeError/ValueError naming the argument, before any kernel is built."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +131,7 @@ def test_array_on_another_device_is_refused():
         pytest.skip("needs two OpenCL devices (PoCL and Oclgrind)")
     x = cl_array.to_device(backends.default_device().queue, GOOD)
     with pytest.raises(ValueError, match="does not hold x"):
-        pt.adaptive_avg_pool2d(x, 2, device=others[0].id)
+        pt.adaptive_avg_pool2d(x, 2, device=others[0].info.id)
 
 
 
@@ -151,7 +152,8 @@ IDX = np.zeros((2, 3, 4, 4), np.int64)
 
 def _float64_on_a_device_without_doubles():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backends.default_device(), "supports_float64", False)
+        device = backends.default_device()
+        patch.setattr(device, "info", dataclasses.replace(device.info, supports_float64=False))
         pt.adaptive_avg_pool2d(GOOD.astype(np.float64), 2)
 
 
@@ -165,9 +167,9 @@ def _device_array_with_other_strides():
 def _array_on_another_device():
     import pyopencl.array as cl_array
 
-    others = [d for d in pt.devices() if d is not backends.default_device() and d.backend == "opencl"]
+    others = [d for d in pt.devices() if d is not backends.default_device() and d.info.backend == "opencl"]
     x = cl_array.to_device(backends.default_device().queue, GOOD)
-    pt.adaptive_avg_pool2d(x, 2, device=others[0].id if others else "opencl:99:0")  # no other: an unknown id
+    pt.adaptive_avg_pool2d(x, 2, device=others[0].info.id if others else "opencl:99:0")  # no other: an unknown id
 
 
 def _device_array_at_an_offset():
@@ -195,7 +197,7 @@ def _device_array_in_a_forked_child():
     device = backends.default_device()
     x = cl_array.to_device(device.queue, np.ones((1, 2, 5, 3), np.float32))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(device, "host_fallback", "a forked child, as a test pretends")
+        patch.setattr(device, "info", dataclasses.replace(device.info, host_fallback="a forked child, as a test pretends"))
         pt.adaptive_avg_pool2d(x, (2, 3))
 
 

@@ -93,7 +93,7 @@ def test_every_batch_size_runs_on_one_build_and_matches_the_references(builds, r
     layout = LAYOUT_NAMES[ndim][int(channels_last)]
     device = backends.default_device()
     first = Problem.create(op, (1, *sample), size, layout=layout, direction=direction)
-    names = [name for name, variant in variants_for(op, direction).items() if variant.is_legal({}, first, device.limits)]
+    names = [name for name, variant in variants_for(op, direction).items() if variant.is_legal({}, first, device.info.limits)]
     assert names
     for name in names:
         built = len(builds)
@@ -139,7 +139,7 @@ def test_programs_depend_on_the_per_sample_shape_only(key):
                          for batch in (1, 2, 3, 8, 11)]
             assert len({p.kernel_key for p in problems}) == 1
             for variant in variants_for(op, direction).values():
-                for params in variant.legal_configurations(problems[0], device.limits):
+                for params in variant.legal_configurations(problems[0], device.info.limits):
                     defines = [variant.defines(params, p) for p in problems]
                     assert all(d == defines[0] for d in defines), f"{variant.name} {params}"
                     assert "N_PLANES" not in defines[0]

@@ -25,7 +25,7 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
     assert report["copy_gbs"] == max(report["memory_gbs"][name] for name in bench.COPY_METHODS)
     assert report["method"]["loop_s"] == bench.LOOP_S and "back to back" in report["method"]["timing"]
     device = backends.default_device()
-    assert report["runtime_note"] == (f"PoCL: {opencl.pocl_affinity()}" if device.is_pocl and device.is_cpu else None)
+    assert report["runtime_note"] == (f"PoCL: {opencl.pocl_affinity()}" if device.is_pocl and device.info.is_cpu else None)
     rows = report["rows"]
     assert [r["direction"] for r in rows] == ["forward", "backward"]
     for r in rows:
@@ -148,7 +148,7 @@ def test_stream_buffers_fit_the_device_and_stay_small_on_simulators():
     from types import SimpleNamespace
 
     def device(simulator, alloc, memory):
-        return SimpleNamespace(is_simulator=simulator, max_allocation_bytes=alloc, memory_bytes=memory)
+        return SimpleNamespace(info=SimpleNamespace(is_simulator=simulator, max_allocation_bytes=alloc, memory_bytes=memory))
 
     unit = bench.READ_RUN * 256
     big = 2**40

@@ -18,7 +18,6 @@ import platformdirs
 import pytest
 
 from pool_tuner import cache
-from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.cache import CacheWarning, TuningCache, make_key, make_record, merge_files
 from pool_tuner.problem import Problem
 
@@ -28,7 +27,7 @@ KERNEL_HASH = "0123456789abcdef" + "f" * 48
 
 
 #: A device reporting ``FP``, whose tiers are OpenCL's (``cache.device_tier``).
-FAKE_DEVICE = types.SimpleNamespace(fingerprint=FP, fingerprint_levels=OpenCLDevice.fingerprint_levels)
+FAKE_DEVICE = types.SimpleNamespace(info=types.SimpleNamespace(fingerprint=FP))
 
 
 def problem(width=8):

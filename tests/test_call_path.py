@@ -106,7 +106,7 @@ def test_host_launch_is_exact_with_and_without_aliasing(monkeypatch, rng, aliase
     """Where host memory does not alias (or the probe says so), buffers are made per call and
     results mapped: both paths give the same exact results."""
     device = default_device()
-    if not device.shares_host_memory:
+    if not device.info.shares_host_memory:
         pytest.skip("the default device does not share host memory")
     monkeypatch.setattr(device, "host_memory_aliases", aliases)
     kept = _count(monkeypatch, opencl.HostBuffers, "get")

@@ -55,7 +55,7 @@ def synthetic_record(shape, out=(3, 4), params=None, time_ms=0.01):
     default = variants_for(OP)["thread_per_output"].default
     best = {"variant": "thread_per_output", "time_ms": time_ms,
             "params": dict(default, **(params or {"block_size_x": 32, "outputs_per_thread": 4}))}
-    return cache_mod.make_record(problem, backends.resolve_device().fingerprint, cache_mod.kernel_hash(problem), best, [])
+    return cache_mod.make_record(problem, backends.resolve_device().info.fingerprint, cache_mod.kernel_hash(problem), best, [])
 
 
 def shipped_count(tmp_path) -> int:
@@ -80,16 +80,16 @@ def test_devices_lists_every_device_and_marks_the_default(capsys, user_cache):
     assert code == 0 and err == ""
     lines = out.strip().splitlines()
     devices = pt.devices()
-    if any(device.is_pocl and device.is_cpu for device in devices):
+    if any(device.is_pocl and device.info.is_cpu for device in devices):
         # After the devices, a line says whether PoCL's worker threads were asked to be pinned.
         assert lines.pop() == f"PoCL: {opencl.pocl_affinity()}"
-    assert "opencl:pocl:0" in [device.id for device in devices]  # ids name the platform, not its position
+    assert "opencl:pocl:0" in [device.info.id for device in devices]  # ids name the platform, not its position
     assert len(lines) == len(devices)
     for device, line in zip(devices, lines):
-        assert line.startswith(device.id) and device.name in line
+        assert line.startswith(device.info.id) and device.info.name in line
     default = backends.default_device()
     marked = [line for line in lines if "(default" in line]
-    assert len(marked) == 1 and marked[0].startswith(default.id)
+    assert len(marked) == 1 and marked[0].startswith(default.info.id)
 
 
 # ---------------------------------------------------------------- tune
@@ -267,7 +267,7 @@ def test_cache_show_tells_the_directions_of_a_shape_apart(capsys, user_cache):
     problem = Problem.create(OP, (2, 3, 5, 7), (3, 4), direction="backward")
     best = {"variant": "thread_per_input", "params": variants_for(OP, "backward")["thread_per_input"].default,
             "time_ms": 0.02}
-    backward = cache_mod.make_record(problem, backends.resolve_device().fingerprint, cache_mod.kernel_hash(problem),
+    backward = cache_mod.make_record(problem, backends.resolve_device().info.fingerprint, cache_mod.kernel_hash(problem),
                                      best, [])
     table = cache_mod.TuningCache(kernel_source.shipped_cache_dir(), user_cache)
     table.store(forward)
@@ -326,7 +326,7 @@ def test_explain_prints_json(capsys, user_cache):
     assert info["source"] == "default"
     assert info["output_shape"] == [2, 3, 1, 1]
     assert info["cache_key"] == key_of(OP, (2, 3, 5, 7), (1, 1))
-    assert info["device"] == backends.default_device().describe()
+    assert info["device"] == backends.default_device().info.describe()
 
     code, out, _ = run(capsys, "explain", "--op", "adaptive_avg_pool1d", "--input", "2x3x9", "--output", "4")
     assert code == 0 and json.loads(out)["output_shape"] == [2, 3, 4]

@@ -83,7 +83,7 @@ def from_memory(problem: Problem, memory: np.ndarray, dtype) -> np.ndarray:
 
 def legal_configs(variant, problem, device, which=("default",)):
     """The requested configurations among default / smallest / largest legal, deduplicated."""
-    picks = variant.representative_configurations(problem, device.limits)
+    picks = variant.representative_configurations(problem, device.info.limits)
     unique = []
     for name in which:
         if name in picks and picks[name] not in unique:
@@ -221,15 +221,15 @@ def device():
 
 @needs_gpu
 def test_device_interface(device):
-    assert device.id == f"cuda:{device.ordinal}" and device.id.startswith("cuda:")
-    assert device.name and device.is_gpu and not device.is_cpu and not device.is_simulator
-    assert device.supports_float64
-    assert device.limits.max_work_group_size >= 1024 and device.limits.local_mem_size >= 48 * 1024
-    fp = device.fingerprint
-    assert fp["backend"] == "cuda" and fp["name"] == device.name
+    assert device.info.id == f"cuda:{device.ordinal}" and device.info.id.startswith("cuda:")
+    assert device.info.name and device.info.is_gpu and not device.info.is_cpu and not device.info.is_simulator
+    assert device.info.supports_float64
+    assert device.info.limits.max_work_group_size >= 1024 and device.info.limits.local_mem_size >= 48 * 1024
+    fp = device.info.fingerprint
+    assert fp["backend"] == "cuda" and fp["name"] == device.info.name
     assert set(fp) >= {"backend", "name", "compute_capability", "multiprocessors", "driver"}
-    assert backends.resolve_device(device.id) is device
-    assert backends.default_device().backend == "cuda"
+    assert backends.resolve_device(device.info.id) is device
+    assert backends.default_device().info.backend == "cuda"
 
 
 @needs_gpu
@@ -295,7 +295,7 @@ def test_torch_cuda_tensors_are_read_through_their_interface(device, rng):
     assert wrapped.ptr == x.data_ptr()
     problem = Problem.create("adaptive_avg_pool2d", tuple(x.shape), (4, 7))
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
-    params = variant.check_config({}, problem, device.limits)
+    params = variant.check_config({}, problem, device.info.limits)
     kernel = device.build(None, kernel_source.render(variant.template, variant.defines(params, problem)),
                           variant.kernel_name)
     out = torch.empty(problem.output_shape, device=x.device)
@@ -459,7 +459,7 @@ def test_importing_pool_tuner_does_not_import_pycuda():
 def test_listing_never_raises_and_cuda_devices_come_first():
     devices = cuda.list_devices()
     assert isinstance(devices, tuple)
-    assert all(d.id.startswith("cuda:") for d in devices)
+    assert all(d.info.id.startswith("cuda:") for d in devices)
     listed = backends.all_devices()
     assert listed[: len(devices)] == list(devices)
     if not devices:

@@ -162,7 +162,7 @@ def test_numpy_calls_launch_on_the_legacy_default_stream(backend, monkeypatch):
     context made current."""
     device, _, driver = backend
     x = np.random.default_rng(0).random((2, 3, 10, 9), np.float32)
-    y = pt.adaptive_avg_pool2d(x, (4, 7), device=device.id)
+    y = pt.adaptive_avg_pool2d(x, (4, 7), device=device.info.id)
     assert [launch["stream"] for launch in driver.launches] == [LEGACY]
     (copy_in,) = _named(driver, "cuMemcpyHtoD")
     assert copy_in[1] == driver.launches[0]["arguments"][0] and copy_in[2] == x.nbytes

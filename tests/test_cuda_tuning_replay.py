@@ -67,7 +67,7 @@ def _config_key(params: dict, names) -> str:
 
 def synthetic_cache() -> dict:
     """The recorded file's content, made from the current search spaces (see the module docstring)."""
-    limits = cuda.CudaDevice(0, SYNTHETIC_H100).limits
+    limits = cuda.CudaDevice(0, SYNTHETIC_H100).info.limits
     table, recorded = variants_for(OP), {}
     for name in VARIANTS:
         variant = table[name]
@@ -129,7 +129,7 @@ class ReplayCudaDevice(cuda.CudaDevice):
         return source
 
     def kernel_work_group_limit(self, kernel):
-        return self.limits.max_work_group_size
+        return self.info.limits.max_work_group_size
 
     def to_device(self, host, queue=None):
         return np.array(host)
@@ -211,7 +211,7 @@ def test_tuning_on_a_cuda_device_passes_pycuda_arguments_and_stores_a_cuda_recor
     stored = json.loads((user_cache / cache.USER_FILE).read_text())["records"]
     record = stored[result.cache_key]
     assert result.cache_key == cache.cache_key(problem(), device) and "|cuda|" in result.cache_key
-    assert record["device"] == device.fingerprint and record["kernel_hash"] == cache.kernel_hash(problem())
+    assert record["device"] == device.info.fingerprint and record["kernel_hash"] == cache.kernel_hash(problem())
     assert record["best"] == {"variant": result.best_variant, "params": result.best_params,
                               "time_ms": result.best_time_ms}
     assert cache._record_problem(result.cache_key, record) is None  # well-formed as the cache reads it

@@ -76,7 +76,7 @@ def test_a_rule_configuration_that_is_illegal_here_runs_the_variant_default_and_
     assert narrow.rule.name == "wide" and narrow.config_note and "row_lanes" in narrow.config_note
     variant = narrow.variant
     problem = Problem.create("adaptive_avg_pool2d", (1, 2, 40, 3), (4, 3))
-    assert narrow.params == variant.check_config({}, problem, backends.default_device().limits)
+    assert narrow.params == variant.check_config({}, problem, backends.default_device().info.limits)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -154,7 +154,7 @@ def assert_explain_names_the_first_rule(problem):
     values = default_rules.features(problem)
     expected = next(r for r in default_rules.rules(default_rules.device_type(device))
                     if r.holds(values) and dispatch.variants_mod.variants_for(problem.op, problem.direction)[
-                        r.variant].is_legal({}, problem, device.limits))
+                        r.variant].is_legal({}, problem, device.info.limits))
     info = pt.explain(problem.op, problem.input_shape, problem.output_size, dtype=problem.dtype, layout=problem.layout,
                       direction=problem.direction)
     assert (info["source"], info["rule"], info["variant"]) == ("default", expected.name, expected.variant)

@@ -6,6 +6,7 @@ The CUDA device is built here from made-up properties (``SYNTHETIC_H100``: no GP
 needed): its identity, fingerprint, limits and Kernel Tuner arguments come from them alone.
 """
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -55,18 +56,20 @@ def check_implements(instance, protocol) -> list:
 
 def test_the_contract_lists_what_the_issue_asks_for():
     members = contract_members(base.Device)
-    for name in ("id", "fingerprint", "limits", "build", "launch", "timed_launch", "to_device", "to_host", "empty",
+    for name in ("info", "build", "launch", "timed_launch", "to_device", "to_host", "empty",
                  "kernel_tuner_arguments", "synchronize", "copy"):
         assert name in members
+    for name in ("id", "fingerprint", "limits", "backend", "is_gpu", "name"):  # all in one description
+        assert name in {field.name for field in dataclasses.fields(base.DeviceInfo)}
     assert check_implements(object(), base.Device)  # the check can fail
 
 
-@pytest.mark.parametrize("device", opencl.list_devices(), ids=lambda d: d.id)
+@pytest.mark.parametrize("device", opencl.list_devices(), ids=lambda d: d.info.id)
 def test_opencl_devices_implement_the_contract(device):
     assert check_implements(device, base.Device) == []
     assert isinstance(device, base.Device)  # runtime_checkable
-    assert device.limits == base.DeviceLimits(int(device.cl_device.max_work_group_size),
-                                              int(device.cl_device.local_mem_size))
+    assert device.info.limits == base.DeviceLimits(int(device.cl_device.max_work_group_size),
+                                                   int(device.cl_device.local_mem_size))
     assert device.kernel_tuner_arguments() == {"lang": "OpenCL", "platform": device.platform_index,
                                                "device": device.device_index}
 
@@ -74,10 +77,10 @@ def test_opencl_devices_implement_the_contract(device):
 def test_the_cuda_device_implements_the_contract_without_a_gpu():
     device = cuda.CudaDevice(0, SYNTHETIC_H100)
     assert check_implements(device, base.Device) == []
-    assert device.id == "cuda:0" and device.torch_device == "cuda:0"
-    assert device.limits == base.DeviceLimits(1024, 48 * 1024)
-    assert device.fingerprint == {"backend": "cuda", "name": SYNTHETIC_H100.name, "compute_capability": "9.0",
-                                  "multiprocessors": 132, "driver": 13000}
+    assert device.info.id == "cuda:0" and device.info.torch_device == "cuda:0"
+    assert device.info.limits == base.DeviceLimits(1024, 48 * 1024)
+    assert device.info.fingerprint == {"backend": "cuda", "name": SYNTHETIC_H100.name, "compute_capability": "9.0",
+                                       "multiprocessors": 132, "driver": 13000}
     # PyCUDA's backend of Kernel Tuner: plain "CUDA" would make Kernel Tuner pick cuda-python first.
     assert cuda.CudaDevice(1, SYNTHETIC_H100).kernel_tuner_arguments() == {"lang": "PYCUDA", "device": 1}
 
@@ -88,7 +91,7 @@ def test_backend_modules_implement_the_module_contract(module):
     for name, member in contract_members(base.Backend).items():
         if callable(member):
             assert _parameters(getattr(module, name)) == _parameters(member), name
-    assert all(d.id.startswith(module.BACKEND + ":") for d in module.list_devices())
+    assert all(d.info.id.startswith(module.BACKEND + ":") for d in module.list_devices())
 
 
 # ---------------------------------------------------------------------- device ids
@@ -109,7 +112,7 @@ def _ids_with_platforms(monkeypatch, reorder) -> dict:
     monkeypatch.setattr(opencl.cl, "get_platforms", lambda: reorder(platforms))
     listed = opencl.enumerate_devices()
     monkeypatch.undo()
-    return {(d.platform_name, d.name): d.id for d in listed}
+    return {(d.info.platform_name, d.info.name): d.info.id for d in listed}
 
 
 def test_opencl_ids_do_not_move_when_another_driver_is_installed(monkeypatch):

@@ -246,7 +246,7 @@ def test_tune_many_refuses_bad_arguments_before_connecting(call, error, mentions
 def test_node_resources_name_every_device_model_of_the_machine():
     resources = fleet.node_resources()
     devices = fleet.fleet_devices()
-    assert sum(resources.values()) == len(devices) and all(not d.is_simulator for d in devices)
+    assert sum(resources.values()) == len(devices) and all(not d.info.is_simulator for d in devices)
     assert set(resources) == {fleet.RESOURCE_PREFIX + cache_mod.make_key(
-        Problem.create("adaptive_avg_pool1d", (1, 1, 2), 1), d.fingerprint, "0" * 16).split("dev=")[1].split("|")[0]
+        Problem.create("adaptive_avg_pool1d", (1, 1, 2), 1), d.info.fingerprint, "0" * 16).split("dev=")[1].split("|")[0]
         for d in devices}

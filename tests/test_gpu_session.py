@@ -256,11 +256,11 @@ def test_records_tuned_on_a_gpu_are_exported_under_its_architecture(tmp_path):
     shipped = json.loads((ROOT / "tuning_cache" / "pocl_cpu.json").read_text())
     record = next(iter(shipped["records"].values()))
     device = fake_cuda_device()
-    record = dict(record, device=device.fingerprint, key=cache.cache_key(cache.problem_of(record), device))
+    record = dict(record, device=device.info.fingerprint, key=cache.cache_key(cache.problem_of(record), device))
     (tmp_path / "tune" / "cache").mkdir(parents=True)
     (tmp_path / "tune" / "cache" / cache.USER_FILE).write_text(
         json.dumps({"schema": shipped["schema"], "records": {record["key"]: record}}))
     figures = gpu_session.export_records(tmp_path / "tune", "tuned\n", tmp_path)
     assert figures[-1] == "1 records of Fake GPU merged into tuning_cache/cuda_sm_90.json"
     exported = json.loads((tmp_path / "tuning_cache" / "cuda_sm_90.json").read_text())["records"]
-    assert list(exported) == [record["key"]] and exported[record["key"]]["device"] == device.fingerprint
+    assert list(exported) == [record["key"]] and exported[record["key"]]["device"] == device.info.fingerprint

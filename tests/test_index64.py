@@ -359,7 +359,7 @@ def _require_memory(nbytes, host_copies):
     device = backends.default_device()
     cl_device = device.cl_device
     if cl_device.max_mem_alloc_size < nbytes or cl_device.global_mem_size < nbytes:
-        pytest.skip(f"{device.describe()} allocates at most {cl_device.max_mem_alloc_size / 2**30:.1f} GiB per "
+        pytest.skip(f"{device.info.describe()} allocates at most {cl_device.max_mem_alloc_size / 2**30:.1f} GiB per "
                     f"buffer ({cl_device.global_mem_size / 2**30:.1f} GiB in all); this test needs one of "
                     f"{nbytes / 2**30:.1f} GiB")
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -702,7 +702,7 @@ def test_thread_per_row_record_without_unrolled_columns_gets_the_loop():
     """A configuration from before the parameter existed (a cached record) runs the loop form."""
     problem = Problem.create("adaptive_avg_pool1d", (2, 3, 1000), 128)
     variant = variants_for("adaptive_avg_pool1d")["thread_per_row"]
-    config = variant.check_config({"block_size_x": 4}, problem, backends.default_device().limits)
+    config = variant.check_config({"block_size_x": 4}, problem, backends.default_device().info.limits)
     assert config == {"block_size_x": 4, "unrolled_columns": 0}
 
 

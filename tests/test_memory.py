@@ -24,7 +24,7 @@ LARGE = (8, 64, 32, 32)
 @pytest.fixture
 def device():
     device = backends.resolve_device(None)
-    if device.backend != "opencl":
+    if device.info.backend != "opencl":
         pytest.skip("the memory pool belongs to the OpenCL backend")
     device.release_memory()
     yield device

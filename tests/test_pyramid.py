@@ -65,7 +65,7 @@ def _close(got, expected, dtype):
 def _variants(op, direction, shape, sizes, layout=None, dtype="float32"):
     device = backends.resolve_device(None)
     problem = Problem.create(op, shape, sizes, dtype, layout=layout, direction=direction)
-    return [name for name, v in variants_for(op, direction).items() if v.is_legal({}, problem, device.limits)]
+    return [name for name, v in variants_for(op, direction).items() if v.is_legal({}, problem, device.info.limits)]
 
 
 def _layouts(ndim):
@@ -441,7 +441,7 @@ def test_fine_levels_fall_back_to_the_cell_less_variant():
     """Levels so fine that the cut tables would not fit constant memory: pyramid_windows only."""
     problem = Problem.create("adaptive_avg_pool_pyramid1d", (1, 1, 5000), [1, 2000, 4999])
     device = backends.resolve_device(None)
-    legal = [n for n, v in variants_for(problem.op).items() if v.is_legal({}, problem, device.limits)]
+    legal = [n for n, v in variants_for(problem.op).items() if v.is_legal({}, problem, device.info.limits)]
     assert legal == ["pyramid_windows"]
     x = np.random.default_rng(0).standard_normal((1, 1, 5000)).astype(np.float32)
     for got, e in zip(pt.adaptive_avg_pool_pyramid(x, [1, 2000, 4999]),

@@ -125,7 +125,7 @@ def test_a_non_contiguous_device_array_gets_a_hint_to_copy(rng):
     import pyopencl.array as cl_array
 
     device = pt.backends.default_device()
-    if device.backend != "opencl":
+    if device.info.backend != "opencl":
         pytest.skip("the default device is not an OpenCL device")
     x = cl_array.to_device(device.queue, random_input(rng, (2, 3, 8, 8)))
     with pytest.raises(ValueError, match="contiguous copy"):

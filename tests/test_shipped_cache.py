@@ -39,15 +39,15 @@ def test_shipped_records_match_the_current_kernel_sources_and_are_legal():
         problem = problem_of(record)
         assert record["kernel_hash"] == cache.kernel_hash(problem), f"stale shipped record {key}"
         variant = get_variant(problem.op, record["best"]["variant"], problem.direction)
-        limits = backends.default_device().limits
+        limits = backends.default_device().info.limits
         assert variant.check_config(record["best"]["params"], problem, limits) is not None
 
 
 def test_dispatch_uses_shipped_records_on_their_device(monkeypatch):
     device = backends.default_device()
-    mine = [r for r in shipped_records().values() if r["device"] == device.fingerprint]
+    mine = [r for r in shipped_records().values() if r["device"] == device.info.fingerprint]
     if not mine:
-        pytest.skip(f"no shipped results for {device.describe()} ({device.fingerprint})")
+        pytest.skip(f"no shipped results for {device.info.describe()} ({device.info.fingerprint})")
     monkeypatch.setattr(dispatch.kernel_source, "shipped_cache_dir", lambda: SHIPPED_CACHE_DIR)
     dispatch.forget()
     try:

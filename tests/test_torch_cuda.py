@@ -4,6 +4,7 @@ current stream is a stub.  Checks what the plan decides once per call signature 
 result shapes and strides, kernel, grid) and what each call does (pointers, stream handle, fresh
 results from torch, nothing rebuilt); the kernels' numbers are checked on a GPU in test_cuda.py."""
 
+import dataclasses
 import math
 import threading
 
@@ -161,7 +162,7 @@ def test_empty_batches_launch_nothing(gpu):
 
 def test_bad_arguments_raise_before_any_launch(gpu):
     x = _x((2, 3, 10, 9))
-    other = next(d.id for d in backends.all_devices() if d is not gpu.device)
+    other = next(d.info.id for d in backends.all_devices() if d is not gpu.device)
     with pytest.raises(ValueError, match=f"device='{other}' does not hold x"):
         torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), dict(NONE, device=other))
     with pytest.raises(ValueError, match="output_size"):
@@ -346,7 +347,7 @@ def cuda_bench(gpu, monkeypatch):
         fn = getattr(ops, op if direction == "forward" else f"{op}_backward")
         return torch_cuda.plan(fn, tensors, size, dict(ptt._decode_options(options)))(tensors)
 
-    gpu.device.torch_device = "cpu"
+    monkeypatch.setattr(gpu.device, "info", dataclasses.replace(gpu.device.info, torch_device="cpu"))
     monkeypatch.setattr(ptt, "_runs_eagerly_on_cpu", lambda input: False)
     monkeypatch.setattr(ptt, "_run", cuda_path)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

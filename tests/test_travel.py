@@ -7,8 +7,8 @@ read only a device's fingerprint, limits and kind, so no other hardware is neede
 built or launched.
 """
 
+import dataclasses
 import json
-import types
 import warnings
 
 import pytest
@@ -16,7 +16,7 @@ import pytest
 import pool_tuner as pt
 from conftest import SHIPPED_CACHE_DIR
 from pool_tuner import backends, cache, cli, dispatch, kernel_source
-from pool_tuner.backends import cuda, opencl
+from pool_tuner.backends import cuda
 from pool_tuner.backends.base import DeviceLimits
 from pool_tuner.problem import Problem
 
@@ -34,15 +34,13 @@ class Elsewhere:
 
     def __init__(self, fingerprint, limits=None):
         self._real = backends.resolve_device("opencl:pocl:0")
-        self.fingerprint = fingerprint
-        self.limits = limits or self._real.limits
-        self.id = f"{self._real.id}@{cache._fingerprint_hash(fingerprint)}-{self.limits}"
+        limits = limits or self._real.info.limits
+        self.info = dataclasses.replace(
+            self._real.info, fingerprint=fingerprint, limits=limits, name=fingerprint["name"],
+            id=f"{self._real.info.id}@{cache._fingerprint_hash(fingerprint)}-{limits}")
 
     def __getattr__(self, name):
         return getattr(self._real, name)
-
-    def describe(self):
-        return f"{self.id} {self.fingerprint['name']}"
 
 
 def config(block_size_x):
@@ -107,17 +105,15 @@ OPENCL_TIERS = [
 
 @pytest.mark.parametrize("changes, tier", [case[1:] for case in OPENCL_TIERS], ids=[case[0] for case in OPENCL_TIERS])
 def test_opencl_tier_of_a_fingerprint_that_differs(changes, tier):
-    device = types.SimpleNamespace(fingerprint=HERE, fingerprint_levels=opencl.OpenCLDevice.fingerprint_levels)
-    assert cache.device_tier(dict(HERE, **changes), device) == tier
+    assert cache.device_tier(dict(HERE, **changes), HERE) == tier
 
 
 def test_a_fingerprint_without_a_field_matches_no_level_that_needs_it():
     """Records made before the OpenCL fingerprint had its ``type``: the same model still (the type
     is not part of it), but not the same family, which it cannot tell."""
-    device = types.SimpleNamespace(fingerprint=HERE, fingerprint_levels=opencl.OpenCLDevice.fingerprint_levels)
     untyped = {name: value for name, value in HERE.items() if name != "type"}
-    assert cache.device_tier(dict(untyped, driver="5.0"), device) == "model"
-    assert cache.device_tier(dict(untyped, compute_units=64), device) is None
+    assert cache.device_tier(dict(untyped, driver="5.0"), HERE) == "model"
+    assert cache.device_tier(dict(untyped, compute_units=64), HERE) is None
 
 
 def test_cuda_tiers_model_across_drivers_family_by_major_architecture():
@@ -125,14 +121,14 @@ def test_cuda_tiers_model_across_drivers_family_by_major_architecture():
                       max_threads_per_block=1024, max_shared_memory_per_block=48 * 1024, total_memory=80 * 2**30,
                       driver_version=13000)
     device = cuda.CudaDevice(0, cuda.CudaProperties(**properties))
-    mine = device.fingerprint
+    mine = device.info.fingerprint
     assert "driver" in mine  # still part of the exact identity (and the key) ...
-    assert cache.device_tier(dict(mine), device) == "exact"
-    assert cache.device_tier(dict(mine, driver=12040), device) == "model"  # ... but a driver update keeps the model
-    assert cache.device_tier(dict(mine, name="NVIDIA H100 PCIe (synthetic)", multiprocessors=114), device) == "family"
-    assert cache.device_tier(dict(mine, name="NVIDIA H200 (synthetic)", compute_capability="9.0"), device) == "family"
-    assert cache.device_tier(dict(mine, name="NVIDIA A100 (synthetic)", compute_capability="8.0"), device) is None
-    assert cache.device_tier(dict(HERE), device) is None  # another backend
+    assert cache.device_tier(dict(mine), mine) == "exact"
+    assert cache.device_tier(dict(mine, driver=12040), mine) == "model"  # ... but a driver update keeps the model
+    assert cache.device_tier(dict(mine, name="NVIDIA H100 PCIe (synthetic)", multiprocessors=114), mine) == "family"
+    assert cache.device_tier(dict(mine, name="NVIDIA H200 (synthetic)", compute_capability="9.0"), mine) == "family"
+    assert cache.device_tier(dict(mine, name="NVIDIA A100 (synthetic)", compute_capability="8.0"), mine) is None
+    assert cache.device_tier(dict(HERE), mine) is None  # another backend
 
 
 @pytest.mark.parametrize("changes, tier", [case[1:] for case in OPENCL_TIERS], ids=[case[0] for case in OPENCL_TIERS])
@@ -178,7 +174,7 @@ def test_this_shape_at_any_tier_beats_another_shape_tuned_here(shipped):
 def test_an_illegal_configuration_at_a_tier_is_passed_over_without_a_warning(shipped):
     """Legal on the machine that tuned it, not on this one (smaller work-groups): the next record
     decides.  Only a record of this very device and shape that is illegal here warns (stale)."""
-    real = backends.resolve_device("opencl:pocl:0").limits
+    real = backends.resolve_device("opencl:pocl:0").info.limits
     small = Elsewhere(HERE, limits=DeviceLimits(max_work_group_size=64, local_mem_size=real.local_mem_size))
     too_big = record_of(dict(HERE, driver="5.0"), block_size_x=256)
     fits = record_of(dict(HERE, compute_units=8), block_size_x=32)
@@ -254,7 +250,7 @@ def test_nearest_is_searched_on_the_best_tier_then_by_distance(shipped):
 
 def test_cache_show_says_per_record_whether_and_how_it_applies(shipped, capsys):
     device = backends.resolve_device("opencl:pocl:0")
-    mine = device.fingerprint
+    mine = device.info.fingerprint
     records = {
         "exact device": record_of(mine, shape=(4, 32, 13, 13)),
         "model": record_of(dict(mine, driver=mine["driver"] + "-updated"), shape=(4, 32, 14, 14)),
@@ -264,13 +260,13 @@ def test_cache_show_says_per_record_whether_and_how_it_applies(shipped, capsys):
         "illegal": record_of(mine, shape=(4, 32, 18, 18), params={"block_size_x": 3}),
     }
     shipped(*records.values())
-    assert cli.main(["cache", "show", "--device", device.id]) == 0
+    assert cli.main(["cache", "show", "--device", device.info.id]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "applies" in lines[0].split() and "class" in lines[0].split()
     for word, record in records.items():
         (row,) = [line for line in lines if "x".join(map(str, record["problem"]["input_shape"])) in line]
         assert f" {word.split()[0]} " in row and f" {cache.problem_of(record).problem_class} " in row, (word, row)
-    assert lines[-2] == (f"6 records, 3 apply to {device.describe()}: 1 exact device, 1 same model (other "
+    assert lines[-2] == (f"6 records, 3 apply to {device.info.describe()}: 1 exact device, 1 same model (other "
                          f"driver/target), 1 same family; not applying: 1 other devices, 1 stale (kernel code "
                          f"changed), 1 not legal on this device")
 
@@ -321,6 +317,6 @@ def test_the_shipped_records_apply_at_the_model_tier_on_another_pocl(user_cache,
         assert cli.main(["cache", "show"]) == 0
         summary = capsys.readouterr().out.splitlines()[-2]
         n, others = len(mine), len(records) - len(mine)
-        assert summary.startswith(f"{len(records)} records, {n} apply to {device.describe()}: 0 exact device, "
+        assert summary.startswith(f"{len(records)} records, {n} apply to {device.info.describe()}: 0 exact device, "
                                   f"{n} same model (other driver/target), 0 same family; not applying: "
                                   f"{others} other devices, 0 stale"), summary

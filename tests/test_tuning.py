@@ -64,7 +64,7 @@ def make_record(shape=SHAPE, out=OUT, best=None, fingerprint=None):
     """A well-formed record for this device and kernel code (as ``tune`` would write it)."""
     p = problem(shape, out)
     best = best or {"variant": "thread_per_output", "params": dict(NONDEFAULT), "time_ms": 0.01}
-    return cache_mod.make_record(p, fingerprint or device().fingerprint, cache_mod.kernel_hash(p), best, [])
+    return cache_mod.make_record(p, fingerprint or device().info.fingerprint, cache_mod.kernel_hash(p), best, [])
 
 
 def write_records(directory, records, schema=cache_mod.SCHEMA_VERSION):
@@ -217,7 +217,7 @@ def test_foreign_schema_is_a_warning_and_a_miss(user_cache, payload):
 
 def _foreign_fingerprint():
     """A device with nothing in common with this one: another vendor's GPU (not even its family)."""
-    return dict(device().fingerprint, name="Imaginary GPU 9000", vendor="Imaginary Inc.", type="gpu", driver="0.0.1")
+    return dict(device().info.fingerprint, name="Imaginary GPU 9000", vendor="Imaginary Inc.", type="gpu", driver="0.0.1")
 
 
 def test_record_of_a_foreign_device_is_not_used(user_cache):
@@ -237,7 +237,7 @@ def test_record_whose_key_and_device_disagree_is_not_used(user_cache, edit):
     if edit == "device-field":
         record["device"] = _foreign_fingerprint()
     else:
-        ours = f"dev={cache_mod._fingerprint_hash(device().fingerprint)}"
+        ours = f"dev={cache_mod._fingerprint_hash(device().info.fingerprint)}"
         foreign = f"dev={cache_mod._fingerprint_hash(_foreign_fingerprint())}"
         assert ours in record["key"]
         record["key"] = record["key"].replace(ours, foreign)
@@ -279,7 +279,7 @@ def test_record_with_illegal_config_is_ignored_with_a_warning_and_never_launched
     np.testing.assert_allclose(y, reference.adaptive_avg_pool(x, OUT, 2), rtol=1e-5, atol=1e-6)
     assert prepared, "the call did not go through dispatch.prepare"
     assert all((name, params) != (bad["variant"], bad["params"]) for name, params in prepared)
-    problem, limits = Problem.create("adaptive_avg_pool2d", SHAPE, OUT), backends.default_device().limits
+    problem, limits = Problem.create("adaptive_avg_pool2d", SHAPE, OUT), backends.default_device().info.limits
     assert all(variants_for("adaptive_avg_pool2d")[name].is_legal(params, problem, limits) for name, params in prepared)
 
 
@@ -511,7 +511,7 @@ def test_autotune_tunes_a_miss_once_and_says_so(user_cache, monkeypatch, rng, co
     info = explain()
     assert info["source"] == "cache" and info["autotune_on_miss"] is True
     # Before and after the tuning, one message each on the pool_tuner logger, naming the shape.
-    legal = [v for v in variants_for(OP).values() if v.is_legal({}, problem(), device().limits)]
+    legal = [v for v in variants_for(OP).values() if v.is_legal({}, problem(), device().info.limits)]
     starting, done = [r.getMessage() for r in caplog.records if r.name == "pool_tuner"]
     assert starting.startswith("POOL_TUNER_AUTOTUNE=1 and no tuning record for adaptive_avg_pool2d "
                                "forward float32 NCHW 2x3x5x7 -> 2x3x3x4 on ")

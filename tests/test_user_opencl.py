@@ -97,23 +97,23 @@ def test_an_array_on_a_device_pool_tuner_does_not_serve_is_refused_with_what_to_
     """As if pool_tuner served every device but PoCL's (a device it cannot list): the array's
     device, the devices served and the ways out are named, for device=None and for device=."""
     listed = opencl.list_devices()
-    pocl = [d for d in listed if d.is_pocl and d.is_cpu]
+    pocl = [d for d in listed if d.is_pocl and d.info.is_cpu]
     if not pocl:
         pytest.skip("no PoCL CPU device")
     queue = cl.CommandQueue(cl.Context([pocl[0].cl_device]))
     x = cl_array.to_device(queue, random_input(rng, (1, 2, 6, 6)))
     served = tuple(d for d in listed if not d.is_pocl)
     monkeypatch.setattr(opencl, "list_devices", lambda: served)
-    for device in (None, served[0].id) if served else (None,):
+    for device in (None, served[0].info.id) if served else (None,):
         with pytest.raises(ValueError) as caught:
             pt.adaptive_avg_pool2d(x, 2, device=device)
         message = str(caught.value)
-        assert pocl[0].name in message and ".get()" in message, message
-        assert all(d.id in message for d in served), message
+        assert pocl[0].info.name in message and ".get()" in message, message
+        assert all(d.info.id in message for d in served), message
 
 
 def test_a_user_context_on_the_served_device_is_accepted(rng):
-    pocl = [d for d in opencl.list_devices() if d.is_pocl and d.is_cpu]
+    pocl = [d for d in opencl.list_devices() if d.is_pocl and d.info.is_cpu]
     if not pocl:
         pytest.skip("no PoCL CPU device")
     queue = cl.CommandQueue(cl.Context(pocl[0].cl_device.platform.get_devices()))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from . import cuda, opencl
-from .base import Backend, Device, DeviceLimits
+from .base import Backend, Device, DeviceInfo, DeviceLimits
 
 ENV_DEVICE = "POOL_TUNER_DEVICE"
 #: The backends, in the order their devices are listed and preferred.
@@ -43,8 +43,8 @@ def all_devices() -> list:
 def default_device():
     """The device used when none is named: a GPU (CUDA's first, being listed first), else a CPU
     device (PoCL's), else any non-simulator device."""
-    devices = [d for d in all_devices() if not d.is_simulator]
-    for wanted in (lambda d: d.is_gpu, lambda d: d.is_cpu, lambda d: True):
+    devices = [d for d in all_devices() if not d.info.is_simulator]
+    for wanted in (lambda d: d.info.is_gpu, lambda d: d.info.is_cpu, lambda d: True):
         for device in devices:
             if wanted(device):
                 return device
@@ -63,17 +63,17 @@ def resolve_device(device=None, name: str = "device"):
             return default_device()
         name = ENV_DEVICE
     if not isinstance(device, str):
-        if hasattr(device, "id") and hasattr(device, "limits"):
+        if isinstance(getattr(device, "info", None), DeviceInfo):
             return device
         raise TypeError(f"{name} must be a device id string or a device from pool_tuner.devices(), got {type(device).__name__}")
     devices = all_devices()
     for candidate in devices:
-        if candidate.id == device:
+        if candidate.info.id == device:
             return candidate
     prefix = device.split(":", 1)[0]
     hints = [backend.unknown_id_message(device) for backend in BACKENDS if backend.BACKEND == prefix]
     hint = "".join(f"; {h}" for h in hints if h)
-    raise ValueError(f"{name} must be one of the available device ids {sorted(d.id for d in devices)}, "
+    raise ValueError(f"{name} must be one of the available device ids {sorted(d.info.id for d in devices)}, "
                      f"got {device!r}{hint}")
 
 
@@ -87,5 +87,5 @@ def device_of_array(array):
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "Device", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device", "env_device_setting",
+__all__ = ["BACKENDS", "Backend", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device", "env_device_setting",
            "device_of_array", "resolve_device"]

@@ -41,22 +41,13 @@ class DeviceLimits:
     local_mem_size: int
 
 
-class TuningUnavailable(RuntimeError):
-    """``Device.tuning`` cannot tune on this device in this process (a missing compiler, a driver
-    too old for it, ...); the message says why and what to do.  Calls then use the untuned
-    decision (``tuner.tune_on_miss``)."""
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What a device is, read once when it is listed: identity, kind, limits and fingerprint.  One
+    frozen object, so that what the rest of pool_tuner may read of a device is one member of the
+    contract, and no call can change it.  A device whose circumstances change (a forked child of a
+    process that started PoCL) gets a new one."""
 
-
-@runtime_checkable
-class Device(Protocol):
-    """One device of one backend.
-
-    Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
-    every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
-    the backend's own array type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory
-    order, bfloat16 as its uint16 bits; ``deliver`` hands results back as the caller's kind."""
-
-    # -------------------------------------------------------------- identity
     #: The backend's name, the first part of ``id``.
     backend: str
     #: ``<backend>:...``, the same on every run and whatever other drivers are installed.
@@ -74,39 +65,48 @@ class Device(Protocol):
     #: Where PyTorch runs on the same hardware (``"cuda:0"``), or ``"cpu"`` where PyTorch has no
     #: backend for it (OpenCL): the benchmark's side-by-side.
     torch_device: str
-
-    @property
-    def fingerprint(self) -> dict:
-        """What identifies this device's performance in the tuning cache (JSON-ready, with a
-        ``backend`` field); the cache key holds its hash, so a record's key names exactly the
-        device it was tuned on."""
-
-    @staticmethod
-    def fingerprint_levels(fingerprint: dict) -> dict:
-        """``{"model": ..., "family": ...}`` for any fingerprint of this backend: hashable values
-        that are equal for the same device model (the hardware under another driver or compiler
-        version) and the same family (the vendor's kind of device), None where the fingerprint
-        lacks what decides them.  The cache's tiers compare them (``cache.device_tier``)."""
-
-    @property
-    def runtime_note(self) -> str | None:
-        """What the backend set up in this process that changes this device's timings (PoCL's
-        worker pinning), in words, or None; ``pool-tuner devices`` and ``bench.json`` show it."""
-
-    #: Why this device's kernels cannot run in this process (a forked child of a process that
-    #: started PoCL's worker threads), in words, or None: then calls on host memory are computed by
-    #: ``pool_tuner.host_fallback`` and ``explain`` shows it.
-    host_fallback: str | None
-
-    def describe(self) -> str:
-        """``<id> <name>``."""
-
-    # -------------------------------------------------------------- limits
+    #: The file suffix of this backend's kernel sources (``kernels/bandwidth<suffix>``).
+    source_suffix: str
     #: What variants' legality checks use.
     limits: DeviceLimits
     #: Device memory in bytes, and the largest single allocation.
     memory_bytes: int
     max_allocation_bytes: int
+    #: What identifies this device's performance in the tuning cache (JSON-ready, with a
+    #: ``backend`` field); the cache key holds its hash, so a record's key names exactly the device
+    #: it was tuned on.  What of it makes the same model and family is the cache's
+    #: (``cache.FINGERPRINT_LEVELS``).
+    fingerprint: dict = dataclasses.field(hash=False)
+    #: What the backend set up in this process that changes this device's timings (PoCL's worker
+    #: pinning), in words, or None; ``pool-tuner devices`` and ``bench.json`` show it.
+    runtime_note: str | None = None
+    #: Why this device's kernels cannot run in this process (a forked child of a process that
+    #: started PoCL's worker threads), in words, or None: then calls on host memory are computed by
+    #: ``pool_tuner.host_fallback`` and ``explain`` shows it.
+    host_fallback: str | None = None
+
+    def describe(self) -> str:
+        """``<id> <name>``."""
+        return f"{self.id} {self.name}"
+
+
+class TuningUnavailable(RuntimeError):
+    """``Device.tuning`` cannot tune on this device in this process (a missing compiler, a driver
+    too old for it, ...); the message says why and what to do.  Calls then use the untuned
+    decision (``tuner.tune_on_miss``)."""
+
+
+@runtime_checkable
+class Device(Protocol):
+    """One device of one backend.
+
+    Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
+    every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
+    the backend's own array type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory
+    order, bfloat16 as its uint16 bits; ``deliver`` hands results back as the caller's kind."""
+
+    #: What the device is (``DeviceInfo``).
+    info: DeviceInfo
 
     # -------------------------------------------------------------- queues
     @property
@@ -127,9 +127,6 @@ class Device(Protocol):
         """Wait until everything sent to ``queue`` (default: the default queue) has finished."""
 
     # -------------------------------------------------------------- kernels
-    #: The file suffix of this backend's kernel sources (``kernels/bandwidth<suffix>``).
-    source_suffix: str
-
     def build(self, context, source: str, kernel_name: str):
         """Compile rendered ``source`` for this device in ``context`` (cached) and return the kernel
         ``kernel_name``."""

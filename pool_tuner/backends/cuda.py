@@ -53,7 +53,7 @@ import numpy as np
 
 from . import cuda_compile, cuda_driver, cuda_tuning
 from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface
-from .base import DeviceLimits, TuningUnavailable
+from .base import DeviceInfo, DeviceLimits, TuningUnavailable
 
 BACKEND = "cuda"
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
@@ -142,30 +142,34 @@ class CudaProperties:
 class CudaDevice:
     """One CUDA device, identified as ``cuda:<ordinal>`` (CUDA's device numbering)."""
 
-    backend = BACKEND
-    source_suffix = ".cu"
-    is_gpu = True
-    is_cpu = False
-    is_simulator = False
-    supports_float64 = True
-    #: Device memory is separate from host memory (numpy inputs are copied in and out).
-    shares_host_memory = False
-    platform_name = "CUDA"
-    #: Nothing set up in this process changes a CUDA device's timings.
-    runtime_note = None
-    host_fallback = None
-
     def __init__(self, ordinal: int, properties: CudaProperties):
         self.ordinal = ordinal
-        self.id = f"{BACKEND}:{ordinal}"
-        self.torch_device = f"cuda:{ordinal}"
         self.properties = properties
-        self.name = properties.name
-        self.limits = DeviceLimits(
-            max_work_group_size=properties.max_threads_per_block,
-            local_mem_size=properties.max_shared_memory_per_block,
+        self.info = DeviceInfo(
+            backend=BACKEND,
+            id=f"{BACKEND}:{ordinal}",
+            name=properties.name,
+            platform_name="CUDA",
+            is_gpu=True,
+            is_cpu=False,
+            is_simulator=False,
+            supports_float64=True,
+            # Device memory is separate from host memory (numpy inputs are copied in and out).
+            shares_host_memory=False,
+            torch_device=f"cuda:{ordinal}",
+            source_suffix=".cu",
+            limits=DeviceLimits(max_work_group_size=properties.max_threads_per_block,
+                                local_mem_size=properties.max_shared_memory_per_block),
+            memory_bytes=properties.total_memory,
+            max_allocation_bytes=properties.total_memory,
+            fingerprint={
+                "backend": BACKEND,
+                "name": properties.name,
+                "compute_capability": "{}.{}".format(*properties.compute_capability),
+                "multiprocessors": properties.multiprocessors,
+                "driver": properties.driver_version,
+            },
         )
-        self.memory_bytes = self.max_allocation_bytes = properties.total_memory
         self._pools = {}  # (context, stream handle) -> MemoryPool (``memory_pool``)
         self._joins = {}  # context -> cuda_driver.StreamJoin (``launch``)
         self._lock = threading.Lock()  # making the pools and joins
@@ -190,34 +194,7 @@ class CudaDevice:
         return join
 
     def __repr__(self):
-        return f"<{self.id} {self.name}>"
-
-    def describe(self) -> str:
-        return f"{self.id} {self.name}"
-
-    @functools.cached_property
-    def fingerprint(self) -> dict:
-        """What identifies this device's performance in the tuning cache."""
-        p = self.properties
-        return {
-            "backend": BACKEND,
-            "name": self.name,
-            "compute_capability": "{}.{}".format(*p.compute_capability),
-            "multiprocessors": p.multiprocessors,
-            "driver": p.driver_version,
-        }
-
-    @staticmethod
-    def fingerprint_levels(fingerprint: dict) -> dict:
-        """The same device model and the same family, as comparable values, for any CUDA fingerprint
-        (``backends.base.Device.fingerprint_levels``).  Model: name, compute capability and
-        multiprocessors -- the GPU under another driver.  Family: the major architecture (the first
-        number of the compute capability), whose GPUs share a memory system and instruction set
-        generation.  A level whose fields the fingerprint lacks is None: it matches nothing."""
-        capability = fingerprint.get("compute_capability")
-        model = tuple(fingerprint.get(field) for field in ("name", "compute_capability", "multiprocessors"))
-        return {"model": None if None in model else model,
-                "family": None if not isinstance(capability, str) else capability.split(".")[0]}
+        return f"<{self.info.describe()}>"
 
     def kernel_tuner_arguments(self) -> dict:
         """Kernel Tuner's PyCUDA backend on this ordinal: ``lang="PYCUDA"``, because plain ``"CUDA"``
@@ -234,8 +211,8 @@ class CudaDevice:
         try:
             nvcc = find_nvcc()
         except NvccNotFoundError as why:
-            raise TuningUnavailable(f"{self.describe()} cannot be tuned: {why}") from None
-        cuda_tuning.check_driver(self.properties.driver_version, nvcc, self.describe())
+            raise TuningUnavailable(f"{self.info.describe()} cannot be tuned: {why}") from None
+        cuda_tuning.check_driver(self.properties.driver_version, nvcc, self.info.describe())
         variables = cuda_tuning.kernel_tuner_environment(nvcc)
 
         def in_environment():
@@ -460,9 +437,8 @@ class CudaDriverTarget:
 
     def __init__(self, device: CudaDevice):
         self.device = device
-
-    def describe(self) -> str:
-        return f"{self.device.describe()} (driver-API launches)"
+        #: The device's description, its name saying which launch path built (error messages).
+        self.info = dataclasses.replace(device.info, name=f"{device.info.name} (driver-API launches)")
 
     def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
         return self.device.build(context, source, kernel_name)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import functools
 import math
 import os
@@ -43,7 +44,7 @@ import numpy as np
 from .. import memo
 from ..shapes import c_strides
 from . import pocl_env
-from .base import DeviceLimits
+from .base import DeviceInfo, DeviceLimits
 
 try:  # PyOpenCL is a hard dependency, but keep a clear message if the install is broken.
     import pyopencl as cl
@@ -81,11 +82,12 @@ def platform_slug(platform_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", plain).strip("-") or "platform"
 
 
-def device_type(device) -> str:
-    """The fingerprint's ``type`` of ``device``: its kind as the device flags decide it."""
-    if device.is_simulator:
+def device_type(cl_device, is_simulator: bool) -> str:
+    """The fingerprint's ``type`` of a device: its kind as the device flags decide it."""
+    if is_simulator:
         return "simulator"
-    return "gpu" if device.is_gpu else "cpu" if device.is_cpu else "accelerator"
+    return ("gpu" if cl_device.type & cl.device_type.GPU else "cpu" if cl_device.type & cl.device_type.CPU
+            else "accelerator")
 
 
 class OpenCLDevice:
@@ -93,93 +95,66 @@ class OpenCLDevice:
     docstring): ``number`` counts the devices pool_tuner lists on the platform; ``platform_index``
     and ``device_index`` are the ICD loader's numbering, which Kernel Tuner takes."""
 
-    backend = BACKEND
-    source_suffix = ".cl"
-    #: PyTorch has no OpenCL backend: the benchmark compares with PyTorch on the CPU.
-    torch_device = "cpu"
-
     def __init__(self, platform_index: int, device_index: int, cl_device, slug: str, number: int | None = None):
         self.cl_device = cl_device
         self.platform_index = platform_index
         self.device_index = device_index
-        self.name = cl_device.name.strip()
-        self.platform_name = cl_device.platform.name.strip()
-        self.id = f"{BACKEND}:{slug}:{device_index if number is None else number}"
-        self.is_simulator = self.platform_name in SIMULATOR_PLATFORMS
-        self.is_pocl = self.platform_name == POCL_PLATFORM
+        name = cl_device.name.strip()
+        platform_name = cl_device.platform.name.strip()
+        is_simulator = platform_name in SIMULATOR_PLATFORMS
+        self.is_pocl = platform_name == POCL_PLATFORM
         # Oclgrind advertises every device type bit, so decide "GPU" by platform first.
-        self.is_gpu = not self.is_simulator and bool(cl_device.type & cl.device_type.GPU)
-        self.is_cpu = not self.is_simulator and bool(cl_device.type & cl.device_type.CPU)
-        self.limits = DeviceLimits(
-            max_work_group_size=int(cl_device.max_work_group_size),
-            local_mem_size=int(cl_device.local_mem_size),
+        is_cpu = not is_simulator and bool(cl_device.type & cl.device_type.CPU)
+        self.info = DeviceInfo(
+            backend=BACKEND,
+            id=f"{BACKEND}:{slug}:{device_index if number is None else number}",
+            name=name,
+            platform_name=platform_name,
+            is_gpu=not is_simulator and bool(cl_device.type & cl.device_type.GPU),
+            is_cpu=is_cpu,
+            is_simulator=is_simulator,
+            supports_float64=bool(cl_device.double_fp_config),
+            # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
+            shares_host_memory=bool(cl_device.host_unified_memory) and not is_simulator,
+            # PyTorch has no OpenCL backend: the benchmark compares with PyTorch on the CPU.
+            torch_device="cpu",
+            source_suffix=".cl",
+            limits=DeviceLimits(max_work_group_size=int(cl_device.max_work_group_size),
+                                local_mem_size=int(cl_device.local_mem_size)),
+            memory_bytes=int(cl_device.global_mem_size),
+            max_allocation_bytes=int(cl_device.max_mem_alloc_size),
+            # Read now: in a forked child cl_device becomes the fork fallback, whose own name and
+            # compute units must not change this device's identity.  ``version`` is the OpenCL
+            # version string, which on PoCL names the LLVM target its compiler generates code for
+            # (``...-znver3``); ``type`` is ``cpu``, ``gpu``, ``simulator`` or ``accelerator``.
+            fingerprint={
+                "backend": BACKEND,
+                "platform": platform_name,
+                "name": name,
+                "vendor": cl_device.vendor.strip(),
+                "type": device_type(cl_device, is_simulator),
+                "version": cl_device.version.strip(),
+                "driver": cl_device.driver_version.strip(),
+                "compute_units": int(cl_device.max_compute_units),
+            },
+            # PoCL reads its variables once, when OpenCL is first listed: now.
+            runtime_note=f"PoCL: {pocl_affinity()}" if self.is_pocl and is_cpu else None,
         )
-        self.memory_bytes = int(cl_device.global_mem_size)
-        self.max_allocation_bytes = int(cl_device.max_mem_alloc_size)
-        self.supports_float64 = bool(cl_device.double_fp_config)
-        # CPU devices (PoCL) compute in host memory: numpy arrays can be used in place.
-        self.shares_host_memory = bool(cl_device.host_unified_memory) and not self.is_simulator
-        # What identifies this device's performance in the tuning cache, read now: in a forked child
-        # cl_device becomes the fork fallback, whose own name and compute units must not change this
-        # device's identity.  ``version`` is the OpenCL version string, which on PoCL names the LLVM
-        # target its compiler generates code for (``...-znver3``); ``type`` is ``cpu``, ``gpu``,
-        # ``simulator`` or ``accelerator``.
-        self.fingerprint = {
-            "backend": BACKEND,
-            "platform": self.platform_name,
-            "name": self.name,
-            "vendor": cl_device.vendor.strip(),
-            "type": device_type(self),
-            "version": cl_device.version.strip(),
-            "driver": cl_device.driver_version.strip(),
-            "compute_units": int(cl_device.max_compute_units),
-        }
         self._default_queue = None
         self._pool = None  # the MemoryPool of the default queue, made on first use
         # host-memory launches (host_memory_aliases, host_buffers), found and made on first use
         self._host_memory_aliases = self._host_buffers = None
         self._lock = threading.Lock()  # making the default queue and its pool; allocating from it
-        #: Why this device's kernels cannot run in this process (a forked child of a process that
-        #: started PoCL's worker threads), so that calls on host memory are computed on the host
-        #: (``pool_tuner.host_fallback``); None where its kernels run.
-        self.host_fallback: str | None = None
         if _pocl_started_before_fork:
             self._lose_worker_threads()
 
     def __repr__(self):
-        return f"<{self.id} {self.name}>"
-
-    def describe(self) -> str:
-        return f"{self.id} {self.name}"
-
-    @staticmethod
-    def fingerprint_levels(fingerprint: dict) -> dict:
-        """The same device model and the same family, as comparable values, for any OpenCL
-        fingerprint (``backends.base.Device.fingerprint_levels``).
-
-        Model: the OpenCL implementation (platform), vendor, device name and compute units -- the
-        hardware under another driver version or compiler target (PoCL's ``version``).  Family:
-        platform, vendor and device type -- other hardware of that vendor's kind under the same
-        implementation.  The platform is in both because another implementation on the same
-        hardware is another compiler altogether, not another version of one.  A level whose fields
-        the fingerprint lacks (records made before a field existed) is None: it matches nothing.
-        """
-        def level(*fields):
-            values = tuple(fingerprint.get(field) for field in fields)
-            return None if None in values else values
-
-        return {"model": level("platform", "vendor", "name", "compute_units"),
-                "family": level("platform", "vendor", "type")}
-
-    @property
-    def runtime_note(self) -> str | None:
-        """PoCL's CPU device: whether its worker threads are pinned (``pocl_affinity``)."""
-        return f"PoCL: {pocl_affinity()}" if self.is_pocl and self.is_cpu else None
+        return f"<{self.info.describe()}>"
 
     def kernel_tuner_arguments(self) -> dict:
-        if self.host_fallback is not None:
-            raise RuntimeError(f"{self.describe()} cannot be tuned in this process: {self.host_fallback}; tune in a "
-                               f"process that was not forked")
+        if self.info.host_fallback is not None:
+            raise RuntimeError(f"{self.info.describe()} cannot be tuned in this process: {self.info.host_fallback}; "
+                               f"tune in a process that was not forked")
         return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
 
     @staticmethod
@@ -197,18 +172,20 @@ class OpenCLDevice:
 
     def _lose_worker_threads(self) -> None:
         """In a forked child of a process that started PoCL: a device run by PoCL's worker threads
-        gets its host fallback."""
-        if self.is_pocl and pocl_env.runs_worker_threads(self.name):
-            self.host_fallback = (f"this is a forked child of a process that started PoCL, whose worker threads "
-                                  f"that run {self.name}'s kernels stay in the parent; numpy arrays and CPU tensors "
-                                  f"are pooled on the host by the float64 reference instead (pool_tuner.host_fallback)")
+        gets its host fallback (a new description: the one it had describes the parent's device)."""
+        name = self.info.name
+        if self.is_pocl and pocl_env.runs_worker_threads(name):
+            self.info = dataclasses.replace(self.info, host_fallback=(
+                f"this is a forked child of a process that started PoCL, whose worker threads that run {name}'s "
+                f"kernels stay in the parent; numpy arrays and CPU tensors are pooled on the host by the float64 "
+                f"reference instead (pool_tuner.host_fallback)"))
 
     def check_first_call(self, queue, name: str) -> None:
         """A device array on a device whose kernels cannot run in this process is refused, with
         what to do, instead of hanging."""
-        if self.host_fallback is not None:
-            raise RuntimeError(f"{name} is a pyopencl array on {self.describe()}, whose kernels cannot run here: "
-                               f"{self.host_fallback}; pass {name}.get() (a numpy array), or start worker processes "
+        if self.info.host_fallback is not None:
+            raise RuntimeError(f"{name} is a pyopencl array on {self.info.describe()}, whose kernels cannot run here: "
+                               f"{self.info.host_fallback}; pass {name}.get() (a numpy array), or start worker processes "
                                f"with the 'spawn' or 'forkserver' start method")
 
     # ------------------------------------------------------------------ queues and arrays
@@ -299,7 +276,7 @@ class OpenCLDevice:
         """Build ``source`` for this device in ``context`` (cached) and return the kernel.
         Oclgrind 21.10 cannot run some optimised LLVM IR (``freeze``, noalias scope intrinsics), so
         it gets unoptimised builds; its results are exact either way."""
-        options = ("-cl-opt-disable",) if self.is_simulator else ()
+        options = ("-cl-opt-disable",) if self.info.is_simulator else ()
         return _build(context, self.cl_device, source, kernel_name, options)
 
     def kernel_work_group_limit(self, kernel) -> int:
@@ -333,7 +310,7 @@ class OpenCLDevice:
         only synchronised by mapping), so devices where the trial fails get fresh buffers and a map
         after every kernel."""
         if self._host_memory_aliases is None:
-            self._host_memory_aliases = self.shares_host_memory and _host_memory_aliases(self.queue)
+            self._host_memory_aliases = self.info.shares_host_memory and _host_memory_aliases(self.queue)
         return self._host_memory_aliases
 
     @host_memory_aliases.setter
@@ -661,7 +638,7 @@ def unknown_id_message(text: str) -> str | None:
         return None
     p_index, d_index = int(match[1]), int(match[2])
     here = [d for d in list_devices() if (d.platform_index, d.device_index) == (p_index, d_index)]
-    now = f"{text} is now {here[0].id!r} ({here[0].name})" if here else "no device is at that position now"
+    now = f"{text} is now {here[0].info.id!r} ({here[0].info.name})" if here else "no device is at that position now"
     return (f"numeric OpenCL ids (opencl:<platform index>:<device index>) are no longer accepted, as the "
             f"platform index changed whenever another OpenCL driver was installed; {now}")
 
@@ -679,7 +656,7 @@ def device_of_array(x):
             return d
     raise ValueError(f"the pyopencl array is on {x.queue.device.name.strip()!r} (platform "
                      f"{x.queue.device.platform.name.strip()!r}), a device pool_tuner does not serve; it serves "
-                     f"{', '.join(d.describe() for d in devices) or 'no OpenCL device'}. Pass the array's .get() "
+                     f"{', '.join(d.info.describe() for d in devices) or 'no OpenCL device'}. Pass the array's .get() "
                      f"(a numpy array), or an array made on a queue of one of those devices")
 
 
