@@ -1,0 +1,341 @@
+"""Measured dispatch (``POOL_TUNER_BENCHMARK``, ``pt.benchmark_mode``, ``pool_tuner.measured``): off
+by default; on, the first call of a problem no tuning covers times every legal variant's rule
+configuration, keeps the fastest in the user cache as a ``measured`` record that ``explain``
+names, that a later process reads, that any tuning outranks and replaces, and that never decides
+another shape or another device; a corrupt one is a warning and a miss; results are the
+reference's.  On PoCL with small shapes, and on the CUDA fakes (one program for every candidate,
+which nvcc compiles for real where it is installed)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyopencl.array as cla
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import backends, cache, dispatch, kernel_source, measured, reference
+from pool_tuner.problem import Problem
+
+from conftest import legal_variants, random_input
+
+REPO = Path(__file__).resolve().parent.parent
+OP, SHAPE, SIZE = "adaptive_avg_pool2d", (2, 6, 23, 37), (5, 7)
+
+
+@pytest.fixture
+def mode(user_cache, monkeypatch):
+    """The mode as a fresh process has it (POOL_TUNER_BENCHMARK unset, not read yet), in a private
+    user cache; the process's mode restored afterwards."""
+    monkeypatch.delenv(measured.BENCHMARK_ENV, raising=False)
+    monkeypatch.setattr(measured, "_mode", None)
+    yield user_cache
+    measured._mode = None
+
+
+def _records(user_cache) -> dict:
+    path = user_cache / cache.USER_FILE
+    return json.loads(path.read_text())["records"] if path.exists() else {}
+
+
+def _only_record(user_cache) -> dict:
+    records = _records(user_cache)
+    assert len(records) == 1, list(records)
+    return next(iter(records.values()))
+
+
+# ---------------------------------------------------------------------- the switch
+
+def test_off_by_default_and_nothing_is_measured(mode, rng):
+    assert not pt.benchmark_mode() and repr(pt.benchmark_mode()) == "benchmark_mode(False)"
+    x = random_input(rng, SHAPE)
+    pt.adaptive_avg_pool2d(x, SIZE)
+    info = pt.explain(OP, SHAPE, SIZE)
+    assert info["source"] == "default" and info["measured"] is None and info["benchmark_on_miss"] is False
+    assert _records(mode) == {}
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("on", True), ("TRUE", True), ("0", False), ("", False)])
+def test_the_environment_variable_is_read_once(mode, monkeypatch, value, on):
+    monkeypatch.setenv(measured.BENCHMARK_ENV, value)
+    assert bool(pt.benchmark_mode()) is on
+    monkeypatch.setenv(measured.BENCHMARK_ENV, "0" if on else "1")
+    assert bool(pt.benchmark_mode()) is on, "read once, on first use"
+
+
+def test_a_misspelt_environment_value_warns_and_stays_off(mode, monkeypatch):
+    monkeypatch.setenv(measured.BENCHMARK_ENV, "yes please")
+    with pytest.warns(RuntimeWarning, match="POOL_TUNER_BENCHMARK"):
+        assert not pt.benchmark_mode()
+
+
+def test_the_switch_sets_the_mode_and_restores_it_as_a_context_manager(mode):
+    with pt.benchmark_mode(True) as on:
+        assert on and pt.benchmark_mode() and pt.explain(OP, SHAPE, SIZE)["benchmark_on_miss"] is True
+        with pt.benchmark_mode(False):
+            assert not pt.benchmark_mode()
+        assert pt.benchmark_mode()
+    assert not pt.benchmark_mode()
+    pt.benchmark_mode(True)
+    assert pt.benchmark_mode(), "without with, the mode stays set"
+    pt.benchmark_mode(False)
+    assert not pt.benchmark_mode()
+    with pytest.raises(TypeError, match="benchmark_mode takes True, False or nothing"):
+        pt.benchmark_mode("yes")
+
+
+# ---------------------------------------------------------------------- measuring
+
+def test_first_call_measures_every_legal_variant_and_explain_names_the_record(mode, rng):
+    x = random_input(rng, SHAPE)
+    with pt.benchmark_mode(True):
+        y = pt.adaptive_avg_pool2d(x, SIZE)
+        info = pt.explain(OP, SHAPE, SIZE)
+    record = _only_record(mode)
+    assert cache.is_measured(record) and record["key"] == info["cache_key"]
+    entries = [record["best"], *record["runners_up"]]
+    assert sorted(e["variant"] for e in entries) == sorted(legal_variants(OP, "forward", SHAPE, SIZE))
+    times = [e["time_ms"] for e in entries]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert info["source"] == "measured" and info["record_origin"] == "user" and info["tier"] == "exact"
+    assert (info["variant"], info["params"]) == (record["best"]["variant"], record["best"]["params"])
+    assert [e["variant"] for e in info["measured"]] == [e["variant"] for e in entries]
+    assert [e["time_ms"] for e in info["measured"]] == times
+    expected = reference.forward(OP, x.astype(np.float64), SIZE)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(pt.adaptive_avg_pool2d(x, SIZE), y), "the same bits on every later call"
+
+
+def test_each_candidate_has_its_rule_configuration(mode):
+    device = backends.default_device()
+    problem = Problem.create(OP, SHAPE, SIZE, "float32", "NCHW")
+    by_variant = {c.variant.name: c for c in measured.candidates(problem, device)}
+    rules_choice = dispatch.default_choice(problem, device)
+    assert by_variant[rules_choice.variant.name].params == rules_choice.params, \
+        "the variant the rules pick is timed with the rules' configuration"
+    for choice in by_variant.values():
+        assert choice.variant.check_config(choice.config, problem, device.limits) == choice.config
+
+
+@pytest.mark.parametrize("op,layout,dtype,direction", [
+    ("adaptive_max_pool2d", "NCHW", "float32", "forward"),
+    ("adaptive_max_pool2d", "NHWC", "float16", "backward"),
+    ("adaptive_avg_pool2d", "NHWC", "float32", "backward"),
+    ("adaptive_avg_pool1d", "NCL", "float64", "forward"),
+])
+def test_measured_results_equal_the_reference(mode, rng, op, layout, dtype, direction):
+    shape, size = ((3, 5, 41), (6,)) if op.endswith("1d") else ((2, 9, 13, 11), (4, 3))
+    np_dtype = np.dtype(dtype)
+    def in_layout(a):
+        return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2) if layout == "NHWC" else a
+
+    x = in_layout(random_input(rng, shape, np_dtype))
+    forward = getattr(pt, op)
+    values64, indices = (reference.forward(op, x.astype(np.float64), size) if op.startswith("adaptive_max")
+                         else (reference.forward(op, x.astype(np.float64), size), None))
+    tolerance = dict(rtol=2e-3, atol=2e-3) if dtype == "float16" else dict(rtol=1e-5, atol=1e-6)
+    with pt.benchmark_mode(True):
+        if direction == "forward":
+            got = forward(x, size, return_indices=True) if indices is not None else (forward(x, size), None)
+            np.testing.assert_allclose(got[0].astype(np.float64), values64, **tolerance)
+            if indices is not None:
+                assert np.array_equal(got[1], indices)
+        else:
+            grad = in_layout(random_input(rng, values64.shape, np_dtype))
+            backward = getattr(pt, f"{op}_backward")
+            got = backward(grad, in_layout(indices), shape) if indices is not None else backward(grad, shape)
+            expected = reference.backward(op, grad.astype(np.float64), shape, indices)
+            np.testing.assert_allclose(got.astype(np.float64), expected, **tolerance)
+    record = _only_record(mode)
+    assert cache.is_measured(record) and record["problem"]["direction"] == direction
+    assert record["problem"]["layout"] == layout
+
+
+def test_device_arrays_measure_on_scratch_buffers_not_the_callers(mode, rng):
+    queue = backends.default_device().queue
+    x_host = random_input(rng, SHAPE)
+    x = cla.to_device(queue, x_host)
+    with pt.benchmark_mode(True):
+        y = pt.adaptive_max_pool2d(x, SIZE)
+    assert np.array_equal(x.get(), x_host), "the caller's input is left as it was"
+    np.testing.assert_array_equal(y.get(), reference.forward("adaptive_max_pool2d", x_host.astype(np.float64),
+                                                             SIZE)[0].astype(np.float32))
+    assert cache.is_measured(_only_record(mode))
+
+
+def test_a_measured_record_is_read_by_a_later_process(mode, rng):
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    record = _only_record(mode)
+    path = mode / cache.USER_FILE
+    before = path.read_bytes()
+    script = (
+        "import numpy as np, pool_tuner as pt\n"
+        f"print(pt.explain({OP!r}, {SHAPE!r}, {SIZE!r})['source'])\n"
+        f"pt.adaptive_avg_pool2d(np.ones({SHAPE!r}, np.float32), {SIZE!r})\n"
+        f"info = pt.explain({OP!r}, {SHAPE!r}, {SIZE!r})\n"
+        "print(info['source'], info['variant'], len(info['measured']))\n"
+    )
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(mode), POOL_TUNER_BENCHMARK="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    entries = 1 + len(record["runners_up"])
+    assert out.stdout.split() == ["measured", "measured", record["best"]["variant"], str(entries)]
+    assert path.read_bytes() == before, "read, not measured again"
+
+
+def test_a_tuning_outranks_and_replaces_a_measured_record(mode, rng):
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+        assert pt.explain(OP, SHAPE, SIZE)["source"] == "measured"
+        result = pt.tune(OP, SHAPE, SIZE, variants=["thread_per_output"], strategy="random_sample", max_fevals=2)
+        assert result.stored
+        info = pt.explain(OP, SHAPE, SIZE)
+    record = _only_record(mode)
+    assert not cache.is_measured(record) and info["source"] == "cache" and info["measured"] is None
+    measured_record = dict(record, measured={"rounds": 3})
+    assert not cache.replaces(measured_record, record, faster_only=False), "a measurement never replaces a tuning"
+    assert cache.replaces(record, measured_record, faster_only=True), "a tuning replaces a measurement"
+
+
+def test_a_tuned_record_of_another_driver_outranks_a_measured_one(mode, rng):
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    mine = _only_record(mode)
+    device = backends.default_device()
+    other_driver = dict(mine["device"], driver="another driver")
+    assert cache.device_tier(other_driver, device) == "model"
+    problem = Problem.create(OP, SHAPE, SIZE, "float32", "NCHW")
+    runner_up = mine["runners_up"][0]
+    tuned = cache.make_record(problem, other_driver, mine["kernel_hash"],
+                              best={k: runner_up[k] for k in ("variant", "params", "time_ms")}, runners_up=[])
+    dispatch.tuning_cache().store(tuned)
+    dispatch.forget()
+    info = pt.explain(OP, SHAPE, SIZE)
+    assert (info["source"], info["tier"], info["variant"]) == ("cache", "model", runner_up["variant"])
+
+
+def test_a_measured_record_decides_only_its_own_shape_and_device(mode, rng):
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    record = _only_record(mode)
+    assert pt.explain(OP, (2, 6, 25, 37), SIZE)["source"] == "default", "never a nearest shape"
+    moved = dict(record, device=dict(record["device"], driver="another driver"))
+    moved["key"] = cache.make_key(Problem.create(OP, SHAPE, SIZE, "float32", "NCHW"), moved["device"],
+                                  record["kernel_hash"])
+    (mode / cache.USER_FILE).write_text(json.dumps({"schema": cache.SCHEMA_VERSION, "records": {moved["key"]: moved}}))
+    dispatch.forget()
+    assert pt.explain(OP, SHAPE, SIZE)["source"] == "default", "never carried to another driver"
+
+
+@pytest.mark.parametrize("damage", ["measured_not_an_object", "measured_and_partial", "untimed_candidate"])
+def test_a_corrupt_measured_record_is_a_warning_and_a_miss(mode, rng, damage):
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    record = _only_record(mode)
+    if damage == "measured_not_an_object":
+        record["measured"] = "fast"
+    elif damage == "measured_and_partial":
+        record["partial"] = {"variants_searched": []}
+    else:
+        record["best"]["time_ms"] = None
+    (mode / cache.USER_FILE).write_text(json.dumps({"schema": cache.SCHEMA_VERSION, "records": {record["key"]: record}}))
+    dispatch.forget()
+    with pytest.warns(cache.CacheWarning, match="ignored"):
+        info = pt.explain(OP, SHAPE, SIZE)
+    assert info["source"] == "default"
+    x = random_input(rng, SHAPE)
+    with pt.benchmark_mode(True), pytest.warns(cache.CacheWarning, match="moved it to"):
+        y = pt.adaptive_avg_pool2d(x, SIZE)  # measured again; the damaged file set aside
+    np.testing.assert_allclose(y, reference.forward(OP, x.astype(np.float64), SIZE), rtol=1e-5, atol=1e-6)
+    assert cache.is_measured(_only_record(mode))
+
+
+def test_autotune_still_tunes_a_problem_that_was_only_measured(mode, rng, monkeypatch):
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    dispatch.forget()
+    tuned = []
+    monkeypatch.setenv("POOL_TUNER_AUTOTUNE", "1")
+    monkeypatch.setattr(pt.tuner, "autotune", lambda problem, device: tuned.append(problem))
+    pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    assert [p.input_shape for p in tuned] == [SHAPE]
+
+
+# ---------------------------------------------------------------------- CUDA: one program for every candidate
+
+@pytest.fixture
+def fake_cuda(monkeypatch, user_cache):
+    """A fake CUDA device (tests/cuda_fakes.py) whose "compiler" records each source it is given."""
+    from pool_tuner import ops
+    from pool_tuner.backends import cuda, cuda_driver
+
+    from cuda_fakes import PRIMARY_CONTEXT, FakeContext, FakeDriver, FakeGPUArray, FakePyCuda, fake_cuda_device
+
+    fake, driver, compiled = FakePyCuda(), FakeDriver(), []
+    fake.gpuarray.to_gpu = lambda host: FakeGPUArray(host.shape, host.dtype, allocator=lambda n: 0x1000)
+    driver.set_current(PRIMARY_CONTEXT)
+    monkeypatch.setattr(cuda, "_pycuda", lambda: (fake.driver, fake.gpuarray))
+    monkeypatch.setitem(sys.modules, "pycuda.tools", fake.tools)
+    monkeypatch.setattr(cuda_driver, "library", lambda: driver)
+    monkeypatch.setattr(cuda, "_compile", lambda source, arch: compiled.append(source) or b"cubin:" + source.encode())
+    device = fake_cuda_device()
+    device._context = FakeContext()
+    monkeypatch.setattr(cuda, "list_devices", lambda: (device,))
+    monkeypatch.setattr(measured, "_mode", None)
+    monkeypatch.delenv(measured.BENCHMARK_ENV, raising=False)
+    cuda_driver.primary_context.cache_clear()
+    cuda.forget_builds()
+    ops._PLANS.clear()
+    yield device, fake, driver, compiled
+    measured._mode = None
+    cuda_driver.primary_context.cache_clear()
+    cuda.forget_builds()
+    ops._PLANS.clear()
+    dispatch.forget()
+
+
+def test_on_cuda_every_candidate_is_built_in_one_program(fake_cuda):
+    device, fake, driver, compiled = fake_cuda
+    from cuda_fakes import FakeGPUArray
+
+    x = FakeGPUArray(SHAPE, np.float32, allocator=lambda n: 0x2000)
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(x, SIZE)
+        info = pt.explain(OP, SHAPE, SIZE, device=device.id)
+    problem = Problem.create(OP, SHAPE, SIZE, "float32", "NCHW")
+    names = [c.variant.name for c in measured.candidates(problem, device)]
+    assert len(names) > 1 and len(compiled) == 1, "one compile for every candidate"
+    for position in range(len(names)):
+        assert f"#define pool_forward {kernel_source.together_name('pool_forward', position)}" in compiled[0]
+    assert info["source"] == "measured" and sorted(e["variant"] for e in info["measured"]) == sorted(names)
+    launched = {launch["function"] for launch in driver.launches}
+    assert len(driver.launches) >= len(names) * (1 + measured.MIN_ROUNDS) + 1 and len(launched) == 1, \
+        "every candidate launched from the one module, then the call itself"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("op,shape,size,dtype,layout,direction", [
+    ("adaptive_avg_pool2d", (8, 64, 64, 64), (6, 6), "float32", "NCHW", "forward"),
+    ("adaptive_max_pool2d", (32, 256, 13, 13), (4, 4), "float16", "NHWC", "forward"),
+    ("adaptive_max_pool2d", (4, 8, 13, 13), (4, 4), "bfloat16", "NCHW", "backward"),
+    ("adaptive_avg_pool_pyramid2d", (2, 8, 12, 12), (1, 2, 3, 6), "float32", "NCHW", "forward"),
+])
+def test_nvcc_compiles_the_one_program_of_every_candidate(fake_cuda, op, shape, size, dtype, layout, direction):
+    """The fakes above "compile" anything; nvcc checks that the one program is CUDA that it accepts
+    and that holds every candidate's kernel under its own name."""
+    from pool_tuner.backends import cuda, cuda_compile
+
+    device = fake_cuda[0]
+    problem = Problem.create(op, shape, size, dtype, layout, direction=direction)
+    choices = measured.candidates(problem, device)
+    kernel_name = choices[0].variant.kernel_name
+    source = kernel_source.render_together(
+        [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem)) for c in choices], kernel_name)
+    cubin = cuda_compile.compile_source(source, "sm_75", cuda.find_nvcc())
+    for position in range(len(choices)):
+        assert kernel_source.together_name(kernel_name, position).encode() in cubin
