@@ -339,3 +339,23 @@ def test_nvcc_compiles_the_one_program_of_every_candidate(fake_cuda, op, shape, 
     cubin = cuda_compile.compile_source(source, "sm_75", cuda.find_nvcc())
     for position in range(len(choices)):
         assert kernel_source.together_name(kernel_name, position).encode() in cubin
+
+
+def test_multi_level_ops_are_measured_and_equal_the_reference(mode, rng):
+    """Their scratch buffers are the flat buffers of every level, with valid indices for the backward."""
+    shape, sizes = (2, 5, 13, 11), [1, 2, 3]
+    x = random_input(rng, shape)
+    grads = [random_input(rng, (2, 5, s, s)) for s in sizes]
+    with pt.benchmark_mode(True):
+        values, indices = pt.adaptive_max_pool_pyramid(x, sizes, return_indices=True)
+        grad_in = pt.adaptive_max_pool_pyramid_backward(grads, indices, shape)
+    expected = np.zeros(shape)
+    for size, got, got_indices, grad in zip(sizes, values, indices, grads):
+        want, want_indices = reference.forward("adaptive_max_pool2d", x.astype(np.float64), size)
+        assert np.array_equal(got, want.astype(np.float32)) and np.array_equal(got_indices, want_indices)
+        expected += reference.backward("adaptive_max_pool2d", grad.astype(np.float64), shape, want_indices)
+    np.testing.assert_allclose(grad_in, expected, rtol=1e-5, atol=1e-6)
+    records = _records(mode).values()
+    assert len(records) == 2 and all(cache.is_measured(r) for r in records)
+    assert {(r["problem"]["op"], r["problem"]["direction"]) for r in records} == {
+        ("adaptive_max_pool_pyramid2d", "forward"), ("adaptive_max_pool_pyramid2d", "backward")}
