@@ -271,11 +271,19 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
 def measure_on_miss(problem: Problem, device) -> bool:
     """The calls' measured dispatch (the tuner's ``tune_on_miss`` with the mode on): measure
     ``problem`` on ``device`` when no tuning or measurement of it decides it, store the record, and
-    return True (dispatch then reads it); False when there was nothing to measure or nothing ran."""
+    return True (dispatch then reads it); False when there was nothing to measure or nothing ran.
+    A measurement that fails (scratch buffers that do not fit beside the caller's, a device
+    error) is a ``RuntimeWarning`` and leaves the decision to the cache and rules: the mode is an
+    optimisation, never a reason for a call to fail."""
     with _MEASURING:
-        if dispatch.choose(problem, device, memoise=False).source in ("cache", "measured", "forced"):
+        if dispatch.choose(problem, device, memoise=False).source in ("cache", "measured"):
             return True  # decided by a tuning, or measured by another thread while this one waited
-        record = measure(problem, device)
+        try:
+            record = measure(problem, device)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            warnings.warn(f"measured dispatch of {problem} on {device.describe()} failed ({type(exc).__name__}: "
+                          f"{exc}); the untuned decision stands", RuntimeWarning, stacklevel=2)
+            return False
         if record is None:
             return False
         dispatch.tuning_cache().store(record)

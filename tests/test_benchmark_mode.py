@@ -359,3 +359,15 @@ def test_multi_level_ops_are_measured_and_equal_the_reference(mode, rng):
     assert len(records) == 2 and all(cache.is_measured(r) for r in records)
     assert {(r["problem"]["op"], r["problem"]["direction"]) for r in records} == {
         ("adaptive_max_pool_pyramid2d", "forward"), ("adaptive_max_pool_pyramid2d", "backward")}
+
+
+def test_a_measurement_that_fails_warns_and_the_rules_decide(mode, rng, monkeypatch):
+    def no_memory(problem, rng):
+        raise MemoryError("no room for scratch buffers")
+
+    monkeypatch.setattr(measured, "scratch_arguments", no_memory)
+    x = random_input(rng, SHAPE)
+    with pt.benchmark_mode(True), pytest.warns(RuntimeWarning, match="no room for scratch buffers"):
+        y = pt.adaptive_avg_pool2d(x, SIZE)
+    np.testing.assert_allclose(y, reference.forward(OP, x.astype(np.float64), SIZE), rtol=1e-5, atol=1e-6)
+    assert pt.explain(OP, SHAPE, SIZE)["source"] == "default" and _records(mode) == {}
