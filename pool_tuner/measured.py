@@ -7,8 +7,9 @@ times each legal variant's rule configuration on the problem and runs the fastes
 
 * The candidates: every variant of the op and direction that can run the problem, each with the
   configuration the default rules give it (the first rule for that variant that holds for the
-  problem, over the variant's default), else its default (``candidates``).  No search: a
-  measurement costs one build and a few launches per variant, not a tuning.
+  problem, over the variant's default), else its default; and where a nearest shape's tuned
+  record decides the problem, that choice too (``candidates``).  No search: a measurement costs
+  one build and a few launches per variant, not a tuning.
 * The first call pays for it: the candidates are built together (``dispatch.build_together``: one
   program for all where the kernel language allows, CUDA; one per variant on OpenCL C, see
   ``kernel_source.render_together``), then launched interleaved on the device's own queue, rounds
@@ -132,11 +133,13 @@ def benchmark_mode(enabled_: bool | None = None) -> BenchmarkMode:
 
 
 def candidates(problem: Problem, device) -> list:
-    """The choices a measurement times (``dispatch.Choice``, source ``measured``, ``rule`` the rule
-    that gave the configuration or None): every variant that can run ``problem`` on ``device``,
+    """The choices a measurement times (``dispatch.Choice``, source ``measured``; ``rule`` the rule
+    that gave the configuration, or None): every variant that can run ``problem`` on ``device``,
     with the configuration of the first default rule for that variant that holds for the problem
     (over the variant's default), else -- no such rule, or its configuration not legal here -- the
-    variant's default."""
+    variant's default.  Where a tuned record of a nearest shape decides the problem, its choice is
+    a candidate too (``record_key`` names the record), so that measuring never runs something
+    slower than what would have run without it."""
     values = default_rules.features(problem)
     rules = default_rules.rules(default_rules.device_type(device))
     found = []
@@ -150,6 +153,10 @@ def candidates(problem: Problem, device) -> list:
             rule, params = None, variant.check_config({}, problem, device.limits)
         found.append(dispatch.Choice(variant, tuple(sorted(params.items())), "measured",
                                      rule=None if rule is None else rule.name))
+    untuned = dispatch.choose(problem, device, memoise=False)
+    if untuned.source == "nearest" and all((c.variant.name, c.params) != (untuned.variant.name, untuned.params)
+                                           for c in found):
+        found.append(dispatch.Choice(untuned.variant, untuned.params, "measured", record_key=untuned.record_key))
     return found
 
 
@@ -255,11 +262,12 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
     built = time.perf_counter()
     arguments = [device.to_device(a, queue) for a in scratch_arguments(problem, rng)]
     times, rounds = time_interleaved(device, queue, launches, arguments, MIN_ROUNDS, MAX_ROUNDS, BUDGET_S)
-    entries = sorted(({"variant": c.variant.name, "params": c.config, "time_ms": t, "rule": c.rule}
+    entries = sorted(({"variant": c.variant.name, "params": c.config, "time_ms": t, "rule": c.rule,
+                       **({"record": c.record_key} if c.record_key else {})}
                       for c, t in zip(ready, times)), key=lambda entry: entry["time_ms"])
     measured = {
-        "candidates": "each legal variant's rule configuration (rule: the default rule that gave it, "
-                      "null for the variant's default)",
+        "candidates": "each legal variant's rule configuration (rule: the default rule that gave it, null for the "
+                      "variant's default), and a nearest shape's tuned choice (record: its key)",
         "rounds": rounds,
         "build_seconds": round(built - started, 3),
         "seconds": round(time.perf_counter() - started, 3),

@@ -232,6 +232,24 @@ def test_a_measured_record_decides_only_its_own_shape_and_device(mode, rng):
     assert pt.explain(OP, SHAPE, SIZE)["source"] == "default", "never carried to another driver"
 
 
+def test_a_nearest_shapes_tuned_choice_is_a_candidate_too(mode, rng):
+    """So that measuring never runs something slower than what would have run without it."""
+    device = backends.default_device()
+    other = Problem.create(OP, (2, 6, 25, 37), SIZE, "float32", "NCHW")
+    variant = dispatch.variants_mod.get_variant(OP, "thread_per_output")
+    params = variant.check_config({"block_size_x": 64, "outputs_per_thread": 2}, other, device.limits)
+    tuned = cache.make_record(other, device.fingerprint, cache.kernel_hash(other),
+                              best={"variant": variant.name, "params": params, "time_ms": 0.1}, runners_up=[])
+    dispatch.tuning_cache().store(tuned)
+    assert pt.explain(OP, SHAPE, SIZE)["source"] == "nearest"
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
+    record = _records(mode)[pt.explain(OP, SHAPE, SIZE)["cache_key"]]
+    entries = [record["best"], *record["runners_up"]]
+    assert len(entries) == len(legal_variants(OP, "forward", SHAPE, SIZE)) + 1
+    assert [(e["variant"], e["params"]) for e in entries if e.get("record") == tuned["key"]] == [(variant.name, params)]
+
+
 @pytest.mark.parametrize("damage", ["measured_not_an_object", "measured_and_partial", "untimed_candidate"])
 def test_a_corrupt_measured_record_is_a_warning_and_a_miss(mode, rng, damage):
     with pt.benchmark_mode(True):
