@@ -56,6 +56,9 @@ BENCHMARK_ON, BENCHMARK_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
 #: Seconds of timing after which no further round starts (once MIN_ROUNDS are done).
 BUDGET_S = 0.5
+#: How many of the fastest variants the refinement stage refines, and how many one-parameter
+#: changes of each it times at most.
+REFINE_VARIANTS, REFINE_LIMIT = 2, 12
 
 _mode: bool | None = None  # None: BENCHMARK_ENV not read yet
 _mode_lock = threading.Lock()
@@ -234,46 +237,123 @@ def time_interleaved(device, queue, launches: list, arguments: list, min_rounds:
     return [float(np.median(t)) for t in times], rounds
 
 
+def refinements(problem: Problem, device, choice) -> list:
+    """One-parameter changes of ``choice``'s configuration (each other value of each parameter of
+    its variant's search space, the rest kept) that are legal for ``problem`` on ``device``: the
+    neighbourhood the refinement stage times, at most ``REFINE_LIMIT``."""
+    variant, base = choice.variant, choice.config
+    found = []
+    for name, values in variant.search_space.items():
+        for value in values:
+            if value != base[name] and variant.is_legal(dict(base, **{name: value}), problem, device.limits):
+                params = variant.check_config(dict(base, **{name: value}), problem, device.limits)
+                found.append(dispatch.Choice(variant, tuple(sorted(params.items())), "measured"))
+    return found[:REFINE_LIMIT]
+
+
+def combined(problem: Problem, device, base, timed: list) -> list:
+    """The configuration taking, for each parameter, the value of the fastest one-parameter change
+    of ``base`` that beat it (``timed``: ``(choice, ms)`` of ``base`` and its changes), when it is a
+    new, legal configuration: the combination of the changes that helped one at a time."""
+    base_ms = next((ms for choice, ms in timed if choice == base), None)
+    if base_ms is None:  # it did not run in that race
+        return []
+    params = base.config
+    for name in base.variant.search_space:
+        better = [(ms, choice.config[name]) for choice, ms in timed
+                  if choice.variant is base.variant and ms < base_ms and choice.config[name] != base.config[name]]
+        if better:
+            params = dict(params, **{name: min(better)[1]})
+    if params == base.config or sum(params[k] != base.config[k] for k in params) < 2:
+        return []
+    if not base.variant.is_legal(params, problem, device.limits):
+        return []
+    return [dispatch.Choice(base.variant, tuple(sorted(params.items())), "measured")]
+
+
+class _Stages:
+    """The measurement's state across its stages: what ran (entries), what failed, the rounds."""
+
+    def __init__(self, problem: Problem, device, rng):
+        self.problem, self.device, self.queue = problem, device, device.queue
+        self.arguments = None
+        self.rng = rng
+        self.entries, self.failures, self.rounds = [], [], []
+        self.build_seconds = 0.0
+
+    def race(self, choices: list, stage: str) -> list:
+        """Build ``choices`` together and time them interleaved; ``(choice, ms)`` of those that ran,
+        each also kept as an entry of ``stage``."""
+        started = time.perf_counter()
+        context = self.queue.context
+        failed = dispatch.DISPATCHER.build_together(self.device, context, self.problem, choices)
+        launches, ready = [], []
+        for i, choice in enumerate(choices):
+            if i not in failed:
+                try:
+                    launches.append(dispatch.prepare(self.device, context, self.problem, choice))
+                    ready.append(choice)
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot launch is left out
+                    failed[i] = exc
+        self.failures += [{"variant": choices[i].variant.name, "params": choices[i].config, "stage": stage,
+                           "error": f"{type(e).__name__}: {e}"} for i, e in sorted(failed.items())]
+        self.build_seconds += time.perf_counter() - started
+        if not launches:
+            return []
+        if self.arguments is None:
+            self.arguments = [self.device.to_device(a, self.queue) for a in scratch_arguments(self.problem, self.rng)]
+        times, rounds = time_interleaved(self.device, self.queue, launches, self.arguments, MIN_ROUNDS, MAX_ROUNDS,
+                                         BUDGET_S)
+        self.rounds.append(rounds)
+        self.entries += [{"variant": c.variant.name, "params": c.config, "time_ms": t, "stage": stage,
+                          **({"rule": c.rule} if stage == "variants" else {}),
+                          **({"record": c.record_key} if c.record_key else {})} for c, t in zip(ready, times)]
+        return list(zip(ready, times))
+
+
 def measure(problem: Problem, device, rng=None) -> dict | None:
     """Time ``problem``'s candidates on ``device`` (module docstring) and return the measured
     record of the fastest -- not stored -- or None when no candidate could be built and run (each
-    such failure is in the record's ``failures``, and a ``RuntimeWarning`` when none ran)."""
+    such failure is in the record's ``failures``, and a ``RuntimeWarning`` when none ran).
+
+    Three stages, each one build of its candidates (``dispatch.build_together``) and one
+    interleaved race that includes the best so far: ``variants`` -- every candidate
+    (``candidates``); ``refine`` -- the one-parameter changes (``refinements``) of the
+    ``REFINE_VARIANTS`` fastest variants' configurations; ``combine`` -- for each of those, the
+    changes that helped taken together (``combined``).  The winner is the fastest of the last race."""
     started = time.perf_counter()
-    rng = rng or np.random.default_rng()
-    choices = candidates(problem, device)
-    queue = device.queue
-    context = queue.context
-    failed = dispatch.DISPATCHER.build_together(device, context, problem, choices)
-    launches, ready = [], []
-    for i, choice in enumerate(choices):
-        if i in failed:
-            continue
-        try:
-            launches.append(dispatch.prepare(device, context, problem, choice))
-            ready.append(choice)
-        except Exception as exc:  # noqa: BLE001 - a candidate that cannot launch is left out
-            failed[i] = exc
-    failures = [{"variant": choices[i].variant.name, "params": choices[i].config, "error": f"{type(e).__name__}: {e}"}
-                for i, e in sorted(failed.items())]
-    if not launches:
+    stages = _Stages(problem, device, rng or np.random.default_rng())
+    timed = stages.race(candidates(problem, device), "variants")
+    if not timed:
         warnings.warn(f"measured dispatch of {problem} on {device.describe()}: no candidate could be built "
-                      f"({failures}); the default rules decide", RuntimeWarning, stacklevel=3)
+                      f"({stages.failures}); the default rules decide", RuntimeWarning, stacklevel=3)
         return None
-    built = time.perf_counter()
-    arguments = [device.to_device(a, queue) for a in scratch_arguments(problem, rng)]
-    times, rounds = time_interleaved(device, queue, launches, arguments, MIN_ROUNDS, MAX_ROUNDS, BUDGET_S)
-    entries = sorted(({"variant": c.variant.name, "params": c.config, "time_ms": t, "rule": c.rule,
-                       **({"record": c.record_key} if c.record_key else {})}
-                      for c, t in zip(ready, times)), key=lambda entry: entry["time_ms"])
+    leaders = []
+    for choice, _ in sorted(timed, key=lambda entry: entry[1]):
+        if all(choice.variant is not leader.variant for leader in leaders):
+            leaders.append(choice)
+    leaders = leaders[:REFINE_VARIANTS]
+    changes = [change for leader in leaders for change in refinements(problem, device, leader)]
+    timed = stages.race(leaders + changes, "refine") if changes else timed
+    combinations = [combination for leader in leaders for combination in combined(problem, device, leader, timed)]
+    best = min(timed, key=lambda entry: entry[1])[0]
+    if combinations:
+        timed = stages.race([best] + combinations, "combine")
+    best, best_ms = min(timed, key=lambda entry: entry[1])
+    winner = next(e for e in reversed(stages.entries) if (e["variant"], e["params"], e["time_ms"]) ==
+                  (best.variant.name, best.config, best_ms))
+    others = sorted((e for e in stages.entries if e is not winner), key=lambda entry: entry["time_ms"])
     measured = {
-        "candidates": "each legal variant's rule configuration (rule: the default rule that gave it, null for the "
-                      "variant's default), and a nearest shape's tuned choice (record: its key)",
-        "rounds": rounds,
-        "build_seconds": round(built - started, 3),
+        "candidates": "stage variants: each legal variant's rule configuration (rule: the default rule that gave it, "
+                      "null for the variant's default) and a nearest shape's tuned choice (record: its key); stage "
+                      "refine: one-parameter changes of the fastest variants' configurations; stage combine: the "
+                      "changes that helped, together.  Each time is a median of its stage's interleaved rounds",
+        "rounds": stages.rounds,
+        "build_seconds": round(stages.build_seconds, 3),
         "seconds": round(time.perf_counter() - started, 3),
     }
-    return cache_mod.make_record(problem, device.fingerprint, cache_mod.kernel_hash(problem), best=entries[0],
-                                 runners_up=entries[1:], extra={"measured": measured, "failures": failures})
+    return cache_mod.make_record(problem, device.fingerprint, cache_mod.kernel_hash(problem), best=winner,
+                                 runners_up=others, extra={"measured": measured, "failures": stages.failures})
 
 
 def measure_on_miss(problem: Problem, device) -> bool:
