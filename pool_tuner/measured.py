@@ -3,25 +3,33 @@
 Like ``torch.backends.cudnn.benchmark``, and off by default: with ``POOL_TUNER_BENCHMARK=1`` (read
 once, on first use) or ``pool_tuner.benchmark_mode(True)``, the first call of a signature whose
 problem has no tuned record of its exact shape (``explain`` would say ``nearest`` or ``default``)
-times each legal variant's rule configuration on the problem and runs the fastest from then on.
+times each legal variant's rule configuration on the problem, refines the fastest, and runs the
+winner from then on.
 
-* The candidates: every variant of the op and direction that can run the problem, each with the
+* Three stages (``measure``), each one build of its candidates and one interleaved race that
+  includes the best so far:
+  ``variants`` -- every variant of the op and direction that can run the problem, each with the
   configuration the default rules give it (the first rule for that variant that holds for the
   problem, over the variant's default), else its default; and where a nearest shape's tuned
-  record decides the problem, that choice too (``candidates``).  No search: a measurement costs
-  one build and a few launches per variant, not a tuning.
-* The first call pays for it: the candidates are built together (``dispatch.build_together``: one
-  program for all where the kernel language allows, CUDA; one per variant on OpenCL C, see
-  ``kernel_source.render_together``), then launched interleaved on the device's own queue, rounds
-  of one launch each, medians (``time_interleaved``; at least ``MIN_ROUNDS`` rounds, more while
-  within ``BUDGET_S``).
+  record decides the problem, that choice too (``candidates``);
+  ``refine`` -- the one-parameter changes of the ``REFINE_VARIANTS`` fastest variants'
+  configurations (``refinements``): a rule's configuration is fitted to a grid of other shapes,
+  and on a CPU a work-group size or outputs per work-item alone can make a variant several times
+  faster on the problem at hand;
+  ``combine`` -- the changes that helped, together (``combined``).
+  A few dozen builds and launches at most: a neighbourhood, not a search of the space (``tune``).
+* The first call pays for it: each stage's candidates are built together
+  (``dispatch.build_together``: one program for all where the kernel language allows, CUDA; one
+  per variant on OpenCL C, see ``kernel_source.render_together``), then launched interleaved on
+  the device's own queue, rounds of one launch each, medians (``time_interleaved``; at least
+  ``MIN_ROUNDS`` rounds, more while within ``BUDGET_S``).
 * Never on the caller's data: the candidates run on scratch buffers of the problem's shape with
   random inputs (``scratch_arguments``), made and freed here; the caller's output is written once,
   by the winner, after the choice.  The choice is made before the first result is returned and then
   memoised, so a signature gives the same bits on every later call of the process.
 * The winner is stored in the user cache as a *measured* record (``cache.is_measured``): its best
-  and runners-up are the candidates with their times, its ``measured`` field says how they were
-  timed.  It decides its own problem on its own device, in this process and later ones (with the
+  and runners-up are the candidates with their times and stages, its ``measured`` field says how
+  they were timed.  It decides its own problem on its own device, in this process and later ones (with the
   mode on or off, like any record of the user cache); any tuning of the problem outranks and
   replaces it (``cache.replaces``, ``dispatch._rank``), and ``POOL_TUNER_AUTOTUNE=1`` still tunes
   a problem that only has one.  ``explain`` names it: ``source`` ``measured`` and the candidates'

@@ -1,10 +1,10 @@
 """Measured dispatch (``POOL_TUNER_BENCHMARK``, ``pt.benchmark_mode``, ``pool_tuner.measured``): off
 by default; on, the first call of a problem no tuning covers times every legal variant's rule
-configuration, keeps the fastest in the user cache as a ``measured`` record that ``explain``
-names, that a later process reads, that any tuning outranks and replaces, and that never decides
+configuration (then refines the fastest), keeps the winner in the user cache as a ``measured``
+record that ``explain`` names, that a later process reads, that any tuning outranks and replaces, and that never decides
 another shape or another device; a corrupt one is a warning and a miss; results are the
-reference's.  On PoCL with small shapes, and on the CUDA fakes (one program for every candidate,
-which nvcc compiles for real where it is installed)."""
+reference's.  On PoCL with small shapes, and on the CUDA fakes (one program per stage holding
+every candidate, which nvcc compiles for real where it is installed)."""
 
 import json
 import os
@@ -290,7 +290,7 @@ def test_autotune_still_tunes_a_problem_that_was_only_measured(mode, rng, monkey
     assert [p.input_shape for p in tuned] == [SHAPE]
 
 
-# ---------------------------------------------------------------------- CUDA: one program for every candidate
+# ---------------------------------------------------------------------- CUDA: one program per stage
 
 @pytest.fixture
 def fake_cuda(monkeypatch, user_cache):
@@ -323,7 +323,7 @@ def fake_cuda(monkeypatch, user_cache):
     dispatch.forget()
 
 
-def test_on_cuda_every_candidate_is_built_in_one_program(fake_cuda):
+def test_on_cuda_each_stages_candidates_are_built_in_one_program(fake_cuda):
     device, fake, driver, compiled = fake_cuda
     from cuda_fakes import FakeGPUArray
 
