@@ -22,7 +22,8 @@ winner from then on.
   (``dispatch.build_together``: one program for all where the kernel language allows, CUDA; one
   per variant on OpenCL C, see ``kernel_source.render_together``), then launched interleaved on
   the device's own queue, rounds of one launch each, medians (``time_interleaved``; at least
-  ``MIN_ROUNDS`` rounds, more while within ``BUDGET_S``).
+  ``MIN_ROUNDS`` rounds, more while within ``BUDGET_S``; a candidate whose warm-up launch took
+  more than ``PRUNE`` times the fastest is not timed further).
 * Never on the caller's data: the candidates run on scratch buffers of the problem's shape with
   random inputs (``scratch_arguments``), made and freed here; the caller's output is written once,
   by the winner, after the choice.  The choice is made before the first result is returned and then
@@ -64,6 +65,9 @@ BENCHMARK_ON, BENCHMARK_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
 #: Seconds of timing after which no further round starts (once MIN_ROUNDS are done).
 BUDGET_S = 0.5
+#: A candidate whose warm-up launch took more than this many times the fastest one's is not timed
+#: further (``time_interleaved``): it cannot win, and slow candidates are most of a measurement's time.
+PRUNE = 4.0
 #: How many of the fastest variants the refinement stage refines, and how many one-parameter
 #: changes of each it times at most.
 REFINE_VARIANTS, REFINE_LIMIT = 2, 12
@@ -225,24 +229,28 @@ def scratch_arguments(problem: Problem, rng) -> list:
 
 
 def time_interleaved(device, queue, launches: list, arguments: list, min_rounds: int, max_rounds: int | None = None,
-                     budget_s: float | None = None) -> tuple[list, int]:
+                     budget_s: float | None = None, prune: float | None = None) -> tuple[list, int]:
     """Median kernel time (ms) of each ``dispatch.Launch`` on device ``arguments``, timed by the
     device (``timed_launch``) in rounds of one launch of each, after one warm-up launch of each:
     ``min_rounds`` rounds, then more up to ``max_rounds`` while ``budget_s`` seconds of timing
-    have not passed.  Interleaving makes a noisy machine hurt every candidate alike.  Returns the
-    medians and the number of rounds."""
-    for launch in launches:
-        device.launch(queue, launch.kernel, launch.groups, launch.block, (*arguments, *launch.scalars))
-    device.synchronize(queue)
-    times = [[] for _ in launches]
+    have not passed.  Interleaving makes a noisy machine hurt every candidate alike.  With
+    ``prune``, a launch whose warm-up took more than ``prune`` times the fastest warm-up runs no
+    rounds, and its warm-up time is its time: the device's timer leaves out the build that a
+    first launch may include (PoCL generates a kernel's code then).  Returns the times and the
+    number of rounds."""
+    warm = [device.timed_launch(queue, launch.kernel, launch.groups, launch.block, (*arguments, *launch.scalars))
+            for launch in launches]
+    timed = [i for i, t in enumerate(warm) if prune is None or t <= prune * min(warm)]
+    times = {i: [] for i in timed}
     started, rounds = time.perf_counter(), 0
     while rounds < min_rounds or (rounds < (max_rounds or min_rounds)
                                   and time.perf_counter() - started < (budget_s or 0.0)):
-        for i, launch in enumerate(launches):
+        for i in timed:
+            launch = launches[i]
             times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block,
                                                 (*arguments, *launch.scalars)))
         rounds += 1
-    return [float(np.median(t)) for t in times], rounds
+    return [float(np.median(times[i])) if i in times else float(warm[i]) for i in range(len(launches))], rounds
 
 
 def refinements(problem: Problem, device, choice) -> list:
@@ -311,7 +319,7 @@ class _Stages:
         if self.arguments is None:
             self.arguments = [self.device.to_device(a, self.queue) for a in scratch_arguments(self.problem, self.rng)]
         times, rounds = time_interleaved(self.device, self.queue, launches, self.arguments, MIN_ROUNDS, MAX_ROUNDS,
-                                         BUDGET_S)
+                                         BUDGET_S, PRUNE)
         self.rounds.append(rounds)
         self.entries += [{"variant": c.variant.name, "params": c.config, "time_ms": t, "stage": stage,
                           **({"rule": c.rule} if stage == "variants" else {}),
