@@ -7,10 +7,11 @@ Decision order (each step is reported by ``explain`` as ``source``):
    shapes) and kernel code;
 3. ``nearest`` -- a record of another shape of the same problem class (``Problem.problem_class``),
    op, direction, dtype, layout and rank, and the same kernel code;
-4. ``measured`` -- a measured dispatch of exactly this problem on this very device (``cache.is_measured``:
-   each legal variant's rule configuration timed on the problem, ``POOL_TUNER_BENCHMARK``, see
-   ``pool_tuner.measured``); ranked below every tuned record of this shape, never a nearest shape
-   for another problem, never carried to another device (a measurement is cheap to repeat there);
+4. ``measured`` -- a measured dispatch of exactly this problem on this very device
+   (``cache.is_measured``: the variants' rule configurations and their neighbourhood timed on the
+   problem, ``POOL_TUNER_BENCHMARK``, see ``pool_tuner.measured``); ranked below every tuned
+   record of this shape, never a nearest shape for another problem, never carried to another
+   device (a measurement is cheap to repeat there);
 5. ``default`` -- the default-dispatch rules (``default_rules``, below).
 
 Records travel between devices: a record counts for this device when its device is the same
@@ -31,8 +32,8 @@ tier), or only a partial one from an interrupted tuning or a measured dispatch, 
 is memoised (``ops`` passes the tuner's ``tune_on_miss``: the tuning of ``POOL_TUNER_AUTOTUNE=1``,
 which says so on the ``pool_tuner`` logger, or the measured dispatch of ``POOL_TUNER_BENCHMARK=1``,
 so that this module needs nothing of the tuner, which builds on it); otherwise calls never block on
-tuning or measuring.  A record of another driver counts as tuned: records travel so that a driver update does
-not send every shape back to tuning.
+tuning or measuring.  A record of another driver counts as tuned: records travel so that a driver
+update does not send every shape back to tuning.
 
 The default is decided by the default-dispatch rules (``default_rules``: data, derived from a grid
 of tuned problems on CPUs, written by hand for GPUs): the first rule that holds for the problem
@@ -238,9 +239,10 @@ class Dispatcher:
         """Decide variant and configuration for ``problem`` on ``device`` (validating forced ones).
 
         ``on_miss(problem, device)``, when given, is called once a problem has no exact record
-        (or only a partial or measured one), before its decision is memoised; when it returns true (it tuned the problem), the cache is
-        consulted again.  ``memoise=False`` decides without remembering (``explain``), so that a
-        later call still gets its ``on_miss``."""
+        (or only a partial or measured one), before its decision is memoised; when it returns true
+        (it tuned or measured the problem), the cache is consulted again.  ``memoise=False``
+        decides without remembering (``explain``), so that a later call still gets its
+        ``on_miss``."""
         if variant is not None or config is not None:
             return self._forced_choice(problem, device, variant, config)
         memo_key = (device.id, problem)

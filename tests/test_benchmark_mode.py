@@ -46,6 +46,11 @@ def _records(user_cache) -> dict:
     return json.loads(path.read_text())["records"] if path.exists() else {}
 
 
+def _write_records(user_cache, *records) -> None:
+    document = {"schema": cache.SCHEMA_VERSION, "records": {record["key"]: record for record in records}}
+    (user_cache / cache.USER_FILE).write_text(json.dumps(document))
+
+
 def _only_record(user_cache) -> dict:
     records = _records(user_cache)
     assert len(records) == 1, list(records)
@@ -233,7 +238,7 @@ def test_a_measured_record_decides_only_its_own_shape_and_device(mode, rng):
     moved = dict(record, device=dict(record["device"], driver="another driver"))
     moved["key"] = cache.make_key(Problem.create(OP, SHAPE, SIZE, "float32", "NCHW"), moved["device"],
                                   record["kernel_hash"])
-    (mode / cache.USER_FILE).write_text(json.dumps({"schema": cache.SCHEMA_VERSION, "records": {moved["key"]: moved}}))
+    _write_records(mode, moved)
     dispatch.forget()
     assert pt.explain(OP, SHAPE, SIZE)["source"] == "default", "never carried to another driver"
 
@@ -267,7 +272,7 @@ def test_a_corrupt_measured_record_is_a_warning_and_a_miss(mode, rng, damage):
         record["partial"] = {"variants_searched": []}
     else:
         record["best"]["time_ms"] = None
-    (mode / cache.USER_FILE).write_text(json.dumps({"schema": cache.SCHEMA_VERSION, "records": {record["key"]: record}}))
+    _write_records(mode, record)
     dispatch.forget()
     with pytest.warns(cache.CacheWarning, match="ignored"):
         info = pt.explain(OP, SHAPE, SIZE)
