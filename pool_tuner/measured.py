@@ -360,10 +360,6 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
                   (best.variant.name, best.config, best_ms))
     others = sorted((e for e in stages.entries if e is not winner), key=lambda entry: entry["time_ms"])
     measured = {
-        "candidates": "stage variants: each legal variant's rule configuration (rule: the default rule that gave it, "
-                      "null for the variant's default) and a nearest shape's tuned choice (record: its key); stage "
-                      "refine: one-parameter changes of the fastest variants' configurations; stage combine: the "
-                      "changes that helped, together.  Each time is a median of its stage's interleaved rounds",
         "rounds": stages.rounds,
         "build_seconds": round(stages.build_seconds, 3),
         "seconds": round(time.perf_counter() - started, 3),
