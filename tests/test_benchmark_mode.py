@@ -178,6 +178,21 @@ def test_device_arrays_measure_on_scratch_buffers_not_the_callers(mode, rng):
     assert cache.is_measured(_only_record(mode))
 
 
+def test_pytorch_tensors_are_measured_too(mode, rng):
+    """pool_tuner.torch's CPU path (forward and autograd's backward) dispatches as the numpy API does."""
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    x = torch.from_numpy(random_input(rng, SHAPE)).requires_grad_()
+    with pt.benchmark_mode(True):
+        y = ptt.adaptive_avg_pool2d(x, SIZE)
+        y.backward(torch.ones_like(y))
+    torch.testing.assert_close(y, torch.nn.functional.adaptive_avg_pool2d(x, SIZE), rtol=1e-5, atol=1e-6)
+    records = _records(mode).values()
+    assert {r["problem"]["direction"] for r in records} == {"forward", "backward"}
+    assert all(cache.is_measured(r) for r in records)
+
+
 def test_a_measured_record_is_read_by_a_later_process(mode, rng):
     with pt.benchmark_mode(True):
         pt.adaptive_avg_pool2d(random_input(rng, SHAPE), SIZE)
