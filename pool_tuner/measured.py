@@ -350,11 +350,10 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
             leaders.append(choice)
     leaders = leaders[:REFINE_VARIANTS]
     changes = [change for leader in leaders for change in refinements(problem, device, leader)]
-    timed = stages.race(leaders + changes, "refine") if changes else timed
+    timed = (stages.race(leaders + changes, "refine") if changes else []) or timed  # (none ran: the last race stands)
     combinations = [combination for leader in leaders for combination in combined(problem, device, leader, timed)]
     best = min(timed, key=lambda entry: entry[1])[0]
-    if combinations:
-        timed = stages.race([best] + combinations, "combine")
+    timed = (stages.race([best] + combinations, "combine") if combinations else []) or timed
     best, best_ms = min(timed, key=lambda entry: entry[1])
     winner = next(e for e in reversed(stages.entries) if (e["variant"], e["params"], e["time_ms"]) ==
                   (best.variant.name, best.config, best_ms))

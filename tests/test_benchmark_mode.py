@@ -417,3 +417,23 @@ def test_a_measurement_that_fails_warns_and_the_rules_decide(mode, rng, monkeypa
         y = pt.adaptive_avg_pool2d(x, SIZE)
     np.testing.assert_allclose(y, reference.forward(OP, x.astype(np.float64), SIZE), rtol=1e-5, atol=1e-6)
     assert pt.explain(OP, SHAPE, SIZE)["source"] == "default" and _records(mode) == {}
+
+
+def test_a_stage_whose_candidates_all_fail_leaves_the_last_race_standing(mode, rng, monkeypatch):
+    real, stages = dispatch.DISPATCHER.build_together, []
+
+    def only_the_first_stage_builds(device, context, problem, choices):
+        stages.append(len(choices))
+        if len(stages) == 1:
+            return real(device, context, problem, choices)
+        return {i: RuntimeError("the compiler crashed") for i in range(len(choices))}
+
+    monkeypatch.setattr(dispatch.DISPATCHER, "build_together", only_the_first_stage_builds)
+    x = random_input(rng, SHAPE)
+    with pt.benchmark_mode(True):
+        y = pt.adaptive_avg_pool2d(x, SIZE)
+    np.testing.assert_allclose(y, reference.forward(OP, x.astype(np.float64), SIZE), rtol=1e-5, atol=1e-6)
+    record = _only_record(mode)
+    assert len(stages) == 2 and record["best"]["stage"] == "variants"
+    assert len(record["failures"]) == stages[1] and {f["stage"] for f in record["failures"]} == {"refine"}
+    assert all("the compiler crashed" in f["error"] for f in record["failures"])
