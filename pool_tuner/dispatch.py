@@ -227,6 +227,14 @@ class Dispatcher:
         else:
             memo.evict(problem)
 
+    def drop_builds(self, problem: Problem) -> None:
+        """Drop the built kernels and launches of ``problem`` (and of every batch size of its
+        per-sample shape), and its memoised decision: after a measurement, so that the candidates
+        that lost do not stay built for as long as the problem is in use.  The next call builds its
+        kernel again from the backend's own program cache (no compile)."""
+        memo.evict(problem.kernel_key)
+        memo.evict(problem)
+
     def _after_fork_in_child(self) -> None:
         """A forked child: fresh locks, nothing memoised (``memo`` empties its own tables)."""
         self._lock, self._build_lock = threading.Lock(), threading.RLock()

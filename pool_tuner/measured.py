@@ -386,4 +386,5 @@ def measure_on_miss(problem: Problem, device) -> bool:
         if record is None:
             return False
         dispatch.tuning_cache().store(record)
+        dispatch.DISPATCHER.drop_builds(problem)
     return True

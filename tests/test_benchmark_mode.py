@@ -18,7 +18,7 @@ import pyopencl.array as cla
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import backends, cache, dispatch, kernel_source, measured, reference
+from pool_tuner import backends, cache, dispatch, kernel_source, measured, memo, reference
 from pool_tuner.problem import Problem
 
 from conftest import legal_variants, random_input
@@ -119,6 +119,7 @@ def test_first_call_measures_every_legal_variant_and_explain_names_the_record(mo
     expected = reference.forward(OP, x.astype(np.float64), SIZE)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
     assert np.array_equal(pt.adaptive_avg_pool2d(x, SIZE), y), "the same bits on every later call"
+    assert memo.MEMOS.sizes()["dispatch.kernels"] == 1, "the candidates that lost are not kept built"
 
 
 def test_each_candidate_has_its_rule_configuration(mode):
