@@ -227,13 +227,17 @@ class Dispatcher:
         else:
             memo.evict(problem)
 
-    def drop_builds(self, problem: Problem) -> None:
-        """Drop the built kernels and launches of ``problem`` (and of every batch size of its
-        per-sample shape), and its memoised decision: after a measurement, so that the candidates
-        that lost do not stay built for as long as the problem is in use.  The next call builds its
-        kernel again from the backend's own program cache (no compile)."""
+    def keep_only(self, problem: Problem, context, variant_name: str, params: dict) -> None:
+        """Of the kernels built for ``problem`` (every batch size of its per-sample shape) keep
+        only that of ``variant_name`` with ``params`` in ``context``, and drop the problem's
+        launches and memoised decision: after a measurement, so that the candidates that lost do
+        not stay built for as long as the problem is in use."""
+        key = (context, problem.kernel_key, variant_name, tuple(sorted(params.items())))
+        kept = self._kernels.peek(key)
         memo.evict(problem.kernel_key)
         memo.evict(problem)
+        if kept is not None:
+            self._kernels.put(problem.kernel_key, key, kept)
 
     def _after_fork_in_child(self) -> None:
         """A forked child: fresh locks, nothing memoised (``memo`` empties its own tables)."""

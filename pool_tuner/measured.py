@@ -386,5 +386,6 @@ def measure_on_miss(problem: Problem, device) -> bool:
         if record is None:
             return False
         dispatch.tuning_cache().store(record)
-        dispatch.DISPATCHER.drop_builds(problem)
+        best = record["best"]
+        dispatch.DISPATCHER.keep_only(problem, device.queue.context, best["variant"], best["params"])
     return True
