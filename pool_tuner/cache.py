@@ -359,7 +359,8 @@ def is_partial(record: dict) -> bool:
 
 def is_measured(record: dict) -> bool:
     """Whether ``record`` holds a measured dispatch (``POOL_TUNER_BENCHMARK``, ``pool_tuner.measured``):
-    each legal variant's rule configuration timed on the problem, no search.  It decides its own
+    the variants' rule configurations and their neighbourhood timed on the problem, no tuning
+    search.  It decides its own
     problem on its own device only, ranks below any tuning of that problem, and a tuning replaces
     it."""
     return "measured" in record
