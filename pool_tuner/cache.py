@@ -360,9 +360,8 @@ def is_partial(record: dict) -> bool:
 def is_measured(record: dict) -> bool:
     """Whether ``record`` holds a measured dispatch (``POOL_TUNER_BENCHMARK``, ``pool_tuner.measured``):
     the variants' rule configurations and their neighbourhood timed on the problem, no tuning
-    search.  It decides its own
-    problem on its own device only, ranks below any tuning of that problem, and a tuning replaces
-    it."""
+    search.  It decides its own problem on its own device only, ranks below any tuning of that
+    problem, and a tuning replaces it."""
     return "measured" in record
 
 
