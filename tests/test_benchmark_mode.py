@@ -438,3 +438,17 @@ def test_a_stage_whose_candidates_all_fail_leaves_the_last_race_standing(mode, r
     assert len(stages) == 2 and record["best"]["stage"] == "variants"
     assert len(record["failures"]) == stages[1] and {f["stage"] for f in record["failures"]} == {"refine"}
     assert all("the compiler crashed" in f["error"] for f in record["failures"])
+
+
+def test_threads_that_miss_one_problem_at_once_measure_it_once(mode, rng, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    real, measurements = measured.measure, []
+    monkeypatch.setattr(measured, "measure", lambda problem, device, rng=None: measurements.append(problem) or
+                        real(problem, device, rng))
+    x = random_input(rng, SHAPE)
+    with pt.benchmark_mode(True), ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: pt.adaptive_avg_pool2d(x, SIZE), range(4)))
+    assert len(measurements) == 1, "the threads that waited use the first one's measurement"
+    assert all(np.array_equal(r, results[0]) for r in results)
+    assert cache.is_measured(_only_record(mode))
