@@ -9,6 +9,7 @@ built or launched.
 
 import dataclasses
 import json
+import types
 import warnings
 
 import pytest
@@ -25,6 +26,8 @@ OP = "adaptive_avg_pool2d"
 HERE = {"backend": "opencl", "platform": "Portable Computing Language", "name": "pthread-AMD EPYC",
         "vendor": "AuthenticAMD", "type": "cpu", "version": "OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-znver3",
         "driver": "6.0", "compute_units": 2}
+#: A device reporting ``HERE``.
+HERE_DEVICE = types.SimpleNamespace(info=types.SimpleNamespace(fingerprint=HERE))
 SHAPE, OUT = (4, 32, 13, 13), (4, 4)  # uniform downsampling: windows of 4, stride 3
 
 
@@ -105,15 +108,15 @@ OPENCL_TIERS = [
 
 @pytest.mark.parametrize("changes, tier", [case[1:] for case in OPENCL_TIERS], ids=[case[0] for case in OPENCL_TIERS])
 def test_opencl_tier_of_a_fingerprint_that_differs(changes, tier):
-    assert cache.device_tier(dict(HERE, **changes), HERE) == tier
+    assert cache.device_tier(dict(HERE, **changes), HERE_DEVICE) == tier
 
 
 def test_a_fingerprint_without_a_field_matches_no_level_that_needs_it():
     """Records made before the OpenCL fingerprint had its ``type``: the same model still (the type
     is not part of it), but not the same family, which it cannot tell."""
     untyped = {name: value for name, value in HERE.items() if name != "type"}
-    assert cache.device_tier(dict(untyped, driver="5.0"), HERE) == "model"
-    assert cache.device_tier(dict(untyped, compute_units=64), HERE) is None
+    assert cache.device_tier(dict(untyped, driver="5.0"), HERE_DEVICE) == "model"
+    assert cache.device_tier(dict(untyped, compute_units=64), HERE_DEVICE) is None
 
 
 def test_cuda_tiers_model_across_drivers_family_by_major_architecture():
@@ -123,12 +126,12 @@ def test_cuda_tiers_model_across_drivers_family_by_major_architecture():
     device = cuda.CudaDevice(0, cuda.CudaProperties(**properties))
     mine = device.info.fingerprint
     assert "driver" in mine  # still part of the exact identity (and the key) ...
-    assert cache.device_tier(dict(mine), mine) == "exact"
-    assert cache.device_tier(dict(mine, driver=12040), mine) == "model"  # ... but a driver update keeps the model
-    assert cache.device_tier(dict(mine, name="NVIDIA H100 PCIe (synthetic)", multiprocessors=114), mine) == "family"
-    assert cache.device_tier(dict(mine, name="NVIDIA H200 (synthetic)", compute_capability="9.0"), mine) == "family"
-    assert cache.device_tier(dict(mine, name="NVIDIA A100 (synthetic)", compute_capability="8.0"), mine) is None
-    assert cache.device_tier(dict(HERE), mine) is None  # another backend
+    assert cache.device_tier(dict(mine), device) == "exact"
+    assert cache.device_tier(dict(mine, driver=12040), device) == "model"  # ... but a driver update keeps the model
+    assert cache.device_tier(dict(mine, name="NVIDIA H100 PCIe (synthetic)", multiprocessors=114), device) == "family"
+    assert cache.device_tier(dict(mine, name="NVIDIA H200 (synthetic)", compute_capability="9.0"), device) == "family"
+    assert cache.device_tier(dict(mine, name="NVIDIA A100 (synthetic)", compute_capability="8.0"), device) is None
+    assert cache.device_tier(dict(HERE), device) is None  # another backend
 
 
 @pytest.mark.parametrize("changes, tier", [case[1:] for case in OPENCL_TIERS], ids=[case[0] for case in OPENCL_TIERS])
