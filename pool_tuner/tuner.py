@@ -27,8 +27,8 @@ partial one never replaces a full one (``cache``).
 
 Threads: tuning runs one problem at a time per process (``_TUNING``): Kernel Tuner's runs would
 otherwise time each other's kernels on the same device, and two calls that miss the same shape
-with ``POOL_TUNER_AUTOTUNE=1`` tune it once.  Each device says where its tuning runs
-(``Device.tuning``): an OpenCL tuning runs on the calling thread, every CUDA tuning on the
+with ``POOL_TUNER_AUTOTUNE=1`` tune it once.  Where a device's tuning runs is its backend's
+(``device_tuning.run``): an OpenCL tuning runs on the calling thread, every CUDA tuning on the
 process's one CUDA tuning thread while the caller waits (``backends/cuda_tuning.py``: Kernel Tuner's
 PyCUDA backend works on one thread only).  A device that cannot be tuned in this process
 (``TuningUnavailable``: no nvcc, a driver older than the nvcc) makes ``tune`` raise and
@@ -54,7 +54,7 @@ import warnings
 
 import numpy as np
 
-from . import backends, dispatch, measured, pyramid, reference
+from . import backends, device_tuning, dispatch, measured, pyramid, reference
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
 from . import kernel_source
@@ -308,10 +308,10 @@ def check_search_options(strategy=None, max_fevals=None, time_limit=None,
 
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
                  iterations=ITERATIONS, rng=None, quiet=True) -> tuple[dict | None, float | None, int, list]:
-    """Search one variant's space with Kernel Tuner, where the device tunes (``Device.tuning``).
+    """Search one variant's space with Kernel Tuner, where the device tunes (``device_tuning.run``).
     Returns ``(best params, Kernel Tuner's median time in ms, configurations evaluated, failures)``."""
-    return device.tuning(lambda: _tune_variant(variant, problem, device, strategy, max_fevals, time_limit, iterations,
-                                               rng, quiet))
+    return device_tuning.run(device, lambda: _tune_variant(variant, problem, device, strategy, max_fevals, time_limit,
+                                                          iterations, rng, quiet))
 
 
 def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_limit, iterations, rng,
@@ -361,8 +361,9 @@ def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_
                         [*case.args, *problem.scalars], {k: list(v) for k, v in variant.search_space.items()},
                         grid_div_x=[], grid_div_y=[], restrictions=restriction,
                         answer=[*case.answer, *(None for _ in problem.scalars)], verify=case.verify,
-                        **device.kernel_tuner_arguments(), defines={}, iterations=iterations, strategy=strategy,
-                        strategy_options=options or None, cache=kt_cache, quiet=quiet, verbose=False,
+                        **device_tuning.kernel_tuner_arguments(device), defines={}, iterations=iterations,
+                        strategy=strategy, strategy_options=options or None, cache=kt_cache, quiet=quiet,
+                        verbose=False,
                     )
                     break
                 except Exception as exc:  # noqa: BLE001 - any failure of one configuration
@@ -423,8 +424,8 @@ def _kernel_tuner_scratch(directory: str):
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
     """Median kernel time (ms) of each choice, launched interleaved on one queue and timed by the
-    device (``timed_launch``), where the device tunes (``Device.tuning``)."""
-    return device.tuning(lambda: _race(problem, device, choices, repetitions, rng))
+    device (``timed_launch``), where the device tunes (``device_tuning.run``)."""
+    return device_tuning.run(device, lambda: _race(problem, device, choices, repetitions, rng))
 
 
 def _race(problem: Problem, device, choices: list, repetitions: int, rng) -> list:
@@ -453,7 +454,7 @@ def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None
                          strategy=strategy, max_fevals=max_fevals, time_limit=time_limit, iterations=iterations,
                          store=store, tuning_cache=tuning_cache, quiet=quiet, progress=progress)
 
-    return dev.tuning(one_at_a_time)
+    return device_tuning.run(dev, one_at_a_time)
 
 
 def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, variants, strategy, max_fevals,
@@ -660,7 +661,7 @@ def tune_on_miss(problem: Problem, device) -> bool:
     # lock, so that a tuning of the same problem by another call meanwhile is recognised.
     seen = dispatch.tuning_cache().lookup(cache_mod.cache_key(problem, device))
     try:
-        return device.tuning(lambda: _tune_on_miss(problem, device, seen))
+        return device_tuning.run(device, lambda: _tune_on_miss(problem, device, seen))
     except TuningUnavailable as why:
         log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1, but %s; using the untuned decision", why)
         return False
@@ -673,7 +674,7 @@ def _tune_on_miss(problem: Problem, device, seen) -> bool:
         if record is not seen and record is not None and not cache_mod.is_partial(record):
             return True  # another thread tuned it while this one waited
         try:
-            device.kernel_tuner_arguments()
+            device_tuning.kernel_tuner_arguments(device)
         except RuntimeError as why:  # a device that cannot be tuned in this process
             log.warning("pool_tuner: POOL_TUNER_AUTOTUNE=1, but %s; using the untuned decision", why)
             return False

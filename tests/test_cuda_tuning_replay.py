@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pool_tuner import cache, cli, dispatch, kernel_source, tuner
+from pool_tuner import cache, cli, device_tuning, dispatch, kernel_source, tuner
 from pool_tuner.backends import cuda, cuda_tuning
 from pool_tuner.backends.base import TuningUnavailable
 from pool_tuner.problem import Problem
@@ -95,7 +95,7 @@ def _nvcc_missing() -> str | None:
     return None
 
 
-#: A CUDA tuning sets Kernel Tuner up with pool_tuner's nvcc (``Device.tuning``), so even a replayed
+#: A CUDA tuning sets Kernel Tuner up with pool_tuner's nvcc (``device_tuning.run``), so even a replayed
 #: one needs an nvcc installed.
 needs_nvcc = pytest.mark.skipif(_nvcc_missing() is not None, reason=f"a CUDA tuning needs nvcc: {_nvcc_missing()}")
 
@@ -294,14 +294,14 @@ def test_two_threads_missing_one_problem_tune_it_once(user_cache, recorded, repl
         name: variant for name, variant in variants_for(op, direction).items() if name in VARIANTS[:1]})
     device = ReplayCudaDevice(recorded)
     both_missed = threading.Barrier(2)
-    real_tuning = device.tuning
+    real_run = device_tuning.run
 
-    def after_both_missed(work):
+    def after_both_missed(on, work):
         if not cuda_tuning.on_tuning_thread():  # the callers, not the tuning's own nested calls
             both_missed.wait(10)
-        return real_tuning(work)
+        return real_run(on, work)
 
-    monkeypatch.setattr(device, "tuning", after_both_missed)
+    monkeypatch.setattr(device_tuning, "run", after_both_missed)
     answers = []
     workers = [threading.Thread(target=lambda: answers.append(tuner.tune_on_miss(problem(), device)))
                for _ in range(2)]

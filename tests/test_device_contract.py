@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import backends
+from pool_tuner import backends, device_tuning
 from pool_tuner.backends import base, cuda, opencl
 
 #: Properties of a made-up H100-like device (not read from any GPU).
@@ -56,8 +56,7 @@ def check_implements(instance, protocol) -> list:
 
 def test_the_contract_lists_what_the_issue_asks_for():
     members = contract_members(base.Device)
-    for name in ("info", "build", "launch", "timed_launch", "to_device", "to_host", "empty",
-                 "kernel_tuner_arguments", "synchronize", "copy"):
+    for name in ("info", "build", "launch", "timed_launch", "to_device", "to_host", "empty", "synchronize", "copy"):
         assert name in members
     for name in ("id", "fingerprint", "limits", "backend", "is_gpu", "name"):  # all in one description
         assert name in {field.name for field in dataclasses.fields(base.DeviceInfo)}
@@ -70,8 +69,8 @@ def test_opencl_devices_implement_the_contract(device):
     assert isinstance(device, base.Device)  # runtime_checkable
     assert device.info.limits == base.DeviceLimits(int(device.cl_device.max_work_group_size),
                                                    int(device.cl_device.local_mem_size))
-    assert device.kernel_tuner_arguments() == {"lang": "OpenCL", "platform": device.platform_index,
-                                               "device": device.device_index}
+    assert device_tuning.kernel_tuner_arguments(device) == {"lang": "OpenCL", "platform": device.platform_index,
+                                                            "device": device.device_index}
 
 
 def test_the_cuda_device_implements_the_contract_without_a_gpu():
@@ -82,7 +81,7 @@ def test_the_cuda_device_implements_the_contract_without_a_gpu():
     assert device.info.fingerprint == {"backend": "cuda", "name": SYNTHETIC_H100.name, "compute_capability": "9.0",
                                        "multiprocessors": 132, "driver": 13000}
     # PyCUDA's backend of Kernel Tuner: plain "CUDA" would make Kernel Tuner pick cuda-python first.
-    assert cuda.CudaDevice(1, SYNTHETIC_H100).kernel_tuner_arguments() == {"lang": "PYCUDA", "device": 1}
+    assert device_tuning.kernel_tuner_arguments(cuda.CudaDevice(1, SYNTHETIC_H100)) == {"lang": "PYCUDA", "device": 1}
 
 
 @pytest.mark.parametrize("module", backends.BACKENDS, ids=lambda m: m.BACKEND)

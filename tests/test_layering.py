@@ -141,6 +141,8 @@ FORBIDDEN = {
                  "decomposition", "memo")},
     "pool_tuner.backends": {"pool_tuner.cache", "pool_tuner.dispatch", "pool_tuner.variants"} | ABOVE_DISPATCH,
     "pool_tuner.cache": {"pool_tuner.backends", "pool_tuner.dispatch"} | ABOVE_DISPATCH,
+    # how each backend's devices are tuned: below the tuner, which calls it, beside the cache
+    "pool_tuner.device_tuning": {"pool_tuner.cache", "pool_tuner.dispatch"} | ABOVE_DISPATCH,
     "pool_tuner.dispatch": ABOVE_DISPATCH,
     "pool_tuner.tuner": {"pool_tuner.plans", "pool_tuner", *FRONT_ENDS} | TOOLS,
     "pool_tuner.plans": {"pool_tuner.tuner", "pool_tuner", *FRONT_ENDS} | TOOLS,

@@ -91,7 +91,7 @@ class DeviceInfo:
 
 
 class TuningUnavailable(RuntimeError):
-    """``Device.tuning`` cannot tune on this device in this process (a missing compiler, a driver
+    """A device cannot be tuned in this process (``device_tuning.run``) (a missing compiler, a driver
     too old for it, ...); the message says why and what to do.  Calls then use the untuned
     decision (``tuner.tune_on_miss``)."""
 
@@ -141,17 +141,6 @@ class Device(Protocol):
     def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
         """``launch``, wait for it, and return the kernel's own time in milliseconds as the device
         measures it (OpenCL profiling events, CUDA events): the same on every backend."""
-
-    def kernel_tuner_arguments(self) -> dict:
-        """The arguments that make Kernel Tuner's ``tune_kernel`` compile and time on this device:
-        ``lang`` and the device (and platform) indices in Kernel Tuner's numbering."""
-
-    def tuning(self, work):
-        """Run ``work()`` -- a tuning on this device: Kernel Tuner's searches and the race -- where
-        and how this device's tuning must run, and return its result.  OpenCL: right here; CUDA:
-        on the process's CUDA tuning thread, with Kernel Tuner set up to compile with pool_tuner's
-        nvcc (``backends/cuda_tuning.py``).  Raises ``TuningUnavailable`` when the device cannot
-        be tuned in this process."""
 
     # -------------------------------------------------------------- arrays in and out
     def to_device(self, host: np.ndarray, queue=None):

@@ -51,9 +51,9 @@ import threading
 
 import numpy as np
 
-from . import cuda_compile, cuda_driver, cuda_tuning
+from . import cuda_compile, cuda_driver
 from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface
-from .base import DeviceInfo, DeviceLimits, TuningUnavailable
+from .base import DeviceInfo, DeviceLimits
 
 BACKEND = "cuda"
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
@@ -195,31 +195,6 @@ class CudaDevice:
 
     def __repr__(self):
         return f"<{self.info.describe()}>"
-
-    def kernel_tuner_arguments(self) -> dict:
-        """Kernel Tuner's PyCUDA backend on this ordinal: ``lang="PYCUDA"``, because plain ``"CUDA"``
-        makes Kernel Tuner pick cuda-python first, which pool_tuner does not depend on."""
-        return {"lang": "PYCUDA", "device": self.ordinal}
-
-    def tuning(self, work):
-        """Run ``work()`` (a tuning on this device) on the process's CUDA tuning thread, with
-        Kernel Tuner's PyCUDA backend set up to compile with the nvcc pool_tuner uses, and wait
-        for it (``backends/cuda_tuning.py`` says why).  Raises ``TuningUnavailable`` when no nvcc
-        is found, the driver is older than the nvcc, or its toolkit lacks ``libcudadevrt``."""
-        if cuda_tuning.on_tuning_thread():  # a tuning within a tuning: already set up
-            return work()
-        try:
-            nvcc = find_nvcc()
-        except NvccNotFoundError as why:
-            raise TuningUnavailable(f"{self.info.describe()} cannot be tuned: {why}") from None
-        cuda_tuning.check_driver(self.properties.driver_version, nvcc, self.info.describe())
-        variables = cuda_tuning.kernel_tuner_environment(nvcc)
-
-        def in_environment():
-            with cuda_tuning.environment(variables):
-                return work()
-
-        return cuda_tuning.run(in_environment)
 
     # ------------------------------------------------------------------ context and queue
 

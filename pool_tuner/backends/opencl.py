@@ -151,17 +151,6 @@ class OpenCLDevice:
     def __repr__(self):
         return f"<{self.info.describe()}>"
 
-    def kernel_tuner_arguments(self) -> dict:
-        if self.info.host_fallback is not None:
-            raise RuntimeError(f"{self.info.describe()} cannot be tuned in this process: {self.info.host_fallback}; "
-                               f"tune in a process that was not forked")
-        return {"lang": "OpenCL", "platform": self.platform_index, "device": self.device_index}
-
-    @staticmethod
-    def tuning(work):
-        """Run ``work()`` here: PyOpenCL's objects work from any thread."""
-        return work()
-
     def _after_fork_in_child(self) -> None:
         """Forget the parent's queue, pool and lock (see the module docstring)."""
         self._lock = threading.Lock()
