@@ -68,7 +68,7 @@ def candidates(op: str, shape, output_size, direction: str, device, rng, channel
         }
         x_dev = device.to_device(np.ascontiguousarray(np.moveaxis(x, 1, -1)) if channels_last else x, device.queue)
         if channels_last:
-            x_dev = device.strided_view(x_dev, x.shape, x.strides)
+            x_dev = device.arrays.strided_view(x_dev, x.shape, x.strides)
         if op == "adaptive_avgmax_pool2d":
             found["fused (device arrays)"] = Candidate(lambda: pt.adaptive_avgmax_pool2d(x_dev, output_size), wait)
         else:

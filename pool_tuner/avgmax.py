@@ -71,17 +71,17 @@ def join_device(problem: Problem, device, levels, mode: str):
     """The joined result of avgmax's flat device buffer ``levels``, on its queue, in the input's
     layout (viewed as pool_tuner.pyramid views the levels themselves)."""
     shape = joined_shape(problem, mode)
-    queue = device.queue_of(levels)
+    queue = device.arrays.queue_of(levels)
     joined = device.empty((math.prod(shape),), levels.dtype, queue)
     _launch(problem, device, queue, "join", mode, levels, joined)
-    return pyramid.logical_view(joined, problem.memory_shape(shape), shape, problem, device.strided_view)
+    return pyramid.logical_view(joined, problem.memory_shape(shape), shape, problem, device.arrays.strided_view)
 
 
 def split_device(problem: Problem, device, grad, mode: str):
     """avgmax's flat buffer of level gradients (what its backward kernels read) from the joined
     result's gradient ``grad`` (a device array stored in the problem's memory order)."""
-    queue = device.queue_of(grad)
-    grad = device.wrap_input(grad, "grad_out")
+    queue = device.arrays.queue_of(grad)
+    grad = device.arrays.wrap_input(grad, "grad_out")
     levels = device.empty((pyramid.layout(problem).values_per_plane * problem.planes,), grad.dtype, queue)
     _launch(problem, device, queue, "split", mode, grad, levels)
     return levels
@@ -106,7 +106,7 @@ def _launch(problem: Problem, device, queue, step: str, mode: str, source, desti
     kernel = device.build(queue.context, program(problem.dtype, block), f"{step}_{name}")
     event = device.launch(queue, kernel, -(-elements // block), (block,), (source, destination) + scalars)
     for array in (source, destination):
-        device.track(array, event)
+        device.arrays.track(array, event)
 
 
 @functools.cache

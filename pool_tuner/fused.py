@@ -69,7 +69,7 @@ def _forward(op: str, x, output_size, device, variant, config) -> tuple:
 
 def _views(plan, values, indices) -> tuple[list, list]:
     """``(values per level, indices per max level)`` of a multi-level forward's flat results."""
-    strided_view = None if isinstance(values, np.ndarray) else plan.device.strided_view
+    strided_view = None if isinstance(values, np.ndarray) else plan.device.arrays.strided_view
     return pyramid.views(plan.problem, values, indices, strided_view=strided_view)
 
 
@@ -215,13 +215,13 @@ def _pack(problem: Problem, arrays: list, owner, kinds=None):
     chosen = [level for level, kind in enumerate(lay.kinds) if kinds is None or kind in kinds]
     bases = lay.value_bases if kinds is None else lay.index_bases
     total = planes * (lay.values_per_plane if kinds is None else lay.indices_per_plane)
-    first = owner.wrap_input(arrays[0], "grad_outs[0]")
-    flat = owner.empty((total,), first.dtype, owner.queue_of(first))
+    first = owner.arrays.wrap_input(arrays[0], "grad_outs[0]")
+    flat = owner.empty((total,), first.dtype, owner.arrays.queue_of(first))
     for level, array in zip(chosen, arrays):
-        array = owner.wrap_input(array, "grad_outs" if kinds is None else "indices")
+        array = owner.arrays.wrap_input(array, "grad_outs" if kinds is None else "indices")
         count = planes * lay.sizes[level]
         if count:
-            memory = owner.strided_view(array, (count,), (array.dtype.itemsize,))
+            memory = owner.arrays.strided_view(array, (count,), (array.dtype.itemsize,))
             flat[planes * bases[level]: planes * bases[level] + count] = memory
     return flat
 

@@ -69,10 +69,10 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     owner = backends.device_of_array(first)
     if owner is not None:
         plans.check_device_option(owner, device, names[0])
-        queue = owner.queue_of(first)
-        owner.check_first_call(queue, names[0])
+        queue = owner.arrays.queue_of(first)
+        owner.arrays.check_first_call(queue, names[0])
         chosen, context = owner, queue.context
-        owner.wrap_input(first, names[0])
+        owner.arrays.wrap_input(first, names[0])
     else:
         if not isinstance(first, np.ndarray):
             hint = ("; for PyTorch tensors use pool_tuner.torch (the same functions, with autograd)"
@@ -133,7 +133,7 @@ def _indices_spec(indices, grad_out, owner):
     if owner is not None:
         if indices_owner is not owner:
             raise ValueError("indices must be on the same device as grad_out")
-        owner.wrap_input(indices, "indices")
+        owner.arrays.wrap_input(indices, "indices")
     return plans.numpy_spec(indices)
 
 
@@ -158,13 +158,13 @@ def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, 
 
 
 def _delivered(plan: plans.Plan, results: list, first) -> list:
-    """Results of a call on device arrays as the kind of array the caller gave (``Device.deliver``:
+    """Results of a call on device arrays as the kind of array the caller gave (``CallerArrays.deliver``:
     a torch tensor for a torch tensor, a CuPy array for a CuPy array, ...); numpy results as they
     are."""
     if isinstance(first, np.ndarray):
         return results
-    queue = plan.device.queue_of(first)
-    return [plan.device.deliver(r, queue) for r in results]
+    queue = plan.device.arrays.queue_of(first)
+    return [plan.device.arrays.deliver(r, queue) for r in results]
 
 
 def memory_layout(x, ndim: int) -> str | None:
@@ -177,8 +177,8 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
     """Run a plan on numpy or device arrays; returns its results in the caller's kind of array."""
     if not isinstance(arrays[0], np.ndarray):
         device = plan.device
-        queue = device.queue_of(arrays[0])  # the caller's array: a CUDA array's interface names its stream
-        arrays = [device.wrap_input(a, name) for a, name in zip(arrays, names)]
+        queue = device.arrays.queue_of(arrays[0])  # the caller's array: a CUDA array's interface names its stream
+        arrays = [device.arrays.wrap_input(a, name) for a, name in zip(arrays, names)]
         return _run_on_device_arrays(plan, arrays, queue)
     problem = plan.problem
     arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
@@ -218,12 +218,12 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
         event = device.launch(queue, launch.kernel, launch.groups, launch.block,
                               arrays + outputs + list(launch.scalars))
         for array in arrays + outputs:
-            device.track(array, event)
+            device.arrays.track(array, event)
     elif plan.zero_fill and outputs[0].size:
         device.fill(outputs[0].view(np.uint8), np.uint8(0), queue)
     if not logical or not problem.channels_last or plan.results[0].flat:
         return outputs
-    return [device.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))
+    return [device.arrays.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))
             for out, result in zip(outputs, plan.results)]
 
 
@@ -263,7 +263,8 @@ def _poison_host(out: np.ndarray) -> None:
 def _poison_device(device, out, dtype_name: str, queue) -> None:
     """Poison a device array; bfloat16 results are stored as uint16 bits (``_storage_dtype``)."""
     if out.dtype == np.float16 or out.dtype == np.uint16:
-        device.fill_bits(out, NAN_BITS["float16" if out.dtype == np.float16 else "bfloat16"], queue)
+        bits = NAN_BITS["float16" if out.dtype == np.float16 else "bfloat16"]
+        device.fill(out.view(np.uint16), np.uint16(bits), queue)
     else:
         device.fill(out, INDEX_POISON if dtype_name == "int64" else np.nan, queue)
 

@@ -278,7 +278,7 @@ def test_foreign_arrays_are_used_without_a_copy(device, rng):
 
     foreign = Foreign()
     assert cuda.is_device_array(foreign)
-    wrapped = device.wrap_input(foreign, "x")
+    wrapped = device.arrays.wrap_input(foreign, "x")
     assert wrapped.ptr == own.ptr and wrapped.shape == x.shape and wrapped.base is foreign
     np.testing.assert_array_equal(wrapped.get(), x)
     assert not cuda.is_device_array(x)
@@ -291,7 +291,7 @@ def test_torch_cuda_tensors_are_read_through_their_interface(device, rng):
         pytest.skip("this PyTorch has no CUDA support")
     x = torch.from_numpy(random_input(rng, (2, 3, 10, 9))).to(f"cuda:{device.ordinal}")
     assert cuda.is_device_array(x) and cuda.device_of_array(x) is device
-    wrapped = device.wrap_input(x, "x")
+    wrapped = device.arrays.wrap_input(x, "x")
     assert wrapped.ptr == x.data_ptr()
     problem = Problem.create("adaptive_avg_pool2d", tuple(x.shape), (4, 7))
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]

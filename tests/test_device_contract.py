@@ -63,9 +63,34 @@ def test_the_contract_lists_what_the_issue_asks_for():
     assert check_implements(object(), base.Device)  # the check can fail
 
 
+#: The most members the contract may have: the Device protocol and the module-level Backend one
+#: together (issue 34 asks for 12: compile, load, launch, allocate/free, copy in and out,
+#: synchronise, describe -- this is where the contract stands, and it may only shrink); the
+#: adapter for the caller's device arrays (``CallerArrays``) apart.
+MOST_CONTRACT_MEMBERS = 20
+MOST_CALLER_ARRAY_MEMBERS = 6
+
+
+def test_the_contract_stays_small():
+    """What a new backend writes: the contract's members, counted as ``check_implements`` reads
+    them (a description object such as ``info`` is one member)."""
+    assert len(contract_members(base.Device)) + len(contract_members(base.Backend)) <= MOST_CONTRACT_MEMBERS
+    assert len(contract_members(base.CallerArrays)) <= MOST_CALLER_ARRAY_MEMBERS
+    # tuning and fingerprint tiers are not the backend's to write
+    for gone in ("kernel_tuner_arguments", "tuning", "fingerprint_levels", "fingerprint", "id", "limits"):
+        assert gone not in contract_members(base.Device)
+
+
+def test_device_info_is_frozen():
+    device = backends.default_device()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        device.info.id = "opencl:other:0"
+
+
 @pytest.mark.parametrize("device", opencl.list_devices(), ids=lambda d: d.info.id)
 def test_opencl_devices_implement_the_contract(device):
     assert check_implements(device, base.Device) == []
+    assert check_implements(device.arrays, base.CallerArrays) == []
     assert isinstance(device, base.Device)  # runtime_checkable
     assert device.info.limits == base.DeviceLimits(int(device.cl_device.max_work_group_size),
                                                    int(device.cl_device.local_mem_size))
@@ -76,6 +101,7 @@ def test_opencl_devices_implement_the_contract(device):
 def test_the_cuda_device_implements_the_contract_without_a_gpu():
     device = cuda.CudaDevice(0, SYNTHETIC_H100)
     assert check_implements(device, base.Device) == []
+    assert check_implements(device.arrays, base.CallerArrays) == []
     assert device.info.id == "cuda:0" and device.info.torch_device == "cuda:0"
     assert device.info.limits == base.DeviceLimits(1024, 48 * 1024)
     assert device.info.fingerprint == {"backend": "cuda", "name": SYNTHETIC_H100.name, "compute_capability": "9.0",

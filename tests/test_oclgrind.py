@@ -281,13 +281,13 @@ def _run_avgmax_join_case(spec, device) -> str | None:
     def on_device(a):
         memory = np.ascontiguousarray(np.moveaxis(a, 1, -1)) if spec["channels_last"] else a
         array = device.to_device(memory, device.queue)
-        return device.strided_view(array, a.shape, lay(a).strides) if spec["channels_last"] else array
+        return device.arrays.strided_view(array, a.shape, lay(a).strides) if spec["channels_last"] else array
 
     def from_device(a):
         if not spec["channels_last"]:
             return a.get()
         memory_shape = a.shape[:1] + a.shape[2:] + a.shape[1:2]
-        memory = device.strided_view(a, memory_shape, shapes.c_strides(memory_shape, a.dtype.itemsize)).get()
+        memory = device.arrays.strided_view(a, memory_shape, shapes.c_strides(memory_shape, a.dtype.itemsize)).get()
         return np.moveaxis(memory, -1, 1)
 
     x = _random(rng, in_shape, dtype)

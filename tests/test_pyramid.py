@@ -278,7 +278,7 @@ def test_pyramid_backward_on_device_arrays(kind, ndim, shape, sizes, layout, rng
                                   device.queue)
         if not layout:
             return memory
-        return device.strided_view(memory, a.shape, a.strides)
+        return device.arrays.strided_view(memory, a.shape, a.strides)
 
     grads_dev = [on_device(g) for g in grads]
     for variant in _variants(op, "backward", shape, sizes, layout):
@@ -291,7 +291,7 @@ def test_pyramid_backward_on_device_arrays(kind, ndim, shape, sizes, layout, rng
         assert pt.ops.memory_layout(got, ndim) == (layout or CONTIGUOUS[ndim])
         c = len(shape) - ndim - 1
         memory_shape = shape[:c] + shape[c + 1:] + shape[c:c + 1] if layout else shape
-        memory = device.strided_view(got, memory_shape, shapes.c_strides(memory_shape, got.dtype.itemsize)).get()
+        memory = device.arrays.strided_view(got, memory_shape, shapes.c_strides(memory_shape, got.dtype.itemsize)).get()
         _close(np.moveaxis(memory, -1, c) if layout else memory, expected, "float32")
 
 
@@ -306,7 +306,7 @@ def test_pyramid_backward_device_array_errors(rng):
     with pytest.raises(TypeError, match=r"grad_outs\[1\] must be a numpy.ndarray"):
         pt.adaptive_avg_pool_pyramid_backward([grads[0], grads_dev[1]], shape)
     channels_last = device.to_device(np.ascontiguousarray(np.moveaxis(grads[1], 1, -1)), device.queue)
-    mixed = device.strided_view(channels_last, grads[1].shape, _channels_last(grads[1], 2).strides)
+    mixed = device.arrays.strided_view(channels_last, grads[1].shape, _channels_last(grads[1], 2).strides)
     with pytest.raises(ValueError, match=r"grad_outs\[0\] must be stored NHWC"):
         pt.adaptive_avg_pool_pyramid_backward([grads_dev[0], mixed], shape)
     _, indices = reference.forward("adaptive_max_pool_pyramid2d", random_input(rng, shape), sizes)
@@ -350,7 +350,7 @@ def _avgmax_on_device(device, a, layout):
     if not layout:
         return device.to_device(a, device.queue)
     memory = np.ascontiguousarray(np.moveaxis(a, -3, -1))
-    return device.strided_view(device.to_device(memory, device.queue), a.shape, np.moveaxis(memory, -1, -3).strides)
+    return device.arrays.strided_view(device.to_device(memory, device.queue), a.shape, np.moveaxis(memory, -1, -3).strides)
 
 
 def _avgmax_from_device(device, a):
@@ -358,7 +358,7 @@ def _avgmax_from_device(device, a):
     if pt.ops.memory_layout(a, 2) != "NHWC" or a.ndim < 3:
         return a.get()
     memory_shape = a.shape[:-3] + a.shape[-2:] + a.shape[-3:-2]
-    memory = device.strided_view(a, memory_shape, shapes.c_strides(memory_shape, a.dtype.itemsize)).get()
+    memory = device.arrays.strided_view(a, memory_shape, shapes.c_strides(memory_shape, a.dtype.itemsize)).get()
     return np.moveaxis(memory, -1, -3)
 
 
@@ -410,7 +410,7 @@ def test_avgmax_device_array_errors(rng):
     grad = random_input(rng, result.shape)
     with pytest.raises(ValueError, match=r"indices\[0\] must be stored NHWC like the other levels"):
         pt.adaptive_avgmax_pool2d_backward(_avgmax_on_device(device, grad, "NHWC"), indices, shape, "cat")
-    n_major = device.strided_view(device.to_device(grad, device.queue), grad.shape, (4, 8, 2 * 4 * 8, 4 * 8))
+    n_major = device.arrays.strided_view(device.to_device(grad, device.queue), grad.shape, (4, 8, 2 * 4 * 8, 4 * 8))
     with pytest.raises(ValueError, match=r"grad_out must be stored NCHW like the other levels"):
         pt.adaptive_avgmax_pool2d_backward(n_major, indices, shape, "cat")
     with pytest.raises(ValueError, match=r"grad_out must be the gradient of the mode='cat' result"):

@@ -4,24 +4,34 @@
 and a backend module only through ``Backend``: no ``isinstance`` on a backend's class, no attribute
 of one backend's library (PyOpenCL's platforms, PyCUDA's contexts) outside that backend's file.
 
-Adding a backend means adding one file, ``backends/<name>.py``, and naming its module in
-``backends.BACKENDS``.  The file implements:
+The contract is a few methods, as Kernel Tuner's backend class and tinygrad's runtime files are:
+describe the device (``info``, one frozen ``DeviceInfo``: identity, kind flags, limits, memory,
+fingerprint), compile and load a kernel (``build``, ``kernel_work_group_limit``), launch
+(``launch``, ``timed_launch``), a default queue and ``synchronize``, allocate and free (``empty``,
+``release_memory``), copy in and out (``to_device``, ``to_host``, ``copy``, ``fill``), run over host
+memory where the device shares it (``host_launch``), and the adapter for the caller's own device
+arrays (``arrays``, a ``CallerArrays``).  What is not the backend's lives above it: Kernel Tuner's
+arguments and where a tuning runs (``pool_tuner.device_tuning``), what makes the same device model
+and family of a fingerprint (``cache.FINGERPRINT_LEVELS``), PoCL's environment
+(``backends/pocl_env.py``).
+
+A new backend (HIP, Metal, ...) writes only these methods plus its language's branch of the kernel
+prelude: one file, ``backends/<name>.py``, named in ``backends.BACKENDS``, that implements
 
 * at module level (``Backend``): ``BACKEND`` (the id prefix, e.g. ``"cuda"``), ``list_devices()``
   (every usable device, ``()`` when the library, driver or hardware is missing -- never raising),
   ``import_error()`` (why it listed nothing), ``device_of_array(x)`` (the device holding one of its
   arrays, None for arrays it does not know) and ``unknown_id_message(text)`` (a hint for an id of
   its prefix that names no device, e.g. an id of an older format; None for no hint);
-* a device class with every member of ``Device``: identity (``id``, stable across installs of
-  other drivers, ``fingerprint``, what identifies its performance in the tuning cache, and
-  ``fingerprint_levels``, what of a fingerprint makes the same model and the same family),
-  ``limits``, building (``build``), launching (``launch``, ``timed_launch``), arrays in and out,
-  and the arguments Kernel Tuner needs to tune on it (``kernel_tuner_arguments``);
+* a device class with every member of ``Device``, and its ``CallerArrays``;
 * kernels: the templates in ``kernels/`` compile for it through ``kernels/prelude.h`` (one
   ``#ifdef`` branch per language), and the benchmark's memory streams need
-  ``kernels/bandwidth<source_suffix>``.
+  ``kernels/bandwidth<info.source_suffix>``.
 
-``tests/test_layering.py`` checks that both backends have every member.
+To be tuned it adds its entry to ``pool_tuner.device_tuning``; for records of other drivers or
+devices of its family to apply, its rule to ``cache.FINGERPRINT_LEVELS``.
+``tests/test_device_contract.py`` checks that both backends have every member, and that the
+contract stays small.
 """
 
 from __future__ import annotations
@@ -98,38 +108,21 @@ class TuningUnavailable(RuntimeError):
 
 @runtime_checkable
 class Device(Protocol):
-    """One device of one backend.
+    """One device of one backend: what a kernel needs to run on it.
 
     Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
     every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
     the backend's own array type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory
-    order, bfloat16 as its uint16 bits; ``deliver`` hands results back as the caller's kind."""
+    order, bfloat16 as its uint16 bits."""
 
-    #: What the device is (``DeviceInfo``).
+    # -------------------------------------------------------------- what it is
+    #: Identity, kind, limits and fingerprint (``DeviceInfo``).
     info: DeviceInfo
-
-    # -------------------------------------------------------------- queues
-    @property
-    def queue(self):
-        """The device's default queue (own context; kernel timing enabled)."""
-
-    def queue_of(self, array):
-        """The queue that work on ``array`` (a caller's array of this device) goes to: OpenCL, the
-        array's own queue; CUDA, the stream its ``__cuda_array_interface__`` names, else the legacy
-        default stream."""
-
-    def check_first_call(self, queue, name: str) -> None:
-        """Raise ``ValueError`` (naming array ``name``) when a call signature's first call, which
-        builds kernels, cannot run on ``queue`` now (CUDA: its stream is being captured into a
-        graph)."""
-
-    def synchronize(self, queue=None) -> None:
-        """Wait until everything sent to ``queue`` (default: the default queue) has finished."""
 
     # -------------------------------------------------------------- kernels
     def build(self, context, source: str, kernel_name: str):
-        """Compile rendered ``source`` for this device in ``context`` (cached) and return the kernel
-        ``kernel_name``."""
+        """Compile rendered ``source`` for this device in ``context`` and load kernel
+        ``kernel_name`` (both cached)."""
 
     def kernel_work_group_limit(self, kernel) -> int:
         """The most work-items per work-group the built ``kernel`` can launch with."""
@@ -142,28 +135,61 @@ class Device(Protocol):
         """``launch``, wait for it, and return the kernel's own time in milliseconds as the device
         measures it (OpenCL profiling events, CUDA events): the same on every backend."""
 
-    # -------------------------------------------------------------- arrays in and out
-    def to_device(self, host: np.ndarray, queue=None):
-        """A device array holding a copy of the C-contiguous ``host``."""
+    # -------------------------------------------------------------- queues
+    @property
+    def queue(self):
+        """The device's default queue (own context; kernel timing enabled)."""
 
+    def synchronize(self, queue=None) -> None:
+        """Wait until everything sent to ``queue`` (default: the default queue) has finished."""
+
+    # -------------------------------------------------------------- memory
     def empty(self, shape, dtype, queue=None):
         """An uninitialised C-contiguous device array."""
 
+    def release_memory(self) -> int:
+        """Free memory held for reuse by later results; returns the number of blocks freed."""
+
+    def to_device(self, host: np.ndarray, queue=None):
+        """A device array holding a copy of the C-contiguous ``host`` (copy in)."""
+
     def to_host(self, array) -> np.ndarray:
-        """A numpy copy of ``array`` (waiting for the work that writes it)."""
-
-    def fill(self, array, value, queue=None):
-        """Fill ``array`` with ``value``; returns it."""
-
-    def fill_bits(self, array, bits, queue=None):
-        """Fill an array of 16-bit elements with the bit pattern ``bits``; returns it."""
+        """A numpy copy of ``array``, waiting for the work that writes it (copy out)."""
 
     def copy(self, destination, source, queue=None) -> None:
         """Copy device array ``source`` into ``destination`` (same size) with the backend's own
         buffer copy."""
 
-    def strided_view(self, array, shape, strides):
-        """``array``'s memory seen with another shape and strides (channels-last results)."""
+    def fill(self, array, value, queue=None):
+        """Fill ``array`` with ``value`` (of its dtype: a 16-bit bit pattern through a uint16 view
+        of a float16 or bfloat16 array); returns it."""
+
+    def host_launch(self, launch, nbytes: tuple, n_inputs: int):
+        """Only where ``info.shares_host_memory``: a function running ``launch`` (a
+        ``dispatch.Launch``) over host memory, called with the addresses of the inputs then the
+        outputs (``nbytes`` each, the first ``n_inputs`` read only), returning once the outputs are
+        written."""
+
+    # -------------------------------------------------------------- the caller's arrays
+    #: How this backend takes the caller's device arrays and hands results back (``CallerArrays``).
+    arrays: CallerArrays
+
+
+@runtime_checkable
+class CallerArrays(Protocol):
+    """The caller's device arrays on one device: the adapter between the arrays a user passes
+    (``pyopencl.array.Array``; CUDA: anything with ``__cuda_array_interface__``) and the device's
+    own arrays and queues.  Only calls on device arrays use it."""
+
+    def queue_of(self, array):
+        """The queue that work on ``array`` (a caller's array of this device) goes to: OpenCL, the
+        array's own queue; CUDA, the stream its ``__cuda_array_interface__`` names, else the legacy
+        default stream."""
+
+    def check_first_call(self, queue, name: str) -> None:
+        """Raise ``ValueError`` (naming array ``name``) when a call signature's first call, which
+        builds kernels, cannot run on ``queue`` now (CUDA: its stream is being captured into a
+        graph)."""
 
     def wrap_input(self, array, name: str):
         """A caller's device array as a kernel argument (``name`` for error messages)."""
@@ -175,16 +201,8 @@ class Device(Protocol):
         """A result made on ``queue`` (from ``queue_of`` of the caller's array) as the kind of
         array the caller gave: OpenCL, the array itself; CUDA, an array of the input's library."""
 
-    def owns(self, array) -> bool:
-        """Whether device array ``array`` lives on this device."""
-
-    def host_launch(self, launch, nbytes: tuple, n_inputs: int):
-        """Only where ``shares_host_memory``: a function running ``launch`` (a ``dispatch.Launch``)
-        over host memory, called with the addresses of the inputs then the outputs (``nbytes``
-        each, the first ``n_inputs`` read only), returning once the outputs are written."""
-
-    def release_memory(self) -> int:
-        """Free memory held for reuse by later results; returns the number of blocks freed."""
+    def strided_view(self, array, shape, strides):
+        """``array``'s memory seen with another shape and strides (channels-last results)."""
 
 
 @runtime_checkable

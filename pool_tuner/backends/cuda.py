@@ -173,6 +173,7 @@ class CudaDevice:
         self._pools = {}  # (context, stream handle) -> MemoryPool (``memory_pool``)
         self._joins = {}  # context -> cuda_driver.StreamJoin (``launch``)
         self._lock = threading.Lock()  # making the pools and joins
+        self.arrays = CudaCallerArrays(self)
 
     @property
     def arch(self) -> str:
@@ -209,12 +210,6 @@ class CudaDevice:
         cuda_driver.synchronize(None if queue is None else queue.stream)
 
     # ------------------------------------------------------------------ arrays
-
-    def owns(self, array) -> bool:
-        """Whether ``array`` (a GPUArray or a ``__cuda_array_interface__`` object) lives on this
-        device; arrays whose device cannot be determined are taken to be on ``cuda:0``."""
-        ordinal = array_device_ordinal(array)
-        return (0 if ordinal is None else ordinal) == self.ordinal
 
     def to_device(self, host: np.ndarray, queue: CudaQueue | None = None) -> CudaArray:
         """A ``CudaArray`` holding a copy of ``host``, in the queue's context."""
@@ -266,70 +261,15 @@ class CudaDevice:
         return sum(pool.free_held() for pool in pools)
 
     def fill(self, array, value, queue: CudaQueue | None = None):
-        """Fill a ``CudaArray`` with ``value`` on the queue's stream (output poisoning, zero results)."""
+        """Fill a ``CudaArray`` with ``value`` (output poisoning, zero results) on the queue's
+        stream, by the driver's memset of the value's bits: ordered with the launch that follows."""
         bits = np.array(value, array.dtype).view(f"u{array.dtype.itemsize}")[()]
-        return self.fill_bits(array, bits, queue)
-
-    def fill_bits(self, array, bits, queue: CudaQueue | None = None):
-        """Fill an array with the bit pattern ``bits`` per element (a float16 or bfloat16 NaN), on
-        the queue's stream, by the driver's memset: ordered with the launch that follows."""
         cuda_driver.fill(array.ptr, int(bits), array.dtype.itemsize, array.size, (queue or self.queue).stream)
         return array
-
-    # ------------------------------------------------------------------ what ops needs of arrays
-
-    def queue_of(self, array) -> CudaQueue:
-        """The queue of a caller's array: the current context, the stream its interface names
-        (``launch_stream``), and results of the array's own kind."""
-        return CudaQueue(self.current_context(), launch_stream(array), ResultKind(array))
-
-    def check_first_call(self, queue: CudaQueue, name: str) -> None:
-        """A first call compiles and loads kernels and may tune, which a stream being captured
-        into a CUDA graph forbids, and whose failure there would be an obscure capture error: so
-        it is refused with what to do instead."""
-        if cuda_driver.is_capturing(queue.stream):
-            raise ValueError(
-                f"pool_tuner met a new call signature while {name}'s stream is being captured into a CUDA graph: "
-                "its first call compiles and loads kernels, which capture forbids; call each signature once "
-                "before capture")
-
-    def wrap_input(self, array, name: str) -> CudaArray:
-        """A caller's array as a ``CudaArray`` over the same memory (no copy).  Memory owned by
-        another context than the current one is refused: the kernel could not read it."""
-        try:
-            wrapped = as_cuda_array(array)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        owner = cuda_driver.pointer_context(wrapped.ptr)
-        if owner is not None:
-            current = self.current_context()
-            if owner != current:
-                raise cuda_driver.ContextError(
-                    f"{name} is memory of CUDA context {owner:#x} (device {cuda_driver.pointer_device(wrapped.ptr)}), "
-                    f"but the calling thread's current context is {current:#x} (cuda:{self.ordinal}); pool_tuner "
-                    f"works in the current context, as PyTorch and CuPy do: make {name}'s context current before "
-                    f"the call (PyCUDA: push it; the runtime's primary context: pop the other one), or copy {name} "
-                    "into the current context")
-        return wrapped
-
-    @staticmethod
-    def track(array, handle) -> None:
-        """Nothing to do: a result names the stream it is written on."""
-
-    @staticmethod
-    def deliver(array, queue: CudaQueue):
-        """A result as the kind of array the caller gave (``cuda_arrays.ResultKind``)."""
-        return array if queue.kind is None else queue.kind.deliver(array)
 
     def to_host(self, array) -> np.ndarray:
         """A numpy copy of a ``CudaArray`` (in its context, which must be current)."""
         return array.get()
-
-    @staticmethod
-    def strided_view(array, shape, strides) -> CudaArray:
-        """``array``'s memory seen with another shape and strides (channels-last results), naming
-        the same stream."""
-        return as_cuda_array(array).strided(shape, strides)
 
     # ------------------------------------------------------------------ kernels
 
@@ -388,6 +328,64 @@ class CudaDevice:
         """This device as a build target of the driver-API launch path (``backends.cuda_driver``),
         which launches on any stream handle and makes no PyCUDA object per call."""
         return CudaDriverTarget(self)
+
+
+class CudaCallerArrays:
+    """The caller's CUDA arrays on one device (``base.CallerArrays``): any object with
+    ``__cuda_array_interface__`` (PyCUDA, CuPy, PyTorch, numba, ``CudaArray``), worked on in the
+    calling thread's current context on the stream it names, results of the caller's kind."""
+
+    def __init__(self, device: CudaDevice):
+        self._device = device
+
+    def queue_of(self, array) -> CudaQueue:
+        """The queue of a caller's array: the current context, the stream its interface names
+        (``launch_stream``), and results of the array's own kind."""
+        return CudaQueue(self._device.current_context(), launch_stream(array), ResultKind(array))
+
+    def check_first_call(self, queue: CudaQueue, name: str) -> None:
+        """A first call compiles and loads kernels and may tune, which a stream being captured
+        into a CUDA graph forbids, and whose failure there would be an obscure capture error: so
+        it is refused with what to do instead."""
+        if cuda_driver.is_capturing(queue.stream):
+            raise ValueError(
+                f"pool_tuner met a new call signature while {name}'s stream is being captured into a CUDA graph: "
+                "its first call compiles and loads kernels, which capture forbids; call each signature once "
+                "before capture")
+
+    def wrap_input(self, array, name: str) -> CudaArray:
+        """A caller's array as a ``CudaArray`` over the same memory (no copy).  Memory owned by
+        another context than the current one is refused: the kernel could not read it."""
+        try:
+            wrapped = as_cuda_array(array)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        owner = cuda_driver.pointer_context(wrapped.ptr)
+        if owner is not None:
+            current, ordinal = self._device.current_context(), self._device.ordinal
+            if owner != current:
+                raise cuda_driver.ContextError(
+                    f"{name} is memory of CUDA context {owner:#x} (device {cuda_driver.pointer_device(wrapped.ptr)}), "
+                    f"but the calling thread's current context is {current:#x} (cuda:{ordinal}); pool_tuner "
+                    f"works in the current context, as PyTorch and CuPy do: make {name}'s context current before "
+                    f"the call (PyCUDA: push it; the runtime's primary context: pop the other one), or copy {name} "
+                    "into the current context")
+        return wrapped
+
+    @staticmethod
+    def track(array, handle) -> None:
+        """Nothing to do: a result names the stream it is written on."""
+
+    @staticmethod
+    def deliver(array, queue: CudaQueue):
+        """A result as the kind of array the caller gave (``cuda_arrays.ResultKind``)."""
+        return array if queue.kind is None else queue.kind.deliver(array)
+
+    @staticmethod
+    def strided_view(array, shape, strides) -> CudaArray:
+        """``array``'s memory seen with another shape and strides (channels-last results), naming
+        the same stream."""
+        return as_cuda_array(array).strided(shape, strides)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,6 +145,7 @@ class OpenCLDevice:
         # host-memory launches (host_memory_aliases, host_buffers), found and made on first use
         self._host_memory_aliases = self._host_buffers = None
         self._lock = threading.Lock()  # making the default queue and its pool; allocating from it
+        self.arrays = OpenCLCallerArrays(self)
         if _pocl_started_before_fork:
             self._lose_worker_threads()
 
@@ -168,14 +169,6 @@ class OpenCLDevice:
                 f"this is a forked child of a process that started PoCL, whose worker threads that run {name}'s "
                 f"kernels stay in the parent; numpy arrays and CPU tensors are pooled on the host by the float64 "
                 f"reference instead (pool_tuner.host_fallback)"))
-
-    def check_first_call(self, queue, name: str) -> None:
-        """A device array on a device whose kernels cannot run in this process is refused, with
-        what to do, instead of hanging."""
-        if self.info.host_fallback is not None:
-            raise RuntimeError(f"{name} is a pyopencl array on {self.info.describe()}, whose kernels cannot run here: "
-                               f"{self.info.host_fallback}; pass {name}.get() (a numpy array), or start worker processes "
-                               f"with the 'spawn' or 'forkserver' start method")
 
     # ------------------------------------------------------------------ queues and arrays
 
@@ -323,8 +316,37 @@ class OpenCLDevice:
     # ------------------------------------------------------------------ what ops needs of arrays
 
     @staticmethod
+    def to_host(array) -> np.ndarray:
+        return array.get()
+
+    @staticmethod
+    def fill(array, value, queue=None):
+        """Fill ``array`` with ``value`` by PyOpenCL's fill kernel, which PyOpenCL shares between
+        threads (one per context and dtype), hence ``_PYOPENCL_KERNELS``."""
+        with _PYOPENCL_KERNELS:
+            array.fill(value, queue=queue)
+        return array
+
+class OpenCLCallerArrays:
+    """The caller's ``pyopencl.array.Array``s on one OpenCL device (``base.CallerArrays``): work
+    on them goes to their own queue, results are arrays of the same kind."""
+
+    def __init__(self, device: OpenCLDevice):
+        self._device = device
+
+    @staticmethod
     def queue_of(array):
+        """The array's own queue."""
         return array.queue
+
+    def check_first_call(self, queue, name: str) -> None:
+        """A device array on a device whose kernels cannot run in this process is refused, with
+        what to do, instead of hanging."""
+        info = self._device.info
+        if info.host_fallback is not None:
+            raise RuntimeError(f"{name} is a pyopencl array on {info.describe()}, whose kernels cannot run here: "
+                               f"{info.host_fallback}; pass {name}.get() (a numpy array), or start worker processes "
+                               f"with the 'spawn' or 'forkserver' start method")
 
     @staticmethod
     def wrap_input(array, name: str):
@@ -343,26 +365,6 @@ class OpenCLDevice:
         """Let ``array``'s own waits (``finish``, ``get``) include the kernel (the event ``handle``)
         that writes it."""
         array.add_event(handle)
-
-    @staticmethod
-    def to_host(array) -> np.ndarray:
-        return array.get()
-
-    @staticmethod
-    def fill(array, value, queue=None):
-        """Fill ``array`` with ``value`` by PyOpenCL's fill kernel, which PyOpenCL shares between
-        threads (one per context and dtype), hence ``_PYOPENCL_KERNELS``."""
-        with _PYOPENCL_KERNELS:
-            array.fill(value, queue=queue)
-        return array
-
-    @staticmethod
-    def fill_bits(array, bits, queue=None):
-        """Fill an array of 16-bit elements with the bit pattern ``bits`` (PyOpenCL cannot fill
-        float16 arrays, and bfloat16 is stored as its bits anyway)."""
-        with _PYOPENCL_KERNELS:
-            array.view(np.uint16).fill(np.uint16(bits), queue=queue)
-        return array
 
     @staticmethod
     def strided_view(array, shape, strides):
