@@ -43,7 +43,6 @@ import functools
 import json
 import math
 import operator
-import time
 
 import numpy as np
 
@@ -361,37 +360,23 @@ def _runs_eagerly_on_cpu(input) -> bool:
 
 def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
     """An eager forward on a CPU tensor through its plan (``pool_tuner.torch_cpu``), without the
-    custom op's dispatch layers where no gradient is needed; during the race of a plan's first
-    calls (``torch_cpu.Race``) each call runs one candidate and is timed."""
+    custom op's dispatch layers where no gradient is needed.  A new signature's plan may race
+    PyTorch's kernel before its first result (``torch_cpu.race_pytorch``), never under
+    ``torch.use_deterministic_algorithms(True)``: such calls have a signature of their own."""
     op = _OP_NAMES[kind, ndim]
     decoded = _decode_options(options) if options else ()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     # The call's signature, as cheaply as it can be told apart (this runs on every call of a
     # layer): an int size is its own key; sequences keep their elements' types (``ops._exact``).
     size_key = output_size if type(output_size) is int else _ops._exact(output_size)
-    key = ("eager", op, size_key, decoded, env_device_setting(), input.shape, input.stride(), input.dtype)
+    key = ("eager", op, size_key, decoded, env_device_setting(), deterministic, input.shape, input.stride(), input.dtype)
     found = _torch_cpu.plan_of(key)
     if found is None:
         size = tuple(_check_input(input, ndim, output_size))
-        found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key, race=True)
-    race = found.race
-    if race is None:
-        if found.use_pytorch:  # decided: PyTorch's own kernel runs this layer
-            form = _torch_cpu.PYTORCH_FORMS[op]
-            return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
-        return _eager_candidate(False, found, kind, ndim, input, output_size, return_indices, options)
-    use_pytorch = race.next_is_pytorch()
-    start = time.perf_counter()
-    result = _eager_candidate(use_pytorch, found, kind, ndim, input, output_size, return_indices, options)
-    race.record(use_pytorch, time.perf_counter() - start)
-    return result
-
-
-def _eager_candidate(use_pytorch: bool, found, kind, ndim, input, output_size, return_indices, options):
-    """One eager forward by PyTorch's own kernel or by pool_tuner's (its plan directly, or the
-    custom op where a gradient is needed)."""
-    if use_pytorch:
-        form = _torch_cpu.PYTORCH_FORMS[found.problem.op]
-        return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
+        found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key, race=not deterministic)
+    if found.use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
+        form = _torch_cpu.PYTORCH_FORMS[op]
+        return form(input, output_size, return_indices) if found.problem.operation.selects else form(input, output_size)
     if input.requires_grad and torch.is_grad_enabled():
         return _custom_op_pool(kind, ndim, input, list(found.problem.output_shape[-ndim:]), return_indices, options)
     results = _torch_cpu.run(found, [input])
