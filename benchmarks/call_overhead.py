@@ -19,10 +19,27 @@ of calls back to back, interleaved, medians: ``pool_tuner.bench``'s timing):
   launch when nothing is waited for or copied.
 
 Each is printed in microseconds per call (median and quartiles over the rounds) and as a multiple
-of the floor measured in the same rounds.  pool_tuner lists the OpenCL devices first, so the floor
+of the floor measured in the same rounds.
+
+``--in-model`` measures instead what a pooling layer costs inside a model, where the convolutions
+between two poolings leave the caches cold: a stack of MobileNetV3-Large's squeeze-excitation
+blocks at batch 1 (each a depthwise convolution, then the average pooling to 1x1, two 1x1
+convolutions and the rescaling; the channels and sizes of its nine poolings), forward under
+``torch.inference_mode()``, with each pooling layer as
+
+* ``stock``: ``torch.nn.AdaptiveAvgPool2d``;
+* ``plain``: a Python module whose forward calls ``torch.nn.functional.adaptive_avg_pool2d`` (the
+  least a Python layer can cost);
+* ``pool_tuner``: ``pool_tuner.torch.AdaptiveAvgPool2d`` (at batch 1 its race gives every layer to
+  PyTorch's kernel: its cost over ``plain`` is pool_tuner's Python per call).
+
+Printed: milliseconds per model call of each, and per pooling layer the microseconds each costs over
+``plain`` (the difference of the medians, and the quartiles of the paired per-round differences),
+over ``--rounds`` interleaved rounds.  pool_tuner lists the OpenCL devices first, so the floor
 runs with the PoCL settings pool_tuner chose (its worker pinning, docs/design.md "PoCL worker pinning").
 
     python benchmarks/call_overhead.py [--shapes 1x8x4x4:1,1x64x7x7:1,1x8x9x9:4x4] [--rounds 30] [--out FILE]
+    python benchmarks/call_overhead.py --in-model [--rounds 30] [--loop-ms 200] [--out FILE]
 """
 
 from __future__ import annotations
@@ -131,8 +148,93 @@ def check(x, t, x_dev, out_size, candidates, modules) -> None:
             raise SystemExit(f"call_overhead: {name} gave a wrong result; not timing it")
 
 
+#: (channels, height and width) of MobileNetV3-Large's nine average poolings at 224x224: eight
+#: squeeze-excitation blocks and the head.
+MOBILENET_POOLS = ((72, 28), (120, 28), (120, 28), (480, 14), (672, 14), (672, 7), (960, 7), (960, 7), (960, 7))
+
+
+class PlainPool(torch.nn.Module):
+    """The least a Python pooling layer costs: a forward that calls PyTorch's functional form."""
+
+    def __init__(self, output_size):
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(x, self.output_size)
+
+
+class SqueezeExcitation(torch.nn.Module):
+    """A depthwise convolution, then squeeze-excitation around ``pool`` (MobileNetV3's pointwise
+    convolutions left out: their time would bury the poolings' in the noise of a shared machine)."""
+
+    def __init__(self, channels: int, pool: torch.nn.Module):
+        super().__init__()
+        self.depthwise = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.pool = pool
+        self.squeeze = torch.nn.Conv2d(channels, channels // 4, 1)
+        self.excite = torch.nn.Conv2d(channels // 4, channels, 1)
+
+    def forward(self, x):
+        x = self.depthwise(x)
+        scale = torch.nn.functional.hardsigmoid(self.excite(torch.relu(self.squeeze(self.pool(x)))))
+        return x * scale
+
+
+class PoolingStack(torch.nn.Module):
+    """``MOBILENET_POOLS``' blocks side by side, each on its own input (their shapes differ)."""
+
+    def __init__(self, make_pool):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(SqueezeExcitation(c, make_pool(1)) for c, _ in MOBILENET_POOLS)
+
+    def forward(self, inputs):
+        return [block(x) for block, x in zip(self.blocks, inputs)]
+
+
+IN_MODEL_POOLS = {"stock": torch.nn.AdaptiveAvgPool2d, "plain": PlainPool, "pool_tuner": ptt.AdaptiveAvgPool2d}
+
+
+def in_model(args, rng) -> dict:
+    """The ``--in-model`` measurement (see the module docstring): its table printed, its numbers
+    returned."""
+    torch.manual_seed(0)
+    models = {name: PoolingStack(make).eval() for name, make in IN_MODEL_POOLS.items()}
+    for model in models.values():
+        model.load_state_dict(models["stock"].state_dict())
+    inputs = [torch.from_numpy(rng.standard_normal((1, c, n, n), dtype=np.float32)) for c, n in MOBILENET_POOLS]
+    with torch.inference_mode():
+        expected = models["stock"](inputs)
+        for name, model in models.items():
+            if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(model(inputs), expected)):
+                raise SystemExit(f"call_overhead: the {name} stack gave a wrong result; not timing it")
+
+    def call(model):
+        with torch.inference_mode():
+            model(inputs)
+
+    candidates = {name: common.Candidate(functools.partial(call, model), lambda: None) for name, model in models.items()}
+    timings = common.interleave(candidates, args.rounds, args.loop_ms * 1e-3, rng)
+    layers = len(MOBILENET_POOLS)
+    rows, entry = [], {"pools": [list(p) for p in MOBILENET_POOLS], "calls": {}}
+    for name in candidates:
+        over = [(a - b) * 1e3 / layers for a, b in zip(timings.ms[name], timings.ms["plain"])]
+        per_layer = (timings.median(name) - timings.median("plain")) * 1e3 / layers
+        entry["calls"][name] = dict(ms=timings.summary(name), us_per_layer_over_plain=dict(
+            common.spread(over), of_medians=per_layer))
+        q1, q3 = common.spread(over)["q1"], common.spread(over)["q3"]
+        rows.append([name, common.fmt_spread(timings.summary(name), digits=3), f"{per_layer:+.1f}",
+                     f"{q1:+.1f} to {q3:+.1f}", timings.calls[name]])
+    print(f"\n{layers} squeeze-excitation blocks of MobileNetV3-Large, batch 1, inference_mode")
+    print(common.format_table(["pooling layers", "ms per model call (q1-q3)", "us/layer over plain",
+                               "paired q1-q3", "calls/loop"], rows))
+    return entry
+
+
 def main():
     parser = common.parser(__doc__)
+    parser.add_argument("--in-model", action="store_true",
+                        help="time pooling layers inside a model instead of tiny calls alone (see above)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help="comma-separated NxCxHxW:OUT (OUT an int or HxW) (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per shape (default: %(default)s)")
@@ -147,6 +249,12 @@ def main():
     rng = np.random.default_rng()
     info = common.circumstances(torch, device)
     print(common.describe_circumstances(info))
+    if args.in_model:
+        entry = in_model(args, rng)
+        common.write_json(args.out, {"benchmark": "call_overhead_in_model", "circumstances": common.record_end(info),
+                                     "rounds": args.rounds, "loop_ms": args.loop_ms, "in_model": entry})
+        print(f"\nload average after: {' '.join(f'{v:.2f}' for v in info['load_average_after'])}")
+        return
     results = []
     for shape, out_size in parse_shapes(args.shapes):
         candidates = candidates_for(shape, out_size, device, rng)
