@@ -129,7 +129,7 @@ class Plan:
     """
 
     __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "nbytes",
-                 "host_launch", "use_pytorch")
+                 "host_launch")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
@@ -146,9 +146,6 @@ class Plan:
         self.nbytes = tuple(sizes)
         #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
         self.host_launch = None
-        #: Whether PyTorch's own kernel runs this forward on CPU tensors instead, as a race decided
-        #: (``torch_cpu.race_pytorch``); set by ``pool_tuner.torch_cpu``.
-        self.use_pytorch = False
 
     @property
     def launch(self):

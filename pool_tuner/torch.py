@@ -377,18 +377,21 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
     # an int size is its own key; sequences keep their elements' types (``ops._exact``)
     size_key = output_size if type(output_size) is int else _ops._exact(output_size)
     key = ("eager", op, size_key, options, env_device_setting(), deterministic, input.shape, input.stride(), input.dtype)
-    found = _torch_cpu.plan_of(key)
-    if found is None:
-        size = tuple(_check_input(input, ndim, output_size))
-        found = _torch_cpu.plan(op, "forward", [input], size, _decode_options(options), key=key,
-                                race=not deterministic)
-    if found.use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
-        form = _torch_cpu.PYTORCH_FORMS[op]
-        return form(input, output_size, True) if return_indices else form(input, output_size)
-    if input.requires_grad and torch.is_grad_enabled():
-        return _custom_op_pool(kind, ndim, input, list(found.problem.output_shape[-ndim:]), return_indices, options)
-    results = _torch_cpu.run(found, [input])
-    return (results[0], results[1]) if return_indices else results[0]
+    if not _torch_cpu.WINNERS.get(key):
+        found = _torch_cpu.plan_of(key)
+        if found is None:
+            size = tuple(_check_input(input, ndim, output_size))
+            found = _torch_cpu.plan(op, "forward", [input], size, _decode_options(options), key=key,
+                                    race=not deterministic)
+        if not _torch_cpu.WINNERS.get(key):
+            if input.requires_grad and torch.is_grad_enabled():
+                output_size = list(found.problem.output_shape[-ndim:])
+                return _custom_op_pool(kind, ndim, input, output_size, return_indices, options)
+            results = _torch_cpu.run(found, [input])
+            return (results[0], results[1]) if return_indices else results[0]
+    # the race's winner: PyTorch's own kernel runs this layer
+    form = _torch_cpu.PYTORCH_FORMS[op]
+    return form(input, output_size, True) if return_indices else form(input, output_size)
 
 
 def _eager_cuda_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
@@ -542,8 +545,10 @@ class _PoolTunerModule(_OwnModule):
         cls.returns_indices = OPS[_OP_NAMES[cls.kind, cls.ndim]].returns_indices
 
     def forward(self, input):
+        options = ("" if self.device is None and self.variant is None and self.config is None
+                   else _encode_options(self.device, self.variant, self.config))
         return _pool(self.kind, self.ndim, input, self.output_size, self.returns_indices and self.return_indices,
-                     _encode_options(self.device, self.variant, self.config))
+                     options)
 
 
 class AdaptiveAvgPool1d(_PoolTunerModule, torch.nn.AdaptiveAvgPool1d):

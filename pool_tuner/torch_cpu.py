@@ -55,14 +55,15 @@ RACE_MARGIN = 1.25
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
 
-class Winners:
+class Winners(dict):
     """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
     the module docstring), each decided once, by the first thread to meet the signature while the
     others wait for it.  A bool per raced signature, kept while the process lives, or until
-    dispatch forgets its decisions (which may change pool_tuner's kernel)."""
+    dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
+    warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
 
     def __init__(self):
-        self._decided: dict = {}
+        super().__init__()
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # a forked child starts with the lock free
             os.register_at_fork(after_in_child=self._after_fork_in_child)
@@ -70,22 +71,18 @@ class Winners:
     def decide(self, key, decide) -> bool:
         """The decision for ``key``, made by ``decide()`` if there is none yet."""
         with self._lock:
-            decided = self._decided.get(key)
+            decided = self.get(key)
             if decided is None:
                 decided = decide()
-                self._decided[key] = decided
+                self[key] = decided
             return decided
-
-    def clear(self) -> None:
-        """Forget every decision (no lock: also called in a forked child, before its lock is new)."""
-        self._decided = {}
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
 
-_WINNERS = Winners()
-dispatch.register_dependent_memo(_WINNERS)
+WINNERS = Winners()
+dispatch.register_dependent_memo(WINNERS)
 
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
@@ -95,7 +92,8 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None,
     """The plan of a call signature, made and memoised on its first use; ``options`` are
     pool_tuner's keyword options as ``(name, value)`` pairs.  ``race``: the eager path's plans,
     whose forward may be raced against PyTorch's kernel on ``tensors`` before this returns
-    (``race_pytorch``, ``Plan.use_pytorch``); the custom op's always run pool_tuner's."""
+    (``race_pytorch``; ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run
+    pool_tuner's."""
     if key is None:
         key = signature(op, direction, tensors, size, options)
     found = _PLANS.get(key)
@@ -106,7 +104,7 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None,
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss, names=names)
         if race and races(found):
-            found.use_pytorch = _WINNERS.decide(key, lambda: race_pytorch(found, tensors[0], size))
+            WINNERS.decide(key, lambda: race_pytorch(found, tensors[0], size))
         _PLANS.put(key, found)
     return found
 
