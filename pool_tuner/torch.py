@@ -390,6 +390,10 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
             results = _torch_cpu.run(found, [input])
             return (results[0], results[1]) if return_indices else results[0]
     # the race's winner: PyTorch's own kernel runs this layer
+    if type(output_size) is int:
+        kernel, selects = _torch_cpu.PYTORCH_KERNELS[op]
+        result = kernel(input, output_size)
+        return result if not selects or return_indices else result[0]
     form = _torch_cpu.PYTORCH_FORMS[op]
     return form(input, output_size, True) if return_indices else form(input, output_size)
 

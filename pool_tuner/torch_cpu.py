@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import backends, dispatch, ops, plans, tuner
-from .operations import SINGLE_LEVEL
+from .operations import OPERATIONS, SINGLE_LEVEL
 
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
 CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
@@ -86,6 +86,11 @@ dispatch.register_dependent_memo(WINNERS)
 
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
+#: op -> (PyTorch's ATen function of it, whether it returns ``(values, indices)``): what the
+#: functional form calls, without the Python around it, for an output size that is one int (the
+#: form resolves ``None`` entries first).  A layer that PyTorch's kernel runs pays no more.
+PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), OPERATIONS[op].selects)
+                   for op in SINGLE_LEVEL}
 
 
 def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None, race: bool = False) -> plans.Plan:

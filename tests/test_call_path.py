@@ -280,3 +280,29 @@ def test_deterministic_algorithms_run_pool_tuners_kernel_without_a_race(rng):
     expected = pt.adaptive_avg_pool2d(x, (5, 6))
     assert all(np.array_equal(r.numpy(), expected) for r in results)
     assert pt.explain("adaptive_avg_pool2d", (3, 16, 21, 17), (5, 6))["measured_candidate"] is None
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("op", ["adaptive_avg_pool1d", "adaptive_max_pool1d", "adaptive_avg_pool2d",
+                                "adaptive_max_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool3d"])
+@pytest.mark.parametrize("size", [3, (3, None, 2)], ids=["int", "sequence"])
+def test_a_layer_pytorch_runs_gives_pytorchs_results_and_gradients(monkeypatch, rng, op, size):
+    """Where PyTorch's kernel won the race, every op gives PyTorch's values, indices and gradients,
+    for an int output size (PyTorch's ATen function called directly) as for a sequence."""
+    _race_winner(monkeypatch, "pytorch")
+    ndim = int(op[-2])
+    size = size if isinstance(size, int) else size[:ndim]
+    ours, stock = getattr(ptt, op), getattr(torch.nn.functional, op)
+    selects = "max" in op
+    for _ in range(3):
+        x = torch.from_numpy(random_input(rng, (2, 3) + (7, 6, 5)[:ndim])).requires_grad_()
+        reference_x = x.detach().clone().requires_grad_()
+        got = ours(x, size, return_indices=True) if selects else ours(x, size)
+        expected = stock(reference_x, size, return_indices=True) if selects else stock(reference_x, size)
+        if selects:
+            assert torch.equal(got[1], expected[1]) and torch.equal(ours(x, size), expected[0])
+            got, expected = got[0], expected[0]
+        assert torch.equal(got, expected)
+        grad = torch.from_numpy(random_input(rng, tuple(got.shape)))
+        got.backward(grad), expected.backward(grad)
+        assert torch.equal(x.grad, reference_x.grad)
