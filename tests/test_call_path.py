@@ -10,6 +10,7 @@ import pool_tuner.torch as ptt
 from pool_tuner import dispatch, plans, reference, torch_cpu
 from pool_tuner.backends import default_device
 from pool_tuner.backends import opencl
+from pool_tuner.operations import OPERATIONS
 
 from conftest import random_input
 
@@ -290,10 +291,9 @@ def test_a_layer_pytorch_runs_gives_pytorchs_results_and_gradients(monkeypatch, 
     """Where PyTorch's kernel won the race, every op gives PyTorch's values, indices and gradients,
     for an int output size (PyTorch's ATen function called directly) as for a sequence."""
     _race_winner(monkeypatch, "pytorch")
-    ndim = int(op[-2])
+    ndim, selects = OPERATIONS[op].ndim, OPERATIONS[op].selects
     size = size if isinstance(size, int) else size[:ndim]
     ours, stock = getattr(ptt, op), getattr(torch.nn.functional, op)
-    selects = "max" in op
     for _ in range(3):
         x = torch.from_numpy(random_input(rng, (2, 3) + (7, 6, 5)[:ndim])).requires_grad_()
         reference_x = x.detach().clone().requires_grad_()
