@@ -44,7 +44,6 @@ import json
 import math
 import operator
 
-import numpy as np
 
 try:
     import torch
