@@ -183,7 +183,7 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_RE
     source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.info.source_suffix)
     kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
     # Work-groups of a power of two that every kernel can run (256 at most).
-    limit = min([256] + [device.kernel_work_group_limit(k) for k in kernels.values()])
+    limit = min([256] + [k.max_work_group_size for k in kernels.values()])
     block = (1 << (limit.bit_length() - 1),)
     count = _stream_elements(device, nbytes, READ_RUN * 256)  # whole groups of any block up to 256
     read_sums = count // READ_RUN

@@ -326,7 +326,7 @@ class Dispatcher:
         params, variant = choice.config, choice.variant
         block = variant.block(params)
         threads = block[0] * block[1]
-        limit = device.kernel_work_group_limit(kernel)
+        limit = kernel.max_work_group_size
         if threads > limit:
             raise ValueError(
                 f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "

@@ -102,7 +102,7 @@ def run_variant(device, problem: Problem, variant, params, inputs, force_index_6
     source = kernel_source.render(variant.template, defines)
     kernel = device.build(device.queue.context, source, variant.kernel_name)
     block = variant.block(params)
-    if block[0] * block[1] > device.kernel_work_group_limit(kernel):
+    if block[0] * block[1] > kernel.max_work_group_size:
         pytest.skip(f"{variant.name} {params}: blocks of {block} exceed the built kernel's limit")
     dtype = host_dtype(problem.dtype)
     nan = BFLOAT16_NAN_BITS if problem.dtype == "bfloat16" else np.nan

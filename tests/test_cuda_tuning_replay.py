@@ -110,6 +110,13 @@ def recorded_median(recorded, variant: str, params: dict) -> float:
     return float(np.median(recorded["variants"][variant]["cache"][_config_key(params, names)]["times"]))
 
 
+class ReplayKernel(str):
+    """A kernel's rendered source standing in for the kernel, launchable with blocks up to the
+    device's limit."""
+
+    max_work_group_size = SYNTHETIC_H100.max_threads_per_block
+
+
 class ReplayCudaDevice(cuda.CudaDevice):
     """A ``CudaDevice`` whose kernels never run: ``build`` returns the rendered source, arrays stay
     numpy, and ``timed_launch`` answers with the recorded median of the configuration the source
@@ -126,10 +133,7 @@ class ReplayCudaDevice(cuda.CudaDevice):
     queue = cuda.CudaQueue(context="replay")
 
     def build(self, context, source, kernel_name):
-        return source
-
-    def kernel_work_group_limit(self, kernel):
-        return self.info.limits.max_work_group_size
+        return ReplayKernel(source)
 
     def to_device(self, host, queue=None):
         return np.array(host)

@@ -67,7 +67,7 @@ def test_the_contract_lists_what_the_issue_asks_for():
 #: together (issue 34 asks for 12: compile, load, launch, allocate/free, copy in and out,
 #: synchronise, describe -- this is where the contract stands, and it may only shrink); the
 #: adapter for the caller's device arrays (``CallerArrays``) apart.
-MOST_CONTRACT_MEMBERS = 20
+MOST_CONTRACT_MEMBERS = 19
 MOST_CALLER_ARRAY_MEMBERS = 6
 
 

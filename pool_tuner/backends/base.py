@@ -6,7 +6,7 @@ of one backend's library (PyOpenCL's platforms, PyCUDA's contexts) outside that 
 
 The contract is a few methods, as Kernel Tuner's backend class and tinygrad's runtime files are:
 describe the device (``info``, one frozen ``DeviceInfo``: identity, kind flags, limits, memory,
-fingerprint), compile and load a kernel (``build``, ``kernel_work_group_limit``), launch
+fingerprint), compile and load a kernel (``build``), launch
 (``launch``, ``timed_launch``), a default queue and ``synchronize``, allocate and free (``empty``,
 ``release_memory``), copy in and out (``to_device``, ``to_host``, ``copy``, ``fill``), run over host
 memory where the device shares it (``host_launch``), and the adapter for the caller's own device
@@ -122,10 +122,8 @@ class Device(Protocol):
     # -------------------------------------------------------------- kernels
     def build(self, context, source: str, kernel_name: str):
         """Compile rendered ``source`` for this device in ``context`` and load kernel
-        ``kernel_name`` (both cached)."""
-
-    def kernel_work_group_limit(self, kernel) -> int:
-        """The most work-items per work-group the built ``kernel`` can launch with."""
+        ``kernel_name`` (both cached).  The kernel's ``max_work_group_size`` is the most work-items
+        per work-group it can launch with."""
 
     def launch(self, queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``

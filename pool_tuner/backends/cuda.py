@@ -286,11 +286,6 @@ class CudaDevice:
             return kernel
         return _build_for_driver(context, self.ordinal, *kernel.origin, kernel.name)
 
-    @staticmethod
-    def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
-        """The most threads per block the built kernel can launch with (register use can lower it)."""
-        return kernel.max_threads_per_block
-
     def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
         ``(x, y)``) with ``args``: device arrays / pointers (``CudaArray``, ``__cuda_array_interface__``
@@ -415,10 +410,6 @@ class CudaDriverTarget:
 
     def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
         return self.device.build(context, source, kernel_name)
-
-    @staticmethod
-    def kernel_work_group_limit(kernel: cuda_driver.DriverKernel) -> int:
-        return kernel.max_threads_per_block
 
     @staticmethod
     def prepared(kernel: cuda_driver.DriverKernel, groups: int, block: tuple, n_pointers: int, scalars: tuple):

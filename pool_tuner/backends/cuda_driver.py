@@ -230,6 +230,12 @@ class DriverKernel:
     max_threads_per_block: int
     origin: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
+    @property
+    def max_work_group_size(self) -> int:
+        """The most threads per block it can launch with, by the name every backend's built
+        kernels share (``Device.build``)."""
+        return self.max_threads_per_block
+
 
 def load_module(ordinal: int, image: bytes) -> int:
     """Load a compiled module image (cubin) into the current context (``current_context``); its

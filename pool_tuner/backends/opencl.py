@@ -261,10 +261,6 @@ class OpenCLDevice:
         options = ("-cl-opt-disable",) if self.info.is_simulator else ()
         return _build(context, self.cl_device, source, kernel_name, options)
 
-    def kernel_work_group_limit(self, kernel) -> int:
-        """The per-kernel work-group limit; on CPU devices it can be below the device maximum."""
-        return int(kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.cl_device))
-
     @staticmethod
     def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
@@ -381,12 +377,16 @@ def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
 
 if cl is not None:
     class LockedKernel(cl.Kernel):
-        """A kernel with the lock that ``launch`` holds from setting its arguments to enqueueing it."""
+        """A kernel with the lock that ``launch`` holds from setting its arguments to enqueueing it,
+        and ``max_work_group_size``, the most work-items per work-group it can launch with on the
+        device it was built for (on CPU devices it can be below the device maximum)."""
 
-        def __init__(self, program, name: str):
+        def __init__(self, program, name: str, cl_device):
             super().__init__(program, name)
             self.launch_lock = threading.Lock()
             self._typed = False
+            self.max_work_group_size = int(self.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE,
+                                                                    cl_device))
 
         def set_typed_args(self, args) -> None:
             """Set the arguments (memory objects, then numpy scalars).  The first call tells PyOpenCL
@@ -418,7 +418,7 @@ def _build(context, cl_device, source: str, kernel_name: str, options: tuple = (
         if program is None:
             program = cl.Program(context, source).build(options=list(options), devices=[cl_device])
             _PROGRAMS.put(program_key, program_key, program)
-        kernel = _KERNELS.put(program_key, (program_key, kernel_name), LockedKernel(program, kernel_name))
+        kernel = _KERNELS.put(program_key, (program_key, kernel_name), LockedKernel(program, kernel_name, cl_device))
     return kernel
 
 
