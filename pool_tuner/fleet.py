@@ -122,7 +122,8 @@ def _node_devices(advertised: dict) -> dict:
     devices, after checking that it has every device its resources ``advertised``."""
     found: dict = {}
     for device in fleet_devices():
-        entry = found.setdefault(model_hash(device.info.fingerprint), {"fingerprint": device.info.fingerprint, "count": 0})
+        fingerprint = device.info.fingerprint
+        entry = found.setdefault(model_hash(fingerprint), {"fingerprint": fingerprint, "count": 0})
         entry["count"] += 1
     for name, count in advertised.items():
         have = found.get(name[len(RESOURCE_PREFIX):], {}).get("count", 0)

@@ -379,8 +379,9 @@ def release_memory() -> int:
 
 
 def devices() -> list:
-    """Every device pool_tuner can run on, with ids that keep their meaning when other drivers are
-    installed (``cuda:<ordinal>``, ``opencl:<platform>:<device>`` such as ``opencl:pocl:0``)."""
+    """Every device pool_tuner can run on; each one's ``info`` describes it, with an id that keeps
+    its meaning when other drivers are installed (``info.id``: ``cuda:<ordinal>``,
+    ``opencl:<platform>:<device>`` such as ``opencl:pocl:0``)."""
     return backends.all_devices()
 
 

@@ -116,9 +116,10 @@ def check_fits(problem: Problem, device) -> None:
     else:
         parts, name = [math.prod(problem.input_shape) * itemsize], "input_shape"
         what = f"an input gradient of shape {problem.input_shape}"
-    if max(parts) > device.info.max_allocation_bytes or sum(parts) > device.info.memory_bytes:
-        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {device.info.describe()} can hold "
-                         f"({_gib(device.info.max_allocation_bytes)} in one buffer, {_gib(device.info.memory_bytes)} in all); "
+    info = device.info
+    if max(parts) > info.max_allocation_bytes or sum(parts) > info.memory_bytes:
+        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {info.describe()} can hold "
+                         f"({_gib(info.max_allocation_bytes)} in one buffer, {_gib(info.memory_bytes)} in all); "
                          f"check {name}")
 
 

@@ -506,12 +506,13 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
 def _search(variant, problem: Problem, dev, options: dict) -> VariantResult:
     """One variant's search as a ``VariantResult`` (best time: Kernel Tuner's median, until raced)."""
     t0 = time.perf_counter()
-    if not variant.legal_configurations(problem, dev.info.limits):
-        return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, dev.info.limits))
+    limits = dev.info.limits
+    if not variant.legal_configurations(problem, limits):
+        return VariantResult(variant.name, None, None, 0, [], 0.0, not_applicable=_refusal(variant, problem, limits))
     try:
         params, kt_ms, evaluated, failures = tune_variant(variant, problem, dev, **options)
         seconds = time.perf_counter() - t0
-        strategy, budget = _search_plan(len(variant.legal_configurations(problem, dev.info.limits)), options["strategy"],
+        strategy, budget = _search_plan(len(variant.legal_configurations(problem, limits)), options["strategy"],
                                         options["max_fevals"])
         cut_short = (strategy != "brute_force" and evaluated + len(failures) < budget
                      and seconds >= (options["time_limit"] or DEFAULT_TIME_LIMIT))

@@ -87,5 +87,5 @@ def device_of_array(array):
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device", "env_device_setting",
-           "device_of_array", "resolve_device"]
+__all__ = ["BACKENDS", "Backend", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
+           "env_device_setting", "device_of_array", "resolve_device"]
