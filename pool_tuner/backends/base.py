@@ -6,7 +6,7 @@ of one backend's library (PyOpenCL's platforms, PyCUDA's contexts) outside that 
 
 The contract is a few methods, as Kernel Tuner's backend class and tinygrad's runtime files are:
 describe the device (``info``, one frozen ``DeviceInfo``: identity, kind flags, limits, memory,
-fingerprint), compile and load a kernel (``build``), launch
+fingerprint), compile and load a kernel (``build``; the kernel knows its work-group limit), launch
 (``launch``, ``timed_launch``), a default queue and ``synchronize``, allocate and free (``empty``,
 ``release_memory``), copy in and out (``to_device``, ``to_host``, ``copy``, ``fill``), run over host
 memory where the device shares it (``host_launch``), and the adapter for the caller's own device
