@@ -602,7 +602,7 @@ def _level_layout(operation, sizes) -> _pyramid.LevelLayout:
     spatial = tuple(sizes[k:k + operation.ndim] for k in range(0, len(sizes), operation.ndim))
     if not operation.pyramid:
         spatial = spatial * len(operation.level_kinds(1))
-    return _pyramid.level_layout(operation.level_kinds(len(spatial)), spatial)
+    return _pyramid.level_layout(operation.level_ops(len(spatial)), spatial)
 
 
 def _register_levels(op: str):
@@ -759,7 +759,7 @@ def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[
     sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
     out = _LEVEL_OPS[op, False](input, sizes, options)
     values, indices = out if operation.selects else (out, None)
-    layout = _pyramid.level_layout(kinds, tuple(tuple(int(n) for n in level) for level in levels))
+    layout = _pyramid.level_layout(operation.level_ops(len(levels)), tuple(tuple(int(n) for n in level) for level in levels))
     channels_last = _is_channels_last(input, ndim)
     return (_level_views(values, input, layout, ndim, channels_last),
             [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, ("max",)))
