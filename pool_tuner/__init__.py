@@ -24,6 +24,7 @@ from .ops import (
     variants,
 )
 from .fleet import tune_many
+from .measured import benchmark_mode
 from .fused import (
     adaptive_avg_pool_pyramid,
     adaptive_avg_pool_pyramid_backward,
@@ -55,6 +56,7 @@ __all__ = [
     "adaptive_max_pool_pyramid_backward",
     "adaptive_avgmax_pool2d",
     "adaptive_avgmax_pool2d_backward",
+    "benchmark_mode",
     "devices",
     "explain",
     "fixed_pool_equivalent",

@@ -66,7 +66,7 @@ RECORD_FIELDS = {"key": str, "problem": dict, "device": dict, "kernel_hash": str
 OPTIONAL_FIELDS = {"runners_up": (list, "an array"), "default": (dict, "an object"), "failures": (list, "an array"),
                    "versions": (dict, "an object"), "date": (str, "a string"),
                    "tuning_seconds": ((int, float), "a number"), "partial": ((dict, type(None)), "an object or null"),
-                   "verified": (int, "an integer")}
+                   "verified": (int, "an integer"), "measured": (dict, "an object")}
 #: The fields of a record's ``problem``: four names and two shapes.
 PROBLEM_NAMES = ("op", "direction", "dtype", "layout")
 PROBLEM_SHAPES = ("input_shape", "output_shape")
@@ -248,6 +248,8 @@ def _record_problem(key, record) -> str | None:
             return f"has a 'problem' whose {field!r} is not a list of non-negative integers: {shape!r}"
     if record.get("verified", 0) < 0:
         return f"has a negative 'verified' count {record['verified']!r}"
+    if "measured" in record and is_partial(record):
+        return "is both a measured dispatch and a partial tuning"
     try:
         own_key = make_key(types.SimpleNamespace(**record["problem"]), record["device"], record["kernel_hash"])
     except (TypeError, ValueError, AttributeError):
@@ -355,6 +357,14 @@ def is_partial(record: dict) -> bool:
     return record.get("partial") is not None
 
 
+def is_measured(record: dict) -> bool:
+    """Whether ``record`` holds a measured dispatch (``POOL_TUNER_BENCHMARK``, ``pool_tuner.measured``):
+    the variants' rule configurations and their neighbourhood timed on the problem, no tuning
+    search.  It decides its own problem on its own device only, ranks below any tuning of that
+    problem, and a tuning replaces it."""
+    return "measured" in record
+
+
 def verified(record: dict) -> tuple[int, int]:
     """How much a record's tuning verified: the variants with a verified winner (its best and
     runners-up), then the configurations that ran and verified (``"verified"``, 0 where a record
@@ -363,13 +373,16 @@ def verified(record: dict) -> tuple[int, int]:
 
 
 def replaces(new: dict, old: dict | None, faster_only: bool) -> bool:
-    """Whether ``new`` takes the place of ``old``, a record of the same key: a full tuning always
+    """Whether ``new`` takes the place of ``old``, a record of the same key: a tuning (full or
+    partial) always replaces a measured dispatch and is never replaced by one; a full tuning always
     replaces a partial one and is never replaced by one; a tuning that verified less (``verified``:
     fewer variants, or as many and fewer configurations -- a search cut short, a budget of nothing)
     never replaces one that verified more; otherwise ``new`` wins if it is faster or, without
     ``faster_only``, always."""
     if old is None:
         return True
+    if is_measured(new) != is_measured(old):
+        return is_measured(old)
     if is_partial(new) != is_partial(old):
         return is_partial(old)
     if verified(new) < verified(old):

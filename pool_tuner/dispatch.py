@@ -7,12 +7,18 @@ Decision order (each step is reported by ``explain`` as ``source``):
    shapes) and kernel code;
 3. ``nearest`` -- a record of another shape of the same problem class (``Problem.problem_class``),
    op, direction, dtype, layout and rank, and the same kernel code;
-4. ``default`` -- the default-dispatch rules (``default_rules``, below).
+4. ``measured`` -- a measured dispatch of exactly this problem on this very device
+   (``cache.is_measured``: the variants' rule configurations and their neighbourhood timed on the
+   problem, ``POOL_TUNER_BENCHMARK``, see ``pool_tuner.measured``); ranked below every tuned
+   record of this shape, never a nearest shape for another problem, never carried to another
+   device (a measurement is cheap to repeat there);
+5. ``default`` -- the default-dispatch rules (``default_rules``, below).
 
 Records travel between devices: a record counts for this device when its device is the same
 (tier ``exact``), the same model under another driver or compiler target (``model``) or the same
 family (``family``) -- ``cache.device_tier``.  The one rule that ranks the records that count
-(``_rank``): a record of this exact shape before any other shape; then the better tier; then, for
+(``_rank``): a record of this exact shape before any other shape; then a tuning before a measured
+dispatch; then the better tier; then, for
 other shapes, the smaller distance (``shape_distance``); then the user's record before a shipped
 one; then the smaller key, so that no decision depends on the order of files.  So the user's own
 exact record beats everything, an exact shape at any tier beats every nearest shape, and nearest
@@ -22,11 +28,12 @@ and passed over when it is not legal; a record of this exact shape tuned on this
 is not legal here is stale or hand-edited, and says so with a ``CacheWarning``.
 
 The caller may pass ``on_miss``, called when a problem has no record of its exact shape (at any
-tier), or only a partial one from an interrupted tuning, before its decision is memoised (``ops``
-passes the tune-on-miss of ``POOL_TUNER_AUTOTUNE=1``, which says so on the ``pool_tuner`` logger, so
-that this module needs nothing of the tuner, which builds on it); otherwise calls never block on
-tuning.  A record of another driver counts as tuned: records travel so that a driver update does
-not send every shape back to tuning.
+tier), or only a partial one from an interrupted tuning or a measured dispatch, before its decision
+is memoised (``ops`` passes the tuner's ``tune_on_miss``: the tuning of ``POOL_TUNER_AUTOTUNE=1``,
+which says so on the ``pool_tuner`` logger, or the measured dispatch of ``POOL_TUNER_BENCHMARK=1``,
+so that this module needs nothing of the tuner, which builds on it); otherwise calls never block on
+tuning or measuring.  A record of another driver counts as tuned: records travel so that a driver
+update does not send every shape back to tuning.
 
 The default is decided by the default-dispatch rules (``default_rules``: data, derived from a grid
 of tuned problems on CPUs, written by hand for GPUs): the first rule that holds for the problem
@@ -117,7 +124,7 @@ def _choice_from_record(match: cache_mod.Match, problem: Problem, device, distan
     if winner is None:
         return None
     variant, params = winner
-    source = "cache" if match.problem == problem else "nearest"
+    source = "measured" if cache_mod.is_measured(match.record) else "cache" if match.problem == problem else "nearest"
     return Choice(variant, tuple(sorted(params.items())), source, match.record["key"], match.tier, match.origin,
                   distance)
 
@@ -131,15 +138,18 @@ def shape_distance(a: Problem, b: Problem) -> float:
 
 def _rank(problem: Problem, match: cache_mod.Match, distance: float) -> tuple:
     """The sort key of the ranking rule in the module docstring (smaller is better)."""
-    return (match.problem != problem, list(cache_mod.TIERS).index(match.tier), distance,
-            cache_mod.ORIGINS.index(match.origin), match.record["key"])
+    return (match.problem != problem, cache_mod.is_measured(match.record), list(cache_mod.TIERS).index(match.tier),
+            distance, cache_mod.ORIGINS.index(match.origin), match.record["key"])
 
 
 def _neighbours(problem: Problem, device, table: cache_mod.TuningCache) -> list:
     """``(match, distance)`` for every record that may decide ``problem`` on ``device``: this exact
-    shape, or another shape of its class, whose device applies (any tier) -- best first."""
+    shape, or another shape of its class, whose device applies (any tier); a measured dispatch of
+    this exact shape on this exact device -- best first."""
     ranked = []
     for match in table.matches(problem, device):
+        if cache_mod.is_measured(match.record) and (match.problem != problem or match.tier != "exact"):
+            continue
         if match.problem.problem_class == problem.problem_class:
             distance = shape_distance(problem, match.problem)
             ranked.append((_rank(problem, match, distance), match, distance))
@@ -217,6 +227,18 @@ class Dispatcher:
         else:
             memo.evict(problem)
 
+    def keep_only(self, problem: Problem, context, variant_name: str, params: dict) -> None:
+        """Of the kernels built for ``problem`` (every batch size of its per-sample shape) keep
+        only that of ``variant_name`` with ``params`` in ``context``, and drop the problem's
+        launches and memoised decision: after a measurement, so that the candidates that lost do
+        not stay built for as long as the problem is in use."""
+        key = (context, problem.kernel_key, variant_name, tuple(sorted(params.items())))
+        kept = self._kernels.peek(key)
+        memo.evict(problem.kernel_key)
+        memo.evict(problem)
+        if kept is not None:
+            self._kernels.put(problem.kernel_key, key, kept)
+
     def _after_fork_in_child(self) -> None:
         """A forked child: fresh locks, nothing memoised (``memo`` empties its own tables)."""
         self._lock, self._build_lock = threading.Lock(), threading.RLock()
@@ -228,10 +250,11 @@ class Dispatcher:
                memoise: bool = True) -> Choice:
         """Decide variant and configuration for ``problem`` on ``device`` (validating forced ones).
 
-        ``on_miss(problem, device)``, when given, is called once a problem has no exact record,
-        before its decision is memoised; when it returns true (it tuned the problem), the cache is
-        consulted again.  ``memoise=False`` decides without remembering (``explain``), so that a
-        later call still gets its ``on_miss``."""
+        ``on_miss(problem, device)``, when given, is called once a problem has no exact record
+        (or only a partial or measured one), before its decision is memoised; when it returns true
+        (it tuned or measured the problem), the cache is consulted again.  ``memoise=False``
+        decides without remembering (``explain``), so that a later call still gets its
+        ``on_miss``."""
         if variant is not None or config is not None:
             return self._forced_choice(problem, device, variant, config)
         memo_key = (device.id, problem)
@@ -292,19 +315,59 @@ class Dispatcher:
         key = (context, problem.kernel_key, choice.variant.name, choice.params)
         kernel = self._kernels.get(key)
         if kernel is None:
-            params, variant = choice.config, choice.variant
-            source = kernel_source.render(variant.template, variant.defines(params, problem))
-            kernel = device.build(context, source, variant.kernel_name)
-            block = variant.block(params)
-            threads = block[0] * block[1]
-            limit = device.kernel_work_group_limit(kernel)
-            if threads > limit:
-                raise ValueError(
-                    f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
-                    f"built kernel allows at most {limit} on {device.describe()}"
-                )
-            self._kernels.put(problem.kernel_key, key, kernel)
+            variant = choice.variant
+            source = kernel_source.render(variant.template, variant.defines(choice.config, problem))
+            kernel = self._keep(device, problem, choice, key, device.build(context, source, variant.kernel_name))
         return kernel
+
+    def _keep(self, device, problem: Problem, choice: Choice, key, kernel):
+        """Memoise ``kernel``, built for ``choice``, under ``key``, once it is known to launch with
+        the configuration's work-group (ValueError if not)."""
+        params, variant = choice.config, choice.variant
+        block = variant.block(params)
+        threads = block[0] * block[1]
+        limit = device.kernel_work_group_limit(kernel)
+        if threads > limit:
+            raise ValueError(
+                f"config {params} of variant {variant.name!r} needs work-groups of {threads}, but the "
+                f"built kernel allows at most {limit} on {device.describe()}"
+            )
+        return self._kernels.put(problem.kernel_key, key, kernel)
+
+    def build_together(self, device, context, problem: Problem, choices: list) -> dict:
+        """Build the kernels of ``choices`` (configurations of ``problem``) at once, memoised as
+        ``prepare`` builds them: as one program where the device's kernel language lets a program
+        hold several variants (``kernel_source.render_together``: one compile for all), else one
+        program each.  Returns ``{index in choices: error}`` for those that could not be built; a
+        failed shared program is retried one program each, so one bad candidate costs no other."""
+        failed = {}
+        with self._build_lock:
+            wanted = [(i, c) for i, c in enumerate(choices)
+                      if self._kernels.peek((context, problem.kernel_key, c.variant.name, c.params)) is None]
+            if len(wanted) > 1 and device.source_suffix in kernel_source.SHARED_PROGRAM_SUFFIXES:
+                kernel_name = wanted[0][1].variant.kernel_name
+                source = kernel_source.render_together(
+                    [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem)) for _, c in wanted],
+                    kernel_name)
+                try:
+                    built = [device.build(context, source, kernel_source.together_name(kernel_name, position))
+                             for position in range(len(wanted))]
+                except Exception:  # noqa: BLE001 - each alone below, which names the culprit
+                    built = None
+                if built is not None:
+                    for (i, choice), kernel in zip(wanted, built):
+                        key = (context, problem.kernel_key, choice.variant.name, choice.params)
+                        try:
+                            self._keep(device, problem, choice, key, kernel)
+                        except ValueError as exc:
+                            failed[i] = exc
+                    return failed
+            for i, choice in wanted:
+                try:
+                    self._kernel(device, context, problem, choice)
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot build is left out
+                    failed[i] = exc
+        return failed
 
 
 DISPATCHER = Dispatcher()
@@ -340,8 +403,18 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "distance": None if choice.distance is None else round(choice.distance, 3),
         "rule": choice.rule,
         "rule_config": choice.rule_config,
+        "measured": measured_times(DISPATCHER.tuning_cache().lookup(choice.record_key))
+        if choice.source == "measured" else None,
         "index_bits": 64 if problem.index_64 else 32,
     }
+
+
+def measured_times(record: dict | None) -> list | None:
+    """The candidates of a measured dispatch's record, fastest first: ``{"variant", "params",
+    "time_ms"}`` each (what ``explain`` shows under ``measured``); None for no record."""
+    if record is None:
+        return None
+    return [dict(entry) for entry in [record["best"], *record.get("runners_up", [])]]
 
 
 def record_tier(record: dict, device) -> str:

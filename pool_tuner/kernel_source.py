@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import re
 from pathlib import Path
 
 #: Headers at the start of every program, in this order.
@@ -117,3 +118,35 @@ def format_defines(defines: dict) -> str:
 def render(template: str, defines: dict) -> str:
     """The complete program text for one specialised kernel: defines, headers, the variant's file."""
     return format_defines(defines) + "\n".join(read(name) for name in program_files(template))
+
+
+#: Kernel languages (by a backend's ``source_suffix``) in which one program can hold several
+#: variants' kernels (``render_together``): CUDA C++, each variant in a namespace of its own.  OpenCL
+#: C has no namespaces and every program defines the prelude's types and helpers, so there each
+#: variant is a program of its own.
+SHARED_PROGRAM_SUFFIXES = (".cu",)
+_DEFINED = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.MULTILINE)
+_SYSTEM_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<[^>\n]+>[ \t]*$", re.MULTILINE)
+
+
+def together_name(kernel_name: str, position: int) -> str:
+    """The name of the kernel of the ``position``-th program in ``render_together``'s program."""
+    return f"{kernel_name}_{position}"
+
+
+def render_together(programs: list, kernel_name: str) -> str:
+    """One CUDA program holding the kernels of several rendered programs (``render``'s results, each
+    with one kernel named ``kernel_name``): the ``i``-th program's kernel is renamed
+    ``together_name(kernel_name, i)``, its types and helpers live in a namespace of their own, and
+    the macros it defines are undefined before the next program, so each program reads exactly as
+    it would alone.  System headers are included once, first, outside every namespace (their
+    include guards make the programs' own ``#include`` lines empty).  Why: one compile of the
+    whole program, instead of one per variant, for the first call of a measured dispatch
+    (``pool_tuner.measured``)."""
+    parts = list(dict.fromkeys(include for text in programs for include in _SYSTEM_INCLUDE.findall(text)))
+    for position, text in enumerate(programs):
+        name = together_name(kernel_name, position)
+        macros = [kernel_name, *dict.fromkeys(_DEFINED.findall(text))]
+        parts += [f"#define {kernel_name} {name}", f"namespace program_{position} {{", text, "}",
+                  *(f"#undef {macro}" for macro in macros)]
+    return "\n".join(parts) + "\n"

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from . import backends, dispatch, plans, tuner
+from . import backends, dispatch, measured, plans, tuner
 from .operations import BACKWARD
 from .problem import OPS, Problem
 from .variants import variants_for
@@ -341,7 +341,10 @@ adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward",
             variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
-    (``forced``/``cache``/``nearest``/``default``), device, cache key, and ``partial``: for a
+    (``forced``/``cache``/``nearest``/``measured``/``default``), device, cache key; ``measured``: for a
+    measured dispatch, its candidates and their times (``pool_tuner.measured``), else None;
+    ``autotune_on_miss`` / ``benchmark_on_miss``: whether a call's first use of an untuned problem
+    would tune or measure it; ``partial``: for a
     decision from an interrupted tuning's record, what that tuning covered (else None);
     ``measured_candidate``: where ``pool_tuner.torch`` raced PyTorch's own kernel on this problem
     for CPU tensors in this process, the times and the winner that such calls run (else None);
@@ -357,6 +360,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
     info["partial"] = None if record is None else record.get("partial")
     info["autotune_on_miss"] = tuner.autotune_enabled()
+    info["benchmark_on_miss"] = measured.enabled()
     # Where another kernel raced pool_tuner's on this problem in this process (pool_tuner.torch's
     # PyTorch candidate for CPU tensors): both times and the winner, which is what such calls run.
     info["measured_candidate"] = dispatch.measured_candidate(problem, dev)

@@ -54,7 +54,7 @@ import warnings
 
 import numpy as np
 
-from . import backends, dispatch, pyramid, reference
+from . import backends, dispatch, measured, pyramid, reference
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
 from . import kernel_source
@@ -432,15 +432,7 @@ def _race(problem: Problem, device, choices: list, repetitions: int, rng) -> lis
     queue = device.queue
     arrays = [device.to_device(a, queue) for a in make_case(problem, rng).args]
     launches = [dispatch.prepare(device, queue.context, problem, c) for c in choices]
-    for launch in launches:  # warm-up
-        device.launch(queue, launch.kernel, launch.groups, launch.block, (*arrays, *launch.scalars))
-    device.synchronize(queue)
-    times = [[] for _ in choices]
-    for _ in range(repetitions):
-        for i, launch in enumerate(launches):
-            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block,
-                                                (*arrays, *launch.scalars)))
-    return [float(np.median(t)) for t in times]
+    return measured.time_interleaved(device, queue, launches, arrays, repetitions)[0]
 
 
 def tune(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward", variants=None,
@@ -658,10 +650,12 @@ def autotune_enabled() -> bool:
 
 def tune_on_miss(problem: Problem, device) -> bool:
     """The calls' tune-on-miss (``dispatch.choose``'s ``on_miss``): with ``POOL_TUNER_AUTOTUNE=1``
-    tune ``problem`` on ``device`` (``autotune``) and return True, else return False.  Dispatch
-    memoises the decision that follows, so a problem is tuned once per process."""
+    tune ``problem`` on ``device`` (``autotune``) and return True; else, with measured dispatch on
+    (``POOL_TUNER_BENCHMARK=1``, ``pool_tuner.benchmark_mode``), measure it
+    (``measured.measure_on_miss``); else return False.  Dispatch memoises the decision that
+    follows, so a problem is tuned or measured once per process."""
     if not autotune_enabled():
-        return False
+        return measured.enabled() and measured.measure_on_miss(problem, device)
     # What the cache held when this call missed: read before waiting for the tuning thread or
     # lock, so that a tuning of the same problem by another call meanwhile is recognised.
     seen = dispatch.tuning_cache().lookup(cache_mod.cache_key(problem, device))
