@@ -19,15 +19,36 @@ of calls back to back, interleaved, medians: ``pool_tuner.bench``'s timing):
   launch when nothing is waited for or copied.
 
 Each is printed in microseconds per call (median and quartiles over the rounds) and as a multiple
-of the floor measured in the same rounds.  pool_tuner lists the OpenCL devices first, so the floor
-runs with the PoCL settings pool_tuner chose (its worker pinning, docs/design.md "PoCL worker pinning").
+of the floor measured in the same rounds.
+
+``--in-model`` measures instead what a pooling layer costs inside a model, where the convolutions
+between two poolings leave the caches cold: a stack of MobileNetV3-Large's squeeze-excitation
+blocks at batch 1 (each a depthwise convolution, then the average pooling to 1x1, two 1x1
+convolutions and the rescaling; the channels and sizes of its nine poolings), forward under
+``torch.inference_mode()``, with each pooling layer as
+
+* ``stock``: ``torch.nn.AdaptiveAvgPool2d``;
+* ``plain``: a Python module whose forward calls ``torch.nn.functional.adaptive_avg_pool2d`` (the
+  least a Python layer can cost);
+* ``pool_tuner``: ``pool_tuner.torch.AdaptiveAvgPool2d`` (at batch 1 its race gives every layer to
+  PyTorch's kernel: its cost over ``plain`` is pool_tuner's Python per call).
+
+Each pooling layer's call is timed where it runs, inside the model (``TimedLayer``: the calling
+thread's CPU time around the layer's call, ``time.thread_time_ns``), so the rest of the model is
+not in the measurement: on a shared machine the model's own time varies by far more than the
+microseconds asked about.  PyTorch runs on one thread, the calling one.  Printed: microseconds per
+pooling call of each (the mean over the nine layers and a loop of model calls; median and
+quartiles over ``--rounds`` rounds, the three in a fresh random order every round) and the
+difference to ``plain`` (of the medians, and the quartiles of the paired per-round differences).
 
     python benchmarks/call_overhead.py [--shapes 1x8x4x4:1,1x64x7x7:1,1x8x9x9:4x4] [--rounds 30] [--out FILE]
+    python benchmarks/call_overhead.py --in-model [--rounds 30] [--loop-ms 200] [--out FILE]
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pyopencl as cl
@@ -131,8 +152,119 @@ def check(x, t, x_dev, out_size, candidates, modules) -> None:
             raise SystemExit(f"call_overhead: {name} gave a wrong result; not timing it")
 
 
+#: (channels, height and width) of MobileNetV3-Large's nine average poolings at 224x224: eight
+#: squeeze-excitation blocks and the head.
+MOBILENET_POOLS = ((72, 28), (120, 28), (120, 28), (480, 14), (672, 14), (672, 7), (960, 7), (960, 7), (960, 7))
+
+
+class PlainPool(torch.nn.Module):
+    """The least a Python pooling layer costs: a forward that calls PyTorch's functional form."""
+
+    def __init__(self, output_size):
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(x, self.output_size)
+
+
+class SqueezeExcitation(torch.nn.Module):
+    """A depthwise convolution, then squeeze-excitation around ``pool`` (MobileNetV3's pointwise
+    convolutions left out: their time would bury the poolings' in the noise of a shared machine)."""
+
+    def __init__(self, channels: int, pool: torch.nn.Module):
+        super().__init__()
+        self.depthwise = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.pool = pool
+        self.squeeze = torch.nn.Conv2d(channels, channels // 4, 1)
+        self.excite = torch.nn.Conv2d(channels // 4, channels, 1)
+
+    def forward(self, x):
+        x = self.depthwise(x)
+        scale = torch.nn.functional.hardsigmoid(self.excite(torch.relu(self.squeeze(self.pool(x)))))
+        return x * scale
+
+
+class PoolingStack(torch.nn.Module):
+    """``MOBILENET_POOLS``' blocks side by side, each on its own input (their shapes differ)."""
+
+    def __init__(self, make_pool):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(SqueezeExcitation(c, make_pool(1)) for c, _ in MOBILENET_POOLS)
+
+    def forward(self, inputs):
+        return [block(x) for block, x in zip(self.blocks, inputs)]
+
+
+IN_MODEL_POOLS = {"stock": torch.nn.AdaptiveAvgPool2d, "plain": PlainPool, "pool_tuner": ptt.AdaptiveAvgPool2d}
+
+
+class TimedLayer(torch.nn.Module):
+    """``layer``, its calls' CPU time summed (nanoseconds of the calling thread)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.ns = 0
+        self.calls = 0
+
+    def forward(self, x):
+        start = time.thread_time_ns()
+        y = self.layer(x)
+        self.ns += time.thread_time_ns() - start
+        self.calls += 1
+        return y
+
+
+def _pooling_us(model, inputs, calls: int) -> float:
+    """Microseconds of CPU time per pooling call over ``calls`` calls of ``model``."""
+    timed = [m for m in model.modules() if isinstance(m, TimedLayer)]
+    for m in timed:
+        m.ns = m.calls = 0
+    with torch.inference_mode():
+        for _ in range(calls):
+            model(inputs)
+    return sum(m.ns for m in timed) / sum(m.calls for m in timed) / 1e3
+
+
+def in_model(args, rng) -> dict:
+    """The ``--in-model`` measurement (see the module docstring): its table printed, its numbers
+    returned."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    models = {name: PoolingStack(lambda size, make=make: TimedLayer(make(size))).eval()
+              for name, make in IN_MODEL_POOLS.items()}
+    for model in models.values():
+        model.load_state_dict(models["stock"].state_dict())
+    inputs = [torch.from_numpy(rng.standard_normal((1, c, n, n), dtype=np.float32)) for c, n in MOBILENET_POOLS]
+    with torch.inference_mode():
+        expected = models["stock"](inputs)
+        for name, model in models.items():
+            if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(model(inputs), expected)):
+                raise SystemExit(f"call_overhead: the {name} stack gave a wrong result; not timing it")
+    calls = max(1, round(args.loop_ms / 5))  # a model call takes a few milliseconds
+    names = list(models)
+    us = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for i in rng.permutation(len(names)):
+            us[names[i]].append(_pooling_us(models[names[i]], inputs, calls))
+    rows, entry = [], {"pools": [list(p) for p in MOBILENET_POOLS], "model_calls_per_round": calls, "calls": {}}
+    for name in names:
+        over = common.spread([a - b for a, b in zip(us[name], us["plain"])])
+        mine = common.spread(us[name])
+        of_medians = mine["median"] - common.spread(us["plain"])["median"]
+        entry["calls"][name] = dict(us_per_call=dict(mine, rounds=us[name]), us_over_plain=dict(over, of_medians=of_medians))
+        rows.append([name, common.fmt_spread(mine), f"{of_medians:+.1f}", f"{over['q1']:+.1f} to {over['q3']:+.1f}"])
+    print(f"\n{len(MOBILENET_POOLS)} squeeze-excitation blocks of MobileNetV3-Large, batch 1, inference_mode, one "
+          f"thread; {calls} model calls per round; CPU time of each pooling call, inside the model")
+    print(common.format_table(["pooling layers", "us per call (q1-q3)", "over plain", "paired q1-q3"], rows))
+    return entry
+
+
 def main():
     parser = common.parser(__doc__)
+    parser.add_argument("--in-model", action="store_true",
+                        help="time pooling layers inside a model instead of tiny calls alone (see above)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help="comma-separated NxCxHxW:OUT (OUT an int or HxW) (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per shape (default: %(default)s)")
@@ -147,6 +279,12 @@ def main():
     rng = np.random.default_rng()
     info = common.circumstances(torch, device)
     print(common.describe_circumstances(info))
+    if args.in_model:
+        entry = in_model(args, rng)
+        common.write_json(args.out, {"benchmark": "call_overhead_in_model", "circumstances": common.record_end(info),
+                                     "rounds": args.rounds, "loop_ms": args.loop_ms, "in_model": entry})
+        print(f"\nload average after: {' '.join(f'{v:.2f}' for v in info['load_average_after'])}")
+        return
     results = []
     for shape, out_size in parse_shapes(args.shapes):
         candidates = candidates_for(shape, out_size, device, rng)

@@ -1,8 +1,8 @@
 """Call time of pool_tuner.torch on CUDA tensors against PyTorch's own call and a bare launch.
 
 For each shape (a tiny one, then the benchmark suite's presets), three ways of computing the same
-forward pooling are each called back to back, ``--calls`` times in a row, repeated ``--repeat``
-times:
+pooling are each called back to back, ``--calls`` times in a row, in ``--repeat`` rounds, the three
+in a fresh random order every round:
 
 * ``pytorch``: ``torch.nn.functional.adaptive_{avg,max}_pool{1,2,3}d``;
 * ``pool_tuner``: ``pool_tuner.torch.adaptive_...`` (cache hits: a signature's first call is made
@@ -10,19 +10,28 @@ times:
 * ``bare``: the same kernel through the same prepared launch (``backends.cuda_driver``) on
   preallocated tensors, pointers and stream handle -- the floor of pool_tuner's launch path.
 
-Reported per call, medians over the repeats: ``device`` from CUDA events around each run of calls
-(when kernels are shorter than the host's work per call this is the host's pace, else the
-kernels'), and ``host``, the wall time of the Python loop.  Needs a CUDA GPU, PyTorch with CUDA
-and pool_tuner's CUDA backend (PyCUDA); without them it says what is missing and exits non-zero.
+``--direction backward`` times a forward and its backward instead (``train``: the input requires
+grad, the result's ``backward`` is called; ``bare``: the forward and the backward kernel launched
+on preallocated tensors).  Reported per call, medians over the rounds: ``device`` from CUDA events
+around each run of calls (when kernels are shorter than the host's work per call this is the
+host's pace, else the kernels'), and ``host``, the wall time of the Python loop.  Needs a CUDA GPU,
+PyTorch with CUDA and pool_tuner's CUDA backend; without them it says what is missing and exits
+non-zero.  ``--list`` prints the cases it would time and needs none of that.
 
-    python benchmarks/cuda_call_overhead.py [--preset all] [--dtype float32] [--calls 200] [--repeat 15]
+    python benchmarks/cuda_call_overhead.py [--preset all] [--dtype float32] [--direction forward,backward]
+                                            [--calls 200] [--repeat 15] [--list] [--json FILE]
 """
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
+
+#: Where the tensors live (the tests run the cases on a fake GPU with CPU tensors standing in).
+DEVICE = "cuda"
+DIRECTIONS = ("forward", "backward")
 
 
 def _require_gpu():
@@ -44,75 +53,123 @@ def _require_gpu():
     return torch, ptt
 
 
-def _time(torch, fn, calls: int, repeat: int) -> tuple:
-    """(device, host) microseconds per call: medians over ``repeat`` runs of ``calls`` calls."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    device, host = [], []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(repeat):
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def _time_rounds(torch, sides: dict, calls: int, repeat: int) -> dict:
+    """side -> (device, host) microseconds per call: medians over ``repeat`` rounds, each round
+    one run of ``calls`` calls of every side, the sides in a fresh random order."""
+    for fn in sides.values():
+        for _ in range(10):
             fn()
-        host.append((time.perf_counter() - t0) * 1e6 / calls)
-        end.record()
-        end.synchronize()
-        device.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(device), statistics.median(host)
+    torch.cuda.synchronize()
+    times = {side: ([], []) for side in sides}
+    order = list(sides)
+    for _ in range(repeat):
+        random.shuffle(order)
+        for side in order:
+            device, host = _time_run(torch, sides[side], calls)
+            times[side][0].append(device)
+            times[side][1].append(host)
+    return {side: (statistics.median(device), statistics.median(host)) for side, (device, host) in times.items()}
 
 
-def _cases(preset: str, tiny: bool) -> list:
+def _time_run(torch, fn, calls: int) -> tuple:
+    """(device, host) microseconds per call of one run of ``calls`` calls of ``fn``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / calls
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls, host
+
+
+def cases(preset: str, tiny: bool) -> list:
+    """``(name, (op, input shape, output size))`` of every shape to time."""
     from pool_tuner.presets import PRESETS, preset_shapes
 
-    cases = [("tiny", ("adaptive_avg_pool2d", (1, 16, 8, 8), (4, 4)))] if tiny else []
+    found = [("tiny", ("adaptive_avg_pool2d", (2, 16, 14, 14), (1, 1)))] if tiny else []
     names = list(PRESETS) if preset == "all" else preset.split(",")
     for name in names:
-        cases += [(name, shape) for shape in preset_shapes(name)]
-    return cases
+        found += [(name, shape) for shape in preset_shapes(name)]
+    return found
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sides_of(torch, ptt, op: str, shape, size, dtype, direction: str) -> tuple:
+    """``(sides, plan)``: the three ways of computing one case (see the module docstring) as
+    functions of no arguments, and pool_tuner's plan of its forward (``torch_cuda``)."""
+    from pool_tuner import torch_cuda
+
+    x = torch.rand(shape, device=DEVICE, dtype=dtype) + 0.5
+    torch_fn, ours = getattr(torch.nn.functional, op), getattr(ptt, op)
+    plan = torch_cuda.plan_op(op, "forward", [x], size, {})
+    outputs = [torch.empty_strided(s, st, dtype=d, device=DEVICE) for s, st, d in plan.outputs]
+    stream = torch_cuda.current_raw_stream(x.device.index)
+    pointers = [x.data_ptr()] + [o.data_ptr() for o in outputs]
+    if direction == "forward":
+        return {"pytorch": lambda: torch_fn(x, size), "pool_tuner": lambda: ours(x, size),
+                "bare": lambda: plan.launch(stream, *pointers)}, plan
+    grad = torch.rand(plan.outputs[0][0], device=DEVICE, dtype=dtype)
+    backward_inputs = [grad] + outputs[1:]  # a max pooling's backward reads the forward's indices
+    backward = torch_cuda.plan_op(op, "backward", backward_inputs, tuple(shape), {})
+    grad_in = torch.empty_strided(*backward.outputs[0][:2], dtype=dtype, device=DEVICE)
+    backward_pointers = [t.data_ptr() for t in backward_inputs] + [grad_in.data_ptr()]
+    x_grad = x.detach().requires_grad_()
+
+    def train(fn):
+        fn(x_grad, size).backward(grad)
+
+    def bare():
+        plan.launch(stream, *pointers)
+        backward.launch(stream, *backward_pointers)
+
+    return {"pytorch": lambda: train(torch_fn), "pool_tuner": lambda: train(ours), "bare": bare}, plan
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--preset", default="all", help="comma-separated preset names, or all")
     parser.add_argument("--no-tiny", action="store_true", help="leave out the tiny shape")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "float16", "bfloat16"))
+    parser.add_argument("--direction", default="forward",
+                        help="comma-separated, of forward and backward (a forward and its backward)")
     parser.add_argument("--calls", type=int, default=200, help="calls per timed run")
-    parser.add_argument("--repeat", type=int, default=15, help="timed runs per side")
+    parser.add_argument("--repeat", type=int, default=15, help="timed rounds")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    directions = args.direction.split(",")
+    if set(directions) - set(DIRECTIONS):
+        parser.error(f"--direction takes {', '.join(DIRECTIONS)}")
+    todo = [(direction, name, case) for direction in directions for name, case in cases(args.preset, not args.no_tiny)]
+    if args.list:
+        for direction, name, (op, shape, size) in todo:
+            print(f"{direction:8s} {name:16s} {op} {'x'.join(map(str, shape))} -> {tuple(size)}")
+        return
     torch, ptt = _require_gpu()
-    from pool_tuner import ops, torch_cuda
-
     dtype = getattr(torch, args.dtype)
-    stream = torch.cuda.current_stream().cuda_stream
     rows = []
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.dtype}; {args.calls} calls x "
-          f"{args.repeat} runs; microseconds per call (device: CUDA events, host: Python loop)")
-    print(f"{'case':16s} {'input -> output':32s} {'pytorch':>15s} {'pool_tuner':>15s} {'bare':>15s} {'pt/torch':>8s}")
-    for name, (op, shape, size) in _cases(args.preset, not args.no_tiny):
-        x = torch.rand(shape, device="cuda", dtype=dtype) + 0.5
-        torch_fn, ours = getattr(torch.nn.functional, op), getattr(ptt, op)
-        plan = torch_cuda.plan(getattr(ops, op), [x], size, {})
-        outputs = [torch.empty_strided(s, st, dtype=d, device="cuda") for s, st, d in plan.outputs]
-        pointers = [x.data_ptr()] + [o.data_ptr() for o in outputs]
-        sides = {
-            "pytorch": lambda: torch_fn(x, size),
-            "pool_tuner": lambda: ours(x, size),
-            "bare": lambda: plan.launch(stream, *pointers),
-        }
-        timings = {side: _time(torch, fn, args.calls, args.repeat) for side, fn in sides.items()}
-        rows.append({"case": name, "op": op, "input": list(shape), "output_size": list(size), "dtype": args.dtype,
-                     "variant": plan.choice.variant.name, "source": plan.choice.source,
+          f"{args.repeat} rounds; microseconds per call, device (CUDA events) / host (Python loop)")
+    print(f"{'direction':9s} {'case':16s} {'input -> output':32s} {'pytorch':>15s} {'pool_tuner':>15s} {'bare':>15s} "
+          f"{'host pt/torch':>13s}")
+    for direction, name, (op, shape, size) in todo:
+        sides, plan = sides_of(torch, ptt, op, shape, size, dtype, direction)
+        timings = _time_rounds(torch, sides, args.calls, args.repeat)
+        rows.append({"direction": direction, "case": name, "op": op, "input": list(shape), "output_size": list(size),
+                     "dtype": args.dtype, "variant": plan.plan.choice.variant.name, "source": plan.plan.choice.source,
                      **{f"{side}_{what}_us": t for side, (dev, host) in timings.items()
                         for what, t in (("device", dev), ("host", host))}})
         cells = " ".join(f"{dev:7.1f}/{host:7.1f}" for dev, host in timings.values())
-        ratio = timings["pool_tuner"][0] / timings["pytorch"][0]
-        print(f"{name:16s} {'x'.join(map(str, shape)) + ' -> ' + str(tuple(size)):32s} {cells} {ratio:8.2f}")
-    ratios = [r["pool_tuner_device_us"] / r["pytorch_device_us"] for r in rows]
-    print(f"geomean pool_tuner/pytorch device time per call: {statistics.geometric_mean(ratios):.2f} "
-          "(below 1: pool_tuner faster)")
+        ratio = timings["pool_tuner"][1] / timings["pytorch"][1]
+        print(f"{direction:9s} {name:16s} {'x'.join(map(str, shape)) + ' -> ' + str(tuple(size)):32s} {cells} "
+              f"{ratio:13.2f}")
+    for direction in directions:
+        ratios = [r["pool_tuner_host_us"] / r["pytorch_host_us"] for r in rows if r["direction"] == direction]
+        print(f"{direction}: geomean pool_tuner/pytorch host time per call: {statistics.geometric_mean(ratios):.2f} "
+              "(the target: at most 1.5)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,4 +1,4 @@
-"""Whole torchvision models on the CPU, stock against ``pool_tuner.torch.replace_pooling``.
+"""Whole torchvision models on the CPU (or a CUDA GPU), stock against ``pool_tuner.torch.replace_pooling``.
 
 What a user sees who swaps pool_tuner into a model: the model's time per call, not the pooling
 layer's.  Each model (``weights=None``: random initialisation, nothing downloaded) is built once;
@@ -12,6 +12,10 @@ calls back to back, a fresh random order every round), medians:
 * ``train_b8``: a training step on 8 images in train mode -- forward, cross-entropy loss, backward,
   an SGD step (each model of the pair trains its own copy, so the inference models stay as built).
 
+``--device cuda`` runs the models on the GPU (``CUDA_MODELS``) with the cases ``infer_b1``,
+``infer_b64``, ``infer_b64_fp16_cl`` (batch 64 under ``torch.autocast`` to float16, model and images
+channels-last) and ``train_b32``; each loop of calls ends with ``torch.cuda.synchronize()``.
+
 Reported: milliseconds per call of each (median and quartiles over the rounds), the ratio stock /
 pool_tuner (below 1: pool_tuner's model is slower) of the medians and the quartiles of the paired
 per-round ratios, and the pooling layers swapped.  PyTorch's intra-op threads are set explicitly
@@ -20,11 +24,13 @@ them.
 
     python benchmarks/models.py [--models efficientnet_b0,resnet50] [--cases infer_b1,infer_b16,train_b8]
                                 [--rounds 5] [--threads N] [--out FILE]
+    python benchmarks/models.py --device cuda [--cases infer_b1,infer_b64,infer_b64_fp16_cl,train_b32]
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import sys
 
@@ -43,8 +49,25 @@ from pool_tuner import backends
 import common
 
 MODELS = ("efficientnet_b0", "mobilenet_v3_large", "regnet_y_400mf", "resnet50")
-#: case -> (batch size, training step?)
-CASES = {"infer_b1": (1, False), "infer_b16": (16, False), "train_b8": (8, True)}
+CUDA_MODELS = ("efficientnet_b0", "mobilenet_v3_large", "resnet50", "convnext_tiny")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One way of calling a model: a batch of ``batch`` images, a training step or a forward pass,
+    and whether under float16 autocast with model and images channels-last."""
+
+    batch: int
+    train: bool = False
+    fp16_channels_last: bool = False
+
+
+#: device -> case name -> Case
+CASES = {
+    "cpu": {"infer_b1": Case(1), "infer_b16": Case(16), "train_b8": Case(8, train=True)},
+    "cuda": {"infer_b1": Case(1), "infer_b64": Case(64), "infer_b64_fp16_cl": Case(64, fp16_channels_last=True),
+             "train_b32": Case(32, train=True)},
+}
 IMAGE = 224
 CLASSES = 1000
 
@@ -58,11 +81,11 @@ def build(name: str) -> tuple:
     return stock, swapped, names
 
 
-def agreement(stock, swapped, rng) -> dict:
+def agreement(stock, swapped, rng, device: str = "cpu") -> dict:
     """Both models in eval mode on one batch of two images: whether their outputs agree, and how
     far apart they are (summation order differs, and the difference grows through the layers
     after a pooling layer, so the tolerance is relative to the outputs' scale)."""
-    images = torch.from_numpy(rng.standard_normal((2, 3, IMAGE, IMAGE), dtype=np.float32))
+    images = torch.from_numpy(rng.standard_normal((2, 3, IMAGE, IMAGE), dtype=np.float32)).to(device)
     with torch.inference_mode():
         expected, got = stock.eval()(images), swapped.eval()(images)
     scale = float(expected.abs().max())
@@ -71,17 +94,26 @@ def agreement(stock, swapped, rng) -> dict:
             "max_abs_difference": difference, "output_scale": scale}
 
 
-def inference(model, images) -> common.Candidate:
+def _wait(device: str):
+    """What ends a loop of calls: nothing on the CPU (each call returns its result), the device's
+    queue drained on a GPU."""
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def inference(model, images, case: Case, device: str = "cpu") -> common.Candidate:
     model.eval()
+    if case.fp16_channels_last:
+        model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        images = images.to(memory_format=torch.channels_last)
 
     def call():
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast(device, dtype=torch.float16, enabled=case.fp16_channels_last):
             model(images)
 
-    return common.Candidate(call, lambda: None)
+    return common.Candidate(call, _wait(device))
 
 
-def training_step(model, images, labels) -> common.Candidate:
+def training_step(model, images, labels, device: str = "cpu") -> common.Candidate:
     """One step on a copy of ``model`` of its own (momentum buffers and all)."""
     model = copy.deepcopy(model).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
@@ -92,25 +124,30 @@ def training_step(model, images, labels) -> common.Candidate:
         loss_fn(model(images), labels).backward()
         optimizer.step()
 
-    return common.Candidate(call, lambda: None)
+    return common.Candidate(call, _wait(device))
 
 
 def main():
     parser = common.parser(__doc__)
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated torchvision model names "
-                        "(default: %(default)s)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} "
-                        "(default: all)")
+    parser.add_argument("--device", default="cpu", choices=tuple(CASES), help="where the models run (default: cpu)")
+    parser.add_argument("--models", help=f"comma-separated torchvision model names (default: {', '.join(MODELS)}; "
+                        f"with --device cuda {', '.join(CUDA_MODELS)})")
+    parser.add_argument("--cases", help="comma-separated, of " + "; ".join(
+        f"{', '.join(cases)} (--device {device})" for device, cases in CASES.items()) + " (default: all of the device's)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default: %(default)s)")
     parser.add_argument("--loop-s", type=float, default=0.3,
                         help="wall time each timed loop of calls aims at, at least one call (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     common.add_output_argument(parser)
     args = parser.parse_args()
-    cases = args.cases.split(",")
-    unknown = [c for c in cases if c not in CASES]
+    device_cases = CASES[args.device]
+    cases = args.cases.split(",") if args.cases else list(device_cases)
+    unknown = [c for c in cases if c not in device_cases]
     if unknown:
-        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+        parser.error(f"unknown case(s) {unknown} for --device {args.device}; choose from {list(device_cases)}")
+    models = args.models.split(",") if args.models else list(CUDA_MODELS if args.device == "cuda" else MODELS)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("models.py --device cuda needs a CUDA GPU and PyTorch built with CUDA")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -119,20 +156,22 @@ def main():
     info["torchvision"] = torchvision.__version__
     print(common.describe_circumstances(info) + f"; torchvision {torchvision.__version__}")
     results, rows, disagreed = [], [], []
-    for name in args.models.split(","):
+    for name in models:
         stock, swapped, swapped_names = build(name)
-        agree = agreement(stock, swapped, rng)
+        stock, swapped = stock.to(args.device), swapped.to(args.device)
+        agree = agreement(stock, swapped, rng, args.device)
         if not agree["allclose"]:
             disagreed.append(name)
         entry = {"model": name, "pooling_layers_swapped": swapped_names, "outputs_agree": agree, "cases": {}}
         for case in cases:
-            batch, train = CASES[case]
-            images = torch.from_numpy(rng.standard_normal((batch, 3, IMAGE, IMAGE), dtype=np.float32))
-            if train:
-                labels = torch.from_numpy(rng.integers(0, CLASSES, batch))
-                make = functools.partial(training_step, images=images, labels=labels)
+            spec = device_cases[case]
+            images = torch.from_numpy(rng.standard_normal((spec.batch, 3, IMAGE, IMAGE), dtype=np.float32))
+            images = images.to(args.device)
+            if spec.train:
+                labels = torch.from_numpy(rng.integers(0, CLASSES, spec.batch)).to(args.device)
+                make = functools.partial(training_step, images=images, labels=labels, device=args.device)
             else:
-                make = functools.partial(inference, images=images)
+                make = functools.partial(inference, images=images, case=spec, device=args.device)
             timings = common.interleave({"stock": make(stock), "pool_tuner": make(swapped)}, args.rounds,
                                         args.loop_s, rng)
             ratio = timings.ratio("stock", "pool_tuner")

@@ -56,6 +56,7 @@ __all__ = [
     "adaptive_max_pool_pyramid_backward",
     "adaptive_avgmax_pool2d",
     "adaptive_avgmax_pool2d_backward",
+    "__version__",
     "benchmark_mode",
     "devices",
     "explain",

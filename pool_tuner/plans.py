@@ -155,14 +155,14 @@ class Plan:
     * ``results``: the arrays the call returns (``Result``), in order: values (and, for a max
       forward, indices), or the input gradient;
     * ``launch``: the built kernel and grid (``dispatch.Launch``), None when there is nothing to
-      compute -- built by ``make_plan`` unless asked to wait for its first use (``build=False``);
+      compute -- built by ``make_plan``;
       ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
     * ``nbytes``: per input, then per result, the bytes of its memory.
     """
 
     __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "nbytes",
-                 "host_launch", "use_pytorch", "race")
+                 "host_launch")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
@@ -179,10 +179,6 @@ class Plan:
         self.nbytes = tuple(sizes)
         #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
         self.host_launch = None
-        #: Whether PyTorch's own kernel runs this forward on CPU tensors instead, and the race that
-        #: decides it while it runs (``torch_cpu.Race``); set by ``pool_tuner.torch_cpu``.
-        self.use_pytorch = False
-        self.race = None
 
     @property
     def launch(self):
@@ -210,7 +206,7 @@ class Plan:
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,
-              on_miss=None, names=None, context=None, build_target=None, before_build=None, build=True) -> Plan:
+              on_miss=None, names=None, context=None, build_target=None, before_build=None) -> Plan:
     """Validate a call and plan it (see the module docstring).
 
     ``specs``: ``[x]`` (forward), ``[grad_out]`` or ``[grad_out, indices]`` (backward), as
@@ -221,10 +217,8 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     wrote them, for error messages; ``context``: the context the kernel is built in (default: the
     device's default queue's); ``build_target``: what builds it, when not the device itself
     (``torch_cuda``'s driver-API target, which is its own context); ``before_build(problem)``: a
-    last check of the caller's, once the problem is known and before anything is built;
-    ``build=False``: the kernel is built on the plan's first launch instead (a plan that may never
-    launch one: ``torch_cpu``'s race).  Raises ``TypeError`` /
-    ``ValueError`` naming the argument before anything is built."""
+    last check of the caller's, once the problem is known and before anything is built.  Raises
+    ``TypeError`` / ``ValueError`` naming the argument before anything is built."""
     operation, flow = OPS[op], DIRECTIONS[direction]
     ndim = operation.ndim
     first = specs[0]
@@ -233,7 +227,7 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     check_float64(device, dtype, name)
     if operation.multi_level and not flow.reads_input:
         return _make_plan(*multi_level_backward(op, specs, size, dtype, name), device, variant, config, on_miss,
-                          context, build_target, before_build, build)
+                          context, build_target, before_build)
     layout = strides_layout(first.shape, first.strides, ndim)
     reorder = [layout is None]
     layout = layout or LAYOUT_NAMES[ndim][0]
@@ -242,7 +236,7 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
         results = [problem.output_shape] + ([problem.output_shape] if operation.selects else [])
         if operation.multi_level:
             return _make_plan(problem, tuple(reorder), flat_results(problem), device, variant, config, on_miss,
-                              context, build_target, before_build, build)
+                              context, build_target, before_build)
     else:
         if isinstance(size, (str, bytes)) or not hasattr(size, "__len__") or type(size).__module__ == "numpy":
             raise TypeError(f"input_shape must be a tuple of ints, got {type(size).__name__}")
@@ -253,11 +247,10 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     results = tuple(Result(shape, element_strides(problem, shape), problem.memory_shape(shape), d)
                     for shape, d in zip(results, flow.result_dtypes(dtype)))
     return _make_plan(problem, tuple(reorder), results, device, variant, config, on_miss, context, build_target,
-                      before_build, build)
+                      before_build)
 
 
-def _make_plan(problem, reorder, results, device, variant, config, on_miss, context, build_target, before_build,
-               build) -> Plan:
+def _make_plan(problem, reorder, results, device, variant, config, on_miss, context, build_target, before_build) -> Plan:
     """``make_plan`` once the problem, the inputs' reordering and the results are known."""
     if before_build is not None:
         before_build(problem)
@@ -267,8 +260,7 @@ def _make_plan(problem, reorder, results, device, variant, config, on_miss, cont
         build_target = device
         context = device.queue.context if context is None else context
     plan = Plan(problem, device, choice, reorder, results, build_target, context)
-    if build:
-        plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
+    plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
     return plan
 
 

@@ -43,9 +43,7 @@ import functools
 import json
 import math
 import operator
-import time
 
-import numpy as np
 
 try:
     import torch
@@ -350,57 +348,110 @@ def _check_no_functorch_transform():
 _OP_NAMES = {(kind, ndim): f"adaptive_{kind}_pool{ndim}d" for kind in KINDS for ndim in NDIMS}
 
 
-def _runs_eagerly_on_cpu(input) -> bool:
-    """Whether a call is plain eager PyTorch on a CPU tensor -- not traced, compiled, exported,
-    transformed (torch.func) or under a dispatch mode -- so that it may skip the custom op's
-    dispatch layers (``_eager_cpu_pool``); everything else goes through the custom op."""
-    return (type(input) is torch.Tensor and input.is_cpu and not torch._C._get_tracing_state()
+def _eager_path(input):
+    """The eager path of a call on ``input`` -- ``_eager_cpu_pool`` or ``_eager_cuda_pool`` -- for a
+    plain eager call on a CPU or CUDA tensor (not traced, compiled, exported, transformed by
+    torch.func or under a dispatch mode), which skips the custom op's dispatch layers; None for
+    everything else, which goes through the custom op."""
+    if (type(input) is torch.Tensor and not torch._C._get_tracing_state()
             and torch._C._functorch.peek_interpreter_stack() is None and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
+            and torch._C._len_torch_dispatch_stack() == 0):
+        if input.is_cpu:
+            return _eager_cpu_pool
+        if input.is_cuda:
+            return _eager_cuda_pool
+    return None
 
 
 def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
     """An eager forward on a CPU tensor through its plan (``pool_tuner.torch_cpu``), without the
-    custom op's dispatch layers where no gradient is needed; during the race of a plan's first
-    calls (``torch_cpu.Race``) each call runs one candidate and is timed."""
+    custom op's dispatch layers where no gradient is needed.  A new signature's plan may race
+    PyTorch's kernel before its first result (``torch_cpu.race_pytorch``), never under
+    ``torch.use_deterministic_algorithms(True)``: such calls have a signature of their own.
+
+    This runs on every call of a layer, inside models whose other layers leave the caches cold:
+    each object it touches costs, so a warm call is one key and one lookup."""
     op = _OP_NAMES[kind, ndim]
-    decoded = _decode_options(options) if options else ()
-    # The call's signature, as cheaply as it can be told apart (this runs on every call of a
-    # layer): an int size is its own key; sequences keep their elements' types (``ops._exact``).
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    # an int size is its own key; sequences keep their elements' types (``ops._exact``)
     size_key = output_size if type(output_size) is int else _ops._exact(output_size)
-    key = ("eager", op, size_key, decoded, env_device_setting(), input.shape, input.stride(), input.dtype)
-    found = _torch_cpu.plan_of(key)
+    key = ("eager", op, size_key, options, env_device_setting(), deterministic, input.shape, input.stride(), input.dtype)
+    if not _torch_cpu.WINNERS.get(key):
+        found = _torch_cpu.plan_of(key)
+        if found is None:
+            size = tuple(_check_input(input, ndim, output_size))
+            found = _torch_cpu.plan(op, "forward", [input], size, _decode_options(options), key=key,
+                                    race=not deterministic)
+        if not _torch_cpu.WINNERS.get(key):
+            if input.requires_grad and torch.is_grad_enabled():
+                output_size = list(found.problem.output_shape[-ndim:])
+                return _custom_op_pool(kind, ndim, input, output_size, return_indices, options)
+            results = _torch_cpu.run(found, [input])
+            return (results[0], results[1]) if return_indices else results[0]
+    # the race's winner: PyTorch's own kernel runs this layer
+    if type(output_size) is int:
+        kernel, selects = _torch_cpu.PYTORCH_KERNELS[op]
+        result = kernel(input, output_size)
+        return result if not selects or return_indices else result[0]
+    form = _torch_cpu.PYTORCH_FORMS[op]
+    return form(input, output_size, True) if return_indices else form(input, output_size)
+
+
+def _eager_cuda_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
+    """An eager forward on a CUDA tensor through its plan (``pool_tuner.torch_cuda``): a warm call
+    is its signature, one lookup, the results' allocation and one launch; with a gradient to
+    compute, inside ``_EagerPooling`` (an ``autograd.Function``) instead of the custom op."""
+    op = _OP_NAMES[kind, ndim]
+    size_key = output_size if type(output_size) is int else _ops._exact(output_size)
+    key = ("eager", op, size_key, options, input.shape, input.stride(), input.dtype, input.device)
+    found = _torch_cuda.plan_of(key)
     if found is None:
         size = tuple(_check_input(input, ndim, output_size))
-        found = _torch_cpu.plan(op, "forward", [input], size, decoded, key=key, race=True)
-    race = found.race
-    if race is None:
-        if found.use_pytorch:  # decided: PyTorch's own kernel runs this layer
-            form = _torch_cpu.PYTORCH_FORMS[op]
-            return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
-        return _eager_candidate(False, found, kind, ndim, input, output_size, return_indices, options)
-    use_pytorch = race.next_is_pytorch()
-    start = time.perf_counter()
-    result = _eager_candidate(use_pytorch, found, kind, ndim, input, output_size, return_indices, options)
-    race.record(use_pytorch, time.perf_counter() - start)
-    return result
-
-
-def _eager_candidate(use_pytorch: bool, found, kind, ndim, input, output_size, return_indices, options):
-    """One eager forward by PyTorch's own kernel or by pool_tuner's (its plan directly, or the
-    custom op where a gradient is needed)."""
-    if use_pytorch:
-        form = _torch_cpu.PYTORCH_FORMS[found.problem.op]
-        return form(input, output_size) if kind == "avg" else form(input, output_size, return_indices)
+        found = _torch_cuda.plan_op(op, "forward", [input], size, dict(_decode_options(options)), key=key)
     if input.requires_grad and torch.is_grad_enabled():
-        return _custom_op_pool(kind, ndim, input, list(found.problem.output_shape[-ndim:]), return_indices, options)
-    results = _torch_cpu.run(found, [input])
+        results = _EagerPooling.apply(input, found, options)
+    else:
+        results = found([input])
     return (results[0], results[1]) if return_indices else results[0]
 
 
+class _EagerPooling(torch.autograd.Function):
+    """The autograd of an eager CUDA forward (``_eager_cuda_pool``): the forward is the plan's
+    launch; the backward launches the backward kernel through its own plan, or, where the
+    backward is itself differentiated (``create_graph=True``), runs the backward custom op, whose
+    autograd gives the double backward."""
+
+    @staticmethod
+    def forward(ctx, input, found, options: str):
+        results = found([input])
+        ctx.op, ctx.ndim, ctx.input_shape = found.problem.op, found.problem.ndim, tuple(input.shape)
+        ctx.options = _backward_options(options)
+        if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
+            ctx.mark_non_differentiable(results[1])
+            ctx.save_for_backward(results[1])
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, grad_out, *_grad_indices):
+        tensors = [grad_out, *ctx.saved_tensors]
+        if torch.is_grad_enabled():
+            kind, ndim = OPS[ctx.op]
+            grad_in = _OPS[kind, ndim, True](*tensors, list(ctx.input_shape), ctx.options)
+        else:
+            key = ("eager", ctx.op, "backward", ctx.input_shape, ctx.options,
+                   *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+            found = _torch_cuda.plan_of(key)
+            if found is None:
+                found = _torch_cuda.plan_op(ctx.op, "backward", tensors, ctx.input_shape,
+                                            dict(_decode_options(ctx.options)), key=key)
+            (grad_in,) = found(tensors)
+        return grad_in, None, None
+
+
 def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
-    if _runs_eagerly_on_cpu(input):
-        return _eager_cpu_pool(kind, ndim, input, output_size, return_indices, options)
+    eager = _eager_path(input)
+    if eager is not None:
+        return eager(kind, ndim, input, output_size, return_indices, options)
     output_size = _check_input(input, ndim, output_size)
     _check_no_functorch_transform()
     if _exported_to_onnx():
@@ -492,9 +543,15 @@ class _PoolTunerModule(_OwnModule):
             get_variant(f"adaptive_{self.kind}_pool{self.ndim}d", variant)
         self.device, self.variant, self.config = device, variant, config
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.returns_indices = OPS[_OP_NAMES[cls.kind, cls.ndim]].returns_indices
+
     def forward(self, input):
-        return _pool(self.kind, self.ndim, input, self.output_size, getattr(self, "return_indices", False),
-                     _encode_options(self.device, self.variant, self.config))
+        options = ("" if self.device is None and self.variant is None and self.config is None
+                   else _encode_options(self.device, self.variant, self.config))
+        return _pool(self.kind, self.ndim, input, self.output_size, self.returns_indices and self.return_indices,
+                     options)
 
 
 class AdaptiveAvgPool1d(_PoolTunerModule, torch.nn.AdaptiveAvgPool1d):

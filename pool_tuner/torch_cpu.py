@@ -11,13 +11,22 @@ numpy views of the tensors through ``ops``, which copies them to the device and 
 **PyTorch's own kernel as a candidate.**  Every launch costs a fixed time (the device's
 launch-and-wait) that PyTorch's CPU kernels, plain function calls, do not pay: below it no
 pool_tuner kernel can win.  So a small forward problem (``RACE_BYTES``) called eagerly on CPU
-tensors with no forced variant or configuration races the two on its first calls (``Race``: a
-block of each, every call timed as the caller made it), and the layer keeps the faster one --
-pool_tuner's only by a margin, for the cost its launches put on the PyTorch operations around them
--- for its forward and (through PyTorch's autograd) its backward pass.  ``pool_tuner.explain(...,
-caller="torch")`` shows the measurement.  Both compute PyTorch's semantics, but they may differ
-in the last bit of an average, and a close race can go either way from one process to the next:
-``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) always runs pool_tuner's kernel.
+tensors with no forced variant or configuration races the two on its first call (``race_pytorch``: a
+block of calls of each on the caller's input, the fastest call of each compared), and the layer
+keeps the faster one -- pool_tuner's only by a margin, for the cost its launches put on the
+PyTorch operations around them -- for its forward and (through PyTorch's autograd) its backward
+pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.
+
+**One answer per input.**  Both candidates compute PyTorch's semantics, but an average may differ
+in its last bit between them.  So the race is decided before the signature's first result is
+returned, once per process (under a lock, so threads meeting a new signature together wait for
+one decision; kept apart from the bounded plan tables, so an evicted plan comes back with the same
+winner): every call of a signature returns the same bits.  Deciding first costs the first call a
+dozen small calls, against the alternative of returning one candidate's bits while timing the
+other, which would have to keep the first candidate even where the other wins.  A close race can
+still go either way from one process to the next: under ``torch.use_deterministic_algorithms(True)``
+nothing is timed and pool_tuner's dispatched kernel runs (the same bits in every process with the
+same tuning records), and ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) does that always.
 """
 
 from __future__ import annotations
@@ -25,33 +34,71 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import torch
 
 from . import backends, dispatch, ops, plans, tuner
-from .operations import SINGLE_LEVEL
+from .operations import OPERATIONS, SINGLE_LEVEL
 
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
 CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
 pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
 #: Forward problems moving at most this many bytes race PyTorch's kernel on their first call.
 RACE_BYTES = 1 << 22
-#: Timed calls of each candidate in the race.
+#: Timed calls of each candidate in the race (each after one untimed call: first-touch costs).
 RACE_CALLS = 5
-#: How much faster than PyTorch's kernel pool_tuner's must be in the race (see ``Race``).
+#: How much faster than PyTorch's kernel pool_tuner's must be in the race (see ``race``).
 RACE_MARGIN = 1.25
 
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
+
+class Winners(dict):
+    """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
+    the module docstring), each decided once, by the first thread to meet the signature while the
+    others wait for it.  A bool per raced signature, kept while the process lives, or until
+    dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
+    warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # a forked child starts with the lock free
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def decide(self, key, decide) -> bool:
+        """The decision for ``key``, made by ``decide()`` if there is none yet."""
+        with self._lock:
+            decided = self.get(key)
+            if decided is None:
+                decided = decide()
+                self[key] = decided
+            return decided
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+
+WINNERS = Winners()
+dispatch.register_dependent_memo(WINNERS)
+
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
+#: op -> (PyTorch's ATen function of it, whether it returns ``(values, indices)``): what the
+#: functional form calls, without the Python around it, for an output size that is one int (the
+#: form resolves ``None`` entries first).  A layer that PyTorch's kernel runs pays no more.
+PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), OPERATIONS[op].selects)
+                   for op in SINGLE_LEVEL}
 
 
 def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None, race: bool = False) -> plans.Plan:
     """The plan of a call signature, made and memoised on its first use; ``options`` are
     pool_tuner's keyword options as ``(name, value)`` pairs.  ``race``: the eager path's plans,
-    which may race PyTorch's kernel (``start_race``); the custom op's always run pool_tuner's."""
+    whose forward may be raced against PyTorch's kernel on ``tensors`` before this returns
+    (``race_pytorch``; ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run
+    pool_tuner's."""
     if key is None:
         key = signature(op, direction, tensors, size, options)
     found = _PLANS.get(key)
@@ -60,11 +107,9 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None,
         device = backends.resolve_device(given.get("device"))
         names = ("input",) if direction == "forward" else ("grad_out",)
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
-                                given.get("config"), on_miss=tuner.tune_on_miss, names=names, build=False)
-        if race:
-            start_race(found)
-        if found.race is None:
-            found.launch  # noqa: B018 -- no race: built now, as every plan is; a race builds at pool_tuner's turn
+                                given.get("config"), on_miss=tuner.tune_on_miss, names=names)
+        if race and races(found):
+            WINNERS.decide(key, lambda: race_pytorch(found, tensors[0], size))
         _PLANS.put(key, found)
     return found
 
@@ -154,62 +199,48 @@ def to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ PyTorch's kernel as a candidate
 
 
-def start_race(found: plans.Plan) -> None:
-    """Set up the race of a new forward plan against PyTorch's kernel where it is due (see the
-    module docstring); otherwise pool_tuner's kernel runs the plan from its first call."""
+def races(found: plans.Plan) -> bool:
+    """Whether a new eager plan races PyTorch's kernel (see the module docstring)."""
     problem = found.problem
-    found.use_pytorch = False
-    if (pytorch_candidate and problem.direction == "forward" and found.choice.source != "forced"
-            and not problem.is_empty and problem.bytes_moved() <= RACE_BYTES):
-        found.race = Race(found)
+    return (pytorch_candidate and problem.direction == "forward" and found.choice.source != "forced"
+            and not problem.is_empty and problem.bytes_moved() <= RACE_BYTES)
 
 
-class Race:
-    """PyTorch's kernel against pool_tuner's on a plan's first calls, each call timed as the
-    caller made it: first ``RACE_CALLS + 1`` calls of PyTorch's, then as many of pool_tuner's, the
-    first of each left out (first-touch costs); the faster by its fastest call then runs every
-    later call (``Plan.use_pytorch``) and the race is noted for ``explain``.  So the race costs the
-    caller nothing but the slower candidate's calls among the first ones.  The fastest call, not
-    the median: what ran just before a call (another library's threads still spinning, say) can
-    slow any few of them, and the race is about the kernels.
+def race_pytorch(found: plans.Plan, x: torch.Tensor, output_size) -> bool:
+    """Race PyTorch's kernel against pool_tuner's on input ``x``; returns whether PyTorch's runs
+    the plan, and notes the race for ``explain``.
 
     In blocks rather than taking turns: a launch leaves the device's worker threads competing for
     the cores with PyTorch's own for a while, so a PyTorch call right after one of pool_tuner's
     would be charged for it.  That cost falls on the PyTorch operations around a pool_tuner
-    kernel, which the race cannot see: pool_tuner's kernel must win by ``RACE_MARGIN``."""
+    kernel, which the race cannot see: pool_tuner's kernel must win by ``RACE_MARGIN``.  The
+    fastest call, not the median: what ran just before a call (another library's threads still
+    spinning, say) can slow any few of them, and the race is about the kernels."""
+    form = PYTORCH_FORMS[found.problem.op]
+    with torch.no_grad():
+        pytorch_ms = _fastest_call_ms(lambda: form(x, output_size))
+        pool_tuner_ms = _fastest_call_ms(lambda: run(found, [x]))
+    use_pytorch = pool_tuner_ms * RACE_MARGIN > pytorch_ms
+    dispatch.note_measured_candidate(found.problem, found.device, {
+        "candidate": "pytorch",
+        "winner": "pytorch" if use_pytorch else "pool_tuner",
+        "pytorch_ms": pytorch_ms,
+        "pool_tuner_ms": pool_tuner_ms,
+        "rule": f"forward problems of at most {RACE_BYTES} bytes called eagerly on CPU tensors time PyTorch's kernel "
+                f"on {RACE_CALLS + 1} calls, then pool_tuner's on as many, on their first call (the first of each "
+                f"left out); pool_tuner's runs every call if its fastest call is {RACE_MARGIN}x faster, else "
+                f"PyTorch's; under torch.use_deterministic_algorithms(True) pool_tuner's, untimed",
+    })
+    return use_pytorch
 
-    __slots__ = ("plan", "calls", "times", "lock")
 
-    def __init__(self, found: plans.Plan):
-        self.plan = found
-        self.calls = 0
-        self.times = {True: [], False: []}
-        self.lock = threading.Lock()
-
-    def next_is_pytorch(self) -> bool:
-        return self.calls <= RACE_CALLS
-
-    def record(self, used_pytorch: bool, seconds: float) -> None:
-        with self.lock:
-            self.calls += 1
-            if self.plan.race is not self:  # decided meanwhile by another thread
-                return
-            if self.calls not in (1, RACE_CALLS + 2):
-                self.times[used_pytorch].append(seconds * 1e3)
-            if min(len(t) for t in self.times.values()) >= RACE_CALLS:
-                self._decide()
-
-    def _decide(self) -> None:
-        pytorch_ms, pool_tuner_ms = (min(self.times[side]) for side in (True, False))
-        found = self.plan
-        found.use_pytorch = pool_tuner_ms * RACE_MARGIN > pytorch_ms
-        found.race = None
-        dispatch.note_measured_candidate(found.problem, found.device, {
-            "candidate": "pytorch",
-            "winner": "pytorch" if found.use_pytorch else "pool_tuner",
-            "pytorch_ms": pytorch_ms,
-            "pool_tuner_ms": pool_tuner_ms,
-            "rule": f"forward problems of at most {RACE_BYTES} bytes called eagerly on CPU tensors run PyTorch's "
-                    f"kernel on their first {RACE_CALLS + 1} calls, then pool_tuner's on as many; pool_tuner's runs "
-                    f"from then on if its fastest call is {RACE_MARGIN}x faster, else PyTorch's",
-        })
+def _fastest_call_ms(call) -> float:
+    """The fastest of ``RACE_CALLS`` timed calls of ``call`` after one untimed (first-touch costs),
+    in milliseconds."""
+    call()
+    times = []
+    for _ in range(RACE_CALLS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3

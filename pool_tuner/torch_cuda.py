@@ -60,16 +60,18 @@ def plan(fn, tensors, size, options: dict) -> "_Plan":
     return plan_op(*_SIGNATURES[fn], tensors, size, options)
 
 
-def plan_op(op: str, direction: str, tensors, size, options: dict) -> "_Plan":
+def plan_op(op: str, direction: str, tensors, size, options: dict, key=None) -> "_Plan":
     """The plan of a call of any op -- single- or multi-level -- in ``direction``, made and
     memoised on its first use.  ``size`` is what ``plans.make_plan`` takes: the output size, the
     input shape, or a multi-level backward's ``(input_shape, output_size, layout)`` with its flat
-    gradient (and indices) buffers as ``tensors``."""
-    try:
-        key = (op, direction, ops._exact(size), _options_key(options),
-               *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
-    except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
-        key = None
+    gradient (and indices) buffers as ``tensors``.  ``key``: the signature to memoise it under,
+    where the caller has one of its own (``pool_tuner.torch``'s eager path, ``plan_of``)."""
+    if key is None:
+        try:
+            key = (op, direction, ops._exact(size), _options_key(options),
+                   *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+        except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
+            key = None
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         _refuse_capture(tensors[0])
@@ -77,6 +79,11 @@ def plan_op(op: str, direction: str, tensors, size, options: dict) -> "_Plan":
         if key is not None:
             _PLANS.put(key, found)
     return found
+
+
+def plan_of(key) -> "_Plan | None":
+    """The plan memoised under signature ``key`` (see ``plan_op``), or None."""
+    return _PLANS.get(key)
 
 
 def _refuse_capture(first) -> None:

@@ -316,39 +316,25 @@ def test_autotune_still_tunes_a_problem_that_was_only_measured(mode, rng, monkey
 @pytest.fixture
 def fake_cuda(monkeypatch, user_cache):
     """A fake CUDA device (tests/cuda_fakes.py) whose "compiler" records each source it is given."""
-    from pool_tuner import ops
-    from pool_tuner.backends import cuda, cuda_driver
+    from pool_tuner.backends import cuda
 
-    from cuda_fakes import PRIMARY_CONTEXT, FakeContext, FakeDriver, FakeGPUArray, FakePyCuda, fake_cuda_device
+    from cuda_fakes import forget_fake_gpu, install_fake_gpu
 
-    fake, driver, compiled = FakePyCuda(), FakeDriver(), []
-    fake.gpuarray.to_gpu = lambda host: FakeGPUArray(host.shape, host.dtype, allocator=lambda n: 0x1000)
-    driver.set_current(PRIMARY_CONTEXT)
-    monkeypatch.setattr(cuda, "_pycuda", lambda: (fake.driver, fake.gpuarray))
-    monkeypatch.setitem(sys.modules, "pycuda.tools", fake.tools)
-    monkeypatch.setattr(cuda_driver, "library", lambda: driver)
+    device, fake, driver = install_fake_gpu(monkeypatch)
+    compiled = []
     monkeypatch.setattr(cuda, "_compile", lambda source, arch: compiled.append(source) or b"cubin:" + source.encode())
-    device = fake_cuda_device()
-    device._context = FakeContext()
-    monkeypatch.setattr(cuda, "list_devices", lambda: (device,))
     monkeypatch.setattr(measured, "_mode", None)
     monkeypatch.delenv(measured.BENCHMARK_ENV, raising=False)
-    cuda_driver.primary_context.cache_clear()
-    cuda.forget_builds()
-    ops._PLANS.clear()
     yield device, fake, driver, compiled
     measured._mode = None
-    cuda_driver.primary_context.cache_clear()
-    cuda.forget_builds()
-    ops._PLANS.clear()
-    dispatch.forget()
+    pt.release_memory()
+    forget_fake_gpu()
 
 
 def test_on_cuda_each_stages_candidates_are_built_in_one_program(fake_cuda):
     device, fake, driver, compiled = fake_cuda
-    from cuda_fakes import FakeGPUArray
-
-    x = FakeGPUArray(SHAPE, np.float32, allocator=lambda n: 0x2000)
+    fake.autoprimaryctx()
+    x = fake.gpuarray.to_gpu(np.random.default_rng(0).random(SHAPE).astype(np.float32))
     with pt.benchmark_mode(True):
         pt.adaptive_avg_pool2d(x, SIZE)
         info = pt.explain(OP, SHAPE, SIZE, device=device.id)

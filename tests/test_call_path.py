@@ -10,6 +10,7 @@ import pool_tuner.torch as ptt
 from pool_tuner import dispatch, plans, reference, torch_cpu
 from pool_tuner.backends import default_device
 from pool_tuner.backends import opencl
+from pool_tuner.operations import OPERATIONS
 
 from conftest import random_input
 
@@ -154,51 +155,55 @@ def candidate_on(monkeypatch):
 
 def _race_winner(monkeypatch, winner):
     """Make every race end with ``winner`` running the layer."""
-    real = torch_cpu.Race._decide
+    real = torch_cpu.race_pytorch
 
-    def rigged(self):
-        found = self.plan
-        real(self)
-        found.use_pytorch = winner == "pytorch"
+    def rigged(found, x, output_size):
+        real(found, x, output_size)
+        return winner == "pytorch"
 
-    monkeypatch.setattr(torch_cpu.Race, "_decide", rigged)
+    monkeypatch.setattr(torch_cpu, "race_pytorch", rigged)
 
 
-#: Calls that settle a race: the first call of each candidate, then RACE_CALLS timed calls of each.
-RACE_LENGTH = 2 + 2 * torch_cpu.RACE_CALLS
+#: More calls than a race times: the calls of a layer in a test that would see a race's turns.
+MANY_CALLS = 3 * (torch_cpu.RACE_CALLS + 1)
 
 
 @pytest.mark.usefixtures("candidate_on")
-def test_small_problems_race_pytorch_and_explain_says_who_won(monkeypatch, rng):
+def test_small_problems_race_pytorch_on_their_first_call_and_explain_says_who_won(monkeypatch, rng):
     used = _count(monkeypatch, torch_cpu, "run")
+    prepared = _count(monkeypatch, dispatch, "prepare")
     module = ptt.AdaptiveAvgPool2d(2)
-    for call in range(RACE_LENGTH):
-        assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
-        t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
-        torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
-    assert len(used) == RACE_LENGTH // 2, "each candidate runs half the race"
+    assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
+    t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+    torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
     race = pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"]
     assert race["candidate"] == "pytorch" and race["pytorch_ms"] > 0 and race["pool_tuner_ms"] > 0
-    assert race["winner"] == ("pytorch" if race["pytorch_ms"] < race["pool_tuner_ms"] else "pool_tuner")
+    assert race["winner"] == ("pytorch" if race["pool_tuner_ms"] * torch_cpu.RACE_MARGIN > race["pytorch_ms"]
+                              else "pool_tuner")
+    ran_pool_tuner = race["winner"] == "pool_tuner"
+    assert len(used) == torch_cpu.RACE_CALLS + 1 + ran_pool_tuner, "the race's calls, then the winner's"
+    assert len(prepared) == 1
     used.clear()
-    module(torch.from_numpy(random_input(rng, (1, 8, 4, 4))))
-    assert bool(used) == (race["winner"] == "pool_tuner")
+    for _ in range(MANY_CALLS):
+        t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+        torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
+    assert len(used) == MANY_CALLS * ran_pool_tuner and len(prepared) == 1
 
 
 @pytest.mark.usefixtures("candidate_on")
 def test_forced_and_large_problems_never_race(monkeypatch, rng):
     used = _count(monkeypatch, torch_cpu, "run")
     t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
-    for _ in range(RACE_LENGTH):
+    for _ in range(MANY_CALLS):
         ptt.adaptive_avg_pool2d(t, 2, variant="thread_per_output")
-    assert len(used) == RACE_LENGTH
+    assert len(used) == MANY_CALLS
     assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
     big = torch.from_numpy(random_input(rng, (4, 64, 64, 65)))
     assert 4 * 64 * 64 * 65 * 4 > torch_cpu.RACE_BYTES
     used.clear()
-    for _ in range(RACE_LENGTH):
+    for _ in range(MANY_CALLS):
         ptt.adaptive_avg_pool2d(big, 3)
-    assert len(used) == RACE_LENGTH
+    assert len(used) == MANY_CALLS
     assert pt.explain("adaptive_avg_pool2d", (4, 64, 64, 65), 3)["measured_candidate"] is None
 
 
@@ -209,7 +214,7 @@ def test_either_winner_trains_like_pytorch(monkeypatch, rng, winner):
     backward pass give PyTorch's results."""
     _race_winner(monkeypatch, winner)
     module, stock = ptt.AdaptiveMaxPool2d((3, 2)), torch.nn.AdaptiveMaxPool2d((3, 2))
-    for _ in range(RACE_LENGTH + 2):
+    for _ in range(MANY_CALLS + 2):
         x = torch.from_numpy(random_input(rng, (2, 4, 7, 5))).requires_grad_()
         reference_x = x.detach().clone().requires_grad_()
         values, expected = module(x), stock(reference_x)
@@ -245,14 +250,59 @@ def test_repeated_tensor_calls_reuse_their_kept_buffers(monkeypatch, rng):
     torch.testing.assert_close(module(x), torch.nn.functional.adaptive_avg_pool2d(x, 1), rtol=1e-5, atol=1e-6)
 
 
+# ------------------------------------------------------------------ one answer per input
+
+
 @pytest.mark.usefixtures("candidate_on")
-def test_a_racing_layer_builds_its_kernel_only_at_pool_tuners_turn(monkeypatch, rng):
-    """PyTorch runs the first calls of a race: a layer that is never called more often (a shape seen
-    once or twice) never builds a program, which would hold memory in PoCL for nothing."""
-    prepared = _count(monkeypatch, dispatch, "prepare")
-    module = ptt.AdaptiveAvgPool2d((2, 3))
-    for _ in range(torch_cpu.RACE_CALLS + 1):
-        module(torch.from_numpy(random_input(rng, (2, 4, 9, 7))))
-    assert not prepared
-    module(torch.from_numpy(random_input(rng, (2, 4, 9, 7))))
-    assert len(prepared) == 1
+def test_a_signature_gives_the_same_bits_on_every_call(rng):
+    """The race of PyTorch's kernel against pool_tuner's never shows in the results: 40 calls of
+    one layer on one input, from the first (the race's) on, are bit-identical."""
+    module = ptt.AdaptiveAvgPool2d((5, 6))
+    x = torch.from_numpy(random_input(rng, (3, 16, 21, 17)))
+    first = module(x)
+    torch.testing.assert_close(first, torch.nn.functional.adaptive_avg_pool2d(x, (5, 6)), rtol=1e-5, atol=1e-6)
+    differing = [call for call in range(1, 40) if not torch.equal(module(x), first)]
+    assert differing == [], f"calls {differing} gave other bits than the first"
+    assert pt.explain("adaptive_avg_pool2d", (3, 16, 21, 17), (5, 6))["measured_candidate"] is not None
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_deterministic_algorithms_run_pool_tuners_kernel_without_a_race(rng):
+    """Under ``torch.use_deterministic_algorithms(True)`` nothing is timed: the layer runs
+    pool_tuner's dispatched kernel, the same bits as the numpy API's in any process."""
+    x = random_input(rng, (3, 16, 21, 17))
+    module = ptt.AdaptiveAvgPool2d((5, 6))
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = [module(torch.from_numpy(x)) for _ in range(MANY_CALLS)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    expected = pt.adaptive_avg_pool2d(x, (5, 6))
+    assert all(np.array_equal(r.numpy(), expected) for r in results)
+    assert pt.explain("adaptive_avg_pool2d", (3, 16, 21, 17), (5, 6))["measured_candidate"] is None
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("op", ["adaptive_avg_pool1d", "adaptive_max_pool1d", "adaptive_avg_pool2d",
+                                "adaptive_max_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool3d"])
+@pytest.mark.parametrize("size", [3, (3, None, 2)], ids=["int", "sequence"])
+def test_a_layer_pytorch_runs_gives_pytorchs_results_and_gradients(monkeypatch, rng, op, size):
+    """Where PyTorch's kernel won the race, every op gives PyTorch's values, indices and gradients,
+    for an int output size (PyTorch's ATen function called directly) as for a sequence."""
+    _race_winner(monkeypatch, "pytorch")
+    ndim, selects = OPERATIONS[op].ndim, OPERATIONS[op].selects
+    size = size if isinstance(size, int) else size[:ndim]
+    ours, stock = getattr(ptt, op), getattr(torch.nn.functional, op)
+    for _ in range(3):
+        x = torch.from_numpy(random_input(rng, (2, 3) + (7, 6, 5)[:ndim])).requires_grad_()
+        reference_x = x.detach().clone().requires_grad_()
+        got = ours(x, size, return_indices=True) if selects else ours(x, size)
+        expected = stock(reference_x, size, return_indices=True) if selects else stock(reference_x, size)
+        if selects:
+            assert torch.equal(got[1], expected[1]) and torch.equal(ours(x, size), expected[0])
+            got, expected = got[0], expected[0]
+        assert torch.equal(got, expected)
+        grad = torch.from_numpy(random_input(rng, tuple(got.shape)))
+        got.backward(grad), expected.backward(grad)
+        assert torch.equal(x.grad, reference_x.grad)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pool_tuner.backends import opencl, pocl_env
+from pool_tuner.backends import pocl_env
 
 AFFINITY = pocl_env.AFFINITY_ENV
 

@@ -180,3 +180,38 @@ def test_two_threads_tune_one_at_a_time_and_leave_the_working_directory_alone(us
     assert seen_directories == {here}
     assert os.listdir(here) == []
     assert all(result.stored for result in results.values())
+
+
+def test_racing_layers_give_one_answer_to_every_thread(rng, switching_often, monkeypatch):
+    """With PyTorch's kernel a candidate (``pool_tuner.torch_cpu``), layers first called by 8
+    threads at once -- their races run concurrently -- give every thread, on every call, the bits
+    the layer gives a single thread afterwards; so does the numpy API called beside them."""
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+    from pool_tuner import dispatch, torch_cpu
+
+    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
+    dispatch.forget()
+    shapes = [((3, 16, 21, 17), (5, 6))] + CASES
+    layers = [(ptt.AdaptiveAvgPool2d(out), ptt.AdaptiveMaxPool2d(out)) for _, out in shapes]
+    arrays = [random_input(rng, shape) for shape, _ in shapes]
+    inputs = [torch.from_numpy(x) for x in arrays]
+    seen = [[] for _ in shapes]
+    per_thread = 40
+
+    def work(index):
+        for i in np.random.default_rng([index, 3]).integers(len(shapes), size=per_thread):
+            avg, maximum = layers[i]
+            _, out = shapes[i]
+            seen[i].append((avg(inputs[i]).numpy(), maximum(inputs[i]).numpy(), pt.adaptive_avg_pool2d(arrays[i], out)))
+
+    try:
+        assert _run_threads(work) == []
+        wrong = 0
+        for i, (_, out) in enumerate(shapes):
+            expected = (layers[i][0](inputs[i]).numpy(), layers[i][1](inputs[i]).numpy(),
+                        pt.adaptive_avg_pool2d(arrays[i], out))
+            wrong += sum(not all(np.array_equal(g, e) for g, e in zip(got, expected)) for got in seen[i])
+        assert wrong == 0, f"{wrong} of {THREADS * per_thread} concurrent calls differ from the single-threaded ones"
+    finally:
+        dispatch.forget()

@@ -338,16 +338,16 @@ def test_a_new_signature_during_graph_capture_is_refused(gpu, monkeypatch):
 @pytest.fixture
 def cuda_bench(gpu, monkeypatch):
     """``bench`` on the fake GPU: CPU tensors stand in for CUDA ones (``pool_tuner.torch`` sends
-    them down its CUDA path), a host clock for CUDA events, short loops."""
+    them down its eager CUDA path, and its custom ops to ``torch_cuda``), a host clock for CUDA
+    events, short loops."""
     from pool_tuner import bench
     from pool_tuner import torch as ptt
 
     def cuda_path(op, direction, tensors, size, options):
-        fn = getattr(ops, op if direction == "forward" else f"{op}_backward")
-        return torch_cuda.plan(fn, tensors, size, dict(ptt._decode_options(options)))(tensors)
+        return torch_cuda.plan_op(op, direction, tensors, size, dict(ptt._decode_options(options)))(tensors)
 
     gpu.device.torch_device = "cpu"
-    monkeypatch.setattr(ptt, "_runs_eagerly_on_cpu", lambda input: False)
+    monkeypatch.setattr(ptt, "_eager_path", lambda input: ptt._eager_cuda_pool)
     monkeypatch.setattr(ptt, "_run", cuda_path)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(bench, "time_loop_cuda_events", bench.time_loop)
@@ -377,3 +377,122 @@ def test_the_kernel_alone_launches_on_buffers_allocated_once(gpu, cuda_bench, mo
         candidate.call()
     arguments = [tuple(launch["arguments"]) for launch in gpu.launches]
     assert len(arguments) == 3 and len(set(arguments)) == 1 and arguments[0][0] == x.data_ptr()
+
+
+# ------------------------------------------------------------------ pool_tuner.torch's eager CUDA path
+
+
+@pytest.fixture
+def eager_cuda(gpu, monkeypatch):
+    """``pool_tuner.torch`` with CPU tensors standing in for CUDA ones: wherever its eager path
+    would be taken, the CUDA one is (``_eager_cuda_pool``), and its custom ops run ``torch_cuda``;
+    returns the list of ``(op, direction)`` that went through a custom op."""
+    from pool_tuner import torch as ptt
+
+    through_custom_ops = []
+    eager_path = ptt._eager_path
+
+    def cuda_path(op, direction, tensors, size, options):
+        through_custom_ops.append((op, direction))
+        return torch_cuda.plan_op(op, direction, tensors, size, dict(ptt._decode_options(options)))(tensors)
+
+    monkeypatch.setattr(ptt, "_eager_path", lambda input: eager_path(input) and ptt._eager_cuda_pool)
+    monkeypatch.setattr(ptt, "_run", cuda_path)
+    return through_custom_ops
+
+
+def _no_planning(monkeypatch):
+    """Make everything a warm call must not do -- validate, dispatch, plan, decode options, apply
+    the channels-last rule -- fail."""
+    from pool_tuner import torch as ptt
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm eager call planned again")
+
+    for owner, name in ((dispatch, "choose"), (ops.Problem, "create"), (torch_cuda._Plan, "__init__"),
+                        (ptt, "_decode_options"), (ptt, "_is_channels_last"), (ptt, "_check_input")):
+        monkeypatch.setattr(owner, name, forbidden)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_an_eager_cuda_forward_is_one_lookup_and_one_launch_without_the_custom_op(gpu, eager_cuda, monkeypatch,
+                                                                                  memory_format):
+    from pool_tuner import torch as ptt
+
+    module = ptt.AdaptiveMaxPool2d((4, 7), return_indices=True)
+    x = _x((2, 3, 10, 9)).to(memory_format=memory_format)
+    module(x)
+    _no_planning(monkeypatch)
+    for _ in range(3):
+        values, indices = module(x)
+        expected = torch.nn.functional.adaptive_max_pool2d(x, (4, 7)).stride()
+        assert values.stride() == expected and indices.stride() == expected and indices.dtype == torch.int64
+        assert gpu.launches[-1]["arguments"][:3] == [x.data_ptr(), values.data_ptr(), indices.data_ptr()]
+    assert len(gpu.launches) == 4 and not eager_cuda
+
+
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_an_eager_cuda_training_step_launches_forward_and_backward_without_the_custom_ops(gpu, eager_cuda,
+                                                                                          monkeypatch, kind):
+    from pool_tuner import torch as ptt
+
+    module = ptt.AdaptiveAvgPool2d((4, 7)) if kind == "avg" else ptt.AdaptiveMaxPool2d((4, 7))
+
+    def step():
+        x = _x((2, 3, 10, 9)).requires_grad_()
+        out = module(x)
+        grad = _x(tuple(out.shape))
+        out.backward(grad)
+        return x, out, grad
+
+    step()
+    _no_planning(monkeypatch)
+    launched = len(gpu.launches)
+    x, out, grad = step()
+    forward, backward = gpu.launches[launched:]
+    assert forward["arguments"][:2] == [x.data_ptr(), out.data_ptr()]
+    assert backward["arguments"][0] == grad.data_ptr() and x.grad.data_ptr() in backward["arguments"]
+    if kind == "max":
+        assert backward["arguments"][1] == forward["arguments"][2], "the backward reads the forward's indices"
+    assert not eager_cuda and x.grad.shape == x.shape
+
+
+def test_an_eager_cuda_double_backward_goes_through_the_custom_ops(gpu, eager_cuda):
+    """Differentiating the gradient needs the backward's own autograd: the custom backward op's."""
+    from pool_tuner import torch as ptt
+
+    x = _x((2, 3, 10, 9)).requires_grad_()
+    out = ptt.adaptive_avg_pool2d(x, (4, 7))
+    grad_out = _x(tuple(out.shape)).requires_grad_()
+    (grad_x,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
+    assert eager_cuda == [("adaptive_avg_pool2d", "backward")]
+    grad_x.backward(_x(tuple(x.shape)))
+    assert eager_cuda[-1] == ("adaptive_avg_pool2d", "forward"), "avg unpooling's adjoint is the forward"
+    assert len(gpu.launches) == 3 and grad_out.grad.shape == out.shape
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launch(gpu, eager_cuda, monkeypatch,
+                                                                                  direction):
+    """benchmarks/cuda_call_overhead.py's cases on the fake GPU (CPU tensors, a host clock): every
+    side runs, pool_tuner's and the bare one launching the same kernels."""
+    import importlib.util
+    import pathlib
+
+    from pool_tuner import torch as ptt
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "cuda_call_overhead.py"
+    spec = importlib.util.spec_from_file_location("cuda_call_overhead", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "DEVICE", "cpu")
+    monkeypatch.setattr(script, "_time_run", lambda torch, fn, calls: (fn(), (1.0, 1.0))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    sides, plan = script.sides_of(torch, ptt, "adaptive_max_pool2d", (2, 3, 10, 9), (4, 7), torch.float32, direction)
+    assert plan.plan.choice.variant.name
+    timings = script._time_rounds(torch, sides, 1, 3)
+    assert timings == {side: (1.0, 1.0) for side in ("pytorch", "pool_tuner", "bare")}
+    kernels = 1 if direction == "forward" else 2
+    assert len(gpu.launches) == 2 * (10 + 3) * kernels
+    assert len({launch["function"] for launch in gpu.launches}) == kernels
+    assert not eager_cuda
