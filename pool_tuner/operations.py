@@ -88,6 +88,13 @@ class Operation:
         kind and rank (``avg_pool2d``): what a pooled axis with one window size and stride is."""
         return f"{self.kind}_pool{self.ndim}d"
 
+    @property
+    def fx_names(self) -> tuple:
+        """The names under which torch.fx records ``torch.nn.functional``'s form of this
+        single-level op: a max pooling's form dispatches to ``_adaptive_max_pool2d`` where it
+        returns no indices."""
+        return (self.name, "_" + self.name) if self.returns_indices else (self.name,)
+
     def level_ops(self, levels: int) -> tuple:
         """The single-level operation that each of ``levels`` levels is (a single-level op: itself):
         a multi-level op's level is exactly that op applied to the input at the level's size."""
@@ -192,11 +199,6 @@ class Direction:
         """The per-rank name of this pass of ``operation``: the ``pool_tuner.ops`` function and
         ``torch.ops.pool_tuner`` custom op (``adaptive_max_pool2d_backward``)."""
         return operation.name + self.suffix
-
-    def function_name(self, operation: Operation) -> str:
-        """The public ``pool_tuner`` function of this pass of ``operation`` (a pyramid's is one
-        for every rank: ``adaptive_avg_pool_pyramid_backward``)."""
-        return operation.function_name + self.suffix
 
     def reads_indices(self, operation: Operation) -> bool:
         """Whether the pass takes the selected positions as an input (a selecting op's backward)."""

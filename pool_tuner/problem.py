@@ -91,6 +91,7 @@ class Problem:
         # pickling and ``dataclasses.fields`` see only the six above).  A problem is consulted
         # several times on every call's path and hashed as a key of the dispatch memos, where each
         # property call or tuple hash costs microseconds with the cold caches after a blocking wait.
+        # ``operation`` and ``flow`` are the op and the direction as objects (pool_tuner.operations).
         operation = check_op(self.op, self.direction)
         object.__setattr__(self, "operation", operation)
         object.__setattr__(self, "flow", DIRECTION_OBJECTS[self.direction])

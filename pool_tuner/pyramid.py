@@ -55,9 +55,8 @@ class LevelLayout:
     """Where each level lives in a multi-level op's buffers, per plane: level ``l`` has ``sizes[l]``
     outputs per plane at value offset ``value_bases[l]`` (times the plane count), and -- a max
     level (``selects[l]``) -- its indices at ``index_bases[l]`` of the index buffer (-1 for an avg
-    level).  ``kinds[l]`` is the level's kind (its operation's)."""
+    level)."""
 
-    kinds: tuple
     selects: tuple
     spatial: tuple
     sizes: tuple
@@ -78,8 +77,7 @@ def level_layout(level_ops: tuple, spatial: tuple) -> LevelLayout:
         index_bases.append(index if level_selects else -1)
         value += size
         index += size if level_selects else 0
-    return LevelLayout(tuple(level.kind for level in level_ops), selects, spatial, sizes, tuple(value_bases),
-                       tuple(index_bases), value, index)
+    return LevelLayout(selects, spatial, sizes, tuple(value_bases), tuple(index_bases), value, index)
 
 
 def layout(problem) -> LevelLayout:
