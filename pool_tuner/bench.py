@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from . import backends, dispatch, kernel_source, presets
+from .operations import DIRECTIONS, find
 from .problem import OPS, Problem
 from .variants import is_global
 
@@ -262,7 +263,7 @@ def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device:
     import torch.nn.functional as F
 
     operation = OPS[op]
-    kind, ndim = operation.kind, operation.ndim
+    ndim = operation.ndim
 
     def tensor(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(torch_device)
@@ -273,17 +274,13 @@ def _torch_candidate(op, direction, x, output_size, grad, indices, torch_device:
         xt, out_size = xt.unsqueeze(-2), (1,) + out_size
         grad = None if grad is None else grad[..., None, :]
         indices = None if indices is None else indices[..., None, :]
-    dims = 2 if ndim <= 2 else 3
-    if direction == "forward":
-        fn = getattr(F, f"adaptive_{kind}_pool{dims}d")
-        run = functools.partial(fn, xt, out_size)
+    aten = find(operation.kind, 2 if ndim <= 2 else 3)
+    if DIRECTIONS[direction].reads_input:
+        run = functools.partial(getattr(F, aten.name), xt, out_size)  # torch.nn.functional's name is the op's
     elif not operation.selects:
-        gt, backward = tensor(grad), getattr(torch.ops.aten, f"_adaptive_avg_pool{dims}d_backward")
-        run = functools.partial(backward, gt, xt)
+        run = functools.partial(getattr(torch.ops.aten, aten.aten_backward), tensor(grad), xt)
     else:
-        gt, it = tensor(grad), tensor(indices)
-        backward = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward")
-        run = functools.partial(backward, gt, xt, it)
+        run = functools.partial(getattr(torch.ops.aten, aten.aten_backward), tensor(grad), xt, tensor(indices))
     if xt.device.type == "cuda":
         return Candidate(run, functools.partial(torch.cuda.synchronize, xt.device))
     return Candidate(run, lambda: None)
@@ -308,7 +305,8 @@ def _cuda_tensors(problem: Problem, x, grad, indices, torch_device: str) -> list
     ``[x, grad_out, indices]`` (backward)."""
     import torch
 
-    arrays = [x] + ([] if problem.direction == "forward" else [grad] + ([indices] if problem.kind == "max" else []))
+    arrays = [x] + ([] if problem.flow.reads_input else
+                    [grad] + ([indices] if problem.flow.reads_indices(problem.operation) else []))
     return [torch.from_numpy(np.ascontiguousarray(a)).to(torch_device) for a in arrays]
 
 
@@ -321,10 +319,10 @@ def _pool_tuner_torch_candidate(problem: Problem, tensors: list, variant=None, c
     from . import torch as ptt
 
     out_size = list(problem.output_shape[-problem.ndim:])
-    if problem.direction == "forward":
+    if problem.flow.reads_input:
         run = functools.partial(getattr(ptt, problem.op), tensors[0], out_size, variant=variant, config=config)
     else:
-        backward = getattr(torch.ops.pool_tuner, f"{problem.op}_backward")
+        backward = getattr(torch.ops.pool_tuner, problem.flow.op_name(problem.operation))
         run = functools.partial(backward, *tensors[1:], list(problem.input_shape),
                                 ptt._encode_options(None, variant, config))
     return Candidate(run, functools.partial(torch.cuda.synchronize, tensors[0].device))
@@ -337,9 +335,9 @@ def _cuda_kernel_candidate(problem: Problem, tensors: list, variant=None, config
 
     from . import ops, torch_cuda
 
-    inputs = tensors[:1] if problem.direction == "forward" else tensors[1:]
-    size = problem.output_shape[-problem.ndim:] if problem.direction == "forward" else problem.input_shape
-    fn = getattr(ops, problem.op if problem.direction == "forward" else f"{problem.op}_backward")
+    inputs = tensors[:1] if problem.flow.reads_input else tensors[1:]
+    size = problem.output_shape[-problem.ndim:] if problem.flow.reads_input else problem.input_shape
+    fn = getattr(ops, problem.flow.op_name(problem.operation))
     plan = torch_cuda.plan(fn, inputs, size, {"device": None, "variant": variant, "config": config})
     results = [torch.empty_strided(shape, strides, dtype=dtype, device=inputs[0].device)
                for shape, strides, dtype in plan.outputs]
@@ -372,12 +370,11 @@ def measure(name, op, shape, output_size, direction, device, repeat: int, rng, t
     queue = device.queue
     x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(dtype)
     grad = indices = None
-    if direction == "forward":
-        fn = getattr(pt, op)
+    fn = getattr(pt, problem.flow.op_name(problem.operation))
+    if problem.flow.reads_input:
         args = (device.to_device(x, queue), out_size)
     else:
         grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(dtype)
-        fn = getattr(pt, f"{op}_backward")
         if problem.operation.selects:
             _, indices = getattr(pt, op)(x, out_size, return_indices=True, device=device)
             args = (device.to_device(grad, queue), device.to_device(indices, queue), problem.input_shape)
@@ -432,9 +429,9 @@ def _measure_cuda(name: str, problem: Problem, device, repeat: int, rng, tuned_h
     out_size = problem.output_shape[-problem.ndim:]
     x = rng.uniform(-1.0, 1.0, problem.input_shape).astype(problem.dtype)
     grad = indices = None
-    if problem.direction == "backward":
+    if not problem.flow.reads_input:
         grad = rng.uniform(-1.0, 1.0, problem.output_shape).astype(problem.dtype)
-        if problem.kind == "max":
+        if problem.operation.returns_indices:
             _, indices = getattr(pt, problem.op)(x, out_size, return_indices=True, device=device)
     tensors = _cuda_tensors(problem, x, grad, indices, device.info.torch_device)
     default = dispatch.default_choice(problem, device)

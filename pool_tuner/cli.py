@@ -16,7 +16,7 @@ from pathlib import Path
 from . import backends, cache, dispatch, fleet, kernel_source, presets
 from .ops import explain
 from .tuner import DEFAULT_TIME_LIMIT, check_search_options, tune
-from .problem import OPS, Problem
+from .problem import DIRECTIONS, OPS, Problem
 from .variants import get_variant, variants_for
 from .version import __version__
 
@@ -28,6 +28,8 @@ OP_NAMES = sorted(OPS)
 LIBRARY_NAMES = {"input_shape": "--input", "output_size": "--output", "dtype": "--dtype", "layout": "--layout"}
 #: The same for ``fleet.tune_many``'s arguments (``tune --ray``).
 FLEET_NAMES = {"device_filter": "--device-filter", "max_retries": "--max-retries", "ray_address": "--ray"}
+#: ``--direction``'s values and the directions each runs: one of them, or ``both``.
+DIRECTION_OPTION = {**{direction: (direction,) for direction in DIRECTIONS}, "both": DIRECTIONS}
 
 
 def _problem(op, shape, out, dtype, layout, direction) -> Problem:
@@ -176,7 +178,7 @@ def cmd_tune(args) -> int:
                          names=("--strategy", "--max-fevals", "--time-limit"))
     shapes = _shapes_from_args(args)
     device = None if args.ray is not None else backends.resolve_device(args.device, "--device")
-    directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+    directions = DIRECTION_OPTION[args.direction]
     jobs = [(op, shape, out, d) for op, shape, out in shapes for d in directions]
     variant_names = args.variants.split(",") if args.variants else None
     problems = set()
@@ -358,7 +360,7 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--out {args.out}: cannot create the directory ({exc.strerror or exc})") from None
     if not os.access(out, os.W_OK):
         raise ValueError(f"--out {args.out}: the directory is not writable")
-    directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+    directions = DIRECTION_OPTION[args.direction]
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                        progress=None if args.quiet else lambda row: print(
                            f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
@@ -416,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", help='JSON file: [{"op": ..., "input": [...], "output": [...]}, ...]')
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16 or bfloat16")
     p.add_argument("--layout", help="memory layout, e.g. NCHW (default, contiguous) or NHWC (channels-last)")
-    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
+    p.add_argument("--direction", choices=list(DIRECTION_OPTION), default="both",
                    help="which passes to tune (default both)")
     p.add_argument("--device", help="device id (see `pool-tuner devices`)")
     p.add_argument("--variants", help="comma-separated variants to tune (default all)")
@@ -452,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    '(pip install "pool-tuner[bench]"), which it times beside pool_tuner.')
     p.add_argument("--preset", help="comma-separated presets, 'untuned' for shapes no preset tunes "
                                     "(default: every preset and the untuned shapes)")
-    p.add_argument("--direction", choices=["forward", "backward", "both"], default="both",
+    p.add_argument("--direction", choices=list(DIRECTION_OPTION), default="both",
                    help="which passes to benchmark (default both)")
     p.add_argument("--device", help="device id (see `pool-tuner devices`)")
     p.add_argument("--dtype", default="float32", help="element type of every shape: float32 (default), float16 or "

@@ -24,6 +24,7 @@ import numbers
 
 import torch
 
+from .operations import find
 from .windows import fixed_pool_equivalent, pooling_windows
 
 __all__ = ["decompose"]
@@ -56,8 +57,8 @@ def _max_along(x: torch.Tensor, dim: int, in_size: int, out_size: int) -> torch.
                       for start, end in zip(starts.tolist(), ends.tolist())], dim)
 
 
-def _fixed_pool(kind: str, ndim: int, x: torch.Tensor, kernel, stride) -> torch.Tensor:
-    pool = getattr(torch.nn.functional, f"{kind}_pool{ndim}d")
+def _fixed_pool(operation, x: torch.Tensor, kernel, stride) -> torch.Tensor:
+    pool = getattr(torch.nn.functional, operation.fixed_pool)
     return pool(x, kernel_size=tuple(kernel), stride=tuple(stride))
 
 
@@ -78,9 +79,10 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
     batchless = x.dim() == ndim + 1
     if batchless:  # ONNX pooling operators take (N, C, ...)
         x = x.unsqueeze(0)
+    operation = find(kind, ndim)
     fixed = [fixed_pool_equivalent(i, o) for i, o in zip(spatial, output_size)]
     if all(fixed):
-        x = _fixed_pool(kind, ndim, x, [f[0] for f in fixed], [f[1] for f in fixed])
+        x = _fixed_pool(operation, x, [f[0] for f in fixed], [f[1] for f in fixed])
     else:
         for axis, (in_size, out_size, equivalent) in enumerate(zip(spatial, output_size, fixed)):
             if in_size == out_size:
@@ -89,13 +91,11 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
             if equivalent is not None:
                 kernel, stride = [1] * ndim, [1] * ndim
                 kernel[axis], stride[axis] = equivalent[0], equivalent[1]
-                x = _fixed_pool(kind, ndim, x, kernel, stride)
-            elif kind == "avg":
-                x = _average_along(x, dim, in_size, out_size)
+                x = _fixed_pool(operation, x, kernel, stride)
             else:
-                x = _max_along(x, dim, in_size, out_size)
+                x = (_max_along if operation.selects else _average_along)(x, dim, in_size, out_size)
     x = x.squeeze(0) if batchless else x
-    if kind == "max":
+    if operation.selects:
         nans = decompose("avg", ndim, torch.isnan(source).to(source.dtype), output_size, layer)
         x = torch.where(nans > 0, torch.full_like(x, float("nan")), x)
     return x

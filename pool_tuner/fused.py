@@ -23,6 +23,7 @@ import numbers
 import numpy as np
 
 from . import avgmax, backends, ops, plans, pyramid
+from .operations import find
 from .problem import LAYOUT_NAMES, OPS, Problem
 from .shapes import check_int
 
@@ -50,7 +51,7 @@ def pyramid_rank(shape, output_sizes, ndim) -> int:
 
 
 def _pyramid_op(kind: str, ndim: int) -> str:
-    return f"adaptive_{kind}_pool_pyramid{ndim}d"
+    return find(kind, ndim, pyramid=True).name
 
 
 def _sizes_key(output_sizes):
@@ -179,9 +180,9 @@ def _pack_indices(problem: Problem, indices, owner):
     """The max levels' indices, checked (int64, shaped as their gradients; numpy ones inside their
     windows, device arrays are not read back) and packed."""
     lay = pyramid.layout(problem)
-    max_sizes = [tuple(size) for size, kind in zip(lay.spatial, lay.kinds) if kind == "max"]
+    max_sizes = [tuple(size) for size, selects in zip(lay.spatial, lay.selects) if selects]
     indices = _check_grads(indices, len(max_sizes), "indices", owner)
-    single = f"adaptive_max_pool{problem.ndim}d"
+    single = problem.operation.selecting_level.name
     for level, (array, size) in enumerate(zip(indices, max_sizes)):
         if plans.numpy_spec(array).dtype != np.int64:
             raise TypeError(f"indices[{level}] must have dtype int64, got {array.dtype}")
@@ -191,7 +192,7 @@ def _pack_indices(problem: Problem, indices, owner):
             ops._check_indices_in_windows(array, Problem.create(single, problem.input_shape, size))
     if owner is not None:
         _check_memory_order(problem, indices, [f"indices[{level}]" for level in range(len(indices))])
-    return _pack(problem, indices, owner, kinds=("max",))
+    return _pack(problem, indices, owner, positions=True)
 
 
 def _check_memory_order(problem: Problem, arrays: list, labels: list) -> None:
@@ -206,19 +207,19 @@ def _check_memory_order(problem: Problem, arrays: list, labels: list) -> None:
                              f"shape {spec.shape}")
 
 
-def _pack(problem: Problem, arrays: list, owner, kinds=None):
+def _pack(problem: Problem, arrays: list, owner, positions=False):
     """``pyramid.pack`` of numpy arrays; device arrays (each contiguous in the problem's memory
     order, checked by the caller) are copied level by level into one flat array on their device."""
     if owner is None:
-        return pyramid.pack(problem, arrays, kinds=kinds)
+        return pyramid.pack(problem, arrays, positions=positions)
     lay, planes = pyramid.layout(problem), problem.planes
-    chosen = [level for level, kind in enumerate(lay.kinds) if kinds is None or kind in kinds]
-    bases = lay.value_bases if kinds is None else lay.index_bases
-    total = planes * (lay.values_per_plane if kinds is None else lay.indices_per_plane)
+    chosen = [level for level, selects in enumerate(lay.selects) if selects or not positions]
+    bases = lay.index_bases if positions else lay.value_bases
+    total = planes * (lay.indices_per_plane if positions else lay.values_per_plane)
     first = owner.arrays.wrap_input(arrays[0], "grad_outs[0]")
     flat = owner.empty((total,), first.dtype, owner.arrays.queue_of(first))
     for level, array in zip(chosen, arrays):
-        array = owner.arrays.wrap_input(array, "grad_outs" if kinds is None else "indices")
+        array = owner.arrays.wrap_input(array, "indices" if positions else "grad_outs")
         count = planes * lay.sizes[level]
         if count:
             memory = owner.arrays.strided_view(array, (count,), (array.dtype.itemsize,))

@@ -35,7 +35,7 @@ class HostFallback:
         dtypes = [problem.dtype] + ["int64"] * (self.n_inputs - 1) + [r.dtype for r in self.results]
         flat = [_host_array(a, n, d) for a, n, d in zip(addresses, self.nbytes, dtypes)]
         inputs, outputs = flat[:self.n_inputs], flat[self.n_inputs:]
-        if problem.direction == "forward":
+        if problem.flow.reads_input:
             _forward(problem, inputs[0], outputs)
         else:
             _backward(problem, inputs, outputs[0])

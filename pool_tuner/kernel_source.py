@@ -36,6 +36,9 @@ from pathlib import Path
 HEADERS = ("prelude.h", "windows.h", "operators.h")
 #: Headers of one direction's programs, after HEADERS.
 DIRECTION_HEADERS = {"forward": ("reduction.h",), "backward": ("gradients.h",)}
+#: Headers of one direction's multi-level programs, before the variant's file: pyramid.h reduces
+#: cells with reduction.h, in either direction.
+PYRAMID_HEADERS = {"forward": ("pyramid.h",), "backward": ("reduction.h", "pyramid.h")}
 #: Variants (in either direction) that tile the array they write: their programs include tiles.h.
 TILED_VARIANTS = ("smem_tiled",)
 #: The variants of multi-level ops are named with this prefix: their programs include pyramid.h.
@@ -89,9 +92,7 @@ def program_files(template: str) -> tuple:
                          f"{sorted(DIRECTION_HEADERS)}, got {template!r}")
     name = file[: -len(".c")]
     tiles = ("tiles.h",) if name in TILED_VARIANTS else ()
-    # pyramid.h reduces cells with reduction.h, in either direction.
-    levels = () if not name.startswith(PYRAMID_PREFIX) else ("pyramid.h",) if direction == "forward" else (
-        "reduction.h", "pyramid.h")
+    levels = PYRAMID_HEADERS[direction] if name.startswith(PYRAMID_PREFIX) else ()
     return HEADERS + DIRECTION_HEADERS[direction] + tiles + levels + (template,)
 
 

@@ -213,14 +213,14 @@ def scratch_arguments(problem: Problem, rng) -> list:
     if multi_level:
         lay = pyramid.layout(problem)
         values, positions = problem.planes * lay.values_per_plane, problem.planes * lay.indices_per_plane
-        if problem.direction == "forward":
+        if problem.flow.reads_input:
             return [random(input_memory).reshape(input_memory), np.empty(values, storage)] + (
                 [np.empty(positions, np.int64)] if selects else [])
-        max_levels = [indices(spatial) for spatial, kind in zip(lay.spatial, lay.kinds) if kind == "max"]
-        return [random(values)] + ([pyramid.pack(problem, max_levels, kinds=("max",))] if selects else []) + [
+        max_levels = [indices(spatial) for spatial, level_selects in zip(lay.spatial, lay.selects) if level_selects]
+        return [random(values)] + ([pyramid.pack(problem, max_levels, positions=True)] if selects else []) + [
             np.empty(input_memory, storage)]
     output_memory = problem.memory_shape(problem.output_shape)
-    if problem.direction == "forward":
+    if problem.flow.reads_input:
         return [random(input_memory).reshape(input_memory), np.empty(output_memory, storage)] + (
             [np.empty(output_memory, np.int64)] if selects else [])
     out_sizes = problem.output_shape[-problem.ndim:]

@@ -9,6 +9,12 @@ that no module tests an op's name.  Its float64 reference is ``pool_tuner.refere
 op table imports nothing of it).  ``OPERATIONS`` maps each public name
 (``"adaptive_avg_pool2d"``) to its operation.
 
+A ``Direction`` (``FORWARD``, ``BACKWARD``; ``DIRECTIONS`` by name) says what a pass of an op
+reads and writes and what its functions are called, so that no module tests a direction's name
+either: a problem's ``flow`` is its direction (``Problem.direction`` stays the name, which keys
+the cache).  ``FUNCTIONS`` maps every per-rank function name, forward and backward
+(``"adaptive_max_pool2d_backward"``), to its operation and direction.
+
 Multi-level ops pool one input to several output sizes in one pass (pool_tuner.pyramid):
 ``adaptive_{avg,max}_pool_pyramid{1,2,3}d`` take a list of output sizes, one level each;
 ``adaptive_avgmax_pool2d`` takes one output size and has two levels of it, an average and a max.
@@ -70,9 +76,51 @@ class Operation:
         pyramid's rank is taken from its input, so the pyramids of every rank share one."""
         return f"adaptive_{self.kind}_pool_pyramid" if self.pyramid else self.name
 
+    @property
+    def aten_backward(self) -> str:
+        """The name of ATen's backward op of this single-level op (``torch.ops.aten``), PyTorch's
+        own gradient kernel: ATen's average one is private (``_adaptive_avg_pool2d_backward``)."""
+        return ("_" if not self.selects else "") + BACKWARD.op_name(self)
+
+    @property
+    def fixed_pool(self) -> str:
+        """The name of ``torch.nn.functional``'s fixed-window pooling of this single-level op's
+        kind and rank (``avg_pool2d``): what a pooled axis with one window size and stride is."""
+        return f"{self.kind}_pool{self.ndim}d"
+
+    @property
+    def fx_names(self) -> tuple:
+        """The names under which torch.fx records ``torch.nn.functional``'s form of this
+        single-level op: a max pooling's form dispatches to ``_adaptive_max_pool2d`` where it
+        returns no indices."""
+        return (self.name, "_" + self.name) if self.returns_indices else (self.name,)
+
+    def level_ops(self, levels: int) -> tuple:
+        """The single-level operation that each of ``levels`` levels is (a single-level op: itself):
+        a multi-level op's level is exactly that op applied to the input at the level's size."""
+        kinds = ("avg", "max") if self.kind == "avgmax" else (self.kind,) * levels
+        return tuple(find(kind, self.ndim) for kind in kinds)
+
     def level_kinds(self, levels: int) -> tuple:
         """The kind (``avg`` or ``max``) of each of ``levels`` levels."""
-        return ("avg", "max") if self.kind == "avgmax" else (self.kind,) * levels
+        return tuple(level.kind for level in self.level_ops(levels))
+
+    @property
+    def selecting_level(self) -> "Operation":
+        """The single-level selecting op of this rank (max pooling): what the indices of a
+        multi-level op's max levels are the indices of."""
+        return find("max", self.ndim)
+
+    @property
+    def also_mean(self) -> bool:
+        """Whether the kernels keep each window's sum beside its selection (avgmax's average
+        level, ``ALSO_MEAN``)."""
+        return "ALSO_MEAN" in KINDS[self.kind]
+
+    @property
+    def description(self) -> str:
+        """What the op computes, in words (``"average"``, ``"max"``, ``"average and max"``)."""
+        return {"avg": "average", "max": "max", "avgmax": "average and max"}[self.kind]
 
     def resolve_levels(self, output_size, in_spatial: tuple, name: str = "output_size") -> tuple:
         """The pooled sizes of every level, from a call's ``output_size`` (a pyramid's: a
@@ -120,8 +168,7 @@ class Operation:
         batch = math.prod(input_shape[:len(input_shape) - self.ndim])
         levels = self.levels_of(input_shape, output_shape)
         sizes = [batch * math.prod(spatial) for spatial in levels]
-        kinds = self.level_kinds(len(levels))
-        return sum(sizes), sum(n for n, kind in zip(sizes, kinds) if kind == "max")
+        return sum(sizes), sum(n for n, level in zip(sizes, self.level_ops(len(levels))) if level.selects)
 
     def bytes_read_written(self, direction: str, input_shape, output_shape, itemsize: int) -> tuple[int, int]:
         """``(bytes read, bytes written)`` by an ideal kernel.  Forward reads the input and writes
@@ -129,10 +176,49 @@ class Operation:
         output gradients (and the indices) and writes the input gradient once."""
         values, positions = self.output_counts(input_shape, output_shape)
         inputs, outputs = math.prod(input_shape) * itemsize, values * itemsize
-        indices = positions * INDEX_BYTES
-        if direction == "forward":
-            return inputs, outputs + indices
-        return outputs + indices, inputs
+        return DIRECTIONS[direction].read_written(inputs, outputs + positions * INDEX_BYTES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Direction:
+    """One pass of an op: ``forward`` pools the input into the outputs (and a selecting op's
+    indices); ``backward`` routes the output gradients (through those indices) into the input's
+    gradient.  Its attributes are what the front ends, plans and tools ask of a pass."""
+
+    name: str
+    #: Whether the pass reads the op's input (forward) rather than its outputs' gradients.
+    reads_input: bool
+    #: The name public functions give the array the pass reads first (``x``, ``grad_out``).
+    argument: str
+    #: PyTorch's name of that argument (``torch.nn.functional``'s ``input``; ``grad_out``).
+    torch_argument: str
+    #: What the name of the pass's function adds to its op's name.
+    suffix: str
+
+    def op_name(self, operation: Operation) -> str:
+        """The per-rank name of this pass of ``operation``: the ``pool_tuner.ops`` function and
+        ``torch.ops.pool_tuner`` custom op (``adaptive_max_pool2d_backward``)."""
+        return operation.name + self.suffix
+
+    def reads_indices(self, operation: Operation) -> bool:
+        """Whether the pass takes the selected positions as an input (a selecting op's backward)."""
+        return operation.selects and not self.reads_input
+
+    def result_dtypes(self, dtype: str) -> list:
+        """The dtypes of the pass's results, in order: the values (or the input's gradient), then
+        a forward's int64 positions (which a non-selecting op does not return)."""
+        return [dtype, "int64"] if self.reads_input else [dtype]
+
+    def read_written(self, input_side: int, output_side: int) -> tuple:
+        """``(read, written)`` of a pass from the sizes of the op's two sides: forward reads the
+        input side and writes the output side, backward the reverse."""
+        return (input_side, output_side) if self.reads_input else (output_side, input_side)
+
+
+FORWARD = Direction("forward", reads_input=True, argument="x", torch_argument="input", suffix="")
+BACKWARD = Direction("backward", reads_input=False, argument="grad_out", torch_argument="grad_out",
+                     suffix="_backward")
+DIRECTIONS = {direction.name: direction for direction in (FORWARD, BACKWARD)}
 
 
 def _all() -> dict:
@@ -144,5 +230,15 @@ def _all() -> dict:
 
 
 OPERATIONS = _all()
+_BY_KIND = {(op.kind, op.ndim, op.pyramid): op for op in OPERATIONS.values()}
+
+
+def find(kind: str, ndim: int, pyramid: bool = False) -> Operation:
+    """The operation of ``kind`` pooling ``ndim`` axes (a pyramid: of a list of output sizes)."""
+    return _BY_KIND[(kind, ndim, pyramid)]
+
+
+#: Every per-rank function name of every op and direction -> ``(operation, direction)``.
+FUNCTIONS = {direction.op_name(op): (op, direction) for op in OPERATIONS.values() for direction in DIRECTIONS.values()}
 #: The single-level ops, PyTorch's own (``torch.nn.functional`` has each by this name).
 SINGLE_LEVEL = tuple(name for name, op in OPERATIONS.items() if not op.multi_level)

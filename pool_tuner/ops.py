@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from . import backends, dispatch, measured, plans, tuner
+from .operations import BACKWARD
 from .problem import OPS, Problem
 from .variants import variants_for
 from .windows import pooling_windows
@@ -106,7 +107,7 @@ def _device_layouts_check(specs: list, name: str, check_data):
 
     def check(problem):
         first = specs[0]
-        if problem.operation.multi_level and problem.direction == "backward":
+        if problem.operation.multi_level and not problem.flow.reads_input:
             return  # the flat buffers of every level (pool_tuner.fused checked each level's layout)
         if plans.strides_layout(first.shape, first.strides, problem.ndim) is None:
             raise ValueError(f"{name} must be contiguous or channels-last; got strides {first.strides} (in elements) "
@@ -185,7 +186,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
     if not plan.device.info.shares_host_memory:  # through copies on the device
         queue = plan.device.queue
         # a multi-level backward's inputs are flat buffers, already in memory order (pool_tuner.fused)
-        flat = problem.operation.multi_level and problem.direction == "backward"
+        flat = problem.operation.multi_level and not problem.flow.reads_input
         copies = [plan.device.to_device((a if flat else _in_memory_order(a, problem)).view(_storage_dtype(a.dtype)),
                                         queue)
                   for a in arrays]
@@ -289,14 +290,13 @@ def _check_indices_in_windows(indices, problem):
 
 
 def _doc_forward(operation):
-    kind, ndim = operation.kind, operation.ndim
+    ndim = operation.ndim
     shape = {1: "(N, C, L) or (C, L)", 2: "(N, C, H, W) or (C, H, W)", 3: "(N, C, T, H, W) or (C, T, H, W)"}[ndim]
-    what = "average" if kind == "avg" else "max"
     extra = ("" if not operation.returns_indices else
              " With ``return_indices=True`` also returns int64 indices (positions within each pooled "
              "plane, as PyTorch); NaN wins, ties go to the first position.")
-    return (f"Adaptive {what} pooling of a {shape} array to ``output_size`` (an int, or {ndim} entries "
-            f"that may be ``None`` to keep that size).{extra}")
+    return (f"Adaptive {operation.description} pooling of a {shape} array to ``output_size`` (an int, or "
+            f"{ndim} entries that may be ``None`` to keep that size).{extra}")
 
 
 def _make_forward(op):
@@ -319,7 +319,7 @@ def _make_backward(op):
     else:
         def backward(grad_out, indices, input_shape, *, device=None, variant=None, config=None):
             return pool_backward(op, grad_out, input_shape, indices, device=device, variant=variant, config=config)
-    backward.__name__ = backward.__qualname__ = f"{op}_backward"
+    backward.__name__ = backward.__qualname__ = BACKWARD.op_name(OPS[op])
     backward.__doc__ = (f"Gradient of {op} with respect to its input, as a deterministic gather "
                         f"(no atomics: bit-identical across runs and variants).")
     return backward

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import backends, dispatch, host_fallback, memo, shapes
 from .backends import cuda_arrays
+from .operations import DIRECTIONS
 from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
 
 #: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
@@ -109,7 +110,7 @@ def check_fits(problem: Problem, device) -> None:
     size (``output_size=(2**31 - 1, 1)``) is a ``ValueError`` naming the argument instead of an
     allocation failure deep inside numpy or the driver."""
     itemsize = ELEMENT_BYTES[problem.dtype]
-    if problem.direction == "forward":
+    if problem.flow.reads_input:
         values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
         parts, name = [values * itemsize, positions * ELEMENT_BYTES["int64"]], "output_size"
         what = f"an output of shape {problem.output_shape}"
@@ -167,13 +168,13 @@ class Plan:
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
         self.reorder, self.results = reorder, results
-        self.zero_fill = problem.is_empty and problem.direction == "backward" and math.prod(problem.input_shape) > 0
+        self.zero_fill = problem.is_empty and not problem.flow.reads_input and math.prod(problem.input_shape) > 0
         self._launch = None
         self._build = None if problem.is_empty else (build_target, context)
         values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
-        first = math.prod(problem.input_shape) if problem.direction == "forward" else values
+        first = math.prod(problem.input_shape) if problem.flow.reads_input else values
         sizes = [first * ELEMENT_BYTES[problem.dtype]]
-        if problem.direction == "backward" and problem.operation.selects:
+        if problem.flow.reads_indices(problem.operation):
             sizes.append(positions * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
         self.nbytes = tuple(sizes)
@@ -219,19 +220,19 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     (``torch_cuda``'s driver-API target, which is its own context); ``before_build(problem)``: a
     last check of the caller's, once the problem is known and before anything is built.  Raises
     ``TypeError`` / ``ValueError`` naming the argument before anything is built."""
-    operation = OPS[op]
+    operation, flow = OPS[op], DIRECTIONS[direction]
     ndim = operation.ndim
     first = specs[0]
-    name = (names or ("x" if direction == "forward" else "grad_out",))[0]
+    name = (names or (flow.argument,))[0]
     dtype = check_dtype(first.dtype, f"{name}.dtype")
     check_float64(device, dtype, name)
-    if operation.multi_level and direction == "backward":
+    if operation.multi_level and not flow.reads_input:
         return _make_plan(*multi_level_backward(op, specs, size, dtype, name), device, variant, config, on_miss,
                           context, build_target, before_build)
     layout = strides_layout(first.shape, first.strides, ndim)
     reorder = [layout is None]
     layout = layout or LAYOUT_NAMES[ndim][0]
-    if direction == "forward":
+    if flow.reads_input:
         problem = Problem.create(op, first.shape, size, dtype, layout, shape_name=name)
         results = [problem.output_shape] + ([problem.output_shape] if operation.selects else [])
         if operation.multi_level:
@@ -244,9 +245,8 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
         results = [problem.input_shape]
         if operation.selects:
             reorder.append(_check_indices_spec(specs[1] if len(specs) > 1 else None, first, problem))
-    result_dtypes = [dtype, "int64"] if direction == "forward" else [dtype]
     results = tuple(Result(shape, element_strides(problem, shape), problem.memory_shape(shape), d)
-                    for shape, d in zip(results, result_dtypes))
+                    for shape, d in zip(results, flow.result_dtypes(dtype)))
     return _make_plan(problem, tuple(reorder), results, device, variant, config, on_miss, context, build_target,
                       before_build)
 

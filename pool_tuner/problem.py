@@ -16,12 +16,13 @@ import math
 import numpy as np
 
 from . import shapes
+from .operations import DIRECTIONS as DIRECTION_OBJECTS
 from .operations import OPERATIONS, Operation
 from .windows import fixed_pool_equivalent, max_window
 
 #: op name -> its ``operations.Operation``
 OPS = OPERATIONS
-DIRECTIONS = ("forward", "backward")
+DIRECTIONS = tuple(DIRECTION_OBJECTS)
 #: Storage dtypes and their kernel defines; float16/bfloat16 accumulate in float32.
 DTYPES = {
     "float32": "DTYPE_FLOAT32",
@@ -90,8 +91,10 @@ class Problem:
         # pickling and ``dataclasses.fields`` see only the six above).  A problem is consulted
         # several times on every call's path and hashed as a key of the dispatch memos, where each
         # property call or tuple hash costs microseconds with the cold caches after a blocking wait.
+        # ``operation`` and ``flow`` are the op and the direction as objects (pool_tuner.operations).
         operation = check_op(self.op, self.direction)
         object.__setattr__(self, "operation", operation)
+        object.__setattr__(self, "flow", DIRECTION_OBJECTS[self.direction])
         object.__setattr__(self, "kind", operation.kind)
         object.__setattr__(self, "ndim", operation.ndim)
         ndim = operation.ndim

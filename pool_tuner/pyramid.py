@@ -54,9 +54,10 @@ def window_cells(axis_cuts: np.ndarray, in_size: int, out_size: int) -> tuple[np
 class LevelLayout:
     """Where each level lives in a multi-level op's buffers, per plane: level ``l`` has ``sizes[l]``
     outputs per plane at value offset ``value_bases[l]`` (times the plane count), and -- a max
-    level -- its indices at ``index_bases[l]`` of the index buffer (-1 for an avg level)."""
+    level (``selects[l]``) -- its indices at ``index_bases[l]`` of the index buffer (-1 for an avg
+    level)."""
 
-    kinds: tuple
+    selects: tuple
     spatial: tuple
     sizes: tuple
     value_bases: tuple
@@ -65,22 +66,24 @@ class LevelLayout:
     indices_per_plane: int
 
 
-def level_layout(kinds: tuple, spatial: tuple) -> LevelLayout:
-    """The layout of levels of these kinds and pooled sizes (tuples of ints)."""
+def level_layout(level_ops: tuple, spatial: tuple) -> LevelLayout:
+    """The layout of levels that are these single-level operations (``Operation.level_ops``), of
+    these pooled sizes (tuples of ints)."""
     sizes = tuple(math.prod(s) for s in spatial)
+    selects = tuple(level.selects for level in level_ops)
     value_bases, index_bases, value, index = [], [], 0, 0
-    for kind, size in zip(kinds, sizes):
+    for level_selects, size in zip(selects, sizes):
         value_bases.append(value)
-        index_bases.append(index if kind == "max" else -1)
+        index_bases.append(index if level_selects else -1)
         value += size
-        index += size if kind == "max" else 0
-    return LevelLayout(kinds, spatial, sizes, tuple(value_bases), tuple(index_bases), value, index)
+        index += size if level_selects else 0
+    return LevelLayout(selects, spatial, sizes, tuple(value_bases), tuple(index_bases), value, index)
 
 
 def layout(problem) -> LevelLayout:
     """The level layout of a multi-level problem (pooled sizes unpadded, as the levels' results)."""
     spatial = problem.operation.levels_of(problem.input_shape, problem.output_shape)
-    return level_layout(problem.operation.level_kinds(len(spatial)), spatial)
+    return level_layout(problem.operation.level_ops(len(spatial)), spatial)
 
 
 def level_memory_shape(problem, spatial: tuple) -> tuple:
@@ -96,10 +99,10 @@ def views(problem, values, indices=None, *, strided_view=None) -> tuple[list, li
     lay, planes = layout(problem), problem.planes
     batch = problem.input_shape[:len(problem.input_shape) - problem.ndim]
     out_values, out_indices = [], []
-    for level, (kind, spatial, size) in enumerate(zip(lay.kinds, lay.spatial, lay.sizes)):
+    for level, (selects, spatial, size) in enumerate(zip(lay.selects, lay.spatial, lay.sizes)):
         memory = level_memory_shape(problem, spatial)
         parts = [(values, lay.value_bases[level], out_values)]
-        if kind == "max" and indices is not None:
+        if selects and indices is not None:
             parts.append((indices, lay.index_bases[level], out_indices))
         for flat, base, into in parts:
             part = flat[planes * base: planes * (base + size)]
@@ -124,15 +127,14 @@ def logical_view(part, memory_shape, logical_shape, problem, strided_view=None):
     return np.moveaxis(shaped, -1, c)
 
 
-def pack(problem, arrays, kinds=None, dtype=None) -> np.ndarray:
+def pack(problem, arrays, positions=False, dtype=None) -> np.ndarray:
     """The flat buffer of per-level numpy ``arrays`` (logical axes) in the problem's memory order:
-    every level's when ``kinds`` is None, else only the levels of those kinds (the indices of the
-    max levels)."""
+    every level's values, or with ``positions`` the indices of the selecting (max) levels."""
     lay, planes = layout(problem), problem.planes
-    chosen = [level for level, kind in enumerate(lay.kinds) if kinds is None or kind in kinds]
-    total = planes * (lay.values_per_plane if kinds is None else lay.indices_per_plane)
+    chosen = [level for level, selects in enumerate(lay.selects) if selects or not positions]
+    total = planes * (lay.indices_per_plane if positions else lay.values_per_plane)
     flat = np.empty(total, dtype=dtype if dtype is not None else arrays[0].dtype)
-    bases = lay.value_bases if kinds is None else lay.index_bases
+    bases = lay.index_bases if positions else lay.value_bases
     for level, array in zip(chosen, arrays):
         part = flat[planes * bases[level]: planes * (bases[level] + lay.sizes[level])]
         memory = np.asarray(array)
@@ -157,7 +159,7 @@ def kernel_defines(problem) -> dict:
         "LEVEL_OUT_W": _table(s[2] for s in padded),
         "LEVEL_VALUE_BASE": _table(lay.value_bases),
         "LEVEL_INDEX_BASE": _table(lay.index_bases),
-        "LEVEL_IS_MEAN": _table(int(kind == "avg") for kind in lay.kinds),
+        "LEVEL_IS_MEAN": _table(int(not selects) for selects in lay.selects),
     }
 
 

@@ -197,13 +197,12 @@ def forward(op: str, x, output_size):
     x = _as_float64(x, "x")
     levels = operation.resolve_levels(output_size, tuple(x.shape[x.ndim - operation.ndim:]))
     values, indices = [], []
-    for kind, spatial in zip(operation.level_kinds(len(levels)), levels):
-        if kind == "avg":
-            values.append(adaptive_avg_pool(x, spatial, operation.ndim))
-        else:
-            level_values, level_indices = adaptive_max_pool(x, spatial, operation.ndim)
-            values.append(level_values)
+    for level, spatial in zip(operation.level_ops(len(levels)), levels):
+        pooled = forward(level.name, x, spatial)
+        if level.selects:
+            pooled, level_indices = pooled
             indices.append(level_indices)
+        values.append(pooled)
     return values, indices
 
 
@@ -218,10 +217,7 @@ def backward(op: str, grad_out, input_shape, indices=None) -> np.ndarray:
         return adaptive_avg_pool_backward(grad_out, input_shape, operation.ndim)
     max_indices = iter(indices or ())
     total = None
-    for kind, grad in zip(operation.level_kinds(len(grad_out)), grad_out):
-        if kind == "avg":
-            term = adaptive_avg_pool_backward(grad, input_shape, operation.ndim)
-        else:
-            term = adaptive_max_pool_backward(grad, next(max_indices), input_shape, operation.ndim)
+    for level, grad in zip(operation.level_ops(len(grad_out)), grad_out):
+        term = backward(level.name, grad, input_shape, next(max_indices) if level.selects else None)
         total = term if total is None else total + term
     return total

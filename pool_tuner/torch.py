@@ -62,6 +62,7 @@ from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from .backends import env_device_setting
 from .decomposition import decompose
+from .operations import BACKWARD, FORWARD, SINGLE_LEVEL, find
 from .problem import LAYOUT_NAMES, OPS
 from .shapes import RANK_NAMES, resolve_output_size
 from .variants import get_variant
@@ -201,33 +202,34 @@ def _backward_options(options: str) -> str:
 # The custom ops: torch.ops.pool_tuner.adaptive_{avg,max}_pool{1,2,3}d and ..._backward
 
 
-def _op_name(kind: str, ndim: int, backward: bool = False) -> str:
-    return f"pool_tuner::adaptive_{kind}_pool{ndim}d" + ("_backward" if backward else "")
+def _custom_op_name(operation, backward: bool) -> str:
+    """The qualified name of the custom op of ``operation``'s forward or backward pass."""
+    return "pool_tuner::" + (BACKWARD if backward else FORWARD).op_name(operation)
 
 
+#: (selects, backward) -> the schema of a single-level custom op
 _SCHEMAS = {
-    ("avg", False): "(Tensor input, SymInt[] output_size, str options) -> Tensor",
-    ("max", False): "(Tensor input, SymInt[] output_size, str options) -> (Tensor, Tensor)",
-    ("avg", True): "(Tensor grad_out, SymInt[] input_shape, str options) -> Tensor",
-    ("max", True): "(Tensor grad_out, Tensor indices, SymInt[] input_shape, str options) -> Tensor",
+    (False, False): "(Tensor input, SymInt[] output_size, str options) -> Tensor",
+    (True, False): "(Tensor input, SymInt[] output_size, str options) -> (Tensor, Tensor)",
+    (False, True): "(Tensor grad_out, SymInt[] input_shape, str options) -> Tensor",
+    (True, True): "(Tensor grad_out, Tensor indices, SymInt[] input_shape, str options) -> Tensor",
 }
 
 #: (kind, ndim, backward) -> the registered op (a ``torch.library.CustomOpDef``)
 _OPS: dict = {}
 
 
-def _define(kind: str, ndim: int, backward: bool, real, fake):
-    op = torch.library.custom_op(_op_name(kind, ndim, backward), real, mutates_args=(),
-                                 device_types=("cpu", "cuda"), schema=_SCHEMAS[kind, backward])
+def _define(operation, backward: bool, real, fake):
+    op = torch.library.custom_op(_custom_op_name(operation, backward), real, mutates_args=(),
+                                 device_types=("cpu", "cuda"), schema=_SCHEMAS[operation.selects, backward])
     op.register_fake(fake)
-    _OPS[kind, ndim, backward] = op
+    _OPS[operation.kind, operation.ndim, backward] = op
     return op
 
 
-def _register(kind: str, ndim: int):
-    """Define the forward and backward ops of one (kind, ndim) and wire their autograd."""
-    op = f"adaptive_{kind}_pool{ndim}d"
-    selects = OPS[op].selects
+def _register(operation):
+    """Define the forward and backward ops of one single-level operation and wire their autograd."""
+    op, ndim, selects = operation.name, operation.ndim, operation.selects
 
     def output_shape(input, output_size):
         return list(input.shape[: input.dim() - ndim]) + list(output_size)
@@ -262,8 +264,8 @@ def _register(kind: str, ndim: int):
         input_shape = rest[-2]
         return _empty(list(input_shape), grad_out, grad_out.dtype, _is_channels_last(grad_out, ndim), ndim)
 
-    forward_op = _define(kind, ndim, False, forward, forward_fake)
-    backward_op = _define(kind, ndim, True, backward, backward_fake)
+    forward_op = _define(operation, False, forward, forward_fake)
+    backward_op = _define(operation, True, backward, backward_fake)
 
     def forward_setup(ctx, inputs, output):
         input, _, ctx.options = inputs
@@ -305,9 +307,8 @@ def _register(kind: str, ndim: int):
     backward_op.register_autograd(backward_grad, setup_context=backward_setup)
 
 
-for _kind in KINDS:
-    for _ndim in NDIMS:
-        _register(_kind, _ndim)
+for _op in SINGLE_LEVEL:
+    _register(OPS[_op])
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,8 +345,8 @@ def _check_no_functorch_transform():
         )
 
 
-#: (kind, ndim) -> op name
-_OP_NAMES = {(kind, ndim): f"adaptive_{kind}_pool{ndim}d" for kind in KINDS for ndim in NDIMS}
+#: (kind, ndim) -> its single-level operation
+_OPERATIONS = {(kind, ndim): find(kind, ndim) for kind in KINDS for ndim in NDIMS}
 
 
 def _eager_path(input):
@@ -371,7 +372,7 @@ def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bo
 
     This runs on every call of a layer, inside models whose other layers leave the caches cold:
     each object it touches costs, so a warm call is one key and one lookup."""
-    op = _OP_NAMES[kind, ndim]
+    op = _OPERATIONS[kind, ndim].name
     deterministic = torch.are_deterministic_algorithms_enabled()
     # an int size is its own key; sequences keep their elements' types (``ops._exact``)
     size_key = output_size if type(output_size) is int else _ops._exact(output_size)
@@ -401,7 +402,7 @@ def _eager_cuda_pool(kind: str, ndim: int, input, output_size, return_indices: b
     """An eager forward on a CUDA tensor through its plan (``pool_tuner.torch_cuda``): a warm call
     is its signature, one lookup, the results' allocation and one launch; with a gradient to
     compute, inside ``_EagerPooling`` (an ``autograd.Function``) instead of the custom op."""
-    op = _OP_NAMES[kind, ndim]
+    op = _OPERATIONS[kind, ndim].name
     size_key = output_size if type(output_size) is int else _ops._exact(output_size)
     key = ("eager", op, size_key, options, input.shape, input.stride(), input.dtype, input.device)
     found = _torch_cuda.plan_of(key)
@@ -457,16 +458,16 @@ def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, option
     if _exported_to_onnx():
         # torch.onnx.export: standard ONNX operators instead of the kernels (pool_tuner.decomposition)
         if return_indices:
-            raise ValueError(f"adaptive_max_pool{ndim}d with return_indices=True cannot be exported to ONNX "
+            raise ValueError(f"{_OPERATIONS[kind, ndim].name} with return_indices=True cannot be exported to ONNX "
                              f"(pool_tuner.onnx exports values only)")
-        return decompose(kind, ndim, input, output_size, f"pool_tuner.torch.adaptive_{kind}_pool{ndim}d")
+        return decompose(kind, ndim, input, output_size, f"pool_tuner.torch.{_OPERATIONS[kind, ndim].name}")
     return _custom_op_pool(kind, ndim, input, output_size, return_indices, options)
 
 
 def _custom_op_pool(kind: str, ndim: int, input, output_size: list, return_indices: bool, options: str):
     """The forward through the custom op (``torch.ops.pool_tuner.…``), with its autograd."""
     op = _OPS[kind, ndim, False]
-    if kind == "avg":
+    if not _OPERATIONS[kind, ndim].selects:
         return op(input, output_size, options)
     values, indices = op(input, output_size, options)
     return (values, indices) if return_indices else values
@@ -540,12 +541,12 @@ class _PoolTunerModule(_OwnModule):
     def _set_options(self, device, variant, config):
         """Keep the options; a variant is checked here, where the layer is made, not at its first forward."""
         if variant is not None:
-            get_variant(f"adaptive_{self.kind}_pool{self.ndim}d", variant)
+            get_variant(_OPERATIONS[self.kind, self.ndim].name, variant)
         self.device, self.variant, self.config = device, variant, config
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.returns_indices = OPS[_OP_NAMES[cls.kind, cls.ndim]].returns_indices
+        cls.returns_indices = _OPERATIONS[cls.kind, cls.ndim].returns_indices
 
     def forward(self, input):
         options = ("" if self.device is None and self.variant is None and self.config is None
@@ -659,7 +660,7 @@ def _level_layout(operation, sizes) -> _pyramid.LevelLayout:
     spatial = tuple(sizes[k:k + operation.ndim] for k in range(0, len(sizes), operation.ndim))
     if not operation.pyramid:
         spatial = spatial * len(operation.level_kinds(1))
-    return _pyramid.level_layout(operation.level_kinds(len(spatial)), spatial)
+    return _pyramid.level_layout(operation.level_ops(len(spatial)), spatial)
 
 
 def _register_levels(op: str):
@@ -694,7 +695,7 @@ def _register_levels(op: str):
 
     ops = {}
     for backward_op, (real, fake) in ((False, (forward, forward_fake)), (True, (backward, backward_fake))):
-        defined = torch.library.custom_op(f"pool_tuner::{op}" + ("_backward" if backward_op else ""), real,
+        defined = torch.library.custom_op(_custom_op_name(operation, backward_op), real,
                                           mutates_args=(), device_types=("cpu", "cuda"),
                                           schema=_level_schema(selects, backward_op))
         defined.register_fake(fake)
@@ -742,20 +743,20 @@ def _adjoint_of_backward(operation, grad_grad_in, indices, input_shape, sizes, c
     layout = _level_layout(operation, sizes)
     batch = list(input_shape[:len(input_shape) - ndim])
     means = iter(())
-    if "avg" in layout.kinds:
-        avg_sizes = [n for spatial, kind in zip(layout.spatial, layout.kinds) if kind == "avg" for n in spatial]
-        avg_op = OPS[f"adaptive_avg_pool_pyramid{ndim}d"]
+    if not all(layout.selects):
+        avg_sizes = [n for spatial, selects in zip(layout.spatial, layout.selects) if not selects for n in spatial]
+        avg_op = find("avg", ndim, pyramid=True)
         flat_means = _LEVEL_OPS[avg_op.name, False](grad_grad_in, avg_sizes, options)
-        if operation.kind == "avg":  # every level an average: the avg pyramid's buffer is the answer
+        if not operation.selects:  # every level an average: the avg pyramid's buffer is the answer
             return flat_means
         means = iter(_level_views(flat_means, grad_grad_in, _level_layout(avg_op, avg_sizes), ndim, channels_last))
     maxima = iter(())
     if indices is not None:
-        maxima = iter(_level_views(indices, grad_grad_in, layout, ndim, channels_last, ("max",)))
+        maxima = iter(_level_views(indices, grad_grad_in, layout, ndim, channels_last, positions=True))
     plane = grad_grad_in.reshape(batch + [math.prod(input_shape[len(batch):])])
     parts = []
-    for kind in layout.kinds:
-        if kind == "avg":
+    for selects in layout.selects:
+        if not selects:
             level = next(means)
         else:
             level_indices = next(maxima)
@@ -776,15 +777,15 @@ for _op, _operation in OPS.items():
         _register_levels(_op)
 
 
-def _level_views(flat, input, layout, ndim: int, channels_last: bool, kinds=None) -> list:
-    """The levels inside a multi-level op's flat buffer (values, or with ``kinds=("max",)`` the max
+def _level_views(flat, input, layout, ndim: int, channels_last: bool, positions: bool = False) -> list:
+    """The levels inside a multi-level op's flat buffer (values, or with ``positions`` the max
     levels' indices), as views in the input's memory format; sizes may be symbolic."""
     batch = list(input.shape[:input.dim() - ndim])
     planes = math.prod(batch)
-    bases = layout.value_bases if kinds is None else layout.index_bases
+    bases = layout.index_bases if positions else layout.value_bases
     views = []
-    for kind, spatial, size, base in zip(layout.kinds, layout.spatial, layout.sizes, bases):
-        if kinds is not None and kind not in kinds:
+    for selects, spatial, size, base in zip(layout.selects, layout.spatial, layout.sizes, bases):
+        if positions and not selects:
             continue
         part = flat.narrow(0, planes * base, planes * size)
         if not channels_last:
@@ -808,23 +809,23 @@ def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[
         raise ValueError(f"input has a pooled dimension of size 0 (shape {tuple(input.shape)}); "
                          f"pooled dimensions must be >= 1")
     levels = operation.resolve_levels(output_size, spatial, name)
-    kinds = operation.level_kinds(len(levels))
+    level_ops = operation.level_ops(len(levels))
     if _exported_to_onnx():
-        return [decompose(kind, ndim, input, list(size), f"pool_tuner.torch.{op}")
-                for kind, size in zip(kinds, levels)], []
+        return [decompose(level.kind, ndim, input, list(size), f"pool_tuner.torch.{op}")
+                for level, size in zip(level_ops, levels)], []
     _check_no_functorch_transform()
     sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
     out = _LEVEL_OPS[op, False](input, sizes, options)
     values, indices = out if operation.selects else (out, None)
-    layout = _pyramid.level_layout(kinds, tuple(tuple(int(n) for n in level) for level in levels))
+    layout = _pyramid.level_layout(level_ops, tuple(tuple(int(n) for n in level) for level in levels))
     channels_last = _is_channels_last(input, ndim)
     return (_level_views(values, input, layout, ndim, channels_last),
-            [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, ("max",)))
+            [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, positions=True))
 
 
 def _pyramid_op(kind: str, input, output_sizes, ndim) -> str:
     _check_tensor(input, "input")
-    return f"adaptive_{kind}_pool_pyramid{_fused.pyramid_rank(tuple(input.shape), output_sizes, ndim)}d"
+    return find(kind, _fused.pyramid_rank(tuple(input.shape), output_sizes, ndim), pyramid=True).name
 
 
 def adaptive_avg_pool_pyramid(input, output_sizes, *, ndim=None, device=None, variant=None, config=None) -> list:
@@ -855,6 +856,10 @@ def adaptive_avgmax_pool2d(input, output_size=1, mode="avg+max", *, device=None,
     return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), avg.dim() - 3)
 
 
+#: ``PyramidPooling``'s modes and the function each runs.
+_PYRAMID_MODES = {"avg": adaptive_avg_pool_pyramid, "max": adaptive_max_pool_pyramid}
+
+
 class PyramidPooling(_OwnModule, torch.nn.Module):
     """A pooling pyramid: ``forward(x)`` returns ``x`` pooled to every size of ``output_sizes``
     (a list, one tensor per size), average (``mode="avg"``, PSPNet's pyramid pooling) or max
@@ -864,7 +869,7 @@ class PyramidPooling(_OwnModule, torch.nn.Module):
 
     def __init__(self, output_sizes, mode="avg", *, ndim=None, device=None, variant=None, config=None):
         super().__init__()
-        if mode not in ("avg", "max"):
+        if mode not in _PYRAMID_MODES:
             raise ValueError(f"mode must be 'avg' or 'max', got {mode!r}")
         if isinstance(output_sizes, (str, bytes)) or not hasattr(output_sizes, "__len__") or not len(output_sizes):
             raise ValueError(f"output_sizes must be a non-empty sequence of output sizes, got {output_sizes!r}")
@@ -872,9 +877,8 @@ class PyramidPooling(_OwnModule, torch.nn.Module):
         self.device, self.variant, self.config = device, variant, config
 
     def forward(self, input):
-        fn = adaptive_avg_pool_pyramid if self.mode == "avg" else adaptive_max_pool_pyramid
-        return fn(input, self.output_sizes, ndim=self.ndim, device=self.device, variant=self.variant,
-                  config=self.config)
+        return _PYRAMID_MODES[self.mode](input, self.output_sizes, ndim=self.ndim, device=self.device,
+                                         variant=self.variant, config=self.config)
 
 
 class AdaptiveAvgMaxPool2d(_OwnModule, torch.nn.Module):
@@ -906,23 +910,26 @@ def fused_adaptive_pools(input, levels, ndim: int) -> tuple:
     spatial = tuple(input.shape[input.dim() - ndim:])
     resolved = [resolve_output_size(size, spatial) for _, size in levels]
     kinds = [kind for kind, _ in levels]
-    if ndim == 2 and sorted(kinds) == ["avg", "max"] and resolved[0] == resolved[1]:
-        (avg, mx), _ = _multi_level("adaptive_avgmax_pool2d", input, resolved[0], "", "output_size")
-        return (avg, mx) if kinds[0] == "avg" else (mx, avg)
+    avgmax = find("avgmax", 2)
+    if ndim == avgmax.ndim and sorted(kinds) == sorted(avgmax.level_kinds(2)) and resolved[0] == resolved[1]:
+        values, _ = _multi_level(avgmax.name, input, resolved[0], "", "output_size")
+        by_kind = dict(zip(avgmax.level_kinds(2), values))
+        return tuple(by_kind[kind] for kind in kinds)
+    chosen = {}  # kind -> the positions of its levels in ``levels``
+    for k, kind in enumerate(kinds):
+        chosen.setdefault(kind, []).append(k)
     results = [None] * len(levels)
-    for kind in ("avg", "max"):
-        chosen = [k for k, level_kind in enumerate(kinds) if level_kind == kind]
-        if chosen:
-            op = f"adaptive_{kind}_pool_pyramid{ndim}d"
-            values, _ = _multi_level(op, input, [resolved[k] for k in chosen], "", "output_sizes")
-            for k, value in zip(chosen, values):
-                results[k] = value
+    for kind, positions in chosen.items():
+        op = find(kind, ndim, pyramid=True).name
+        values, _ = _multi_level(op, input, [resolved[k] for k in positions], "", "output_sizes")
+        for k, value in zip(positions, values):
+            results[k] = value
     return tuple(results)
 
 
 #: PyTorch's functional adaptive poolings, by name, as torch.fx records them: (kind, ndim).
-_FUNCTIONAL_POOLS = {f"adaptive_{kind}_pool{ndim}d": (kind, ndim) for kind in KINDS for ndim in NDIMS}
-_FUNCTIONAL_POOLS.update({f"_adaptive_max_pool{ndim}d": ("max", ndim) for ndim in NDIMS})
+_FUNCTIONAL_POOLS = {name: (operation.kind, operation.ndim) for operation in _OPERATIONS.values()
+                     for name in operation.fx_names}
 
 
 def _pool_call(gm, node):
@@ -1036,7 +1043,7 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
         cls = REPLACEMENTS.get(type(module))
         if cls is None:
             return module
-        args = (module.output_size,) if cls.kind == "avg" else (module.output_size, module.return_indices)
+        args = (module.output_size, module.return_indices) if cls.returns_indices else (module.output_size,)
         new = cls(*args, device=device, variant=variant, config=config)
         new.train(module.training)
         return new

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import backends, dispatch, ops, plans, tuner
-from .operations import OPERATIONS, SINGLE_LEVEL
+from .operations import DIRECTIONS, OPERATIONS, SINGLE_LEVEL
 
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
 CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
@@ -105,9 +105,9 @@ def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None,
     if found is None:
         given = dict(options)
         device = backends.resolve_device(given.get("device"))
-        names = ("input",) if direction == "forward" else ("grad_out",)
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
-                                given.get("config"), on_miss=tuner.tune_on_miss, names=names)
+                                given.get("config"), on_miss=tuner.tune_on_miss,
+                                names=(DIRECTIONS[direction].torch_argument,))
         if race and races(found):
             WINNERS.decide(key, lambda: race_pytorch(found, tensors[0], size))
         _PLANS.put(key, found)
@@ -132,7 +132,7 @@ def run(found: plans.Plan, tensors: list) -> list:
     problem = found.problem
     if not found.device.info.shares_host_memory:
         arrays = [ops_array(t) for t in tensors]
-        names = ("x",) if problem.direction == "forward" else ("grad_out", "indices")
+        names = (problem.flow.argument, "indices")  # as many as there are arrays
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
     tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     dtype = tensors[0].dtype
@@ -202,7 +202,7 @@ def to_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 def races(found: plans.Plan) -> bool:
     """Whether a new eager plan races PyTorch's kernel (see the module docstring)."""
     problem = found.problem
-    return (pytorch_candidate and problem.direction == "forward" and found.choice.source != "forced"
+    return (pytorch_candidate and problem.flow.reads_input and found.choice.source != "forced"
             and not problem.is_empty and problem.bytes_moved() <= RACE_BYTES)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from . import dispatch, ops, plans, tuner
 from .backends import cuda
-from .operations import SINGLE_LEVEL
+from .operations import DIRECTIONS, FUNCTIONS
 
 #: PyTorch's current stream of a CUDA device as a raw ``cudaStream_t`` (the call Inductor's
 #: generated code makes); CPU-only builds of PyTorch lack it and have no CUDA tensors.
@@ -39,8 +39,8 @@ current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 #: pool_tuner.ops function -> (op, direction): what ``call`` and ``plan`` take (the multi-level ops
 #: have no function of that form; ``plan_op`` takes any op by name)
-_SIGNATURES = {getattr(ops, op + suffix): (op, direction)
-               for op in SINGLE_LEVEL for suffix, direction in (("", "forward"), ("_backward", "backward"))}
+_SIGNATURES = {getattr(ops, name): (operation.name, direction.name)
+               for name, (operation, direction) in FUNCTIONS.items() if not operation.multi_level}
 
 _PLANS = plans.PlanTable("torch_cuda.plans")
 
@@ -124,7 +124,7 @@ class _Plan:
         return self.plan.problem
 
     def __init__(self, op, direction, tensors, size, options):
-        first, name = tensors[0], ("x" if direction == "forward" else "grad_out")
+        first, name = tensors[0], DIRECTIONS[direction].argument
         index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
         device = cuda.device_by_ordinal(0 if index is None else index, name)
         plans.check_device_option(device, options.get("device"), name)

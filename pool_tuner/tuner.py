@@ -221,7 +221,7 @@ def make_case(problem: Problem, rng) -> Case:
     if problem.operation.multi_level:
         return _multi_level_case(problem, random, poison, rng)
     output_size = problem.output_size
-    if problem.direction == "forward":
+    if problem.flow.reads_input:
         x, x_exact = random(problem.input_shape)
         out = np.full(problem.memory_shape(problem.output_shape), poison)
         if not problem.operation.selects:
@@ -252,14 +252,14 @@ def _multi_level_case(problem: Problem, random, poison, rng) -> Case:
     def memory(a):
         return np.ascontiguousarray(memory_order(a) if problem.channels_last else a)
 
-    if problem.direction == "forward":
+    if problem.flow.reads_input:
         x, x_exact = random(problem.input_shape)
         values, indices = reference.forward(problem.op, x_exact, problem.output_size)
         args = [memory(x), np.full(values_shape, poison)]
         answer = [None, pyramid.pack(problem, values)]
         if selects:
             args.append(np.full(indices_shape, np.iinfo(np.int64).min))
-            answer.append(pyramid.pack(problem, indices, kinds=("max",)))
+            answer.append(pyramid.pack(problem, indices, positions=True))
         return Case(args, answer, problem.dtype)
     _, indices = reference.forward(problem.op, rng.standard_normal(problem.input_shape), problem.output_size)
     per_level = [random(problem.input_shape[:len(problem.input_shape) - problem.ndim] + tuple(spatial))
@@ -267,7 +267,7 @@ def _multi_level_case(problem: Problem, random, poison, rng) -> Case:
     expected = reference.backward(problem.op, [exact for _, exact in per_level], problem.input_shape, indices)
     args = [pyramid.pack(problem, [device for device, _ in per_level])]
     if selects:
-        args.append(pyramid.pack(problem, indices, kinds=("max",)))
+        args.append(pyramid.pack(problem, indices, positions=True))
     args.append(np.full(problem.memory_shape(problem.input_shape), poison))
     return Case(args, [None] * (len(args) - 1) + [memory(expected)], problem.dtype)
 

@@ -264,7 +264,7 @@ class _Tiled(Variant):
 
     def local_mem_bytes(self, params, problem):
         per_element = _acc_bytes(problem)
-        if problem.direction == "backward" and problem.operation.selects:
+        if problem.flow.reads_indices(problem.operation):
             per_element += 8  # the staged int64 indices
         return math.prod(self.stage_extent(params, problem)) * per_element
 
@@ -634,7 +634,7 @@ class _CellVariant(Variant):
     def cell_bytes(problem) -> int:
         """Bytes of one cell's partial result: the value, a selecting op's position, avgmax's sum."""
         acc = _acc_bytes(problem)
-        return acc + (8 if problem.operation.selects else 0) + (acc if problem.kind == "avgmax" else 0)
+        return acc + (8 if problem.operation.selects else 0) + (acc if problem.operation.also_mean else 0)
 
 
 class PyramidCells(_CellVariant):
@@ -826,6 +826,7 @@ class PyramidCellsBackward(_CellVariant):
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
+_SINGLE_LEVEL = {"forward": _FORWARD, "backward": _BACKWARD}
 _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidChannels(),
                             PyramidWindows()),
                 "backward": (PyramidCellsBackward(), PyramidStreamBackward(), PyramidRowsBackward(),
@@ -835,7 +836,7 @@ _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), P
 def _variants_of(op: str, direction: str) -> tuple:
     if OPS[op].multi_level:
         return _MULTI_LEVEL[direction]
-    return _FORWARD if direction == "forward" else _BACKWARD
+    return _SINGLE_LEVEL[direction]
 
 
 #: (op, direction) -> {variant name: Variant}, for every op and direction.

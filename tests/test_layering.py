@@ -11,6 +11,7 @@ way); imports under ``if TYPE_CHECKING:`` never execute and are left out.  Impor
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pool_tuner
@@ -248,3 +249,75 @@ def test_forgetting_one_problem_keeps_the_others(user_cache):
     first, second = dispatch.choose(one, device), dispatch.choose(other, device)
     dispatch.forget(one, device)
     assert dispatch.choose(one, device) is not first and dispatch.choose(other, device) is second
+
+
+# ---------------------------------------------------------------------- the op as one object
+
+#: The names of the op kinds and directions: what only pool_tuner.operations may test for.
+OP_WORDS = {"avg", "max", "avgmax", "forward", "backward"}
+#: Pieces of the public function and custom-op names, which only pool_tuner.operations assembles.
+OP_NAME_PIECES = {"_backward", "adaptive_", "_pool", "_pool_pyramid"}
+
+
+def _strings(node) -> set:
+    """The string constants ``node`` is, or holds as a tuple/list/set display."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {item.value for item in items if isinstance(item, ast.Constant) and isinstance(item.value, str)}
+
+
+def _names_kind_or_direction(node) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name.endswith(("kind", "direction"))
+
+
+def _f_string_template(node: ast.JoinedStr) -> str:
+    return "".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values)
+
+
+def op_tests_outside_the_op_object(source: str) -> list:
+    """Where ``source`` tests an op kind or a direction by name (``kind == "avg"``, ``"max" in
+    kinds``, ``level_kind == kind``) or assembles an op's name (``f"adaptive_{kind}_pool{n}d"``,
+    ``op + "_backward"``): ``["line: code"]``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            operands = [node.left, *node.comparators]
+            if any(_strings(operand) & OP_WORDS for operand in operands) or (
+                    all(_names_kind_or_direction(operand) for operand in operands)):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.JoinedStr) and re.search(r"(adaptive_|_pool|_pyramid)\{\}|\{\}(_backward|_pool)",
+                                                           _f_string_template(node)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and node.value in OP_NAME_PIECES:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_op_scan_finds_op_tests_and_op_names():
+    """The scan below must be able to fail: each way an op was once tested or named is found."""
+    offending = [
+        'if kind == "avg": pass',
+        'y = a if problem.direction != "forward" else b',
+        'if "max" in layout.kinds: pass',
+        'chosen = [k for k, level_kind in enumerate(kinds) if level_kind == kind]',
+        'name = f"adaptive_{kind}_pool{ndim}d"',
+        'name = f"{op}_backward"',
+        'names = [op + suffix for suffix in ("", "_backward")]',
+        'name = f"adaptive_{kind}_pool_pyramid{ndim}d"',
+    ]
+    for source in offending:
+        assert op_tests_outside_the_op_object(source), source
+    fine = ['if dtype.kind == "V": pass', 'directions = DIRECTION_OPTION[args.direction]',
+            'pool = getattr(F, level.name)', 'message = f"got {kind!r}"']
+    for source in fine:
+        assert op_tests_outside_the_op_object(source) == [], source
+
+
+def test_only_the_op_object_tests_ops_by_name():
+    """Every module asks ``pool_tuner.operations``' objects (``Operation``, ``Direction``) what an
+    op or a pass does instead of testing its name: a new op or direction is added there alone."""
+    paths = sorted(PACKAGE.glob("*.py")) + sorted((PACKAGE / "backends").glob("*.py"))
+    offences = {path.relative_to(PACKAGE).as_posix(): op_tests_outside_the_op_object(path.read_text())
+                for path in paths if path.name != "operations.py"}
+    assert {path: found for path, found in offences.items() if found} == {}
