@@ -116,16 +116,19 @@ class LocalCluster:
 
     def kill_once_it_tunes(self, node: subprocess.Popen, timeout: float = 120) -> bool:
         """Wait until ``node`` tunes, then kill it a moment into the task (past its start, which the
-        fleet's ledger counts); return whether it was tuning."""
+        fleet's ledger counts) if the task still runs then -- a small problem can finish within that
+        moment, and killing an idle node tests nothing: then wait for its next task.  Returns whether
+        it was killed mid-task (False: it was killed at ``timeout`` without one)."""
         deadline = time.monotonic() + timeout
-        while not self.tuning_in(node):
-            if time.monotonic() > deadline:
-                self.kill(node)
-                return False
+        while time.monotonic() < deadline:
+            if self.tuning_in(node):
+                time.sleep(0.3)
+                if self.tuning_in(node):
+                    self.kill(node)
+                    return True
             time.sleep(0.05)
-        time.sleep(0.3)
         self.kill(node)
-        return True
+        return False
 
     def stop(self) -> None:
         for node in reversed(self.nodes):

@@ -98,13 +98,15 @@ def test_a_node_killed_mid_run_loses_no_problem(cluster, two_model_run, tmp_path
     assert model_of(doomed) == head
     cache_dir = tmp_path / "cache"
 
-    killer = threading.Thread(target=cluster.kill_once_it_tunes, args=(doomed,))
+    killed_mid_task = []
+    killer = threading.Thread(target=lambda: killed_mid_task.append(cluster.kill_once_it_tunes(doomed)))
     killer.start()
     try:
         report = fleet.tune_many(PROBLEMS, ray_address=cluster.address, device_filter=head, progress=False,
                                  tuning_cache=cache_mod.TuningCache(tmp_path / "shipped", cache_dir), **BUDGET)
     finally:
         killer.join()
+    assert killed_mid_task == [True], f"the node was never killed while tuning: {report.summary()}"
     assert doomed.wait(timeout=10) is not None  # killed, not stopped after the run
     assert set(report.models) == {head} and len(report.models[head].nodes) == 2
     assert all(o.tuned for o in report.outcomes), report.summary()
