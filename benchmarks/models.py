@@ -1,8 +1,11 @@
-"""Whole torchvision models on the CPU (or a CUDA GPU), stock against ``pool_tuner.torch.replace_pooling``.
+"""Whole torchvision and timm models on the CPU (or a CUDA GPU), stock against ``pool_tuner.torch.replace_pooling``.
 
 What a user sees who swaps pool_tuner into a model: the model's time per call, not the pooling
-layer's.  Each model (``weights=None``: random initialisation, nothing downloaded) is built once;
-a deep copy with ``replace_pooling`` applied has the same weights.  Before any timing the two are
+layer's.  Each model (``weights=None`` / ``pretrained=False``: random initialisation, nothing
+downloaded) is built once; a deep copy with ``replace_pooling`` applied has the same weights.
+A model is a torchvision name (``resnet50``) or ``timm:<name>:<global_pool>``
+(``timm:resnet18:catavgmax``: ``timm.create_model(name, global_pool=...)``, swapped with
+``replace_pooling(fuse=True)``, which swaps timm's pooling layers).  Before any timing the two are
 run once on the same batch and their outputs must agree (``allclose``).  Then, in one process, each
 case times the stock and the swapped model in interleaved rounds (``pool_tuner.bench``'s loops of
 calls back to back, a fresh random order every round), medians:
@@ -22,7 +25,7 @@ per-round ratios, and the pooling layers swapped.  PyTorch's intra-op threads ar
 (``--threads``; default: what torch chose) and printed: PoCL runs its own worker threads beside
 them.
 
-    python benchmarks/models.py [--models efficientnet_b0,resnet50] [--cases infer_b1,infer_b16,train_b8]
+    python benchmarks/models.py [--models efficientnet_b0,timm:resnet18:catavgmax] [--cases infer_b1,infer_b16,train_b8]
                                 [--rounds 5] [--threads N] [--out FILE]
     python benchmarks/models.py --device cuda [--cases infer_b1,infer_b64,infer_b64_fp16_cl,train_b32]
 """
@@ -70,14 +73,32 @@ CASES = {
 }
 IMAGE = 224
 CLASSES = 1000
+#: How a timm model is named on the command line: ``timm:<model name>:<global_pool>``.
+TIMM_PREFIX = "timm:"
+
+
+def _timm():
+    try:
+        import timm
+    except Exception as error:  # a torchvision built for another torch raises RuntimeError
+        raise SystemExit(f"timm models need timm (pip install \"pool-tuner[bench]\", a torchvision matching the "
+                         f"installed torch): {type(error).__name__}: {error}") from None
+    return timm
+
+
+def _timm_model(name: str):
+    arch, _, global_pool = name[len(TIMM_PREFIX):].partition(":")
+    return _timm().create_model(arch, pretrained=False, num_classes=CLASSES, global_pool=global_pool or "avg")
 
 
 def build(name: str) -> tuple:
     """``(stock, swapped, swapped layer names)``: the model with random weights and a deep copy with
-    pool_tuner's pooling layers."""
-    stock = torchvision.models.get_model(name, weights=None, num_classes=CLASSES)
-    swapped = ptt.replace_pooling(copy.deepcopy(stock))
-    names = [n for n, m in swapped.named_modules() if type(m).__module__ == ptt.__name__]
+    pool_tuner's pooling layers (for a timm model, ``fuse=True``: its avg+max layers pool twice)."""
+    timm_model = name.startswith(TIMM_PREFIX)
+    stock = _timm_model(name) if timm_model else torchvision.models.get_model(name, weights=None, num_classes=CLASSES)
+    report = []
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=timm_model, report=report)
+    names = [entry["module"] for entry in report if entry["action"] != "kept"]
     return stock, swapped, names
 
 
@@ -130,8 +151,8 @@ def training_step(model, images, labels, device: str = "cpu") -> common.Candidat
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--device", default="cpu", choices=tuple(CASES), help="where the models run (default: cpu)")
-    parser.add_argument("--models", help=f"comma-separated torchvision model names (default: {', '.join(MODELS)}; "
-                        f"with --device cuda {', '.join(CUDA_MODELS)})")
+    parser.add_argument("--models", help=f"comma-separated torchvision model names or timm:<name>:<global_pool> "
+                        f"(default: {', '.join(MODELS)}; with --device cuda {', '.join(CUDA_MODELS)})")
     parser.add_argument("--cases", help="comma-separated, of " + "; ".join(
         f"{', '.join(cases)} (--device {device})" for device, cases in CASES.items()) + " (default: all of the device's)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default: %(default)s)")
@@ -154,7 +175,10 @@ def main():
     rng = np.random.default_rng(0)
     info = common.circumstances(torch, backends.default_device())
     info["torchvision"] = torchvision.__version__
-    print(common.describe_circumstances(info) + f"; torchvision {torchvision.__version__}")
+    if any(name.startswith(TIMM_PREFIX) for name in models):
+        info["timm"] = _timm().__version__
+    print(common.describe_circumstances(info) + f"; torchvision {torchvision.__version__}"
+          + (f"; timm {info['timm']}" if "timm" in info else ""))
     results, rows, disagreed = [], [], []
     for name in models:
         stock, swapped, swapped_names = build(name)

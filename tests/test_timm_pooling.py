@@ -203,3 +203,24 @@ def test_global_pool2d_refuses_bad_arguments(rng):
         ptt.GlobalPool2d("avg")(tensor(rng, (4, 5, 6)))
     with pytest.raises(TypeError, match="input"):
         ptt.GlobalPool2d("avg")(np.zeros((1, 2, 3, 3), np.float32))
+
+
+def test_the_report_names_pytorch_layers_swapped_kept_and_modules_fused(rng):
+    class MyPool(torch.nn.AdaptiveAvgPool2d):
+        pass
+
+    class Head(torch.nn.Module):  # timm's catavgmax head written as functional calls
+        def forward(self, x):
+            return torch.cat((F.adaptive_avg_pool2d(x, 1), F.adaptive_max_pool2d(x, 1)), 1)
+
+    model = torch.nn.Sequential(torch.nn.AdaptiveMaxPool2d(4, return_indices=False), MyPool(2),
+                                ptt.AdaptiveAvgPool2d(2), Head())
+    entries = ptt.explain_pooling(model, fuse=True)
+    assert [(e["module"], e["action"]) for e in entries] == [("3", "fused"), ("0", "swapped"), ("1", "kept")]
+    fused, swapped, kept = entries
+    assert "avg 1, max 1" in fused["reason"] and fused["type"].endswith("Head")
+    assert swapped["replacement"] == "pool_tuner.torch.AdaptiveMaxPool2d(output_size=4)"
+    assert swapped["type"] == "torch.nn.modules.pooling.AdaptiveMaxPool2d"
+    assert "subclass of torch.nn.AdaptiveAvgPool2d" in kept["reason"] and kept["replacement"] is None
+    x = tensor(rng, (2, 3, 9, 9))
+    torch.testing.assert_close(ptt.replace_pooling(copy.deepcopy(model), fuse=True)(x), model(x))
