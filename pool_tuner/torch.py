@@ -925,7 +925,8 @@ def _avg_and_max_levels(input, options: dict) -> list:
 
 def _mean_gradient(grad, level, input, shape, dims):
     """``x.mean(dims, keepdim=True)``'s gradient, as PyTorch computes it: spread, then divided."""
-    return grad.expand(shape) / math.prod(shape[d] for d in dims)
+    height, width = dims
+    return grad.expand(shape) / (shape[height] * shape[width])
 
 
 def _amax_gradient(grad, level, input, shape, dims):

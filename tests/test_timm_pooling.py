@@ -194,6 +194,22 @@ def test_global_pool2d_nhwc_input_that_is_channels_first_in_memory(rng):
     torch.testing.assert_close(ptt.GlobalPool2d("cat", input_fmt="NHWC")(x), _timm_fast(x, "cat", False, "NHWC"))
 
 
+@pytest.mark.parametrize("mode", ["avg", "max", "avg+max", "cat"])
+def test_global_pool2d_compiles_and_exports(mode, rng):
+    """torch.compile(fullgraph=True), backward included, and torch.export: as eager."""
+    layer = ptt.GlobalPool2d(mode, flatten=True, input_fmt="NHWC")
+    x = torch.from_numpy(rng.integers(-3, 4, (2, 5, 6, 4)).astype(np.float32))
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = layer(x_eager), torch.compile(layer, fullgraph=True)(x_compiled)
+    torch.testing.assert_close(got, expected)
+    grad = torch.from_numpy(rng.standard_normal(expected.shape).astype(np.float32))
+    expected.backward(grad), got.backward(grad)
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=0, atol=0)
+    program = torch.export.export(layer, (x,))
+    assert "pool_tuner" in program.graph_module.code
+    torch.testing.assert_close(program.module()(x), expected.detach())
+
+
 def test_global_pool2d_refuses_bad_arguments(rng):
     with pytest.raises(ValueError, match="mode"):
         ptt.GlobalPool2d("sum")
