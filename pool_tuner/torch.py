@@ -1250,14 +1250,16 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
 
 
 def _report_entry(report: list, name, module, replacement, reason):
+    """Append ``explain_pooling``'s entry for one decision of ``replace_pooling`` to ``report``."""
     cls = type(module)
-    report.append({"module": name, "type": f"{cls.__module__}.{cls.__qualname__}",
-                   "action": "kept" if replacement is None else
-                   "fused" if isinstance(replacement, torch.fx.GraphModule) else "swapped",
-                   "replacement": None if replacement is None else
-                   f"torch.fx.GraphModule (from {cls.__qualname__})" if isinstance(replacement, torch.fx.GraphModule)
-                   else repr(replacement),
-                   "reason": reason})
+    if replacement is None:
+        action, what = "kept", None
+    elif isinstance(replacement, torch.fx.GraphModule):
+        action, what = "fused", f"torch.fx.GraphModule of {cls.__qualname__}"
+    else:
+        action, what = "swapped", repr(replacement)
+    report.append({"module": name, "type": f"{cls.__module__}.{cls.__qualname__}", "action": action,
+                   "replacement": what, "reason": reason})
 
 
 def explain_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=None, config=None) -> list:
