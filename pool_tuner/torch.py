@@ -937,28 +937,35 @@ def _amax_gradient(grad, level, input, shape, dims):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Reduction:
+    """One level of a global pooling as timm computes it: the PyTorch reduction (what ONNX export
+    traces) and its gradient."""
+
+    reduce: object
+    gradient: object
+
+
+_MEAN = _Reduction(lambda input, dims: input.mean(dims, keepdim=True), _mean_gradient)
+_AMAX = _Reduction(lambda input, dims: input.amax(dims, keepdim=True), _amax_gradient)
+
+
+@dataclasses.dataclass(frozen=True)
 class _GlobalMode:
     """One of GlobalPool2d's modes: its levels from pool_tuner's kernels (one read of the input),
-    each level's gradient, and how timm joins the levels (along ``dim``, the channels)."""
+    the reduction each level is, and how timm joins the levels (along ``dim``, the channels)."""
 
     levels: object
-    gradients: tuple
+    reductions: tuple
     join: object
-
-    @property
-    def reads_input_in_backward(self) -> bool:
-        return _amax_gradient in self.gradients
 
 
 #: timm's fast layers: FastAdaptiveAvgPool, FastAdaptiveMaxPool, FastAdaptiveAvgMaxPool (which
 #: halves each level before adding them, unlike AdaptiveAvgMaxPool2d) and FastAdaptiveCatAvgMaxPool.
 GLOBAL_POOL_MODES = {
-    "avg": _GlobalMode(_avg_level, (_mean_gradient,), lambda levels, dim: levels[0]),
-    "max": _GlobalMode(_max_level, (_amax_gradient,), lambda levels, dim: levels[0]),
-    "avg+max": _GlobalMode(_avg_and_max_levels, (_mean_gradient, _amax_gradient),
-                           lambda levels, dim: 0.5 * levels[0] + 0.5 * levels[1]),
-    "cat": _GlobalMode(_avg_and_max_levels, (_mean_gradient, _amax_gradient),
-                       lambda levels, dim: torch.cat(levels, dim)),
+    "avg": _GlobalMode(_avg_level, (_MEAN,), lambda levels, dim: levels[0]),
+    "max": _GlobalMode(_max_level, (_AMAX,), lambda levels, dim: levels[0]),
+    "avg+max": _GlobalMode(_avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: 0.5 * levels[0] + 0.5 * levels[1]),
+    "cat": _GlobalMode(_avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: torch.cat(levels, dim)),
 }
 
 
@@ -974,15 +981,15 @@ class _GlobalPooling(torch.autograd.Function):
         dims, channel = _INPUT_FORMATS[input_fmt]
         channels_first = input.movedim(channel, 1)
         levels = [level.movedim(1, channel) for level in spec.levels(channels_first, options)]
-        ctx.dims, ctx.gradients, ctx.input_shape = dims, spec.gradients, input.shape
-        ctx.save_for_backward(input if spec.reads_input_in_backward else None, *levels)
+        ctx.dims, ctx.reductions, ctx.input_shape = dims, spec.reductions, input.shape
+        ctx.save_for_backward(input if _AMAX in spec.reductions else None, *levels)
         return tuple(levels)
 
     @staticmethod
     def backward(ctx, *grads):
         input, *levels = ctx.saved_tensors
-        parts = [gradient(grad, level, input, ctx.input_shape, ctx.dims)
-                 for gradient, level, grad in zip(ctx.gradients, levels, grads)]
+        parts = [reduction.gradient(grad, level, input, ctx.input_shape, ctx.dims)
+                 for reduction, level, grad in zip(ctx.reductions, levels, grads)]
         return functools.reduce(operator.add, parts), None, None, None
 
 
@@ -991,15 +998,21 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
     (``mode="avg"``, ``x.mean``), the maximum (``"max"``, ``x.amax``), ``0.5 * avg + 0.5 * max``
     (``"avg+max"``) or both concatenated along the channels (``"cat"``) over the spatial dims of
     ``input_fmt`` (``"NCHW"`` or ``"NHWC"``), kept as size-1 dims or, with ``flatten``, dropped.
-    avg and max come from one read of ``input``; the gradient is timm's (amax's splits among ties)."""
+    avg and max come from one read of ``input``; the gradient is timm's (amax's splits among ties).
+    Under ONNX export it is timm's reductions (``ReduceMean``, ``ReduceMax``)."""
     _check_global_pool_arguments(mode, input_fmt)
     _check_tensor(input, "input")
     if input.dim() != 4:
         raise ValueError(f"input must be 4-d ({input_fmt}) for global 2d pooling, got shape {tuple(input.shape)}")
-    levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
+    spec = GLOBAL_POOL_MODES[mode]
+    dims, channel = _INPUT_FORMATS[input_fmt]
+    if _exported_to_onnx():
+        levels = [reduction.reduce(input, dims) for reduction in spec.reductions]
+    else:
+        levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
     if flatten:
         levels = [level.flatten(1) for level in levels]
-    return GLOBAL_POOL_MODES[mode].join(levels, 1 if flatten else _INPUT_FORMATS[input_fmt][1])
+    return spec.join(levels, 1 if flatten else channel)
 
 
 def _check_global_pool_arguments(mode, input_fmt):

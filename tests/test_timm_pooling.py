@@ -210,6 +210,18 @@ def test_global_pool2d_compiles_and_exports(mode, rng):
     torch.testing.assert_close(program.module()(x), expected.detach())
 
 
+def test_global_pool2d_exports_to_onnx_as_timms_reductions(rng):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), ptt.GlobalPool2d("cat", flatten=True)).eval()
+    x = tensor(rng, (2, 3, 7, 5))
+    program = torch.onnx.export(model, (x,), verbose=False)
+    assert {"ReduceMean", "ReduceMax", "Concat"} <= {node.op_type for node in program.model.graph}
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_global_pool2d_refuses_bad_arguments(rng):
     with pytest.raises(ValueError, match="mode"):
         ptt.GlobalPool2d("sum")
