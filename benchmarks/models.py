@@ -19,6 +19,11 @@ calls back to back, a fresh random order every round), medians:
 ``infer_b64``, ``infer_b64_fp16_cl`` (batch 64 under ``torch.autocast`` to float16, model and images
 channels-last) and ``train_b32``; each loop of calls ends with ``torch.cuda.synchronize()``.
 
+``--head`` times a timm model's pooling layer alone (``model.global_pool``, stock and swapped) on
+the features the model pools (``forward_features`` of the case's images): the cases' forward, and
+for ``train_b8`` a forward and backward of the layer.  On a shared machine the whole model's time
+moves by more than the layer takes; the layer alone says what the swap changes.
+
 Reported: milliseconds per call of each (median and quartiles over the rounds), the ratio stock /
 pool_tuner (below 1: pool_tuner's model is slower) of the medians and the quartiles of the paired
 per-round ratios, and the pooling layers swapped.  PyTorch's intra-op threads are set explicitly
@@ -148,6 +153,18 @@ def training_step(model, images, labels, device: str = "cpu") -> common.Candidat
     return common.Candidate(call, _wait(device))
 
 
+def head_step(layer, features, device: str = "cpu") -> common.Candidate:
+    """A forward and backward of a pooling layer alone, on ``features`` that require a gradient."""
+    features = features.detach().requires_grad_()
+    grad = torch.ones_like(layer(features))
+
+    def call():
+        features.grad = None
+        layer(features).backward(grad)
+
+    return common.Candidate(call, _wait(device))
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--device", default="cpu", choices=tuple(CASES), help="where the models run (default: cpu)")
@@ -159,6 +176,8 @@ def main():
     parser.add_argument("--loop-s", type=float, default=0.3,
                         help="wall time each timed loop of calls aims at, at least one call (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    parser.add_argument("--head", action="store_true",
+                        help="time timm models' pooling layer (global_pool) alone, on the features it pools")
     common.add_output_argument(parser)
     args = parser.parse_args()
     device_cases = CASES[args.device]
@@ -167,6 +186,8 @@ def main():
     if unknown:
         parser.error(f"unknown case(s) {unknown} for --device {args.device}; choose from {list(device_cases)}")
     models = args.models.split(",") if args.models else list(CUDA_MODELS if args.device == "cuda" else MODELS)
+    if args.head and not all(name.startswith(TIMM_PREFIX) for name in models):
+        parser.error(f"--head times timm models' global_pool: name models as {TIMM_PREFIX}<name>:<global_pool>")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("models.py --device cuda needs a CUDA GPU and PyTorch built with CUDA")
     if args.threads:
@@ -186,17 +207,26 @@ def main():
         agree = agreement(stock, swapped, rng, args.device)
         if not agree["allclose"]:
             disagreed.append(name)
-        entry = {"model": name, "pooling_layers_swapped": swapped_names, "outputs_agree": agree, "cases": {}}
+        entry = {"model": name, "timed": "global_pool" if args.head else "model",
+                 "pooling_layers_swapped": swapped_names, "outputs_agree": agree, "cases": {}}
         for case in cases:
             spec = device_cases[case]
             images = torch.from_numpy(rng.standard_normal((spec.batch, 3, IMAGE, IMAGE), dtype=np.float32))
             images = images.to(args.device)
-            if spec.train:
+            if args.head:
+                with torch.no_grad():
+                    images = stock.eval().forward_features(images)
+                stock_part, swapped_part = stock.global_pool, swapped.global_pool
+            else:
+                stock_part, swapped_part = stock, swapped
+            if spec.train and args.head:
+                make = functools.partial(head_step, features=images, device=args.device)
+            elif spec.train:
                 labels = torch.from_numpy(rng.integers(0, CLASSES, spec.batch)).to(args.device)
                 make = functools.partial(training_step, images=images, labels=labels, device=args.device)
             else:
                 make = functools.partial(inference, images=images, case=spec, device=args.device)
-            timings = common.interleave({"stock": make(stock), "pool_tuner": make(swapped)}, args.rounds,
+            timings = common.interleave({"stock": make(stock_part), "pool_tuner": make(swapped_part)}, args.rounds,
                                         args.loop_s, rng)
             ratio = timings.ratio("stock", "pool_tuner")
             entry["cases"][case] = {"stock_ms": timings.summary("stock"), "pool_tuner_ms": timings.summary("pool_tuner"),
