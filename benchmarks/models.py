@@ -1,8 +1,11 @@
-"""Whole torchvision models on the CPU (or a CUDA GPU), stock against ``pool_tuner.torch.replace_pooling``.
+"""Whole torchvision and timm models on the CPU (or a CUDA GPU), stock against ``pool_tuner.torch.replace_pooling``.
 
 What a user sees who swaps pool_tuner into a model: the model's time per call, not the pooling
-layer's.  Each model (``weights=None``: random initialisation, nothing downloaded) is built once;
-a deep copy with ``replace_pooling`` applied has the same weights.  Before any timing the two are
+layer's.  Each model (``weights=None`` / ``pretrained=False``: random initialisation, nothing
+downloaded) is built once; a deep copy with ``replace_pooling`` applied has the same weights.
+A model is a torchvision name (``resnet50``) or ``timm:<name>:<global_pool>``
+(``timm:resnet18:catavgmax``: ``timm.create_model(name, global_pool=...)``, swapped with
+``replace_pooling(fuse=True)``, which swaps timm's pooling layers).  Before any timing the two are
 run once on the same batch and their outputs must agree (``allclose``).  Then, in one process, each
 case times the stock and the swapped model in interleaved rounds (``pool_tuner.bench``'s loops of
 calls back to back, a fresh random order every round), medians:
@@ -16,13 +19,18 @@ calls back to back, a fresh random order every round), medians:
 ``infer_b64``, ``infer_b64_fp16_cl`` (batch 64 under ``torch.autocast`` to float16, model and images
 channels-last) and ``train_b32``; each loop of calls ends with ``torch.cuda.synchronize()``.
 
+``--head`` times a timm model's pooling layer alone (``model.global_pool``, stock and swapped) on
+the features the model pools (``forward_features`` of the case's images): the cases' forward, and
+for ``train_b8`` a forward and backward of the layer.  On a shared machine the whole model's time
+moves by more than the layer takes; the layer alone says what the swap changes.
+
 Reported: milliseconds per call of each (median and quartiles over the rounds), the ratio stock /
 pool_tuner (below 1: pool_tuner's model is slower) of the medians and the quartiles of the paired
 per-round ratios, and the pooling layers swapped.  PyTorch's intra-op threads are set explicitly
 (``--threads``; default: what torch chose) and printed: PoCL runs its own worker threads beside
 them.
 
-    python benchmarks/models.py [--models efficientnet_b0,resnet50] [--cases infer_b1,infer_b16,train_b8]
+    python benchmarks/models.py [--models efficientnet_b0,timm:resnet18:catavgmax] [--cases infer_b1,infer_b16,train_b8]
                                 [--rounds 5] [--threads N] [--out FILE]
     python benchmarks/models.py --device cuda [--cases infer_b1,infer_b64,infer_b64_fp16_cl,train_b32]
 """
@@ -70,14 +78,32 @@ CASES = {
 }
 IMAGE = 224
 CLASSES = 1000
+#: How a timm model is named on the command line: ``timm:<model name>:<global_pool>``.
+TIMM_PREFIX = "timm:"
+
+
+def _timm():
+    try:
+        import timm
+    except Exception as error:  # a torchvision built for another torch raises RuntimeError
+        raise SystemExit(f"timm models need timm (pip install \"pool-tuner[bench]\", a torchvision matching the "
+                         f"installed torch): {type(error).__name__}: {error}") from None
+    return timm
+
+
+def _timm_model(name: str):
+    arch, _, global_pool = name[len(TIMM_PREFIX):].partition(":")
+    return _timm().create_model(arch, pretrained=False, num_classes=CLASSES, global_pool=global_pool or "avg")
 
 
 def build(name: str) -> tuple:
     """``(stock, swapped, swapped layer names)``: the model with random weights and a deep copy with
-    pool_tuner's pooling layers."""
-    stock = torchvision.models.get_model(name, weights=None, num_classes=CLASSES)
-    swapped = ptt.replace_pooling(copy.deepcopy(stock))
-    names = [n for n, m in swapped.named_modules() if type(m).__module__ == ptt.__name__]
+    pool_tuner's pooling layers (for a timm model, ``fuse=True``: its avg+max layers pool twice)."""
+    timm_model = name.startswith(TIMM_PREFIX)
+    stock = _timm_model(name) if timm_model else torchvision.models.get_model(name, weights=None, num_classes=CLASSES)
+    report = []
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=timm_model, report=report)
+    names = [entry["module"] for entry in report if entry["action"] != "kept"]
     return stock, swapped, names
 
 
@@ -127,17 +153,31 @@ def training_step(model, images, labels, device: str = "cpu") -> common.Candidat
     return common.Candidate(call, _wait(device))
 
 
+def head_step(layer, features, device: str = "cpu") -> common.Candidate:
+    """A forward and backward of a pooling layer alone, on ``features`` that require a gradient."""
+    features = features.detach().requires_grad_()
+    grad = torch.ones_like(layer(features))
+
+    def call():
+        features.grad = None
+        layer(features).backward(grad)
+
+    return common.Candidate(call, _wait(device))
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--device", default="cpu", choices=tuple(CASES), help="where the models run (default: cpu)")
-    parser.add_argument("--models", help=f"comma-separated torchvision model names (default: {', '.join(MODELS)}; "
-                        f"with --device cuda {', '.join(CUDA_MODELS)})")
+    parser.add_argument("--models", help=f"comma-separated torchvision model names or timm:<name>:<global_pool> "
+                        f"(default: {', '.join(MODELS)}; with --device cuda {', '.join(CUDA_MODELS)})")
     parser.add_argument("--cases", help="comma-separated, of " + "; ".join(
         f"{', '.join(cases)} (--device {device})" for device, cases in CASES.items()) + " (default: all of the device's)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default: %(default)s)")
     parser.add_argument("--loop-s", type=float, default=0.3,
                         help="wall time each timed loop of calls aims at, at least one call (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    parser.add_argument("--head", action="store_true",
+                        help="time timm models' pooling layer (global_pool) alone, on the features it pools")
     common.add_output_argument(parser)
     args = parser.parse_args()
     device_cases = CASES[args.device]
@@ -146,6 +186,8 @@ def main():
     if unknown:
         parser.error(f"unknown case(s) {unknown} for --device {args.device}; choose from {list(device_cases)}")
     models = args.models.split(",") if args.models else list(CUDA_MODELS if args.device == "cuda" else MODELS)
+    if args.head and not all(name.startswith(TIMM_PREFIX) for name in models):
+        parser.error(f"--head times timm models' global_pool: name models as {TIMM_PREFIX}<name>:<global_pool>")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("models.py --device cuda needs a CUDA GPU and PyTorch built with CUDA")
     if args.threads:
@@ -154,7 +196,10 @@ def main():
     rng = np.random.default_rng(0)
     info = common.circumstances(torch, backends.default_device())
     info["torchvision"] = torchvision.__version__
-    print(common.describe_circumstances(info) + f"; torchvision {torchvision.__version__}")
+    if any(name.startswith(TIMM_PREFIX) for name in models):
+        info["timm"] = _timm().__version__
+    print(common.describe_circumstances(info) + f"; torchvision {torchvision.__version__}"
+          + (f"; timm {info['timm']}" if "timm" in info else ""))
     results, rows, disagreed = [], [], []
     for name in models:
         stock, swapped, swapped_names = build(name)
@@ -162,17 +207,26 @@ def main():
         agree = agreement(stock, swapped, rng, args.device)
         if not agree["allclose"]:
             disagreed.append(name)
-        entry = {"model": name, "pooling_layers_swapped": swapped_names, "outputs_agree": agree, "cases": {}}
+        entry = {"model": name, "timed": "global_pool" if args.head else "model",
+                 "pooling_layers_swapped": swapped_names, "outputs_agree": agree, "cases": {}}
         for case in cases:
             spec = device_cases[case]
             images = torch.from_numpy(rng.standard_normal((spec.batch, 3, IMAGE, IMAGE), dtype=np.float32))
             images = images.to(args.device)
-            if spec.train:
+            if args.head:
+                with torch.no_grad():
+                    images = stock.eval().forward_features(images)
+                stock_part, swapped_part = stock.global_pool, swapped.global_pool
+            else:
+                stock_part, swapped_part = stock, swapped
+            if spec.train and args.head:
+                make = functools.partial(head_step, features=images, device=args.device)
+            elif spec.train:
                 labels = torch.from_numpy(rng.integers(0, CLASSES, spec.batch)).to(args.device)
                 make = functools.partial(training_step, images=images, labels=labels, device=args.device)
             else:
                 make = functools.partial(inference, images=images, case=spec, device=args.device)
-            timings = common.interleave({"stock": make(stock), "pool_tuner": make(swapped)}, args.rounds,
+            timings = common.interleave({"stock": make(stock_part), "pool_tuner": make(swapped_part)}, args.rounds,
                                         args.loop_s, rng)
             ratio = timings.ratio("stock", "pool_tuner")
             entry["cases"][case] = {"stock_ms": timings.summary("stock"), "pool_tuner_ms": timings.summary("pool_tuner"),

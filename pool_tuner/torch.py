@@ -39,6 +39,8 @@ Importing ``pool_tuner`` never imports torch; importing this module does.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 import math
@@ -60,6 +62,7 @@ from . import ops as _ops
 from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
+from . import torch_timm as _torch_timm
 from .backends import env_device_setting
 from .decomposition import decompose
 from .operations import BACKWARD, FORWARD, SINGLE_LEVEL, find
@@ -82,11 +85,14 @@ __all__ = [
     "adaptive_max_pool3d",
     "replace_pooling",
     "AdaptiveAvgMaxPool2d",
+    "GlobalPool2d",
     "PyramidPooling",
     "adaptive_avg_pool_pyramid",
     "adaptive_avgmax_pool2d",
     "adaptive_max_pool_pyramid",
+    "explain_pooling",
     "fuse_sibling_pools",
+    "global_pool2d",
     "fused_adaptive_pools",
 ]
 
@@ -899,6 +905,142 @@ class AdaptiveAvgMaxPool2d(_OwnModule, torch.nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# Global pooling as timm's fast layers compute it (``x.mean``/``x.amax`` over the spatial dims).
+
+#: GlobalPool2d's ``input_fmt``: the tensor's spatial dims and channel dim (timm's formats).
+_INPUT_FORMATS = {"NCHW": ((2, 3), 1), "NHWC": ((1, 2), 3)}
+
+
+def _avg_level(input, options: dict) -> list:
+    return [adaptive_avg_pool2d(input, 1, **options)]
+
+
+def _max_level(input, options: dict) -> list:
+    return [adaptive_max_pool2d(input, 1, **options)]
+
+
+def _avg_and_max_levels(input, options: dict) -> list:
+    return _multi_level(find("avgmax", 2).name, input, 1, _encode_options(**options), "output_size")[0]
+
+
+def _mean_gradient(grad, level, input, shape, dims):
+    """``x.mean(dims, keepdim=True)``'s gradient, as PyTorch computes it: spread, then divided."""
+    height, width = dims
+    return grad.expand(shape) / (shape[height] * shape[width])
+
+
+def _amax_gradient(grad, level, input, shape, dims):
+    """``x.amax(dims, keepdim=True)``'s gradient, as PyTorch computes it: split evenly among the
+    positions that hold the maximum."""
+    mask = input == level
+    return (grad / mask.sum(dims, keepdim=True)) * mask
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduction:
+    """One level of a global pooling as timm computes it: the PyTorch reduction (what ONNX export
+    traces) and its gradient."""
+
+    reduce: object
+    gradient: object
+
+
+_MEAN = _Reduction(lambda input, dims: input.mean(dims, keepdim=True), _mean_gradient)
+_AMAX = _Reduction(lambda input, dims: input.amax(dims, keepdim=True), _amax_gradient)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalMode:
+    """One of GlobalPool2d's modes: its levels from pool_tuner's kernels (one read of the input),
+    the reduction each level is, and how timm joins the levels (along ``dim``, the channels)."""
+
+    levels: object
+    reductions: tuple
+    join: object
+
+
+#: timm's fast layers: FastAdaptiveAvgPool, FastAdaptiveMaxPool, FastAdaptiveAvgMaxPool (which
+#: halves each level before adding them, unlike AdaptiveAvgMaxPool2d) and FastAdaptiveCatAvgMaxPool.
+GLOBAL_POOL_MODES = {
+    "avg": _GlobalMode(_avg_level, (_MEAN,), lambda levels, dim: levels[0]),
+    "max": _GlobalMode(_max_level, (_AMAX,), lambda levels, dim: levels[0]),
+    "avg+max": _GlobalMode(_avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: 0.5 * levels[0] + 0.5 * levels[1]),
+    "cat": _GlobalMode(_avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: torch.cat(levels, dim)),
+}
+
+
+class _GlobalPooling(torch.autograd.Function):
+    """The levels of a global pooling in ``input_fmt``'s layout, kept dims: the values from
+    pool_tuner's kernels, the gradient timm's own -- mean's, and amax's, which splits a plane's
+    gradient among tied maxima where pool_tuner's max kernels (PyTorch's ``adaptive_max_pool2d``)
+    give it to the first."""
+
+    @staticmethod
+    def forward(ctx, input, mode: str, input_fmt: str, options: dict):
+        spec = GLOBAL_POOL_MODES[mode]
+        dims, channel = _INPUT_FORMATS[input_fmt]
+        channels_first = input.movedim(channel, 1)
+        levels = [level.movedim(1, channel) for level in spec.levels(channels_first, options)]
+        ctx.dims, ctx.reductions, ctx.input_shape = dims, spec.reductions, input.shape
+        ctx.save_for_backward(input if _AMAX in spec.reductions else None, *levels)
+        return tuple(levels)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        input, *levels = ctx.saved_tensors
+        parts = [reduction.gradient(grad, level, input, ctx.input_shape, ctx.dims)
+                 for reduction, level, grad in zip(ctx.reductions, levels, grads)]
+        return functools.reduce(operator.add, parts), None, None, None
+
+
+def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=None, variant=None, config=None):
+    """Global pooling of a 4-d ``input`` as timm's fast layers compute it: the average
+    (``mode="avg"``, ``x.mean``), the maximum (``"max"``, ``x.amax``), ``0.5 * avg + 0.5 * max``
+    (``"avg+max"``) or both concatenated along the channels (``"cat"``) over the spatial dims of
+    ``input_fmt`` (``"NCHW"`` or ``"NHWC"``), kept as size-1 dims or, with ``flatten``, dropped.
+    avg and max come from one read of ``input``; the gradient is timm's (amax's splits among ties).
+    Under ONNX export it is timm's reductions (``ReduceMean``, ``ReduceMax``)."""
+    _check_global_pool_arguments(mode, input_fmt)
+    _check_tensor(input, "input")
+    if input.dim() != 4:
+        raise ValueError(f"input must be 4-d ({input_fmt}) for global 2d pooling, got shape {tuple(input.shape)}")
+    spec = GLOBAL_POOL_MODES[mode]
+    dims, channel = _INPUT_FORMATS[input_fmt]
+    if _exported_to_onnx():
+        levels = [reduction.reduce(input, dims) for reduction in spec.reductions]
+    else:
+        levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
+    if flatten:
+        levels = [level.flatten(1) for level in levels]
+    return spec.join(levels, 1 if flatten else channel)
+
+
+def _check_global_pool_arguments(mode, input_fmt):
+    if mode not in GLOBAL_POOL_MODES:
+        raise ValueError(f"mode must be one of {tuple(GLOBAL_POOL_MODES)} (timm's fast pool types), got {mode!r}")
+    if input_fmt not in _INPUT_FORMATS:
+        raise ValueError(f"input_fmt must be one of {tuple(_INPUT_FORMATS)}, got {input_fmt!r}")
+
+
+class GlobalPool2d(_OwnModule, torch.nn.Module):
+    """timm's ``FastAdaptiveAvgPool``, ``FastAdaptiveMaxPool``, ``FastAdaptiveAvgMaxPool`` and
+    ``FastAdaptiveCatAvgMaxPool`` (``mode`` ``"avg"``, ``"max"``, ``"avg+max"``, ``"cat"``) on
+    pool_tuner's kernels: ``global_pool2d``."""
+
+    repr_fields = ("mode", "flatten", "input_fmt")
+
+    def __init__(self, mode="avg", *, flatten=False, input_fmt="NCHW", device=None, variant=None, config=None):
+        super().__init__()
+        _check_global_pool_arguments(mode, input_fmt)
+        self.mode, self.flatten, self.input_fmt = mode, bool(flatten), input_fmt
+        self.device, self.variant, self.config = device, variant, config
+
+    def forward(self, input):
+        return global_pool2d(input, self.mode, flatten=self.flatten, input_fmt=self.input_fmt, device=self.device,
+                             variant=self.variant, config=self.config)
+
+
+# --------------------------------------------------------------------------------------------
 # replace_pooling(fuse=True): sibling adaptive poolings of one tensor run as one fused op.
 
 
@@ -953,15 +1095,16 @@ def _pool_call(gm, node):
     return None
 
 
-def _fuse_graph(gm) -> int:
+def _fuse_graph(gm) -> list:
     """Fuse, in ``gm``'s graph, every group of two or more adaptive poolings of one tensor over the
-    same axes into one ``fused_adaptive_pools`` call; returns the number of groups fused."""
+    same axes into one ``fused_adaptive_pools`` call; returns the groups fused, each as its
+    ``(kind, output_size)`` levels."""
     groups: dict = {}
     for node in gm.graph.nodes:
         call = _pool_call(gm, node)
         if call is not None and isinstance(call[0], torch.fx.Node):
             groups.setdefault((call[0], call[2]), []).append((node, call[1], call[3]))
-    fused = 0
+    fused = []
     for (source, ndim), members in groups.items():
         if len(members) < 2:
             continue
@@ -973,7 +1116,7 @@ def _fuse_graph(gm) -> int:
                 item = gm.graph.call_function(operator.getitem, (call, position))
             node.replace_all_uses_with(item)
             gm.graph.erase_node(node)
-        fused += 1
+        fused.append(levels)
     if fused:
         gm.graph.lint()
         gm.delete_all_unused_submodules()
@@ -985,10 +1128,21 @@ def _count_pools(module) -> int:
     return sum(isinstance(m, tuple(REPLACEMENTS)) for m in module.modules())
 
 
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer with pool_tuner's fused calls kept as single calls and pool_tuner's
+    modules as leaves (their forward is not PyTorch code to trace)."""
+
+    def __init__(self):
+        super().__init__(autowrap_functions=(fused_adaptive_pools,))
+
+    def is_leaf_module(self, m, module_qualified_name) -> bool:
+        return isinstance(m, _OwnModule) or super().is_leaf_module(m, module_qualified_name)
+
+
 def _trace(module: torch.nn.Module):
-    """``module`` as a torch.fx ``GraphModule`` (fused calls kept as single calls), or None where it
-    does not trace (Python control flow on tensor values, say)."""
-    tracer = torch.fx.Tracer(autowrap_functions=(fused_adaptive_pools,))
+    """``module`` as a torch.fx ``GraphModule``, or None where it does not trace (Python control
+    flow on tensor values, say)."""
+    tracer = _Tracer()
     try:
         graph = tracer.trace(module)
     except Exception:  # whatever the module's Python does with proxies: its children may trace
@@ -996,26 +1150,37 @@ def _trace(module: torch.nn.Module):
     return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def fuse_sibling_pools(model: torch.nn.Module) -> torch.nn.Module:
+def _no_record(name, module, replacement, reason):
+    """What replace_pooling does with its decisions when nobody asked for them."""
+
+
+def fuse_sibling_pools(model: torch.nn.Module, record=_no_record) -> torch.nn.Module:
     """Run sibling adaptive poolings of one tensor as one fused op: the torch.fx pass of
     ``replace_pooling(fuse=True)``.  Modules are visited bottom-up, so the smallest module that
     holds a group is the one rewritten: each is traced with torch.fx, and where the trace finds
     poolings to fuse the module is replaced by its rewritten ``GraphModule`` (same submodules and
-    parameter names).  Modules that do not trace, or hold nothing to fuse, stay as they are.
-    Returns the (new) model."""
+    parameter names).  Modules that do not trace, or hold nothing to fuse, stay as they are;
+    ``record(name, module, replacement, reason)`` hears of each module rewritten.  Returns the
+    (new) model."""
 
-    def visit(module):
-        for name, child in list(module.named_children()):
-            replacement = visit(child)
+    def visit(module, name):
+        for child_name, child in list(module.named_children()):
+            replacement = visit(child, f"{name}.{child_name}" if name else child_name)
             if replacement is not child:
-                setattr(module, name, replacement)
-        gm = _trace(module) if module.__class__.__module__.split(".")[0] != "torch" else None
-        if gm is not None and _fuse_graph(gm):
-            gm.train(module.training)
-            return gm
-        return module
+                setattr(module, child_name, replacement)
+        if isinstance(module, _OwnModule) or module.__class__.__module__.split(".")[0] == "torch":
+            return module
+        gm = _trace(module)
+        fused = _fuse_graph(gm) if gm is not None else []
+        if not fused:
+            return module
+        gm.train(module.training)
+        groups = "; ".join(", ".join(f"{kind} {size}" for kind, size in levels) for levels in fused)
+        record(name, module, gm, f"its forward pools one tensor more than once ({groups}): torch.fx rewrote "
+                                 f"each group as one fused_adaptive_pools call, one read of the tensor")
+        return gm
 
-    return visit(model)
+    return visit(model, "")
 
 
 def swap_layers(model: torch.nn.Module, swap) -> torch.nn.Module:
@@ -1030,22 +1195,92 @@ def swap_layers(model: torch.nn.Module, swap) -> torch.nn.Module:
     return swap("", model)
 
 
-def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=None, config=None) -> torch.nn.Module:
+def _timm_swap(fuse: bool, options: dict, record):
+    """``swap_layers``' swap for timm's pooling layers (``pool_tuner.torch_timm``)."""
+
+    def swap(name, module):
+        layer = _torch_timm.recognise(module)
+        if layer is None:
+            return module
+        if isinstance(layer, str):
+            record(name, module, None, layer)
+            return module
+        if layer.pools_twice and not fuse:
+            record(name, module, None, f"{layer.reason}; replace_pooling runs avg and max of one tensor as "
+                                       f"one fused op only with fuse=True")
+            return module
+        new = (GlobalPool2d(layer.mode, flatten=layer.flatten, input_fmt=layer.input_fmt, **options) if layer.fast
+               else AdaptiveAvgMaxPool2d(layer.output_size, layer.mode, **options))
+        new.train(module.training)
+        record(name, module, new, layer.reason)
+        return new
+
+    return swap
+
+
+def _pytorch_swap(options: dict, record):
+    """``swap_layers``' swap for PyTorch's adaptive pooling layers (``REPLACEMENTS``)."""
+
+    def swap(name, module):
+        if isinstance(module, _OwnModule):
+            return module
+        cls = REPLACEMENTS.get(type(module))
+        if cls is None:
+            base = next((pool for pool in REPLACEMENTS if isinstance(module, pool)), None)
+            if base is not None:
+                record(name, module, None, f"a subclass of torch.nn.{base.__name__}: its forward may differ "
+                                           f"from PyTorch's, so it is left as it is")
+            return module
+        args = (module.output_size, module.return_indices) if cls.returns_indices else (module.output_size,)
+        new = cls(*args, **options)
+        new.train(module.training)
+        record(name, module, new, f"PyTorch's {type(module).__name__}: pool_tuner's drop-in, same arguments")
+        return new
+
+    return swap
+
+
+def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=None, config=None,
+                    report=None) -> torch.nn.Module:
     """Swap every PyTorch adaptive pooling layer inside ``model`` (in place, ``model`` itself
     included) for pool_tuner's equivalent with the same arguments; returns the (new) model.
     Layers that are already pool_tuner's, and subclasses of PyTorch's, are left alone.
-    ``fuse=True`` first runs sibling adaptive poolings of one tensor (PSPNet's pyramid, timm's
-    avg+max) as one fused op (``fuse_sibling_pools``)."""
+
+    timm's pooling layers (``SelectAdaptivePool2d``'s ``pool``: ``avgmax``, ``catavgmax`` and the
+    ``fast`` ones) become ``AdaptiveAvgMaxPool2d`` or ``GlobalPool2d``, computing what timm's do;
+    those pooling one tensor twice (avg and max) only with ``fuse=True``, which also runs sibling
+    adaptive poolings of one tensor elsewhere (PSPNet's pyramid) as one fused op
+    (``fuse_sibling_pools``).
+
+    ``report``, a list, gets one entry per layer swapped, module rewritten, or pooling layer left
+    as it is, with the reason (``explain_pooling`` says what the entries hold)."""
+    options = dict(device=device, variant=variant, config=config)
+    record = _no_record if report is None else functools.partial(_report_entry, report)
+    model = swap_layers(model, _timm_swap(fuse, options, record))
     if fuse:
-        model = fuse_sibling_pools(model)
+        model = fuse_sibling_pools(model, record)
+    return swap_layers(model, _pytorch_swap(options, record))
 
-    def swap(_name, module):
-        cls = REPLACEMENTS.get(type(module))
-        if cls is None:
-            return module
-        args = (module.output_size, module.return_indices) if cls.returns_indices else (module.output_size,)
-        new = cls(*args, device=device, variant=variant, config=config)
-        new.train(module.training)
-        return new
 
-    return swap_layers(model, swap)
+def _report_entry(report: list, name, module, replacement, reason):
+    """Append ``explain_pooling``'s entry for one decision of ``replace_pooling`` to ``report``."""
+    cls = type(module)
+    if replacement is None:
+        action, what = "kept", None
+    elif isinstance(replacement, torch.fx.GraphModule):
+        action, what = "fused", f"torch.fx.GraphModule of {cls.__qualname__}"
+    else:
+        action, what = "swapped", repr(replacement)
+    report.append({"module": name, "type": f"{cls.__module__}.{cls.__qualname__}", "action": action,
+                   "replacement": what, "reason": reason})
+
+
+def explain_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=None, config=None) -> list:
+    """What ``replace_pooling`` with these arguments would do to ``model``, which is left as it is
+    (the swap runs on a copy): one dict per pooling layer or module, in the order replace_pooling
+    meets them -- ``module`` (its qualified name, ``""`` for ``model``), ``type`` (its class),
+    ``action`` (``"swapped"``: a pool_tuner layer takes its place; ``"fused"``: torch.fx rewrote
+    its forward; ``"kept"``), ``replacement`` (what takes its place, or None) and ``reason``."""
+    report = []
+    replace_pooling(copy.deepcopy(model), fuse=fuse, device=device, variant=variant, config=config, report=report)
+    return report

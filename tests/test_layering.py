@@ -153,6 +153,8 @@ FORBIDDEN = {
     # which calls them
     "pool_tuner.torch_cpu": {"pool_tuner.torch_cuda", "pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
     "pool_tuner.torch_cuda": {"pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
+    # what timm's pooling layers are, read by pool_tuner.torch's replace_pooling: below it
+    "pool_tuner.torch_timm": {"pool_tuner.torch", "pool_tuner.onnx", "pool_tuner"} | TOOLS,
     # the ONNX exporter swaps pool_tuner.torch's layers: above it
     "pool_tuner.torch": {"pool_tuner.onnx", "pool_tuner"} | TOOLS,
     "pool_tuner.onnx": {"pool_tuner"} | TOOLS,

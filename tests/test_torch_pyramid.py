@@ -284,9 +284,15 @@ def test_pspnet_from_segmentation_models_pytorch(rng):
 
 
 def test_timm_catavgmax_head(rng):
-    timm = pytest.importorskip("timm", reason="needs timm")
+    """timm's catavgmax layer becomes the fused avgmax module (tests/test_timm_pooling.py: every
+    timm pooling layer), no torch.fx rewrite needed."""
+    try:
+        import timm
+    except Exception as error:  # noqa: BLE001 -- a torchvision built for another torch raises RuntimeError
+        pytest.skip(f"needs timm: {type(error).__name__}: {error}")
     torch.manual_seed(0)
     stock = timm.create_model("resnet18", pretrained=False, global_pool="catavgmax", num_classes=10)
     fused = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
-    assert type(fused) is type(stock) and _fused_calls(fused) == 1
+    assert type(fused) is type(stock) and _fused_calls(fused) == 0
+    assert isinstance(fused.global_pool.pool, ptt.AdaptiveAvgMaxPool2d) and fused.global_pool.pool.mode == "cat"
     _assert_same(stock, fused, tensor(rng, (2, 3, 64, 64)), dict(rtol=1e-4, atol=1e-5))

@@ -1,0 +1,254 @@
+"""``replace_pooling`` on timm's pooling layers: every layer of ``timm.layers.adaptive_avgmax_pool``
+in timm's models (``SelectAdaptivePool2d``'s ``avg``, ``max``, ``avgmax``, ``catavgmax`` and their
+``fast`` forms, flattened or not, NCHW or NHWC) becomes a pool_tuner module, the model's outputs and
+gradients stay timm's, and the swap report names what was swapped and what was not, and why.
+
+The tests that build timm's models skip, saying why, where timm does not import (it needs a
+torchvision built for the installed torch).  ``GlobalPool2d`` -- the replacement of timm's fast
+layers -- is tested without timm against timm's formulas written out in PyTorch operations."""
+
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import pool_tuner.torch as ptt  # noqa: E402
+
+F = torch.nn.functional
+TIMM_POOLING = "timm.layers.adaptive_avgmax_pool"
+#: timm's ``global_pool`` values, each a layer of timm's pooling module.
+POOL_TYPES = ("avg", "max", "avgmax", "catavgmax", "fastavg", "fastmax", "fastavgmax", "fastcatavgmax")
+#: float32 noise of summing in another order, grown through the layers after the pooling
+MODEL_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def timm():
+    try:
+        import timm
+    except Exception as error:  # noqa: BLE001 -- a torchvision built for another torch raises RuntimeError
+        pytest.skip(f"needs timm (pip install timm, with a torchvision matching torch): {type(error).__name__}: "
+                    f"{error}")
+    return timm
+
+
+def tensor(rng, shape, dtype=torch.float32):
+    x = rng.uniform(-2.0, 2.0, size=shape)
+    x[np.abs(x) < 1e-3] = 0.5
+    return torch.from_numpy(x).to(dtype)
+
+
+def _timm_layers(model) -> list:
+    """``(name, class name)`` of the layers of timm's pooling module left in ``model`` (its
+    ``SelectAdaptivePool2d`` containers aside, whose ``pool`` is the layer)."""
+    return [(name, type(m).__name__) for name, m in model.named_modules()
+            if type(m).__module__ == TIMM_POOLING and type(m).__name__ != "SelectAdaptivePool2d"]
+
+
+def _outputs_and_gradients(model, x, grad_seed=0):
+    x = x.clone().requires_grad_()
+    torch.manual_seed(grad_seed)  # the same dropout masks, if any, for both models
+    y = model(x)
+    y.backward(torch.from_numpy(np.random.default_rng(grad_seed).standard_normal(y.shape).astype(np.float32)))
+    return y.detach(), x.grad, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _assert_same(stock, swapped, x, tol):
+    ys, gs, ps = _outputs_and_gradients(stock, x)
+    yw, gw, pw = _outputs_and_gradients(swapped, x)
+    torch.testing.assert_close(yw, ys, **tol)
+    torch.testing.assert_close(gw, gs, rtol=tol["rtol"], atol=tol["atol"] * max(gs.abs().max().item(), 1.0))
+    assert set(pw) == set(ps), "the same parameters under the same names"
+    for name, grad in ps.items():
+        scale = max(grad.abs().max().item(), 1.0)
+        torch.testing.assert_close(pw[name], grad, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=name)
+
+
+# ------------------------------------------------------------------------------ timm's models
+
+
+@pytest.mark.parametrize("pool_type", POOL_TYPES)
+@pytest.mark.parametrize("arch", ["resnet18", "efficientnet_b0"])
+def test_every_timm_pooling_layer_is_swapped_and_the_model_is_timms(arch, pool_type, timm, rng):
+    torch.manual_seed(0)
+    stock = timm.create_model(arch, pretrained=False, global_pool=pool_type, num_classes=10)
+    assert _timm_layers(stock) or pool_type in ("avg", "max"), "timm pools through its own layers"
+    report = []
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=True, report=report)
+    assert type(swapped) is type(stock)
+    assert _timm_layers(swapped) == [], "every layer of timm's pooling module swapped"
+    pool = swapped.global_pool.pool
+    assert type(pool).__module__ == ptt.__name__, pool
+    assert [entry["module"] for entry in report if entry["action"] == "swapped"] == ["global_pool.pool"]
+    x = tensor(rng, (2, 3, 96, 96))  # 3x3 maps at the head
+    for training in (False, True):
+        stock.train(training), swapped.train(training)
+        _assert_same(stock, swapped, x, MODEL_TOL)
+
+
+@pytest.mark.parametrize("input_fmt", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("pool_type", POOL_TYPES)
+def test_select_adaptive_pool2d_every_form(pool_type, flatten, input_fmt, timm, rng):
+    """timm's head layer alone, in every form it takes: the same result and input gradient, ties
+    included (integer-valued inputs: ``amax`` in the fast forms splits a gradient among tied maxima,
+    ``adaptive_max_pool2d`` gives it to the first)."""
+    stock = timm.layers.SelectAdaptivePool2d(pool_type=pool_type, flatten=flatten, input_fmt=input_fmt)
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
+    assert _timm_layers(swapped) == []
+    shape = (2, 5, 6, 7) if input_fmt == "NCHW" else (2, 6, 7, 5)
+    for x in (tensor(rng, shape), torch.from_numpy(rng.integers(-2, 3, shape).astype(np.float32))):
+        ys, gs, _ = _outputs_and_gradients(stock, x)
+        yw, gw, _ = _outputs_and_gradients(swapped, x)
+        assert yw.shape == ys.shape
+        torch.testing.assert_close(yw, ys, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(gw, gs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("pool_type", ["avgmax", "catavgmax", "fastavgmax", "fastcatavgmax"])
+def test_avg_and_max_of_one_tensor_are_swapped_only_with_fuse(pool_type, timm):
+    stock = timm.layers.SelectAdaptivePool2d(pool_type=pool_type)
+    report = []
+    kept = ptt.replace_pooling(copy.deepcopy(stock), report=report)
+    assert type(kept.pool) is type(stock.pool)
+    (entry,) = report
+    assert entry["module"] == "pool" and entry["action"] == "kept" and "fuse=True" in entry["reason"]
+
+
+def test_a_subclass_of_a_timm_layer_is_kept_and_says_why(timm, rng):
+    """A subclass may compute something else: not swapped as timm's layer; with fuse=True the
+    torch.fx pass still reads its forward and fuses the poolings it finds there."""
+    class Mine(timm.layers.adaptive_avgmax_pool.AdaptiveCatAvgMaxPool2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    stock = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), Mine())
+    report = []
+    kept = ptt.replace_pooling(copy.deepcopy(stock), report=report)
+    assert type(kept[1]) is Mine
+    (entry,) = report
+    assert entry["module"] == "1" and entry["action"] == "kept" and "subclass" in entry["reason"]
+    assert "AdaptiveCatAvgMaxPool2d" in entry["reason"]
+    report = []
+    fused = ptt.replace_pooling(copy.deepcopy(stock), fuse=True, report=report)
+    assert [(e["module"], e["action"]) for e in report] == [("1", "kept"), ("1", "fused")]
+    assert isinstance(fused[1], torch.fx.GraphModule)
+    _assert_same(stock, fused, tensor(rng, (2, 3, 5, 6)), dict(rtol=1e-6, atol=1e-6))
+
+
+def test_explain_pooling_tells_without_swapping(timm):
+    model = timm.create_model("resnet18", pretrained=False, global_pool="catavgmax", num_classes=10)
+    entries = ptt.explain_pooling(model, fuse=True)
+    assert type(model.global_pool.pool).__module__ == TIMM_POOLING, "the model is left as it was"
+    (entry,) = entries
+    assert entry["module"] == "global_pool.pool" and entry["action"] == "swapped"
+    assert entry["type"] == f"{TIMM_POOLING}.AdaptiveCatAvgMaxPool2d"
+    assert "AdaptiveAvgMaxPool2d" in entry["replacement"] and "'cat'" in entry["replacement"]
+    assert "one read" in entry["reason"]
+
+
+# ------------------------------------------------------------------------------ without timm
+
+
+def test_replace_pooling_never_imports_timm():
+    code = ("import sys, torch, pool_tuner.torch as ptt\n"
+            "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.AdaptiveAvgPool2d(1))\n"
+            "ptt.replace_pooling(m, fuse=True); ptt.explain_pooling(m, fuse=True)\n"
+            "assert 'timm' not in sys.modules, 'timm imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _timm_fast(x, mode, flatten, input_fmt):
+    """timm's fast layers' forward (``FastAdaptive*Pool``), written out."""
+    dims, channel = ((2, 3), 1) if input_fmt == "NCHW" else ((1, 2), 3)
+    avg, mx = x.mean(dims, keepdim=not flatten), x.amax(dims, keepdim=not flatten)
+    return {"avg": avg, "max": mx, "avg+max": 0.5 * avg + 0.5 * mx,
+            "cat": torch.cat((avg, mx), 1 if flatten else channel)}[mode]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("input_fmt", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("mode", ["avg", "max", "avg+max", "cat"])
+def test_global_pool2d_is_timms_fast_pooling(mode, flatten, input_fmt, dtype, rng):
+    shape = (3, 4, 5, 7) if input_fmt == "NCHW" else (3, 5, 7, 4)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-6)
+    layer = ptt.GlobalPool2d(mode, flatten=flatten, input_fmt=input_fmt)
+    # integer values: ties everywhere, so the max levels' gradients must split as amax's do
+    for x in (tensor(rng, shape, dtype), torch.from_numpy(rng.integers(-3, 4, shape).astype(np.float32)).to(dtype)):
+        x_stock, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = _timm_fast(x_stock, mode, flatten, input_fmt), layer(x_ours)
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, **tol)
+        grad = torch.from_numpy(rng.standard_normal(expected.shape)).to(dtype)
+        expected.backward(grad), got.backward(grad)
+        torch.testing.assert_close(x_ours.grad, x_stock.grad, rtol=0, atol=0)  # timm's own formulas
+
+
+def test_global_pool2d_nhwc_input_that_is_channels_first_in_memory(rng):
+    x = tensor(rng, (2, 4, 5, 6)).permute(0, 2, 3, 1)  # logically NHWC, stored NCHW
+    torch.testing.assert_close(ptt.GlobalPool2d("cat", input_fmt="NHWC")(x), _timm_fast(x, "cat", False, "NHWC"))
+
+
+@pytest.mark.parametrize("mode", ["avg", "max", "avg+max", "cat"])
+def test_global_pool2d_compiles_and_exports(mode, rng):
+    """torch.compile(fullgraph=True), backward included, and torch.export: as eager."""
+    layer = ptt.GlobalPool2d(mode, flatten=True, input_fmt="NHWC")
+    x = torch.from_numpy(rng.integers(-3, 4, (2, 5, 6, 4)).astype(np.float32))
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = layer(x_eager), torch.compile(layer, fullgraph=True)(x_compiled)
+    torch.testing.assert_close(got, expected)
+    grad = torch.from_numpy(rng.standard_normal(expected.shape).astype(np.float32))
+    expected.backward(grad), got.backward(grad)
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=0, atol=0)
+    program = torch.export.export(layer, (x,))
+    assert "pool_tuner" in program.graph_module.code
+    torch.testing.assert_close(program.module()(x), expected.detach())
+
+
+def test_global_pool2d_exports_to_onnx_as_timms_reductions(rng):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), ptt.GlobalPool2d("cat", flatten=True)).eval()
+    x = tensor(rng, (2, 3, 7, 5))
+    program = torch.onnx.export(model, (x,), verbose=False)
+    assert {"ReduceMean", "ReduceMax", "Concat"} <= {node.op_type for node in program.model.graph}
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_global_pool2d_refuses_bad_arguments(rng):
+    with pytest.raises(ValueError, match="mode"):
+        ptt.GlobalPool2d("sum")
+    with pytest.raises(ValueError, match="input_fmt"):
+        ptt.GlobalPool2d("avg", input_fmt="NCL")
+    with pytest.raises(ValueError, match="input"):
+        ptt.GlobalPool2d("avg")(tensor(rng, (4, 5, 6)))
+    with pytest.raises(TypeError, match="input"):
+        ptt.GlobalPool2d("avg")(np.zeros((1, 2, 3, 3), np.float32))
+
+
+def test_the_report_names_pytorch_layers_swapped_kept_and_modules_fused(rng):
+    class MyPool(torch.nn.AdaptiveAvgPool2d):
+        pass
+
+    class Head(torch.nn.Module):  # timm's catavgmax head written as functional calls
+        def forward(self, x):
+            return torch.cat((F.adaptive_avg_pool2d(x, 1), F.adaptive_max_pool2d(x, 1)), 1)
+
+    model = torch.nn.Sequential(torch.nn.AdaptiveMaxPool2d(4, return_indices=False), MyPool(2),
+                                ptt.AdaptiveAvgPool2d(2), Head())
+    entries = ptt.explain_pooling(model, fuse=True)
+    assert [(e["module"], e["action"]) for e in entries] == [("3", "fused"), ("0", "swapped"), ("1", "kept")]
+    fused, swapped, kept = entries
+    assert "avg 1, max 1" in fused["reason"] and fused["type"].endswith("Head")
+    assert swapped["replacement"] == "pool_tuner.torch.AdaptiveMaxPool2d(output_size=4)"
+    assert swapped["type"] == "torch.nn.modules.pooling.AdaptiveMaxPool2d"
+    assert "subclass of torch.nn.AdaptiveAvgPool2d" in kept["reason"] and kept["replacement"] is None
+    x = tensor(rng, (2, 3, 9, 9))
+    torch.testing.assert_close(ptt.replace_pooling(copy.deepcopy(model), fuse=True)(x), model(x))
