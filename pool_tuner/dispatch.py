@@ -278,7 +278,7 @@ class Dispatcher:
             forced_key, choice = None, None
         if choice is None:
             chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
-            params = chosen.check_config({} if config is None else config, problem, device.info.limits)
+            params = chosen.check_config({} if config is None else config, problem, device.info.limits, forced=True)
             choice = Choice(chosen, tuple(sorted(params.items())), "forced")
             if forced_key is not None:
                 self._forced.put(problem, forced_key, choice)
@@ -423,7 +423,7 @@ def record_tier(record: dict, device) -> str:
     ``"stale"`` (tuned on other kernel code) or ``"illegal"`` (its configuration cannot run its
     own problem here).  What ``cache show`` reports per record."""
     tuned = cache_mod.problem_of(record)
-    if record["kernel_hash"] != cache_mod.kernel_hash(tuned):
+    if record["kernel_hash"] != cache_mod.record_kernel_hash(tuned, record["device"]):
         return "stale"
     tier = cache_mod.device_tier(record["device"], device)
     if tier is None:

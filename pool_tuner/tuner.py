@@ -544,7 +544,7 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
     winner = tuned[0]
     key = cache_mod.cache_key(problem, dev)
     record = cache_mod.make_record(
-        problem, dev.info.fingerprint, cache_mod.kernel_hash(problem),
+        problem, dev.info.fingerprint, cache_mod.record_kernel_hash(problem, dev.info.fingerprint),
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
         runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms} for r in tuned[1:]],
         extra={"default": default_entry,

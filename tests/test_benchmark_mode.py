@@ -265,7 +265,7 @@ def test_a_nearest_shapes_tuned_choice_is_a_candidate_too(mode, rng):
     other = Problem.create(OP, (2, 6, 25, 37), SIZE, "float32", "NCHW")
     variant = dispatch.variants_mod.get_variant(OP, "thread_per_output")
     params = variant.check_config({"block_size_x": 64, "outputs_per_thread": 2}, other, device.info.limits)
-    tuned = cache.make_record(other, device.info.fingerprint, cache.kernel_hash(other),
+    tuned = cache.make_record(other, device.info.fingerprint, cache.record_kernel_hash(other, device.info.fingerprint),
                               best={"variant": variant.name, "params": params, "time_ms": 0.1}, runners_up=[])
     dispatch.tuning_cache().store(tuned)
     assert pt.explain(OP, SHAPE, SIZE)["source"] == "nearest"
