@@ -116,3 +116,21 @@ def test_package_data_installs_every_kernel_file():
     installed = {str(p.relative_to(KERNELS)) for pattern in patterns for p in KERNELS.glob(pattern)}
     every = {str(p.relative_to(KERNELS)) for p in KERNELS.rglob("*") if p.is_file()}
     assert installed == every
+
+
+def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follows_it(kernel_copy):
+    """global_blocks is legal on GPUs only: editing it leaves the hash of records tuned on a CPU
+    (the shipped PoCL records) as it was and changes that of records tuned on a GPU."""
+    from cuda_fakes import fake_cuda_device
+
+    problem = Problem.create("adaptive_avg_pool2d", (8, 2048, 7, 7), 1)
+    cpu = backends.resolve_device("opencl:pocl:0").info.fingerprint
+    gpu = fake_cuda_device().info.fingerprint
+    assert (cache.device_type(cpu), cache.device_type(gpu)) == ("cpu", "gpu")
+    before = {kind: cache.record_kernel_hash(problem, fingerprint) for kind, fingerprint in (("cpu", cpu), ("gpu", gpu))}
+    path = kernel_copy / "forward" / "global_blocks.c"
+    path.write_text(path.read_text() + "/* edited */\n")
+    kernel_source.read.cache_clear()
+    kernel_source.template_hash.cache_clear()
+    assert cache.record_kernel_hash(problem, cpu) == before["cpu"]
+    assert cache.record_kernel_hash(problem, gpu) != before["gpu"]
