@@ -484,8 +484,10 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
                 progress(name)
         tuned = [r for r in results if r.best_params is not None]
         if not tuned:
+            refused = {r.variant: r.not_applicable for r in results if r.not_applicable}
             raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.info.describe()}; "
-                               f"failures: {[f for r in results for f in r.failures][:3]}")
+                               f"failures: {[f for r in results for f in r.failures][:3]}"
+                               + (f"; not applicable here: {refused}" if refused else ""))
         candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
         times = race(problem, dev, candidates + [default], rng=rng)
     except KeyboardInterrupt as stop:
