@@ -524,6 +524,9 @@ class GlobalBlocks(_Global):
     #: The default team gives each member about this many elements of its plane: enough loads per
     #: work-item to hide their latency, and the team as wide as the plane allows up to the work-group.
     ELEMENTS_PER_MEMBER = 8
+    #: Channels-last, the default keeps at least this many teams side by side -- neighbouring
+    #: channels, which a warp of 32 work-items then reads as one contiguous run at each step.
+    MIN_CHANNELS_LAST_TEAMS = 32
 
     def extra_rule(self, params):
         if params["threads_per_plane"] > params["block_size_x"]:
@@ -538,10 +541,12 @@ class GlobalBlocks(_Global):
 
     def default_for(self, problem):
         """``default`` with a team of the widest power of two, at most the work-group, that leaves
-        each member ``ELEMENTS_PER_MEMBER`` elements (one member for planes smaller than that)."""
+        each member ``ELEMENTS_PER_MEMBER`` elements (one member for planes smaller than that);
+        channels-last, narrow enough for ``MIN_CHANNELS_LAST_TEAMS`` teams per work-group."""
         plane = math.prod(problem.in_spatial)
+        widest = self.default["block_size_x"] // (self.MIN_CHANNELS_LAST_TEAMS if problem.channels_last else 1)
         fitting = [t for t in self.search_space["threads_per_plane"]
-                   if t <= self.default["block_size_x"] and t * self.ELEMENTS_PER_MEMBER <= plane]
+                   if t <= widest and t * self.ELEMENTS_PER_MEMBER <= plane]
         return {**self.default, "threads_per_plane": max(fitting, default=1)}
 
     def groups(self, params, problem):

@@ -159,10 +159,13 @@ def test_only_global_pooling(rng):
                                config={"threads_per_plane": 256, "block_size_x": 128})
 
 
-@pytest.mark.parametrize("plane,team", [(1, 1), (7, 1), (8, 1), (49, 4), (361, 32), (3136, 256), (4225, 256)])
-def test_default_team_leaves_each_member_enough_elements(plane, team):
-    problem = Problem.create("adaptive_avg_pool1d", (8, 64, plane), 1)
-    assert VARIANT.default_for(problem)["threads_per_plane"] == team
+@pytest.mark.parametrize("plane,team,channels_last_team", [(1, 1, 1), (7, 1, 1), (8, 1, 1), (49, 4, 4), (361, 32, 8),
+                                                            (3136, 256, 8), (4225, 256, 8)])
+def test_default_team_leaves_each_member_enough_elements(plane, team, channels_last_team):
+    """Channels-last, at least 32 teams (neighbouring channels) per work-group of 256."""
+    for layout, expected in (("NCL", team), ("NLC", channels_last_team)):
+        problem = Problem.create("adaptive_avg_pool1d", (8, 64, plane), 1, layout=layout)
+        assert VARIANT.default_for(problem)["threads_per_plane"] == expected, layout
 
 
 def test_tuning_it_alone_on_a_cpu_device_says_why_nothing_ran(user_cache):
