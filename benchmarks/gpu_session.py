@@ -67,7 +67,8 @@ MIN_STEP_S = 10.0
 #: configuration), not yet from a run of this script there: the first lease that runs it should
 #: move time between the steps from its report's durations (``--timeout STEP=SECONDS``).
 TIMEOUTS = {"tests": 150, "suite_float32": 50, "suite_float16": 35, "global_pooling": 30, "call_overhead": 25,
-            "models": 45, "memory": 25, "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45, "tune_float16": 45}
+            "models": 45, "memory": 25, "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45,
+            "tune_float16": 45}
 #: ... and here, in a dry run (a shared machine: generous).
 DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "global_pooling": 60, "call_overhead": 25,
                     "models": 30, "memory": 25, "dispatch_grid": 40, "derive_rules": 20, "tune_float32": 30,

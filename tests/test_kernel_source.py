@@ -127,7 +127,8 @@ def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follo
     cpu = backends.resolve_device("opencl:pocl:0").info.fingerprint
     gpu = fake_cuda_device().info.fingerprint
     assert (cache.device_type(cpu), cache.device_type(gpu)) == ("cpu", "gpu")
-    before = {kind: cache.record_kernel_hash(problem, fingerprint) for kind, fingerprint in (("cpu", cpu), ("gpu", gpu))}
+    before = {kind: cache.record_kernel_hash(problem, fingerprint)
+              for kind, fingerprint in (("cpu", cpu), ("gpu", gpu))}
     path = kernel_copy / "forward" / "global_blocks.c"
     path.write_text(path.read_text() + "/* edited */\n")
     kernel_source.read.cache_clear()

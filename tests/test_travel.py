@@ -55,7 +55,8 @@ def record_of(fingerprint, shape=SHAPE, out=OUT, block_size_x=64, kernel_hash=No
               params=None):
     problem = Problem.create(OP, shape, out)
     best = {"variant": variant, "params": params or config(block_size_x), "time_ms": 0.5}
-    return cache.make_record(problem, fingerprint, kernel_hash or cache.record_kernel_hash(problem, fingerprint), best, [])
+    code = kernel_hash or cache.record_kernel_hash(problem, fingerprint)
+    return cache.make_record(problem, fingerprint, code, best, [])
 
 
 @pytest.fixture
@@ -294,7 +295,8 @@ def test_the_shipped_records_apply_at_the_model_tier_on_another_pocl(user_cache,
     if not records:
         pytest.skip("no tuning results are shipped yet")
     hashes = {(r["problem"]["op"], r["problem"]["direction"]): r["kernel_hash"] for r in records.values()}
-    monkeypatch.setattr(cache, "kernel_hash", lambda problem, device_type: hashes.get((problem.op, problem.direction), "none"))
+    monkeypatch.setattr(cache, "kernel_hash",
+                        lambda problem, device_type: hashes.get((problem.op, problem.direction), "none"))
     monkeypatch.setattr(kernel_source, "shipped_cache_dir", lambda: SHIPPED_CACHE_DIR)
     dispatch.forget()
     for fingerprint in {json.dumps(r["device"], sort_keys=True) for r in records.values()}:
