@@ -171,3 +171,19 @@ def test_default_team_leaves_each_member_enough_elements(plane, team, channels_l
 def test_tuning_it_alone_on_a_cpu_device_says_why_nothing_ran(user_cache):
     with pytest.raises(RuntimeError, match="not applicable here: .*global_blocks.*shaped for gpu devices"):
         pt.tune("adaptive_avg_pool2d", (2, 8, 7, 7), 1, variants=[NAME], store=False, max_fevals=2)
+
+
+def test_a_cpu_record_naming_it_is_passed_over_with_a_warning(user_cache):
+    """A record of this very CPU device and shape whose winner is global_blocks (hand-edited: no
+    tuning there tries it) is not legal here, so dispatch warns and the rules decide."""
+    from pool_tuner import cache, dispatch
+
+    problem = Problem.create("adaptive_avg_pool2d", (2, 64, 7, 7), 1)
+    fingerprint = backends.default_device().info.fingerprint
+    best = {"variant": NAME, "params": VARIANT.default_for(problem), "time_ms": 0.01}
+    dispatch.tuning_cache().store(cache.make_record(problem, fingerprint, cache.record_kernel_hash(problem, fingerprint),
+                                                    best, []))
+    dispatch.forget()
+    with pytest.warns(cache.CacheWarning, match="not legal here"):
+        info = pt.explain("adaptive_avg_pool2d", (2, 64, 7, 7), 1)
+    assert info["source"] == "default" and info["variant"] != NAME
