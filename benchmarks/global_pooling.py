@@ -1,13 +1,22 @@
-"""Global pooling (every output size 1) against PyTorch on the CPU: kernel and call times.
+"""Global pooling (every output size 1) against PyTorch: kernel and call times.
 
-For each layer and pass: the kernel time (OpenCL profiling events, ``tuner.race``) of the
-dispatched choice and of the variant the heuristic took before the global-pooling variants
-(``--before``: thread_per_output, channels_vector, plane_scatter); and the time per call in loops of
-calls back to back (``bench.time_loop``), interleaved in a fresh random order each round, medians:
-pool_tuner on device arrays (dispatched and the earlier variant), the ``pool_tuner.torch`` module on
-CPU tensors (forward), and PyTorch.
+On an OpenCL device, for each layer and pass: the kernel time (OpenCL profiling events,
+``tuner.race``) of the dispatched choice, of the variant the heuristic took before the
+global-pooling variants (``BEFORE``: thread_per_output, channels_vector, plane_scatter) and, forward,
+of ``global_blocks`` (the variant shaped for GPUs, forced where the device is not one); and the time
+per call in loops of calls back to back (``bench.time_loop``), interleaved in a fresh random order
+each round, medians: pool_tuner on device arrays (dispatched and the earlier variant), the
+``pool_tuner.torch`` module on CPU tensors (forward), and PyTorch.
 
-    python benchmarks/global_pooling.py [--repeat 7] [--backward] [--layer 32x2048x7x7 ...]
+On a CUDA device (``--device cuda:0``; forward), what a GPU lease measures against the issue's
+targets: PyTorch (``torch.nn.functional`` on CUDA tensors), ``pool_tuner.torch`` on the same
+tensors (dispatched), and the kernels alone (``bench``'s prepared launch) of the dispatched choice,
+``global_blocks``, the channels-first or channels-last global variant of before it and the earlier
+heuristic's variant; each loop between CUDA events, interleaved, medians; every time also as a
+multiple of the copy floor (the layer's bytes over the device's copy bandwidth).
+
+    python benchmarks/global_pooling.py [--device ID] [--repeat 7] [--backward] [--max]
+                                        [--layer 32x2048x7x7 ...] [--issue-layers] [--shape 2x8x7x7 ...]
 """
 
 import argparse
@@ -27,6 +36,14 @@ LAYERS = [
     ((32, 72, 56, 56), "NCHW"), ((8, 2048, 33, 33), "NCHW"), ((8, 2048, 8, 7, 7), "NCDHW"),
     ((8, 2048, 64, 64), "NCHW"), ((32, 2048, 7, 7), "NHWC"), ((32, 72, 56, 56), "NHWC"),
 ]
+#: The layers of issue 35's global-pooling targets (>= 0.9x PyTorch, >= 80% of copy bandwidth on
+#: the large ones), measured there on an H200 before global_blocks.
+ISSUE_LAYERS = [
+    ((8, 2048, 64, 64), "NCHW"), ((16, 2048, 65, 65), "NCHW"), ((64, 2560, 19, 19), "NCHW"),
+    ((32, 256, 56, 56), "NCHW"), ((32, 2048, 7, 7), "NCHW"),
+]
+#: The global-pooling forward variant of before global_blocks, per channels-last.
+GLOBAL_BEFORE = {False: "global_planes", True: "global_channels"}
 #: The variant the heuristic default took for each (direction, channels-last) before.
 BEFORE = {("forward", False): "thread_per_output", ("forward", True): "channels_vector",
           ("backward", False): "plane_scatter", ("backward", True): "plane_scatter"}
@@ -48,7 +65,9 @@ def measure(device, op, shape, layout, direction, repeat, rng):
     problem = Problem.create(op, shape, 1, layout=layout, direction=direction)
     chosen = dispatch.choose(problem, device)
     before = dispatch.choose(problem, device, variant=BEFORE[(direction, problem.channels_last)])
-    kernel_ms = tuner.race(problem, device, [chosen, before], repetitions=repeat * 3)
+    raced = [chosen, before] + ([dispatch.choose(problem, device, variant="global_blocks")]
+                                if direction == "forward" else [])
+    kernel_ms = tuner.race(problem, device, raced, repetitions=repeat * 3)
     x = rng.uniform(-1.0, 1.0, shape).astype(np.float32)
     xt = torch.from_numpy(x)
     if layout != LAYOUT_NAMES[ndim][0]:
@@ -88,29 +107,75 @@ def measure(device, op, shape, layout, direction, repeat, rng):
     gbs = problem.bytes_moved() / (kernel_ms[0] * 1e-3) / 1e9
     label = f"{op} {'x'.join(map(str, shape))} {layout} {direction}"
     print(f"{label}: kernel {chosen.variant.name} {kernel_ms[0]:.3f} ms ({gbs:.2f} GB/s), "
-          f"{before.variant.name} {kernel_ms[1]:.3f} ms | call ms: "
+          + ", ".join(f"{c.variant.name} {ms:.3f} ms" for c, ms in zip(raced[1:], kernel_ms[1:]))
+          + " | call ms: "
           + ", ".join(f"{name} {ms:.3f}" for name, ms in call_ms.items())
           + f" | pool_tuner vs torch {call_ms['torch'] / call_ms['pool_tuner']:.2f}x"
           + (f", module vs torch {call_ms['torch'] / call_ms['pool_tuner.torch']:.2f}x" if "pool_tuner.torch" in call_ms else ""),
           flush=True)
 
 
+def measure_cuda(device, op, shape, layout, repeat, rng, copy_gbs):
+    """The forward of one layer on a CUDA device (the module docstring): one line of milliseconds,
+    each with its multiple of the copy floor, and the ratios to PyTorch."""
+    ndim = len(shape) - 2
+    problem = Problem.create(op, shape, 1, layout=layout)
+    x = rng.uniform(-1.0, 1.0, shape).astype(np.float32)
+    tensors = bench._cuda_tensors(problem, x, None, None, device.info.torch_device)
+    if problem.channels_last:
+        tensors = [t.contiguous(memory_format=torch.channels_last if ndim == 2 else torch.channels_last_3d)
+                   for t in tensors]
+    chosen = dispatch.choose(problem, device).variant.name
+    kernels = list(dict.fromkeys([chosen, "global_blocks", GLOBAL_BEFORE[problem.channels_last],
+                                  BEFORE[("forward", problem.channels_last)]]))
+    functional = getattr(torch.nn.functional, op)
+    candidates = {"torch": bench.Candidate(functools.partial(functional, tensors[0], (1,) * ndim),
+                                           functools.partial(torch.cuda.synchronize, tensors[0].device)),
+                  "pool_tuner.torch": bench._pool_tuner_torch_candidate(problem, tensors)}
+    candidates.update({f"kernel {name}": bench._cuda_kernel_candidate(problem, tensors, variant=name)
+                       for name in kernels})
+    medians, _ = bench._interleaved(list(candidates.values()), repeat, rng, bench.time_loop_cuda_events)
+    ms = dict(zip(candidates, medians))
+    floor_ms = problem.bytes_moved() / (copy_gbs * 1e9) * 1e3
+    label = f"{op} {'x'.join(map(str, shape))} {layout} forward"
+    print(f"{label} (dispatched {chosen}; copy floor {floor_ms:.4f} ms): "
+          + ", ".join(f"{name} {t:.4f} ms ({t / floor_ms:.2f}x floor)" for name, t in ms.items())
+          + f" | pool_tuner.torch vs torch {ms['torch'] / ms['pool_tuner.torch']:.2f}x, "
+          f"kernel global_blocks vs torch {ms['torch'] / ms['kernel global_blocks']:.2f}x", flush=True)
+
+
+def parse_shape(text: str) -> tuple:
+    """``NxCxHxW`` or ``NxCxHxW:NHWC`` (the layout defaults to channels-first)."""
+    dims, _, layout = text.partition(":")
+    shape = tuple(int(d) for d in dims.split("x"))
+    if not 3 <= len(shape) <= 5:
+        raise argparse.ArgumentTypeError(f"--shape takes N x C and 1 to 3 pooled sizes, e.g. 2x8x7x7, got {text!r}")
+    return shape, layout or LAYOUT_NAMES[len(shape) - 2][0]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", help="device id (default: the default device)")
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--backward", action="store_true", help="backward passes too")
+    parser.add_argument("--backward", action="store_true", help="backward passes too (OpenCL devices)")
     parser.add_argument("--max", action="store_true", help="max pooling instead of average pooling")
     parser.add_argument("--layer", action="append", help="only layers of this input shape (e.g. 32x2048x7x7)")
+    parser.add_argument("--issue-layers", action="store_true", help="the five layers of issue 35's targets")
+    parser.add_argument("--shape", action="append", type=parse_shape, help="a layer of its own (2x8x7x7[:NHWC])")
     args = parser.parse_args()
-    device = backends.default_device()
+    device = backends.resolve_device(args.device)
     rng = np.random.default_rng()
     bandwidth = bench.memory_bandwidth(device)
     print(f"device {device.info.describe()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
           f"GB/s: " + ", ".join(f"{name} {gbs:.1f}" for name, gbs in bandwidth.items()), flush=True)
-    for shape, layout in LAYERS:
+    layers = args.shape or (ISSUE_LAYERS if args.issue_layers else LAYERS)
+    for shape, layout in layers:
         if args.layer and "x".join(map(str, shape)) not in args.layer:
             continue
         op = f"adaptive_{'max' if args.max else 'avg'}_pool{len(shape) - 2}d"
+        if device.info.backend == "cuda":
+            measure_cuda(device, op, shape, layout, args.repeat, rng, bench.copy_bandwidth(bandwidth))
+            continue
         for direction in ("forward", "backward") if args.backward else ("forward",):
             measure(device, op, shape, layout, direction, args.repeat, rng)
 

@@ -9,13 +9,16 @@ debugging it.  The steps, in the order of what a lease must not miss:
    summary line per file;
 2. ``suite_float32``, ``suite_float16``: ``pool-tuner bench``, the suite's presets and the held-out
    (untuned) layers against PyTorch, forward and backward;
-3. ``call_overhead``: benchmarks/cuda_call_overhead.py;
-4. ``models``: benchmarks/models.py --device cuda;
-5. ``memory``: benchmarks/memory_growth.py;
-6. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
+3. ``global_pooling``: benchmarks/global_pooling.py on the layers of the issue's global-pooling
+   targets: PyTorch, ``pool_tuner.torch`` and the kernels alone (global_blocks among them) against
+   the copy floor;
+4. ``call_overhead``: benchmarks/cuda_call_overhead.py;
+5. ``models``: benchmarks/models.py --device cuda;
+6. ``memory``: benchmarks/memory_growth.py;
+7. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
    in the checkout), then the ``gpu`` rules derived from it, written to ``default_rules.json``
    (``derived_from`` names the grid's directory, which names the GPU);
-7. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all`` with a time budget, the
+8. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all`` with a time budget, the
    records then exported to ``tuning_cache/cuda_<arch>.json``.
 
 A step that fails or runs out of time is reported so, and the next one runs.  ``--dry-run`` runs
@@ -63,11 +66,13 @@ MIN_STEP_S = 10.0
 #: Seconds each step may take on a GPU, from earlier leases' figures (nvcc about 0.65 s per tuned
 #: configuration), not yet from a run of this script there: the first lease that runs it should
 #: move time between the steps from its report's durations (``--timeout STEP=SECONDS``).
-TIMEOUTS = {"tests": 150, "suite_float32": 50, "suite_float16": 35, "call_overhead": 25, "models": 45, "memory": 25,
-            "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45, "tune_float16": 45}
+TIMEOUTS = {"tests": 150, "suite_float32": 50, "suite_float16": 35, "global_pooling": 30, "call_overhead": 25,
+            "models": 45, "memory": 25, "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45,
+            "tune_float16": 45}
 #: ... and here, in a dry run (a shared machine: generous).
-DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "call_overhead": 25, "models": 30,
-                    "memory": 25, "dispatch_grid": 40, "derive_rules": 20, "tune_float32": 30, "tune_float16": 30}
+DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "global_pooling": 60, "call_overhead": 25,
+                    "models": 30, "memory": 25, "dispatch_grid": 40, "derive_rules": 20, "tune_float32": 30,
+                    "tune_float16": 30}
 #: Seconds of a step's timeout kept for what follows its own budget: the tests' runner writing its
 #: results, the grid finishing the problem in progress.
 WIND_DOWN_S = 10
@@ -202,6 +207,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
     cli = python("-m", "pool_tuner.cli")
     if dry_run:  # one shape, one round, the variants that run every problem
         suite = ["--preset", "upsample_area", "--direction", "forward", "--repeat", "1", "--stream-mib", "1"]
+        global_pooling = ["--shape", "2x8x7x7", "--shape", "2x8x9x9:NHWC", "--repeat", "1"]
         overhead = ["--preset", "upsample_area", "--no-tiny", "--calls", "5", "--repeat", "1"]
         models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
         memory = ["--api", "numpy", "--shapes", "4", "--every", "2", "--pocl-cache", "cold"]
@@ -211,6 +217,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
                 "--max-fevals", "1", "--time-limit", "0.5"]
     else:
         suite = ["--direction", "both", "--repeat", "5"]
+        global_pooling = ["--issue-layers", "--repeat", "5"]
         overhead = ["--calls", "100", "--repeat", "5"]
         models = ["--rounds", "3"]
         memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
@@ -224,6 +231,8 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         *[Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--quiet", "--out", work / f"suite_{dtype}",
                                         *suite], timeout[f"suite_{dtype}"], suite_figures)
           for dtype in ("float32", "float16")],
+        Step("global_pooling", python(BENCHMARKS / "global_pooling.py", *device, *global_pooling),
+             timeout["global_pooling"], lambda step_dir, log: last_lines(log, 6)),
         Step("call_overhead", python(BENCHMARKS / "cuda_call_overhead.py", *overhead, "--json",
                                      work / "call_overhead" / "call_overhead.json"), timeout["call_overhead"],
              needs_gpu=True),

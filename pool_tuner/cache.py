@@ -129,19 +129,34 @@ def make_key(problem, device_fingerprint: dict, kernel_hash: str) -> str:
     ])
 
 
-def kernel_hash(problem) -> str:
-    """sha256 over the templates of every variant of the problem's op and direction and the build
-    options: any change to the kernel code makes the records tuned on the old code misses."""
-    templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()})
+def device_type(device_fingerprint: dict) -> str:
+    """The kind of device a fingerprint names, in the default rules' words (``variants.DEVICE_TYPES``):
+    ``cpu`` where an OpenCL fingerprint says so, ``gpu`` for every other (CUDA's have no ``type``)."""
+    return "cpu" if device_fingerprint.get("type") == "cpu" else "gpu"
+
+
+def kernel_hash(problem, device_type: str) -> str:
+    """sha256 over the build options and the templates of every variant of the problem's op and
+    direction that is legal on devices of ``device_type`` (``Variant.device_types``): any change to
+    the kernel code that a tuning there could have chosen makes the records tuned on the old code
+    misses, and a variant shaped for GPUs alone leaves the hash of the CPU records alone."""
+    templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()
+                        if device_type in v.device_types})
     digest = hashlib.sha256(BUILD_OPTIONS.encode())
     for template in templates:
         digest.update(kernel_source.template_hash(template).encode())
     return digest.hexdigest()
 
 
+def record_kernel_hash(problem, device_fingerprint: dict) -> str:
+    """The kernel hash that a record of ``problem`` tuned on the device of ``device_fingerprint``
+    has when it was tuned on the current kernel code."""
+    return kernel_hash(problem, device_type(device_fingerprint))
+
+
 def cache_key(problem, device) -> str:
     """The key of ``problem`` tuned on ``device`` with the current kernel code."""
-    return make_key(problem, device.info.fingerprint, kernel_hash(problem))
+    return make_key(problem, device.info.fingerprint, record_kernel_hash(problem, device.info.fingerprint))
 
 
 def _shape_text(shape) -> str:
@@ -630,11 +645,11 @@ class TuningCache:
         particular order (dispatch ranks them)."""
         if self._index is None:
             self._index = self._build_index()
-        code = kernel_hash(problem)
         found = []
         for fingerprint, entries in self._index.get(_group(problem), {}).values():
             tier = device_tier(fingerprint, device)
             if tier is not None:
+                code = record_kernel_hash(problem, fingerprint)
                 found += [Match(record, tuned, self.origin(record["key"]), tier)
                           for record, tuned in entries if record["kernel_hash"] == code]
         return found

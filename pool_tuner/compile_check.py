@@ -64,7 +64,7 @@ from .variants import REGISTRY
 ARCHS = ("sm_75", "sm_80", "sm_90")
 #: The limits legal configurations are chosen under: 1024 threads and 48 KiB of static shared
 #: memory per block hold on every architecture from sm_50 on.
-CUDA_LIMITS = DeviceLimits(max_work_group_size=1024, local_mem_size=48 * 1024)
+CUDA_LIMITS = DeviceLimits(max_work_group_size=1024, local_mem_size=48 * 1024, device_type="gpu")
 #: Per rank: (label, input shape, output size, needs 64-bit indexing).  The 64-bit problems get
 #: their batch axis grown past 2^31 elements (``_index_64_shape``); the shape here is their plane.
 PROBLEMS = {

@@ -38,7 +38,8 @@ update does not send every shape back to tuning.
 The default is decided by the default-dispatch rules (``default_rules``: data, derived from a grid
 of tuned problems on CPUs, written by hand for GPUs): the first rule that holds for the problem
 and whose variant is legal fires, with its configuration over the variant's default; ``explain``
-names the rule (``rule``).
+names the rule (``rule``) and where it comes from (``rule_evidence``: the grid problems it held, or
+"by hand, not measured").
 
 Decisions and built kernels are memoised in memory by one ``Dispatcher`` (the cache files are read
 once, on the first miss of the memo), so repeated calls do no file-system access and no
@@ -79,6 +80,7 @@ class Choice:
     distance: float | None = None  # shape_distance from that record's problem (0 for source cache)
     rule: str | None = None  # the default rule that fired (source default)
     rule_config: str | None = None  # why that rule's own configuration did not run, or None
+    rule_evidence: str | None = None  # where that rule comes from (measured, or by hand and not measured)
 
     @property
     def config(self) -> dict:
@@ -101,7 +103,7 @@ def default_choice(problem: Problem, device) -> Choice:
     against."""
     decided = default_rules.decide(problem, device)
     return Choice(decided.variant, tuple(sorted(decided.params.items())), "default", rule=decided.rule.name,
-                  rule_config=decided.config_note)
+                  rule_config=decided.config_note, rule_evidence=decided.rule.evidence)
 
 
 def _legal_winner(record: dict, problem: Problem, device) -> tuple | None:
@@ -278,7 +280,7 @@ class Dispatcher:
             forced_key, choice = None, None
         if choice is None:
             chosen = variants_mod.get_variant(problem.op, variant, problem.direction)
-            params = chosen.check_config({} if config is None else config, problem, device.info.limits)
+            params = chosen.check_config({} if config is None else config, problem, device.info.limits, forced=True)
             choice = Choice(chosen, tuple(sorted(params.items())), "forced")
             if forced_key is not None:
                 self._forced.put(problem, forced_key, choice)
@@ -403,6 +405,7 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "distance": None if choice.distance is None else round(choice.distance, 3),
         "rule": choice.rule,
         "rule_config": choice.rule_config,
+        "rule_evidence": choice.rule_evidence,
         "measured": measured_times(DISPATCHER.tuning_cache().lookup(choice.record_key))
         if choice.source == "measured" else None,
         "index_bits": 64 if problem.index_64 else 32,
@@ -423,7 +426,7 @@ def record_tier(record: dict, device) -> str:
     ``"stale"`` (tuned on other kernel code) or ``"illegal"`` (its configuration cannot run its
     own problem here).  What ``cache show`` reports per record."""
     tuned = cache_mod.problem_of(record)
-    if record["kernel_hash"] != cache_mod.kernel_hash(tuned):
+    if record["kernel_hash"] != cache_mod.record_kernel_hash(tuned, record["device"]):
         return "stale"
     tier = cache_mod.device_tier(record["device"], device)
     if tier is None:

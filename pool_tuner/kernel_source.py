@@ -18,10 +18,12 @@ of a per-sample shape shares it.
 
 Kernel identity in the tuning cache: ``template_hash(template)`` is the sha256 of every file of one
 variant's program, and the cache key's kernel hash (``cache.kernel_hash``) combines those of
-*every* variant of the problem's direction.  A record ranks all the variants of its direction
-against each other (its best, default and runners-up), so editing any one of them -- or a header --
-can change which wins: the whole direction's code identifies the record, and the key stays one per
-problem.
+every variant of the problem's direction that is legal on the record's kind of device
+(``Variant.device_types``: ``cpu`` or ``gpu``).  A record ranks all the variants its device could
+run against each other (its best, default and runners-up), so editing any one of them -- or a
+header -- can change which wins: that code identifies the record, and the key stays one per
+problem.  A variant shaped for GPUs alone (``global_blocks``) was never a candidate on a CPU, so
+it is no part of a CPU record's hash: adding or editing it leaves the CPU records current.
 """
 
 from __future__ import annotations

@@ -363,7 +363,8 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
         "build_seconds": round(stages.build_seconds, 3),
         "seconds": round(time.perf_counter() - started, 3),
     }
-    return cache_mod.make_record(problem, device.info.fingerprint, cache_mod.kernel_hash(problem), best=winner,
+    code = cache_mod.record_kernel_hash(problem, device.info.fingerprint)
+    return cache_mod.make_record(problem, device.info.fingerprint, code, best=winner,
                                  runners_up=others, extra={"measured": measured, "failures": stages.failures})
 
 

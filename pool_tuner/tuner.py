@@ -484,8 +484,10 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
                 progress(name)
         tuned = [r for r in results if r.best_params is not None]
         if not tuned:
+            refused = {r.variant: r.not_applicable for r in results if r.not_applicable}
             raise RuntimeError(f"no configuration of any variant ran correctly for {problem} on {dev.info.describe()}; "
-                               f"failures: {[f for r in results for f in r.failures][:3]}")
+                               f"failures: {[f for r in results for f in r.failures][:3]}"
+                               + (f"; not applicable here: {refused}" if refused else ""))
         candidates = [dispatch.Choice(table[r.variant], _space_key(r.best_params), "cache") for r in tuned]
         times = race(problem, dev, candidates + [default], rng=rng)
     except KeyboardInterrupt as stop:
@@ -544,7 +546,7 @@ def _finish(problem: Problem, dev, results: list, default, default_entry: dict, 
     winner = tuned[0]
     key = cache_mod.cache_key(problem, dev)
     record = cache_mod.make_record(
-        problem, dev.info.fingerprint, cache_mod.kernel_hash(problem),
+        problem, dev.info.fingerprint, cache_mod.record_kernel_hash(problem, dev.info.fingerprint),
         best={"variant": winner.variant, "params": winner.best_params, "time_ms": winner.best_time_ms},
         runners_up=[{"variant": r.variant, "params": r.best_params, "time_ms": r.best_time_ms} for r in tuned[1:]],
         extra={"default": default_entry,

@@ -65,6 +65,10 @@ def _longest_run(problem: Problem) -> int:
     return max_window(iw, ow)
 
 
+#: The kinds of device, in the default rules' words: ``cpu`` for CPU devices, ``gpu`` for all others.
+DEVICE_TYPES = ("cpu", "gpu")
+
+
 class Variant:
     """Base class; subclasses fill in the class attributes and the three methods."""
 
@@ -78,6 +82,11 @@ class Variant:
     #: Whether the default configuration runs every problem of its direction (the default rules'
     #: last rule of each direction needs such a variant).
     runs_every_problem = False
+    #: The kinds of device (``DeviceLimits.device_type``) the variant is shaped for: only there is it
+    #: legal -- tuned, measured, named by a rule or a record, and covered by the kernel hash of the
+    #: records tuned there (``cache.kernel_hash``).  Elsewhere it runs only when forced by name
+    #: (``variant=``), which is how its tests run a GPU variant on PoCL.
+    device_types = DEVICE_TYPES
 
     def block(self, params: dict) -> tuple[int, int]:
         """Work-group shape ``(x, y)``."""
@@ -123,8 +132,11 @@ class Variant:
             return f"needs {local} bytes of local memory, the device has {limits.local_mem_size}"
         return None
 
-    def check_config(self, config, problem: Problem, limits: DeviceLimits, name: str = "config") -> dict:
-        """Validate a user- or cache-supplied configuration; return it complete (defaults filled)."""
+    def check_config(self, config, problem: Problem, limits: DeviceLimits, name: str = "config",
+                     forced: bool = False) -> dict:
+        """Validate a user- or cache-supplied configuration; return it complete (defaults filled).
+        ``forced`` (the caller named the variant) lifts the device-kind rule (``device_types``)
+        alone: the kernel still has to be able to run the problem."""
         if not isinstance(config, dict):
             raise TypeError(f"{name} must be a dict of tuning parameters, got {type(config).__name__}")
         unknown = sorted(set(config) - set(self.search_space))
@@ -140,15 +152,24 @@ class Variant:
                     f"{name}[{key!r}] must be one of {list(self.search_space[key])} for variant "
                     f"{self.name!r}, got {value!r}"
                 )
-        reason = self.refusal(params, problem, limits)
+        reason = self.refusal(params, problem, limits, forced)
         if reason:
             raise ValueError(f"{name} {params} is not legal for variant {self.name!r} here: {reason}")
         return {k: int(v) for k, v in params.items()}
 
-    def refusal(self, params: dict, problem: Problem, limits) -> str | None:
+    def refusal(self, params: dict, problem: Problem, limits, forced: bool = False) -> str | None:
         """Why configuration ``params`` cannot run ``problem`` on a device with ``limits`` (its own
-        parameters' rule first, then the problem's), or None when it can."""
-        return self.extra_rule(params) or self.illegal_reason(params, problem, limits)
+        parameters' rule first, then the device kind's unless ``forced``, then the problem's), or
+        None when it can."""
+        return (self.extra_rule(params) or (None if forced else self.device_refusal(limits))
+                or self.illegal_reason(params, problem, limits))
+
+    def device_refusal(self, limits) -> str | None:
+        """Why the variant is not legal on a device of ``limits``' kind (``device_types``), or None."""
+        if limits.device_type in self.device_types:
+            return None
+        return (f"is shaped for {'/'.join(self.device_types)} devices and this is a {limits.device_type} device "
+                f"(variant= forces it)")
 
     def default_for(self, problem: Problem) -> dict:
         """The default configuration for ``problem``: ``default``, unless a variant knows better."""
@@ -488,6 +509,56 @@ class GlobalChannels(_Global):
         return _ceil_div(problem.planes // params["channels_per_item"], params["block_size_x"])
 
 
+class GlobalBlocks(_Global):
+    name = "global_blocks"
+    summary = ("global pooling, either layout, GPUs only: a team of `threads_per_plane` work-items per plane reads "
+               "neighbouring positions at each step with `accumulators` loads in flight each, teams side by side "
+               "in a work-group, merged by a tree in local memory")
+    device_types = ("gpu",)
+    search_space = {
+        "block_size_x": [64, 128, 256, 512, 1024],
+        "threads_per_plane": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+        "accumulators": [1, 2, 4, 8],
+    }
+    default = {"block_size_x": 256, "threads_per_plane": 32, "accumulators": 4}
+    #: The default team gives each member about this many elements of its plane: enough loads per
+    #: work-item to hide their latency, and the team as wide as the plane allows up to the work-group.
+    ELEMENTS_PER_MEMBER = 8
+    #: Channels-last, the default keeps at least this many teams side by side -- neighbouring
+    #: channels, which a warp of 32 work-items then reads as one contiguous run at each step.
+    MIN_CHANNELS_LAST_TEAMS = 32
+
+    def extra_rule(self, params):
+        if params["threads_per_plane"] > params["block_size_x"]:
+            return "threads_per_plane must not exceed block_size_x"
+        return None
+
+    def illegal_reason(self, params, problem, limits):
+        plane = math.prod(problem.in_spatial)
+        if params["threads_per_plane"] > max(plane, 1):
+            return "threads_per_plane must not exceed the plane size (every member needs an element)"
+        return super().illegal_reason(params, problem, limits)
+
+    def default_for(self, problem):
+        """``default`` with a team of the widest power of two, at most the work-group, that leaves
+        each member ``ELEMENTS_PER_MEMBER`` elements (one member for planes smaller than that);
+        channels-last, narrow enough for ``MIN_CHANNELS_LAST_TEAMS`` teams per work-group."""
+        plane = math.prod(problem.in_spatial)
+        widest = self.default["block_size_x"] // (self.MIN_CHANNELS_LAST_TEAMS if problem.channels_last else 1)
+        fitting = [t for t in self.search_space["threads_per_plane"]
+                   if t <= widest and t * self.ELEMENTS_PER_MEMBER <= plane]
+        return {**self.default, "threads_per_plane": max(fitting, default=1)}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"] // params["threads_per_plane"])
+
+    def local_mem_bytes(self, params, problem):
+        if params["threads_per_plane"] == 1:
+            return 0
+        # A value (at most 8 bytes) and, for max, an index_t position (at most 8 bytes) per work-item.
+        return params["block_size_x"] * (16 if problem.operation.selects else 8)
+
+
 class GlobalBroadcast(_Global):
     name = "global_broadcast"
     direction = "backward"
@@ -824,7 +895,7 @@ class PyramidCellsBackward(_CellVariant):
 
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
-            GlobalPlanes(), GlobalChannels())
+            GlobalPlanes(), GlobalChannels(), GlobalBlocks())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
 _SINGLE_LEVEL = {"forward": _FORWARD, "backward": _BACKWARD}
 _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidChannels(),

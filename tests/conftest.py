@@ -72,7 +72,7 @@ def user_cache(tmp_path, monkeypatch):
 
 
 #: Variants legal only for global pooling (every output size 1).
-GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_broadcast")
+GLOBAL_ONLY = ("plane_reduce", "global_planes", "global_channels", "global_blocks", "global_broadcast")
 
 
 def legal_variants(op, direction, shape, output_size, dtype="float32", layout=None):

@@ -265,7 +265,7 @@ def test_a_nearest_shapes_tuned_choice_is_a_candidate_too(mode, rng):
     other = Problem.create(OP, (2, 6, 25, 37), SIZE, "float32", "NCHW")
     variant = dispatch.variants_mod.get_variant(OP, "thread_per_output")
     params = variant.check_config({"block_size_x": 64, "outputs_per_thread": 2}, other, device.info.limits)
-    tuned = cache.make_record(other, device.info.fingerprint, cache.kernel_hash(other),
+    tuned = cache.make_record(other, device.info.fingerprint, cache.record_kernel_hash(other, device.info.fingerprint),
                               best={"variant": variant.name, "params": params, "time_ms": 0.1}, runners_up=[])
     dispatch.tuning_cache().store(tuned)
     assert pt.explain(OP, SHAPE, SIZE)["source"] == "nearest"
@@ -357,6 +357,7 @@ def test_on_cuda_each_stages_candidates_are_built_in_one_program(fake_cuda):
     ("adaptive_max_pool2d", (32, 256, 13, 13), (4, 4), "float16", "NHWC", "forward"),
     ("adaptive_max_pool2d", (4, 8, 13, 13), (4, 4), "bfloat16", "NCHW", "backward"),
     ("adaptive_avg_pool_pyramid2d", (2, 8, 12, 12), (1, 2, 3, 6), "float32", "NCHW", "forward"),
+    ("adaptive_max_pool2d", (32, 2048, 7, 7), 1, "float16", "NHWC", "forward"),
 ])
 def test_nvcc_compiles_the_one_program_of_every_candidate(fake_cuda, op, shape, size, dtype, layout, direction):
     """The fakes above "compile" anything; nvcc checks that the one program is CUDA that it accepts
@@ -438,3 +439,14 @@ def test_threads_that_miss_one_problem_at_once_measure_it_once(mode, rng, monkey
     assert len(measurements) == 1, "the threads that waited use the first one's measurement"
     assert all(np.array_equal(r, results[0]) for r in results)
     assert cache.is_measured(_only_record(mode))
+
+
+def test_on_a_gpu_the_variant_shaped_for_gpus_is_a_candidate(fake_cuda):
+    """Measured dispatch on a GPU times global_blocks with the others (on PoCL, a CPU device, it is
+    shaped for another kind of device and left out)."""
+    device = fake_cuda[0]
+    for layout in ("NCHW", "NHWC"):
+        problem = Problem.create("adaptive_avg_pool2d", (32, 2048, 7, 7), 1, "float32", layout)
+        assert "global_blocks" in [c.variant.name for c in measured.candidates(problem, device)]
+        on_cpu = measured.candidates(problem, backends.resolve_device("opencl:pocl:0"))
+        assert on_cpu and "global_blocks" not in [c.variant.name for c in on_cpu]

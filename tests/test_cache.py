@@ -147,7 +147,7 @@ def test_loaded_once_then_no_file_system(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cache, "_read", forbidden)
     monkeypatch.setattr(cache, "_load_file", forbidden)
-    monkeypatch.setattr(cache, "kernel_hash", lambda problem_: KERNEL_HASH)
+    monkeypatch.setattr(cache, "kernel_hash", lambda problem_, device_type_: KERNEL_HASH)
     assert c.lookup(rec["key"])["key"] == rec["key"]
     assert [m.record["key"] for m in c.matches(problem(), FAKE_DEVICE)] == [rec["key"]]
 

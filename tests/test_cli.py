@@ -55,7 +55,8 @@ def synthetic_record(shape, out=(3, 4), params=None, time_ms=0.01):
     default = variants_for(OP)["thread_per_output"].default
     best = {"variant": "thread_per_output", "time_ms": time_ms,
             "params": dict(default, **(params or {"block_size_x": 32, "outputs_per_thread": 4}))}
-    return cache_mod.make_record(problem, backends.resolve_device().info.fingerprint, cache_mod.kernel_hash(problem), best, [])
+    fingerprint = backends.resolve_device().info.fingerprint
+    return cache_mod.make_record(problem, fingerprint, cache_mod.record_kernel_hash(problem, fingerprint), best, [])
 
 
 def shipped_count(tmp_path) -> int:
@@ -267,8 +268,8 @@ def test_cache_show_tells_the_directions_of_a_shape_apart(capsys, user_cache):
     problem = Problem.create(OP, (2, 3, 5, 7), (3, 4), direction="backward")
     best = {"variant": "thread_per_input", "params": variants_for(OP, "backward")["thread_per_input"].default,
             "time_ms": 0.02}
-    backward = cache_mod.make_record(problem, backends.resolve_device().info.fingerprint, cache_mod.kernel_hash(problem),
-                                     best, [])
+    fingerprint = backends.resolve_device().info.fingerprint
+    backward = cache_mod.make_record(problem, fingerprint, cache_mod.record_kernel_hash(problem, fingerprint), best, [])
     table = cache_mod.TuningCache(kernel_source.shipped_cache_dir(), user_cache)
     table.store(forward)
     table.store(backward)

@@ -226,6 +226,36 @@ def test_more_than_2_31_elements_in_float16(device, ptt, op, direction, variant)
                                    err_msg=f"planes {part}")
 
 
+@pytest.mark.own_process
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d"])
+def test_global_blocks_over_more_than_2_31_elements(device, ptt, op, layout):
+    """global_blocks (the global-pooling variant shaped for GPUs, the GPU rules' choice) on HUGE[2]
+    pooled to 1x1: 128 planes of about 2^24 elements, 64-bit offsets, against the float64 reference on
+    pieces; maxima and their first positions exactly."""
+    from pool_tuner import reference
+
+    shape = HUGE[2][0]
+    assert Problem.create(op, shape, 1).index_64
+    torch.manual_seed(0)
+    x = torch.rand(shape, device="cuda", dtype=torch.float16)
+    if layout == "NHWC":
+        x = x.contiguous(memory_format=torch.channels_last)
+    ours = getattr(ptt, op)
+    values, indices = ours(x, 1, return_indices=True, variant="global_blocks") if "max" in op else \
+        (ours(x, 1, variant="global_blocks"), None)
+    _assert_all_written(values)
+    values = values.reshape(-1).double().cpu().numpy()
+    indices = None if indices is None else indices.reshape(-1).cpu().numpy()
+    for plane in sorted({p for part in _checked_planes(shape) for p in range(part.start, part.stop)}):
+        x64 = x[plane // shape[1], plane % shape[1]].double().cpu().numpy()[None, None]
+        expected = reference.forward(op, x64, 1)
+        if indices is None:
+            np.testing.assert_allclose(values[plane], expected.item(), rtol=2e-3, atol=2e-3, err_msg=f"plane {plane}")
+        else:
+            assert (values[plane], indices[plane]) == (expected[0].item(), expected[1].item()), f"plane {plane}"
+
+
 #: PyTorch's adaptive_avg_pool1d backward on HUGE[1] in a process of its own; it prints "computed"
 #: where PyTorch computes it.
 PYTORCH_HUGE_1D_BACKWARD = textwrap.dedent("""

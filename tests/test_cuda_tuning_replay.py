@@ -215,7 +215,8 @@ def test_tuning_on_a_cuda_device_passes_pycuda_arguments_and_stores_a_cuda_recor
     stored = json.loads((user_cache / cache.USER_FILE).read_text())["records"]
     record = stored[result.cache_key]
     assert result.cache_key == cache.cache_key(problem(), device) and "|cuda|" in result.cache_key
-    assert record["device"] == device.info.fingerprint and record["kernel_hash"] == cache.kernel_hash(problem())
+    assert record["device"] == device.info.fingerprint
+    assert record["kernel_hash"] == cache.record_kernel_hash(problem(), device.info.fingerprint)
     assert record["best"] == {"variant": result.best_variant, "params": result.best_params,
                               "time_ms": result.best_time_ms}
     assert cache._record_problem(result.cache_key, record) is None  # well-formed as the cache reads it

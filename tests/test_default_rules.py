@@ -261,3 +261,29 @@ def test_the_shipped_cpu_rules_are_what_the_shipped_grid_derives():
     derive_rules = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(derive_rules)
     assert derive_rules.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d"])
+def test_on_a_gpu_global_forward_pooling_runs_the_variant_shaped_for_gpus(op, layout):
+    """The GPU rules send global forward pooling, either layout, to global_blocks -- a rule by hand
+    that nothing measured yet, which explain says -- while CPUs never get it by default."""
+    from cuda_fakes import fake_cuda_device
+
+    problem = Problem.create(op, (32, 2048, 7, 7), 1, layout=layout)
+    gpu = fake_cuda_device()
+    choice = dispatch.default_choice(problem, gpu)
+    assert (choice.variant.name, choice.rule) == ("global_blocks", "gpu-global-forward")
+    info = dispatch.describe(problem, gpu, choice)
+    assert info["rule"] == "gpu-global-forward" and info["rule_evidence"].startswith("by hand, not measured")
+    assert dispatch.default_choice(problem, backends.default_device()).variant.name != "global_blocks"
+    upsampled = Problem.create(op, (32, 2048, 7, 7), 2, layout=layout)
+    assert dispatch.default_choice(upsampled, gpu).variant.name != "global_blocks"
+
+
+def test_the_gpu_rules_say_they_were_not_measured():
+    """Until a GPU grid exists the GPU rules are by hand: derived from nothing, each says so."""
+    assert default_rules.source_of("gpu")["derived_from"] is None
+    assert all(rule.evidence.startswith("by hand, not measured") for rule in default_rules.rules("gpu"))
+    info = pt.explain("adaptive_avg_pool2d", (2, 3, 8, 8), (4, 4))
+    assert info["source"] == "default" and info["rule_evidence"] and "not measured" not in info["rule_evidence"]

@@ -93,7 +93,8 @@ def test_opencl_devices_implement_the_contract(device):
     assert check_implements(device.arrays, base.CallerArrays) == []
     assert isinstance(device, base.Device)  # runtime_checkable
     assert device.info.limits == base.DeviceLimits(int(device.cl_device.max_work_group_size),
-                                                   int(device.cl_device.local_mem_size))
+                                                   int(device.cl_device.local_mem_size),
+                                                   "cpu" if device.info.fingerprint["type"] == "cpu" else "gpu")
     assert device_tuning.kernel_tuner_arguments(device) == {"lang": "OpenCL", "platform": device.platform_index,
                                                             "device": device.device_index}
 
@@ -103,7 +104,7 @@ def test_the_cuda_device_implements_the_contract_without_a_gpu():
     assert check_implements(device, base.Device) == []
     assert check_implements(device.arrays, base.CallerArrays) == []
     assert device.info.id == "cuda:0" and device.info.torch_device == "cuda:0"
-    assert device.info.limits == base.DeviceLimits(1024, 48 * 1024)
+    assert device.info.limits == base.DeviceLimits(1024, 48 * 1024, "gpu")
     assert device.info.fingerprint == {"backend": "cuda", "name": SYNTHETIC_H100.name, "compute_capability": "9.0",
                                        "multiprocessors": 132, "driver": 13000}
     # PyCUDA's backend of Kernel Tuner: plain "CUDA" would make Kernel Tuner pick cuda-python first.

@@ -14,7 +14,7 @@ from pool_tuner.ops import INDEX_POISON, memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
 
-from conftest import random_input
+from conftest import GLOBAL_ONLY, random_input
 
 torch = pytest.importorskip("torch")
 
@@ -218,7 +218,7 @@ def test_float64_inputs_are_exact_to_1e_12(rng):
         pytest.skip("the default device has no float64")
     x = random_input(rng, (2, 5, 10, 9), np.float64)
     for variant in pt.variants(OP2):
-        size = (1, 1) if variant in ("plane_reduce", "global_planes", "global_channels") else (4, 7)  # global only
+        size = (1, 1) if variant in GLOBAL_ONLY else (4, 7)
         layout = "NCHW" if legal(variants_for(OP2)[variant], Problem.create(OP2, x.shape, size, "float64")) else "NHWC"
         xl = prepare_input(x, 2, layout)
         out = pt.adaptive_avg_pool2d(xl, size, variant=variant)

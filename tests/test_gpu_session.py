@@ -194,8 +194,8 @@ def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
         tar.extractall(tmp_path, filter="data")
     work = tmp_path / "session"
     names = [step.name for step in gpu_session.steps(work, dry_run=True, jobs=2)]
-    assert names == ["tests", "suite_float32", "suite_float16", "call_overhead", "models", "memory", "dispatch_grid",
-                     "derive_rules", "tune_float32", "tune_float16"]
+    assert names == ["tests", "suite_float32", "suite_float16", "global_pooling", "call_overhead", "models", "memory",
+                     "dispatch_grid", "derive_rules", "tune_float32", "tune_float16"]
     rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
     for name in names:
         assert f"## {name}: " in report and (work / name / "log.txt").exists(), name
@@ -206,6 +206,7 @@ def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
     assert "not run yet" not in report
     assert "tests/test_cuda_gpu.py: " in report and "tests/test_cuda.py: " in report
     assert "geomean" in report  # the suite's figures
+    assert "global_blocks" in report.split("## global_pooling: ", 1)[1].split("\n## ", 1)[0]
     records = list((work / "tuning_cache").glob("*.json"))
     assert len(records) == 1 and json.loads(records[0].read_text())["records"]
     rules = json.loads((work / "default_rules.json").read_text())["devices"]["cpu"]

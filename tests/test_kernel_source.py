@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import dispatch, kernel_source
+from pool_tuner import backends, cache, kernel_source
+from pool_tuner.problem import Problem
 from pool_tuner.variants import REGISTRY
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
@@ -64,36 +65,45 @@ def kernel_copy(tmp_path, monkeypatch):
         memo.cache_clear()
 
 
-def _src(op, direction):
-    """The kernel-hash field of the cache key of a small problem."""
-    if direction == "forward":
-        key = pt.explain(op, (2, 3, 10, 9), (4, 7))["cache_key"]
-    else:
-        key = pt.explain(op, (2, 3, 10, 9), (4, 7), direction="backward")["cache_key"]
-    return key.rsplit("|src=", 1)[1]
+PROBLEM_SHAPE = ((2, 3, 10, 9), (4, 7))
+KINDS = ("cpu", "gpu")
+
+
+def _src(op, direction, device_type):
+    """The kernel hash of a small problem's records tuned on a device of ``device_type``."""
+    return cache.kernel_hash(Problem.create(op, *PROBLEM_SHAPE, direction=direction), device_type)
+
+
+def test_the_cache_key_of_the_device_at_hand_has_its_kinds_kernel_hash():
+    explained = pt.explain("adaptive_avg_pool2d", *PROBLEM_SHAPE)
+    kind = backends.default_device().info.limits.device_type
+    assert explained["cache_key"].rsplit("|src=", 1)[1] == _src("adaptive_avg_pool2d", "forward", kind)[:16]
 
 
 def test_the_cache_key_covers_every_file_of_its_directions_programs(kernel_copy):
     """Editing any header or any variant file of a direction makes that direction's records stale
-    (a record ranks every variant of its direction); the other direction's keys stay."""
-    dispatch.forget()
+    (a record ranks every variant of its direction) on the kinds of device where a variant built
+    from the file is legal (Variant.device_types); the other direction's keys stay, and so do the
+    keys of the kinds of device where no such variant is legal (a GPU-only variant's file leaves
+    the CPU records alone)."""
     ops = ("adaptive_avg_pool2d", "adaptive_max_pool2d")
-    before = {(op, d): _src(op, d) for op in ops for d in ("forward", "backward")}
+    cases = [(op, d, kind) for op in ops for d in ("forward", "backward") for kind in KINDS]
+    before = {case: _src(*case) for case in cases}
     files = sorted({name for table in REGISTRY.values() for v in table.values()
                     for name in kernel_source.program_files(v.template)})
-    assert {"tiles.h", "reduction.h", "gradients.h"} <= set(files)
+    assert {"tiles.h", "reduction.h", "gradients.h", "forward/global_blocks.c"} <= set(files)
+    gpu_only = {v.template for table in REGISTRY.values() for v in table.values() if "cpu" not in v.device_types}
+    assert "forward/global_blocks.c" in gpu_only
     for name in files:
         path = kernel_copy / name
         original = path.read_text()
         path.write_text(original + "/* edited */\n")
         kernel_source.read.cache_clear()
         kernel_source.template_hash.cache_clear()
-        dispatch.forget()
-        after = {(op, d): _src(op, d) for op in ops for d in ("forward", "backward")}
-        for (op, direction), src in after.items():
+        for (op, direction, kind) in cases:
             used = any(name in kernel_source.program_files(v.template)
-                       for v in REGISTRY[(op, direction)].values())
-            assert (src != before[(op, direction)]) == used, (name, op, direction)
+                       for v in REGISTRY[(op, direction)].values() if kind in v.device_types)
+            assert (_src(op, direction, kind) != before[(op, direction, kind)]) == used, (name, op, direction, kind)
         path.write_text(original)
 
 
@@ -106,3 +116,22 @@ def test_package_data_installs_every_kernel_file():
     installed = {str(p.relative_to(KERNELS)) for pattern in patterns for p in KERNELS.glob(pattern)}
     every = {str(p.relative_to(KERNELS)) for p in KERNELS.rglob("*") if p.is_file()}
     assert installed == every
+
+
+def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follows_it(kernel_copy):
+    """global_blocks is legal on GPUs only: editing it leaves the hash of records tuned on a CPU
+    (the shipped PoCL records) as it was and changes that of records tuned on a GPU."""
+    from cuda_fakes import fake_cuda_device
+
+    problem = Problem.create("adaptive_avg_pool2d", (8, 2048, 7, 7), 1)
+    cpu = backends.resolve_device("opencl:pocl:0").info.fingerprint
+    gpu = fake_cuda_device().info.fingerprint
+    assert (cache.device_type(cpu), cache.device_type(gpu)) == ("cpu", "gpu")
+    before = {kind: cache.record_kernel_hash(problem, fingerprint)
+              for kind, fingerprint in (("cpu", cpu), ("gpu", gpu))}
+    path = kernel_copy / "forward" / "global_blocks.c"
+    path.write_text(path.read_text() + "/* edited */\n")
+    kernel_source.read.cache_clear()
+    kernel_source.template_hash.cache_clear()
+    assert cache.record_kernel_hash(problem, cpu) == before["cpu"]
+    assert cache.record_kernel_hash(problem, gpu) != before["gpu"]

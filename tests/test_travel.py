@@ -55,7 +55,8 @@ def record_of(fingerprint, shape=SHAPE, out=OUT, block_size_x=64, kernel_hash=No
               params=None):
     problem = Problem.create(OP, shape, out)
     best = {"variant": variant, "params": params or config(block_size_x), "time_ms": 0.5}
-    return cache.make_record(problem, fingerprint, kernel_hash or cache.kernel_hash(problem), best, [])
+    code = kernel_hash or cache.record_kernel_hash(problem, fingerprint)
+    return cache.make_record(problem, fingerprint, code, best, [])
 
 
 @pytest.fixture
@@ -178,7 +179,8 @@ def test_an_illegal_configuration_at_a_tier_is_passed_over_without_a_warning(shi
     """Legal on the machine that tuned it, not on this one (smaller work-groups): the next record
     decides.  Only a record of this very device and shape that is illegal here warns (stale)."""
     real = backends.resolve_device("opencl:pocl:0").info.limits
-    small = Elsewhere(HERE, limits=DeviceLimits(max_work_group_size=64, local_mem_size=real.local_mem_size))
+    small = Elsewhere(HERE, limits=DeviceLimits(max_work_group_size=64, local_mem_size=real.local_mem_size,
+                                                      device_type=real.device_type))
     too_big = record_of(dict(HERE, driver="5.0"), block_size_x=256)
     fits = record_of(dict(HERE, compute_units=8), block_size_x=32)
     shipped(too_big, fits)
@@ -293,7 +295,8 @@ def test_the_shipped_records_apply_at_the_model_tier_on_another_pocl(user_cache,
     if not records:
         pytest.skip("no tuning results are shipped yet")
     hashes = {(r["problem"]["op"], r["problem"]["direction"]): r["kernel_hash"] for r in records.values()}
-    monkeypatch.setattr(cache, "kernel_hash", lambda problem: hashes.get((problem.op, problem.direction), "none"))
+    monkeypatch.setattr(cache, "kernel_hash",
+                        lambda problem, device_type: hashes.get((problem.op, problem.direction), "none"))
     monkeypatch.setattr(kernel_source, "shipped_cache_dir", lambda: SHIPPED_CACHE_DIR)
     dispatch.forget()
     for fingerprint in {json.dumps(r["device"], sort_keys=True) for r in records.values()}:

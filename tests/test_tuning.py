@@ -64,7 +64,8 @@ def make_record(shape=SHAPE, out=OUT, best=None, fingerprint=None):
     """A well-formed record for this device and kernel code (as ``tune`` would write it)."""
     p = problem(shape, out)
     best = best or {"variant": "thread_per_output", "params": dict(NONDEFAULT), "time_ms": 0.01}
-    return cache_mod.make_record(p, fingerprint or device().info.fingerprint, cache_mod.kernel_hash(p), best, [])
+    fingerprint = fingerprint or device().info.fingerprint
+    return cache_mod.make_record(p, fingerprint, cache_mod.record_kernel_hash(p, fingerprint), best, [])
 
 
 def write_records(directory, records, schema=cache_mod.SCHEMA_VERSION):

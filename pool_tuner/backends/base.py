@@ -49,6 +49,9 @@ class DeviceLimits:
 
     max_work_group_size: int
     local_mem_size: int
+    #: ``"cpu"`` for a CPU device, ``"gpu"`` for every other (the words of the default rules): a
+    #: variant shaped for one kind is a candidate only there (``Variant.device_types``).
+    device_type: str
 
 
 @dataclasses.dataclass(frozen=True)

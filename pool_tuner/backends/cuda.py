@@ -159,7 +159,7 @@ class CudaDevice:
             torch_device=f"cuda:{ordinal}",
             source_suffix=".cu",
             limits=DeviceLimits(max_work_group_size=properties.max_threads_per_block,
-                                local_mem_size=properties.max_shared_memory_per_block),
+                                local_mem_size=properties.max_shared_memory_per_block, device_type="gpu"),
             memory_bytes=properties.total_memory,
             max_allocation_bytes=properties.total_memory,
             fingerprint={

@@ -120,7 +120,8 @@ class OpenCLDevice:
             torch_device="cpu",
             source_suffix=".cl",
             limits=DeviceLimits(max_work_group_size=int(cl_device.max_work_group_size),
-                                local_mem_size=int(cl_device.local_mem_size)),
+                                local_mem_size=int(cl_device.local_mem_size),
+                                device_type="cpu" if device_type(cl_device, is_simulator) == "cpu" else "gpu"),
             memory_bytes=int(cl_device.global_mem_size),
             max_allocation_bytes=int(cl_device.max_mem_alloc_size),
             # Read now: in a forked child cl_device becomes the fork fallback, whose own name and

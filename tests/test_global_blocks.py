@@ -1,0 +1,189 @@
+"""global_blocks, the global-pooling forward variant shaped for GPUs, run on PoCL through the public
+functions with ``variant=`` (which forces a variant whatever kind of device it is shaped for):
+against the float64 reference (and PyTorch CPU for max's NaN rule) with fresh random inputs and
+poisoned outputs, on tiny and huge planes, odd sizes, both layouts, batch-less inputs, every
+dtype, and NaN / -inf / tied planes for max.  Its legality: GPU devices only unless forced, global
+pooling only.  (Its 64-bit build: tests/test_index64.py; CUDA compile: tests/test_compile_check.py;
+Oclgrind: tests/test_oclgrind.py.)"""
+
+import random
+
+import numpy as np
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import backends, reference
+from pool_tuner.problem import LAYOUT_NAMES, Problem
+from pool_tuner.variants import variants_for
+
+from conftest import random_input
+from test_matrix import as_float64, check_result, in_layout, np_dtype
+
+torch = pytest.importorskip("torch")
+
+NAME = "global_blocks"
+VARIANT = variants_for("adaptive_avg_pool2d")[NAME]
+OPS = {1: ("adaptive_avg_pool1d", "adaptive_max_pool1d"), 2: ("adaptive_avg_pool2d", "adaptive_max_pool2d"),
+       3: ("adaptive_avg_pool3d", "adaptive_max_pool3d")}
+#: (input shape, pooled rank): one-element and tiny planes (many teams per work-group), odd sizes,
+#: a plane of 150k elements (a whole work-group per plane, many steps per member), batch-less.
+SHAPES = [
+    ((3, 5, 1, 1), 2),
+    ((2, 7, 2, 3), 2),
+    ((4, 33, 7, 7), 2),
+    ((2, 3, 13, 17), 2),
+    ((1, 3, 300, 500), 2),
+    ((5, 19, 19), 2),          # batch-less
+    ((3, 6, 1021), 1),
+    ((2, 3, 3, 5, 7), 3),
+]
+
+
+def forced_configs(problem, count=3):
+    """The default, the first and last configuration that the kernel can run for ``problem``
+    (forced, so the device kind aside), and a seeded random few."""
+    limits = backends.default_device().info.limits
+    runnable = [c for c in VARIANT.configurations() if VARIANT.refusal(c, problem, limits, forced=True) is None]
+    picks = [VARIANT.default_for(problem), runnable[0], runnable[-1]]
+    picks += random.Random(str(problem.input_shape)).sample(runnable, min(count, len(runnable)))
+    return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in picks)]
+
+
+def _cases():
+    cases = []
+    for shape, ndim in SHAPES:
+        # one-element planes are contiguous in either memory format
+        for layout in LAYOUT_NAMES[ndim][:1 if shape[-ndim:] == (1,) * ndim else 2]:
+            for op in OPS[ndim]:
+                problem = Problem.create(op, shape, 1, layout=layout)
+                for config in forced_configs(problem):
+                    label = "-".join(f"{v}" for v in config.values())
+                    cases.append(pytest.param(op, shape, layout, config, id=f"{op}-{shape}-{layout}-{label}"))
+    return cases
+
+
+def check_forward(op, out, x):
+    """Means within the dtype's tolerance of the float64 reference of the stored input; maxima and
+    their int64 positions exactly.  A 1x1 output reads as contiguous in either memory format."""
+    ndim = int(op[-2])
+    expected, layout = reference.forward(op, x, 1), LAYOUT_NAMES[ndim][0]
+    if "avg" in op:
+        check_result(out, expected, x.dtype, layout, ndim)
+        return
+    (values, indices), (ref_values, ref_indices) = out, expected
+    check_result(values, ref_values, x.dtype, layout, ndim, exact=True)
+    assert indices.dtype == np.int64
+    np.testing.assert_array_equal(indices, ref_indices)
+
+
+def run(op, x, config=None, variant=NAME):
+    fn = getattr(pt, op)
+    if "max" in op:
+        return fn(x, 1, True, variant=variant, config=config)
+    return fn(x, 1, variant=variant, config=config)
+
+
+@pytest.mark.parametrize("op,shape,layout,config", _cases())
+def test_configurations_match_the_reference(op, shape, layout, config, rng):
+    ndim = int(op[-2])
+    x = in_layout(random_input(rng, shape), ndim, layout)
+    check_forward(op, run(op, x, config), x)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
+@pytest.mark.parametrize("op", OPS[2])
+def test_every_dtype(op, layout, dtype, rng):
+    """float16 and bfloat16 accumulate in float32: a mean of 40000 elements stays within the
+    dtype's tolerance of the float64 reference of the stored input."""
+    x = in_layout(random_input(rng, (2, 3, 200, 200), np.float64).astype(np_dtype(dtype)), 2, layout)
+    check_forward(op, run(op, x, {"threads_per_plane": 256, "accumulators": 4}), x)
+
+
+def special_planes(rng, shape):
+    """Planes of the values that decide max's position rule: ties (first wins), all -inf (the first
+    position), several NaNs among numbers (the last NaN), one NaN, +inf beside a NaN."""
+    x = np.round(random_input(rng, shape) * 2) / 2  # few distinct values: many ties
+    planes = x.reshape(-1, shape[-2] * shape[-1])
+    size = planes.shape[1]
+    planes[0] = -np.inf
+    picks = rng.choice(size, 3, replace=False)
+    planes[1, picks] = np.nan
+    planes[2, rng.integers(size)] = np.nan
+    planes[3, rng.integers(size)] = np.inf
+    planes[3, rng.integers(size)] = np.nan
+    planes[4] = 1.0
+    planes[5, :] = -np.inf
+    planes[5, size - 1] = -1.0
+    return x
+
+
+@pytest.mark.parametrize("config", [{"threads_per_plane": 1, "accumulators": 1, "block_size_x": 64},
+                                    {"threads_per_plane": 8, "accumulators": 8, "block_size_x": 64},
+                                    {"threads_per_plane": 64, "accumulators": 2, "block_size_x": 256}])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
+def test_max_position_rule_on_nan_inf_and_ties(layout, config, rng):
+    x = in_layout(special_planes(rng, (2, 4, 19, 23)), 2, layout)
+    values, indices = run("adaptive_max_pool2d", x, config)
+    ref_values, ref_indices = reference.forward("adaptive_max_pool2d", x, 1)
+    np.testing.assert_array_equal(as_float64(values), ref_values)  # NaN equal to NaN
+    np.testing.assert_array_equal(indices, ref_indices)
+    t_values, t_indices = torch.nn.functional.adaptive_max_pool2d(torch.from_numpy(np.ascontiguousarray(x)), 1,
+                                                                  return_indices=True)
+    np.testing.assert_array_equal(values, t_values.numpy())
+    np.testing.assert_array_equal(indices, t_indices.numpy())
+
+
+def test_shaped_for_gpus_only_unless_forced():
+    """On PoCL (a CPU device) the variant is no candidate -- tuning, measured dispatch, rules and
+    records pass it over -- yet ``variant=`` runs it; on a GPU's limits it is legal."""
+    problem = Problem.create("adaptive_avg_pool2d", (2, 64, 7, 7), 1)
+    cpu = backends.default_device().info.limits
+    assert cpu.device_type == "cpu"
+    assert not VARIANT.is_legal({}, problem, cpu)
+    with pytest.raises(ValueError, match="shaped for gpu devices and this is a cpu device"):
+        VARIANT.check_config({}, problem, cpu)
+    assert VARIANT.check_config({}, problem, cpu, forced=True) == VARIANT.default_for(problem)
+    gpu = type(cpu)(max_work_group_size=1024, local_mem_size=48 * 1024, device_type="gpu")
+    assert VARIANT.is_legal({}, problem, gpu)
+    assert pt.explain("adaptive_avg_pool2d", (2, 64, 7, 7), 1, variant=NAME)["variant"] == NAME
+
+
+def test_only_global_pooling(rng):
+    with pytest.raises(ValueError, match="only for global pooling"):
+        pt.adaptive_avg_pool2d(random_input(rng, (2, 3, 8, 8)), 2, variant=NAME)
+    with pytest.raises(ValueError, match="threads_per_plane must not exceed the plane size"):
+        pt.adaptive_avg_pool2d(random_input(rng, (2, 3, 2, 3)), 1, variant=NAME, config={"threads_per_plane": 8})
+    with pytest.raises(ValueError, match="threads_per_plane must not exceed block_size_x"):
+        pt.adaptive_avg_pool2d(random_input(rng, (2, 3, 64, 64)), 1, variant=NAME,
+                               config={"threads_per_plane": 256, "block_size_x": 128})
+
+
+@pytest.mark.parametrize("plane,team,channels_last_team", [(1, 1, 1), (7, 1, 1), (8, 1, 1), (49, 4, 4), (361, 32, 8),
+                                                            (3136, 256, 8), (4225, 256, 8)])
+def test_default_team_leaves_each_member_enough_elements(plane, team, channels_last_team):
+    """Channels-last, at least 32 teams (neighbouring channels) per work-group of 256."""
+    for layout, expected in (("NCL", team), ("NLC", channels_last_team)):
+        problem = Problem.create("adaptive_avg_pool1d", (8, 64, plane), 1, layout=layout)
+        assert VARIANT.default_for(problem)["threads_per_plane"] == expected, layout
+
+
+def test_tuning_it_alone_on_a_cpu_device_says_why_nothing_ran(user_cache):
+    with pytest.raises(RuntimeError, match="not applicable here: .*global_blocks.*shaped for gpu devices"):
+        pt.tune("adaptive_avg_pool2d", (2, 8, 7, 7), 1, variants=[NAME], store=False, max_fevals=2)
+
+
+def test_a_cpu_record_naming_it_is_passed_over_with_a_warning(user_cache):
+    """A record of this very CPU device and shape whose winner is global_blocks (hand-edited: no
+    tuning there tries it) is not legal here, so dispatch warns and the rules decide."""
+    from pool_tuner import cache, dispatch
+
+    problem = Problem.create("adaptive_avg_pool2d", (2, 64, 7, 7), 1)
+    fingerprint = backends.default_device().info.fingerprint
+    best = {"variant": NAME, "params": VARIANT.default_for(problem), "time_ms": 0.01}
+    dispatch.tuning_cache().store(cache.make_record(problem, fingerprint, cache.record_kernel_hash(problem, fingerprint),
+                                                    best, []))
+    dispatch.forget()
+    with pytest.warns(cache.CacheWarning, match="not legal here"):
+        info = pt.explain("adaptive_avg_pool2d", (2, 64, 7, 7), 1)
+    assert info["source"] == "default" and info["variant"] != NAME
