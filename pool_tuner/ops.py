@@ -37,15 +37,6 @@ INDEX_POISON = np.iinfo(np.int64).min
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
-def _exact(value):
-    """A memo key that tells apart arguments that merely compare equal (``8.0 == 8``,
-    ``True == 1``), so that a bad argument never reuses a good call's plan: a sequence's key holds
-    its elements' types (a nested sequence is never a valid size, so never gets stored)."""
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(value), tuple(map(type, value)))
-    return (type(value), value)
-
-
 #: Plans of numpy and device-array calls by signature (``plans``).
 _PLANS = plans.PlanTable("ops.plans")
 
@@ -57,9 +48,8 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     anything is built."""
     first = arrays[0]
     try:
-        key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
-               backends.env_device_setting(),
-               *[_array_key(a) for a in arrays])
+        key = plans.signature(op, direction, size, (variant, dispatch.config_key(config)),
+                              (device, backends.env_device_setting()), tuple(map(plans.describe, arrays)))
     except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None
     plan = _PLANS.get(key) if key is not None else None
@@ -89,16 +79,6 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     plan = plans.make_plan(op, direction, specs, size, chosen, variant, config, on_miss=tuner.tune_on_miss,
                            names=names, context=context, before_build=check_data)
     return _PLANS.put(key, plan) if key is not None else plan
-
-
-def _array_key(array) -> tuple:
-    """What of an array the plan key holds: numpy and PyOpenCL arrays as they describe themselves
-    (their own strides, and an OpenCL array's queue), CUDA arrays of any library as their
-    ``__cuda_array_interface__`` says (``plans.numpy_spec``)."""
-    queue = getattr(array, "queue", None)
-    if type(array) is np.ndarray or queue is not None:
-        return type(array), array.shape, array.strides, array.dtype, queue
-    return type(array), plans.numpy_spec(array)
 
 
 def _device_layouts_check(specs: list, name: str, check_data):

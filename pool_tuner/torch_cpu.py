@@ -57,7 +57,7 @@ _PLANS = plans.PlanTable("torch_cpu.plans")
 
 class Winners(dict):
     """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
-    the module docstring), each decided once, by the first thread to meet the signature while the
+    the module docstring; False also where no race is run), each decided once, by the first thread to meet the signature while the
     others wait for it.  A bool per raced signature, kept while the process lives, or until
     dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
     warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
@@ -93,37 +93,28 @@ PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), O
                    for op in SINGLE_LEVEL}
 
 
-def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None, race: bool = False) -> plans.Plan:
-    """The plan of a call signature, made and memoised on its first use; ``options`` are
-    pool_tuner's keyword options as ``(name, value)`` pairs.  ``race``: the eager path's plans,
-    whose forward may be raced against PyTorch's kernel on ``tensors`` before this returns
-    (``race_pytorch``; ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run
-    pool_tuner's."""
-    if key is None:
-        key = signature(op, direction, tensors, size, options)
+def plan(op: str, direction: str, tensors: list, size, options: str, key, race: bool = False) -> plans.Plan:
+    """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
+    its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
+    string (``plans.options_text``).  ``race``: the eager path's plans, whose forward may be raced
+    against PyTorch's kernel on ``tensors`` before this returns (``race_pytorch``;
+    ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run pool_tuner's."""
     found = _PLANS.get(key)
     if found is None:
-        given = dict(options)
+        given = dict(plans.options_of(options))
         device = backends.resolve_device(given.get("device"))
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss,
                                 names=(DIRECTIONS[direction].torch_argument,))
-        if race and races(found):
-            WINNERS.decide(key, lambda: race_pytorch(found, tensors[0], size))
         _PLANS.put(key, found)
+    if race and WINNERS.get(key) is None:
+        WINNERS.decide(key, lambda: races(found) and race_pytorch(found, tensors[0], size))
     return found
 
 
 def plan_of(key) -> plans.Plan | None:
     """The plan memoised for signature ``key``, or None."""
     return _PLANS.get(key)
-
-
-def signature(op: str, direction: str, tensors: list, size, options: tuple):
-    """The memo key of a call (see ``plan``); sizes keep their elements' types, so that a bad
-    argument never meets a good call's plan."""
-    return (op, direction, ops._exact(size), options, backends.env_device_setting(),
-            *[(t.shape, t.stride(), t.dtype) for t in tensors])
 
 
 def run(found: plans.Plan, tensors: list) -> list:

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from . import dispatch, ops, plans, tuner
+from . import ops, plans, tuner
 from .backends import cuda
 from .operations import DIRECTIONS, FUNCTIONS
 
@@ -57,25 +57,25 @@ def call(fn, tensors, size, options: dict):
 
 def plan(fn, tensors, size, options: dict) -> "_Plan":
     """The plan of a call of single-level ``fn`` (see ``call``), made and memoised on its first use."""
-    return plan_op(*_SIGNATURES[fn], tensors, size, options)
+    return plan_op(*_SIGNATURES[fn], tensors, size, plans.options_text(**options))
 
 
-def plan_op(op: str, direction: str, tensors, size, options: dict, key=None) -> "_Plan":
+def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> "_Plan":
     """The plan of a call of any op -- single- or multi-level -- in ``direction``, made and
     memoised on its first use.  ``size`` is what ``plans.make_plan`` takes: the output size, the
     input shape, or a multi-level backward's ``(input_shape, output_size, layout)`` with its flat
-    gradient (and indices) buffers as ``tensors``.  ``key``: the signature to memoise it under,
-    where the caller has one of its own (``pool_tuner.torch``'s eager path, ``plan_of``)."""
+    gradient (and indices) buffers as ``tensors``; ``options``: pool_tuner's options as
+    ``plans.options_text`` writes them.  ``key``: the call's ``plans.signature``, where the
+    caller has made it already."""
     if key is None:
         try:
-            key = (op, direction, ops._exact(size), _options_key(options),
-                   *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
-        except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
+            key = plans.signature(op, direction, size, options, tensors[0].device, tuple(map(plans.describe, tensors)))
+        except TypeError:  # an argument that is no tensor: validated on every call
             key = None
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         _refuse_capture(tensors[0])
-        found = _Plan(op, direction, tensors, size, options)
+        found = _Plan(op, direction, tensors, size, dict(plans.options_of(options)))
         if key is not None:
             _PLANS.put(key, found)
     return found
@@ -104,11 +104,6 @@ def _capturing(index) -> bool:
         return False
     with torch.cuda.device(index):
         return torch.cuda.is_current_stream_capturing()
-
-
-def _options_key(options: dict) -> tuple:
-    """The options as a memo key (``dispatch.config_key`` for the config)."""
-    return options.get("device"), options.get("variant"), dispatch.config_key(options.get("config"))
 
 
 class _Plan:

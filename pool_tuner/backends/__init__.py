@@ -10,6 +10,7 @@ devices, and importing pool_tuner never needs it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from . import cuda, opencl
@@ -20,19 +21,17 @@ ENV_DEVICE = "POOL_TUNER_DEVICE"
 BACKENDS = (cuda, opencl)
 
 
-#: ``os.environ``'s own table and its key for ENV_DEVICE, where the platform's ``os.environ`` has them
-#: (CPython on POSIX): what ``os.environ.get`` ends in, without its layers of Python.
-_ENVIRON_TABLE = getattr(os.environ, "_data", None)
-_ENV_DEVICE_KEY = os.environ.encodekey(ENV_DEVICE) if hasattr(os.environ, "encodekey") else None
-
-
-def env_device_setting():
-    """``POOL_TUNER_DEVICE`` as the environment holds it (bytes on POSIX, None when unset): a memo
-    key for the call paths, which read it on every call so that a changed setting applies at once;
-    one dictionary lookup where ``os.environ.get`` takes several Python calls."""
-    if _ENVIRON_TABLE is not None and _ENV_DEVICE_KEY is not None:
-        return _ENVIRON_TABLE.get(_ENV_DEVICE_KEY)
+def _env_device_setting():
+    """``POOL_TUNER_DEVICE`` as the environment holds it (None when unset)."""
     return os.environ.get(ENV_DEVICE)
+
+
+#: ``POOL_TUNER_DEVICE`` as the environment holds it (bytes on POSIX, None when unset): a memo key
+#: for the call paths, which read it on every call so that a changed setting applies at once.
+#: Where the platform's ``os.environ`` has its own table (CPython on POSIX), a lookup in it bound to
+#: the key, which runs no Python at all where ``os.environ.get`` takes several Python calls.
+env_device_setting = (functools.partial(os.environ._data.get, os.environ.encodekey(ENV_DEVICE))
+                      if hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey") else _env_device_setting)
 
 
 def all_devices() -> list:
