@@ -226,6 +226,14 @@ def check_float64(device, dtype: str, name: str) -> None:
         raise TypeError(f"{name} has dtype float64, which {device.info.describe()} does not support; use float32")
 
 
+def result_fill(dtype: str, zero: bool):
+    """What a new result of dtype ``dtype`` holds before its kernel runs: zeros for a result with
+    nothing to compute (``zero``: a backward pass with no outputs), else nothing (None: left
+    uninitialised).  Asked once per plan and result; the test suite replaces it to poison every
+    result (``tests/poisoning.py``)."""
+    return 0 if zero else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     """One array a plan produces: logical (channels-first) shape, element strides, the shape of
@@ -252,16 +260,20 @@ class Plan:
       compute -- built by ``make_plan``;
       ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
+    * ``fills``: per result, what it is filled with when allocated, or None (``result_fill``);
+      None where no result is;
     * ``nbytes``: per input, then per result, the bytes of its memory.
     """
 
-    __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "nbytes",
-                 "host_launch")
+    __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "fills",
+                 "nbytes", "host_launch")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
         self.reorder, self.results = reorder, results
         self.zero_fill = problem.is_empty and not problem.flow.reads_input and math.prod(problem.input_shape) > 0
+        fills = tuple(result_fill(r.dtype, self.zero_fill) for r in results)
+        self.fills = None if fills == (None,) * len(fills) else fills
         self._launch = None
         self._build = None if problem.is_empty else (build_target, context)
         values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
@@ -271,7 +283,7 @@ class Plan:
             sizes.append(positions * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
         self.nbytes = tuple(sizes)
-        #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
+        #: The device's host-memory launch of ``launch`` (``Device.prepare``), made on first use.
         self.host_launch = None
 
     @property
@@ -295,8 +307,8 @@ class Plan:
             if self.device.info.host_fallback is not None:  # its kernels cannot run in this process
                 self.host_launch = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
             else:
-                self.host_launch = self.device.host_launch(self.launch, self.nbytes, n_inputs)
-        self.host_launch(pointers)
+                self.host_launch = self.device.prepare(self.launch, self.nbytes, n_inputs)
+        self.host_launch(None, *pointers)
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,

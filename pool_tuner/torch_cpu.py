@@ -4,7 +4,7 @@ own memory.
 The first call of a signature -- op and direction, each tensor's shape, strides and dtype, the
 output size (or input shape) and pool_tuner's options -- is validated, dispatched and built by
 ``plans.make_plan``; every later call is a dictionary lookup, ``torch.empty_strided`` for each
-result and one launch over the tensors' memory (``Device.host_launch``: no copies on devices that
+result and one launch over the tensors' memory (``Device.prepare``: no copies on devices that
 share host memory, PoCL's CPU device among them).  A device that does not share host memory gets
 numpy views of the tensors through ``ops``, which copies them to the device and back.
 
@@ -31,7 +31,6 @@ same tuning records), and ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) do
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -128,13 +127,12 @@ def run(found: plans.Plan, tensors: list) -> list:
     tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     dtype = tensors[0].dtype
     results = [empty_result(r, problem, torch.int64 if r.dtype == "int64" else dtype) for r in found.results]
-    if ops.poison_outputs:
-        for r in results:
-            r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
+    if found.fills is not None:
+        for r, fill in zip(results, found.fills):
+            if fill is not None:
+                r.fill_(fill)
     if found.launch is not None:
         found.run_on_host([t.data_ptr() for t in tensors] + [r.data_ptr() for r in results])
-    elif found.zero_fill:
-        results[0].zero_()
     return results
 
 

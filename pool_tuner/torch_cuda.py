@@ -25,7 +25,6 @@ backward reads such flat buffers of the levels' gradients and indices.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -125,10 +124,8 @@ class _Plan:
         plans.check_device_option(device, options.get("device"), name)
         if len(tensors) > 1:
             _check_indices_tensor(tensors[1], first)
-        target = device.driver_target
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),
-                                options.get("config"), on_miss=tuner.tune_on_miss, names=(name,),
-                                context=target, build_target=target)
+                                options.get("config"), on_miss=tuner.tune_on_miss, names=(name,))
         self.plan = found
         problem = found.problem
         copies = [plans.element_strides(problem, tuple(t.shape)) if reorder else None
@@ -138,9 +135,7 @@ class _Plan:
                              for r in found.results)
         self.launch = None
         if found.launch is not None:
-            launch = found.launch
-            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(self.outputs),
-                                          launch.scalars)
+            self.launch = device.prepare(found.launch, found.nbytes, len(tensors))
 
     def __call__(self, tensors) -> list:
         device = tensors[0].device
@@ -148,13 +143,12 @@ class _Plan:
             tensors = [t if strides is None else torch.empty_strided(t.shape, strides, dtype=t.dtype, device=device).copy_(t)
                        for t, strides in zip(tensors, self.copies)]
         results = [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in self.outputs]
-        if ops.poison_outputs:
-            for r in results:
-                r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
+        if self.plan.fills is not None:
+            for r, fill in zip(results, self.plan.fills):
+                if fill is not None:
+                    r.fill_(fill)
         if self.launch is not None:
             self.launch(current_raw_stream(device.index), *[t.data_ptr() for t in tensors], *[r.data_ptr() for r in results])
-        elif self.plan.zero_fill:
-            results[0].zero_()
         return results
 
 

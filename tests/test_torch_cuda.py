@@ -16,6 +16,7 @@ from pool_tuner import backends, dispatch, ops, plans, torch_cuda  # noqa: E402
 from pool_tuner.backends import cuda, cuda_driver  # noqa: E402
 
 from cuda_fakes import PRIMARY_CONTEXT, FakeDriver, fake_cuda_device  # noqa: E402
+from poisoning import INDEX_POISON  # noqa: E402
 
 NONE = {"device": None, "variant": None, "config": None}
 STREAM = 0x5EED
@@ -46,9 +47,11 @@ def gpu(monkeypatch):
 
 
 def _forget_builds_and_plans():
+    """Every test's fake driver loads its own modules: kernels are memoised per context handle, and
+    each fake driver's primary context has the same one."""
     cuda_driver.primary_context.cache_clear()
     cuda.forget_builds()
-    torch_cuda._PLANS.clear()
+    dispatch.forget()  # which also empties the plan tables
 
 
 def _x(shape, dtype=torch.float32):
@@ -113,7 +116,7 @@ def test_channels_last_is_read_in_place_and_gives_channels_last_results(gpu, sha
     values, indices = torch_cuda.call(fn, [x], size, NONE)
     expected = torch.empty(values.shape).to(memory_format=memory_format).stride()
     assert values.stride() == expected and indices.stride() == expected and indices.dtype == torch.int64
-    assert (indices == ops.INDEX_POISON).all()
+    assert (indices == INDEX_POISON).all()
     assert gpu.launches[0]["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), math.prod(shape[:2])]
 
 
@@ -189,7 +192,7 @@ def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_f
     x = _x((2, 3, 10, 9)).to(memory_format=memory_format)
     values, indices = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, "")([x])
     assert values.shape == indices.shape == (PYRAMID_VALUES,) and indices.dtype == torch.int64
-    assert torch.isnan(values).all() and (indices == ops.INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
+    assert torch.isnan(values).all() and (indices == INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
     (launch,) = gpu.launches
     assert launch["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), 2 * 3]  # read in place
     problem = ops.Problem.create("adaptive_max_pool_pyramid2d", (2, 3, 10, 9), PYRAMID, layout=layout)

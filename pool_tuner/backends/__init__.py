@@ -34,6 +34,11 @@ env_device_setting = (functools.partial(os.environ._data.get, os.environ.encodek
                       if hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey") else _env_device_setting)
 
 
+def backend_name(backend) -> str:
+    """A backend module's name, its devices' id prefix (``backends/cuda.py``: ``cuda``)."""
+    return backend.__name__.rsplit(".", 1)[-1]
+
+
 def all_devices() -> list:
     """Every device of every backend, backend by backend (CUDA first)."""
     return [device for backend in BACKENDS for device in backend.list_devices()]
@@ -47,7 +52,7 @@ def default_device():
         for device in devices:
             if wanted(device):
                 return device
-    why = "; ".join(f"{b.BACKEND}: {b.import_error()}" for b in BACKENDS if b.import_error() is not None)
+    why = "; ".join(f"{backend_name(b)}: {b.missing(None)}" for b in BACKENDS if b.missing(None) is not None)
     raise RuntimeError(
         "pool_tuner found no usable device" + (f" ({why})" if why else "") + "; install PoCL with "
         "`pip install pocl-binary-distribution` or a vendor OpenCL driver"
@@ -70,7 +75,7 @@ def resolve_device(device=None, name: str = "device"):
         if candidate.info.id == device:
             return candidate
     prefix = device.split(":", 1)[0]
-    hints = [backend.unknown_id_message(device) for backend in BACKENDS if backend.BACKEND == prefix]
+    hints = [backend.missing(device) for backend in BACKENDS if backend_name(backend) == prefix]
     hint = "".join(f"; {h}" for h in hints if h)
     raise ValueError(f"{name} must be one of the available device ids {sorted(d.info.id for d in devices)}, "
                      f"got {device!r}{hint}")
@@ -86,5 +91,5 @@ def device_of_array(array):
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
+__all__ = ["BACKENDS", "Backend", "backend_name", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
            "env_device_setting", "device_of_array", "resolve_device"]
