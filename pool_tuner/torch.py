@@ -337,13 +337,16 @@ def _check_no_functorch_transform():
 _OPERATIONS = {(kind, ndim): find(kind, ndim) for kind in KINDS for ndim in NDIMS}
 
 
-#: What a plain eager call is told apart by (``_pool``), bound once: each is a C function.
+#: What a plain eager call is told apart by (``_pool``), bound once.  Dynamo reads
+#: ``is_dynamo_compiling`` as True while it traces (and, asked first, looks at nothing else);
+#: everything else that traces -- ``torch.jit.trace``, ``torch.func``, export's fake tensors and
+#: dispatch modes -- is told by the C functions and the tensor's type.
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _tracing_state = torch._C._get_tracing_state
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _deterministic = torch._C._get_deterministic_algorithms
 _grad_enabled = torch.is_grad_enabled
-_is_compiling = torch.compiler.is_compiling
 _signature, _describe, _describe_tensor = _plans.signature, _plans.describe, _plans.describe_tensor
 _Tensor = torch.Tensor
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
@@ -354,8 +357,8 @@ def _pool(operation, input, output_size, return_indices: bool, options: str):
     exported, transformed by torch.func or under a dispatch mode) through its plan, skipping the
     custom op's dispatch layers (``_eager_cpu_pool``, ``_eager_cuda_pool``); everything else
     through the custom op."""
-    if (type(input) is _Tensor and _tracing_state() is None and _functorch_level() is None
-            and not _dispatch_modes() and not _is_compiling()):
+    if (not _is_dynamo_compiling() and type(input) is _Tensor and _tracing_state() is None
+            and _functorch_level() is None and not _dispatch_modes()):
         if input.is_cpu:
             return _eager_cpu_pool(operation, input, output_size, return_indices, options)
         if input.is_cuda:

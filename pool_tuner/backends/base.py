@@ -72,7 +72,7 @@ class DeviceInfo:
     #: A simulator (Oclgrind): exact but slow, never chosen by default.
     is_simulator: bool
     supports_float64: bool
-    #: Device arrays can live in host memory, so numpy arrays are used in place (``host_launch``).
+    #: Device arrays can live in host memory, so numpy arrays are used in place (``prepare``).
     shares_host_memory: bool
     #: Where PyTorch runs on the same hardware (``"cuda:0"``), or ``"cpu"`` where PyTorch has no
     #: backend for it (OpenCL): the benchmark's side-by-side.
