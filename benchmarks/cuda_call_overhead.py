@@ -102,7 +102,7 @@ def sides_of(torch, ptt, op: str, shape, size, dtype, direction: str) -> tuple:
 
     x = torch.rand(shape, device=DEVICE, dtype=dtype) + 0.5
     torch_fn, ours = getattr(torch.nn.functional, op), getattr(ptt, op)
-    plan = torch_cuda.plan_op(op, "forward", [x], size, {})
+    plan = torch_cuda.plan_op(op, "forward", [x], size, "")
     outputs = [torch.empty_strided(s, st, dtype=d, device=DEVICE) for s, st, d in plan.outputs]
     stream = torch_cuda.current_raw_stream(x.device.index)
     pointers = [x.data_ptr()] + [o.data_ptr() for o in outputs]
@@ -111,7 +111,7 @@ def sides_of(torch, ptt, op: str, shape, size, dtype, direction: str) -> tuple:
                 "bare": lambda: plan.launch(stream, *pointers)}, plan
     grad = torch.rand(plan.outputs[0][0], device=DEVICE, dtype=dtype)
     backward_inputs = [grad] + outputs[1:]  # a max pooling's backward reads the forward's indices
-    backward = torch_cuda.plan_op(op, "backward", backward_inputs, tuple(shape), {})
+    backward = torch_cuda.plan_op(op, "backward", backward_inputs, tuple(shape), "")
     grad_in = torch.empty_strided(*backward.outputs[0][:2], dtype=dtype, device=DEVICE)
     backward_pointers = [t.data_ptr() for t in backward_inputs] + [grad_in.data_ptr()]
     x_grad = x.detach().requires_grad_()

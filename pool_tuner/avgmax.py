@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from . import kernel_source, ops, pyramid
+from . import kernel_source, ops, plans, pyramid
 from .problem import DTYPES, LAYOUT_NAMES, Problem
 
 #: The op whose levels are joined.
@@ -72,7 +72,8 @@ def join_device(problem: Problem, device, levels, mode: str):
     layout (viewed as pool_tuner.pyramid views the levels themselves)."""
     shape = joined_shape(problem, mode)
     queue = device.arrays.queue_of(levels)
-    joined = device.empty((math.prod(shape),), levels.dtype, queue)
+    joined = device.empty((math.prod(shape),), levels.dtype, queue,
+                          ops.stored_fill(plans.result_fill(problem.dtype, False), problem.dtype))
     _launch(problem, device, queue, "join", mode, levels, joined)
     return pyramid.logical_view(joined, problem.memory_shape(shape), shape, problem, device.arrays.strided_view)
 
@@ -82,7 +83,8 @@ def split_device(problem: Problem, device, grad, mode: str):
     result's gradient ``grad`` (a device array stored in the problem's memory order)."""
     queue = device.arrays.queue_of(grad)
     grad = device.arrays.wrap_input(grad, "grad_out")
-    levels = device.empty((pyramid.layout(problem).values_per_plane * problem.planes,), grad.dtype, queue)
+    levels = device.empty((pyramid.layout(problem).values_per_plane * problem.planes,), grad.dtype, queue,
+                          ops.stored_fill(plans.result_fill(problem.dtype, False), problem.dtype))
     _launch(problem, device, queue, "split", mode, grad, levels)
     return levels
 
@@ -92,8 +94,6 @@ def _launch(problem: Problem, device, queue, step: str, mode: str, source, desti
     in memory order): over the ``count`` outputs of one level (mean) or the ``2 * count`` joined
     elements (cat, rows of ``row`` elements of each level)."""
     count = problem.planes * pyramid.layout(problem).sizes[0]
-    if ops.poison_outputs and destination.size:
-        ops._poison_device(device, destination, problem.dtype, queue)
     if mode == "avg+max":
         name, elements, scalars = "mean", count, (np.int64(count),)
     else:

@@ -206,7 +206,7 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_RE
         device.synchronize(queue)
 
     for name in STREAMS:  # warm-up, and proof that each stream does its work
-        device.fill(dst, np.float32(0.0), queue)
+        device.copy(dst, np.zeros(count, np.float32), queue)
         stream(name)
         result = device.to_host(dst)
         if name == "read_kernel":

@@ -21,7 +21,7 @@ from .problem import Problem
 
 
 class HostFallback:
-    """Runs like the device's ``host_launch``: called with the addresses of the inputs then the
+    """Runs like the device's ``prepare``d launch: called with the addresses of the inputs then the
     results (``nbytes`` each, in the problem's memory order), returns once the results are
     written."""
 
@@ -30,7 +30,7 @@ class HostFallback:
     def __init__(self, problem: Problem, results: tuple, nbytes: tuple, n_inputs: int):
         self.problem, self.results, self.nbytes, self.n_inputs = problem, results, nbytes, n_inputs
 
-    def __call__(self, addresses) -> None:
+    def __call__(self, stream, *addresses) -> None:
         problem = self.problem
         dtypes = [problem.dtype] + ["int64"] * (self.n_inputs - 1) + [r.dtype for r in self.results]
         flat = [_host_array(a, n, d) for a, n, d in zip(addresses, self.nbytes, dtypes)]

@@ -231,14 +231,14 @@ def scratch_arguments(problem: Problem, rng) -> list:
 def time_interleaved(device, queue, launches: list, arguments: list, min_rounds: int, max_rounds: int | None = None,
                      budget_s: float | None = None, prune: float | None = None) -> tuple[list, int]:
     """Median kernel time (ms) of each ``dispatch.Launch`` on device ``arguments``, timed by the
-    device (``timed_launch``) in rounds of one launch of each, after one warm-up launch of each:
+    device (a timed ``launch``) in rounds of one launch of each, after one warm-up launch of each:
     ``min_rounds`` rounds, then more up to ``max_rounds`` while ``budget_s`` seconds of timing
     have not passed.  Interleaving makes a noisy machine hurt every candidate alike.  With
     ``prune``, a launch whose warm-up took more than ``prune`` times the fastest warm-up runs no
     rounds, and its warm-up time is its time: the device's timer leaves out the build that a
     first launch may include (PoCL generates a kernel's code then).  Returns the times and the
     number of rounds."""
-    warm = [device.timed_launch(queue, launch.kernel, launch.groups, launch.block, (*arguments, *launch.scalars))
+    warm = [device.launch(queue, launch.kernel, launch.groups, launch.block, (*arguments, *launch.scalars), timed=True)
             for launch in launches]
     timed = [i for i, t in enumerate(warm) if prune is None or t <= prune * min(warm)]
     times = {i: [] for i in timed}
@@ -247,8 +247,8 @@ def time_interleaved(device, queue, launches: list, arguments: list, min_rounds:
                                   and time.perf_counter() - started < (budget_s or 0.0)):
         for i in timed:
             launch = launches[i]
-            times[i].append(device.timed_launch(queue, launch.kernel, launch.groups, launch.block,
-                                                (*arguments, *launch.scalars)))
+            times[i].append(device.launch(queue, launch.kernel, launch.groups, launch.block,
+                                          (*arguments, *launch.scalars), timed=True))
         rounds += 1
     return [float(np.median(times[i])) if i in times else float(warm[i]) for i in range(len(launches))], rounds
 

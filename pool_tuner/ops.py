@@ -16,7 +16,6 @@ inputs are copied to contiguous first.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
@@ -25,26 +24,6 @@ from .operations import BACKWARD
 from .problem import OPS, Problem
 from .variants import variants_for
 from .windows import pooling_windows
-
-#: Set to "1" to fill every output with NaN (indices with INDEX_POISON) before its kernel runs, so
-#: that an element a kernel forgets to write cannot pass a comparison by accident (the test suite
-#: sets it).
-POISON_ENV = "POOL_TUNER_POISON_OUTPUTS"
-poison_outputs = os.environ.get(POISON_ENV) == "1"
-INDEX_POISON = np.iinfo(np.int64).min
-#: Quiet-NaN bit patterns of the 16-bit floats (PyOpenCL cannot fill float16 arrays, and
-#: bfloat16 travels as its bits anyway), used to poison them through a uint16 view.
-NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
-
-
-def _exact(value):
-    """A memo key that tells apart arguments that merely compare equal (``8.0 == 8``,
-    ``True == 1``), so that a bad argument never reuses a good call's plan: a sequence's key holds
-    its elements' types (a nested sequence is never a valid size, so never gets stored)."""
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(value), tuple(map(type, value)))
-    return (type(value), value)
-
 
 #: Plans of numpy and device-array calls by signature (``plans``).
 _PLANS = plans.PlanTable("ops.plans")
@@ -57,9 +36,8 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     anything is built."""
     first = arrays[0]
     try:
-        key = (op, direction, device, variant, dispatch.config_key(config), _exact(size),
-               backends.env_device_setting(),
-               *[_array_key(a) for a in arrays])
+        key = plans.signature(op, direction, size, (variant, dispatch.config_key(config)),
+                              (device, backends.env_device_setting()), tuple(map(plans.describe, arrays)))
     except (TypeError, AttributeError):  # an unhashable or ill-typed argument: validation explains
         key = None
     plan = _PLANS.get(key) if key is not None else None
@@ -89,16 +67,6 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
     plan = plans.make_plan(op, direction, specs, size, chosen, variant, config, on_miss=tuner.tune_on_miss,
                            names=names, context=context, before_build=check_data)
     return _PLANS.put(key, plan) if key is not None else plan
-
-
-def _array_key(array) -> tuple:
-    """What of an array the plan key holds: numpy and PyOpenCL arrays as they describe themselves
-    (their own strides, and an OpenCL array's queue), CUDA arrays of any library as their
-    ``__cuda_array_interface__`` says (``plans.numpy_spec``)."""
-    queue = getattr(array, "queue", None)
-    if type(array) is np.ndarray or queue is not None:
-        return type(array), array.shape, array.strides, array.dtype, queue
-    return type(array), plans.numpy_spec(array)
 
 
 def _device_layouts_check(specs: list, name: str, check_data):
@@ -194,13 +162,11 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)
                 for r, result in zip(results, plan.results)]
     outputs = [np.empty(r.memory_shape, _result_dtype(r, arrays[0])) for r in plan.results]
-    if poison_outputs:
-        for out in outputs:
-            _poison_host(out)
+    for out, fill in zip(outputs, plan.fills or ()):
+        if fill is not None:
+            out.fill(fill)
     if plan.launch is not None:
         plan.run_on_host([a.ctypes.data for a in arrays] + [out.ctypes.data for out in outputs])
-    elif plan.zero_fill:
-        outputs[0].view(np.uint8).fill(0)
     return [_logical(out, problem, result) for out, result in zip(outputs, plan.results)]
 
 
@@ -209,19 +175,14 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
     with the input's layout when ``logical`` (else in memory order, as stored)."""
     device, problem = plan.device, plan.problem
     dtype = arrays[0].dtype
-    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue) for r in plan.results]
-    if poison_outputs:
-        for out, result in zip(outputs, plan.results):
-            if out.size:
-                _poison_device(device, out, result.dtype, queue)
+    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue, stored_fill(fill, r.dtype))
+               for r, fill in zip(plan.results, plan.fills or (None,) * len(plan.results))]
     if plan.launch is not None:
         launch = plan.launch
         event = device.launch(queue, launch.kernel, launch.groups, launch.block,
                               arrays + outputs + list(launch.scalars))
         for array in arrays + outputs:
             device.arrays.track(array, event)
-    elif plan.zero_fill and outputs[0].size:
-        device.fill(outputs[0].view(np.uint8), np.uint8(0), queue)
     if not logical or not problem.channels_last or plan.results[0].flat:
         return outputs
     return [device.arrays.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))
@@ -253,21 +214,14 @@ def _storage_dtype(dtype):
     return np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
 
 
-def _poison_host(out: np.ndarray) -> None:
-    name = out.dtype.name
-    if name in NAN_BITS:
-        out.view(np.uint16).fill(NAN_BITS[name])
-    else:
-        out.fill(INDEX_POISON if name == "int64" else np.nan)
+def stored_fill(fill, dtype: str):
+    """A result's ``fill`` (``plans.result_fill``) as a value of its device array, whose bfloat16 is
+    stored as uint16 bits (``_storage_dtype``)."""
+    if fill is None or dtype != "bfloat16" or not fill:
+        return fill
+    import ml_dtypes  # only for a bfloat16 result filled with other than zeros
 
-
-def _poison_device(device, out, dtype_name: str, queue) -> None:
-    """Poison a device array; bfloat16 results are stored as uint16 bits (``_storage_dtype``)."""
-    if out.dtype == np.float16 or out.dtype == np.uint16:
-        bits = NAN_BITS["float16" if out.dtype == np.float16 else "bfloat16"]
-        device.fill(out.view(np.uint16), np.uint16(bits), queue)
-    else:
-        device.fill(out, INDEX_POISON if dtype_name == "int64" else np.nan, queue)
+    return np.array(fill, ml_dtypes.bfloat16).view(np.uint16)[()]
 
 
 def _check_indices_in_windows(indices, problem):

@@ -18,6 +18,8 @@ decisions.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 
 import numpy as np
@@ -59,6 +61,97 @@ def numpy_spec(array) -> ArraySpec:
 def tensor_spec(tensor) -> ArraySpec:
     """The spec of a PyTorch tensor (strides in elements; ``torch.float32`` -> ``"float32"``)."""
     return ArraySpec(tuple(tensor.shape), tensor.stride(), str(tensor.dtype).removeprefix("torch."))
+
+
+# ------------------------------------------------------------------ the signature of a call
+
+
+def exact(value):
+    """A memo key that tells apart arguments that merely compare equal (``8.0 == 8``,
+    ``True == 1``), so that a bad argument never reuses a good call's plan: a sequence's key holds
+    its elements' types (a nested sequence is never a valid size, so never gets stored)."""
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(value), tuple(map(type, value)))
+    return (type(value), value)
+
+
+def signature(op: str, direction: str, size, options, device, arrays: tuple) -> tuple:
+    """The memo key of a call, the same function for every front end: the op's and direction's
+    names, the output size (forward) or input shape (backward) as given (an int as itself, a
+    sequence by ``exact``), pool_tuner's options in the front end's one form of them (the schema
+    string of ``pool_tuner.torch``; ``(variant, config)`` of ``pool_tuner.ops``), where it runs
+    (the ``device=`` argument and ``POOL_TUNER_DEVICE``, or the tensors' device), and each array's
+    ``describe``.  Everything a plan decides follows from these, so a call whose key has a plan
+    is not validated again."""
+    return op, direction, size if type(size) is int else exact(size), options, device, arrays
+
+
+def options_text(device=None, variant=None, config=None) -> str:
+    """pool_tuner's keyword options as one string: ``""`` (all defaults) or the JSON of those set,
+    so that ``pool_tuner.torch``'s custom ops carry them in their schema (they survive compile and
+    export) and its call paths key plans by one hashable form of them (a device object as its id)."""
+    if device is None and variant is None and config is None:  # the usual case, on every call's path
+        return ""
+    options = {"device": getattr(getattr(device, "info", None), "id", device), "variant": variant, "config": config}
+    options = {name: value for name, value in options.items() if value is not None}
+    try:
+        return json.dumps(options, sort_keys=True)
+    except TypeError as error:
+        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): {error}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def options_of(text: str) -> tuple:
+    """The ``(name, value)`` keyword options that ``options_text`` made ``text`` of."""
+    return tuple(json.loads(text).items()) if text else ()
+
+
+def describe(array) -> tuple:
+    """What of ``array`` a call's signature holds: its type, shape, strides and dtype as the array
+    states them (a PyOpenCL array also its queue; a CUDA array of any library its
+    ``__cuda_array_interface__``'s, ``numpy_spec``).  One rule per type of array, found on the
+    type's first call.  Raises ``TypeError`` for what is no array (validation then explains)."""
+    describer = _DESCRIBERS.get(type(array))
+    if describer is None:
+        describer = _describer_of(array)
+        _DESCRIBERS[type(array)] = describer
+    return describer(array)
+
+
+def _numpy_description(array) -> tuple:
+    return np.ndarray, array.shape, array.strides, array.dtype
+
+
+def describe_tensor(tensor) -> tuple:
+    """``describe`` of a PyTorch tensor (any device: the signature's ``device`` says which), for
+    the eager paths of ``pool_tuner.torch``, which know they hold a tensor."""
+    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype
+
+
+def _queued_description(array) -> tuple:
+    """A PyOpenCL array: its queue decides the device and the results' queue."""
+    return type(array), array.shape, array.strides, array.dtype, array.queue
+
+
+def _interface_description(array) -> tuple:
+    return type(array), numpy_spec(array)
+
+
+def _describer_of(array):
+    """The description rule of ``array``'s type (see ``describe``)."""
+    if isinstance(array, np.ndarray):
+        return _numpy_description
+    if type(array).__module__.startswith("torch") and callable(getattr(array, "stride", None)):
+        return describe_tensor
+    if getattr(array, "queue", None) is not None and hasattr(array, "strides"):
+        return _queued_description
+    if cuda_arrays.cuda_array_interface(array) is not None:
+        return _interface_description
+    raise TypeError(f"{type(array).__name__} is not an array pool_tuner reads")
+
+
+#: type -> its rule (``describe``).
+_DESCRIBERS: dict = {np.ndarray: _numpy_description}
 
 
 def strides_layout(shape: tuple, strides: tuple, ndim: int) -> str | None:
@@ -133,6 +226,14 @@ def check_float64(device, dtype: str, name: str) -> None:
         raise TypeError(f"{name} has dtype float64, which {device.info.describe()} does not support; use float32")
 
 
+def result_fill(dtype: str, zero: bool):
+    """What a new result of dtype ``dtype`` holds before its kernel runs: zeros for a result with
+    nothing to compute (``zero``: a backward pass with no outputs), else nothing (None: left
+    uninitialised).  Asked once per plan and result; the test suite replaces it to poison every
+    result (``tests/poisoning.py``)."""
+    return 0 if zero else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     """One array a plan produces: logical (channels-first) shape, element strides, the shape of
@@ -159,16 +260,20 @@ class Plan:
       compute -- built by ``make_plan``;
       ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
+    * ``fills``: per result, what it is filled with when allocated, or None (``result_fill``);
+      None where no result is;
     * ``nbytes``: per input, then per result, the bytes of its memory.
     """
 
-    __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "nbytes",
-                 "host_launch")
+    __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "fills",
+                 "nbytes", "host_launch")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
         self.reorder, self.results = reorder, results
         self.zero_fill = problem.is_empty and not problem.flow.reads_input and math.prod(problem.input_shape) > 0
+        fills = tuple(result_fill(r.dtype, self.zero_fill) for r in results)
+        self.fills = None if fills == (None,) * len(fills) else fills
         self._launch = None
         self._build = None if problem.is_empty else (build_target, context)
         values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
@@ -178,7 +283,7 @@ class Plan:
             sizes.append(positions * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
         self.nbytes = tuple(sizes)
-        #: The device's host-memory launch of ``launch`` (``Device.host_launch``), made on first use.
+        #: The device's host-memory launch of ``launch`` (``Device.prepare``), made on first use.
         self.host_launch = None
 
     @property
@@ -202,8 +307,8 @@ class Plan:
             if self.device.info.host_fallback is not None:  # its kernels cannot run in this process
                 self.host_launch = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
             else:
-                self.host_launch = self.device.host_launch(self.launch, self.nbytes, n_inputs)
-        self.host_launch(pointers)
+                self.host_launch = self.device.prepare(self.launch, self.nbytes, n_inputs)
+        self.host_launch(None, *pointers)
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,

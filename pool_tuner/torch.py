@@ -42,7 +42,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import math
 import operator
 
@@ -58,7 +57,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 
 from . import avgmax as _avgmax
 from . import fused as _fused
-from . import ops as _ops
+from . import plans as _plans
 from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
@@ -164,44 +163,33 @@ def _in_layout(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
 def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
     """Run pool_tuner's kernel of ``op`` on ``tensors`` (``[x]``, ``[grad_out]`` or ``[grad_out,
     indices]``): CPU tensors through ``pool_tuner.torch_cpu``, CUDA tensors through
-    ``pool_tuner.torch_cuda`` (PyTorch's allocator and current stream, any thread, CUDA graphs).
-    Returns the results as a list of tensors."""
-    if tensors[0].is_cuda:
-        return _torch_cuda.plan_op(op, direction, tensors, size, dict(_decode_options(options)))(tensors)
-    found = _torch_cpu.plan(op, direction, tensors, size, _decode_options(options))
-    return _torch_cpu.run(found, tensors)
+    ``pool_tuner.torch_cuda`` (PyTorch's allocator and current stream, any thread, CUDA graphs),
+    each plan memoised under the call's ``plans.signature``.  Returns the results as a list of
+    tensors."""
+    first = tensors[0]
+    descriptions = tuple(map(_describe, tensors))
+    if first.is_cuda:
+        key = _signature(op, direction, size, options, first.device, descriptions)
+        return _torch_cuda.plan_op(op, direction, tensors, size, options, key)(tensors)
+    key = _signature(op, direction, size, options, env_device_setting(), descriptions)
+    return _torch_cpu.run(_torch_cpu.plan(op, direction, tensors, size, options, key), tensors)
 
 
 # --------------------------------------------------------------------------------------------
-# pool_tuner options as one schema string: '' (all defaults) or JSON of the options set, so a
-# compiled or exported graph carries them as a constant argument of the op.
+# pool_tuner options as one schema string (``plans.options_text``), so a compiled or exported graph
+# carries them as a constant argument of the op.
 
 
 @torch.compiler.assume_constant_result  # a constant of the graph: torch.compile does not trace json
 def _encode_options(device=None, variant=None, config=None) -> str:
-    if device is None and variant is None and config is None:  # the usual case, on every call's path
-        return ""
-    options = {"device": getattr(device, "id", device), "variant": variant, "config": config}
-    options = {name: value for name, value in options.items() if value is not None}
-    if not options:
-        return ""
-    try:
-        return json.dumps(options, sort_keys=True)
-    except TypeError as error:
-        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): {error}") from None
-
-
-@functools.lru_cache(maxsize=256)
-def _decode_options(options: str) -> tuple:
-    """The ``(name, value)`` keyword arguments of pool_tuner's ops that ``options`` encodes."""
-    return tuple(json.loads(options).items()) if options else ()
+    return _plans.options_text(device, variant, config)
 
 
 @functools.lru_cache(maxsize=256)
 def _backward_options(options: str) -> str:
     """The options of every kernel of the graph but the forward: the device only (a forced
     variant or config names a forward kernel of one shape)."""
-    return _encode_options(device=dict(_decode_options(options)).get("device"))
+    return _encode_options(device=dict(_plans.options_of(options)).get("device"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,67 +343,92 @@ def _check_no_functorch_transform():
 _OPERATIONS = {(kind, ndim): find(kind, ndim) for kind in KINDS for ndim in NDIMS}
 
 
-def _eager_path(input):
-    """The eager path of a call on ``input`` -- ``_eager_cpu_pool`` or ``_eager_cuda_pool`` -- for a
-    plain eager call on a CPU or CUDA tensor (not traced, compiled, exported, transformed by
-    torch.func or under a dispatch mode), which skips the custom op's dispatch layers; None for
-    everything else, which goes through the custom op."""
-    if (type(input) is torch.Tensor and not torch._C._get_tracing_state()
-            and torch._C._functorch.peek_interpreter_stack() is None and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0):
+#: What a plain eager call is told apart by (``_pool``), bound once.  Dynamo reads
+#: ``is_dynamo_compiling`` as True while it traces (and, asked first, looks at nothing else);
+#: everything else that traces -- ``torch.jit.trace``, ``torch.func``, export's fake tensors and
+#: dispatch modes -- is told by the C functions and the tensor's type.
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_tracing_state = torch._C._get_tracing_state
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_deterministic = torch._C._get_deterministic_algorithms
+_grad_enabled = torch.is_grad_enabled
+_signature, _describe, _describe_tensor = _plans.signature, _plans.describe, _plans.describe_tensor
+_Tensor = torch.Tensor
+_FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
+
+
+def _pool(operation, input, output_size, return_indices: bool, options: str):
+    """A single-level forward: a plain eager call on a CPU or CUDA tensor (not traced, compiled,
+    exported, transformed by torch.func or under a dispatch mode) through its plan, skipping the
+    custom op's dispatch layers (``_eager_cpu_pool``, ``_eager_cuda_pool``); everything else
+    through the custom op."""
+    if (not _is_dynamo_compiling() and type(input) is _Tensor and _tracing_state() is None
+            and _functorch_level() is None and not _dispatch_modes()):
         if input.is_cpu:
-            return _eager_cpu_pool
+            return _eager_cpu_pool(operation, input, output_size, return_indices, options)
         if input.is_cuda:
-            return _eager_cuda_pool
-    return None
+            return _eager_cuda_pool(operation, input, output_size, return_indices, options)
+    output_size = _check_input(input, operation.ndim, output_size)
+    _check_no_functorch_transform()
+    if _exported_to_onnx():
+        # torch.onnx.export: standard ONNX operators instead of the kernels (pool_tuner.decomposition)
+        if return_indices:
+            raise ValueError(f"{operation.name} with return_indices=True cannot be exported to ONNX "
+                             f"(pool_tuner.onnx exports values only)")
+        return decompose(operation.kind, operation.ndim, input, output_size, f"pool_tuner.torch.{operation.name}")
+    return _custom_op_pool(operation, input, output_size, return_indices, options)
 
 
-def _eager_cpu_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
+def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options: str):
     """An eager forward on a CPU tensor through its plan (``pool_tuner.torch_cpu``), without the
     custom op's dispatch layers where no gradient is needed.  A new signature's plan may race
     PyTorch's kernel before its first result (``torch_cpu.race_pytorch``), never under
-    ``torch.use_deterministic_algorithms(True)``: such calls have a signature of their own.
+    ``torch.use_deterministic_algorithms(True)``, where pool_tuner's kernel runs untimed.
 
     This runs on every call of a layer, inside models whose other layers leave the caches cold:
-    each object it touches costs, so a warm call is one key and one lookup."""
-    op = _OPERATIONS[kind, ndim].name
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    # an int size is its own key; sequences keep their elements' types (``ops._exact``)
-    size_key = output_size if type(output_size) is int else _ops._exact(output_size)
-    key = ("eager", op, size_key, options, env_device_setting(), deterministic, input.shape, input.stride(), input.dtype)
-    if not _torch_cpu.WINNERS.get(key):
-        found = _torch_cpu.plan_of(key)
-        if found is None:
-            size = tuple(_check_input(input, ndim, output_size))
-            found = _torch_cpu.plan(op, "forward", [input], size, _decode_options(options), key=key,
-                                    race=not deterministic)
-        if not _torch_cpu.WINNERS.get(key):
-            if input.requires_grad and torch.is_grad_enabled():
-                output_size = list(found.problem.output_shape[-ndim:])
-                return _custom_op_pool(kind, ndim, input, output_size, return_indices, options)
-            results = _torch_cpu.run(found, [input])
-            return (results[0], results[1]) if return_indices else results[0]
-    # the race's winner: PyTorch's own kernel runs this layer
-    if type(output_size) is int:
-        kernel, selects = _torch_cpu.PYTORCH_KERNELS[op]
-        result = kernel(input, output_size)
-        return result if not selects or return_indices else result[0]
-    form = _torch_cpu.PYTORCH_FORMS[op]
-    return form(input, output_size, True) if return_indices else form(input, output_size)
+    each object it touches costs, so a warm call is its signature and one lookup (two where
+    pool_tuner's kernel runs it)."""
+    op = operation.name
+    key = _signature(op, _FORWARD, output_size, options, env_device_setting(), (_describe_tensor(input),))
+    if not _deterministic():
+        try:
+            use_pytorch = _torch_cpu.WINNERS.get(key)
+        except TypeError:  # an unhashable output size: the custom op's path validates it
+            return _custom_op_pool(operation, input, _check_input(input, operation.ndim, output_size), return_indices,
+                                   options)
+        if use_pytorch is None:  # a new signature (or one met only under deterministic algorithms): raced now
+            size = tuple(_check_input(input, operation.ndim, output_size))
+            _torch_cpu.plan(op, _FORWARD, [input], size, options, key, race=True)
+            use_pytorch = _torch_cpu.WINNERS[key]
+        if use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
+            if type(output_size) is int:
+                kernel, selects = _torch_cpu.PYTORCH_KERNELS[op]
+                result = kernel(input, output_size)
+                return result if not selects or return_indices else result[0]
+            form = _torch_cpu.PYTORCH_FORMS[op]
+            return form(input, output_size, True) if return_indices else form(input, output_size)
+    found = _torch_cpu.plan_of(key)
+    if found is None:
+        size = tuple(_check_input(input, operation.ndim, output_size))
+        found = _torch_cpu.plan(op, _FORWARD, [input], size, options, key)
+    if input.requires_grad and _grad_enabled():
+        output_size = list(found.problem.output_shape[-operation.ndim:])
+        return _custom_op_pool(operation, input, output_size, return_indices, options)
+    results = _torch_cpu.run(found, [input])
+    return (results[0], results[1]) if return_indices else results[0]
 
 
-def _eager_cuda_pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
+def _eager_cuda_pool(operation, input, output_size, return_indices: bool, options: str):
     """An eager forward on a CUDA tensor through its plan (``pool_tuner.torch_cuda``): a warm call
     is its signature, one lookup, the results' allocation and one launch; with a gradient to
     compute, inside ``_EagerPooling`` (an ``autograd.Function``) instead of the custom op."""
-    op = _OPERATIONS[kind, ndim].name
-    size_key = output_size if type(output_size) is int else _ops._exact(output_size)
-    key = ("eager", op, size_key, options, input.shape, input.stride(), input.dtype, input.device)
+    key = _signature(operation.name, _FORWARD, output_size, options, input.device, (_describe_tensor(input),))
     found = _torch_cuda.plan_of(key)
     if found is None:
-        size = tuple(_check_input(input, ndim, output_size))
-        found = _torch_cuda.plan_op(op, "forward", [input], size, dict(_decode_options(options)), key=key)
-    if input.requires_grad and torch.is_grad_enabled():
+        size = tuple(_check_input(input, operation.ndim, output_size))
+        found = _torch_cuda.plan_op(operation.name, _FORWARD, [input], size, options, key)
+    if input.requires_grad and _grad_enabled():
         results = _EagerPooling.apply(input, found, options)
     else:
         results = found([input])
@@ -431,7 +444,7 @@ class _EagerPooling(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, found, options: str):
         results = found([input])
-        ctx.op, ctx.ndim, ctx.input_shape = found.problem.op, found.problem.ndim, tuple(input.shape)
+        ctx.operation, ctx.input_shape = found.problem.operation, tuple(input.shape)
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
             ctx.mark_non_differentiable(results[1])
@@ -441,39 +454,23 @@ class _EagerPooling(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_grad_indices):
         tensors = [grad_out, *ctx.saved_tensors]
-        if torch.is_grad_enabled():
-            kind, ndim = OPS[ctx.op]
-            grad_in = _OPS[kind, ndim, True](*tensors, list(ctx.input_shape), ctx.options)
+        operation = ctx.operation
+        if _grad_enabled():
+            grad_in = _OPS[operation.kind, operation.ndim, True](*tensors, list(ctx.input_shape), ctx.options)
         else:
-            key = ("eager", ctx.op, "backward", ctx.input_shape, ctx.options,
-                   *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+            key = _signature(operation.name, _BACKWARD, ctx.input_shape, ctx.options, grad_out.device,
+                             tuple(map(_describe, tensors)))
             found = _torch_cuda.plan_of(key)
             if found is None:
-                found = _torch_cuda.plan_op(ctx.op, "backward", tensors, ctx.input_shape,
-                                            dict(_decode_options(ctx.options)), key=key)
+                found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
             (grad_in,) = found(tensors)
         return grad_in, None, None
 
 
-def _pool(kind: str, ndim: int, input, output_size, return_indices: bool, options: str):
-    eager = _eager_path(input)
-    if eager is not None:
-        return eager(kind, ndim, input, output_size, return_indices, options)
-    output_size = _check_input(input, ndim, output_size)
-    _check_no_functorch_transform()
-    if _exported_to_onnx():
-        # torch.onnx.export: standard ONNX operators instead of the kernels (pool_tuner.decomposition)
-        if return_indices:
-            raise ValueError(f"{_OPERATIONS[kind, ndim].name} with return_indices=True cannot be exported to ONNX "
-                             f"(pool_tuner.onnx exports values only)")
-        return decompose(kind, ndim, input, output_size, f"pool_tuner.torch.{_OPERATIONS[kind, ndim].name}")
-    return _custom_op_pool(kind, ndim, input, output_size, return_indices, options)
-
-
-def _custom_op_pool(kind: str, ndim: int, input, output_size: list, return_indices: bool, options: str):
+def _custom_op_pool(operation, input, output_size: list, return_indices: bool, options: str):
     """The forward through the custom op (``torch.ops.pool_tuner.…``), with its autograd."""
-    op = _OPS[kind, ndim, False]
-    if not _OPERATIONS[kind, ndim].selects:
+    op = _OPS[operation.kind, operation.ndim, False]
+    if not operation.selects:
         return op(input, output_size, options)
     values, indices = op(input, output_size, options)
     return (values, indices) if return_indices else values
@@ -482,33 +479,33 @@ def _custom_op_pool(kind: str, ndim: int, input, output_size: list, return_indic
 def adaptive_avg_pool1d(input, output_size, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_avg_pool1d`` on pool_tuner's kernels; ``device=`` (a
     pool_tuner device id), ``variant=`` and ``config=`` are passed to ``pool_tuner.adaptive_avg_pool1d``."""
-    return _pool("avg", 1, input, output_size, False, _encode_options(device, variant, config))
+    return _pool(_OPERATIONS["avg", 1], input, output_size, False, _encode_options(device, variant, config))
 
 
 def adaptive_avg_pool2d(input, output_size, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_avg_pool2d`` on pool_tuner's kernels (see ``adaptive_avg_pool1d``)."""
-    return _pool("avg", 2, input, output_size, False, _encode_options(device, variant, config))
+    return _pool(_OPERATIONS["avg", 2], input, output_size, False, _encode_options(device, variant, config))
 
 
 def adaptive_avg_pool3d(input, output_size, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_avg_pool3d`` on pool_tuner's kernels (see ``adaptive_avg_pool1d``)."""
-    return _pool("avg", 3, input, output_size, False, _encode_options(device, variant, config))
+    return _pool(_OPERATIONS["avg", 3], input, output_size, False, _encode_options(device, variant, config))
 
 
 def adaptive_max_pool1d(input, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_max_pool1d`` on pool_tuner's kernels: returns the pooled
     values, and with ``return_indices=True`` also their int64 indices, as PyTorch."""
-    return _pool("max", 1, input, output_size, return_indices, _encode_options(device, variant, config))
+    return _pool(_OPERATIONS["max", 1], input, output_size, return_indices, _encode_options(device, variant, config))
 
 
 def adaptive_max_pool2d(input, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_max_pool2d`` on pool_tuner's kernels (see ``adaptive_max_pool1d``)."""
-    return _pool("max", 2, input, output_size, return_indices, _encode_options(device, variant, config))
+    return _pool(_OPERATIONS["max", 2], input, output_size, return_indices, _encode_options(device, variant, config))
 
 
 def adaptive_max_pool3d(input, output_size, return_indices=False, *, device=None, variant=None, config=None):
     """``torch.nn.functional.adaptive_max_pool3d`` on pool_tuner's kernels (see ``adaptive_max_pool1d``)."""
-    return _pool("max", 3, input, output_size, return_indices, _encode_options(device, variant, config))
+    return _pool(_OPERATIONS["max", 3], input, output_size, return_indices, _encode_options(device, variant, config))
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,13 +549,13 @@ class _PoolTunerModule(_OwnModule):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.returns_indices = _OPERATIONS[cls.kind, cls.ndim].returns_indices
+        cls.operation = _OPERATIONS[cls.kind, cls.ndim]
+        cls.returns_indices = cls.operation.returns_indices
 
     def forward(self, input):
         options = ("" if self.device is None and self.variant is None and self.config is None
                    else _encode_options(self.device, self.variant, self.config))
-        return _pool(self.kind, self.ndim, input, self.output_size, self.returns_indices and self.return_indices,
-                     options)
+        return _pool(self.operation, input, self.output_size, self.returns_indices and self.return_indices, options)
 
 
 class AdaptiveAvgPool1d(_PoolTunerModule, torch.nn.AdaptiveAvgPool1d):

@@ -4,7 +4,7 @@ own memory.
 The first call of a signature -- op and direction, each tensor's shape, strides and dtype, the
 output size (or input shape) and pool_tuner's options -- is validated, dispatched and built by
 ``plans.make_plan``; every later call is a dictionary lookup, ``torch.empty_strided`` for each
-result and one launch over the tensors' memory (``Device.host_launch``: no copies on devices that
+result and one launch over the tensors' memory (``Device.prepare``: no copies on devices that
 share host memory, PoCL's CPU device among them).  A device that does not share host memory gets
 numpy views of the tensors through ``ops``, which copies them to the device and back.
 
@@ -31,7 +31,6 @@ same tuning records), and ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) do
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -57,7 +56,7 @@ _PLANS = plans.PlanTable("torch_cpu.plans")
 
 class Winners(dict):
     """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
-    the module docstring), each decided once, by the first thread to meet the signature while the
+    the module docstring; False also where no race is run), each decided once, by the first thread to meet the signature while the
     others wait for it.  A bool per raced signature, kept while the process lives, or until
     dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
     warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
@@ -93,37 +92,28 @@ PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), O
                    for op in SINGLE_LEVEL}
 
 
-def plan(op: str, direction: str, tensors: list, size, options: tuple, key=None, race: bool = False) -> plans.Plan:
-    """The plan of a call signature, made and memoised on its first use; ``options`` are
-    pool_tuner's keyword options as ``(name, value)`` pairs.  ``race``: the eager path's plans,
-    whose forward may be raced against PyTorch's kernel on ``tensors`` before this returns
-    (``race_pytorch``; ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run
-    pool_tuner's."""
-    if key is None:
-        key = signature(op, direction, tensors, size, options)
+def plan(op: str, direction: str, tensors: list, size, options: str, key, race: bool = False) -> plans.Plan:
+    """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
+    its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
+    string (``plans.options_text``).  ``race``: the eager path's plans, whose forward may be raced
+    against PyTorch's kernel on ``tensors`` before this returns (``race_pytorch``;
+    ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run pool_tuner's."""
     found = _PLANS.get(key)
     if found is None:
-        given = dict(options)
+        given = dict(plans.options_of(options))
         device = backends.resolve_device(given.get("device"))
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss,
                                 names=(DIRECTIONS[direction].torch_argument,))
-        if race and races(found):
-            WINNERS.decide(key, lambda: race_pytorch(found, tensors[0], size))
         _PLANS.put(key, found)
+    if race and WINNERS.get(key) is None:
+        WINNERS.decide(key, lambda: races(found) and race_pytorch(found, tensors[0], size))
     return found
 
 
 def plan_of(key) -> plans.Plan | None:
     """The plan memoised for signature ``key``, or None."""
     return _PLANS.get(key)
-
-
-def signature(op: str, direction: str, tensors: list, size, options: tuple):
-    """The memo key of a call (see ``plan``); sizes keep their elements' types, so that a bad
-    argument never meets a good call's plan."""
-    return (op, direction, ops._exact(size), options, backends.env_device_setting(),
-            *[(t.shape, t.stride(), t.dtype) for t in tensors])
 
 
 def run(found: plans.Plan, tensors: list) -> list:
@@ -137,13 +127,12 @@ def run(found: plans.Plan, tensors: list) -> list:
     tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     dtype = tensors[0].dtype
     results = [empty_result(r, problem, torch.int64 if r.dtype == "int64" else dtype) for r in found.results]
-    if ops.poison_outputs:
-        for r in results:
-            r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
+    if found.fills is not None:
+        for r, fill in zip(results, found.fills):
+            if fill is not None:
+                r.fill_(fill)
     if found.launch is not None:
         found.run_on_host([t.data_ptr() for t in tensors] + [r.data_ptr() for r in results])
-    elif found.zero_fill:
-        results[0].zero_()
     return results
 
 

@@ -25,11 +25,10 @@ backward reads such flat buffers of the levels' gradients and indices.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from . import dispatch, ops, plans, tuner
+from . import ops, plans, tuner
 from .backends import cuda
 from .operations import DIRECTIONS, FUNCTIONS
 
@@ -57,25 +56,25 @@ def call(fn, tensors, size, options: dict):
 
 def plan(fn, tensors, size, options: dict) -> "_Plan":
     """The plan of a call of single-level ``fn`` (see ``call``), made and memoised on its first use."""
-    return plan_op(*_SIGNATURES[fn], tensors, size, options)
+    return plan_op(*_SIGNATURES[fn], tensors, size, plans.options_text(**options))
 
 
-def plan_op(op: str, direction: str, tensors, size, options: dict, key=None) -> "_Plan":
+def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> "_Plan":
     """The plan of a call of any op -- single- or multi-level -- in ``direction``, made and
     memoised on its first use.  ``size`` is what ``plans.make_plan`` takes: the output size, the
     input shape, or a multi-level backward's ``(input_shape, output_size, layout)`` with its flat
-    gradient (and indices) buffers as ``tensors``.  ``key``: the signature to memoise it under,
-    where the caller has one of its own (``pool_tuner.torch``'s eager path, ``plan_of``)."""
+    gradient (and indices) buffers as ``tensors``; ``options``: pool_tuner's options as
+    ``plans.options_text`` writes them.  ``key``: the call's ``plans.signature``, where the
+    caller has made it already."""
     if key is None:
         try:
-            key = (op, direction, ops._exact(size), _options_key(options),
-                   *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
-        except (TypeError, AttributeError):  # an unhashable size or option: validated on every call
+            key = plans.signature(op, direction, size, options, tensors[0].device, tuple(map(plans.describe, tensors)))
+        except TypeError:  # an argument that is no tensor: validated on every call
             key = None
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         _refuse_capture(tensors[0])
-        found = _Plan(op, direction, tensors, size, options)
+        found = _Plan(op, direction, tensors, size, dict(plans.options_of(options)))
         if key is not None:
             _PLANS.put(key, found)
     return found
@@ -106,11 +105,6 @@ def _capturing(index) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def _options_key(options: dict) -> tuple:
-    """The options as a memo key (``dispatch.config_key`` for the config)."""
-    return options.get("device"), options.get("variant"), dispatch.config_key(options.get("config"))
-
-
 class _Plan:
     """A call signature's ``plans.Plan`` with what the driver-API launch adds (see the module
     docstring): ``copies``, per input, None or the strides it is copied to first; ``outputs``,
@@ -130,10 +124,8 @@ class _Plan:
         plans.check_device_option(device, options.get("device"), name)
         if len(tensors) > 1:
             _check_indices_tensor(tensors[1], first)
-        target = device.driver_target
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),
-                                options.get("config"), on_miss=tuner.tune_on_miss, names=(name,),
-                                context=target, build_target=target)
+                                options.get("config"), on_miss=tuner.tune_on_miss, names=(name,))
         self.plan = found
         problem = found.problem
         copies = [plans.element_strides(problem, tuple(t.shape)) if reorder else None
@@ -143,9 +135,7 @@ class _Plan:
                              for r in found.results)
         self.launch = None
         if found.launch is not None:
-            launch = found.launch
-            self.launch = target.prepared(launch.kernel, launch.groups, launch.block, len(tensors) + len(self.outputs),
-                                          launch.scalars)
+            self.launch = device.prepare(found.launch, found.nbytes, len(tensors))
 
     def __call__(self, tensors) -> list:
         device = tensors[0].device
@@ -153,13 +143,12 @@ class _Plan:
             tensors = [t if strides is None else torch.empty_strided(t.shape, strides, dtype=t.dtype, device=device).copy_(t)
                        for t, strides in zip(tensors, self.copies)]
         results = [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in self.outputs]
-        if ops.poison_outputs:
-            for r in results:
-                r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
+        if self.plan.fills is not None:
+            for r, fill in zip(results, self.plan.fills):
+                if fill is not None:
+                    r.fill_(fill)
         if self.launch is not None:
             self.launch(current_raw_stream(device.index), *[t.data_ptr() for t in tensors], *[r.data_ptr() for r in results])
-        elif self.plan.zero_fill:
-            results[0].zero_()
         return results
 
 

@@ -424,7 +424,7 @@ def _kernel_tuner_scratch(directory: str):
 
 def race(problem: Problem, device, choices: list, repetitions: int = RACE_REPETITIONS, rng=None) -> list:
     """Median kernel time (ms) of each choice, launched interleaved on one queue and timed by the
-    device (``timed_launch``), where the device tunes (``device_tuning.run``)."""
+    device (a timed ``launch``), where the device tunes (``device_tuning.run``)."""
     return device_tuning.run(device, lambda: _race(problem, device, choices, repetitions, rng))
 
 

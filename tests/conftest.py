@@ -1,7 +1,8 @@
 """Test-wide setup: poisoned outputs and a private tuning cache.
 
-Set before pool_tuner is imported: every output buffer is filled with NaN before its kernel runs
-(so an element a kernel fails to write can never match a reference by accident), pool_tuner.torch
+Every output buffer is filled with NaN before its kernel runs (``poisoning.py``: so an element a
+kernel fails to write can never match a reference by accident); set before pool_tuner is imported,
+pool_tuner.torch
 never hands a layer to PyTorch's own kernel, and the user tuning cache lives in a temporary
 directory, so tests neither read nor pollute the developer's.
 """
@@ -11,7 +12,6 @@ import random
 import tempfile
 import zlib
 
-os.environ["POOL_TUNER_POISON_OUTPUTS"] = "1"
 # pool_tuner.torch runs pool_tuner's kernels, never PyTorch's in their place, except in the tests of
 # that choice (tests/test_torch_cpu.py), which turn it back on.
 os.environ["POOL_TUNER_PYTORCH_CANDIDATE"] = "0"
@@ -22,10 +22,12 @@ os.environ.pop("POOL_TUNER_AUTOTUNE", None)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import poisoning  # noqa: E402
 from pool_tuner import backends, kernel_source  # noqa: E402
 from pool_tuner.problem import Problem  # noqa: E402
 from pool_tuner.variants import variants_for  # noqa: E402
 
+poisoning.install()
 SHIPPED_CACHE_DIR = kernel_source.shipped_cache_dir()
 _EMPTY_SHIPPED_DIR = tempfile.mkdtemp(prefix="pool_tuner_test_shipped_")
 kernel_source.shipped_cache_dir = lambda: kernel_source.Path(_EMPTY_SHIPPED_DIR)

@@ -308,3 +308,67 @@ def test_a_layer_pytorch_runs_gives_pytorchs_results_and_gradients(monkeypatch, 
         grad = torch.from_numpy(random_input(rng, tuple(got.shape)))
         got.backward(grad), expected.backward(grad)
         assert torch.equal(x.grad, reference_x.grad)
+
+
+# ------------------------------------------------------------------ one signature for every front end
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
+    """numpy arrays (ops), the custom op's path on CPU tensors (torch_cpu) and the eager path all
+    memoise under ``plans.signature`` of the call as given."""
+    from pool_tuner import backends, ops
+
+    x = random_input(rng, (2, 3, 10, 9))
+    pt.adaptive_avg_pool2d(x, (4, 7))
+    env = backends.env_device_setting()
+    assert ops._PLANS.get(plans.signature("adaptive_avg_pool2d", "forward", (4, 7), (None, None), (None, env),
+                                          (plans.describe(x),))) is not None
+    t = torch.from_numpy(x)
+    ptt.adaptive_max_pool2d(t, 3)  # eager, no gradient
+    assert torch_cpu.plan_of(plans.signature("adaptive_max_pool2d", "forward", 3, "", env,
+                                             (plans.describe(t),))) is not None
+    options = ptt._encode_options(variant="thread_per_output")
+    torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)  # the custom op
+    assert torch_cpu.plan_of(plans.signature("adaptive_avg_pool2d", "forward", (4, 7), options, env,
+                                             (plans.describe(t),))) is not None
+    assert plans.describe(t) == (torch.Tensor, t.shape, t.stride(), t.dtype) != plans.describe(x)
+
+
+@pytest.mark.parametrize("output_size", [[[4, 7]], [(4,), 7], {4: 7}])
+def test_an_unhashable_output_size_is_refused_naming_it_by_the_eager_path(rng, output_size):
+    """The eager path keys its plans by the size as given: one that cannot be a key must still be
+    refused by validation, naming ``output_size``, not fail inside the lookup."""
+    t = torch.from_numpy(random_input(rng, (2, 3, 10, 9)))
+    with pytest.raises((TypeError, ValueError), match="output_size"):
+        ptt.adaptive_avg_pool2d(t, output_size)
+    with pytest.raises((TypeError, ValueError), match="output_size"):
+        ptt.AdaptiveMaxPool2d(output_size)(t)
+
+
+def test_pool_tuner_torch_takes_a_device_object_as_pool_tuner_does(rng):
+    """``device=`` as a device of ``pt.devices()``, as ``pool_tuner.adaptive_*`` take it, travels in
+    the options as its id."""
+    device = default_device()
+    t = torch.from_numpy(random_input(rng, (2, 3, 10, 9)))
+    assert torch.equal(ptt.adaptive_avg_pool2d(t, (4, 7), device=device),
+                       ptt.adaptive_avg_pool2d(t, (4, 7), device=device.info.id))
+    assert ptt.AdaptiveAvgPool2d(3, device=device)(t).shape == (2, 3, 3, 3)
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_deterministic_calls_run_pool_tuner_s_kernel_and_a_later_plain_call_still_races(monkeypatch, rng):
+    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
+    raced = _count(monkeypatch, torch_cpu, "race_pytorch")
+    ran = _count(monkeypatch, torch_cpu, "run")
+    t = torch.from_numpy(random_input(rng, (1, 8, 6, 6)))
+    module = ptt.AdaptiveAvgPool2d(2)
+    torch.use_deterministic_algorithms(True)
+    try:
+        module(t), module(t)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not raced and len(ran) == 2, "pool_tuner's kernel, untimed"
+    first = module(t)
+    assert len(raced) == 1
+    assert all(torch.equal(first, module(t)) for _ in range(3)) and len(raced) == 1

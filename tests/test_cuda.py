@@ -116,13 +116,12 @@ def run_variant(device, problem: Problem, variant, params, inputs, force_index_6
     device_outputs = []
     for shape, out_dtype, poison in outputs:
         storage = np.dtype(np.uint16) if out_dtype.name == "bfloat16" else out_dtype
-        out = device.empty(problem.memory_shape(shape), storage)
-        device.fill(out, poison)
+        out = device.empty(problem.memory_shape(shape), storage, fill=poison)
         device_outputs.append(out)
     # kernel arguments: forward (x, out[, indices]); backward (grad_out[, indices], grad_in); the planes
     args = [*device_inputs, *device_outputs, *problem.scalars]
     device.launch(device.queue, kernel, variant.groups(params, problem), block, args).wait()
-    assert device.timed_launch(device.queue, kernel, variant.groups(params, problem), block, args) >= 0
+    assert device.launch(device.queue, kernel, variant.groups(params, problem), block, args, timed=True) >= 0
     return [from_memory(problem, out.get(), out_dtype) for out, (_, out_dtype, _) in zip(device_outputs, outputs)]
 
 

@@ -58,7 +58,7 @@ def test_a_launch_goes_through_the_driver_and_records_no_event(backend):
     assert driver.launches[0]["arguments"] == [out.ptr, 8]
     assert driver.launches[0]["grid"] == (4, 1, 1) and driver.launches[0]["block"] == (32, 1, 1)
     assert _named(driver, "cuStreamSynchronize") == [("cuStreamSynchronize", LEGACY)] * 3  # the waits asked for
-    assert device.timed_launch(None, KERNEL, 4, (32,), [out, np.int64(8)]) == 0.25
+    assert device.launch(None, KERNEL, 4, (32,), [out, np.int64(8)], timed=True) == 0.25
     assert driver.events == 2 and len(_named(driver, "cuEventDestroy")) == 2 and len(driver.launches) == 4
     with pytest.raises(ValueError, match="1 to"):
         device.launch(None, KERNEL, 0, (32,), [out])

@@ -96,8 +96,8 @@ def test_concurrent_requests_for_one_source_compile_once(user_cache, monkeypatch
 
 
 def test_a_source_compiles_once_and_loads_once_for_every_kernel_and_caller(user_cache, monkeypatch):
-    """ops' build (``CudaDevice.build``) and torch's (``CudaDriverTarget.build``) of one source's
-    kernels: one nvcc run, the module loaded once for all of them, the same kernel on every call."""
+    """``CudaDevice.build`` of one source's kernels, for any caller's context key: one nvcc run,
+    the module loaded once for all of them, the same kernel on every call."""
     compiled = []
     monkeypatch.setattr(cuda_compile, "compile_source", lambda source, arch, nvcc: compiled.append(source) or
                         b"cubin:" + source.encode())
@@ -113,7 +113,6 @@ def test_a_source_compiles_once_and_loads_once_for_every_kernel_and_caller(user_
         for name in ("copy", "read", "copy"):
             kernel = device.build(None, "bandwidth source", name)
             assert kernel is device.build("any context", "bandwidth source", name)
-            assert kernel is device.driver_target.build(device.driver_target, "bandwidth source", name)
         assert compiled == ["bandwidth source"], "one compile for every kernel of the source"
         assert driver.modules == [(b"cubin:bandwidth source", PRIMARY_CONTEXT)]
     finally:

@@ -1,4 +1,4 @@
-"""The driver-API launch path (``backends.cuda_driver`` and ``CudaDevice.driver_target``) against a
+"""The driver-API launch path (``backends.cuda_driver`` and ``CudaDevice.prepare``) against a
 fake libcuda (tests/cuda_fakes.py): argument marshalling, stream handles, contexts, threads,
 memoised builds.  Runs everywhere; what only a GPU can show is in tests/test_cuda.py."""
 
@@ -135,7 +135,7 @@ def _problem_and_choice(device, shape=(2, 3, 10, 9), size=(4, 7)):
     return problem, dispatch.choose(problem, device, "thread_per_output")
 
 
-def test_driver_target_builds_once_per_kernel_without_pycuda(driver, monkeypatch):
+def test_the_device_builds_once_per_kernel_without_pycuda(driver, monkeypatch):
     compiled = []
 
     def fake_compile(source, arch):
@@ -148,11 +148,10 @@ def test_driver_target_builds_once_per_kernel_without_pycuda(driver, monkeypatch
     monkeypatch.setattr(cuda, "_compile", fake_compile)
     monkeypatch.setattr(cuda, "_pycuda", no_pycuda)
     device = fake_cuda_device()
-    target = device.driver_target
-    assert target is device.driver_target
+    context = device.queue.context
     problem, choice = _problem_and_choice(device)
-    launch = dispatch.prepare(target, target, problem, choice)
-    again = dispatch.prepare(target, target, problem, choice)
+    launch = dispatch.prepare(device, context, problem, choice)
+    again = dispatch.prepare(device, context, problem, choice)
     assert again is launch and compiled == ["sm_90"] and len(driver.modules) == 1
     assert isinstance(launch.kernel, cuda_driver.DriverKernel) and launch.kernel.context == PRIMARY_CONTEXT
     variant, params = choice.variant, choice.config
@@ -161,20 +160,21 @@ def test_driver_target_builds_once_per_kernel_without_pycuda(driver, monkeypatch
     assert driver.modules[0][0] == b"cubin of " + source.encode()[-16:]
 
 
-def test_driver_target_refuses_blocks_the_loaded_kernel_cannot_run(driver, monkeypatch):
+def test_the_device_refuses_blocks_the_loaded_kernel_cannot_run(driver, monkeypatch):
     monkeypatch.setattr(cuda, "_compile", lambda source, arch: b"cubin")
     driver.max_threads = 64  # register pressure: fewer threads than the device's limit
     device = fake_cuda_device()
     problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7))
     choice = dispatch.choose(problem, device, "thread_per_output", {"block_size_x": 128})
     with pytest.raises(ValueError, match="at most 64"):
-        dispatch.prepare(device.driver_target, device.driver_target, problem, choice)
+        dispatch.prepare(device, device.queue.context, problem, choice)
 
 
 def test_prepared_launch_checks_the_grid(driver):
+    device = fake_cuda_device()
     with pytest.raises(ValueError, match="1 to"):
-        cuda.CudaDriverTarget.prepared(KERNEL, 0, (32,), 2, ())
-    assert isinstance(cuda.CudaDriverTarget.prepared(KERNEL, 5, (32,), 2, ()), cuda_driver.PreparedLaunch)
+        device.prepare(dispatch.Launch(KERNEL, 0, (32,), ()), (4, 4), 1)
+    assert isinstance(device.prepare(dispatch.Launch(KERNEL, 5, (32,), ()), (4, 4), 1), cuda_driver.PreparedLaunch)
 
 
 # ---------------------------------------------------------------------- through a real C ABI

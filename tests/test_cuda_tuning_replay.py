@@ -18,7 +18,7 @@ dispatch from it.
 What the replay replaces, and only a GPU checks: compiling and running each configuration (Kernel
 Tuner's simulation mode reads the results from the file instead), so the verification of every
 configuration against the reference does not run here; and the race's kernel times (the device
-below answers ``timed_launch`` with the recorded median of the configuration).  Kernel Tuner's
+below answers a timed ``launch`` with the recorded median of the configuration).  Kernel Tuner's
 PyCUDA backend itself (its context, nvcc options) is not exercised; where the tuning runs (the CUDA
 tuning thread, ``backends/cuda_tuning.py``) and the toolkit Kernel Tuner is given are.
 """
@@ -119,7 +119,7 @@ class ReplayKernel(str):
 
 class ReplayCudaDevice(cuda.CudaDevice):
     """A ``CudaDevice`` whose kernels never run: ``build`` returns the rendered source, arrays stay
-    numpy, and ``timed_launch`` answers with the recorded median of the configuration the source
+    numpy, and a timed ``launch`` answers with the recorded median of the configuration the source
     was rendered for (its variant read back from the variant's file that ends it, its parameters
     from its ``#define``s).  Identity, fingerprint, limits and Kernel Tuner's arguments are the
     real class's."""
@@ -138,13 +138,12 @@ class ReplayCudaDevice(cuda.CudaDevice):
     def to_device(self, host, queue=None):
         return np.array(host)
 
-    def launch(self, queue, kernel, groups, block, args, wait_for=None):
-        return None
-
     def synchronize(self, queue=None):
         return None
 
-    def timed_launch(self, queue, kernel, groups, block, args):
+    def launch(self, queue, kernel, groups, block, args, timed=False):
+        if not timed:
+            return None
         self.threads.add(threading.get_ident())
         (variant,) = [name for name in VARIANTS
                       if kernel.endswith(kernel_source.read(variants_for(OP)[name].template))]

@@ -10,11 +10,12 @@ import pytest
 
 import pool_tuner as pt
 from pool_tuner import backends, reference
-from pool_tuner.ops import INDEX_POISON, memory_layout
+from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
 
 from conftest import GLOBAL_ONLY, random_input
+from poisoning import INDEX_POISON
 
 torch = pytest.importorskip("torch")
 
@@ -321,7 +322,7 @@ def test_poisoning_is_active(monkeypatch, rng):
     from pool_tuner.backends.opencl import HostLaunch, OpenCLDevice
 
     monkeypatch.setattr(OpenCLDevice, "launch", staticmethod(lambda queue, *a, **k: cl.enqueue_marker(queue)))
-    monkeypatch.setattr(HostLaunch, "__call__", lambda self, addresses: None)
+    monkeypatch.setattr(HostLaunch, "__call__", lambda self, stream, *addresses: None)
     out = pt.adaptive_avg_pool2d(random_input(rng, (1, 2, 6, 6)), 3)
     assert np.isnan(out).all()
     values, indices = pt.adaptive_max_pool2d(random_input(rng, (1, 2, 6, 6)), 3, return_indices=True)

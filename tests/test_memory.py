@@ -12,10 +12,11 @@ import pyopencl.array as cl_array
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import backends, ops, reference
+from pool_tuner import backends, ops, plans, reference
 from pool_tuner.backends import opencl
 
 from conftest import random_input
+from poisoning import UNPOISONED, poisoned_fill
 
 # 8 x 64 x 32 x 32 float32 = 2 MiB: large enough that page faults of fresh memory would matter.
 LARGE = (8, 64, 32, 32)
@@ -34,7 +35,10 @@ def device():
 @pytest.fixture(params=[True, False], ids=["poisoned", "not-poisoned"])
 def poisoning(request, monkeypatch):
     """Reuse must be correct whether or not the outputs are filled with NaN first."""
-    monkeypatch.setattr(ops, "poison_outputs", request.param)
+    monkeypatch.setattr(plans, "result_fill", poisoned_fill if request.param else UNPOISONED)
+    ops._PLANS.clear()  # plans ask what their results hold when they are made
+    yield
+    ops._PLANS.clear()
 
 
 def test_large_results_reuse_freed_memory_and_stay_exact(device, poisoning, rng):

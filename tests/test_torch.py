@@ -215,9 +215,9 @@ def test_cpu_tensors_are_pooled_in_their_own_memory(rng, monkeypatch):
     launched = []
     real_call = HostLaunch.__call__
 
-    def record(self, addresses):
+    def record(self, stream, *addresses):
         launched.append(addresses[0])
-        real_call(self, addresses)
+        real_call(self, stream, *addresses)
 
     monkeypatch.setattr(HostLaunch, "__call__", record)
     base = tensor(rng, (2, 3, 10, 9), requires_grad=True)

@@ -12,10 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pool_tuner import backends, dispatch, ops, torch_cuda  # noqa: E402
+from pool_tuner import backends, dispatch, ops, plans, torch_cuda  # noqa: E402
 from pool_tuner.backends import cuda, cuda_driver  # noqa: E402
 
 from cuda_fakes import PRIMARY_CONTEXT, FakeDriver, fake_cuda_device  # noqa: E402
+from poisoning import INDEX_POISON  # noqa: E402
 
 NONE = {"device": None, "variant": None, "config": None}
 STREAM = 0x5EED
@@ -46,9 +47,11 @@ def gpu(monkeypatch):
 
 
 def _forget_builds_and_plans():
+    """Every test's fake driver loads its own modules: kernels are memoised per context handle, and
+    each fake driver's primary context has the same one."""
     cuda_driver.primary_context.cache_clear()
     cuda.forget_builds()
-    torch_cuda._PLANS.clear()
+    dispatch.forget()  # which also empties the plan tables
 
 
 def _x(shape, dtype=torch.float32):
@@ -113,7 +116,7 @@ def test_channels_last_is_read_in_place_and_gives_channels_last_results(gpu, sha
     values, indices = torch_cuda.call(fn, [x], size, NONE)
     expected = torch.empty(values.shape).to(memory_format=memory_format).stride()
     assert values.stride() == expected and indices.stride() == expected and indices.dtype == torch.int64
-    assert (indices == ops.INDEX_POISON).all()
+    assert (indices == INDEX_POISON).all()
     assert gpu.launches[0]["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), math.prod(shape[:2])]
 
 
@@ -187,9 +190,9 @@ PYRAMID_VALUES = 2 * 3 * (1 + 6 + 16)  # every level's outputs of a (2, 3, ...) 
 @pytest.mark.parametrize("memory_format,layout", [(torch.contiguous_format, "NCHW"), (torch.channels_last, "NHWC")])
 def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_format, layout):
     x = _x((2, 3, 10, 9)).to(memory_format=memory_format)
-    values, indices = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, NONE)([x])
+    values, indices = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, "")([x])
     assert values.shape == indices.shape == (PYRAMID_VALUES,) and indices.dtype == torch.int64
-    assert torch.isnan(values).all() and (indices == ops.INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
+    assert torch.isnan(values).all() and (indices == INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
     (launch,) = gpu.launches
     assert launch["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), 2 * 3]  # read in place
     problem = ops.Problem.create("adaptive_max_pool_pyramid2d", (2, 3, 10, 9), PYRAMID, layout=layout)
@@ -200,7 +203,7 @@ def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_f
 
 def test_avgmax_forward_has_one_flat_buffer_of_both_levels(gpu):
     x = _x((2, 3, 10, 9), torch.float16)
-    values, indices = torch_cuda.plan_op("adaptive_avgmax_pool2d", "forward", [x], (4, 7), NONE)([x])
+    values, indices = torch_cuda.plan_op("adaptive_avgmax_pool2d", "forward", [x], (4, 7), "")([x])
     assert values.shape == (2 * 2 * 3 * 4 * 7,) and values.dtype == torch.float16 and indices.shape == (2 * 3 * 4 * 7,)
     assert gpu.launches[0]["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), 2 * 3]
 
@@ -209,24 +212,24 @@ def test_avgmax_forward_has_one_flat_buffer_of_both_levels(gpu):
 def test_multi_level_backward_reads_flat_buffers_and_writes_the_input_gradient(gpu, layout):
     grad, indices = _x((PYRAMID_VALUES,)), torch.zeros(PYRAMID_VALUES, dtype=torch.int64)
     size = ((2, 3, 10, 9), PYRAMID, layout)
-    (grad_in,) = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, NONE)([grad, indices])
+    (grad_in,) = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, "")([grad, indices])
     expected = torch.empty(2, 3, 10, 9)
     if layout == "NHWC":
         expected = expected.to(memory_format=torch.channels_last)
     assert grad_in.shape == (2, 3, 10, 9) and grad_in.stride() == expected.stride() and torch.isnan(grad_in).all()
     assert gpu.launches[0]["arguments"] == [grad.data_ptr(), indices.data_ptr(), grad_in.data_ptr(), 2 * 3]
-    (avg,) = torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [grad], size, NONE)([grad])
+    (avg,) = torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [grad], size, "")([grad])
     assert avg.stride() == expected.stride() and gpu.launches[1]["arguments"] == [grad.data_ptr(), avg.data_ptr(), 6]
 
 
 def test_multi_level_bad_arguments_raise_before_any_launch(gpu):
     size = ((2, 3, 10, 9), PYRAMID, "NCHW")
     with pytest.raises(ValueError, match="grad_out must be the flat buffer of every level"):
-        torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [_x((PYRAMID_VALUES - 1,))], size, NONE)
+        torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [_x((PYRAMID_VALUES - 1,))], size, "")
     with pytest.raises(TypeError, match="indices must be an int64 tensor"):
-        torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [_x((PYRAMID_VALUES,))] * 2, size, NONE)
+        torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [_x((PYRAMID_VALUES,))] * 2, size, "")
     with pytest.raises(ValueError, match=r"output_sizes\[1\]"):
-        torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "forward", [_x((2, 3, 10, 9))], (1, -2), NONE)
+        torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "forward", [_x((2, 3, 10, 9))], (1, -2), "")
     assert not gpu.launches and not torch_cuda._PLANS
 
 
@@ -237,7 +240,7 @@ def test_pool_tuner_torch_sends_the_multi_level_ops_and_their_gradients_down_the
     from pool_tuner import torch as ptt
 
     def cuda_path(op, direction, tensors, size, options):
-        return torch_cuda.plan_op(op, direction, tensors, size, dict(ptt._decode_options(options)))(tensors)
+        return torch_cuda.plan_op(op, direction, tensors, size, options)(tensors)
 
     monkeypatch.setattr(ptt, "_run", cuda_path)
     x = _x((2, 3, 10, 9)).requires_grad_()
@@ -345,10 +348,10 @@ def cuda_bench(gpu, monkeypatch):
     from pool_tuner import torch as ptt
 
     def cuda_path(op, direction, tensors, size, options):
-        return torch_cuda.plan_op(op, direction, tensors, size, dict(ptt._decode_options(options)))(tensors)
+        return torch_cuda.plan_op(op, direction, tensors, size, options)(tensors)
 
     monkeypatch.setattr(gpu.device, "info", dataclasses.replace(gpu.device.info, torch_device="cpu"))
-    monkeypatch.setattr(ptt, "_eager_path", lambda input: ptt._eager_cuda_pool)
+    monkeypatch.setattr(ptt, "_eager_cpu_pool", ptt._eager_cuda_pool)
     monkeypatch.setattr(ptt, "_run", cuda_path)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(bench, "time_loop_cuda_events", bench.time_loop)
@@ -391,13 +394,12 @@ def eager_cuda(gpu, monkeypatch):
     from pool_tuner import torch as ptt
 
     through_custom_ops = []
-    eager_path = ptt._eager_path
 
     def cuda_path(op, direction, tensors, size, options):
         through_custom_ops.append((op, direction))
-        return torch_cuda.plan_op(op, direction, tensors, size, dict(ptt._decode_options(options)))(tensors)
+        return torch_cuda.plan_op(op, direction, tensors, size, options)(tensors)
 
-    monkeypatch.setattr(ptt, "_eager_path", lambda input: eager_path(input) and ptt._eager_cuda_pool)
+    monkeypatch.setattr(ptt, "_eager_cpu_pool", ptt._eager_cuda_pool)
     monkeypatch.setattr(ptt, "_run", cuda_path)
     return through_custom_ops
 
@@ -411,7 +413,7 @@ def _no_planning(monkeypatch):
         raise AssertionError("a warm eager call planned again")
 
     for owner, name in ((dispatch, "choose"), (ops.Problem, "create"), (torch_cuda._Plan, "__init__"),
-                        (ptt, "_decode_options"), (ptt, "_is_channels_last"), (ptt, "_check_input")):
+                        (plans, "options_of"), (ptt, "_is_channels_last"), (ptt, "_check_input")):
         monkeypatch.setattr(owner, name, forbidden)
 
 

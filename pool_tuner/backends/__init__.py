@@ -10,6 +10,7 @@ devices, and importing pool_tuner never needs it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from . import cuda, opencl
@@ -20,19 +21,22 @@ ENV_DEVICE = "POOL_TUNER_DEVICE"
 BACKENDS = (cuda, opencl)
 
 
-#: ``os.environ``'s own table and its key for ENV_DEVICE, where the platform's ``os.environ`` has them
-#: (CPython on POSIX): what ``os.environ.get`` ends in, without its layers of Python.
-_ENVIRON_TABLE = getattr(os.environ, "_data", None)
-_ENV_DEVICE_KEY = os.environ.encodekey(ENV_DEVICE) if hasattr(os.environ, "encodekey") else None
-
-
-def env_device_setting():
-    """``POOL_TUNER_DEVICE`` as the environment holds it (bytes on POSIX, None when unset): a memo
-    key for the call paths, which read it on every call so that a changed setting applies at once;
-    one dictionary lookup where ``os.environ.get`` takes several Python calls."""
-    if _ENVIRON_TABLE is not None and _ENV_DEVICE_KEY is not None:
-        return _ENVIRON_TABLE.get(_ENV_DEVICE_KEY)
+def _env_device_setting():
+    """``POOL_TUNER_DEVICE`` as the environment holds it (None when unset)."""
     return os.environ.get(ENV_DEVICE)
+
+
+#: ``POOL_TUNER_DEVICE`` as the environment holds it (bytes on POSIX, None when unset): a memo key
+#: for the call paths, which read it on every call so that a changed setting applies at once.
+#: Where the platform's ``os.environ`` has its own table (CPython on POSIX), a lookup in it bound to
+#: the key, which runs no Python at all where ``os.environ.get`` takes several Python calls.
+env_device_setting = (functools.partial(os.environ._data.get, os.environ.encodekey(ENV_DEVICE))
+                      if hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey") else _env_device_setting)
+
+
+def backend_name(backend) -> str:
+    """A backend module's name, its devices' id prefix (``backends/cuda.py``: ``cuda``)."""
+    return backend.__name__.rsplit(".", 1)[-1]
 
 
 def all_devices() -> list:
@@ -48,7 +52,7 @@ def default_device():
         for device in devices:
             if wanted(device):
                 return device
-    why = "; ".join(f"{b.BACKEND}: {b.import_error()}" for b in BACKENDS if b.import_error() is not None)
+    why = "; ".join(f"{backend_name(b)}: {b.missing(None)}" for b in BACKENDS if b.missing(None) is not None)
     raise RuntimeError(
         "pool_tuner found no usable device" + (f" ({why})" if why else "") + "; install PoCL with "
         "`pip install pocl-binary-distribution` or a vendor OpenCL driver"
@@ -71,7 +75,7 @@ def resolve_device(device=None, name: str = "device"):
         if candidate.info.id == device:
             return candidate
     prefix = device.split(":", 1)[0]
-    hints = [backend.unknown_id_message(device) for backend in BACKENDS if backend.BACKEND == prefix]
+    hints = [backend.missing(device) for backend in BACKENDS if backend_name(backend) == prefix]
     hint = "".join(f"; {h}" for h in hints if h)
     raise ValueError(f"{name} must be one of the available device ids {sorted(d.info.id for d in devices)}, "
                      f"got {device!r}{hint}")
@@ -87,5 +91,5 @@ def device_of_array(array):
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
+__all__ = ["BACKENDS", "Backend", "backend_name", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
            "env_device_setting", "device_of_array", "resolve_device"]

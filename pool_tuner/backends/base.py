@@ -7,23 +7,25 @@ of one backend's library (PyOpenCL's platforms, PyCUDA's contexts) outside that 
 The contract is a few methods, as Kernel Tuner's backend class and tinygrad's runtime files are:
 describe the device (``info``, one frozen ``DeviceInfo``: identity, kind flags, limits, memory,
 fingerprint), compile and load a kernel (``build``; the kernel knows its work-group limit), launch
-(``launch``, ``timed_launch``), a default queue and ``synchronize``, allocate and free (``empty``,
-``release_memory``), copy in and out (``to_device``, ``to_host``, ``copy``, ``fill``), run over host
-memory where the device shares it (``host_launch``), and the adapter for the caller's own device
-arrays (``arrays``, a ``CallerArrays``).  What is not the backend's lives above it: Kernel Tuner's
-arguments and where a tuning runs (``pool_tuner.device_tuning``), what makes the same device model
-and family of a fingerprint (``cache.FINGERPRINT_LEVELS``), PoCL's environment
-(``backends/pocl_env.py``).
+(``launch``, timed or not; ``prepare`` for one fixed launch run again and again by address), a default
+queue (a queue's ``finish()`` synchronises), allocate and free (``empty``, zeroed or poisoned on
+request, and ``release_memory``), copy in and out (``copy``), and the adapter for the caller's own
+device arrays (``arrays``, a ``CallerArrays``).  What follows from these (``to_device``, ``to_host``,
+``synchronize``) is written once, in ``Conveniences``.  What is not the backend's lives above it:
+Kernel Tuner's arguments and where a tuning runs (``pool_tuner.device_tuning``), what makes the same
+device model and family of a fingerprint (``cache.FINGERPRINT_LEVELS``), PoCL's environment
+(``backends/pocl_env.py``), output poisoning (the test suite's ``conftest.py``).
 
 A new backend (HIP, Metal, ...) writes only these methods plus its language's branch of the kernel
-prelude: one file, ``backends/<name>.py``, named in ``backends.BACKENDS``, that implements
+prelude: one file, ``backends/<name>.py`` (``<name>`` is its ids' prefix), named in
+``backends.BACKENDS``, that implements
 
-* at module level (``Backend``): ``BACKEND`` (the id prefix, e.g. ``"cuda"``), ``list_devices()``
-  (every usable device, ``()`` when the library, driver or hardware is missing -- never raising),
-  ``import_error()`` (why it listed nothing), ``device_of_array(x)`` (the device holding one of its
-  arrays, None for arrays it does not know) and ``unknown_id_message(text)`` (a hint for an id of
-  its prefix that names no device, e.g. an id of an older format; None for no hint);
-* a device class with every member of ``Device``, and its ``CallerArrays``;
+* at module level (``Backend``): ``list_devices()`` (every usable device, ``()`` when the library,
+  driver or hardware is missing -- never raising), ``device_of_array(x)`` (the device holding one of
+  its arrays, None for arrays it does not know) and ``missing(device_id)`` (why an id of its prefix
+  names no device, or why it lists none; None for nothing to say);
+* a device class with every member of ``Device`` (inheriting ``Conveniences``), and its
+  ``CallerArrays``;
 * kernels: the templates in ``kernels/`` compile for it through ``kernels/prelude.h`` (one
   ``#ifdef`` branch per language), and the benchmark's memory streams need
   ``kernels/bandwidth<info.source_suffix>``.
@@ -73,7 +75,7 @@ class DeviceInfo:
     #: A simulator (Oclgrind): exact but slow, never chosen by default.
     is_simulator: bool
     supports_float64: bool
-    #: Device arrays can live in host memory, so numpy arrays are used in place (``host_launch``).
+    #: Device arrays can live in host memory, so numpy arrays are used in place (``prepare``).
     shares_host_memory: bool
     #: Where PyTorch runs on the same hardware (``"cuda:0"``), or ``"cpu"`` where PyTorch has no
     #: backend for it (OpenCL): the benchmark's side-by-side.
@@ -114,9 +116,11 @@ class Device(Protocol):
     """One device of one backend: what a kernel needs to run on it.
 
     Queues are the backend's own objects (an OpenCL command queue; CUDA: a context and a stream);
-    every queue has a ``context`` attribute, the unit that builds are cached per.  Device arrays are
-    the backend's own array type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory
-    order, bfloat16 as its uint16 bits."""
+    every queue has a ``context`` attribute, the unit that builds are cached per, and a
+    ``finish()`` that waits for everything sent to it.  Device arrays are the backend's own array
+    type (``pyopencl.array.Array``, ``cuda_arrays.CudaArray``) in memory order, bfloat16 as its
+    uint16 bits.  What follows from these members (``to_device``, ``to_host``, ``synchronize``)
+    a device class inherits from ``Conveniences``."""
 
     # -------------------------------------------------------------- what it is
     #: Identity, kind, limits and fingerprint (``DeviceInfo``).
@@ -128,52 +132,66 @@ class Device(Protocol):
         ``kernel_name`` (both cached).  The kernel's ``max_work_group_size`` is the most work-items
         per work-group it can launch with."""
 
-    def launch(self, queue, kernel, groups: int, block: tuple, args, wait_for=None):
+    def launch(self, queue, kernel, groups: int, block: tuple, args, timed: bool = False):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``
-        (device arrays and numpy scalars); returns a handle with ``wait()`` for ``track``."""
+        (device arrays and numpy scalars); returns a handle with ``wait()`` for ``track``.
+        ``timed``: wait for the kernel and return its own time in milliseconds as the device
+        measures it instead (OpenCL profiling events, CUDA events): the same on every backend."""
 
-    def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
-        """``launch``, wait for it, and return the kernel's own time in milliseconds as the device
-        measures it (OpenCL profiling events, CUDA events): the same on every backend."""
+    def prepare(self, launch, nbytes: tuple, n_inputs: int):
+        """``launch`` (a ``dispatch.Launch``) made ready to run again and again, its argument
+        storage made once: a function ``run(stream, *addresses)`` of the addresses of the inputs
+        then the outputs (``nbytes`` each, the first ``n_inputs`` read only).  Where
+        ``info.shares_host_memory``, over host memory on the default queue (``stream`` None),
+        returning once the outputs are written; elsewhere over device memory, on the raw stream
+        handle ``stream`` (CUDA: PyTorch's current stream), without waiting."""
 
     # -------------------------------------------------------------- queues
     @property
     def queue(self):
         """The device's default queue (own context; kernel timing enabled)."""
 
-    def synchronize(self, queue=None) -> None:
-        """Wait until everything sent to ``queue`` (default: the default queue) has finished."""
-
     # -------------------------------------------------------------- memory
-    def empty(self, shape, dtype, queue=None):
-        """An uninitialised C-contiguous device array."""
+    def empty(self, shape, dtype, queue=None, fill=None):
+        """A C-contiguous device array, uninitialised, or with every element ``fill`` (of its
+        dtype: a 16-bit bit pattern through a uint16 view of a float16 or bfloat16 array) in
+        ``queue``'s order of work: zeros for results with nothing to compute, the test suite's
+        poison."""
 
     def release_memory(self) -> int:
         """Free memory held for reuse by later results; returns the number of blocks freed."""
 
-    def to_device(self, host: np.ndarray, queue=None):
-        """A device array holding a copy of the C-contiguous ``host`` (copy in)."""
-
-    def to_host(self, array) -> np.ndarray:
-        """A numpy copy of ``array``, waiting for the work that writes it (copy out)."""
-
     def copy(self, destination, source, queue=None) -> None:
-        """Copy device array ``source`` into ``destination`` (same size) with the backend's own
-        buffer copy."""
-
-    def fill(self, array, value, queue=None):
-        """Fill ``array`` with ``value`` (of its dtype: a 16-bit bit pattern through a uint16 view
-        of a float16 or bfloat16 array); returns it."""
-
-    def host_launch(self, launch, nbytes: tuple, n_inputs: int):
-        """Only where ``info.shares_host_memory``: a function running ``launch`` (a
-        ``dispatch.Launch``) over host memory, called with the addresses of the inputs then the
-        outputs (``nbytes`` each, the first ``n_inputs`` read only), returning once the outputs are
-        written."""
+        """Copy ``source`` into ``destination`` (same size): device arrays, or a C-contiguous numpy
+        array on one side (copy in, copy out; returns once a copy out has arrived)."""
 
     # -------------------------------------------------------------- the caller's arrays
     #: How this backend takes the caller's device arrays and hands results back (``CallerArrays``).
     arrays: CallerArrays
+
+
+class Conveniences:
+    """What every device does through the contract's own members, inherited by each device class
+    so that a backend writes none of it."""
+
+    def to_device(self, host: np.ndarray, queue=None):
+        """A device array holding a copy of ``host`` (copy in)."""
+        host = np.ascontiguousarray(host)
+        array = self.empty(host.shape, host.dtype, queue)
+        if host.size:
+            self.copy(array, host, queue)
+        return array
+
+    def to_host(self, array) -> np.ndarray:
+        """A numpy copy of device ``array``, waiting for the work that writes it (copy out)."""
+        host = np.empty(array.shape, array.dtype)
+        if host.size:
+            self.copy(host, array)
+        return host
+
+    def synchronize(self, queue=None) -> None:
+        """Wait until everything sent to ``queue`` (default: the default queue) has finished."""
+        (queue or self.queue).finish()
 
 
 @runtime_checkable
@@ -209,18 +227,15 @@ class CallerArrays(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     """What a backend module provides at module level (a module satisfies a Protocol by its
-    attributes)."""
-
-    BACKEND: str
+    attributes).  Its id prefix is the module's name (``backends/cuda.py``: ``cuda:0``)."""
 
     def list_devices(self) -> tuple:
         """Every usable device of this backend, in a fixed order; ``()`` when none, never raising."""
 
-    def import_error(self) -> BaseException | None:
-        """Why the backend lists no device (its library failed to load), or None."""
-
     def device_of_array(self, x):
         """The device holding ``x`` if ``x`` is one of this backend's arrays, else None."""
 
-    def unknown_id_message(self, text: str) -> str | None:
-        """For an id with this backend's prefix that names no device: what to use instead, or None."""
+    def missing(self, device_id: str | None) -> str | None:
+        """Why this backend lists no device of id ``device_id`` (one with its prefix) -- what to use
+        instead, such as the id an older format's now is -- or, for None, why it lists no device at
+        all (its library failed to load); None when it has nothing to say."""

@@ -1,8 +1,8 @@
 """CUDA backend on PyCUDA (the ``pool-tuner[cuda]`` extra): devices, cached builds, launches, arrays.
 
 Implements the device contract of ``backends.base``: ``id`` (``cuda:<n>``, CUDA's numbering),
-``fingerprint``, ``limits``, ``build`` (template text -> kernel, cached), ``launch`` and
-``timed_launch`` (CUDA events), arrays, and Kernel Tuner's arguments (its PyCUDA backend).  A
+``fingerprint``, ``limits``, ``build`` (template text -> kernel, cached), ``launch`` (timed by
+CUDA events), arrays, and Kernel Tuner's arguments (its PyCUDA backend).  A
 device's ``queue`` is a ``CudaQueue`` (context and stream handle), the counterpart of an OpenCL
 command queue.  What identifies a device (``CudaProperties``) is read once, when it is listed; identity,
 fingerprint, limits and Kernel Tuner's arguments need no PyCUDA afterwards.
@@ -23,8 +23,8 @@ through PyCUDA, because only the driver API launches on another library's stream
 a caller's CUDA array goes to the stream its ``__cuda_array_interface__`` names (``queue_of``,
 ``launch_stream``), after the streams of the launch's other arrays (``launch``), with no host wait;
 results name that stream in their own interface.  docs/design.md, "CUDA contexts" and "CUDA arrays
-and streams", states the rules.  ``CudaDevice.driver_target`` is the same build for
-``pool_tuner.torch``'s prepared launches on PyTorch's current stream.  Cubins come from
+and streams", states the rules.  ``CudaDevice.prepare`` fixes a built kernel's launch for
+``pool_tuner.torch``'s calls on PyTorch's current stream (``cuda_driver.PreparedLaunch``).  Cubins come from
 pool_tuner's own compiler cache (``backends.cuda_compile``): nvcc runs once per kernel source,
 never on a hit.
 
@@ -53,9 +53,9 @@ import numpy as np
 
 from . import cuda_compile, cuda_driver
 from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface
-from .base import DeviceInfo, DeviceLimits
+from .base import Conveniences, DeviceInfo, DeviceLimits
 
-BACKEND = "cuda"
+BACKEND = __name__.rsplit(".", 1)[-1]  #: the ids' prefix: the module's name (base.Backend)
 #: The largest grid (x dimension) a launch may use on every architecture pool_tuner targets.
 MAX_GRID_X = 2**31 - 1
 #: The legacy default stream, as ``__cuda_array_interface__`` names it and as a stream handle of the
@@ -65,7 +65,6 @@ LEGACY_STREAM = 1
 #: Results of calls on numpy arrays, and of the tuner and the benchmark: pool_tuner's ``CudaArray``.
 _OWN_KIND = ResultKind(None)
 
-_NOT_HOST_MEMORY = "CUDA device memory is not host memory: copy numpy arrays with to_device"
 
 _IMPORT_ERROR: BaseException | None = None
 
@@ -91,8 +90,9 @@ def import_error():
     return _IMPORT_ERROR
 
 
-def unknown_id_message(text: str) -> str | None:
-    """A ``cuda:...`` id that names no device: why, when the backend itself is unavailable."""
+def missing(device_id: str | None) -> str | None:
+    """Why no device has ``device_id`` (a ``cuda:...`` id, or None for any): when the backend
+    itself is unavailable, why."""
     if import_error() is None:
         return None
     return f"the CUDA backend is unavailable ({import_error()}); install it with `pip install pool-tuner[cuda]`"
@@ -109,6 +109,10 @@ class CudaQueue:
     context: int
     stream: int = LEGACY_STREAM
     kind: ResultKind | None = dataclasses.field(default=None, compare=False)
+
+    def finish(self) -> None:
+        """Wait on the host for the work sent to the stream so far."""
+        cuda_driver.synchronize(self.stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +143,7 @@ class CudaProperties:
         )
 
 
-class CudaDevice:
+class CudaDevice(Conveniences):
     """One CUDA device, identified as ``cuda:<ordinal>`` (CUDA's device numbering)."""
 
     def __init__(self, ordinal: int, properties: CudaProperties):
@@ -204,30 +208,21 @@ class CudaDevice:
         """The default queue: the calling thread's current context and the legacy default stream."""
         return CudaQueue(self.current_context())
 
-    def synchronize(self, queue: CudaQueue | None = None) -> None:
-        """Wait for the queue's stream (default: all the work of the current context)."""
-        self.current_context()
-        cuda_driver.synchronize(None if queue is None else queue.stream)
-
     # ------------------------------------------------------------------ arrays
 
-    def to_device(self, host: np.ndarray, queue: CudaQueue | None = None) -> CudaArray:
-        """A ``CudaArray`` holding a copy of ``host``, in the queue's context."""
-        host = np.ascontiguousarray(host)
-        array = self.empty(host.shape, host.dtype, queue)
-        if host.nbytes:
-            cuda_driver.copy_to_device(array.ptr, host)
-        return array
-
-    def empty(self, shape, dtype, queue: CudaQueue | None = None) -> CudaArray:
-        """An uninitialised C-contiguous ``CudaArray`` in the queue's context, naming its stream:
-        allocated as the queue's result kind says (PyTorch's allocator for torch tensors), else
-        from the memory pool of the context and stream (``memory_pool``)."""
+    def empty(self, shape, dtype, queue: CudaQueue | None = None, fill=None) -> CudaArray:
+        """A C-contiguous ``CudaArray`` in the queue's context, naming its stream: allocated as the
+        queue's result kind says (PyTorch's allocator for torch tensors), else from the memory pool
+        of the context and stream (``memory_pool``); uninitialised, or every element ``fill`` by the
+        driver's memset of its bits on the queue's stream, ordered with the launch that follows."""
         queue = queue or self.queue
         dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        size = math.prod(shape)
         pool = self.memory_pool(queue.context, queue.stream)
-        owner, ptr = (queue.kind or _OWN_KIND).allocate(nbytes, pool)
+        owner, ptr = (queue.kind or _OWN_KIND).allocate(size * dtype.itemsize, pool)
+        if fill is not None and size:
+            bits = np.array(fill, dtype).view(f"u{dtype.itemsize}")[()]
+            cuda_driver.fill(ptr, int(bits), dtype.itemsize, size, queue.stream)
         return CudaArray(shape, dtype, ptr, stream=queue.stream, base=owner)
 
     def memory_pool(self, context: int, stream: int) -> MemoryPool:
@@ -245,31 +240,33 @@ class CudaDevice:
         return pool
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
-        """Copy ``source`` into ``destination`` on the queue's stream."""
-        source = as_cuda_array(source)
-        cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, (queue or self.queue).stream)
+        """Copy ``source`` into ``destination``: between device arrays on the queue's stream, from
+        or to a C-contiguous numpy array synchronously (in the current context)."""
+        if isinstance(destination, np.ndarray):
+            self.current_context()
+            cuda_driver.copy_to_host(destination, as_cuda_array(source).ptr)
+        elif isinstance(source, np.ndarray):
+            self.current_context()
+            cuda_driver.copy_to_device(as_cuda_array(destination).ptr, np.ascontiguousarray(source))
+        else:
+            source = as_cuda_array(source)
+            cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, (queue or self.queue).stream)
 
     @staticmethod
-    def host_launch(launch, nbytes: tuple, n_inputs: int):
-        """Never called: ``shares_host_memory`` is False, so ops copies numpy arrays in and out."""
-        raise NotImplementedError(_NOT_HOST_MEMORY)
+    def prepare(launch, nbytes: tuple, n_inputs: int) -> cuda_driver.PreparedLaunch:
+        """``launch`` (a ``dispatch.Launch``) with its grid, block and argument storage fixed, as a
+        ``cuda_driver.PreparedLaunch``: ``run(stream, *pointers)`` is one ``cuLaunchKernel`` on the
+        raw stream handle ``stream`` with the device pointers of the inputs then the outputs (one
+        per entry of ``nbytes``), in the calling thread's current context."""
+        if launch.groups < 1 or launch.groups > MAX_GRID_X:
+            raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {launch.groups}")
+        return cuda_driver.PreparedLaunch(launch.kernel, launch.groups, launch.block, len(nbytes), launch.scalars)
 
     def release_memory(self) -> int:
         """Free the device memory the pools hold for reuse; returns the number of blocks freed."""
         with self._lock:
             pools = list(self._pools.values())
         return sum(pool.free_held() for pool in pools)
-
-    def fill(self, array, value, queue: CudaQueue | None = None):
-        """Fill a ``CudaArray`` with ``value`` (output poisoning, zero results) on the queue's
-        stream, by the driver's memset of the value's bits: ordered with the launch that follows."""
-        bits = np.array(value, array.dtype).view(f"u{array.dtype.itemsize}")[()]
-        cuda_driver.fill(array.ptr, int(bits), array.dtype.itemsize, array.size, (queue or self.queue).stream)
-        return array
-
-    def to_host(self, array) -> np.ndarray:
-        """A numpy copy of a ``CudaArray`` (in its context, which must be current)."""
-        return array.get()
 
     # ------------------------------------------------------------------ kernels
 
@@ -286,17 +283,18 @@ class CudaDevice:
             return kernel
         return _build_for_driver(context, self.ordinal, *kernel.origin, kernel.name)
 
-    def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, wait_for=None):
+    def launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args, timed: bool = False):
         """Launch ``groups`` blocks of shape ``block`` (a 1-d grid; ``block`` is ``(x,)`` or
         ``(x, y)``) with ``args``: device arrays / pointers (``CudaArray``, ``__cuda_array_interface__``
         objects, ints) or numpy scalars, on the queue's stream,
         through the driver API.  An array that names another stream than the queue's (its
         interface's ``stream``; None names none) is waited for on the device first
         (``cuda_driver.StreamJoin``), never on the host.  Records no event per call
-        (``timed_launch`` does, for timing): the returned ``CudaLaunch`` waits by synchronising
-        the stream.  ``wait_for`` is accepted for interface parity with OpenCL and ignored: the
-        streams order the work."""
+        (a ``timed`` launch records two, between which it waits and returns the milliseconds): the
+        returned ``CudaLaunch`` waits by synchronising the stream."""
         queue = queue or self.queue
+        if timed:
+            return cuda_driver.elapsed_ms(queue.stream, lambda: self.launch(queue, kernel, groups, block, args))
         if groups < 1 or groups > MAX_GRID_X:
             raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
         values, producers = [], set()
@@ -311,19 +309,6 @@ class CudaDevice:
             join(queue.stream, producer)
         cuda_driver.launch(kernel, groups, block, queue.stream, values)
         return CudaLaunch(self, queue)
-
-    def timed_launch(self, queue: CudaQueue | None, kernel, groups: int, block: tuple, args) -> float:
-        """Launch between two CUDA events on the queue's stream, wait, and return the kernel's time
-        in ms between them."""
-        queue = queue or self.queue
-        return cuda_driver.elapsed_ms(queue.stream, lambda: self.launch(queue, kernel, groups, block, args))
-
-    @functools.cached_property
-    def driver_target(self) -> "CudaDriverTarget":
-        """This device as a build target of the driver-API launch path (``backends.cuda_driver``),
-        which launches on any stream handle and makes no PyCUDA object per call."""
-        return CudaDriverTarget(self)
-
 
 class CudaCallerArrays:
     """The caller's CUDA arrays on one device (``base.CallerArrays``): any object with
@@ -392,32 +377,8 @@ class CudaLaunch:
     queue: CudaQueue
 
     def wait(self) -> None:
-        self.device.synchronize(self.queue)
-
-
-class CudaDriverTarget:
-    """What ``dispatch.prepare`` needs to build a kernel for ``pool_tuner.torch``'s prepared
-    launches on one device: ``build`` gives the device's ``cuda_driver.DriverKernel`` (loaded into
-    the current context -- PyTorch's, the primary one -- through the driver API), and
-    ``prepared`` fixes grid, block and argument layout as a ``cuda_driver.PreparedLaunch``.
-    Pass the target itself as ``dispatch.prepare``'s context: its launches are memoised apart from
-    the device's own, and need no PyCUDA context to be made."""
-
-    def __init__(self, device: CudaDevice):
-        self.device = device
-        #: The device's description, its name saying which launch path built (error messages).
-        self.info = dataclasses.replace(device.info, name=f"{device.info.name} (driver-API launches)")
-
-    def build(self, context, source: str, kernel_name: str) -> cuda_driver.DriverKernel:
-        return self.device.build(context, source, kernel_name)
-
-    @staticmethod
-    def prepared(kernel: cuda_driver.DriverKernel, groups: int, block: tuple, n_pointers: int, scalars: tuple):
-        """A ``PreparedLaunch`` of ``groups`` blocks of shape ``block`` taking ``n_pointers``
-        device pointers, then the numpy ``scalars``."""
-        if groups < 1 or groups > MAX_GRID_X:
-            raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {groups}")
-        return cuda_driver.PreparedLaunch(kernel, groups, block, n_pointers, scalars)
+        self.device.current_context()
+        self.queue.finish()
 
 
 # Loaded modules and their kernels are kept for the life of the process: a plan may launch a

@@ -9,7 +9,7 @@ Device ids are ``opencl:<platform slug>:<device index>`` (``opencl:pocl:0``): th
 the platform's name (``platform_slug``), so an id keeps its meaning when another OpenCL driver is
 installed and the ICD loader's platform order changes.  The ids of older releases,
 ``opencl:<platform index>:<device index>``, are refused with the id to use now
-(``unknown_id_message``).
+(``missing``).
 
 Threads: OpenCL calls are thread-safe except ``clSetKernelArg`` on one kernel object, and a launch
 sets a shared kernel's arguments and then enqueues it -- two steps, between which another thread
@@ -44,7 +44,7 @@ import numpy as np
 from .. import memo
 from ..shapes import c_strides
 from . import pocl_env
-from .base import DeviceInfo, DeviceLimits
+from .base import Conveniences, DeviceInfo, DeviceLimits
 
 try:  # PyOpenCL is a hard dependency, but keep a clear message if the install is broken.
     import pyopencl as cl
@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on broken instal
 else:
     _IMPORT_ERROR = None
 
-BACKEND = "opencl"
+BACKEND = __name__.rsplit(".", 1)[-1]  #: the ids' prefix: the module's name (base.Backend)
 SIMULATOR_PLATFORMS = ("Oclgrind",)
 POCL_PLATFORM = "Portable Computing Language"
 #: Platform slugs that are not the slugified platform name (see ``platform_slug``).
@@ -90,7 +90,7 @@ def device_type(cl_device, is_simulator: bool) -> str:
             else "accelerator")
 
 
-class OpenCLDevice:
+class OpenCLDevice(Conveniences):
     """One OpenCL device, identified as ``opencl:<platform slug>:<number>`` (see the module
     docstring): ``number`` counts the devices pool_tuner lists on the platform; ``platform_index``
     and ``device_index`` are the ICD loader's numbering, which Kernel Tuner takes."""
@@ -187,9 +187,6 @@ class OpenCLDevice:
                 queue = self._default_queue
         return queue
 
-    def synchronize(self, queue=None) -> None:
-        (queue or self.queue).finish()
-
     def holds_default_queue_of(self, array) -> bool:
         """Whether ``array`` lives on this device's default queue: an identity test, the cheap
         first try of ``backends.device_of_array``."""
@@ -198,16 +195,16 @@ class OpenCLDevice:
     def owns(self, array) -> bool:
         return array.queue.device.int_ptr == self.cl_device.int_ptr
 
-    def to_device(self, host: np.ndarray, queue=None):
-        return cl_array.to_device(queue or self.queue, host)
-
     def copy(self, destination, source, queue=None) -> None:
-        """clEnqueueCopyBuffer of ``source`` into ``destination`` (device arrays or buffers)."""
+        """``clEnqueueCopyBuffer`` of ``source`` into ``destination`` (device arrays or buffers),
+        or a blocking read or write where one side is a numpy array."""
         data = [a.data if isinstance(a, cl_array.Array) else a for a in (destination, source)]
         cl.enqueue_copy(queue or self.queue, *data)
 
-    def empty(self, shape, dtype, queue=None):
-        """An uninitialised C-contiguous device array.
+    def empty(self, shape, dtype, queue=None, fill=None):
+        """A C-contiguous device array, uninitialised unless ``fill`` is given: then filled by
+        PyOpenCL's fill kernel, which PyOpenCL shares between threads (one per context and dtype),
+        hence ``_PYOPENCL_KERNELS``.
 
         Arrays made on the device's own queue come from a ``pyopencl.tools.MemoryPool``: memory
         of arrays that were freed is reused instead of fresh memory being mapped, which on
@@ -229,6 +226,15 @@ class OpenCLDevice:
         strides, size = _contiguous_layout(shape, dtype.itemsize)
         if size == 0:
             return cl_array.empty(queue, shape, dtype)
+        array = self._allocate(queue, shape, dtype, strides, size)
+        if fill is not None:  # through an unsigned view of its bits: PyOpenCL cannot fill 16-bit floats
+            bits = np.array(fill, dtype).view(f"u{dtype.itemsize}")[()]
+            with _PYOPENCL_KERNELS:
+                array.view(bits.dtype).fill(bits, queue=queue)
+        return array
+
+    def _allocate(self, queue, shape, dtype, strides, size):
+        """An uninitialised array (``empty``): from the pool on the default queue."""
         if queue is self._default_queue and memory_pool_enabled:
             with self._lock:  # PyOpenCL does not document its MemoryPool as thread-safe
                 if self._pool is None:
@@ -263,21 +269,27 @@ class OpenCLDevice:
         return _build(context, self.cl_device, source, kernel_name, options)
 
     @staticmethod
-    def launch(queue, kernel, groups: int, block: tuple, args, wait_for=None):
+    def launch(queue, kernel, groups: int, block: tuple, args, timed: bool = False):
         """Launch ``groups`` work-groups of shape ``block`` (a 1-d grid of groups) on ``args``:
         device arrays or buffers, then numpy scalars (``dispatch.Launch.scalars``).  ``kernel`` (a
         ``LockedKernel`` from ``build``) is locked from setting its arguments to enqueueing it (see
-        the module docstring)."""
+        the module docstring).  ``timed``: wait, and return the kernel's time in ms by its
+        profiling event (``queue`` must profile, as the default queue does)."""
         global_size = (groups * block[0],) + tuple(block[1:])
         buffers = [a.data if isinstance(a, cl_array.Array) else a for a in args]
         with kernel.launch_lock:
             kernel.set_typed_args(buffers)
-            return cl.enqueue_nd_range_kernel(queue, kernel, global_size, tuple(block), wait_for=wait_for)
+            event = cl.enqueue_nd_range_kernel(queue, kernel, global_size, tuple(block))
+        if not timed:
+            return event
+        event.wait()
+        return (event.profile.end - event.profile.start) * 1e-6
 
-    def host_launch(self, launch, nbytes: tuple, n_inputs: int):
-        """A function running ``launch`` on the default queue over host memory: it takes the
-        addresses of the inputs then the outputs (``nbytes`` each, the first ``n_inputs`` read
-        only) and returns once the outputs are written (see ``HostLaunch``)."""
+    def prepare(self, launch, nbytes: tuple, n_inputs: int):
+        """Only where ``info.shares_host_memory``: a function running ``launch`` on the default
+        queue over host memory, called as ``run(None, *addresses)`` with the addresses of the
+        inputs then the outputs (``nbytes`` each, the first ``n_inputs`` read only), returning
+        once the outputs are written (see ``HostLaunch``)."""
         return HostLaunch(self, launch, nbytes, n_inputs)
 
     @property
@@ -302,27 +314,6 @@ class OpenCLDevice:
         if self._host_buffers is None:
             self._host_buffers = HostBuffers(self.queue.context)
         return self._host_buffers
-
-    def timed_launch(self, queue, kernel, groups: int, block: tuple, args) -> float:
-        """``launch`` and wait; the kernel's time in ms by its profiling event (``queue`` must
-        profile, as the default queue does)."""
-        event = self.launch(queue, kernel, groups, block, args)
-        event.wait()
-        return (event.profile.end - event.profile.start) * 1e-6
-
-    # ------------------------------------------------------------------ what ops needs of arrays
-
-    @staticmethod
-    def to_host(array) -> np.ndarray:
-        return array.get()
-
-    @staticmethod
-    def fill(array, value, queue=None):
-        """Fill ``array`` with ``value`` by PyOpenCL's fill kernel, which PyOpenCL shares between
-        threads (one per context and dtype), hence ``_PYOPENCL_KERNELS``."""
-        with _PYOPENCL_KERNELS:
-            array.fill(value, queue=queue)
-        return array
 
 class OpenCLCallerArrays:
     """The caller's ``pyopencl.array.Array``s on one OpenCL device (``base.CallerArrays``): work
@@ -471,7 +462,7 @@ def host_buffer(context, address: int, nbytes: int, writable: bool):
 
 
 class HostLaunch:
-    """One built kernel with its grid, run over host memory (``OpenCLDevice.host_launch``): the
+    """One built kernel with its grid, run over host memory (``OpenCLDevice.prepare``): the
     call path of numpy arrays and CPU tensors on devices that share host memory.  A call sets the
     arguments and enqueues under the kernel's lock, then waits; where host memory aliases
     (``host_memory_aliases``) the buffers come from the device's ``HostBuffers``, elsewhere they
@@ -489,7 +480,8 @@ class HostLaunch:
         self.writable = tuple(i >= n_inputs for i in range(len(nbytes)))
         self.buffers = device.host_buffers if device.host_memory_aliases else None
 
-    def __call__(self, addresses) -> None:
+    def __call__(self, stream, *addresses) -> None:
+        """Run over the memory at ``addresses``; ``stream`` is None (the device's default queue)."""
         if self.buffers is not None:
             get = self.buffers.get
             buffers = [get(a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
@@ -621,10 +613,14 @@ def _unique_slugs(platform_names: list) -> list:
 _NUMERIC_ID = re.compile(rf"{BACKEND}:(\d+):(\d+)")
 
 
-def unknown_id_message(text: str) -> str | None:
-    """An id of the older numeric form ``opencl:<platform index>:<device index>``: that numbering
-    changes when an OpenCL driver is installed (PoCL was ``opencl:0:0``, then ``opencl:1:0`` beside
-    Oclgrind), so it is refused, naming the device at that position now."""
+def missing(device_id: str | None) -> str | None:
+    """Why no device has ``device_id``: an id of the older numeric form ``opencl:<platform
+    index>:<device index>``, whose numbering changes when an OpenCL driver is installed (PoCL was
+    ``opencl:0:0``, then ``opencl:1:0`` beside Oclgrind), is refused, naming the device at that
+    position now.  For None: why PyOpenCL lists nothing (it failed to load), if it did."""
+    if device_id is None:
+        return None if _IMPORT_ERROR is None else str(_IMPORT_ERROR)
+    text = device_id
     match = _NUMERIC_ID.fullmatch(text)
     if match is None:
         return None
