@@ -349,6 +349,8 @@ _deterministic = torch._C._get_deterministic_algorithms
 _grad_enabled = torch.is_grad_enabled
 _signature, _describe, _describe_tensor = _plans.signature, _plans.describe, _plans.describe_tensor
 _Tensor = torch.Tensor
+#: The races' decisions (a dict that lives as long as the process) and PyTorch's kernels, by op.
+_winner_of, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH_KERNELS
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
 
 
@@ -387,7 +389,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
     key = _signature(op, _FORWARD, output_size, options, env_device_setting(), (_describe_tensor(input),))
     if not _deterministic():
         try:
-            use_pytorch = _torch_cpu.WINNERS.get(key)
+            use_pytorch = _winner_of(key)
         except TypeError:  # an unhashable output size: the custom op's path validates it
             return _custom_op_pool(operation, input, _check_input(input, operation.ndim, output_size), return_indices,
                                    options)
@@ -397,7 +399,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
             use_pytorch = _torch_cpu.WINNERS[key]
         if use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
             if type(output_size) is int:
-                kernel, selects = _torch_cpu.PYTORCH_KERNELS[op]
+                kernel, selects = _PYTORCH_KERNELS[op]
                 result = kernel(input, output_size)
                 return result if not selects or return_indices else result[0]
             form = _torch_cpu.PYTORCH_FORMS[op]
