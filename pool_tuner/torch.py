@@ -164,7 +164,7 @@ def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
     descriptions = tuple(map(_describe, tensors))
     if first.is_cuda:
         key = _signature(op, direction, size, options, first.device, descriptions)
-        return _torch_cuda.plan_op(op, direction, tensors, size, options, key)(tensors)
+        return _torch_cuda.run(_torch_cuda.plan_op(op, direction, tensors, size, options, key), tensors)
     key = _signature(op, direction, size, options, env_device_setting(), descriptions)
     return _torch_cpu.run(_torch_cpu.plan(op, direction, tensors, size, options, key), tensors)
 
@@ -427,7 +427,7 @@ def _eager_cuda_pool(operation, input, output_size, return_indices: bool, option
     if input.requires_grad and _grad_enabled():
         results = _EagerPooling.apply(input, found, options)
     else:
-        results = found([input])
+        results = _torch_cuda.run(found, [input])
     return (results[0], results[1]) if return_indices else results[0]
 
 
@@ -439,7 +439,7 @@ class _EagerPooling(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, found, options: str):
-        results = found([input])
+        results = _torch_cuda.run(found, [input])
         ctx.operation, ctx.input_shape = found.problem.operation, tuple(input.shape)
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
@@ -459,7 +459,7 @@ class _EagerPooling(torch.autograd.Function):
             found = _torch_cuda.plan_of(key)
             if found is None:
                 found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
-            (grad_in,) = found(tensors)
+            (grad_in,) = _torch_cuda.run(found, tensors)
         return grad_in, None, None
 
 
