@@ -172,8 +172,8 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
     with the input's layout when ``logical`` (else in memory order, as stored)."""
     device, problem = plan.device, plan.problem
     dtype = arrays[0].dtype
-    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue, stored_fill(fill, r.dtype))
-               for r, fill in zip(plan.results, plan.fills)]
+    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue,
+                            stored_fill(fill, r.dtype)) for r, fill in zip(plan.results, plan.fills)]
     if plan.launch is not None:
         launch = plan.launch
         event = device.launch(queue, launch.kernel, launch.groups, launch.block,

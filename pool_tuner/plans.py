@@ -97,7 +97,8 @@ def options_text(device=None, variant=None, config=None) -> str:
     try:
         return json.dumps(options, sort_keys=True)
     except TypeError as error:
-        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): {error}") from None
+        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): "
+                        f"{error}") from None
 
 
 @functools.lru_cache(maxsize=256)

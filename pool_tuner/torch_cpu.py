@@ -57,8 +57,9 @@ _PLANS = plans.PlanTable("torch_cpu.plans")
 
 class Winners(dict):
     """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
-    the module docstring; False also where no race is run), each decided once, by the first thread to meet the signature while the
-    others wait for it.  A bool per raced signature, kept while the process lives, or until
+    the module docstring; False also where no race is run), each decided once, by the first thread
+    to meet the signature while the others wait for it.  A bool per signature, kept while the
+    process lives, or until
     dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
     warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
 

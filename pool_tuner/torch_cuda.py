@@ -138,8 +138,8 @@ _data_ptr = torch.Tensor.data_ptr
 def empty_result(like, result: plans.Result, fill) -> torch.Tensor:
     """A result (``plans.Plan.run``'s allocator): ``torch.empty_strided`` on ``like``'s device, of
     its dtype or int64 for indices, filled with ``fill`` unless it is None."""
-    out = torch.empty_strided(result.shape, result.strides, dtype=torch.int64 if result.dtype == "int64" else like.dtype,
-                              device=like.device)
+    dtype = torch.int64 if result.dtype == "int64" else like.dtype
+    out = torch.empty_strided(result.shape, result.strides, dtype=dtype, device=like.device)
     return out if fill is None else out.fill_(fill)
 
 

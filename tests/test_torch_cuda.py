@@ -190,7 +190,8 @@ PYRAMID_VALUES = 2 * 3 * (1 + 6 + 16)  # every level's outputs of a (2, 3, ...) 
 @pytest.mark.parametrize("memory_format,layout", [(torch.contiguous_format, "NCHW"), (torch.channels_last, "NHWC")])
 def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_format, layout):
     x = _x((2, 3, 10, 9)).to(memory_format=memory_format)
-    values, indices = torch_cuda.run(torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, ""), [x])
+    found = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, "")
+    values, indices = torch_cuda.run(found, [x])
     assert values.shape == indices.shape == (PYRAMID_VALUES,) and indices.dtype == torch.int64
     assert torch.isnan(values).all() and (indices == INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
     (launch,) = gpu.launches
@@ -212,7 +213,8 @@ def test_avgmax_forward_has_one_flat_buffer_of_both_levels(gpu):
 def test_multi_level_backward_reads_flat_buffers_and_writes_the_input_gradient(gpu, layout):
     grad, indices = _x((PYRAMID_VALUES,)), torch.zeros(PYRAMID_VALUES, dtype=torch.int64)
     size = ((2, 3, 10, 9), PYRAMID, layout)
-    (grad_in,) = torch_cuda.run(torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, ""), [grad, indices])
+    found = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, "")
+    (grad_in,) = torch_cuda.run(found, [grad, indices])
     expected = torch.empty(2, 3, 10, 9)
     if layout == "NHWC":
         expected = expected.to(memory_format=torch.channels_last)
