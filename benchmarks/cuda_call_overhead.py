@@ -103,25 +103,27 @@ def sides_of(torch, ptt, op: str, shape, size, dtype, direction: str) -> tuple:
     x = torch.rand(shape, device=DEVICE, dtype=dtype) + 0.5
     torch_fn, ours = getattr(torch.nn.functional, op), getattr(ptt, op)
     plan = torch_cuda.plan_op(op, "forward", [x], size, "")
-    outputs = [torch.empty_strided(s, st, dtype=d, device=DEVICE) for s, st, d in plan.outputs]
+    outputs = [torch_cuda.empty_result(x, result, None) for result in plan.results]
     stream = torch_cuda.current_raw_stream(x.device.index)
     pointers = [x.data_ptr()] + [o.data_ptr() for o in outputs]
+    launch = plan.prepared_launch()
     if direction == "forward":
         return {"pytorch": lambda: torch_fn(x, size), "pool_tuner": lambda: ours(x, size),
-                "bare": lambda: plan.launch(stream, *pointers)}, plan
-    grad = torch.rand(plan.outputs[0][0], device=DEVICE, dtype=dtype)
+                "bare": lambda: launch(stream, *pointers)}, plan
+    grad = torch.rand(outputs[0].shape, device=DEVICE, dtype=dtype)
     backward_inputs = [grad] + outputs[1:]  # a max pooling's backward reads the forward's indices
     backward = torch_cuda.plan_op(op, "backward", backward_inputs, tuple(shape), "")
-    grad_in = torch.empty_strided(*backward.outputs[0][:2], dtype=dtype, device=DEVICE)
+    grad_in = torch_cuda.empty_result(grad, backward.results[0], None)
     backward_pointers = [t.data_ptr() for t in backward_inputs] + [grad_in.data_ptr()]
+    backward_launch = backward.prepared_launch()
     x_grad = x.detach().requires_grad_()
 
     def train(fn):
         fn(x_grad, size).backward(grad)
 
     def bare():
-        plan.launch(stream, *pointers)
-        backward.launch(stream, *backward_pointers)
+        launch(stream, *pointers)
+        backward_launch(stream, *backward_pointers)
 
     return {"pytorch": lambda: train(torch_fn), "pool_tuner": lambda: train(ours), "bare": bare}, plan
 

@@ -339,11 +339,11 @@ def _cuda_kernel_candidate(problem: Problem, tensors: list, variant=None, config
     size = problem.output_shape[-problem.ndim:] if problem.flow.reads_input else problem.input_shape
     fn = getattr(ops, problem.flow.op_name(problem.operation))
     plan = torch_cuda.plan(fn, inputs, size, {"device": None, "variant": variant, "config": config})
-    results = [torch.empty_strided(shape, strides, dtype=dtype, device=inputs[0].device)
-               for shape, strides, dtype in plan.outputs]
+    results = [torch_cuda.empty_result(inputs[0], result, None) for result in plan.results]
     pointers = [t.data_ptr() for t in inputs + results]
     index = inputs[0].device.index
-    return Candidate(lambda: plan.launch(torch_cuda.current_raw_stream(index), *pointers),
+    launch = plan.prepared_launch()
+    return Candidate(lambda: launch(torch_cuda.current_raw_stream(index), *pointers),
                      functools.partial(torch.cuda.synchronize, inputs[0].device))
 
 

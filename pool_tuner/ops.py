@@ -15,7 +15,9 @@ inputs are copied to contiguous first.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import numpy as np
 
@@ -161,12 +163,7 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         results = _run_on_device_arrays(plan, copies, queue, logical=False)
         return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)
                 for r, result in zip(results, plan.results)]
-    outputs = [np.empty(r.memory_shape, _result_dtype(r, arrays[0])) for r in plan.results]
-    for out, fill in zip(outputs, plan.fills or ()):
-        if fill is not None:
-            out.fill(fill)
-    if plan.launch is not None:
-        plan.run_on_host([a.ctypes.data for a in arrays] + [out.ctypes.data for out in outputs])
+    outputs = plan.run(arrays, functools.partial(_empty_result, arrays[0].dtype), _address)
     return [_logical(out, problem, result) for out, result in zip(outputs, plan.results)]
 
 
@@ -175,8 +172,8 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
     with the input's layout when ``logical`` (else in memory order, as stored)."""
     device, problem = plan.device, plan.problem
     dtype = arrays[0].dtype
-    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue, stored_fill(fill, r.dtype))
-               for r, fill in zip(plan.results, plan.fills or (None,) * len(plan.results))]
+    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue,
+                            stored_fill(fill, r.dtype)) for r, fill in zip(plan.results, plan.fills)]
     if plan.launch is not None:
         launch = plan.launch
         event = device.launch(queue, launch.kernel, launch.groups, launch.block,
@@ -203,6 +200,19 @@ def _logical(out: np.ndarray, problem: Problem, result: plans.Result) -> np.ndar
     if not problem.channels_last or result.flat:
         return out
     return np.moveaxis(out, -1, out.ndim - problem.ndim - 1)
+
+
+#: A numpy array's address (``plans.Plan.run``).
+_address = operator.attrgetter("ctypes.data")
+
+
+def _empty_result(dtype, result: plans.Result, fill) -> np.ndarray:
+    """A result in memory order (``plans.Plan.run``'s allocator): of ``dtype`` (the input's), or
+    int64 for indices, filled with ``fill`` unless it is None."""
+    out = np.empty(result.memory_shape, np.int64 if result.dtype == "int64" else dtype)
+    if fill is not None:
+        out.fill(fill)
+    return out
 
 
 def _result_dtype(result: plans.Result, first: np.ndarray):

@@ -97,7 +97,8 @@ def options_text(device=None, variant=None, config=None) -> str:
     try:
         return json.dumps(options, sort_keys=True)
     except TypeError as error:
-        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): {error}") from None
+        raise TypeError(f"device, variant and config must be JSON values (str, int, dict of str to int): "
+                        f"{error}") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -261,19 +262,21 @@ class Plan:
       ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
     * ``fills``: per result, what it is filled with when allocated, or None (``result_fill``);
-      None where no result is;
     * ``nbytes``: per input, then per result, the bytes of its memory.
+
+    A hit on memory given by address -- numpy arrays and CPU tensors on host memory, CUDA tensors
+    -- is ``run`` with the front end's allocator; device arrays of the caller's library are
+    launched by ``ops`` through the device's ``launch``.
     """
 
     __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "fills",
-                 "nbytes", "host_launch")
+                 "nbytes", "_prepared")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
         self.reorder, self.results = reorder, results
         self.zero_fill = problem.is_empty and not problem.flow.reads_input and math.prod(problem.input_shape) > 0
-        fills = tuple(result_fill(r.dtype, self.zero_fill) for r in results)
-        self.fills = None if fills == (None,) * len(fills) else fills
+        self.fills = tuple(result_fill(r.dtype, self.zero_fill) for r in results)
         self._launch = None
         self._build = None if problem.is_empty else (build_target, context)
         values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
@@ -283,8 +286,7 @@ class Plan:
             sizes.append(positions * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
         self.nbytes = tuple(sizes)
-        #: The device's host-memory launch of ``launch`` (``Device.prepare``), made on first use.
-        self.host_launch = None
+        self._prepared = None
 
     @property
     def launch(self):
@@ -296,19 +298,29 @@ class Plan:
             self._build = None
         return self._launch
 
-    def run_on_host(self, pointers) -> None:
-        """Launch on memory the device shares with the host: ``pointers`` are the addresses of the
-        inputs then the results, in memory order, of ``nbytes`` each; returns once the results
-        are written."""
-        if self.launch is None:
-            return
-        if self.host_launch is None:
+    def prepared_launch(self):
+        """The device's ``prepare``d launch of ``launch`` (``run(stream, *addresses)``), made on
+        first use: where the device's kernels cannot run in this process (a forked child of a PoCL
+        process), ``host_fallback``'s instead."""
+        if self._prepared is None:
             n_inputs = len(self.nbytes) - len(self.results)
-            if self.device.info.host_fallback is not None:  # its kernels cannot run in this process
-                self.host_launch = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
+            if self.device.info.host_fallback is not None:
+                self._prepared = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
             else:
-                self.host_launch = self.device.prepare(self.launch, self.nbytes, n_inputs)
-        self.host_launch(None, *pointers)
+                self._prepared = self.device.prepare(self.launch, self.nbytes, n_inputs)
+        return self._prepared
+
+    def run(self, inputs: list, allocate, address, stream=None) -> list:
+        """Run on memory given by address: ``inputs`` in the problem's memory order (``reorder``
+        done), ``allocate(result, fill)`` the front end's allocator of one result (a ``Result``
+        and what it is filled with, ``fills``: numpy, ``torch.empty_strided``, ...),
+        ``address(array)`` an array's address; ``stream``: the raw stream handle a device launches
+        on (None: host memory, the results written when this returns).  Returns the results as
+        ``allocate`` made them."""
+        outputs = [allocate(result, fill) for result, fill in zip(self.results, self.fills)]
+        if self._launch is not None or self._build is not None:
+            (self._prepared or self.prepared_launch())(stream, *map(address, inputs), *map(address, outputs))
+        return outputs
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,

@@ -170,7 +170,7 @@ def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
     descriptions = tuple(map(_describe, tensors))
     if first.is_cuda:
         key = _signature(op, direction, size, options, first.device, descriptions)
-        return _torch_cuda.plan_op(op, direction, tensors, size, options, key)(tensors)
+        return _torch_cuda.run(_torch_cuda.plan_op(op, direction, tensors, size, options, key), tensors)
     key = _signature(op, direction, size, options, env_device_setting(), descriptions)
     return _torch_cpu.run(_torch_cpu.plan(op, direction, tensors, size, options, key), tensors)
 
@@ -355,6 +355,8 @@ _deterministic = torch._C._get_deterministic_algorithms
 _grad_enabled = torch.is_grad_enabled
 _signature, _describe, _describe_tensor = _plans.signature, _plans.describe, _plans.describe_tensor
 _Tensor = torch.Tensor
+#: The races' decisions (a dict that lives as long as the process) and PyTorch's kernels, by op.
+_winner_of, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH_KERNELS
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
 
 
@@ -393,7 +395,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
     key = _signature(op, _FORWARD, output_size, options, env_device_setting(), (_describe_tensor(input),))
     if not _deterministic():
         try:
-            use_pytorch = _torch_cpu.WINNERS.get(key)
+            use_pytorch = _winner_of(key)
         except TypeError:  # an unhashable output size: the custom op's path validates it
             return _custom_op_pool(operation, input, _check_input(input, operation.ndim, output_size), return_indices,
                                    options)
@@ -403,7 +405,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
             use_pytorch = _torch_cpu.WINNERS[key]
         if use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
             if type(output_size) is int:
-                kernel, selects = _torch_cpu.PYTORCH_KERNELS[op]
+                kernel, selects = _PYTORCH_KERNELS[op]
                 result = kernel(input, output_size)
                 return result if not selects or return_indices else result[0]
             form = _torch_cpu.PYTORCH_FORMS[op]
@@ -431,7 +433,7 @@ def _eager_cuda_pool(operation, input, output_size, return_indices: bool, option
     if input.requires_grad and _grad_enabled():
         results = _EagerPooling.apply(input, found, options)
     else:
-        results = found([input])
+        results = _torch_cuda.run(found, [input])
     return (results[0], results[1]) if return_indices else results[0]
 
 
@@ -443,7 +445,7 @@ class _EagerPooling(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, found, options: str):
-        results = found([input])
+        results = _torch_cuda.run(found, [input])
         ctx.operation, ctx.input_shape = found.problem.operation, tuple(input.shape)
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
@@ -463,7 +465,7 @@ class _EagerPooling(torch.autograd.Function):
             found = _torch_cuda.plan_of(key)
             if found is None:
                 found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
-            (grad_in,) = found(tensors)
+            (grad_in,) = _torch_cuda.run(found, tensors)
         return grad_in, None, None
 
 

@@ -31,6 +31,7 @@ same tuning records), and ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) do
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -56,8 +57,9 @@ _PLANS = plans.PlanTable("torch_cpu.plans")
 
 class Winners(dict):
     """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
-    the module docstring; False also where no race is run), each decided once, by the first thread to meet the signature while the
-    others wait for it.  A bool per raced signature, kept while the process lives, or until
+    the module docstring; False also where no race is run), each decided once, by the first thread
+    to meet the signature while the others wait for it.  A bool per signature, kept while the
+    process lives, or until
     dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
     warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
 
@@ -125,15 +127,11 @@ def run(found: plans.Plan, tensors: list) -> list:
         names = (problem.flow.argument, "indices")  # as many as there are arrays
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
     tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
-    dtype = tensors[0].dtype
-    results = [empty_result(r, problem, torch.int64 if r.dtype == "int64" else dtype) for r in found.results]
-    if found.fills is not None:
-        for r, fill in zip(results, found.fills):
-            if fill is not None:
-                r.fill_(fill)
-    if found.launch is not None:
-        found.run_on_host([t.data_ptr() for t in tensors] + [r.data_ptr() for r in results])
-    return results
+    return found.run(tensors, functools.partial(empty_result, problem, tensors[0].dtype), _data_ptr)
+
+
+#: A tensor's address (``plans.Plan.run``).
+_data_ptr = torch.Tensor.data_ptr
 
 
 #: The numpy dtype that holds a result of each torch dtype (bfloat16: its bits).
@@ -141,17 +139,22 @@ NUMPY_STORAGE = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
                  torch.bfloat16: np.int16, torch.int64: np.int64}
 
 
-def empty_result(result: plans.Result, problem, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised result tensor, its memory from numpy's allocator.
+def empty_result(problem, dtype: torch.dtype, result: plans.Result, fill) -> torch.Tensor:
+    """A result tensor (``plans.Plan.run``'s allocator), its memory from numpy's allocator: of
+    ``dtype`` (the input's) or int64 for indices, uninitialised unless ``fill`` is given.
 
     The launch needs a buffer over the result's memory, whose first use costs about as much as a
     small kernel; buffers are kept per address (``backends.opencl.HostBuffers``).  numpy's
     allocator hands a freed block of the same size back at the same address, where PyTorch's CPU
     allocator gives blocks this size fresh mappings at ever new addresses: with numpy's memory a
     layer called again and again reuses its kept buffer."""
+    if result.dtype == "int64":
+        dtype = torch.int64
     storage = torch.from_numpy(np.empty(result.memory_shape, NUMPY_STORAGE[dtype]))
     if dtype == torch.bfloat16:
         storage = storage.view(torch.bfloat16)
+    if fill is not None:
+        storage.fill_(fill)
     if problem.channels_last and not result.flat:
         return storage.movedim(-1, len(result.shape) - problem.ndim - 1)
     return storage

@@ -4,10 +4,11 @@ call signature.
 The first call of a signature -- the op and direction, each tensor's shape, strides, dtype and
 device, the output size (or input shape) and pool_tuner's options -- validates it, dispatches,
 builds the kernel for the driver-API launch path (``backends.cuda_driver``) and fixes the grid,
-the argument layout and the results' shapes and strides: a ``_Plan``.  Every later call of the
-signature is one dictionary lookup, ``torch.empty_strided`` for each result on the input's device
-(PyTorch's caching allocator) and one ``cuLaunchKernel`` on PyTorch's current stream of that
-device.
+the argument layout and the results' shapes and strides: a ``plans.Plan``.  Every later call of
+the signature is one dictionary lookup, ``torch.empty_strided`` for each result on the input's
+device (PyTorch's caching allocator) and one ``cuLaunchKernel`` on PyTorch's current stream of
+that device: the plan's ``run``, with this module's allocator, launching the device's ``prepare``d
+launch.
 
 So nothing here makes or frees a PyCUDA object, or touches PyCUDA's per-thread context stack, once
 a signature has been seen (the first call compiles through pool_tuner's cubin cache,
@@ -25,6 +26,8 @@ backward reads such flat buffers of the levels' gradients and indices.
 
 from __future__ import annotations
 
+
+import functools
 
 import torch
 
@@ -50,16 +53,16 @@ def call(fn, tensors, size, options: dict):
     of a backward one) and pool_tuner's keyword ``options`` (``device``, ``variant``,
     ``config``).  Returns what ``fn`` returns, as tensors: the result, or a max forward's
     ``(values, indices)``."""
-    results = plan(fn, tensors, size, options)(tensors)
+    results = run(plan(fn, tensors, size, options), tensors)
     return results if len(results) == 2 else results[0]
 
 
-def plan(fn, tensors, size, options: dict) -> "_Plan":
+def plan(fn, tensors, size, options: dict) -> plans.Plan:
     """The plan of a call of single-level ``fn`` (see ``call``), made and memoised on its first use."""
     return plan_op(*_SIGNATURES[fn], tensors, size, plans.options_text(**options))
 
 
-def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> "_Plan":
+def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> plans.Plan:
     """The plan of a call of any op -- single- or multi-level -- in ``direction``, made and
     memoised on its first use.  ``size`` is what ``plans.make_plan`` takes: the output size, the
     input shape, or a multi-level backward's ``(input_shape, output_size, layout)`` with its flat
@@ -74,13 +77,13 @@ def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> "
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         _refuse_capture(tensors[0])
-        found = _Plan(op, direction, tensors, size, dict(plans.options_of(options)))
+        found = _make(op, direction, tensors, size, dict(plans.options_of(options)))
         if key is not None:
             _PLANS.put(key, found)
     return found
 
 
-def plan_of(key) -> "_Plan | None":
+def plan_of(key) -> plans.Plan | None:
     """The plan memoised under signature ``key`` (see ``plan_op``), or None."""
     return _PLANS.get(key)
 
@@ -105,51 +108,46 @@ def _capturing(index) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-class _Plan:
-    """A call signature's ``plans.Plan`` with what the driver-API launch adds (see the module
-    docstring): ``copies``, per input, None or the strides it is copied to first; ``outputs``,
-    each result's (shape, strides, dtype); ``launch``, the prepared driver-API launch (None when
-    there is nothing to compute)."""
+def _make(op, direction, tensors, size, options: dict) -> plans.Plan:
+    """A new signature's plan (``plans.make_plan``) on the device that holds the tensors, built
+    in the current context -- PyTorch's, the primary one (the launch refuses any other)."""
+    first, name = tensors[0], DIRECTIONS[direction].argument
+    index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
+    device = cuda.device_by_ordinal(0 if index is None else index, name)
+    plans.check_device_option(device, options.get("device"), name)
+    if len(tensors) > 1:
+        _check_indices_tensor(tensors[1], first)
+    return plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),
+                           options.get("config"), on_miss=tuner.tune_on_miss, names=(name,))
 
-    __slots__ = ("plan", "copies", "outputs", "launch")
 
-    @property
-    def problem(self):
-        return self.plan.problem
+def run(found: plans.Plan, tensors: list) -> list:
+    """Run a plan on CUDA ``tensors``: inputs in neither layout copied into the problem's memory
+    order first, results from PyTorch's allocator on the input's device, one launch of the plan's
+    prepared launch on PyTorch's current stream of that device."""
+    first = tensors[0]
+    if any(found.reorder):
+        tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
+    return found.run(tensors, functools.partial(empty_result, first), _data_ptr, current_raw_stream(first.device.index))
 
-    def __init__(self, op, direction, tensors, size, options):
-        first, name = tensors[0], DIRECTIONS[direction].argument
-        index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
-        device = cuda.device_by_ordinal(0 if index is None else index, name)
-        plans.check_device_option(device, options.get("device"), name)
-        if len(tensors) > 1:
-            _check_indices_tensor(tensors[1], first)
-        found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),
-                                options.get("config"), on_miss=tuner.tune_on_miss, names=(name,))
-        self.plan = found
-        problem = found.problem
-        copies = [plans.element_strides(problem, tuple(t.shape)) if reorder else None
-                  for t, reorder in zip(tensors, found.reorder)]
-        self.copies = None if copies == [None] * len(copies) else tuple(copies)
-        self.outputs = tuple((r.shape, r.strides, torch.int64 if r.dtype == "int64" else first.dtype)
-                             for r in found.results)
-        self.launch = None
-        if found.launch is not None:
-            self.launch = device.prepare(found.launch, found.nbytes, len(tensors))
 
-    def __call__(self, tensors) -> list:
-        device = tensors[0].device
-        if self.copies is not None:
-            tensors = [t if strides is None else torch.empty_strided(t.shape, strides, dtype=t.dtype, device=device).copy_(t)
-                       for t, strides in zip(tensors, self.copies)]
-        results = [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in self.outputs]
-        if self.plan.fills is not None:
-            for r, fill in zip(results, self.plan.fills):
-                if fill is not None:
-                    r.fill_(fill)
-        if self.launch is not None:
-            self.launch(current_raw_stream(device.index), *[t.data_ptr() for t in tensors], *[r.data_ptr() for r in results])
-        return results
+#: A tensor's address (``plans.Plan.run``).
+_data_ptr = torch.Tensor.data_ptr
+
+
+def empty_result(like, result: plans.Result, fill) -> torch.Tensor:
+    """A result (``plans.Plan.run``'s allocator): ``torch.empty_strided`` on ``like``'s device, of
+    its dtype or int64 for indices, filled with ``fill`` unless it is None."""
+    dtype = torch.int64 if result.dtype == "int64" else like.dtype
+    out = torch.empty_strided(result.shape, result.strides, dtype=dtype, device=like.device)
+    return out if fill is None else out.fill_(fill)
+
+
+def _in_memory_order(t, found: plans.Plan):
+    """An input in neither layout (or indices in another layout than ``grad_out``), copied into
+    the problem's memory order on its device."""
+    strides = plans.element_strides(found.problem, tuple(t.shape))
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _check_indices_tensor(indices, grad_out) -> None:

@@ -59,7 +59,6 @@ OCLGRIND_ENV = {
     "OCLGRIND_CHECK_API": "1",
     "OCLGRIND_BUILD_OPTIONS": "-cl-opt-disable",
     "PYOPENCL_NO_CACHE": "1",
-    "POOL_TUNER_POISON_OUTPUTS": "1",
 }
 
 #: Oclgrind's answer to PyOpenCL's NVIDIA probe (the only diagnostic that is not a finding).
@@ -472,6 +471,9 @@ def run_cases(specs: list, workers: int = 2, timeout: float = 900) -> tuple[dict
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    import poisoning  # this file's folder is the worker's first import path
+
+    poisoning.install()  # every result poisoned, as in the suite's own process
     worker_main(sys.argv[2], sys.argv[3])
     sys.exit(0)
 

@@ -263,7 +263,7 @@ def test_pyramid_backward_every_variant_matches_reference(kind, ndim, shape, siz
 @pytest.mark.parametrize("kind", ["avg", "max"])
 def test_pyramid_backward_on_device_arrays(kind, ndim, shape, sizes, layout, rng):
     """Device gradients and indices in, the input gradient out on the device, in their layout,
-    every variant (results poisoned with NaN before each launch: POOL_TUNER_POISON_OUTPUTS)."""
+    every variant (results poisoned with NaN before each launch: tests/poisoning.py)."""
     cl_array = pytest.importorskip("pyopencl.array")
     device = backends.resolve_device(None)
     op = f"adaptive_{kind}_pool_pyramid{ndim}d"
@@ -369,7 +369,7 @@ def test_avgmax_on_device_arrays(mode, layout, dtype, rng):
     """Device arrays in, the joined result, indices and the input gradient out on the device, in
     the input's layout: the numpy path's bits (the join kernels round as numpy does) and the
     reference's values; every variant, a batch and an unbatched input (results poisoned with NaN
-    before each launch: POOL_TUNER_POISON_OUTPUTS)."""
+    before each launch: tests/poisoning.py)."""
     pytest.importorskip("pyopencl.array")
     device = backends.resolve_device(None)
     for shape, size in (((3, 6, 7, 9), (2, 3)), ((5, 13, 11), (3, 3))):

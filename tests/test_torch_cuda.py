@@ -190,7 +190,8 @@ PYRAMID_VALUES = 2 * 3 * (1 + 6 + 16)  # every level's outputs of a (2, 3, ...) 
 @pytest.mark.parametrize("memory_format,layout", [(torch.contiguous_format, "NCHW"), (torch.channels_last, "NHWC")])
 def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_format, layout):
     x = _x((2, 3, 10, 9)).to(memory_format=memory_format)
-    values, indices = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, "")([x])
+    found = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "forward", [x], PYRAMID, "")
+    values, indices = torch_cuda.run(found, [x])
     assert values.shape == indices.shape == (PYRAMID_VALUES,) and indices.dtype == torch.int64
     assert torch.isnan(values).all() and (indices == INDEX_POISON).all(), "poisoned; the fake kernel writes nothing"
     (launch,) = gpu.launches
@@ -203,7 +204,7 @@ def test_multi_level_forward_launches_once_into_flat_torch_buffers(gpu, memory_f
 
 def test_avgmax_forward_has_one_flat_buffer_of_both_levels(gpu):
     x = _x((2, 3, 10, 9), torch.float16)
-    values, indices = torch_cuda.plan_op("adaptive_avgmax_pool2d", "forward", [x], (4, 7), "")([x])
+    values, indices = torch_cuda.run(torch_cuda.plan_op("adaptive_avgmax_pool2d", "forward", [x], (4, 7), ""), [x])
     assert values.shape == (2 * 2 * 3 * 4 * 7,) and values.dtype == torch.float16 and indices.shape == (2 * 3 * 4 * 7,)
     assert gpu.launches[0]["arguments"] == [x.data_ptr(), values.data_ptr(), indices.data_ptr(), 2 * 3]
 
@@ -212,13 +213,14 @@ def test_avgmax_forward_has_one_flat_buffer_of_both_levels(gpu):
 def test_multi_level_backward_reads_flat_buffers_and_writes_the_input_gradient(gpu, layout):
     grad, indices = _x((PYRAMID_VALUES,)), torch.zeros(PYRAMID_VALUES, dtype=torch.int64)
     size = ((2, 3, 10, 9), PYRAMID, layout)
-    (grad_in,) = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, "")([grad, indices])
+    found = torch_cuda.plan_op("adaptive_max_pool_pyramid2d", "backward", [grad, indices], size, "")
+    (grad_in,) = torch_cuda.run(found, [grad, indices])
     expected = torch.empty(2, 3, 10, 9)
     if layout == "NHWC":
         expected = expected.to(memory_format=torch.channels_last)
     assert grad_in.shape == (2, 3, 10, 9) and grad_in.stride() == expected.stride() and torch.isnan(grad_in).all()
     assert gpu.launches[0]["arguments"] == [grad.data_ptr(), indices.data_ptr(), grad_in.data_ptr(), 2 * 3]
-    (avg,) = torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [grad], size, "")([grad])
+    (avg,) = torch_cuda.run(torch_cuda.plan_op("adaptive_avg_pool_pyramid2d", "backward", [grad], size, ""), [grad])
     assert avg.stride() == expected.stride() and gpu.launches[1]["arguments"] == [grad.data_ptr(), avg.data_ptr(), 6]
 
 
@@ -240,7 +242,7 @@ def test_pool_tuner_torch_sends_the_multi_level_ops_and_their_gradients_down_the
     from pool_tuner import torch as ptt
 
     def cuda_path(op, direction, tensors, size, options):
-        return torch_cuda.plan_op(op, direction, tensors, size, options)(tensors)
+        return torch_cuda.run(torch_cuda.plan_op(op, direction, tensors, size, options), tensors)
 
     monkeypatch.setattr(ptt, "_run", cuda_path)
     x = _x((2, 3, 10, 9)).requires_grad_()
@@ -295,7 +297,7 @@ def test_a_call_under_another_current_context_is_refused_naming_both(gpu):
 def test_float_dtypes_reach_the_problem(gpu):
     for dtype in (torch.float64, torch.float16, torch.bfloat16):
         torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9), dtype)], (4, 7), NONE)
-    assert [found.plan.problem.dtype for found in torch_cuda._PLANS.values()] == ["float64", "float16", "bfloat16"]
+    assert [found.problem.dtype for found in torch_cuda._PLANS.values()] == ["float64", "float16", "bfloat16"]
     for (module, _), define in zip(gpu.modules, (b"DTYPE_FLOAT64 1", b"DTYPE_FLOAT16 1", b"DTYPE_BFLOAT16 1")):
         assert define in module
 
@@ -316,7 +318,7 @@ def test_forgetting_decisions_forgets_plans(gpu):
     x = _x((2, 3, 10, 9))
     torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
     assert torch_cuda._PLANS
-    problem = next(iter(torch_cuda._PLANS.values())).plan.problem
+    problem = next(iter(torch_cuda._PLANS.values())).problem
     dispatch.forget(problem, gpu.device)
     assert not torch_cuda._PLANS
 
@@ -348,7 +350,7 @@ def cuda_bench(gpu, monkeypatch):
     from pool_tuner import torch as ptt
 
     def cuda_path(op, direction, tensors, size, options):
-        return torch_cuda.plan_op(op, direction, tensors, size, options)(tensors)
+        return torch_cuda.run(torch_cuda.plan_op(op, direction, tensors, size, options), tensors)
 
     monkeypatch.setattr(gpu.device, "info", dataclasses.replace(gpu.device.info, torch_device="cpu"))
     monkeypatch.setattr(ptt, "_eager_cpu_pool", ptt._eager_cuda_pool)
@@ -397,7 +399,7 @@ def eager_cuda(gpu, monkeypatch):
 
     def cuda_path(op, direction, tensors, size, options):
         through_custom_ops.append((op, direction))
-        return torch_cuda.plan_op(op, direction, tensors, size, options)(tensors)
+        return torch_cuda.run(torch_cuda.plan_op(op, direction, tensors, size, options), tensors)
 
     monkeypatch.setattr(ptt, "_eager_cpu_pool", ptt._eager_cuda_pool)
     monkeypatch.setattr(ptt, "_run", cuda_path)
@@ -412,7 +414,7 @@ def _no_planning(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a warm eager call planned again")
 
-    for owner, name in ((dispatch, "choose"), (ops.Problem, "create"), (torch_cuda._Plan, "__init__"),
+    for owner, name in ((dispatch, "choose"), (ops.Problem, "create"), (torch_cuda, "_make"),
                         (plans, "options_of"), (ptt, "_is_channels_last"), (ptt, "_check_input")):
         monkeypatch.setattr(owner, name, forbidden)
 
@@ -492,7 +494,7 @@ def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launc
     monkeypatch.setattr(script, "_time_run", lambda torch, fn, calls: (fn(), (1.0, 1.0))[1])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     sides, plan = script.sides_of(torch, ptt, "adaptive_max_pool2d", (2, 3, 10, 9), (4, 7), torch.float32, direction)
-    assert plan.plan.choice.variant.name
+    assert plan.choice.variant.name
     timings = script._time_rounds(torch, sides, 1, 3)
     assert timings == {side: (1.0, 1.0) for side in ("pytorch", "pool_tuner", "bare")}
     kernels = 1 if direction == "forward" else 2

@@ -91,5 +91,6 @@ def device_of_array(array):
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "backend_name", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices", "default_device",
+__all__ = ["BACKENDS", "Backend", "backend_name", "Device", "DeviceInfo", "DeviceLimits", "ENV_DEVICE", "all_devices",
+           "default_device",
            "env_device_setting", "device_of_array", "resolve_device"]
