@@ -135,7 +135,7 @@ def kernel_hash(problem) -> str:
     templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()})
     digest = hashlib.sha256(BUILD_OPTIONS.encode())
     for template in templates:
-        digest.update(kernel_source.template_hash(template).encode())
+        digest.update(kernel_source.template_hash(template, problem.operation.operator_header).encode())
     return digest.hexdigest()
 
 

@@ -225,7 +225,8 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                             entry = no_config.setdefault((direction, name, layout), [0, reason])
                             entry[0] += 1
                         for config_label, params in configs:
-                            source = kernel_source.render(variant.template, variant.defines(params, problem))
+                            source = kernel_source.render(variant.template, variant.defines(params, problem),
+                                                            problem.operation.operator_header)
                             for arch in archs:
                                 found.append(Instantiation(
                                     op, direction, dtype, layout, name, config_label,

@@ -191,11 +191,19 @@ class Plan:
             self._build = None
         return self._launch
 
-    def run_on_host(self, pointers) -> None:
+    def run_on_host(self, pointers, scalars: tuple | None = None) -> None:
         """Launch on memory the device shares with the host: ``pointers`` are the addresses of the
         inputs then the results, in memory order, of ``nbytes`` each; returns once the results
-        are written."""
+        are written.  ``scalars``: this call's run-time arguments (``Problem.with_arguments``),
+        where they differ from the launch's."""
         if self.launch is None:
+            return
+        if scalars is not None and scalars != self.launch.scalars:
+            if self.device.info.host_fallback is not None:
+                raise RuntimeError(f"{self.problem.op} cannot run in this process ({self.device.info.host_fallback}) "
+                                   f"with arguments other than its defaults")
+            n_inputs = len(self.nbytes) - len(self.results)
+            self.device.host_launch(dataclasses.replace(self.launch, scalars=scalars), self.nbytes, n_inputs)(pointers)
             return
         if self.host_launch is None:
             n_inputs = len(self.nbytes) - len(self.results)

@@ -603,6 +603,36 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
+# ---------------------------------------------------------------------------- GeM's own forward variants
+# GeM's operator takes run-time arguments (p, eps: kernels/operators/gem.h), which the shared
+# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own; its backward
+# gather is the mean's, through its operator, so it runs every single-level backward variant.
+
+
+class GemWindows(Variant):
+    name = "gem_windows"
+    summary = ("GeM, any problem and layout: each work-item maps and sums one whole window row by row, "
+               "`row_lanes` independent partial sums along each row, then takes the mean's p-th root")
+    search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024], "row_lanes": [1, 4, 8, 16]}
+    default = {"block_size_x": 64, "row_lanes": 1}
+    runs_every_problem = True
+
+    def groups(self, params, problem):
+        return _grid(math.prod(problem.out_spatial), problem, params["block_size_x"])
+
+
+class GemPlanes(_Global):
+    name = "gem_planes"
+    summary = ("GeM, global pooling, channels-first: a work-item maps and sums one whole plane in `run_lanes` "
+               "independent lanes, neighbouring work-items on neighbouring planes")
+    channels_last = False
+    search_space = {"block_size_x": [16, 64, 256, 1024], "run_lanes": [4, 8, 16, 32]}
+    default = {"block_size_x": 16, "run_lanes": 8}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
 # ---------------------------------------------------------------------------- multi-level ops
 # The variants of the multi-level ops (pool_tuner.pyramid, kernels/pyramid.h).  The cell variants
 # reduce each cut-point cell of a plane once and combine the cells into every level's windows;
@@ -833,9 +863,16 @@ _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), P
                              PyramidChannelsBackward(), PyramidGather())}
 
 
+#: GeM's forward variants in the order the default choice tries them where no rule names one
+#: (default_rules.decide): the global variant first, where it is legal.
+_GEM = {"forward": (GemPlanes(), GemWindows()), "backward": _BACKWARD}
+
+
 def _variants_of(op: str, direction: str) -> tuple:
     if OPS[op].multi_level:
         return _MULTI_LEVEL[direction]
+    if OPS[op].arguments:
+        return _GEM[direction]
     return _SINGLE_LEVEL[direction]
 
 
@@ -869,7 +906,7 @@ def markdown_table() -> str:
     table that docs/design.md prints ("The variant table"; ``tests/test_readme.py`` keeps that copy
     true).  A variant whose default adapts to the problem (``default_for``) says so; design.md says how."""
     lines = ["| direction | variant | idea | tuning parameters: values (default) |", "|---|---|---|---|"]
-    for direction, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
+    for direction, table in (("forward", _FORWARD + _GEM["forward"]), ("backward", _BACKWARD)):
         for variant in table:
             parameters = "; ".join(f"`{name}` {_values(values)} ({variant.default[name]})"
                                    for name, values in variant.search_space.items())
