@@ -11,7 +11,8 @@ every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics) in two p
 
 1. the gather of the window means' gradients ``dL/dm_o = dL/dy_o * y_o**(1-p) / p`` (output-sized,
    computed here) into each input's share -- the backward of the mean through GeM's operator,
-   any backward variant, dispatched and tuned as the op's backward problem;
+   any backward variant, dispatched and tuned as the op's backward problem; global pooling, where
+   an input's share is its plane's, skips it;
 2. ``kernels/operators/gem_input_gradient.c``: each input's gradient from its share, its value, ``p``
    and ``eps``, and per work-group the input terms of the gradient of ``p``, which the host adds in
    order.  float32/float64 keep the shares in the gradient's own memory; float16/bfloat16 gather
@@ -32,6 +33,7 @@ import numpy as np
 from . import backends, dispatch, kernel_source, ops, plans
 from .operations import BACKWARD, find
 from .problem import Problem
+from .variants import is_global
 
 #: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
 #: ``items_per_thread`` inputs ``block_size_x`` apart (neighbouring work-items on neighbouring inputs).
@@ -81,15 +83,19 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
     acc = np.float64 if x.dtype == np.float64 else np.float32
     mean_grad = _mean_gradient(grad_out.astype(np.float64), output.astype(np.float64), arguments["p"]).astype(acc)
-    if channels_last:
-        mean_grad = np.moveaxis(np.ascontiguousarray(np.moveaxis(mean_grad, channel_axis, -1)), -1, channel_axis)
-    shares = ops.pool_backward(operation.name, mean_grad, x.shape, device=device, variant=variant, config=config)
-    memory = (lambda a: np.moveaxis(a, channel_axis, -1)) if channels_last else (lambda a: a)
-    x_memory = np.ascontiguousarray(memory(x))
-    shares_memory = memory(shares)
-    grad_memory = shares_memory if shares.dtype == x.dtype else np.empty(x_memory.shape, x.dtype)
     problem = Problem.create(operation.name, x.shape, tuple(output.shape[x.ndim - ndim:]), _dtype_name(x.dtype),
                              plans.LAYOUT_NAMES[ndim][1 if channels_last else 0], direction="backward")
+    memory = (lambda a: np.moveaxis(a, channel_axis, -1)) if channels_last else (lambda a: a)
+    x_memory = np.ascontiguousarray(memory(x))
+    if plane_shares(problem):
+        shares_memory = np.ascontiguousarray(mean_grad)
+        grad_memory = np.empty(x_memory.shape, x.dtype)
+    else:
+        if channels_last:
+            mean_grad = np.moveaxis(np.ascontiguousarray(memory(mean_grad)), -1, channel_axis)
+        shares = ops.pool_backward(operation.name, mean_grad, x.shape, device=device, variant=variant, config=config)
+        shares_memory = memory(shares)
+        grad_memory = shares_memory if shares.dtype == x.dtype else np.empty(x_memory.shape, x.dtype)
     dev = backends.resolve_device(device)
     terms = input_gradient(dev, problem, arguments, x_memory.ctypes.data, shares_memory.ctypes.data,
                            grad_memory.ctypes.data)
@@ -114,6 +120,13 @@ def _output_term(grad_out, output, p) -> float:
     return float(-(grad_out * output * np.log(output)).sum() / p)
 
 
+def plane_shares(problem: Problem) -> bool:
+    """Whether the input-gradient kernel of ``problem`` reads the window means' gradients per plane
+    (global pooling: every input has one window, its plane's, so no gather runs) rather than
+    gathered shares per input."""
+    return is_global(problem)
+
+
 def input_gradient_groups(problem: Problem) -> int:
     """Work-groups of the input-gradient kernel for ``problem`` (GeM's backward problem)."""
     per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
@@ -132,16 +145,18 @@ def input_gradient_kernel(device, problem: Problem):
             if kernel is None:
                 operator = problem.operation.operator_header
                 source = kernel_source.render_files(("prelude.h", "windows.h", operator, INPUT_GRADIENT_FILE),
-                                                    {**problem.defines(), **INPUT_GRADIENT_CONFIG})
+                                                    {**problem.defines(), "PLANE_SHARES": int(plane_shares(problem)),
+                                                     **INPUT_GRADIENT_CONFIG})
                 kernel = _KERNELS[key] = device.build(context, source, INPUT_GRADIENT_KERNEL)
     return kernel
 
 
 def input_gradient(device, problem: Problem, arguments: dict, x_address: int, shares_address: int,
                    grad_address: int) -> np.ndarray:
-    """Run the input-gradient kernel over host memory (the input, the gathered shares and the
-    gradient, all in the problem's memory order; the shares may be the gradient's memory): writes
-    the gradient, returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
+    """Run the input-gradient kernel over host memory (the input, the shares and the gradient, in
+    the problem's memory order; gathered shares may be the gradient's memory, and where
+    ``plane_shares`` they are the window means' gradients, one per plane): writes the gradient,
+    returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
     if not device.info.shares_host_memory:
         raise NotImplementedError(f"GeM's backward on numpy arrays needs a device that shares host memory; "
                                   f"{device.info.describe()} does not")
@@ -155,7 +170,8 @@ def input_gradient(device, problem: Problem, arguments: dict, x_address: int, sh
     storage = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[problem.dtype]
     launch = dispatch.Launch(input_gradient_kernel(device, problem), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
                              (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"])))
-    run = device.host_launch(launch, (numel * storage, numel * itemsize, numel * storage, groups * itemsize), 2)
+    shares = (problem.planes if plane_shares(problem) else numel) * itemsize
+    run = device.host_launch(launch, (numel * storage, shares, numel * storage, groups * itemsize), 2)
     run([x_address, shares_address, grad_address, terms.ctypes.data])
     return terms
 

@@ -1049,3 +1049,17 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
         return new
 
     return swap_layers(model, swap)
+
+
+# GeM pooling (pool_tuner.torch_gem builds on the helpers above)
+from .torch_gem import (  # noqa: E402
+    AdaptiveGeMPool1d,
+    AdaptiveGeMPool2d,
+    AdaptiveGeMPool3d,
+    adaptive_gem_pool1d,
+    adaptive_gem_pool2d,
+    adaptive_gem_pool3d,
+)
+
+__all__ += ["AdaptiveGeMPool1d", "AdaptiveGeMPool2d", "AdaptiveGeMPool3d",
+            "adaptive_gem_pool1d", "adaptive_gem_pool2d", "adaptive_gem_pool3d"]

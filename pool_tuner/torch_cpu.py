@@ -126,14 +126,16 @@ def signature(op: str, direction: str, tensors: list, size, options: tuple):
             *[(t.shape, t.stride(), t.dtype) for t in tensors])
 
 
-def run(found: plans.Plan, tensors: list) -> list:
+def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:
     """Run a plan on CPU ``tensors`` (``[x]``, ``[grad_out]`` or ``[grad_out, indices]``);
-    returns its results as tensors in the problem's layout."""
+    returns its results as tensors in the problem's layout.  ``scalars``: the call's run-time
+    kernel arguments, where not the plan's (``Problem.with_arguments``: GeM's p and eps)."""
     problem = found.problem
     if not found.device.info.shares_host_memory:
         arrays = [ops_array(t) for t in tensors]
         names = (problem.flow.argument, "indices")  # as many as there are arrays
-        return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
+        return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names, scalars),
+                                                _result_likes(found, tensors[0]))]
     tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     dtype = tensors[0].dtype
     results = [empty_result(r, problem, torch.int64 if r.dtype == "int64" else dtype) for r in found.results]
@@ -141,7 +143,7 @@ def run(found: plans.Plan, tensors: list) -> list:
         for r in results:
             r.fill_(ops.INDEX_POISON if r.dtype == torch.int64 else math.nan)
     if found.launch is not None:
-        found.run_on_host([t.data_ptr() for t in tensors] + [r.data_ptr() for r in results])
+        found.run_on_host([t.data_ptr() for t in tensors] + [r.data_ptr() for r in results], scalars)
     elif found.zero_fill:
         results[0].zero_()
     return results

@@ -141,6 +141,11 @@ def test_backward_channels_last_and_3d(rng):
     ex, ep = reference.adaptive_gem_pool_backward(g, x, (4, 3), 2, 3.0)
     np.testing.assert_allclose(gx, ex, rtol=1e-11, atol=1e-14)
     assert gp == pytest.approx(ep, rel=1e-11)
+    g1 = rng.standard_normal((2, 5, 1, 1))
+    gx, gp = pt.adaptive_gem_pool2d_backward(g1, x_cl, 1, p=3.0)  # global: no gather, shares per plane
+    ex, ep = reference.adaptive_gem_pool_backward(g1, x, 1, 2, 3.0)
+    np.testing.assert_allclose(gx, ex, rtol=1e-11, atol=1e-14)
+    assert gp == pytest.approx(ep, rel=1e-11)
     x3 = _input(rng, (2, 3, 4, 5, 6))
     g3 = rng.standard_normal((2, 3, 2, 3, 4))
     gx, gp = pt.adaptive_gem_pool3d_backward(g3, x3, (2, 3, 4), p=2.0)

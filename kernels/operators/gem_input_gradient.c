@@ -3,7 +3,9 @@
  * layout).
  *
  * A backward variant, through gem.h's operator, has gathered each input's share of the gradient of
- * the window means m_o that hold it: shares[i] = sum over those o of dL/dm_o / area_o.  Then, with
+ * the window means m_o that hold it: shares[i] = sum over those o of dL/dm_o / area_o -- or, in
+ * global pooling (PLANE_SHARES), where each input has one window, its plane's, shares holds the
+ * window means' gradients dL/dm_plane themselves and no gather runs.  Then, with
  * xc = max(x, eps) and m_o = mean of xc^p over window o,
  *
  *   grad_in[i] = shares[i] * p * xc_i^(p-1)   where x_i >= eps, else 0 (clamp(min=eps)'s gradient)
@@ -11,8 +13,8 @@
  *                each work-group adds up for its inputs into p_terms[group], in work-item order, for
  *                the host to add up in group order (deterministic: no atomics).
  *
- * shares may be grad_in's own memory (float32 and float64: acc_t is scalar_t), each element read
- * before the same work-item writes it, so neither is RESTRICT.
+ * Gathered shares may be grad_in's own memory (float32 and float64: acc_t is scalar_t), each
+ * element read before the same work-item writes it, so neither is RESTRICT.
  * Launch: ceil(IN_NUMEL / (block_size_x * items_per_thread)) groups of block_size_x. */
 KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL acc_t* shares,
                                GLOBAL scalar_t* grad_in, GLOBAL acc_t* RESTRICT p_terms PLANES_PARAM GEM_PARAMS)
@@ -26,7 +28,13 @@ KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL 
             const acc_t x = LOAD(in, i);
             const acc_t c = x < eps ? eps : x;
             const acc_t power = gem_power(x, p, eps);
+#if PLANE_SHARES
+            index_t plane, t, h, w;
+            IN_COORDS(i, plane, t, h, w);
+            const acc_t share = shares[plane] / (acc_t)IN_PLANE_SIZE;
+#else
             const acc_t share = shares[i];
+#endif
             STORE(grad_in, i, x >= eps ? share * p * power / c : (acc_t)0);
             term += share * power * log(c);
         }
