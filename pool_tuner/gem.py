@@ -82,7 +82,7 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     channel_axis = x.ndim - ndim - 1
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
     acc = np.float64 if x.dtype == np.float64 else np.float32
-    mean_grad = _mean_gradient(grad_out.astype(np.float64), output.astype(np.float64), arguments["p"]).astype(acc)
+    mean_grad = mean_gradient(grad_out.astype(np.float64), output.astype(np.float64), arguments["p"]).astype(acc)
     problem = Problem.create(operation.name, x.shape, tuple(output.shape[x.ndim - ndim:]), _dtype_name(x.dtype),
                              plans.LAYOUT_NAMES[ndim][1 if channels_last else 0], direction="backward")
     memory = (lambda a: np.moveaxis(a, channel_axis, -1)) if channels_last else (lambda a: a)
@@ -109,7 +109,7 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def _mean_gradient(grad_out, output, p):
+def mean_gradient(grad_out, output, p):
     """``dL/dm`` of each window mean ``m = y**p`` from ``dL/dy``: ``dL/dy * y**(1-p) / p`` (any
     array library: numpy arrays or tensors, ``p`` a number or a 0-d tensor)."""
     return grad_out * output ** (1 - p) / p

@@ -10,7 +10,6 @@ torch = pytest.importorskip("torch")
 
 import pool_tuner.torch as ptt  # noqa: E402
 from pool_tuner import reference  # noqa: E402
-from pool_tuner import torch_gem  # noqa: E402
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 FUNCTIONS = {1: ptt.adaptive_gem_pool1d, 2: ptt.adaptive_gem_pool2d, 3: ptt.adaptive_gem_pool3d}
@@ -37,7 +36,7 @@ def test_forward_and_backward_match_the_composition(rng, ndim, dtype):
     y = FUNCTIONS[ndim](x, size, p)
     assert y.dtype == dtype and y.shape == shape[:2] + size
     x64, p64 = x.detach().double().requires_grad_(), p.detach().double().requires_grad_()
-    expected = torch_gem.composition(x64, list(size), p64, 1e-6)
+    expected = ptt._gem_composition(x64, list(size), p64, 1e-6)
     torch.testing.assert_close(y.double(), expected.detach(), rtol=TOL[dtype], atol=TOL[dtype])
     g = torch.randn_like(y)
     grad_x, grad_p = torch.autograd.grad(y, (x, p), g)
@@ -54,11 +53,11 @@ def test_channels_last_keeps_its_layout_and_values(rng, size):
     x = _input(rng, (2, 6, 11, 9), torch.float32, channels_last=True).requires_grad_()
     y = ptt.adaptive_gem_pool2d(x, size, 3.0)
     assert y.is_contiguous(memory_format=torch.channels_last) or y.shape[-1] * y.shape[-2] == 1
-    expected = torch_gem.composition(x.detach().double(), list(y.shape[-2:]), 3.0, 1e-6)
+    expected = ptt._gem_composition(x.detach().double(), list(y.shape[-2:]), 3.0, 1e-6)
     torch.testing.assert_close(y.double(), expected, rtol=2e-5, atol=2e-5)
     (grad,) = torch.autograd.grad(y.sum(), x)
     x64 = x.detach().double().requires_grad_()
-    (expected_grad,) = torch.autograd.grad(torch_gem.composition(x64, list(y.shape[-2:]), 3.0, 1e-6).sum(), x64)
+    (expected_grad,) = torch.autograd.grad(ptt._gem_composition(x64, list(y.shape[-2:]), 3.0, 1e-6).sum(), x64)
     torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
 
 
@@ -93,7 +92,7 @@ def test_clamp_edges_follow_the_composition():
     x = torch.tensor([[[eps, eps / 2, 1.0, -1.0, 0.0, 2.0]]], dtype=torch.float64, requires_grad=True)
     p = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
     y = ptt.adaptive_gem_pool1d(x, 2, p, eps=eps)
-    expected = torch_gem.composition(x, [2], p, eps)
+    expected = ptt._gem_composition(x, [2], p, eps)
     torch.testing.assert_close(y, expected)
     got = torch.autograd.grad(y.sum(), (x, p))
     want = torch.autograd.grad(expected.sum(), (x, p))
@@ -111,7 +110,7 @@ def test_module_learns_p_and_can_keep_it_fixed(rng):
     assert gem.p.grad is not None and torch.isfinite(gem.p.grad).all() and gem.p.grad.abs() > 0
     fixed = ptt.AdaptiveGeMPool2d((2, 2), p=4.0, p_trainable=False)
     assert "p" in dict(fixed.named_buffers()) and not list(fixed.parameters())
-    torch.testing.assert_close(fixed(x), torch_gem.composition(x, [2, 2], 4.0, 1e-6), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(fixed(x), ptt._gem_composition(x, [2, 2], 4.0, 1e-6), rtol=2e-5, atol=2e-5)
 
 
 def test_p_changes_between_calls_without_rebuilding(rng):
@@ -120,7 +119,7 @@ def test_p_changes_between_calls_without_rebuilding(rng):
     for value in (3.0, 3.1, 2.9, 1.0):
         with torch.no_grad():
             module.p.fill_(value)
-        torch.testing.assert_close(module(x), torch_gem.composition(x, [1, 1], value, 1e-6), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(module(x), ptt._gem_composition(x, [1, 1], value, 1e-6), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("p,eps,error,name", [(0.0, 1e-6, ValueError, "p"), (3.0, -1.0, ValueError, "eps"),
@@ -134,7 +133,7 @@ def test_bad_arguments_name_themselves(p, eps, error, name):
 def test_opcheck(rng):
     x = _input(rng, (2, 3, 10, 9)).requires_grad_()
     p = torch.tensor([2.5], dtype=torch.float64, requires_grad=True)
-    forward, backward = torch_gem._OPS[2]
+    forward, backward = ptt._GEM_OPS[2]
     torch.library.opcheck(forward, (x, [4, 7], p, 1e-6, ""))
     y = forward(x, [4, 7], p, 1e-6, "")
     torch.library.opcheck(backward, (torch.randn_like(y), x.detach(), y.detach(), p.detach(), 1e-6, ""))
