@@ -1169,7 +1169,7 @@ def _register_gem(ndim: int):
         input, output, p = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the composition's graph, for the double backward
             wanted = [t for t in (input, p) if t.requires_grad]
-            found = iter(torch.autograd.grad(composition(input, ctx.output_size, p, ctx.eps), wanted, grad_out,
+            found = iter(torch.autograd.grad(_gem_composition(input, ctx.output_size, p, ctx.eps), wanted, grad_out,
                                              create_graph=True) if wanted else ())
             grad_input, grad_p = (next(found) if t.requires_grad else None for t in (input, p))
         else:
