@@ -257,14 +257,23 @@ class HelperProgram:
 
 
 def helper_programs(archs=ARCHS, ops=None, dtypes=None, variants=None, directions=None) -> list:
-    """The helper programs to compile: avgmax's join kernels, per dtype and architecture, unless the
-    filters leave avgmax out (a ``variants`` filter names variants only)."""
-    from . import avgmax
+    """The helper programs to compile, per dtype and architecture: avgmax's join kernels, and GeM's
+    input-gradient kernel (pool_tuner.gem) of a global and a windowed problem of each rank, unless
+    the filters leave those ops out (a ``variants`` filter names variants only)."""
+    from . import avgmax, gem
 
-    if variants is not None or (ops is not None and avgmax.OP not in ops):
+    if variants is not None:
         return []
-    return [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
-            for dtype in DTYPES if dtypes is None or dtype in dtypes for arch in archs]
+    chosen = [dtype for dtype in DTYPES if dtypes is None or dtype in dtypes]
+    found = []
+    if ops is None or avgmax.OP in ops:
+        found += [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
+                  for dtype in chosen for arch in archs]
+    if directions is None or "backward" in directions:
+        for label, problem in gem.helper_problems(ops, chosen):
+            found += [HelperProgram(label, problem.dtype, arch, (gem.INPUT_GRADIENT_KERNEL,),
+                                    gem.input_gradient_program(problem)) for arch in archs]
+    return found
 
 
 # ---------------------------------------------------------------------- compiling

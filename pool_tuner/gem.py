@@ -133,6 +133,29 @@ def input_gradient_groups(problem: Problem) -> int:
     return -(-math.prod(problem.input_shape) // per_group)
 
 
+def input_gradient_program(problem: Problem) -> str:
+    """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
+    files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
+    return kernel_source.render_files(files, {**problem.defines(), "PLANE_SHARES": int(plane_shares(problem)),
+                                              **INPUT_GRADIENT_CONFIG})
+
+
+def helper_problems(ops=None, dtypes=("float32",)) -> list:
+    """``(label, problem)``: a global and a windowed backward problem of each GeM op in ``ops``
+    (None: every rank) and dtype, whose input-gradient programs ``pool-tuner compile-check``
+    compiles beside the variants'."""
+    found = []
+    for ndim in (1, 2, 3):
+        op = find("gem", ndim).name
+        if ops is not None and op not in ops:
+            continue
+        for kind, size in (("global", 1), ("windows", 4)):
+            for dtype in dtypes:
+                found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
+                              Problem.create(op, (2, 3) + (9,) * ndim, size, dtype, direction="backward")))
+    return found
+
+
 def input_gradient_kernel(device, problem: Problem):
     """The built input-gradient kernel of ``problem``'s per-sample shape on ``device``'s default
     context (built once per ``Problem.kernel_key``)."""
@@ -143,11 +166,7 @@ def input_gradient_kernel(device, problem: Problem):
         with _KERNELS_LOCK:
             kernel = _KERNELS.get(key)
             if kernel is None:
-                operator = problem.operation.operator_header
-                source = kernel_source.render_files(("prelude.h", "windows.h", operator, INPUT_GRADIENT_FILE),
-                                                    {**problem.defines(), "PLANE_SHARES": int(plane_shares(problem)),
-                                                     **INPUT_GRADIENT_CONFIG})
-                kernel = _KERNELS[key] = device.build(context, source, INPUT_GRADIENT_KERNEL)
+                kernel = _KERNELS[key] = device.build(context, input_gradient_program(problem), INPUT_GRADIENT_KERNEL)
     return kernel
 
 

@@ -16,6 +16,13 @@
  * Gathered shares may be grad_in's own memory (float32 and float64: acc_t is scalar_t), each
  * element read before the same work-item writes it, so neither is RESTRICT.
  * Launch: ceil(IN_NUMEL / (block_size_x * items_per_thread)) groups of block_size_x. */
+/* The plane of the input at memory offset i (windows.h's layouts). */
+#if CHANNELS_LAST
+#define PLANE_OF(i) ((i) / (IN_PLANE_SIZE * N_CHANNELS) * N_CHANNELS + (i) % N_CHANNELS)
+#else
+#define PLANE_OF(i) ((i) / IN_PLANE_SIZE)
+#endif
+
 KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL acc_t* shares,
                                GLOBAL scalar_t* grad_in, GLOBAL acc_t* RESTRICT p_terms PLANES_PARAM GEM_PARAMS)
 {
@@ -29,9 +36,7 @@ KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL 
             const acc_t c = x < eps ? eps : x;
             const acc_t power = gem_power(x, p, eps);
 #if PLANE_SHARES
-            index_t plane, t, h, w;
-            IN_COORDS(i, plane, t, h, w);
-            const acc_t share = shares[plane] / (acc_t)IN_PLANE_SIZE;
+            const acc_t share = shares[PLANE_OF(i)] / (acc_t)IN_PLANE_SIZE;
 #else
             const acc_t share = shares[i];
 #endif
