@@ -611,11 +611,22 @@ class PlaneScatter(Variant):
 
 class GemWindows(Variant):
     name = "gem_windows"
-    summary = ("GeM, any problem and layout: each work-item maps and sums one whole window row by row, "
-               "`row_lanes` independent partial sums along each row, then takes the mean's p-th root")
+    summary = ("GeM, any problem and layout: each work-item maps and sums one whole window (small windows "
+               "unrolled over their box, others row by row in `row_lanes` masked lanes), then takes the mean's p-th root")
     search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024], "row_lanes": [1, 4, 8, 16]}
     default = {"block_size_x": 64, "row_lanes": 1}
     runs_every_problem = True
+    #: Windows past the small box (SMALL_BOX_LIMIT) whose rows have at least this many elements
+    #: default to LONG_ROW_LANES lanes: the lanes' steps are vector code, the scalar loop is not.
+    LONG_ROW = 16
+    LONG_ROW_LANES = 8
+
+    def default_for(self, problem):
+        """``default``, with ``LONG_ROW_LANES`` lanes for windows past the small box with long rows."""
+        widest = _max_windows(problem)
+        if math.prod(widest) > SMALL_BOX_LIMIT and widest[2] >= self.LONG_ROW:
+            return {**self.default, "row_lanes": self.LONG_ROW_LANES}
+        return self.default
 
     def groups(self, params, problem):
         return _grid(math.prod(problem.out_spatial), problem, params["block_size_x"])

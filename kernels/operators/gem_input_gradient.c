@@ -41,7 +41,7 @@ KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL 
             const acc_t share = shares[i];
 #endif
             STORE(grad_in, i, x >= eps ? share * p * power / c : (acc_t)0);
-            term += share * power * log(c);
+            term += share * power * gem_log(c);
         }
     }
     partial[LOCAL_ID_X] = term;
