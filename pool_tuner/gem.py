@@ -100,7 +100,7 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     terms = input_gradient(dev, problem, arguments, x_memory.ctypes.data, shares_memory.ctypes.data,
                            grad_memory.ctypes.data)
     grad_x = np.moveaxis(grad_memory, -1, channel_axis) if channels_last else grad_memory
-    grad_p = math.fsum(terms.tolist()) + _output_term(grad_out.astype(np.float64), output.astype(np.float64),
+    grad_p = math.fsum(terms.tolist()) + output_term(grad_out.astype(np.float64), output.astype(np.float64),
                                                      arguments["p"])
     return grad_x, grad_p
 
@@ -115,7 +115,7 @@ def mean_gradient(grad_out, output, p):
     return grad_out * output ** (1 - p) / p
 
 
-def _output_term(grad_out, output, p) -> float:
+def output_term(grad_out, output, p) -> float:
     """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``."""
     return float(-(grad_out * output * np.log(output)).sum() / p)
 

@@ -44,6 +44,7 @@ import json
 import math
 import operator
 
+import numpy as np
 
 try:
     import torch
@@ -1102,6 +1103,15 @@ def _check_gem_cpu(t: torch.Tensor, name: str) -> None:
         raise NotImplementedError(f"pool_tuner's GeM runs on CPU tensors only for now; {name} is on {t.device}")
 
 
+_NUMPY_ACC = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _float64_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float64 numpy array (16-bit floats widened by PyTorch first)."""
+    t = t.detach()
+    return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy().astype(np.float64)
+
+
 def _layout_name(t: torch.Tensor, ndim: int) -> str:
     return LAYOUT_NAMES[ndim][int(_is_channels_last(t, ndim))]
 
@@ -1130,9 +1140,14 @@ def _register_gem(ndim: int):
         acc = torch.float64 if input.dtype == torch.float64 else torch.float32
         problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
-        # dL/dm of each window mean m = y**p (output-sized), in the input's layout
-        mean_grad = _empty(list(grad_out.shape), input, acc, channels_last, ndim)
-        mean_grad.copy_(_gem.mean_gradient(grad_out.to(acc), output.to(acc), arguments["p"]))
+        # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
+        # meets PoCL's workers on the same cores.
+        g64, y64 = _float64_array(grad_out), _float64_array(output)
+        # dL/dm of each window mean m = y**p, in the input's layout
+        mean = _gem.mean_gradient(g64, y64, arguments["p"]).astype(_NUMPY_ACC[acc])
+        channel = mean.ndim - ndim - 1
+        mean_grad = (torch.from_numpy(np.ascontiguousarray(np.moveaxis(mean, channel, -1))).movedim(-1, channel)
+                     if channels_last else torch.from_numpy(np.ascontiguousarray(mean)))
         if _gem.plane_shares(problem):
             device, shares = _resolve_device(dict(_decode_options(options)).get("device")), mean_grad
             grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
@@ -1144,9 +1159,7 @@ def _register_gem(ndim: int):
                                                                            channels_last, ndim)
         terms = _gem.input_gradient(device, problem, arguments, input.data_ptr(), shares.data_ptr(),
                                     grad_input.data_ptr())
-        grad_p = math.fsum(terms.tolist())
-        g64, y64 = grad_out.to(torch.float64), output.to(torch.float64)
-        grad_p += float(-(g64 * y64 * y64.log()).sum()) / arguments["p"]
+        grad_p = math.fsum(terms.tolist()) + _gem.output_term(g64, y64, arguments["p"])
         return grad_input, torch.full_like(p, grad_p)
 
     def backward_fake(grad_out, input, output, p, eps, options):

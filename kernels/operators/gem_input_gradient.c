@@ -28,21 +28,24 @@ KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL 
 {
     LOCAL_MEM acc_t partial[block_size_x];
     const index_t first = (index_t)GROUP_ID * (block_size_x * items_per_thread) + LOCAL_ID_X;
+    /* Only the last work-group can run past the end: the others' work-items stay branch-free
+     * (the condition is the same for a whole group), so CPU compilers vectorise them. */
+    const int whole_group = (GROUP_ID + 1) * (block_size_x * items_per_thread) <= IN_NUMEL;
     acc_t term = (acc_t)0;
     for (int k = 0; k < items_per_thread; ++k) {
         const index_t i = first + (index_t)k * block_size_x;
-        if (i < IN_NUMEL) {
-            const acc_t x = LOAD(in, i);
-            const acc_t c = x < eps ? eps : x;
-            const acc_t power = gem_power(x, p, eps);
+        if (!whole_group && i >= IN_NUMEL)
+            break;
+        const acc_t x = LOAD(in, i);
+        const acc_t c = x < eps ? eps : x;
+        const acc_t power = gem_power(x, p, eps);
 #if PLANE_SHARES
-            const acc_t share = shares[PLANE_OF(i)] / (acc_t)IN_PLANE_SIZE;
+        const acc_t share = shares[PLANE_OF(i)] / (acc_t)IN_PLANE_SIZE;
 #else
-            const acc_t share = shares[i];
+        const acc_t share = shares[i];
 #endif
-            STORE(grad_in, i, x >= eps ? share * p * power / c : (acc_t)0);
-            term += share * power * gem_log(c);
-        }
+        STORE(grad_in, i, x >= eps ? share * p * power / c : (acc_t)0);
+        term += share * power * gem_log(c);
     }
     partial[LOCAL_ID_X] = term;
     BARRIER();
