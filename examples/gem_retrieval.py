@@ -67,7 +67,7 @@ def backbone() -> tuple:
 
 def train_step(model, optimizer, anchors, positives, negatives):
     optimizer.zero_grad(set_to_none=True)
-    loss = F.triplet_margin_loss(model(anchors), model(positives), model(negatives), margin=0.1)
+    loss = F.triplet_margin_loss(model(anchors), model(positives), model(negatives), margin=1.0)
     loss.backward()
     optimizer.step()
     return loss.item()
@@ -85,20 +85,21 @@ def main():
     fused = copy.deepcopy(stock)
     fused.pool = pt.torch.AdaptiveGeMPool2d(1)  # the one-line swap
     print(fused.pool)
-    images = [torch.rand(args.batch, 3, args.size, args.size) for _ in range(3)]
+    anchors = torch.rand(args.batch, 3, args.size, args.size)
+    images = [anchors, anchors + 0.1 * torch.randn_like(anchors), torch.rand_like(anchors)]  # positives near
     stock.eval(), fused.eval()
     with torch.no_grad():
         difference = (stock(images[0]) - fused(images[0])).abs().max().item()
     print(f"max |composed - fused| embedding difference: {difference:.2e}")
     for name, model in (("composed GeM", stock), ("pool_tuner GeM", fused)):
         model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         train_step(model, optimizer, *images)  # first call: builds
         start = time.perf_counter()
         for _ in range(args.steps):
             loss = train_step(model, optimizer, *images)
         ms = (time.perf_counter() - start) * 1e3 / args.steps
-        print(f"{name}: {ms:.1f} ms per training step, loss {loss:.4f}, learnt p {float(model.pool.p):.4f}")
+        print(f"{name}: {ms:.1f} ms per training step, loss {loss:.4f}, learnt p {float(model.pool.p.detach()):.4f}")
 
 
 if __name__ == "__main__":
