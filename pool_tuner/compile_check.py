@@ -55,6 +55,7 @@ except ImportError:  # pragma: no cover - not on POSIX
     resource = None
 
 from . import kernel_source
+from .operations import BACKWARD
 from .problem import DTYPES, INT32_LIMIT, LAYOUT_NAMES, OPS, Problem
 from .backends.base import DeviceLimits
 from .backends.cuda import NvccNotFoundError, find_nvcc
@@ -269,7 +270,7 @@ def helper_programs(archs=ARCHS, ops=None, dtypes=None, variants=None, direction
     if ops is None or avgmax.OP in ops:
         found += [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
                   for dtype in chosen for arch in archs]
-    if directions is None or "backward" in directions:
+    if directions is None or BACKWARD.name in directions:
         for label, problem in gem.helper_problems(ops, chosen):
             found += [HelperProgram(label, problem.dtype, arch, (gem.INPUT_GRADIENT_KERNEL,),
                                     gem.input_gradient_program(problem)) for arch in archs]
