@@ -33,6 +33,14 @@ from .fused import (
     adaptive_max_pool_pyramid,
     adaptive_max_pool_pyramid_backward,
 )
+from .gem import (
+    adaptive_gem_pool1d,
+    adaptive_gem_pool1d_backward,
+    adaptive_gem_pool2d,
+    adaptive_gem_pool2d_backward,
+    adaptive_gem_pool3d,
+    adaptive_gem_pool3d_backward,
+)
 from .tuner import tune
 from .version import __version__
 from .windows import fixed_pool_equivalent, pooling_windows
@@ -56,6 +64,12 @@ __all__ = [
     "adaptive_max_pool_pyramid_backward",
     "adaptive_avgmax_pool2d",
     "adaptive_avgmax_pool2d_backward",
+    "adaptive_gem_pool1d",
+    "adaptive_gem_pool1d_backward",
+    "adaptive_gem_pool2d",
+    "adaptive_gem_pool2d_backward",
+    "adaptive_gem_pool3d",
+    "adaptive_gem_pool3d_backward",
     "__version__",
     "benchmark_mode",
     "devices",

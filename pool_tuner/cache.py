@@ -144,7 +144,7 @@ def kernel_hash(problem, device_type: str) -> str:
                         if device_type in v.device_types})
     digest = hashlib.sha256(BUILD_OPTIONS.encode())
     for template in templates:
-        digest.update(kernel_source.template_hash(template).encode())
+        digest.update(kernel_source.template_hash(template, problem.operation.operator_header).encode())
     return digest.hexdigest()
 
 

@@ -55,6 +55,7 @@ except ImportError:  # pragma: no cover - not on POSIX
     resource = None
 
 from . import kernel_source
+from .operations import BACKWARD
 from .problem import DTYPES, INT32_LIMIT, LAYOUT_NAMES, OPS, Problem
 from .backends.base import DeviceLimits
 from .backends.cuda import NvccNotFoundError, find_nvcc
@@ -225,7 +226,8 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                             entry = no_config.setdefault((direction, name, layout), [0, reason])
                             entry[0] += 1
                         for config_label, params in configs:
-                            source = kernel_source.render(variant.template, variant.defines(params, problem))
+                            source = kernel_source.render(variant.template, variant.defines(params, problem),
+                                                            problem.operation.operator_header)
                             for arch in archs:
                                 found.append(Instantiation(
                                     op, direction, dtype, layout, name, config_label,
@@ -256,14 +258,23 @@ class HelperProgram:
 
 
 def helper_programs(archs=ARCHS, ops=None, dtypes=None, variants=None, directions=None) -> list:
-    """The helper programs to compile: avgmax's join kernels, per dtype and architecture, unless the
-    filters leave avgmax out (a ``variants`` filter names variants only)."""
-    from . import avgmax
+    """The helper programs to compile, per dtype and architecture: avgmax's join kernels, and GeM's
+    input-gradient kernel (pool_tuner.gem) of a global and a windowed problem of each rank, unless
+    the filters leave those ops out (a ``variants`` filter names variants only)."""
+    from . import avgmax, gem
 
-    if variants is not None or (ops is not None and avgmax.OP not in ops):
+    if variants is not None:
         return []
-    return [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
-            for dtype in DTYPES if dtypes is None or dtype in dtypes for arch in archs]
+    chosen = [dtype for dtype in DTYPES if dtypes is None or dtype in dtypes]
+    found = []
+    if ops is None or avgmax.OP in ops:
+        found += [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
+                  for dtype in chosen for arch in archs]
+    if directions is None or BACKWARD.name in directions:
+        for label, problem in gem.helper_problems(ops, chosen):
+            found += [HelperProgram(label, problem.dtype, arch, (gem.INPUT_GRADIENT_KERNEL,),
+                                    gem.input_gradient_program(problem)) for arch in archs]
+    return found
 
 
 # ---------------------------------------------------------------------- compiling

@@ -71,7 +71,7 @@ def features(problem: Problem) -> dict:
     return {
         "levels": "multi" if problem.operation.multi_level else "single",
         "direction": problem.direction,
-        "kind": problem.kind,
+        "kind": problem.operation.rules_kind,
         "layout": "channels_last" if problem.channels_last else "channels_first",
         "problem_class": problem.problem_class,
         "rank": problem.ndim,
@@ -209,8 +209,8 @@ def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision
     for rule in rules(device_type(device)) if rule_list is None else rule_list:
         if not rule.holds(values):
             continue
-        variant = table[rule.variant]
-        if not variant.is_legal({}, problem, device.info.limits):
+        variant = table.get(rule.variant)  # an op with variants of its own (GeM's forward) skips others'
+        if variant is None or not variant.is_legal({}, problem, device.info.limits):
             continue
         config = dict(rule.config)
         try:
@@ -219,6 +219,10 @@ def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision
             params = variant.check_config({}, problem, device.info.limits)
             return Decision(rule, variant, params, f"the rule's configuration {config} is not legal here ({refused}); "
                                                    f"the variant's default runs")
+    own = [v for v in table.values() if v.is_legal({}, problem, device.info.limits)]
+    if own:  # no rule names a variant of the op's own: the first of them that runs it, in registry order
+        rule = Rule("own variants", (), own[0].name, (), "the op's own variants, in registry order")
+        return Decision(rule, own[0], own[0].check_config({}, problem, device.info.limits), None)
     raise AssertionError(f"no default rule holds for {problem}, though parse() checks each direction's last rule")
 
 

@@ -318,7 +318,8 @@ class Dispatcher:
         kernel = self._kernels.get(key)
         if kernel is None:
             variant = choice.variant
-            source = kernel_source.render(variant.template, variant.defines(choice.config, problem))
+            source = kernel_source.render(variant.template, variant.defines(choice.config, problem),
+                                          problem.operation.operator_header)
             kernel = self._keep(device, problem, choice, key, device.build(context, source, variant.kernel_name))
         return kernel
 
@@ -349,7 +350,8 @@ class Dispatcher:
             if len(wanted) > 1 and device.info.source_suffix in kernel_source.SHARED_PROGRAM_SUFFIXES:
                 kernel_name = wanted[0][1].variant.kernel_name
                 source = kernel_source.render_together(
-                    [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem)) for _, c in wanted],
+                    [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem),
+                                          problem.operation.operator_header) for _, c in wanted],
                     kernel_name)
                 try:
                     built = [device.build(context, source, kernel_source.together_name(kernel_name, position))

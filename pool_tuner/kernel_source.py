@@ -6,7 +6,10 @@
 * ``prelude.h``    -- the only place where CUDA and OpenCL C differ;
 * ``windows.h``    -- window bounds and memory offsets;
 * ``operators.h``  -- the pooling op as a small operator (identity, map, combine, finish, and for
-  selecting ops such as max the position rule): the only file that names an op;
+  selecting ops such as max the position rule): the only file that names an op of the first
+  three; a newer op brings its operator in a header of its own under ``operators/``
+  (``Operation.operator_header``, e.g. GeM's ``operators/gem.h``), which takes operators.h's place
+  in that op's programs alone, so the others' programs and record hashes do not change;
 * ``reduction.h``  -- forward: reducing windows through the operator;
 * ``gradients.h``  -- backward: routing gradients through the operator;
 * ``tiles.h``      -- the tiles of the tiled variants (only their programs include it).
@@ -34,8 +37,10 @@ import importlib
 import re
 from pathlib import Path
 
-#: Headers at the start of every program, in this order.
-HEADERS = ("prelude.h", "windows.h", "operators.h")
+#: Headers at the start of every program, in this order; an op whose operator is a header of its own
+#: (``Operation.operator_header``) has that header in operators.h's place.
+OPERATOR_HEADER = "operators.h"
+HEADERS = ("prelude.h", "windows.h", OPERATOR_HEADER)
 #: Headers of one direction's programs, after HEADERS.
 DIRECTION_HEADERS = {"forward": ("reduction.h",), "backward": ("gradients.h",)}
 #: Headers of one direction's multi-level programs, before the variant's file: pyramid.h reduces
@@ -85,9 +90,11 @@ def variant_file(direction: str, variant: str) -> str:
     return f"{direction}/{variant}.c"
 
 
-def program_files(template: str) -> tuple:
+def program_files(template: str, operator_header: str = OPERATOR_HEADER) -> tuple:
     """Every file of the program of ``template`` (a variant's file, ``"<direction>/<variant>.c"``),
-    in order: the headers, then the variant's file."""
+    in order: the headers, then the variant's file.  ``operator_header`` is the op's operator
+    (``Operation.operator_header``): operators.h, or a header of a newer op's own that takes its
+    place in that op's programs alone."""
     direction, _, file = template.partition("/")
     if direction not in DIRECTION_HEADERS or not file.endswith(".c"):
         raise ValueError(f"template must be '<direction>/<variant>.c' with direction one of "
@@ -95,15 +102,16 @@ def program_files(template: str) -> tuple:
     name = file[: -len(".c")]
     tiles = ("tiles.h",) if name in TILED_VARIANTS else ()
     levels = PYRAMID_HEADERS[direction] if name.startswith(PYRAMID_PREFIX) else ()
-    return HEADERS + DIRECTION_HEADERS[direction] + tiles + levels + (template,)
+    headers = tuple(operator_header if header == OPERATOR_HEADER else header for header in HEADERS)
+    return headers + DIRECTION_HEADERS[direction] + tiles + levels + (template,)
 
 
 @functools.cache
-def template_hash(template: str) -> str:
+def template_hash(template: str, operator_header: str = OPERATOR_HEADER) -> str:
     """sha256 over every file of one variant's program (``program_files``): with the other
     variants' of its direction, the kernel code of a cache record."""
     digest = hashlib.sha256()
-    for name in program_files(template):
+    for name in program_files(template, operator_header):
         digest.update(name.encode() + b"\0" + read(name).encode() + b"\0")
     return digest.hexdigest()
 
@@ -117,9 +125,15 @@ def format_defines(defines: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(template: str, defines: dict) -> str:
+def render(template: str, defines: dict, operator_header: str = OPERATOR_HEADER) -> str:
     """The complete program text for one specialised kernel: defines, headers, the variant's file."""
-    return format_defines(defines) + "\n".join(read(name) for name in program_files(template))
+    return format_defines(defines) + "\n".join(read(name) for name in program_files(template, operator_header))
+
+
+def render_files(files: tuple, defines: dict) -> str:
+    """The program of ``defines`` and ``files`` (under ``kernels/``), in order: an op's own kernels
+    that are no variant (GeM's input gradient, pool_tuner.gem)."""
+    return format_defines(defines) + "\n".join(read(name) for name in files)
 
 
 #: Kernel languages (by a backend's ``source_suffix``) in which one program can hold several

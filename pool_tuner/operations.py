@@ -28,8 +28,21 @@ import dataclasses
 import math
 
 #: The pooling kinds and the kernel defines of each (kernels/operators.h): avgmax is the max
-#: operator with the window sums kept beside it (ALSO_MEAN, kernels/pyramid.h).
-KINDS = {"avg": {"POOL_AVG": 1}, "max": {"POOL_MAX": 1}, "avgmax": {"POOL_MAX": 1, "ALSO_MEAN": 1}}
+#: operator with the window sums kept beside it (ALSO_MEAN, kernels/pyramid.h); gem is the
+#: generalized mean, whose operator is a header of its own (``OPERATOR_HEADERS``).
+KINDS = {"avg": {"POOL_AVG": 1}, "max": {"POOL_MAX": 1}, "avgmax": {"POOL_MAX": 1, "ALSO_MEAN": 1},
+         "gem": {"POOL_GEM": 1}}
+#: The header (under ``kernels/``) that defines each kind's operator, where it is not
+#: operators.h: a new op brings its operator in a header only its own programs include, so that
+#: the programs of the other ops -- and the kernel hashes of their tuning records -- stay as they were.
+OPERATOR_HEADERS = {"gem": "operators/gem.h"}
+#: Run-time arguments of a kind's operator: ``(name, default)`` pairs, passed to its kernels after
+#: the plane count (``Problem.scalars``) in the accumulation type, so that a new value (a learnt
+#: exponent changes every training step) needs no new build.
+KIND_ARGUMENTS = {"gem": (("p", 3.0), ("eps", 1e-6))}
+#: The kind whose default rules (pool_tuner/default_rules.json) a kind follows, where it has none
+#: of its own: GeM is an accumulating reduction with avg's memory traffic.
+RULES_KIND = {"gem": "avg"}
 RANKS = (1, 2, 3)
 #: Bytes of one index (int64) of a selecting op.
 INDEX_BYTES = 8
@@ -57,7 +70,28 @@ class Operation:
     def selects(self) -> bool:
         """Whether some output is one element of its window (max), which also has a position: the
         forward pass writes it, the backward pass routes the output's gradient to it alone."""
-        return self.kind != "avg"
+        return self.kind in ("max", "avgmax")
+
+    @property
+    def operator_header(self) -> str:
+        """The kernel header (under ``kernels/``) that defines this op's operator."""
+        return OPERATOR_HEADERS.get(self.kind, "operators.h")
+
+    @property
+    def arguments(self) -> tuple:
+        """The operator's run-time arguments as ``(name, default)`` pairs (GeM: ``p``, ``eps``);
+        empty for ops that have none."""
+        return KIND_ARGUMENTS.get(self.kind, ())
+
+    @property
+    def rules_kind(self) -> str:
+        """The kind whose default rules dispatch this op (``RULES_KIND``; else its own)."""
+        return RULES_KIND.get(self.kind, self.kind)
+
+    @property
+    def in_pytorch(self) -> bool:
+        """Whether ``torch.nn.functional`` has this op by its name (PyTorch has no GeM)."""
+        return not self.arguments and not self.multi_level
 
     @property
     def returns_indices(self) -> bool:
@@ -120,7 +154,8 @@ class Operation:
     @property
     def description(self) -> str:
         """What the op computes, in words (``"average"``, ``"max"``, ``"average and max"``)."""
-        return {"avg": "average", "max": "max", "avgmax": "average and max"}[self.kind]
+        return {"avg": "average", "max": "max", "avgmax": "average and max",
+                "gem": "generalized-mean (GeM)"}[self.kind]
 
     def resolve_levels(self, output_size, in_spatial: tuple, name: str = "output_size") -> tuple:
         """The pooled sizes of every level, from a call's ``output_size`` (a pyramid's: a
@@ -226,6 +261,7 @@ def _all() -> dict:
     ops += [Operation(f"adaptive_{kind}_pool_pyramid{ndim}d", kind, ndim, pyramid=True)
             for kind in ("avg", "max") for ndim in RANKS]
     ops.append(Operation("adaptive_avgmax_pool2d", "avgmax", 2))
+    ops += [Operation(f"adaptive_gem_pool{ndim}d", "gem", ndim) for ndim in RANKS]
     return {op.name: op for op in ops}
 
 
@@ -240,5 +276,5 @@ def find(kind: str, ndim: int, pyramid: bool = False) -> Operation:
 
 #: Every per-rank function name of every op and direction -> ``(operation, direction)``.
 FUNCTIONS = {direction.op_name(op): (op, direction) for op in OPERATIONS.values() for direction in DIRECTIONS.values()}
-#: The single-level ops, PyTorch's own (``torch.nn.functional`` has each by this name).
-SINGLE_LEVEL = tuple(name for name, op in OPERATIONS.items() if not op.multi_level)
+#: The single-level ops that are PyTorch's own (``torch.nn.functional`` has each by this name).
+SINGLE_LEVEL = tuple(name for name, op in OPERATIONS.items() if op.in_pytorch)

@@ -108,10 +108,13 @@ def _indices_spec(indices, grad_out, owner):
     return plans.numpy_spec(indices)
 
 
-def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, variant=None, config=None):
-    """Shared body of every forward op."""
+def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, variant=None, config=None,
+                 arguments=None):
+    """Shared body of every forward op; ``arguments``: the values of the operator's run-time
+    arguments (``Operation.arguments``, name -> number), None for their defaults."""
     plan = _plan(op, "forward", [x], output_size, device, variant, config, ("x",))
-    results = _delivered(plan, _run(plan, [x], ("x",)), x)
+    scalars = None if arguments is None else plan.problem.with_arguments(arguments)
+    results = _delivered(plan, _run(plan, [x], ("x",), scalars), x)
     if plan.problem.operation.returns_indices and return_indices:
         return results[0], results[1]
     return results[0]
@@ -144,13 +147,14 @@ def memory_layout(x, ndim: int) -> str | None:
     return plans.strides_layout(spec.shape, spec.strides, ndim)
 
 
-def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
-    """Run a plan on numpy or device arrays; returns its results in the caller's kind of array."""
+def _run(plan: plans.Plan, arrays: list, names: tuple, scalars: tuple | None = None) -> list:
+    """Run a plan on numpy or device arrays; returns its results in the caller's kind of array.
+    ``scalars``: the call's run-time kernel arguments, where not the plan's (``Problem.with_arguments``)."""
     if not isinstance(arrays[0], np.ndarray):
         device = plan.device
         queue = device.arrays.queue_of(arrays[0])  # the caller's array: a CUDA array's interface names its stream
         arrays = [device.arrays.wrap_input(a, name) for a, name in zip(arrays, names)]
-        return _run_on_device_arrays(plan, arrays, queue)
+        return _run_on_device_arrays(plan, arrays, queue, scalars=scalars)
     problem = plan.problem
     arrays = [_in_memory_order(a, problem) if reorder else a for a, reorder in zip(arrays, plan.reorder)]
     if not plan.device.info.shares_host_memory:  # through copies on the device
@@ -160,16 +164,17 @@ def _run(plan: plans.Plan, arrays: list, names: tuple) -> list:
         copies = [plan.device.to_device((a if flat else _in_memory_order(a, problem)).view(_storage_dtype(a.dtype)),
                                         queue)
                   for a in arrays]
-        results = _run_on_device_arrays(plan, copies, queue, logical=False)
+        results = _run_on_device_arrays(plan, copies, queue, logical=False, scalars=scalars)
         return [_logical(plan.device.to_host(r).view(_result_dtype(result, arrays[0])), problem, result)
                 for r, result in zip(results, plan.results)]
-    outputs = plan.run(arrays, functools.partial(_empty_result, arrays[0].dtype), _address)
+    outputs = plan.run(arrays, functools.partial(_empty_result, arrays[0].dtype), _address, scalars=scalars)
     return [_logical(out, problem, result) for out, result in zip(outputs, plan.results)]
 
 
-def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool = True) -> list:
+def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool = True, scalars=None) -> list:
     """Run a plan on device arrays (kernel arguments, in memory order): results on ``queue``,
-    with the input's layout when ``logical`` (else in memory order, as stored)."""
+    with the input's layout when ``logical`` (else in memory order, as stored); ``scalars``: the
+    call's run-time arguments, where not the launch's."""
     device, problem = plan.device, plan.problem
     dtype = arrays[0].dtype
     outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue,
@@ -177,7 +182,7 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
     if plan.launch is not None:
         launch = plan.launch
         event = device.launch(queue, launch.kernel, launch.groups, launch.block,
-                              arrays + outputs + list(launch.scalars))
+                              arrays + outputs + list(launch.scalars if scalars is None else scalars))
         for array in arrays + outputs:
             device.arrays.track(array, event)
     if not logical or not problem.channels_last or plan.results[0].flat:

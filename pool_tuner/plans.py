@@ -310,17 +310,31 @@ class Plan:
                 self._prepared = self.device.prepare(self.launch, self.nbytes, n_inputs)
         return self._prepared
 
-    def run(self, inputs: list, allocate, address, stream=None) -> list:
+    def run(self, inputs: list, allocate, address, stream=None, scalars: tuple | None = None) -> list:
         """Run on memory given by address: ``inputs`` in the problem's memory order (``reorder``
         done), ``allocate(result, fill)`` the front end's allocator of one result (a ``Result``
         and what it is filled with, ``fills``: numpy, ``torch.empty_strided``, ...),
         ``address(array)`` an array's address; ``stream``: the raw stream handle a device launches
-        on (None: host memory, the results written when this returns).  Returns the results as
-        ``allocate`` made them."""
+        on (None: host memory, the results written when this returns); ``scalars``: this call's
+        run-time kernel arguments (``Problem.with_arguments``: GeM's p and eps) where they differ
+        from the launch's.  Returns the results as ``allocate`` made them."""
         outputs = [allocate(result, fill) for result, fill in zip(self.results, self.fills)]
         if self._launch is not None or self._build is not None:
-            (self._prepared or self.prepared_launch())(stream, *map(address, inputs), *map(address, outputs))
+            prepared = self._prepared or self.prepared_launch()
+            if scalars is not None and scalars != self.launch.scalars:
+                prepared = self._prepared_with(scalars)
+            prepared(stream, *map(address, inputs), *map(address, outputs))
         return outputs
+
+    def _prepared_with(self, scalars: tuple):
+        """A prepared launch of this plan with a call's own run-time arguments, for that call:
+        a learnt argument (GeM's p) changes from one training step to the next, and the kernel
+        takes it as an argument, so only the launch's arguments are made again."""
+        if self.device.info.host_fallback is not None:
+            raise RuntimeError(f"{self.problem.op} cannot run in this process ({self.device.info.host_fallback}) "
+                               f"with arguments other than its defaults")
+        n_inputs = len(self.nbytes) - len(self.results)
+        return self.device.prepare(dataclasses.replace(self.launch, scalars=scalars), self.nbytes, n_inputs)
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,

@@ -221,8 +221,19 @@ class Problem:
     @property
     def scalars(self) -> tuple:
         """The run-time arguments every kernel takes after its buffers (``PLANES_PARAM`` in
-        kernels/prelude.h): the plane count, as the 64-bit integer the kernels declare."""
-        return (np.int64(self.planes),)
+        kernels/prelude.h): the plane count, as the 64-bit integer the kernels declare; then, for
+        the forward kernels of an op whose operator has run-time arguments (GeM's ``p``, ``eps``),
+        their defaults (``with_arguments`` puts a call's own values in their place)."""
+        return self.with_arguments(dict(self.operation.arguments))
+
+    def with_arguments(self, values: dict) -> tuple:
+        """``scalars`` with the operator's run-time arguments of ``values`` (name -> number), in the
+        kernels' accumulation type (float64 for float64, else float32)."""
+        planes = (np.int64(self.planes),)
+        if not self.flow.reads_input:
+            return planes
+        acc = np.float64 if self.dtype == "float64" else np.float32
+        return planes + tuple(acc(values[name]) for name, _ in self.operation.arguments)
 
     def defines(self) -> dict:
         """The per-sample shape, dtype and index-width ``#define``s every template receives.  The

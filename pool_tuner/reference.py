@@ -1,4 +1,4 @@
-"""The float64 numpy oracle of adaptive pooling: forward and backward, avg and max, 1d/2d/3d.
+"""The float64 numpy oracle of adaptive pooling: forward and backward, avg, max and GeM, 1d/2d/3d.
 
 Every kernel, variant, dtype and layout of the library is checked against this module (docs/design.md,
 Quality bars), so it is written to be *obviously* right rather than fast: plain Python loops over the
@@ -30,6 +30,8 @@ __all__ = [
     "adaptive_max_pool",
     "adaptive_avg_pool_backward",
     "adaptive_max_pool_backward",
+    "adaptive_gem_pool",
+    "adaptive_gem_pool_backward",
 ]
 
 
@@ -185,11 +187,53 @@ def adaptive_max_pool_backward(grad_out, indices, input_shape, ndim: int) -> np.
     return grad_in.reshape(batch + in_spatial)
 
 
-def forward(op: str, x, output_size):
+def adaptive_gem_pool(x, output_size, ndim: int, p: float = 3.0, eps: float = 1e-6) -> np.ndarray:
+    """Adaptive generalized-mean (GeM) pooling, float64: ``(mean over the window of
+    max(x, eps)**p) ** (1/p)`` (a NaN stays NaN, as with PyTorch's ``clamp(min=eps)``)."""
+    x = _as_float64(x, "x")
+    clamped = np.where(x < eps, eps, x)
+    return adaptive_avg_pool(clamped ** p, output_size, ndim) ** (1.0 / p)
+
+
+def adaptive_gem_pool_backward(grad_out, x, output_size, ndim: int, p: float = 3.0,
+                               eps: float = 1e-6) -> tuple[np.ndarray, float]:
+    """Gradients of :func:`adaptive_gem_pool` w.r.t. ``x`` and ``p``, float64, by the chain rule
+    through its definition, written as a scatter over the outputs: with ``xc = max(x, eps)`` and
+    ``m = mean(xc**p)`` over window ``o``, ``dy/dxc_i = y**(1-p) * xc_i**(p-1) / area`` (0 where
+    ``x < eps``: the gradient of ``clamp(min=eps)``, which passes at ``x == eps``) and
+    ``dy/dp = y * (-ln(m) / p**2 + mean(xc**p * ln(xc)) / (p * m))``."""
+    ndim = _check_ndim(ndim)
+    x = _as_float64(x, "x")
+    grad_out = _as_float64(grad_out, "grad_out")
+    batch, in_spatial = split_input_shape(x.shape, ndim, "x")
+    out_spatial = resolve_output_size(output_size, in_spatial)
+    clamped = np.where(x < eps, eps, x)
+    grad_x = np.zeros(x.shape, dtype=np.float64)
+    grad_p = 0.0
+    lead = (Ellipsis,)
+    axes = tuple(range(-ndim, 0))
+    for out_index, slices, _, shape in _outputs(in_spatial, out_spatial):
+        area = int(np.prod(shape))
+        window = clamped[lead + slices]
+        m = (window ** p).mean(axis=axes)
+        y = m ** (1.0 / p)
+        g = grad_out[lead + out_index]
+        expand = (Ellipsis,) + (None,) * ndim
+        grad_x[lead + slices] += (g * y ** (1 - p) / area)[expand] * window ** (p - 1)
+        moment = (window ** p * np.log(window)).mean(axis=axes)
+        grad_p += float(np.sum(g * y * (-np.log(m) / p ** 2 + moment / (p * m))))
+    return np.where(x >= eps, grad_x, 0.0), grad_p
+
+
+def forward(op: str, x, output_size, **arguments):
     """The reference of a public forward op by name.  One level: values, and for a selecting op
     (max) ``(values, indices)``.  A multi-level op: ``(values, indices)``, lists over its levels
-    (indices of the max levels only), each level pooled on its own by its definition."""
+    (indices of the max levels only), each level pooled on its own by its definition.
+    ``arguments``: the values of the op's run-time arguments (GeM's ``p``, ``eps``) where not
+    their defaults."""
     operation = OPERATIONS[op]
+    if operation.arguments:
+        return adaptive_gem_pool(x, output_size, operation.ndim, **{**dict(operation.arguments), **arguments})
     if not operation.multi_level:
         if operation.selects:
             return adaptive_max_pool(x, output_size, operation.ndim)

@@ -45,6 +45,7 @@ import functools
 import math
 import operator
 
+import numpy as np
 
 try:
     import torch
@@ -57,15 +58,18 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 
 from . import avgmax as _avgmax
 from . import fused as _fused
+from . import gem as _gem
+from . import ops as _ops
 from . import plans as _plans
 from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from . import torch_timm as _torch_timm
 from .backends import env_device_setting
+from .backends import resolve_device as _resolve_device
 from .decomposition import decompose
 from .operations import BACKWARD, FORWARD, SINGLE_LEVEL, find
-from .problem import LAYOUT_NAMES, OPS
+from .problem import LAYOUT_NAMES, OPS, Problem
 from .shapes import RANK_NAMES, resolve_output_size
 from .variants import get_variant
 
@@ -93,6 +97,12 @@ __all__ = [
     "fuse_sibling_pools",
     "global_pool2d",
     "fused_adaptive_pools",
+    "AdaptiveGeMPool1d",
+    "AdaptiveGeMPool2d",
+    "AdaptiveGeMPool3d",
+    "adaptive_gem_pool1d",
+    "adaptive_gem_pool2d",
+    "adaptive_gem_pool3d",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -171,8 +181,14 @@ def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
     if first.is_cuda:
         key = _signature(op, direction, size, options, first.device, descriptions)
         return _torch_cuda.run(_torch_cuda.plan_op(op, direction, tensors, size, options, key), tensors)
+    return _torch_cpu.run(_cpu_plan(op, direction, tensors, size, options, descriptions), tensors)
+
+
+def _cpu_plan(op: str, direction: str, tensors: list, size, options: str, descriptions=None):
+    """The memoised plan of a call on CPU tensors, under its ``plans.signature``."""
+    descriptions = tuple(map(_describe, tensors)) if descriptions is None else descriptions
     key = _signature(op, direction, size, options, env_device_setting(), descriptions)
-    return _torch_cpu.run(_torch_cpu.plan(op, direction, tensors, size, options, key), tensors)
+    return _torch_cpu.plan(op, direction, tensors, size, options, key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1283,3 +1299,218 @@ def explain_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
     report = []
     replace_pooling(copy.deepcopy(model), fuse=fuse, device=device, variant=variant, config=config, report=report)
     return report
+
+
+# --------------------------------------------------------------------------------------------
+# GeM pooling: ``pool_tuner.torch.adaptive_gem_pool{1,2,3}d`` and
+# ``AdaptiveGeMPool{1,2,3}d``, with the gradient for the input and for ``p`` (pool_tuner.gem).
+#
+# The forward and backward passes are ``torch.library`` custom ops
+# (``torch.ops.pool_tuner.adaptive_gem_pool2d(input, output_size, p, eps, options)`` and
+# ``…_backward(grad_out, input, output, p, eps, options) -> (grad_input, grad_p)``) with fake
+# implementations, so ``torch.compile(fullgraph=True)`` and ``torch.export`` see single nodes.
+# ``p`` is a tensor of one element (a module's learnt ``nn.Parameter``), read on every call as a
+# run-time kernel argument.  The double backward (``create_graph=True``) is PyTorch's composition
+# ``adaptive_avg_pool(x.clamp(min=eps).pow(p), size).pow(1/p)``, differentiated by autograd; under
+# ``torch.onnx.export`` the layers are that composition, in standard ONNX operators.  CPU tensors
+# run on pool_tuner's kernels; CUDA tensors are refused with a message (not implemented yet).
+
+
+_GEM_FORWARD_SCHEMA = "(Tensor input, SymInt[] output_size, Tensor p, float eps, str options) -> Tensor"
+_GEM_BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor input, Tensor output, Tensor p, float eps, str options) "
+                        "-> (Tensor, Tensor)")
+#: ndim -> (GeM's forward custom op, its backward custom op)
+_GEM_OPS: dict = {}
+
+_GEM_AVERAGES = {1: torch.nn.functional.adaptive_avg_pool1d, 2: torch.nn.functional.adaptive_avg_pool2d,
+              3: torch.nn.functional.adaptive_avg_pool3d}
+
+
+def _gem_composition(input, output_size, p, eps: float):
+    """GeM as PyTorch's four operations: what the double backward differentiates and ONNX exports."""
+    ndim = len(output_size)
+    return _GEM_AVERAGES[ndim](input.clamp(min=eps).pow(p), output_size).pow(1.0 / p)
+
+
+def _gem_arguments(p: torch.Tensor, eps: float) -> dict:
+    """``{"p", "eps"}`` as floats, checked (finite, > 0): p is read from its tensor."""
+    if p.is_cuda:
+        raise NotImplementedError("pool_tuner's GeM runs on CPU tensors only for now (p is on a CUDA device)")
+    return _gem.check_arguments(float(p.detach().reshape(())), eps)
+
+
+def _check_gem_cpu(t: torch.Tensor, name: str) -> None:
+    if t.is_cuda:
+        raise NotImplementedError(f"pool_tuner's GeM runs on CPU tensors only for now; {name} is on {t.device}")
+
+
+_NUMPY_ACC = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _float64_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float64 numpy array (16-bit floats widened by PyTorch first)."""
+    t = t.detach()
+    return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy().astype(np.float64)
+
+
+def _layout_name(t: torch.Tensor, ndim: int) -> str:
+    return LAYOUT_NAMES[ndim][int(_is_channels_last(t, ndim))]
+
+
+def _register_gem(ndim: int):
+    operation = find("gem", ndim)
+    op = operation.name
+
+    def forward(input, output_size, p, eps, options):
+        _check_gem_cpu(input, "input")
+        arguments = _gem_arguments(p, eps)
+        found = _cpu_plan(op, "forward", [input], tuple(output_size), options)
+        (result,) = _torch_cpu.run(found, [input], found.problem.with_arguments(arguments))
+        return _in_layout(result, _is_channels_last(input, ndim), ndim)
+
+    def forward_fake(input, output_size, p, eps, options):
+        shape = list(input.shape[: input.dim() - ndim]) + list(output_size)
+        return _empty(shape, input, input.dtype, _is_channels_last(input, ndim), ndim)
+
+    def backward(grad_out, input, output, p, eps, options):
+        _check_gem_cpu(input, "input")
+        arguments = _gem_arguments(p, eps)
+        channels_last = _is_channels_last(input, ndim)
+        if not channels_last and not input.is_contiguous():
+            input = input.contiguous()
+        acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+        problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
+                                 str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
+        # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
+        # meets PoCL's workers on the same cores.
+        g64, y64 = _float64_array(grad_out), _float64_array(output)
+        # dL/dm of each window mean m = y**p, in the input's layout
+        mean = _gem.mean_gradient(g64, y64, arguments["p"]).astype(_NUMPY_ACC[acc])
+        channel = mean.ndim - ndim - 1
+        mean_grad = (torch.from_numpy(np.ascontiguousarray(np.moveaxis(mean, channel, -1))).movedim(-1, channel)
+                     if channels_last else torch.from_numpy(np.ascontiguousarray(mean)))
+        if _gem.plane_shares(problem):
+            device, shares = _resolve_device(dict(_plans.options_of(options)).get("device")), mean_grad
+            grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
+        else:
+            found = _cpu_plan(op, "backward", [mean_grad], tuple(input.shape), options)
+            (shares,) = _torch_cpu.run(found, [mean_grad])
+            device = found.device
+            grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
+                                                                           channels_last, ndim)
+        terms = _gem.input_gradient(device, problem, arguments, input.data_ptr(), shares.data_ptr(),
+                                    grad_input.data_ptr())
+        grad_p = math.fsum(terms.tolist()) + _gem.output_term(g64, y64, arguments["p"])
+        return grad_input, torch.full_like(p, grad_p)
+
+    def backward_fake(grad_out, input, output, p, eps, options):
+        return (_empty(list(input.shape), input, input.dtype, _is_channels_last(input, ndim), ndim),
+                torch.empty_like(p))
+
+    forward_op = torch.library.custom_op("pool_tuner::" + op, forward, mutates_args=(), device_types=("cpu", "cuda"),
+                                         schema=_GEM_FORWARD_SCHEMA)
+    forward_op.register_fake(forward_fake)
+    backward_op = torch.library.custom_op("pool_tuner::" + BACKWARD.op_name(operation), backward, mutates_args=(),
+                                          device_types=("cpu", "cuda"), schema=_GEM_BACKWARD_SCHEMA)
+    backward_op.register_fake(backward_fake)
+
+    def setup(ctx, inputs, output):
+        input, output_size, p, ctx.eps, ctx.options = inputs
+        ctx.output_size = list(output_size)
+        ctx.save_for_backward(input, output, p)
+
+    def gradient(ctx, grad_out):
+        input, output, p = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the composition's graph, for the double backward
+            wanted = [t for t in (input, p) if t.requires_grad]
+            found = iter(torch.autograd.grad(_gem_composition(input, ctx.output_size, p, ctx.eps), wanted, grad_out,
+                                             create_graph=True) if wanted else ())
+            grad_input, grad_p = (next(found) if t.requires_grad else None for t in (input, p))
+        else:
+            grad_input, grad_p = backward_op(grad_out, input, output, p, ctx.eps, _backward_options(ctx.options))
+        return grad_input, None, grad_p, None, None
+
+    forward_op.register_autograd(gradient, setup_context=setup)
+    _GEM_OPS[ndim] = forward_op, backward_op
+
+
+for _ndim in (1, 2, 3):
+    _register_gem(_ndim)
+
+
+def _gem_p(p, input: torch.Tensor) -> torch.Tensor:
+    """``p`` as a tensor of one element: a number becomes one in the input's accumulation dtype."""
+    if isinstance(p, torch.Tensor):
+        if p.numel() != 1 or not p.is_floating_point():
+            raise TypeError(f"p must be a number or a floating-point tensor of one element, got a {p.dtype} tensor "
+                            f"of shape {tuple(p.shape)}")
+        return p
+    _gem.check_arguments(p, 1.0)
+    return torch.tensor([float(p)], dtype=torch.float64 if input.dtype == torch.float64 else torch.float32,
+                        device=input.device)
+
+
+def _gem_pool(ndim: int, input, output_size, p, eps, options: str):
+    output_size = _check_input(input, ndim, output_size)
+    p = _gem_p(p, input)
+    _gem.check_arguments(1.0, eps)
+    if _exported_to_onnx():
+        return _gem_composition(input, output_size, p, float(eps))
+    _check_no_functorch_transform()
+    return _GEM_OPS[ndim][0](input, output_size, p, float(eps), options)
+
+
+def _make_gem_function(ndim: int):
+    def adaptive_gem_pool(input, output_size, p=3.0, eps=1e-6, *, device=None, variant=None, config=None):
+        return _gem_pool(ndim, input, output_size, p, eps, _encode_options(device, variant, config))
+
+    adaptive_gem_pool.__name__ = adaptive_gem_pool.__qualname__ = find("gem", ndim).name
+    adaptive_gem_pool.__doc__ = (
+        f"Adaptive generalized-mean (GeM) pooling of a {ndim}d-pooled tensor: ``(mean over the window of "
+        f"input.clamp(min=eps) ** p) ** (1/p)`` in one pass; ``p`` a number or a one-element tensor (its "
+        f"gradient is computed), ``eps`` > 0; ``device=``, ``variant=``, ``config=`` as for pool_tuner's ops.")
+    return adaptive_gem_pool
+
+
+adaptive_gem_pool1d = _make_gem_function(1)
+adaptive_gem_pool2d = _make_gem_function(2)
+adaptive_gem_pool3d = _make_gem_function(3)
+_GEM_FUNCTIONS = {1: adaptive_gem_pool1d, 2: adaptive_gem_pool2d, 3: adaptive_gem_pool3d}
+
+
+class _AdaptiveGeMPool(_OwnModule, torch.nn.Module):
+    """GeM pooling to ``output_size`` with exponent ``p`` -- an ``nn.Parameter`` of one element where
+    ``p_trainable`` (learnt with the model, as in retrieval heads), else a buffer -- and floor ``eps``."""
+
+    ndim: int
+    repr_fields = ("output_size", "eps")
+
+    def __init__(self, output_size, p=3.0, eps=1e-6, p_trainable=True, *, device=None, variant=None, config=None):
+        super().__init__()
+        _gem.check_arguments(p, eps)
+        self.output_size, self.eps = output_size, float(eps)
+        value = torch.full((1,), float(p))
+        if p_trainable:
+            self.p = torch.nn.Parameter(value)
+        else:
+            self.register_buffer("p", value)
+        self.device, self.variant, self.config = device, variant, config
+
+    def extra_repr(self) -> str:
+        return f"p={float(self.p.detach().reshape(())):.4g}, " + super().extra_repr()
+
+    def forward(self, input):
+        return _GEM_FUNCTIONS[self.ndim](input, self.output_size, self.p, self.eps, device=self.device,
+                                     variant=self.variant, config=self.config)
+
+
+class AdaptiveGeMPool1d(_AdaptiveGeMPool):
+    ndim = 1
+
+
+class AdaptiveGeMPool2d(_AdaptiveGeMPool):
+    ndim = 2
+
+
+class AdaptiveGeMPool3d(_AdaptiveGeMPool):
+    ndim = 3

@@ -118,16 +118,19 @@ def plan_of(key) -> plans.Plan | None:
     return _PLANS.get(key)
 
 
-def run(found: plans.Plan, tensors: list) -> list:
+def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:
     """Run a plan on CPU ``tensors`` (``[x]``, ``[grad_out]`` or ``[grad_out, indices]``);
-    returns its results as tensors in the problem's layout."""
+    returns its results as tensors in the problem's layout.  ``scalars``: the call's run-time
+    kernel arguments, where not the plan's (``Problem.with_arguments``: GeM's p and eps)."""
     problem = found.problem
     if not found.device.info.shares_host_memory:
         arrays = [ops_array(t) for t in tensors]
         names = (problem.flow.argument, "indices")  # as many as there are arrays
-        return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names), _result_likes(found, tensors[0]))]
+        return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names, scalars),
+                                                _result_likes(found, tensors[0]))]
     tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
-    return found.run(tensors, functools.partial(empty_result, problem, tensors[0].dtype), _data_ptr)
+    return found.run(tensors, functools.partial(empty_result, problem, tensors[0].dtype), _data_ptr,
+                     scalars=scalars)
 
 
 #: A tensor's address (``plans.Plan.run``).

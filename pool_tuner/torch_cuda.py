@@ -40,9 +40,10 @@ from .operations import DIRECTIONS, FUNCTIONS
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 #: pool_tuner.ops function -> (op, direction): what ``call`` and ``plan`` take (the multi-level ops
-#: have no function of that form; ``plan_op`` takes any op by name)
+#: and GeM, whose operator takes arguments, have no function of that form; ``plan_op`` takes any op
+#: by name)
 _SIGNATURES = {getattr(ops, name): (operation.name, direction.name)
-               for name, (operation, direction) in FUNCTIONS.items() if not operation.multi_level}
+               for name, (operation, direction) in FUNCTIONS.items() if operation.in_pytorch}
 
 _PLANS = plans.PlanTable("torch_cuda.plans")
 

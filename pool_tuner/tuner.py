@@ -330,7 +330,8 @@ def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_
 
     def generate(params):
         building["params"] = {k: int(v) for k, v in params.items()}
-        return kernel_source.render(variant.template, variant.defines(building["params"], problem))
+        return kernel_source.render(variant.template, variant.defines(building["params"], problem),
+                                    problem.operation.operator_header)
 
     names = list(variant.search_space)
 

@@ -674,6 +674,47 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
+# ---------------------------------------------------------------------------- GeM's own forward variants
+# GeM's operator takes run-time arguments (p, eps: kernels/operators/gem.h), which the shared
+# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own; its backward
+# gather is the mean's, through its operator, so it runs every single-level backward variant.
+
+
+class GemWindows(Variant):
+    name = "gem_windows"
+    summary = ("GeM, any problem and layout: each work-item maps and sums one whole window (small windows "
+               "unrolled over their box, others row by row in `row_lanes` masked lanes), then takes the mean's p-th root")
+    search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024], "row_lanes": [1, 4, 8, 16]}
+    default = {"block_size_x": 64, "row_lanes": 1}
+    runs_every_problem = True
+    #: Windows past the small box (SMALL_BOX_LIMIT) whose rows have at least this many elements
+    #: default to LONG_ROW_LANES lanes: the lanes' steps are vector code, the scalar loop is not.
+    LONG_ROW = 16
+    LONG_ROW_LANES = 8
+
+    def default_for(self, problem):
+        """``default``, with ``LONG_ROW_LANES`` lanes for windows past the small box with long rows."""
+        widest = _max_windows(problem)
+        if math.prod(widest) > SMALL_BOX_LIMIT and widest[2] >= self.LONG_ROW:
+            return {**self.default, "row_lanes": self.LONG_ROW_LANES}
+        return self.default
+
+    def groups(self, params, problem):
+        return _grid(math.prod(problem.out_spatial), problem, params["block_size_x"])
+
+
+class GemPlanes(_Global):
+    name = "gem_planes"
+    summary = ("GeM, global pooling, channels-first: a work-item maps and sums one whole plane in `run_lanes` "
+               "independent lanes, neighbouring work-items on neighbouring planes")
+    channels_last = False
+    search_space = {"block_size_x": [16, 64, 256, 1024], "run_lanes": [4, 8, 16, 32]}
+    default = {"block_size_x": 16, "run_lanes": 8}
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+
 # ---------------------------------------------------------------------------- multi-level ops
 # The variants of the multi-level ops (pool_tuner.pyramid, kernels/pyramid.h).  The cell variants
 # reduce each cut-point cell of a plane once and combine the cells into every level's windows;
@@ -904,9 +945,16 @@ _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), P
                              PyramidChannelsBackward(), PyramidGather())}
 
 
+#: GeM's forward variants in the order the default choice tries them where no rule names one
+#: (default_rules.decide): the global variant first, where it is legal.
+_GEM = {"forward": (GemPlanes(), GemWindows()), "backward": _BACKWARD}
+
+
 def _variants_of(op: str, direction: str) -> tuple:
     if OPS[op].multi_level:
         return _MULTI_LEVEL[direction]
+    if OPS[op].arguments:
+        return _GEM[direction]
     return _SINGLE_LEVEL[direction]
 
 
@@ -940,7 +988,7 @@ def markdown_table() -> str:
     table that docs/design.md prints ("The variant table"; ``tests/test_readme.py`` keeps that copy
     true).  A variant whose default adapts to the problem (``default_for``) says so; design.md says how."""
     lines = ["| direction | variant | idea | tuning parameters: values (default) |", "|---|---|---|---|"]
-    for direction, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
+    for direction, table in (("forward", _FORWARD + _GEM["forward"]), ("backward", _BACKWARD)):
         for variant in table:
             parameters = "; ".join(f"`{name}` {_values(values)} ({variant.default[name]})"
                                    for name, values in variant.search_space.items())

@@ -139,9 +139,12 @@ def test_bad_filters_are_rejected_before_compiling():
 
 def test_helper_programs_cover_every_dtype_and_leave_with_the_filters():
     found = compile_check.helper_programs(archs=("sm_80", "sm_90"))
+    gem = {f"gem_input_gradient_{ndim}d_{kind}" for ndim in (1, 2, 3) for kind in ("global", "windows")}
     assert {(h.program, h.dtype, h.arch) for h in found} == {
-        ("avgmax_join", dtype, arch) for dtype in DTYPES for arch in ("sm_80", "sm_90")}
-    assert all(f"KERNEL void {name}(" in found[0].source for name in found[0].kernel_names)
+        (program, dtype, arch) for program in {"avgmax_join"} | gem for dtype in DTYPES for arch in ("sm_80", "sm_90")}
+    assert all(f"KERNEL void {name}(" in h.source for h in found for name in h.kernel_names)
+    assert len(compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_gem_pool2d"], dtypes=["float16"])) == 2
+    assert compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_gem_pool2d"], directions=["forward"]) == []
     assert compile_check.helper_programs(archs=("sm_80",), variants=["thread_per_output"]) == []
     assert compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avg_pool2d"]) == []
     assert len(compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avgmax_pool2d"],
@@ -185,8 +188,8 @@ BROKEN = {
 def test_a_broken_variant_is_reported_by_name_and_fails_the_run(monkeypatch, breakage):
     render = kernel_source.render
 
-    def broken_render(template, defines):
-        source = render(template, defines)
+    def broken_render(template, defines, operator_header=kernel_source.OPERATOR_HEADER):
+        source = render(template, defines, operator_header)
         if template == "forward/smem_tiled.c":
             source += BROKEN[breakage]
         return source

@@ -18,7 +18,8 @@ from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
 
 #: The single-level ops and their variants (the multi-level ops: tests/test_pyramid.py).
-OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
+#: GeM (an operator with run-time arguments, whose backward takes x) has tests of its own: test_gem.py
+OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level and not operation.arguments}
 from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window

@@ -490,7 +490,8 @@ from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem  # noqa: E402
 #: The multi-level ops' variants (``_multi_level_cases``), and the single-level ops and their variants.
 from pool_tuner.variants import REGISTRY  # noqa: E402
 MULTI_LEVEL = {key: table for key, table in REGISTRY.items() if OPS[key[0]].multi_level}
-OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level}
+#: GeM (an operator with run-time arguments, whose backward takes x) has tests of its own: test_gem.py
+OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level and not operation.arguments}
 REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
 from conftest import RUN_SEED  # noqa: E402

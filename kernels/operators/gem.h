@@ -1,0 +1,84 @@
+/* operators/gem.h -- generalized-mean (GeM) pooling's operator, in operators.h's place in GeM's programs:
+ *
+ *   y = (mean over the window of max(x, eps)^p)^(1/p)
+ *
+ * Only GeM's programs include this header (pool_tuner.operations.OPERATOR_HEADERS), so the programs of
+ * the other ops, and the kernel hashes of their tuning records, do not change when GeM does.
+ *
+ * The OP_* definitions are those of the inner mean -- an accumulating op over the mapped elements
+ * max(x, eps)^p -- which is what the backward gather routes (gradients.h): the gradient of a window's
+ * mean reaches each of its inputs divided by the window's area.  p and eps are run-time kernel
+ * arguments (a learnt exponent changes every training step, so it must not cost a build); the
+ * shared reduction helpers (reduction.h) take no run-time argument, so GeM's forward variants
+ * (kernels/forward/gem_*.c) map and finish through gem_power and gem_root themselves.
+ */
+#define OP_SELECTS 0
+#define OP_IDENTITY ((acc_t)0)
+#define OP_MAP(x) (x)
+#define OP_COMBINE(a, b) ((a) + (b))
+#define OP_FINISH(value, area) ((value) / (acc_t)(area))
+#define OP_GRADIENT_SHARE(grad, area) ((grad) / (acc_t)(area))
+#define IF_SELECTING(...)
+
+/* GeM's forward kernels take p and eps after the plane count. */
+#define GEM_PARAMS , const acc_t p, const acc_t eps
+
+/* log2 and exp2 in float32 arithmetic alone.  OpenCL's pow, exp2 and log2 run as scalar library
+ * calls on CPU devices (PoCL), which keeps every loop that calls them from vectorising; these are
+ * plain arithmetic and bit moves, which vectorise.  Accurate to a few float32 ulps for every
+ * normal positive x (log2) and every result between 2^-126 and 2^128 (exp2). */
+DEVICE_FN float log2_arithmetic(float x)
+{
+    const unsigned int bits = FLOAT_AS_UINT(x);
+    float exponent = (float)((int)(bits >> 23) - 127);
+    float m = UINT_AS_FLOAT((bits & 0x007FFFFFu) | 0x3F800000u); /* x = m * 2^exponent, m in [1, 2) */
+    const int high = m > 1.41421356f;
+    m = high ? 0.5f * m : m;                                     /* m in [0.707, 1.414] */
+    exponent += high ? 1.0f : 0.0f;
+    const float t = (m - 1.0f) / (m + 1.0f), t2 = t * t;         /* ln m = 2 atanh t, |t| <= 0.172 */
+    const float series = t * (2.0f + t2 * (0.666666667f + t2 * (0.4f + t2 * (0.285714286f + t2 * 0.222222222f))));
+    return exponent + series * 1.44269504f;
+}
+
+DEVICE_FN float exp2_arithmetic(float z)
+{
+    z = z < -126.0f ? -126.0f : (z > 128.0f ? 128.0f : z);
+    const float k = (float)((int)(z + 128.5f) - 128), f = (z - k) * 0.693147181f; /* 2^z = 2^k e^f, |f| <= 0.347 */
+    const float e = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f
+                    + f * (0.00138888889f + f * 0.000198412698f))))));
+    return e * UINT_AS_FLOAT((unsigned int)((int)k + 127) << 23);
+}
+
+/* max(x, eps)^p, a NaN staying NaN (as PyTorch's clamp(min=eps) keeps it).  The default exponent 3
+ * is two multiplications, as PyTorch's pow computes a power of 3; float32 accumulation takes
+ * exp2(p log2 c) in arithmetic (above), float64 the library's pow. */
+DEVICE_FN acc_t gem_power(acc_t x, acc_t p, acc_t eps)
+{
+    const acc_t c = x < eps ? eps : x;
+#if DTYPE_FLOAT64
+    return p == (acc_t)3 ? c * c * c : pow(c, p);
+#else
+    return p == (acc_t)3 ? c * c * c : IS_NAN(c) ? c : exp2_arithmetic(p * log2_arithmetic(c));
+#endif
+}
+
+/* ln(c) of a clamped element c (> 0, or NaN): the gradient of p needs it. */
+DEVICE_FN acc_t gem_log(acc_t c)
+{
+#if DTYPE_FLOAT64
+    return log(c);
+#else
+    return IS_NAN(c) ? c : 0.693147181f * log2_arithmetic(c);
+#endif
+}
+
+/* The output of a window whose mapped elements sum to `sum` over `area` elements. */
+DEVICE_FN acc_t gem_root(acc_t sum, index_t area, acc_t p)
+{
+    const acc_t mean = sum / (acc_t)area;
+#if DTYPE_FLOAT64
+    return pow(mean, (acc_t)1 / p);
+#else
+    return IS_NAN(mean) || mean == (acc_t)INFINITY ? mean : exp2_arithmetic(log2_arithmetic(mean) / p);
+#endif
+}

@@ -1,0 +1,222 @@
+"""Generalized-mean (GeM) pooling: ``y = (mean over the window of max(x, eps)**p) ** (1/p)``.
+
+GeM (Radenovic et al., TPAMI 2018) is the pooling head of image retrieval, re-identification and
+place recognition models; ``p = 1`` is average pooling and ``p -> inf`` max pooling.  It is one op
+object (``operations.OPERATIONS["adaptive_gem_pool2d"]``, kind ``gem``) with its operator in
+``kernels/operators/gem.h``; ``p`` and ``eps`` reach the kernels as run-time arguments, so a
+learnt exponent that changes every step needs no new build.
+
+Forward: one read of the input, no temporary (GeM's forward variants, dispatched and tuned like
+every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics) in two passes:
+
+1. the gather of the window means' gradients ``dL/dm_o = dL/dy_o * y_o**(1-p) / p`` (output-sized,
+   computed here) into each input's share -- the backward of the mean through GeM's operator,
+   any backward variant, dispatched and tuned as the op's backward problem; global pooling, where
+   an input's share is its plane's, skips it;
+2. ``kernels/operators/gem_input_gradient.c``: each input's gradient from its share, its value, ``p``
+   and ``eps``, and per work-group the input terms of the gradient of ``p``, which the host adds in
+   order.  float32/float64 keep the shares in the gradient's own memory; float16/bfloat16 gather
+   them in float32 (where ``y**(1-p)`` of small outputs does not overflow) beside it.
+
+The numpy functions below take numpy arrays (and, forward only, the device arrays of
+``pool_tuner.adaptive_*``); ``pool_tuner.torch`` has the autograd op and modules.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+
+import numpy as np
+
+from . import backends, dispatch, kernel_source, ops, plans
+from .operations import BACKWARD, find
+from .problem import Problem
+from .variants import is_global
+
+#: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
+#: ``items_per_thread`` inputs ``block_size_x`` apart (neighbouring work-items on neighbouring inputs).
+INPUT_GRADIENT_CONFIG = {"block_size_x": 64, "items_per_thread": 16}
+INPUT_GRADIENT_FILE = "operators/gem_input_gradient.c"
+INPUT_GRADIENT_KERNEL = "gem_input_gradient"
+
+_KERNELS: dict = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def check_arguments(p, eps, p_name: str = "p") -> dict:
+    """``{"p": p, "eps": eps}`` as floats, after checking both: real, finite and positive."""
+    values = {}
+    for name, value in ((p_name, p), ("eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        values[name] = float(value)
+    return {"p": values[p_name], "eps": values["eps"]}
+
+
+def forward(ndim: int, x, output_size, p=3.0, eps=1e-6, *, device=None, variant=None, config=None):
+    """GeM pooling of ``x`` (numpy or device array) over its last ``ndim`` axes."""
+    arguments = check_arguments(p, eps)
+    return ops.pool_forward(find("gem", ndim).name, x, output_size, device=device, variant=variant, config=config,
+                            arguments=arguments)
+
+
+def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None, variant=None,
+             config=None) -> tuple:
+    """``(grad_x, grad_p)``: the gradients of ``sum(grad_out * adaptive_gem_pool(x, ...))`` for
+    ``x`` (an array like ``x``) and ``p`` (a float), numpy arrays in and out.  ``output``: the
+    forward's result, when the caller has it (else it is computed); ``variant``/``config`` choose
+    the gather's backward variant."""
+    arguments = check_arguments(p, eps)
+    for name, array in (("grad_out", grad_out), ("x", x)):
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    if output is None:
+        output = forward(ndim, x, output_size, p, eps, device=device)
+    if grad_out.shape != output.shape:
+        raise ValueError(f"grad_out must have the shape of the output {output.shape}, got {grad_out.shape}")
+    operation = find("gem", ndim)
+    channel_axis = x.ndim - ndim - 1
+    channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    mean_grad = mean_gradient(grad_out.astype(np.float64), output.astype(np.float64), arguments["p"]).astype(acc)
+    problem = Problem.create(operation.name, x.shape, tuple(output.shape[x.ndim - ndim:]), _dtype_name(x.dtype),
+                             plans.LAYOUT_NAMES[ndim][1 if channels_last else 0], direction="backward")
+    memory = (lambda a: np.moveaxis(a, channel_axis, -1)) if channels_last else (lambda a: a)
+    x_memory = np.ascontiguousarray(memory(x))
+    if plane_shares(problem):
+        shares_memory = np.ascontiguousarray(mean_grad)
+        grad_memory = np.empty(x_memory.shape, x.dtype)
+    else:
+        if channels_last:
+            mean_grad = np.moveaxis(np.ascontiguousarray(memory(mean_grad)), -1, channel_axis)
+        shares = ops.pool_backward(operation.name, mean_grad, x.shape, device=device, variant=variant, config=config)
+        shares_memory = memory(shares)
+        grad_memory = shares_memory if shares.dtype == x.dtype else np.empty(x_memory.shape, x.dtype)
+    dev = backends.resolve_device(device)
+    terms = input_gradient(dev, problem, arguments, x_memory.ctypes.data, shares_memory.ctypes.data,
+                           grad_memory.ctypes.data)
+    grad_x = np.moveaxis(grad_memory, -1, channel_axis) if channels_last else grad_memory
+    grad_p = math.fsum(terms.tolist()) + output_term(grad_out.astype(np.float64), output.astype(np.float64),
+                                                     arguments["p"])
+    return grad_x, grad_p
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def mean_gradient(grad_out, output, p):
+    """``dL/dm`` of each window mean ``m = y**p`` from ``dL/dy``: ``dL/dy * y**(1-p) / p`` (any
+    array library: numpy arrays or tensors, ``p`` a number or a 0-d tensor)."""
+    return grad_out * output ** (1 - p) / p
+
+
+def output_term(grad_out, output, p) -> float:
+    """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``."""
+    return float(-(grad_out * output * np.log(output)).sum() / p)
+
+
+def plane_shares(problem: Problem) -> bool:
+    """Whether the input-gradient kernel of ``problem`` reads the window means' gradients per plane
+    (global pooling: every input has one window, its plane's, so no gather runs) rather than
+    gathered shares per input."""
+    return is_global(problem)
+
+
+def input_gradient_groups(problem: Problem) -> int:
+    """Work-groups of the input-gradient kernel for ``problem`` (GeM's backward problem)."""
+    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
+    return -(-math.prod(problem.input_shape) // per_group)
+
+
+def input_gradient_program(problem: Problem) -> str:
+    """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
+    files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
+    return kernel_source.render_files(files, {**problem.defines(), "PLANE_SHARES": int(plane_shares(problem)),
+                                              **INPUT_GRADIENT_CONFIG})
+
+
+def helper_problems(ops=None, dtypes=("float32",)) -> list:
+    """``(label, problem)``: a global and a windowed backward problem of each GeM op in ``ops``
+    (None: every rank) and dtype, whose input-gradient programs ``pool-tuner compile-check``
+    compiles beside the variants'."""
+    found = []
+    for ndim in (1, 2, 3):
+        op = find("gem", ndim).name
+        if ops is not None and op not in ops:
+            continue
+        for kind, size in (("global", 1), ("windows", 4)):
+            for dtype in dtypes:
+                found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
+                              Problem.create(op, (2, 3) + (9,) * ndim, size, dtype, direction="backward")))
+    return found
+
+
+def input_gradient_kernel(device, problem: Problem):
+    """The built input-gradient kernel of ``problem``'s per-sample shape on ``device``'s default
+    context (built once per ``Problem.kernel_key``)."""
+    context = device.queue.context
+    key = (context, problem.kernel_key)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        with _KERNELS_LOCK:
+            kernel = _KERNELS.get(key)
+            if kernel is None:
+                kernel = _KERNELS[key] = device.build(context, input_gradient_program(problem), INPUT_GRADIENT_KERNEL)
+    return kernel
+
+
+def input_gradient(device, problem: Problem, arguments: dict, x_address: int, shares_address: int,
+                   grad_address: int) -> np.ndarray:
+    """Run the input-gradient kernel over host memory (the input, the shares and the gradient, in
+    the problem's memory order; gathered shares may be the gradient's memory, and where
+    ``plane_shares`` they are the window means' gradients, one per plane): writes the gradient,
+    returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
+    if not device.info.shares_host_memory:
+        raise NotImplementedError(f"GeM's backward on numpy arrays needs a device that shares host memory; "
+                                  f"{device.info.describe()} does not")
+    if device.info.host_fallback is not None:
+        raise RuntimeError(f"GeM's backward cannot run in this process: {device.info.host_fallback}")
+    groups = input_gradient_groups(problem)
+    acc = np.float64 if problem.dtype == "float64" else np.float32
+    terms = np.empty(groups, acc)
+    numel = math.prod(problem.input_shape)
+    itemsize = np.dtype(acc).itemsize
+    storage = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[problem.dtype]
+    launch = dispatch.Launch(input_gradient_kernel(device, problem), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
+                             (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"])))
+    shares = (problem.planes if plane_shares(problem) else numel) * itemsize
+    run = device.prepare(launch, (numel * storage, shares, numel * storage, groups * itemsize), 2)
+    run(None, x_address, shares_address, grad_address, terms.ctypes.data)
+    return terms
+
+
+def _make(ndim: int):
+    def adaptive_gem_pool(x, output_size, p=3.0, eps=1e-6, *, device=None, variant=None, config=None):
+        return forward(ndim, x, output_size, p, eps, device=device, variant=variant, config=config)
+
+    def adaptive_gem_pool_backward(grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None,
+                                   variant=None, config=None):
+        return backward(ndim, grad_out, x, output_size, p, eps, output=output, device=device, variant=variant,
+                        config=config)
+
+    name = find("gem", ndim).name
+    adaptive_gem_pool.__name__ = adaptive_gem_pool.__qualname__ = name
+    adaptive_gem_pool.__doc__ = (
+        f"Adaptive generalized-mean (GeM) pooling of a {ndim}d-pooled array to ``output_size``: "
+        f"``(mean over the window of max(x, eps)**p) ** (1/p)``, ``p`` and ``eps`` finite and > 0 "
+        f"(``p = 1`` is average pooling; large ``p`` tends to max pooling).")
+    adaptive_gem_pool_backward.__name__ = adaptive_gem_pool_backward.__qualname__ = BACKWARD.op_name(find("gem", ndim))
+    adaptive_gem_pool_backward.__doc__ = (
+        f"``(grad_x, grad_p)`` of {name}: the gradients for ``x`` and ``p`` of "
+        f"``sum(grad_out * {name}(x, output_size, p, eps))``, deterministic (no atomics).")
+    return adaptive_gem_pool, adaptive_gem_pool_backward
+
+
+adaptive_gem_pool1d, adaptive_gem_pool1d_backward = _make(1)
+adaptive_gem_pool2d, adaptive_gem_pool2d_backward = _make(2)
+adaptive_gem_pool3d, adaptive_gem_pool3d_backward = _make(3)

@@ -1,0 +1,199 @@
+"""GeM pooling on numpy arrays: forward and backward (for x and p) against the float64 reference,
+every forward variant, dtype and layout; p = 1 is average pooling, large p tends to max; the clamp's
+edges; bad arguments; the op as one object (its operator header, its rules)."""
+
+import math
+
+import numpy as np
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import kernel_source, reference
+from pool_tuner.operations import OPERATIONS, find
+from pool_tuner.problem import LAYOUT_NAMES, Problem
+from pool_tuner.variants import variants_for
+
+TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+SHAPES = [((2, 3, 10, 9), (4, 7)), ((2, 5, 7, 7), 1), ((1, 4, 23, 37), (5, 7)), ((2, 3, 5, 6), (7, 9)),
+          ((3, 8, 16, 16), (2, 2))]
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _input(rng, shape, dtype="float64", low=0.0):
+    """Non-negative features with some below eps (post-ReLU activations are)."""
+    x = rng.random(shape) * 2 + low
+    x[rng.random(shape) < 0.1] = 0.0
+    return x.astype(_dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape,size", SHAPES)
+def test_forward_matches_the_reference(rng, shape, size, dtype):
+    x = _input(rng, shape, dtype)
+    p = 1.0 + 3 * rng.random()
+    got = pt.adaptive_gem_pool2d(x, size, p=p)
+    assert got.dtype == x.dtype
+    expected = reference.adaptive_gem_pool(x.astype(np.float64), size, 2, p)
+    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("variant", ["gem_windows", "gem_planes"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_every_variant_and_layout(rng, variant, channels_last, ndim):
+    op = find("gem", ndim)
+    shape = (2, 6) + (5, 6, 40)[3 - ndim:]
+    x = _input(rng, shape)
+    if channels_last:
+        x = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
+    size = 1 if variant == "gem_planes" else (3, 4, 2)[3 - ndim:]
+    kwargs = {"variant": variant}
+    if variant == "gem_planes" and channels_last:
+        with pytest.raises(ValueError, match="channels-first"):
+            getattr(pt, op.name)(x, size, p=2.0, **kwargs)
+        return
+    layout = LAYOUT_NAMES[ndim][int(channels_last)]
+    problem = Problem.create(op.name, shape, size, "float64", layout)
+    configs = variants_for(op.name)[variant].legal_configurations(problem, pt.devices()[0].info.limits)
+    lanes = "run_lanes" if variant == "gem_planes" else "row_lanes"
+    assert {4, 8, 16} <= {c[lanes] for c in configs}
+    for config in configs:
+        if config["block_size_x"] != 64:
+            continue
+        got = getattr(pt, op.name)(x, size, p=2.0, **kwargs, config=config)
+        np.testing.assert_allclose(got, reference.adaptive_gem_pool(x, size, ndim, 2.0), rtol=1e-12)
+
+
+def test_p_changes_without_a_new_build(rng):
+    """p is a run-time argument: the same plan (and kernel) serves every value."""
+    x = _input(rng, (2, 4, 9, 9))
+    for p in (1.0, 2.0, 3.0, 4.5, 3.0):
+        np.testing.assert_allclose(pt.adaptive_gem_pool2d(x, (2, 3), p=p),
+                                   reference.adaptive_gem_pool(x, (2, 3), 2, p), rtol=1e-12)
+    source = kernel_source.render("forward/gem_windows.c", {"POOL_GEM": 1}, OPERATIONS["adaptive_gem_pool2d"].operator_header)
+    assert "const acc_t p" in source and "#define p " not in source
+
+
+def test_p_one_is_average_pooling_and_large_p_tends_to_max(rng):
+    x = rng.random((2, 3, 10, 9)) + 0.5
+    np.testing.assert_allclose(pt.adaptive_gem_pool2d(x, (4, 7), p=1.0), pt.adaptive_avg_pool2d(x, (4, 7)), rtol=1e-14)
+    large = pt.adaptive_gem_pool2d(x, (4, 7), p=200.0)
+    maximum = pt.adaptive_max_pool2d(x, (4, 7))
+    assert np.all(large <= maximum * (1 + 1e-12)) and np.all(large >= maximum * 0.98)
+
+
+def test_the_clamp(rng):
+    """Inputs below eps count as eps (negative, zero, -inf); a window of them pools to eps; NaN propagates."""
+    eps = 1e-3
+    x = np.full((1, 2, 4, 4), -5.0)
+    x[0, 1, :2] = 0.0
+    x[0, 1, 2:] = -np.inf
+    np.testing.assert_allclose(pt.adaptive_gem_pool2d(x, 1, p=3.0, eps=eps), np.full((1, 2, 1, 1), eps), rtol=1e-12)
+    x = rng.random((1, 2, 4, 4))
+    x[0, 0, 1, 1] = np.nan
+    y = pt.adaptive_gem_pool2d(x, (2, 2), p=3.0)
+    assert np.isnan(y[0, 0, 0, 0]) and not np.isnan(y[0, 0, 1, 1]) and not np.isnan(y[0, 1]).any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape,size", SHAPES)
+def test_backward_matches_the_reference(rng, shape, size, dtype):
+    x = _input(rng, shape, dtype)
+    p = 1.5 + 2 * rng.random()
+    y = pt.adaptive_gem_pool2d(x, size, p=p)
+    g = rng.standard_normal(y.shape).astype(x.dtype)
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(g, x, size, p=p)
+    expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64), size, 2, p)
+    assert grad_x.dtype == x.dtype and grad_x.shape == x.shape
+    scale = np.abs(expected_x).max()
+    np.testing.assert_allclose(grad_x.astype(np.float64), expected_x, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10 * scale)
+    assert grad_p == pytest.approx(expected_p, rel=TOL[dtype] * 100, abs=TOL[dtype] * 100)
+
+
+def test_backward_by_finite_differences(rng):
+    """The reference's gradients are those of its forward (central differences in float64)."""
+    x = _input(rng, (1, 2, 7, 6), low=0.01)
+    g = rng.standard_normal((1, 2, 3, 4))
+    p, h = 2.7, 1e-6
+
+    def loss(x, p):
+        return float((g * reference.adaptive_gem_pool(x, (3, 4), 2, p)).sum())
+
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(g, x, (3, 4), p=p)
+    assert grad_p == pytest.approx((loss(x, p + h) - loss(x, p - h)) / (2 * h), rel=1e-6)
+    for index in [(0, 0, 0, 0), (0, 1, 3, 2), (0, 0, 6, 5)]:
+        bump = np.zeros_like(x)
+        bump[index] = h
+        assert grad_x[index] == pytest.approx((loss(x + bump, p) - loss(x - bump, p)) / (2 * h), rel=1e-5, abs=1e-9)
+
+
+def test_backward_channels_last_and_3d(rng):
+    x = _input(rng, (2, 5, 6, 7))
+    x_cl = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
+    g = rng.standard_normal((2, 5, 4, 3))
+    gx, gp = pt.adaptive_gem_pool2d_backward(g, x_cl, (4, 3), p=3.0)
+    ex, ep = reference.adaptive_gem_pool_backward(g, x, (4, 3), 2, 3.0)
+    np.testing.assert_allclose(gx, ex, rtol=1e-11, atol=1e-14)
+    assert gp == pytest.approx(ep, rel=1e-11)
+    g1 = rng.standard_normal((2, 5, 1, 1))
+    gx, gp = pt.adaptive_gem_pool2d_backward(g1, x_cl, 1, p=3.0)  # global: no gather, shares per plane
+    ex, ep = reference.adaptive_gem_pool_backward(g1, x, 1, 2, 3.0)
+    np.testing.assert_allclose(gx, ex, rtol=1e-11, atol=1e-14)
+    assert gp == pytest.approx(ep, rel=1e-11)
+    x3 = _input(rng, (2, 3, 4, 5, 6))
+    g3 = rng.standard_normal((2, 3, 2, 3, 4))
+    gx, gp = pt.adaptive_gem_pool3d_backward(g3, x3, (2, 3, 4), p=2.0)
+    ex, ep = reference.adaptive_gem_pool_backward(g3, x3, (2, 3, 4), 3, 2.0)
+    np.testing.assert_allclose(gx, ex, rtol=1e-11, atol=1e-14)
+    assert gp == pytest.approx(ep, rel=1e-11)
+
+
+def test_backward_is_deterministic(rng):
+    x = _input(rng, (4, 16, 12, 12), "float32")
+    g = rng.standard_normal((4, 16, 3, 3)).astype(np.float32)
+    first = pt.adaptive_gem_pool2d_backward(g, x, 3, p=3.0)
+    for _ in range(3):
+        again = pt.adaptive_gem_pool2d_backward(g, x, 3, p=3.0)
+        assert np.array_equal(again[0], first[0]) and again[1] == first[1]
+
+
+def test_the_clamp_gradient_passes_at_eps_and_stops_below():
+    """PyTorch's clamp(min=eps) passes the gradient where x >= eps (x == eps included)."""
+    eps = 0.25
+    x = np.array([[[eps, eps / 2, 1.0, -1.0]]])
+    gx, _ = pt.adaptive_gem_pool1d_backward(np.ones((1, 1, 1)), x, 1, p=2.0, eps=eps)
+    assert gx[0, 0, 0] > 0 and gx[0, 0, 1] == 0 and gx[0, 0, 2] > 0 and gx[0, 0, 3] == 0
+
+
+@pytest.mark.parametrize("p,eps,error", [(0.0, 1e-6, ValueError), (-1.0, 1e-6, ValueError), (math.inf, 1e-6, ValueError),
+                                         (3.0, 0.0, ValueError), (3.0, math.nan, ValueError), ("3", 1e-6, TypeError),
+                                         (True, 1e-6, TypeError), (3.0, None, TypeError)])
+def test_bad_arguments_are_refused_by_name(p, eps, error):
+    x = np.ones((1, 2, 4, 4))
+    name = "p" if not isinstance(p, float) or not (math.isfinite(p) and p > 0) else "eps"
+    with pytest.raises(error, match=name):
+        pt.adaptive_gem_pool2d(x, 2, p=p, eps=eps)
+    with pytest.raises(error, match=name):
+        pt.adaptive_gem_pool2d_backward(np.ones((1, 2, 2, 2)), x, 2, p=p, eps=eps)
+
+
+def test_the_op_is_one_object_with_its_own_operator_header():
+    op = OPERATIONS["adaptive_gem_pool2d"]
+    assert op.operator_header == "operators/gem.h" and not op.selects and op.rules_kind == "avg"
+    assert [name for name, _ in op.arguments] == ["p", "eps"]
+    for variant in variants_for(op.name, "forward").values():
+        files = kernel_source.program_files(variant.template, op.operator_header)
+        assert "operators/gem.h" in files and "operators.h" not in files
+    avg = OPERATIONS["adaptive_avg_pool2d"]
+    for variant in variants_for(avg.name, "forward").values():
+        assert "operators/gem.h" not in kernel_source.program_files(variant.template, avg.operator_header)
+    # The backward of GeM's problem follows avg's default rules (same variant names).
+    assert pt.explain(op.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"] == \
+        pt.explain(avg.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"]
+    assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"

@@ -1,0 +1,181 @@
+"""GeM pooling for PyTorch (pool_tuner.torch.adaptive_gem_pool*d, AdaptiveGeMPool*d): against
+PyTorch's composition and the float64 reference, gradients for the input and p (gradcheck,
+gradgradcheck), p = 1 / large p, the clamp's edges, the module, and the toolchain
+(opcheck, torch.compile(fullgraph=True), torch.export, ONNX)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import pool_tuner.torch as ptt  # noqa: E402
+from pool_tuner import reference  # noqa: E402
+
+TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+FUNCTIONS = {1: ptt.adaptive_gem_pool1d, 2: ptt.adaptive_gem_pool2d, 3: ptt.adaptive_gem_pool3d}
+MODULES = {1: ptt.AdaptiveGeMPool1d, 2: ptt.AdaptiveGeMPool2d, 3: ptt.AdaptiveGeMPool3d}
+CASES = {1: ((2, 3, 14), (4,)), 2: ((2, 3, 10, 9), (4, 7)), 3: ((2, 3, 5, 6, 7), (2, 3, 4))}
+
+
+def _input(rng, shape, dtype=torch.float64, channels_last=False):
+    x = rng.random(shape) * 2
+    x[rng.random(shape) < 0.1] = 0.0
+    t = torch.from_numpy(x).to(dtype)
+    if channels_last:
+        t = t.movedim(1, -1).contiguous().movedim(-1, 1)
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_forward_and_backward_match_the_composition(rng, ndim, dtype):
+    shape, size = CASES[ndim]
+    x = _input(rng, shape, dtype).requires_grad_()
+    p_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    p = torch.tensor([2.0 + rng.random()], dtype=p_dtype, requires_grad=True)
+    y = FUNCTIONS[ndim](x, size, p)
+    assert y.dtype == dtype and y.shape == shape[:2] + size
+    x64, p64 = x.detach().double().requires_grad_(), p.detach().double().requires_grad_()
+    expected = ptt._gem_composition(x64, list(size), p64, 1e-6)
+    torch.testing.assert_close(y.double(), expected.detach(), rtol=TOL[dtype], atol=TOL[dtype])
+    g = torch.randn_like(y)
+    grad_x, grad_p = torch.autograd.grad(y, (x, p), g)
+    expected_x, expected_p = torch.autograd.grad(expected, (x64, p64), g.double())
+    assert grad_x.dtype == dtype and grad_p.dtype == p.dtype
+    scale = expected_x.abs().max()
+    torch.testing.assert_close(grad_x.double(), expected_x, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10 * scale)
+    p_tol = max(TOL[dtype] * 100, 1e-5 if p_dtype == torch.float32 else 0)
+    torch.testing.assert_close(grad_p.double(), expected_p, rtol=p_tol, atol=p_tol)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, (5, 7)])
+def test_channels_last_keeps_its_layout_and_values(rng, size):
+    x = _input(rng, (2, 6, 11, 9), torch.float32, channels_last=True).requires_grad_()
+    y = ptt.adaptive_gem_pool2d(x, size, 3.0)
+    assert y.is_contiguous(memory_format=torch.channels_last) or y.shape[-1] * y.shape[-2] == 1
+    expected = ptt._gem_composition(x.detach().double(), list(y.shape[-2:]), 3.0, 1e-6)
+    torch.testing.assert_close(y.double(), expected, rtol=2e-5, atol=2e-5)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    (expected_grad,) = torch.autograd.grad(ptt._gem_composition(x64, list(y.shape[-2:]), 3.0, 1e-6).sum(), x64)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_gradcheck_and_gradgradcheck_for_x_and_p(rng, ndim):
+    shape, size = {1: ((1, 2, 7), (3,)), 2: ((1, 2, 5, 4), (3, 2)), 3: ((1, 2, 3, 4, 3), (2, 3, 2))}[ndim]
+    x = (_input(rng, shape) + 0.05).requires_grad_()
+    p = torch.tensor([2.5], dtype=torch.float64, requires_grad=True)
+    function = FUNCTIONS[ndim]
+    assert torch.autograd.gradcheck(lambda x, p: function(x, size, p), (x, p))
+    assert torch.autograd.gradgradcheck(lambda x, p: function(x, size, p), (x, p))
+
+
+def test_matches_the_float64_reference(rng):
+    x = _input(rng, (2, 4, 23, 37))
+    y = ptt.adaptive_gem_pool2d(x, (5, 7), 3.5, eps=1e-3)
+    np.testing.assert_allclose(y.numpy(), reference.adaptive_gem_pool(x.numpy(), (5, 7), 2, 3.5, 1e-3), rtol=1e-12)
+
+
+def test_p_one_is_average_pooling_and_large_p_close_to_max(rng):
+    x = _input(rng, (2, 3, 10, 9), torch.float32) + 0.5
+    torch.testing.assert_close(ptt.adaptive_gem_pool2d(x, (4, 7), 1.0),
+                               torch.nn.functional.adaptive_avg_pool2d(x, (4, 7)), rtol=1e-6, atol=1e-6)
+    large = ptt.adaptive_gem_pool2d(x.double(), (4, 7), 100.0)
+    maximum = torch.nn.functional.adaptive_max_pool2d(x.double(), (4, 7))
+    assert torch.all(large <= maximum * (1 + 1e-12)) and torch.all(large >= maximum * 0.96)
+
+
+def test_clamp_edges_follow_the_composition():
+    """Below eps: eps and no gradient; exactly eps: the gradient passes, as with clamp(min=eps)."""
+    eps = 0.25
+    x = torch.tensor([[[eps, eps / 2, 1.0, -1.0, 0.0, 2.0]]], dtype=torch.float64, requires_grad=True)
+    p = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
+    y = ptt.adaptive_gem_pool1d(x, 2, p, eps=eps)
+    expected = ptt._gem_composition(x, [2], p, eps)
+    torch.testing.assert_close(y, expected)
+    got = torch.autograd.grad(y.sum(), (x, p))
+    want = torch.autograd.grad(expected.sum(), (x, p))
+    torch.testing.assert_close(got, want)
+    assert got[0][0, 0, 0] > 0 and got[0][0, 0, 1] == 0
+
+
+def test_module_learns_p_and_can_keep_it_fixed(rng):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), ptt.AdaptiveGeMPool2d(1), torch.nn.Flatten())
+    gem = model[1]
+    assert isinstance(gem.p, torch.nn.Parameter) and gem.p.shape == (1,) and float(gem.p) == 3.0
+    assert "pool_tuner.torch.AdaptiveGeMPool2d(p=3" in repr(model)
+    x = torch.from_numpy(rng.random((4, 3, 12, 12))).float()
+    model(x).square().sum().backward()
+    assert gem.p.grad is not None and torch.isfinite(gem.p.grad).all() and gem.p.grad.abs() > 0
+    fixed = ptt.AdaptiveGeMPool2d((2, 2), p=4.0, p_trainable=False)
+    assert "p" in dict(fixed.named_buffers()) and not list(fixed.parameters())
+    torch.testing.assert_close(fixed(x), ptt._gem_composition(x, [2, 2], 4.0, 1e-6), rtol=2e-5, atol=2e-5)
+
+
+def test_p_changes_between_calls_without_rebuilding(rng):
+    module = ptt.AdaptiveGeMPool2d(1)
+    x = _input(rng, (2, 4, 7, 7), torch.float32)
+    for value in (3.0, 3.1, 2.9, 1.0):
+        with torch.no_grad():
+            module.p.fill_(value)
+        torch.testing.assert_close(module(x), ptt._gem_composition(x, [1, 1], value, 1e-6), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("p,eps,error,name", [(0.0, 1e-6, ValueError, "p"), (3.0, -1.0, ValueError, "eps"),
+                                              ("3", 1e-6, TypeError, "p"), (torch.ones(2), 1e-6, TypeError, "p"),
+                                              (torch.tensor([-1.0]), 1e-6, ValueError, "p")])
+def test_bad_arguments_name_themselves(p, eps, error, name):
+    with pytest.raises(error, match=name):
+        ptt.adaptive_gem_pool2d(torch.rand(1, 2, 4, 4), 2, p, eps=eps)
+
+
+def test_opcheck(rng):
+    x = _input(rng, (2, 3, 10, 9)).requires_grad_()
+    p = torch.tensor([2.5], dtype=torch.float64, requires_grad=True)
+    forward, backward = ptt._GEM_OPS[2]
+    torch.library.opcheck(forward, (x, [4, 7], p, 1e-6, ""))
+    y = forward(x, [4, 7], p, 1e-6, "")
+    torch.library.opcheck(backward, (torch.randn_like(y), x.detach(), y.detach(), p.detach(), 1e-6, ""))
+
+
+def test_compile_fullgraph_forward_and_backward(rng):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), ptt.AdaptiveGeMPool2d((2, 3)))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.from_numpy(rng.random((2, 3, 11, 12))).float()
+    torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).sum().backward()
+    got = model[1].p.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(got, model[1].p.grad)
+
+
+def test_export_runs_and_matches_eager(rng, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), ptt.AdaptiveGeMPool2d(1))
+    x = torch.from_numpy(rng.random((2, 3, 9, 9))).float()
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=64)},))
+    torch.testing.assert_close(program.module()(x), model(x))
+    path = tmp_path / "gem.pt2"
+    torch.export.save(program, path)
+    torch.testing.assert_close(torch.export.load(path).module()(x), model(x))
+
+
+def test_onnx_export_is_the_composition_and_runs_in_onnxruntime(rng):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), ptt.AdaptiveGeMPool2d(1),
+                                torch.nn.Flatten()).eval()
+    x = torch.from_numpy(rng.random((2, 3, 9, 9))).float()
+    program = torch.onnx.export(model, (x,), verbose=False)
+    assert not [node.domain for node in program.model.graph if node.domain not in ("", "ai.onnx")]
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (result,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(result, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_tensors_are_refused_with_a_message():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    with pytest.raises(NotImplementedError, match="CPU tensors only"):
+        ptt.adaptive_gem_pool2d(torch.rand(1, 2, 4, 4, device="cuda"), 1)
