@@ -549,8 +549,8 @@ class GlobalBlocks(_Global):
         if plane % width:
             return f"vector_width must divide the plane size {plane}"
         if params["threads_per_plane"] * width > max(plane, 1):
-            return ("threads_per_plane * vector_width must not exceed the plane size (every member needs an "
-                    "element)")
+            return (f"threads_per_plane must not exceed the plane size {plane} divided by vector_width {width} "
+                    f"(every member needs an element)")
         return super().illegal_reason(params, problem, limits)
 
     def default_for(self, problem):
