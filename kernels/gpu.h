@@ -3,7 +3,7 @@
  * prelude.h is where CUDA and OpenCL C differ for every program; this header adds what only the
  * GPU-only variants (Variant.device_types == ("gpu",)) use -- exchanging partial results within a
  * warp, and loading several neighbouring elements as one vector -- and only their programs include
- * it (kernel_source.GPU_HEADERS), after reduction.h.  A CPU record's kernel hash covers the
+ * it (kernel_source.GPU_VARIANTS), after reduction.h.  A CPU record's kernel hash covers the
  * variants legal on CPUs alone, so this file is no part of it: editing it stales no CPU record.
  */
 
