@@ -11,7 +11,8 @@ each round, medians: pool_tuner on device arrays (dispatched and the earlier var
 On a CUDA device (``--device cuda:0``; forward), what a GPU lease measures against the issue's
 targets: PyTorch (``torch.nn.functional`` on CUDA tensors), ``pool_tuner.torch`` on the same
 tensors (dispatched), and the kernels alone (``bench``'s prepared launch) of the dispatched choice,
-``global_blocks``, the channels-first or channels-last global variant of before it and the earlier
+``global_blocks`` (and, where the layer allows, ``global_blocks`` reading 4 positions per load:
+``VECTOR_CONFIG``), the channels-first or channels-last global variant of before it and the earlier
 heuristic's variant; each loop between CUDA events, interleaved, medians; every time also as a
 multiple of the copy floor (the layer's bytes over the device's copy bandwidth).
 
@@ -29,6 +30,7 @@ import pool_tuner as pt
 import pool_tuner.torch as ptt
 from pool_tuner import backends, bench, dispatch, tuner
 from pool_tuner.problem import LAYOUT_NAMES, Problem
+from pool_tuner.variants import variants_for
 
 #: (input shape, layout): every layer pools to 1 along each axis.
 LAYERS = [
@@ -44,6 +46,9 @@ ISSUE_LAYERS = [
 ]
 #: The global-pooling forward variant of before global_blocks, per channels-last.
 GLOBAL_BEFORE = {False: "global_planes", True: "global_channels"}
+#: global_blocks's default with vector loads, timed beside it on CUDA where legal: its default reads
+#: one element per load until a GPU has measured the widths.
+VECTOR_CONFIG = {"vector_width": 4}
 #: The variant the heuristic default took for each (direction, channels-last) before.
 BEFORE = {("forward", False): "thread_per_output", ("forward", True): "channels_vector",
           ("backward", False): "plane_scatter", ("backward", True): "plane_scatter"}
@@ -134,6 +139,9 @@ def measure_cuda(device, op, shape, layout, repeat, rng, copy_gbs):
                   "pool_tuner.torch": bench._pool_tuner_torch_candidate(problem, tensors)}
     candidates.update({f"kernel {name}": bench._cuda_kernel_candidate(problem, tensors, variant=name)
                        for name in kernels})
+    if variants_for(op)["global_blocks"].is_legal(VECTOR_CONFIG, problem, device.info.limits):
+        candidates["kernel global_blocks vector_width=4"] = bench._cuda_kernel_candidate(
+            problem, tensors, variant="global_blocks", config=VECTOR_CONFIG)
     medians, _ = bench._interleaved(list(candidates.values()), repeat, rng, bench.time_loop_cuda_events)
     ms = dict(zip(candidates, medians))
     floor_ms = problem.bytes_moved() / (copy_gbs * 1e9) * 1e3

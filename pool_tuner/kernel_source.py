@@ -12,7 +12,9 @@
   in that op's programs alone, so the others' programs and record hashes do not change;
 * ``reduction.h``  -- forward: reducing windows through the operator;
 * ``gradients.h``  -- backward: routing gradients through the operator;
-* ``tiles.h``      -- the tiles of the tiled variants (only their programs include it).
+* ``tiles.h``      -- the tiles of the tiled variants (only their programs include it);
+* ``gpu.h``        -- the prelude of the variants shaped for GPUs alone (warp exchange, vector
+  loads): where CUDA and OpenCL C differ for them; only their programs include it.
 
 A program is ``defines + headers + variant file`` (``program_files``): the per-sample shape, dtype,
 op, index width and tuning parameters arrive as ``#define`` lines, so one rendered program is one
@@ -26,7 +28,8 @@ every variant of the problem's direction that is legal on the record's kind of d
 run against each other (its best, default and runners-up), so editing any one of them -- or a
 header -- can change which wins: that code identifies the record, and the key stays one per
 problem.  A variant shaped for GPUs alone (``global_blocks``) was never a candidate on a CPU, so
-it is no part of a CPU record's hash: adding or editing it leaves the CPU records current.
+it is no part of a CPU record's hash: adding or editing it -- or ``gpu.h``, which only such
+variants' programs include -- leaves the CPU records current.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ DIRECTION_HEADERS = {"forward": ("reduction.h",), "backward": ("gradients.h",)}
 PYRAMID_HEADERS = {"forward": ("pyramid.h",), "backward": ("reduction.h", "pyramid.h")}
 #: Variants (in either direction) that tile the array they write: their programs include tiles.h.
 TILED_VARIANTS = ("smem_tiled",)
+#: Variants shaped for GPUs alone (``Variant.device_types == ("gpu",)``): their programs include
+#: gpu.h, their prelude, after the direction's headers.
+GPU_VARIANTS = ("global_blocks",)
 #: The variants of multi-level ops are named with this prefix: their programs include pyramid.h.
 PYRAMID_PREFIX = "pyramid_"
 
@@ -100,10 +106,11 @@ def program_files(template: str, operator_header: str = OPERATOR_HEADER) -> tupl
         raise ValueError(f"template must be '<direction>/<variant>.c' with direction one of "
                          f"{sorted(DIRECTION_HEADERS)}, got {template!r}")
     name = file[: -len(".c")]
+    gpu = ("gpu.h",) if name in GPU_VARIANTS else ()
     tiles = ("tiles.h",) if name in TILED_VARIANTS else ()
     levels = PYRAMID_HEADERS[direction] if name.startswith(PYRAMID_PREFIX) else ()
     headers = tuple(operator_header if header == OPERATOR_HEADER else header for header in HEADERS)
-    return headers + DIRECTION_HEADERS[direction] + tiles + levels + (template,)
+    return headers + DIRECTION_HEADERS[direction] + gpu + tiles + levels + (template,)
 
 
 @functools.cache

@@ -512,15 +512,20 @@ class GlobalChannels(_Global):
 class GlobalBlocks(_Global):
     name = "global_blocks"
     summary = ("global pooling, either layout, GPUs only: a team of `threads_per_plane` work-items per plane reads "
-               "neighbouring positions at each step with `accumulators` loads in flight each, teams side by side "
-               "in a work-group, merged by a tree in local memory")
+               "neighbouring positions (channels-first: `vector_width` at a time) at each step with `accumulators` "
+               "loads in flight each, teams side by side in a work-group, merged by a tree in local memory, its "
+               "last rounds within a warp with `warp_shuffle`")
     device_types = ("gpu",)
+    #: vector_width first, so that the last legal configuration (compile_check's and Oclgrind's
+    #: "largest") reads vectors wherever the problem allows them.
     search_space = {
+        "vector_width": [1, 2, 4],
         "block_size_x": [64, 128, 256, 512, 1024],
         "threads_per_plane": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
         "accumulators": [1, 2, 4, 8],
+        "warp_shuffle": [0, 1],
     }
-    default = {"block_size_x": 256, "threads_per_plane": 32, "accumulators": 4}
+    default = {"block_size_x": 256, "threads_per_plane": 32, "accumulators": 4, "warp_shuffle": 1, "vector_width": 1}
     #: The default team gives each member about this many elements of its plane: enough loads per
     #: work-item to hide their latency, and the team as wide as the plane allows up to the work-group.
     ELEMENTS_PER_MEMBER = 8
@@ -534,15 +539,27 @@ class GlobalBlocks(_Global):
         return None
 
     def illegal_reason(self, params, problem, limits):
+        """Vectors (``vector_width`` > 1) are neighbouring positions of a channels-first plane whose
+        length they divide, so that every plane starts on a vector boundary where the input does
+        (the kernel tests the input's alignment and reads element by element where it is not)."""
         plane = math.prod(problem.in_spatial)
-        if params["threads_per_plane"] > max(plane, 1):
-            return "threads_per_plane must not exceed the plane size (every member needs an element)"
+        width = params["vector_width"]
+        if width > 1 and problem.channels_last:
+            return "vector_width > 1 needs channels-first memory (a vector is neighbouring positions of one plane)"
+        if plane % width:
+            return f"vector_width must divide the plane size {plane}"
+        if params["threads_per_plane"] * width > max(plane, 1):
+            return (f"threads_per_plane must not exceed the plane size {plane} divided by vector_width {width} "
+                    f"(every member needs an element)")
         return super().illegal_reason(params, problem, limits)
 
     def default_for(self, problem):
         """``default`` with a team of the widest power of two, at most the work-group, that leaves
         each member ``ELEMENTS_PER_MEMBER`` elements (one member for planes smaller than that);
-        channels-last, narrow enough for ``MIN_CHANNELS_LAST_TEAMS`` teams per work-group."""
+        channels-last, narrow enough for ``MIN_CHANNELS_LAST_TEAMS`` teams per work-group.  Its last
+        merge rounds within a warp (``warp_shuffle``; a team of one has no rounds, so there it
+        changes nothing); element by element (``vector_width`` 1): no GPU has measured the vector
+        widths yet."""
         plane = math.prod(problem.in_spatial)
         widest = self.default["block_size_x"] // (self.MIN_CHANNELS_LAST_TEAMS if problem.channels_last else 1)
         fitting = [t for t in self.search_space["threads_per_plane"]

@@ -256,6 +256,35 @@ def test_global_blocks_over_more_than_2_31_elements(device, ptt, op, layout):
             assert (values[plane], indices[plane]) == (expected[0].item(), expected[1].item()), f"plane {plane}"
 
 
+@pytest.mark.own_process
+@pytest.mark.parametrize("offset", [0, 1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
+@pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d"])
+def test_global_blocks_vector_loads_and_warp_rounds(ptt, op, dtype, offset):
+    """global_blocks reading 4 positions per load with its last merge rounds in the warp
+    (__shfl_down_sync), on an input that starts on a 16-element boundary and on views one or two
+    elements past it (an unaligned wide load would fault: the kernel reads those element by element):
+    the float64 reference's results, max's values and positions exactly."""
+    from pool_tuner import reference
+
+    shape = (4, 96, 28, 28)
+    torch.manual_seed(offset)
+    storage = torch.rand(math.prod(shape) + 16, device="cuda", dtype=getattr(torch, dtype))
+    x = storage[offset:offset + math.prod(shape)].view(shape)
+    for team in (8, 64, 256):
+        config = {"vector_width": 4, "warp_shuffle": 1, "threads_per_plane": team, "accumulators": 2}
+        ours = getattr(ptt, op)
+        got = ours(x, 1, return_indices=True, variant="global_blocks", config=config) if "max" in op else \
+            (ours(x, 1, variant="global_blocks", config=config),)
+        torch.cuda.synchronize()
+        expected = reference.forward(op, x.double().cpu().numpy(), 1)
+        if "max" in op:
+            np.testing.assert_array_equal(got[0].double().cpu().numpy(), expected[0])
+            np.testing.assert_array_equal(got[1].cpu().numpy(), expected[1])
+        else:
+            np.testing.assert_allclose(got[0].double().cpu().numpy(), expected, rtol=2e-3, atol=2e-3)
+
+
 #: PyTorch's adaptive_avg_pool1d backward on HUGE[1] in a process of its own; it prints "computed"
 #: where PyTorch computes it.
 PYTORCH_HUGE_1D_BACKWARD = textwrap.dedent("""

@@ -187,3 +187,86 @@ def test_a_cpu_record_naming_it_is_passed_over_with_a_warning(user_cache):
     with pytest.warns(cache.CacheWarning, match="not legal here"):
         info = pt.explain("adaptive_avg_pool2d", (2, 64, 7, 7), 1)
     assert info["source"] == "default" and info["variant"] != NAME
+
+
+#: Teams whose merge rounds cross the warp exchange's edge (WARP_WIDTH 32 lanes, kernels/gpu.h) in
+#: every way: channels-first teams wider than a warp (local rounds, then warp rounds), teams of a
+#: few lanes several to a warp (warp rounds only); channels-last teams interleaved one per slot
+#: (members 1 apart: warp rounds from distance 16 down) and 8 or 2 slots apart (the rounds of
+#: distance 32 and more in local memory, the rest within the warp).  On OpenCL the warp rounds
+#: exchange through local memory with __shfl_down_sync's lane rules, so their arithmetic runs here.
+WARP_CONFIGS = [{"block_size_x": 64, "threads_per_plane": 64, "accumulators": 2},
+                {"block_size_x": 256, "threads_per_plane": 8, "accumulators": 1},
+                {"block_size_x": 128, "threads_per_plane": 128, "accumulators": 4},
+                {"block_size_x": 128, "threads_per_plane": 16, "accumulators": 1},
+                {"block_size_x": 512, "threads_per_plane": 256, "accumulators": 1}]
+
+
+@pytest.mark.parametrize("config", WARP_CONFIGS, ids=lambda c: f"{c['block_size_x']}-{c['threads_per_plane']}")
+@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
+@pytest.mark.parametrize("op", OPS[2])
+def test_warp_rounds_match_the_local_memory_tree_and_the_reference(op, layout, config, rng):
+    """warp_shuffle merges the same pairs as the tree: the same bits (max: the NaN, -inf and tie
+    planes' positions too), and the reference's."""
+    x = in_layout(special_planes(rng, (3, 6, 19, 23)) if "max" in op else random_input(rng, (3, 6, 19, 23)), 2, layout)
+    shuffled = run(op, x, {**config, "warp_shuffle": 1})
+    tree = run(op, x, {**config, "warp_shuffle": 0})
+    for a, b in zip(*(r if "max" in op else (r,) for r in (shuffled, tree))):
+        np.testing.assert_array_equal(a, b)
+    check_special_forward(op, shuffled, x)
+
+
+def check_special_forward(op, out, x):
+    """``check_forward``, where max's planes may hold NaNs: its values (NaN equal to NaN) and
+    positions exactly the reference's."""
+    if "avg" in op:
+        check_forward(op, out, x)
+        return
+    values, indices = out
+    ref_values, ref_indices = reference.forward(op, x, 1)
+    np.testing.assert_array_equal(as_float64(values), ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+
+
+def offset_view(x, elements):
+    """``x``'s values in a C-contiguous array that starts ``elements`` elements past an aligned
+    allocation: what a slice of a larger array hands over."""
+    storage = np.empty((x.size + 8) * x.itemsize + 64, np.uint8)
+    start = -storage.ctypes.data % 64 + elements * x.itemsize
+    view = storage[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    view[...] = x
+    assert view.ctypes.data % 64 == elements * x.itemsize
+    return view
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2], ids=lambda o: f"offset{o}")
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("vector_width", [2, 4])
+@pytest.mark.parametrize("op", OPS[2])
+def test_vector_loads_on_aligned_and_offset_inputs(op, vector_width, dtype, offset, rng):
+    """Planes of 20x22 and 4x4 elements (multiples of 4) read vector_width at a time from an input
+    that starts on a vector boundary, and element by element from one that does not (offset by one
+    or two elements): both the reference's results, max's positions on tie/NaN planes exactly."""
+    for shape in ((2, 6, 20, 22), (2, 7, 4, 4)):
+        base = special_planes(rng, shape) if "max" in op and shape[-1] > 4 else random_input(rng, shape)
+        x = offset_view(base.astype(np_dtype(dtype)), offset)
+        for team, accumulators in ((4, 4), (32, 1)):
+            if team * vector_width > shape[-1] * shape[-2]:
+                continue
+            config = {"threads_per_plane": team, "accumulators": accumulators, "vector_width": vector_width,
+                      "block_size_x": 64}
+            check_special_forward(op, run(op, x, config), x)
+
+
+def test_vector_width_legality(rng):
+    """Vectors are neighbouring positions of a channels-first plane whose size they divide."""
+    with pytest.raises(ValueError, match="vector_width > 1 needs channels-first memory"):
+        run("adaptive_avg_pool2d", in_layout(random_input(rng, (2, 8, 4, 4)), 2, "NHWC"), {"vector_width": 2})
+    with pytest.raises(ValueError, match="vector_width must divide the plane size 15"):
+        run("adaptive_avg_pool2d", random_input(rng, (2, 8, 3, 5)), {"vector_width": 2})
+    with pytest.raises(ValueError, match="threads_per_plane must not exceed the plane size 16 divided by vector_width 4"):
+        run("adaptive_avg_pool2d", random_input(rng, (2, 8, 4, 4)), {"vector_width": 4, "threads_per_plane": 8})
+    gpu = type(backends.default_device().info.limits)(max_work_group_size=1024, local_mem_size=48 * 1024,
+                                                        device_type="gpu")
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 4, 4), 1)
+    assert {c["vector_width"] for c in VARIANT.legal_configurations(problem, gpu)} == {1, 2, 4}

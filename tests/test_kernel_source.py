@@ -91,7 +91,7 @@ def test_the_cache_key_covers_every_file_of_its_directions_programs(kernel_copy)
     before = {case: _src(*case) for case in cases}
     files = sorted({name for table in REGISTRY.values() for v in table.values()
                     for name in kernel_source.program_files(v.template)})
-    assert {"tiles.h", "reduction.h", "gradients.h", "forward/global_blocks.c"} <= set(files)
+    assert {"tiles.h", "reduction.h", "gradients.h", "gpu.h", "forward/global_blocks.c"} <= set(files)
     gpu_only = {v.template for table in REGISTRY.values() for v in table.values() if "cpu" not in v.device_types}
     assert "forward/global_blocks.c" in gpu_only
     for name in files:
@@ -118,9 +118,19 @@ def test_package_data_installs_every_kernel_file():
     assert installed == every
 
 
-def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follows_it(kernel_copy):
-    """global_blocks is legal on GPUs only: editing it leaves the hash of records tuned on a CPU
-    (the shipped PoCL records) as it was and changes that of records tuned on a GPU."""
+def test_gpu_h_is_in_exactly_the_gpu_only_variants_programs():
+    """gpu.h, the GPU-only variants' prelude, is in the program of every variant legal on GPUs
+    alone and of no other: a variant a CPU could run never includes it."""
+    variants = [v for table in REGISTRY.values() for v in table.values()]
+    including = {v.name for v in variants if "gpu.h" in kernel_source.program_files(v.template)}
+    assert including == {v.name for v in variants if v.device_types == ("gpu",)} == set(kernel_source.GPU_VARIANTS)
+
+
+@pytest.mark.parametrize("edited", ["forward/global_blocks.c", "gpu.h"])
+def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follows_it(kernel_copy, edited):
+    """global_blocks is legal on GPUs only: editing it or its prelude gpu.h leaves the hash of
+    records tuned on a CPU (the shipped PoCL records) as it was and changes that of records tuned
+    on a GPU."""
     from cuda_fakes import fake_cuda_device
 
     problem = Problem.create("adaptive_avg_pool2d", (8, 2048, 7, 7), 1)
@@ -129,7 +139,7 @@ def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follo
     assert (cache.device_type(cpu), cache.device_type(gpu)) == ("cpu", "gpu")
     before = {kind: cache.record_kernel_hash(problem, fingerprint)
               for kind, fingerprint in (("cpu", cpu), ("gpu", gpu))}
-    path = kernel_copy / "forward" / "global_blocks.c"
+    path = kernel_copy / edited
     path.write_text(path.read_text() + "/* edited */\n")
     kernel_source.read.cache_clear()
     kernel_source.template_hash.cache_clear()
