@@ -37,7 +37,7 @@ from .variants import is_global
 
 #: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
 #: ``items_per_thread`` inputs ``block_size_x`` apart (neighbouring work-items on neighbouring inputs).
-INPUT_GRADIENT_CONFIG = {"block_size_x": 64, "items_per_thread": 16}
+INPUT_GRADIENT_CONFIG = {"block_size_x": 256, "items_per_thread": 1}
 INPUT_GRADIENT_FILE = "operators/gem_input_gradient.c"
 INPUT_GRADIENT_KERNEL = "gem_input_gradient"
 

@@ -26,7 +26,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 
 from .decomposition import decompose
 from .shapes import resolve_output_size
-from .torch import REPLACEMENTS, _PoolTunerModule, swap_layers
+from .torch import REPLACEMENTS, _AdaptiveGeMPool, _PoolTunerModule, swap_layers
 
 __all__ = ["export"]
 
@@ -55,6 +55,8 @@ _ADAPTIVE_BASES = tuple(REPLACEMENTS)
 
 
 def _decomposed(name: str, module: torch.nn.Module) -> torch.nn.Module:
+    if isinstance(module, _AdaptiveGeMPool):  # GeM exports as PyTorch's composition
+        return module.composed()
     known = _KNOWN.get(type(module))
     if known is None:
         if isinstance(module, _ADAPTIVE_BASES + (_PoolTunerModule,)):

@@ -1501,7 +1501,24 @@ class _AdaptiveGeMPool(_OwnModule, torch.nn.Module):
 
     def forward(self, input):
         return _GEM_FUNCTIONS[self.ndim](input, self.output_size, self.p, self.eps, device=self.device,
-                                     variant=self.variant, config=self.config)
+                                         variant=self.variant, config=self.config)
+
+    def composed(self) -> torch.nn.Module:
+        """This layer as PyTorch's composition (its ``p`` a copy): what ``pool_tuner.onnx.export``
+        exports, in standard operators."""
+        return _GeMComposition(self.ndim, self.output_size, self.p.detach().clone(), self.eps)
+
+
+class _GeMComposition(torch.nn.Module):
+    """GeM as PyTorch's four operations, ``p`` a constant buffer."""
+
+    def __init__(self, ndim: int, output_size, p: torch.Tensor, eps: float):
+        super().__init__()
+        self.ndim, self.output_size, self.eps = ndim, output_size, eps
+        self.register_buffer("p", p)
+
+    def forward(self, input):
+        return _gem_composition(input, _check_input(input, self.ndim, self.output_size), self.p, self.eps)
 
 
 class AdaptiveGeMPool1d(_AdaptiveGeMPool):

@@ -179,3 +179,20 @@ def test_cuda_tensors_are_refused_with_a_message():
         pytest.skip("no CUDA device")
     with pytest.raises(NotImplementedError, match="CPU tensors only"):
         ptt.adaptive_gem_pool2d(torch.rand(1, 2, 4, 4, device="cuda"), 1)
+
+
+def test_pool_tuner_onnx_export_exports_the_composition(rng):
+    """pool_tuner.onnx.export swaps a GeM layer for its composition (p a constant) before torch.export."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from pool_tuner import onnx as pto
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), ptt.AdaptiveGeMPool2d((2, 3), p=2.5),
+                                torch.nn.Flatten()).eval()
+    x = torch.from_numpy(rng.random((2, 3, 9, 11))).float()
+    program = pto.export(model, (x,))
+    assert not [node.domain for node in program.model.graph if node.domain not in ("", "ai.onnx")]
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (result,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(result, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert isinstance(model[2], ptt.AdaptiveGeMPool2d)  # the model itself is untouched
