@@ -25,7 +25,7 @@ geomean and worst speed-up of each, and measured / tuned.  The load average is p
 after: the machine's other work moves every number.
 
     python benchmarks/held_back.py [--old-rules FILE] [--layer NAME ...] [--rounds 7] [--threads 2]
-                                   [--tuned-dir DIR] [--no-tune] [--out FILE]
+                                   [--tuned-dir DIR] [--no-tune | --tune-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--tuned-dir", type=Path, default=Path(tempfile.gettempdir()) / "pool_tuner_held_back_tuned",
                         help="the scratch cache of the tunings (kept between runs)")
     parser.add_argument("--no-tune", action="store_true", help="time only layers the scratch cache already holds")
+    parser.add_argument("--tune-only", action="store_true",
+                        help="tune the layers the scratch cache lacks and exit (the timings can then run later, "
+                             "on a quieter machine, with --no-tune)")
     common.add_output_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -182,6 +185,10 @@ def main() -> None:
     args.tuned_dir.mkdir(parents=True, exist_ok=True)
     (args.tuned_dir / "no_shipped_records").mkdir(exist_ok=True)
     table_ = cache.TuningCache(shipped_dir=args.tuned_dir / "no_shipped_records", user_dir=args.tuned_dir)
+    if args.tune_only:
+        for name in args.layer:
+            print(f"  {name}: tuned {tuned_choice(name, device, table_, True)}", flush=True)
+        return
     info = common.circumstances(torch=torch, device=device)
     print(common.describe_circumstances(info), flush=True)
     rng = np.random.default_rng()
