@@ -2,8 +2,10 @@
 dispatch grid (``dispatch_grid.py``) and no preset -- on device arrays against PyTorch on the CPU:
 how pool_tuner does on shapes and CPUs nobody tuned.
 
-For each layer (forward, float32), in one process, interleaved rounds (``common.interleave``: loops
-of calls back to back, the candidates in a fresh random order every round), medians:
+For each layer (float32; forward passes, or with ``--backward`` the backward passes of 2d avg
+pools, against ``torch.ops.aten._adaptive_avg_pool2d_backward``), in one process, interleaved
+rounds (``common.interleave``: loops of calls back to back, the candidates in a fresh random order
+every round), medians:
 
 * ``torch`` -- ``torch.nn.functional``'s pooling on a CPU tensor in the layer's memory format,
   ``--threads`` intra-op threads;
@@ -24,7 +26,7 @@ milliseconds of each and each one's speed-up over PyTorch (torch ms / candidate 
 geomean and worst speed-up of each, and measured / tuned.  The load average is printed before and
 after: the machine's other work moves every number.
 
-    python benchmarks/held_back.py [--old-rules FILE] [--layer NAME ...] [--rounds 7] [--threads 2]
+    python benchmarks/held_back.py [--backward] [--old-rules FILE] [--layer NAME ...] [--rounds 7] [--threads 2]
                                    [--tuned-dir DIR] [--no-tune | --tune-only] [--out FILE]
 """
 
@@ -65,6 +67,17 @@ LAYERS = {
     "text_mean_pool_1d": ("adaptive_avg_pool1d", (32, 768, 128), (1,), "NCL"),
     "video_r2plus1d_head": ("adaptive_avg_pool3d", (8, 512, 4, 7, 7), (1, 1, 1), "NCDHW"),
 }
+#: name -> (op, input shape, output size, layout): backward passes (the gradient of an avg pool with
+#: respect to its input, as in training) of such layers; ``--backward`` times these instead.
+BACKWARD_LAYERS = {
+    "convnext_head_cl_backward": ("adaptive_avg_pool2d", (32, 768, 7, 7), (1, 1), "NHWC"),
+    "mobilenet_v3_se_cl_backward": ("adaptive_avg_pool2d", (16, 72, 56, 56), (1, 1), "NHWC"),
+    "pspnet_473_level_6_cl_backward": ("adaptive_avg_pool2d", (4, 512, 60, 60), (6, 6), "NHWC"),
+    "inception_grid_17_to_5_cl_backward": ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NHWC"),
+    "efficientnet_b0_head_backward": ("adaptive_avg_pool2d", (32, 1280, 7, 7), (1, 1), "NCHW"),
+    "deeplabv3_image_pool_backward": ("adaptive_avg_pool2d", (8, 2048, 33, 33), (1, 1), "NCHW"),
+    "pspnet_473_level_3_backward": ("adaptive_avg_pool2d", (4, 2048, 60, 60), (3, 3), "NCHW"),
+}
 TUNE_BUDGET = {"strategy": "random_sample", "max_fevals": 8, "time_limit": 4}
 
 
@@ -86,27 +99,51 @@ def torch_input(x: np.ndarray, layout: str) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last if x.ndim == 4 else torch.channels_last_3d)
 
 
+def layer(name: str) -> tuple:
+    """``(op, input shape, output size, layout, direction)`` of layer ``name``."""
+    return (*LAYERS[name], "forward") if name in LAYERS else (*BACKWARD_LAYERS[name], "backward")
+
+
 def tuned_choice(name: str, device, table: cache.TuningCache, allow_tuning: bool) -> tuple | None:
     """The scratch cache's winner for layer ``name`` (tuned now if missing and ``allow_tuning``)."""
-    op, shape, size, layout = LAYERS[name]
-    problem = Problem.create(op, shape, size, "float32", layout)
+    op, shape, size, layout, direction = layer(name)
+    problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
     record = table.lookup(cache.cache_key(problem, device))
     if record is None and allow_tuning:
-        tuner.tune(op, shape, size, "float32", layout, device, tuning_cache=table, **TUNE_BUDGET)
+        tuner.tune(op, shape, size, "float32", layout, device, direction=direction, tuning_cache=table,
+                   **TUNE_BUDGET)
         record = table.lookup(cache.cache_key(problem, device))
     return None if record is None else (record["best"]["variant"], record["best"]["params"])
 
 
 def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int, rng) -> dict:
-    op, shape, size, layout = LAYERS[name]
+    op, shape, size, layout, direction = layer(name)
+    problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
     x_host = rng.uniform(-2, 2, shape).astype(np.float32)
     x, t = device_input(device, x_host, layout), torch_input(x_host, layout)
-    problem = Problem.create(op, shape, size, "float32", layout)
-    function, torch_function = getattr(pt, op), getattr(F, op)
-    plain_source = pt.explain(op, shape, size, layout=layout)["source"]
+    if direction == "forward":
+        function, torch_function = getattr(pt, op), getattr(F, op)
+
+        def ours_call(variant=None, config=None):
+            return function(x, size, variant=variant, config=config)
+
+        def torch_call():
+            return torch_function(t, size)
+    else:  # the gradient of a random upstream gradient, in the layer's memory format
+        g_host = rng.uniform(-2, 2, problem.output_shape).astype(np.float32)
+        g, g_t = device_input(device, g_host, layout), torch_input(g_host, layout)
+        function = getattr(pt, f"{op}_backward")
+        torch_function = getattr(torch.ops.aten, f"_{op}_backward")
+
+        def ours_call(variant=None, config=None):
+            return function(g, shape, variant=variant, config=config)
+
+        def torch_call():
+            return torch_function(g_t, t)
+    plain_source = pt.explain(op, shape, size, layout=layout, direction=direction)["source"]
     with pt.benchmark_mode(True):
-        function(x, size)
-    measured = pt.explain(op, shape, size, layout=layout)
+        ours_call()
+    measured = pt.explain(op, shape, size, layout=layout, direction=direction)
     choices = {"rules": default_rules.decide(problem, device)}
     if old_rules is not None:
         choices["old rules"] = default_rules.decide(problem, device, old_rules)
@@ -116,18 +153,19 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
         forced["tuned"] = tuned
 
     def ours(variant=None, config=None):
-        return bench.Candidate(lambda: function(x, size, variant=variant, config=config), device.queue.finish)
+        return bench.Candidate(lambda: ours_call(variant, config), device.queue.finish)
 
-    candidates = {"torch": bench.Candidate(lambda: torch_function(t, size), lambda: None),
+    candidates = {"torch": bench.Candidate(torch_call, lambda: None),
                   "measured": ours(), **{k: ours(*v) for k, v in forced.items()}}
-    want = torch_function(t, size).numpy()
+    want = torch_call().numpy()
     for key, candidate in candidates.items():
         got = np.asarray(candidate.call().get() if key != "torch" else candidate.call())
         if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
             raise AssertionError(f"{name}: {key} disagrees with PyTorch")
     timings = common.interleave(candidates, rounds, 0.2, rng)
     return {
-        "layer": name, "op": op, "input": list(shape), "output_size": list(size), "layout": layout,
+        "layer": name, "op": op, "direction": direction, "input": list(shape), "output_size": list(size),
+        "layout": layout,
         "plain_source": plain_source,
         "choices": {**{k: {"variant": v, "params": p} for k, (v, p) in forced.items()},
                     "measured": {"variant": measured["variant"], "params": measured["params"],
@@ -165,7 +203,9 @@ def table(rows: list) -> str:
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--layer", nargs="+", choices=sorted(LAYERS), default=list(LAYERS))
+    parser.add_argument("--layer", nargs="+", choices=sorted(LAYERS) + sorted(BACKWARD_LAYERS),
+                        help="the layers to time (default: every forward layer, or with --backward every backward one)")
+    parser.add_argument("--backward", action="store_true", help="the backward layers (BACKWARD_LAYERS)")
     parser.add_argument("--old-rules", type=Path, help="a rules file whose cpu rules to time beside the shipped ones")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2, help="PyTorch's intra-op threads")
@@ -177,11 +217,13 @@ def main() -> None:
                              "on a quieter machine, with --no-tune)")
     common.add_output_argument(parser)
     args = parser.parse_args()
+    args.layer = args.layer or list(BACKWARD_LAYERS if args.backward else LAYERS)
     torch.set_num_threads(args.threads)
     device = backends.default_device()
     old_rules = None
     if args.old_rules:
-        old_rules = default_rules.parse({"devices": {"old": json.loads(args.old_rules.read_text())["devices"]["cpu"]}})["old"]
+        old_cpu = json.loads(args.old_rules.read_text())["devices"]["cpu"]
+        old_rules = default_rules.parse({"devices": {"old": old_cpu}})["old"]
     args.tuned_dir.mkdir(parents=True, exist_ok=True)
     (args.tuned_dir / "no_shipped_records").mkdir(exist_ok=True)
     table_ = cache.TuningCache(shipped_dir=args.tuned_dir / "no_shipped_records", user_dir=args.tuned_dir)
