@@ -199,17 +199,25 @@ def multi_level_rules(entry: dict) -> list:
     return [rule for rule in entry.get("rules", []) if default_rules.family(rule["when"]) != "single"]
 
 
+def same_kind(a, b) -> bool:
+    """Whether a record of problem ``a`` could decide ``b`` as a nearest shape (``dispatch``)."""
+    return (a.op, a.direction, a.layout, a.problem_class) == (b.op, b.direction, b.layout, b.problem_class)
+
+
 def fit_report(samples: list, rules: list, kept: list, device, device_type: str) -> list[str]:
-    """How the rules fare on the grid -- on the problems they were derived from, and on each problem
-    left out of the derivation (rules derived from the others), which is how they fare on shapes
-    nobody tuned -- against the nearest other grid problem's winner, by distance.  ``kept`` (the
+    """How the rules fare on each model's grid -- on the problems they were derived from, and on each
+    problem left out of the derivation (rules derived from the other problems, on every model),
+    which is how they fare on shapes nobody tuned -- against the winner of the same problem on
+    another model, and against the nearest other grid problem's winner on the same model, by
+    distance.  ``kept`` (the
     multi-level rules) completes each rule list for ``default_rules.parse``."""
     def variant_by(rule_list):
         parsed = default_rules.parse({"devices": {"derived": {"rules": rule_list + kept}}})["derived"]
         return lambda sample: default_rules.decide(sample.problem, device, parsed).variant.name
 
     in_sample = variant_by(rules)
-    left_out = {id(s): variant_by(derive([o for o in samples if o is not s], device_type))(s) for s in samples}
+    left_out = {id(s): variant_by(derive([o for o in samples if o.problem != s.problem], device_type))(s)
+                for s in samples}
     lines = []
     for model in sorted({s.model for s in samples}):
         own = [s for s in samples if s.model == model]
@@ -217,11 +225,16 @@ def fit_report(samples: list, rules: list, kept: list, device, device_type: str)
                      f"problems, worst {max(s.slowdown(in_sample(s)) for s in own):.2f}x; each left out of the "
                      f"derivation: geomean {geomean_slowdown(own, lambda s: left_out[id(s)]):.3f}x, "
                      f"worst {max(s.slowdown(left_out[id(s)]) for s in own):.2f}x")
+    elsewhere = [(s, o) for s in samples for o in samples if o.model != s.model and o.problem == s.problem]
+    if elsewhere:
+        transfer = [s.slowdown(min(o.times, key=o.times.get)) for s, o in elsewhere]
+        lines.append(f"the winner of the same problem on another model: geomean "
+                     f"{math.exp(sum(map(math.log, transfer)) / len(transfer)):.3f}x the problem's best over "
+                     f"{len(transfer)} problems, worst {max(transfer):.2f}x")
     buckets = collections.defaultdict(list)
     for sample in samples:
-        others = [o for o in samples if o is not sample and o.problem.op == sample.problem.op
-                  and o.problem.direction == sample.problem.direction and o.problem.layout == sample.problem.layout
-                  and o.problem.problem_class == sample.problem.problem_class]
+        others = [o for o in samples
+                  if o is not sample and o.model == sample.model and same_kind(o.problem, sample.problem)]
         if not others:
             continue
         distance, nearest = min(((dispatch.shape_distance(sample.problem, o.problem), o) for o in others),

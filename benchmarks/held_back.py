@@ -92,6 +92,17 @@ def device_input(device, x: np.ndarray, layout: str):
     return cl_array.Array(device.queue, x.shape, x.dtype, data=memory.data, strides=strides)
 
 
+def host_copy(array) -> np.ndarray:
+    """A device array's values on the host, logical channels-first (channels-last memory too)."""
+    import pyopencl.array as cl_array
+
+    if array.flags.forc:
+        return array.get()
+    memory_shape = (array.shape[0], *array.shape[2:], array.shape[1])
+    memory = cl_array.Array(array.queue, memory_shape, array.dtype, data=array.base_data, offset=array.offset)
+    return np.moveaxis(memory.get(), -1, 1)
+
+
 def torch_input(x: np.ndarray, layout: str) -> torch.Tensor:
     t = torch.from_numpy(x)
     if layout == LAYOUT_NAMES[x.ndim - 2][0]:
@@ -159,7 +170,7 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
                   "measured": ours(), **{k: ours(*v) for k, v in forced.items()}}
     want = torch_call().numpy()
     for key, candidate in candidates.items():
-        got = np.asarray(candidate.call().get() if key != "torch" else candidate.call())
+        got = np.asarray(host_copy(candidate.call()) if key != "torch" else candidate.call())
         if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
             raise AssertionError(f"{name}: {key} disagrees with PyTorch")
     timings = common.interleave(candidates, rounds, 0.2, rng)
