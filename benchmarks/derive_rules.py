@@ -1,26 +1,41 @@
-"""Derive the default-dispatch rules of one device type from the tuned grid (``dispatch_grid.py``).
+"""Derive the default-dispatch rules of one device type from tuned grids (``dispatch_grid.py``) of
+one or several device models.
 
-Each grid record holds every variant's raced time at its best configuration for one problem.  A
-variant's *slowdown* on a problem is its time over the problem's best; a set of problems is scored
-by the sum of the logs of the slowdowns of one variant chosen for all of them (a variant that could
-not run a problem counts ``MISSING_SLOWDOWN``).  The script grows a decision tree greedily: a leaf
-takes the variant of least score; a leaf is split on the one condition (a word feature equal to a
-value, or a numeric feature below a threshold) that lowers the score most, while each side keeps
-``MIN_LEAF`` problems and the gain is at least ``MIN_GAIN``, to ``MAX_DEPTH``.  The tree is written
-as an ordered rule list -- a split's "yes" side first, so each leaf needs only the conditions on
-its path that held -- per direction, each ending with a rule whose variant runs every problem.  A
-leaf's configuration is the one its variant won with most often among the leaf's problems.
+Each grid record holds every variant's raced time at its best configuration for one problem on one
+model.  A variant's *slowdown* on a problem is its time over the best time measured for that
+problem on that model (a variant that could not run a problem counts ``MISSING_SLOWDOWN``).  The
+grids of several models (``--grid a b``) are pooled: the same problem measured on two models is
+two samples, each against its own model's best, so one set of rules is fitted for all the models.
+A leaf takes the variant of least *worst-case* slowdown over its samples (ties: the least summed
+log-slowdown): rules that are never far from the best on any model measured are worth more on a
+model nobody measured than rules that are nearest the best on average on one.  A variant's time is
+its time at its best configuration for the problem (the grids keep one configuration per variant
+per problem), so a leaf is judged as if its one configuration (below) were that best everywhere.
+
+The script grows a decision tree greedily: a set of problems is scored by the least sum of the logs
+of the slowdowns of one variant chosen for all of them (the splits separate problems whose fastest
+variants differ; judging them by the leaves' worst cases instead grows trees whose leaves are worse
+in both geomean and worst case, docs/benchmarks.md); a leaf is split on the one condition (a word
+feature equal to a value, or a numeric feature below a threshold) that lowers the score most,
+while each side keeps ``MIN_LEAF`` samples and the gain is at least ``MIN_GAIN``, to
+``MAX_DEPTH``.  The tree is written as an ordered rule list -- a split's "yes" side first, so each
+leaf needs only the conditions on its path that held -- per direction, each ending with a rule
+whose variant runs every problem.  A leaf's configuration is the one its variant won with most
+often among the leaf's samples, of every model.
 
 The grid is of single-level problems, so the rules it writes are the single-level ones (no
 ``levels`` condition); the device type's multi-level rules (``"levels": "multi"``, written by hand)
-are kept as they are, in their order, after them.
+are kept as they are, in their order, after them.  ``derived_from`` names the grid (one) or lists
+the grids (several) and ``device`` every model the records were measured on.
 
-    python benchmarks/derive_rules.py            # print the rules and their fit, write them
+    python benchmarks/derive_rules.py            # from the grids the shipped rules name: print, write
     python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
+    python benchmarks/derive_rules.py --grid pocl_cpu pocl_cpu_amd_epyc_znver3   # one fit, two CPU models
     python benchmarks/derive_rules.py --data-dir DIR --device-type gpu --rules-out FILE   # a GPU session's grid
 
-It prints, beside the rules, how well they fit the grid (geomean slowdown against each problem's
-best) and how the nearest tuned grid problem would have done, by distance: the evidence for
+It prints, beside the rules, how well they fit each model's grid (geomean and worst slowdown
+against each problem's best on that model; ``--compare FILE``: another rules file's too) and how
+the nearest tuned grid problem would have done, by distance: the evidence for
 ``dispatch.NEAREST_MAX_DISTANCE``.
 """
 
@@ -51,6 +66,7 @@ class Sample:
 
     def __init__(self, record: dict):
         self.problem = cache.problem_of(record)
+        self.model = record["device"]["name"]
         self.features = default_rules.features(self.problem)
         entries = [record["best"]] + record.get("runners_up", [])
         self.times = {e["variant"]: e["time_ms"] for e in entries if e.get("time_ms")}
@@ -65,9 +81,24 @@ def score(samples: list, variant: str) -> float:
     return sum(math.log(s.slowdown(variant)) for s in samples)
 
 
-def best_variant(samples: list) -> tuple[str, float]:
-    names = sorted({v for s in samples for v in s.times})
-    return min(((v, score(samples, v)) for v in names), key=lambda pair: (pair[1], pair[0]))
+def worst(samples: list, variant: str) -> float:
+    return max(s.slowdown(variant) for s in samples)
+
+
+def variants_of(samples: list) -> list:
+    return sorted({v for s in samples for v in s.times})
+
+
+def least_score(samples: list) -> tuple[str, float]:
+    """The variant of least summed log-slowdown over ``samples`` (ties: the name), and its score:
+    how a split is judged."""
+    return min(((v, score(samples, v)) for v in variants_of(samples)), key=lambda pair: (pair[1], pair[0]))
+
+
+def least_worst_case(samples: list) -> str:
+    """The variant of least worst-case slowdown over ``samples`` (ties: least score, then name):
+    what a leaf takes."""
+    return min(variants_of(samples), key=lambda v: (worst(samples, v), score(samples, v), v))
 
 
 def candidate_conditions(samples: list):
@@ -91,8 +122,9 @@ def holds(sample: Sample, feature: str, condition) -> bool:
 def grow(samples: list, depth: int) -> dict:
     """The tree over ``samples``: a leaf ``{"variant", "score", "samples"}`` or a split
     ``{"feature", "condition", "yes", "no"}``."""
-    variant, leaf_score = best_variant(samples)
-    leaf = {"variant": variant, "score": leaf_score, "samples": samples}
+    variant = least_worst_case(samples)
+    leaf = {"variant": variant, "score": score(samples, variant), "samples": samples}
+    leaf_score = least_score(samples)[1]
     if depth == MAX_DEPTH:
         return leaf
     best = None
@@ -101,7 +133,7 @@ def grow(samples: list, depth: int) -> dict:
         no = [s for s in samples if not holds(s, feature, condition)]
         if len(yes) < MIN_LEAF or len(no) < MIN_LEAF:
             continue
-        total = best_variant(yes)[1] + best_variant(no)[1]
+        total = least_score(yes)[1] + least_score(no)[1]
         if best is None or total < best[0] - 1e-9:
             best = (total, feature, condition, yes, no)
     if best is None or leaf_score - best[0] < MIN_GAIN:
@@ -123,8 +155,11 @@ def flatten(tree: dict, when: dict, out: list) -> None:
     if "variant" in tree:
         samples = tree["samples"]
         slowdown = math.exp(tree["score"] / len(samples))
+        models = len({s.model for s in samples})
+        on = f" on {models} models" if models > 1 else ""
         out.append({"when": dict(when), "variant": tree["variant"], "config": leaf_config(tree["variant"], samples),
-                    "evidence": f"{len(samples)} grid problems, {slowdown:.2f}x their best"})
+                    "evidence": f"{len(samples)} grid problems{on}, {slowdown:.2f}x their best, "
+                                f"worst {worst(samples, tree['variant']):.2f}x"})
         return
     flatten(tree["yes"], {**when, tree["feature"]: tree["condition"]}, out)
     flatten(tree["no"], when, out)
@@ -164,24 +199,42 @@ def multi_level_rules(entry: dict) -> list:
     return [rule for rule in entry.get("rules", []) if default_rules.family(rule["when"]) != "single"]
 
 
+def same_kind(a, b) -> bool:
+    """Whether a record of problem ``a`` could decide ``b`` as a nearest shape (``dispatch``)."""
+    return (a.op, a.direction, a.layout, a.problem_class) == (b.op, b.direction, b.layout, b.problem_class)
+
+
 def fit_report(samples: list, rules: list, kept: list, device, device_type: str) -> list[str]:
-    """How the rules fare on the grid -- on the problems they were derived from, and on each problem
-    left out of the derivation (rules derived from the others), which is how they fare on shapes
-    nobody tuned -- against the nearest other grid problem's winner, by distance.  ``kept`` (the
+    """How the rules fare on each model's grid -- on the problems they were derived from, and on each
+    problem left out of the derivation (rules derived from the other problems, on every model),
+    which is how they fare on shapes nobody tuned -- against the winner of the same problem on
+    another model, and against the nearest other grid problem's winner on the same model, by
+    distance.  ``kept`` (the
     multi-level rules) completes each rule list for ``default_rules.parse``."""
     def variant_by(rule_list):
         parsed = default_rules.parse({"devices": {"derived": {"rules": rule_list + kept}}})["derived"]
         return lambda sample: default_rules.decide(sample.problem, device, parsed).variant.name
 
     in_sample = variant_by(rules)
-    left_out = {id(s): variant_by(derive([o for o in samples if o is not s], device_type))(s) for s in samples}
-    lines = [f"rules: geomean {geomean_slowdown(samples, in_sample):.3f}x the best over {len(samples)} problems; "
-             f"each left out of the derivation: {geomean_slowdown(samples, lambda s: left_out[id(s)]):.3f}x"]
+    left_out = {id(s): variant_by(derive([o for o in samples if o.problem != s.problem], device_type))(s)
+                for s in samples}
+    lines = []
+    for model in sorted({s.model for s in samples}):
+        own = [s for s in samples if s.model == model]
+        lines.append(f"rules on {model}: geomean {geomean_slowdown(own, in_sample):.3f}x the best over {len(own)} "
+                     f"problems, worst {max(s.slowdown(in_sample(s)) for s in own):.2f}x; each left out of the "
+                     f"derivation: geomean {geomean_slowdown(own, lambda s: left_out[id(s)]):.3f}x, "
+                     f"worst {max(s.slowdown(left_out[id(s)]) for s in own):.2f}x")
+    elsewhere = [(s, o) for s in samples for o in samples if o.model != s.model and o.problem == s.problem]
+    if elsewhere:
+        transfer = [s.slowdown(min(o.times, key=o.times.get)) for s, o in elsewhere]
+        lines.append(f"the winner of the same problem on another model: geomean "
+                     f"{math.exp(sum(map(math.log, transfer)) / len(transfer)):.3f}x the problem's best over "
+                     f"{len(transfer)} problems, worst {max(transfer):.2f}x")
     buckets = collections.defaultdict(list)
     for sample in samples:
-        others = [o for o in samples if o is not sample and o.problem.op == sample.problem.op
-                  and o.problem.direction == sample.problem.direction and o.problem.layout == sample.problem.layout
-                  and o.problem.problem_class == sample.problem.problem_class]
+        others = [o for o in samples
+                  if o is not sample and o.model == sample.model and same_kind(o.problem, sample.problem)]
         if not others:
             continue
         distance, nearest = min(((dispatch.shape_distance(sample.problem, o.problem), o) for o in others),
@@ -199,35 +252,73 @@ def fit_report(samples: list, rules: list, kept: list, device, device_type: str)
     return lines
 
 
+def shipped_grids(document: dict, device_type: str) -> list[str]:
+    """The grid directories (names under ``GRID_DIR``) the shipped rules of ``device_type`` name."""
+    derived_from = document["devices"].get(device_type, {}).get("derived_from") or []
+    return [Path(path).parent.name for path in ([derived_from] if isinstance(derived_from, str) else derived_from)]
+
+
+def rules_fit(samples: list, rule_list: list, device) -> list[str]:
+    """How ``rule_list`` (a whole device type's rules, as in the rules file) fares on each model's
+    samples: geomean and worst slowdown."""
+    parsed = default_rules.parse({"devices": {"given": {"rules": rule_list}}})["given"]
+
+    def choose(sample):
+        return default_rules.decide(sample.problem, device, parsed).variant.name
+
+    lines = []
+    for model in sorted({s.model for s in samples}):
+        own = [s for s in samples if s.model == model]
+        lines.append(f"  on {model}: geomean {geomean_slowdown(own, choose):.3f}x the best over {len(own)} problems, "
+                     f"worst {max(s.slowdown(choose(s)) for s in own):.2f}x")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", default="pocl_cpu", help="grid data directory under benchmarks/dispatch_grid")
-    parser.add_argument("--data-dir", help="the grid data directory itself, anywhere (default: from --grid); the "
-                                           "rules name it as benchmarks/dispatch_grid/<its name>, where it belongs")
+    parser.add_argument("--grid", nargs="+", help="grid data directories under benchmarks/dispatch_grid, one per "
+                                                  "device model (default: those the shipped rules name)")
+    parser.add_argument("--data-dir", nargs="+", help="the grid data directories themselves, anywhere (default: from "
+                                                      "--grid); the rules name each as benchmarks/dispatch_grid/<its "
+                                                      "name>, where it belongs")
     parser.add_argument("--device-type", default="cpu", choices=("cpu", "gpu"), help="whose rules to write")
     parser.add_argument("--check", action="store_true", help="only compare with the shipped rules")
+    parser.add_argument("--compare", metavar="RULES_JSON",
+                        help="also print how this rules file's rules of the device type fare on the grids")
     parser.add_argument("--rules-out", help="write the rules file here instead of the package's")
     args = parser.parse_args(argv)
     from pool_tuner import backends
 
-    data_dir = Path(args.data_dir) if args.data_dir else GRID_DIR / args.grid
-    records = cache.TuningCache(data_dir / "no_shipped_records", data_dir).records()
-    samples = [Sample(r) for r in records.values() if not cache.is_partial(r)]
+    document = json.loads(default_rules.RULES_FILE.read_text())
+    grids = args.grid or shipped_grids(document, args.device_type)
+    data_dirs = [Path(d) for d in args.data_dir] if args.data_dir else [GRID_DIR / grid for grid in grids]
+    if not data_dirs:
+        print(f"the shipped {args.device_type} rules name no grid: give --grid or --data-dir", file=sys.stderr)
+        return 1
+    records = [record for data_dir in data_dirs
+               for record in cache.TuningCache(data_dir / "no_shipped_records", data_dir).records().values()]
+    samples = [Sample(r) for r in records if not cache.is_partial(r)]
     if not samples:
-        print(f"no finished grid problems in {data_dir}", file=sys.stderr)
+        print(f"no finished grid problems in {', '.join(map(str, data_dirs))}", file=sys.stderr)
         return 1
     rules = derive(samples, args.device_type)
-    document = json.loads(default_rules.RULES_FILE.read_text())
     kept = multi_level_rules(document["devices"].get(args.device_type, {}))
-    entry = {"derived_from": f"benchmarks/dispatch_grid/{data_dir.name}/{cache.USER_FILE}",
-             "device": sorted({r["device"]["name"] for r in records.values()}),
+    sources = [f"benchmarks/dispatch_grid/{data_dir.name}/{cache.USER_FILE}" for data_dir in data_dirs]
+    entry = {"derived_from": sources[0] if len(sources) == 1 else sources,
+             "device": sorted({r["device"]["name"] for r in records}),
              "problems": len(samples), "rules": rules + kept}
     if args.check:
         same = document["devices"].get(args.device_type) == entry
         print("the shipped rules are the data's" if same else "the shipped rules differ from the data's")
         return 0 if same else 1
-    for line in fit_report(samples, rules, kept, backends.default_device(), args.device_type):
+    device = backends.default_device()
+    for line in fit_report(samples, rules, kept, device, args.device_type):
         print(line)
+    if args.compare:
+        print(f"the {args.device_type} rules of {args.compare}:")
+        for line in rules_fit(samples, json.loads(Path(args.compare).read_text())["devices"][args.device_type]["rules"],
+                              device):
+            print(line)
     document["devices"][args.device_type] = entry
     rules_file = Path(args.rules_out) if args.rules_out else default_rules.RULES_FILE
     rules_file.write_text(json.dumps(document, indent=1) + "\n")

@@ -119,6 +119,9 @@ def main(argv=None) -> int:
                         help="seconds: start no problem after this long (the one in progress finishes)")
     parser.add_argument("--data-root", default=str(GRID_DIR),
                         help="directory holding each device's data directory (default: benchmarks/dispatch_grid)")
+    parser.add_argument("--problems-of", metavar="RECORDS_JSON",
+                        help="tune only the grid problems that this grid's records hold (another model's grid, "
+                             "so that the two grids compare problem by problem)")
     parser.add_argument("--list", action="store_true", help="print the problems to tune and exit")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
@@ -135,6 +138,9 @@ def main(argv=None) -> int:
     this_device = json.dumps(device.info.fingerprint, sort_keys=True)
     todo = [(op, shape, out, layout, direction) for op, shape, out, layout, direction in grid()
             if (Problem.create(op, shape, out, layout=layout, direction=direction), this_device) not in done]
+    if args.problems_of:
+        theirs = {cache.problem_of(r) for r in json.loads(Path(args.problems_of).read_text())["records"].values()}
+        todo = [entry for entry in todo if Problem.create(*entry[:3], layout=entry[3], direction=entry[4]) in theirs]
     random.Random(0).shuffle(todo)  # so that a run stopped early has sampled every part of the grid
     todo = todo[: args.limit]
     print(f"{len(grid())} grid problems, {len(todo)} to tune on {device.info.describe()}; data: {table.path()}")

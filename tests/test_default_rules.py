@@ -253,14 +253,75 @@ def test_the_design_doc_prints_the_rules_as_they_are():
         assert table in text, f"docs/design.md does not print the current {device_type} rules (markdown_table)"
 
 
-def test_the_shipped_cpu_rules_are_what_the_shipped_grid_derives():
+def test_the_shipped_cpu_rules_are_what_the_shipped_grids_derive():
+    assert load_derive_rules().main(["--check"]) == 0
+
+
+def load_derive_rules():
     script = ROOT / "benchmarks" / "derive_rules.py"
     if not script.exists():
         pytest.skip("benchmarks/ is not beside the tests (installed package)")
     spec = importlib.util.spec_from_file_location("derive_rules", script)
     derive_rules = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(derive_rules)
-    assert derive_rules.main(["--check"]) == 0
+    return derive_rules
+
+
+def grid_record(model: str, shape: tuple, size: tuple, times: dict) -> dict:
+    """A grid record of a forward avg pool of ``shape`` to ``size`` on the CPU model ``model``:
+    each variant of ``times`` (name -> ms) raced at its default configuration."""
+    from pool_tuner import cache
+
+    problem = Problem.create("adaptive_avg_pool2d", shape, size)
+    device = {"backend": "opencl", "name": model, "type": "cpu", "compute_units": 2}
+    entries = [{"variant": name, "params": {}, "time_ms": ms} for name, ms in sorted(times.items(), key=lambda t: t[1])]
+    fields = {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
+              "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape)}
+    key = cache.make_key(problem, device, "0" * 64)
+    return {"key": key, "problem": fields, "device": device, "kernel_hash": "0" * 64,
+            "best": entries[0], "runners_up": entries[1:]}
+
+
+#: Two CPU models' grids: on model A thread_per_row is the best on every problem and plane_reduce
+#: 1.3x slower; on model B, on one of the same problems, thread_per_row is 2.5x slower than
+#: plane_reduce.  Summed log-slowdowns favour thread_per_row (log 2.5 < 5 log 1.3); the worst case
+#: favours plane_reduce (1.3x against 2.5x).
+MODEL_A = [grid_record("model A", (2, 8, side, side), (side // 4, side // 4),
+                       {"thread_per_row": 1.0, "plane_reduce": 1.3}) for side in (8, 12, 16, 20, 24)]
+MODEL_B = [grid_record("model B", (2, 8, 8, 8), (2, 2), {"thread_per_row": 2.5, "plane_reduce": 1.0})]
+
+
+def write_grid(directory: Path, records: list) -> Path:
+    directory.mkdir()
+    (directory / "records.json").write_text(json.dumps({"schema": 1, "records": {r["key"]: r for r in records}}))
+    return directory
+
+
+def test_rules_fitted_to_two_cpu_models_take_the_variant_of_least_worst_case_slowdown(tmp_path):
+    """Each problem's slowdown is against the best on its own model; one model's grid alone keeps
+    its own best variant, both models' grids the one that is never far from the best on either."""
+    derive_rules = load_derive_rules()
+    one = derive_rules.derive([derive_rules.Sample(r) for r in MODEL_A], "cpu")
+    both = derive_rules.derive([derive_rules.Sample(r) for r in MODEL_A + MODEL_B], "cpu")
+    assert one[0]["variant"] == "thread_per_row" and one[0]["when"] == {"direction": "forward"}
+    assert both[0]["variant"] == "plane_reduce" and both[0]["when"] == {"direction": "forward"}
+    assert both[0]["evidence"] == "6 grid problems on 2 models, 1.24x their best, worst 1.30x"
+
+
+def test_rules_fitted_to_two_grids_name_both_grids_and_both_models(tmp_path, capsys):
+    derive_rules = load_derive_rules()
+    a = write_grid(tmp_path / "model_a", MODEL_A)
+    b = write_grid(tmp_path / "model_b", MODEL_B)
+    out = tmp_path / "rules.json"
+    assert derive_rules.main(["--data-dir", str(a), str(b), "--rules-out", str(out)]) == 0
+    cpu = json.loads(out.read_text())["devices"]["cpu"]
+    assert cpu["derived_from"] == ["benchmarks/dispatch_grid/model_a/records.json",
+                                   "benchmarks/dispatch_grid/model_b/records.json"]
+    assert cpu["device"] == ["model A", "model B"] and cpu["problems"] == 6
+    assert cpu["rules"][0]["variant"] == "plane_reduce"
+    assert default_rules.parse({"devices": {"cpu": cpu}})["cpu"]  # a rule list dispatch accepts
+    report = capsys.readouterr().out
+    assert "rules on model A: " in report and "rules on model B: " in report
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
