@@ -160,7 +160,7 @@ def test_changed_kernel_source_makes_the_record_stale(user_cache, monkeypatch):
     before = explain()
     assert before["source"] == "cache" and before["params"] == NONDEFAULT
 
-    monkeypatch.setattr(kernel_source, "template_hash", lambda template: "e" * 64)
+    monkeypatch.setattr(kernel_source, "template_hash", lambda template, *header: "e" * 64)
     dispatch.forget()
     after = explain()
     assert after["cache_key"] != before["cache_key"]
@@ -398,9 +398,9 @@ def building(monkeypatch):
     last = types.SimpleNamespace(template=None, defines={})
     original = kernel_source.render
 
-    def render(template, defines):
+    def render(template, defines, *header):
         last.template, last.defines = template, dict(defines)
-        return original(template, defines)
+        return original(template, defines, *header)
 
     monkeypatch.setattr(kernel_source, "render", render)
     return last, render
@@ -444,8 +444,8 @@ def test_config_failing_to_compile_is_recorded_and_skipped(user_cache, small_spa
     _, render = building
     bad = {"block_size_x": 256, "outputs_per_thread": 2}
 
-    def broken_render(template, defines):
-        source = render(template, defines)
+    def broken_render(template, defines, *header):
+        source = render(template, defines, *header)
         if all(defines.get(k) == v for k, v in bad.items()):
             source = "#error injected compile failure for this test\n" + source
         return source
@@ -465,7 +465,7 @@ def test_config_failing_to_compile_is_recorded_and_skipped(user_cache, small_spa
                          ids=["brute_force", "random_sample"])
 def test_every_config_failing_is_a_clear_error(user_cache, small_space, building, monkeypatch, capfd, budget):
     _, render = building
-    monkeypatch.setattr(kernel_source, "render", lambda t, d: "#error every configuration is broken\n" + render(t, d))
+    monkeypatch.setattr(kernel_source, "render", lambda t, d, *h: "#error every configuration is broken\n" + render(t, d, *h))
     with pytest.raises(RuntimeError, match="no configuration"):
         pt.tune(OP, SHAPE, OUT, variants=["thread_per_output"], **budget)
     capfd.readouterr()
