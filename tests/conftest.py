@@ -57,6 +57,19 @@ def random_input(rng, shape, dtype=np.float32):
     return x.astype(dtype)
 
 
+def outputs_and_gradients(model, x, grad_seed=0):
+    """``model(x)``, the gradient for ``x`` and each parameter's gradient (by name), after a
+    backward pass of a seeded random gradient and with seeded dropout masks: what two models that
+    should compute the same thing are compared by."""
+    import torch
+
+    x = x.clone().requires_grad_()
+    torch.manual_seed(grad_seed)  # the same dropout masks, if any, for both models
+    y = model(x)
+    y.backward(torch.from_numpy(np.random.default_rng(grad_seed).standard_normal(y.shape).astype(np.float32)))
+    return y.detach(), x.grad, {name: p.grad for name, p in model.named_parameters()}
+
+
 @pytest.fixture
 def user_cache(tmp_path, monkeypatch):
     """A private, empty user tuning cache; no autotuning; dispatch state forgotten before and

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pool_tuner.torch as ptt  # noqa: E402
+from conftest import outputs_and_gradients  # noqa: E402
 
 F = torch.nn.functional
 TIMM_POOLING = "timm.layers.adaptive_avgmax_pool"
@@ -49,17 +50,9 @@ def _timm_layers(model) -> list:
             if type(m).__module__ == TIMM_POOLING and type(m).__name__ != "SelectAdaptivePool2d"]
 
 
-def _outputs_and_gradients(model, x, grad_seed=0):
-    x = x.clone().requires_grad_()
-    torch.manual_seed(grad_seed)  # the same dropout masks, if any, for both models
-    y = model(x)
-    y.backward(torch.from_numpy(np.random.default_rng(grad_seed).standard_normal(y.shape).astype(np.float32)))
-    return y.detach(), x.grad, {name: p.grad for name, p in model.named_parameters()}
-
-
 def _assert_same(stock, swapped, x, tol):
-    ys, gs, ps = _outputs_and_gradients(stock, x)
-    yw, gw, pw = _outputs_and_gradients(swapped, x)
+    ys, gs, ps = outputs_and_gradients(stock, x)
+    yw, gw, pw = outputs_and_gradients(swapped, x)
     torch.testing.assert_close(yw, ys, **tol)
     torch.testing.assert_close(gw, gs, rtol=tol["rtol"], atol=tol["atol"] * max(gs.abs().max().item(), 1.0))
     assert set(pw) == set(ps), "the same parameters under the same names"
@@ -102,8 +95,8 @@ def test_select_adaptive_pool2d_every_form(pool_type, flatten, input_fmt, timm, 
     assert _timm_layers(swapped) == []
     shape = (2, 5, 6, 7) if input_fmt == "NCHW" else (2, 6, 7, 5)
     for x in (tensor(rng, shape), torch.from_numpy(rng.integers(-2, 3, shape).astype(np.float32))):
-        ys, gs, _ = _outputs_and_gradients(stock, x)
-        yw, gw, _ = _outputs_and_gradients(swapped, x)
+        ys, gs, _ = outputs_and_gradients(stock, x)
+        yw, gw, _ = outputs_and_gradients(swapped, x)
         assert yw.shape == ys.shape
         torch.testing.assert_close(yw, ys, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(gw, gs, rtol=1e-6, atol=1e-7)

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pool_tuner.torch as ptt  # noqa: E402
+from conftest import outputs_and_gradients  # noqa: E402
 
 F = torch.nn.functional
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -222,17 +223,9 @@ class Net(torch.nn.Module):
         return self.fc(self.head(x))
 
 
-def _outputs_and_gradients(model, x, grad_seed=0):
-    x = x.clone().requires_grad_()
-    torch.manual_seed(grad_seed)  # the same dropout masks for both models
-    y = model(x)
-    y.backward(torch.from_numpy(np.random.default_rng(grad_seed).standard_normal(y.shape).astype(np.float32)))
-    return y.detach(), x.grad, {name: p.grad for name, p in model.named_parameters()}
-
-
 def _assert_same(stock, fused, x, tol):
-    ys, gs, ps = _outputs_and_gradients(stock, x)
-    yf, gf, pf = _outputs_and_gradients(fused, x)
+    ys, gs, ps = outputs_and_gradients(stock, x)
+    yf, gf, pf = outputs_and_gradients(fused, x)
     torch.testing.assert_close(yf, ys, **tol)
     torch.testing.assert_close(gf, gs, **tol)
     assert set(pf) == set(ps), "the same parameters under the same names"
