@@ -13,37 +13,38 @@ agree with them to the rounding of the last bit (the kernels accumulate in float
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
 from . import pyramid, reference
-from .problem import Problem
+from .problem import ITEMSIZE, Problem
 
 
 class HostFallback:
     """Runs like the device's ``prepare``d launch: called with the addresses of the inputs then the
-    results (``nbytes`` each, in the problem's memory order), returns once the results are
-    written."""
+    results (``nbytes`` each, in the problem's memory order) and the call's run-time scalars
+    (GeM's ``p`` and ``eps``; None: their defaults), returns once the results are written."""
 
     __slots__ = ("problem", "results", "nbytes", "n_inputs")
 
     def __init__(self, problem: Problem, results: tuple, nbytes: tuple, n_inputs: int):
         self.problem, self.results, self.nbytes, self.n_inputs = problem, results, nbytes, n_inputs
 
-    def __call__(self, stream, *addresses) -> None:
+    def __call__(self, stream, *addresses, scalars: tuple | None = None) -> None:
         problem = self.problem
         dtypes = [problem.dtype] + ["int64"] * (self.n_inputs - 1) + [r.dtype for r in self.results]
         flat = [_host_array(a, n, d) for a, n, d in zip(addresses, self.nbytes, dtypes)]
         inputs, outputs = flat[:self.n_inputs], flat[self.n_inputs:]
         if problem.flow.reads_input:
-            _forward(problem, inputs[0], outputs)
+            _forward(problem, inputs[0], outputs, problem.arguments_of(scalars))
         else:
             _backward(problem, inputs, outputs[0])
 
 
-def _forward(problem: Problem, x_flat, outputs) -> None:
+def _forward(problem: Problem, x_flat, outputs, arguments: dict) -> None:
     x = _to_float64(_logical(x_flat, problem.input_shape, problem), problem.dtype)
-    computed = reference.forward(problem.op, x, problem.output_size)
+    computed = reference.forward(problem.op, x, problem.output_size, **arguments)
     if problem.operation.multi_level:
         values, indices = computed
         out_values, out_indices = pyramid.views(problem, outputs[0], outputs[1] if len(outputs) > 1 else None)
@@ -69,6 +70,30 @@ def _backward(problem: Problem, inputs, grad_in_flat) -> None:
         indices = None if indices_flat is None else _logical(indices_flat, problem.output_shape, problem)
         grad_in = reference.backward(problem.op, grad, problem.input_shape, indices)
     _store(_logical(grad_in_flat, problem.input_shape, problem), grad_in, problem.dtype)
+
+
+def gem_input_gradient(problem: Problem, arguments: dict, plane_shares: bool, x_address: int, shares_address: int,
+                       grad_address: int) -> np.ndarray:
+    """GeM's input-gradient pass (``kernels/operators/gem_input_gradient.c``) on the host, in
+    float64 over the same memory: writes the input gradient, returns the input part of ``dL/dp``
+    as one term.  ``plane_shares``: the shares are the window means' gradients per plane."""
+    numel, plane = math.prod(problem.input_shape), math.prod(problem.in_spatial)
+    acc = "float64" if problem.dtype == "float64" else "float32"
+    x = _to_float64(_host_array(x_address, numel * ITEMSIZE[problem.dtype], problem.dtype), problem.dtype)
+    count = problem.planes if plane_shares else numel
+    shares = _host_array(shares_address, count * ITEMSIZE[acc], acc).astype(np.float64)
+    if plane_shares:
+        i = np.arange(numel)
+        planes = i // (plane * problem.channels) * problem.channels + i % problem.channels if problem.channels_last \
+            else i // plane
+        shares = shares[planes] / plane
+    p, eps = arguments["p"], arguments["eps"]
+    clamped = np.maximum(x, eps)
+    power = clamped ** p
+    grad = np.where(x >= eps, shares * p * power / clamped, 0.0)
+    terms = np.array([math.fsum((shares * power * np.log(clamped)).tolist())])
+    _store(_host_array(grad_address, numel * ITEMSIZE[problem.dtype], problem.dtype), grad, problem.dtype)
+    return terms
 
 
 def _host_array(address: int, nbytes: int, dtype: str) -> np.ndarray:

@@ -299,7 +299,7 @@ class Plan:
         return self._launch
 
     def prepared_launch(self):
-        """The device's ``prepare``d launch of ``launch`` (``run(stream, *addresses)``), made on
+        """The device's ``prepare``d launch of ``launch`` (``run(stream, *addresses, scalars=)``), made on
         first use: where the device's kernels cannot run in this process (a forked child of a PoCL
         process), ``host_fallback``'s instead."""
         if self._prepared is None:
@@ -316,25 +316,14 @@ class Plan:
         and what it is filled with, ``fills``: numpy, ``torch.empty_strided``, ...),
         ``address(array)`` an array's address; ``stream``: the raw stream handle a device launches
         on (None: host memory, the results written when this returns); ``scalars``: this call's
-        run-time kernel arguments (``Problem.with_arguments``: GeM's p and eps) where they differ
-        from the launch's.  Returns the results as ``allocate`` made them."""
+        run-time kernel arguments (``Problem.with_arguments``: GeM's p and eps), written into the
+        prepared launch's scalar slots for this call (None: the launch's own).  Returns the
+        results as ``allocate`` made them."""
         outputs = [allocate(result, fill) for result, fill in zip(self.results, self.fills)]
         if self._launch is not None or self._build is not None:
             prepared = self._prepared or self.prepared_launch()
-            if scalars is not None and scalars != self.launch.scalars:
-                prepared = self._prepared_with(scalars)
-            prepared(stream, *map(address, inputs), *map(address, outputs))
+            prepared(stream, *map(address, inputs), *map(address, outputs), scalars=scalars)
         return outputs
-
-    def _prepared_with(self, scalars: tuple):
-        """A prepared launch of this plan with a call's own run-time arguments, for that call:
-        a learnt argument (GeM's p) changes from one training step to the next, and the kernel
-        takes it as an argument, so only the launch's arguments are made again."""
-        if self.device.info.host_fallback is not None:
-            raise RuntimeError(f"{self.problem.op} cannot run in this process ({self.device.info.host_fallback}) "
-                               f"with arguments other than its defaults")
-        n_inputs = len(self.nbytes) - len(self.results)
-        return self.device.prepare(dataclasses.replace(self.launch, scalars=scalars), self.nbytes, n_inputs)
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,

@@ -235,6 +235,12 @@ class Problem:
         acc = np.float64 if self.dtype == "float64" else np.float32
         return planes + tuple(acc(values[name]) for name, _ in self.operation.arguments)
 
+    def arguments_of(self, scalars: tuple | None) -> dict:
+        """The operator's run-time arguments (name -> float) that ``scalars`` (``with_arguments``'
+        form; None: ``scalars``, their defaults) pass."""
+        values = scalars[1:] if scalars is not None and self.flow.reads_input else ()
+        return {name: float(value) for (name, _), value in zip(self.operation.arguments, values)}
+
     def defines(self) -> dict:
         """The per-sample shape, dtype and index-width ``#define``s every template receives.  The
         plane count is not one of them (``scalars``): sizes are defines so that divisions by them

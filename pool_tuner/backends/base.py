@@ -140,8 +140,10 @@ class Device(Protocol):
 
     def prepare(self, launch, nbytes: tuple, n_inputs: int):
         """``launch`` (a ``dispatch.Launch``) made ready to run again and again, its argument
-        storage made once: a function ``run(stream, *addresses)`` of the addresses of the inputs
-        then the outputs (``nbytes`` each, the first ``n_inputs`` read only).  Where
+        storage made once: a function ``run(stream, *addresses, scalars=None)`` of the addresses
+        of the inputs then the outputs (``nbytes`` each, the first ``n_inputs`` read only) and,
+        where given, the call's run-time scalars in place of ``launch.scalars`` (same number and
+        types: a learnt GeM ``p`` changes every call, the storage does not).  Where
         ``info.shares_host_memory``, over host memory on the default queue (``stream`` None),
         returning once the outputs are written; elsewhere over device memory, on the raw stream
         handle ``stream`` (CUDA: PyTorch's current stream), without waiting."""

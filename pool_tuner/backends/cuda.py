@@ -255,9 +255,10 @@ class CudaDevice(Conveniences):
     @staticmethod
     def prepare(launch, nbytes: tuple, n_inputs: int) -> cuda_driver.PreparedLaunch:
         """``launch`` (a ``dispatch.Launch``) with its grid, block and argument storage fixed, as a
-        ``cuda_driver.PreparedLaunch``: ``run(stream, *pointers)`` is one ``cuLaunchKernel`` on the
-        raw stream handle ``stream`` with the device pointers of the inputs then the outputs (one
-        per entry of ``nbytes``), in the calling thread's current context."""
+        ``cuda_driver.PreparedLaunch``: ``run(stream, *pointers, scalars=None)`` is one
+        ``cuLaunchKernel`` on the raw stream handle ``stream`` with the device pointers of the
+        inputs then the outputs (one per entry of ``nbytes``) and the call's run-time scalars (or
+        the launch's), in the calling thread's current context."""
         if launch.groups < 1 or launch.groups > MAX_GRID_X:
             raise ValueError(f"a launch needs 1 to {MAX_GRID_X} blocks, got {launch.groups}")
         return cuda_driver.PreparedLaunch(launch.kernel, launch.groups, launch.block, len(nbytes), launch.scalars)

@@ -418,12 +418,14 @@ def _unconverted(lib, name: str):
 
 
 class PreparedLaunch:
-    """One kernel with its grid, block and argument layout fixed: ``launch(stream, *pointers)``
-    writes the device pointers and the raw stream handle ``stream`` (0: the legacy default
-    stream) into ctypes objects made here, once, and calls ``cuLaunchKernel`` with them.  Every
-    pool_tuner kernel takes device pointers, then run-time scalars (``dispatch.Launch.scalars``:
-    numpy scalars, such as the plane count) which belong to the call signature and so are fixed
-    here too.
+    """One kernel with its grid, block and argument layout fixed: ``launch(stream, *pointers,
+    scalars=None)`` writes the device pointers and the raw stream handle ``stream`` (0: the legacy
+    default stream) into ctypes objects made here, once, and calls ``cuLaunchKernel`` with them.
+    Every pool_tuner kernel takes device pointers, then run-time scalars (``dispatch.Launch.scalars``:
+    numpy scalars, such as the plane count), whose slots are made here too with the launch's
+    values; a call's ``scalars`` (of the same types: GeM's learnt ``p``) are written into those
+    slots instead, and the launch's own values back on the next call without them, so a run-time
+    argument that changes on every call costs no new argument storage.
 
     The slots are shared by all calls, so filling them and launching happen under a lock: ctypes
     releases the GIL inside each driver call, and two threads must not launch each other's
@@ -434,8 +436,8 @@ class PreparedLaunch:
     primary context, where PyTorch's tensors live); a thread with no current context gets the
     kernel's made current (``cuCtxSetCurrent``) and keeps it, as the module docstring says."""
 
-    __slots__ = ("kernel", "grid", "block", "_lib", "_slots", "_scalars", "_stream", "_current", "_current_ref",
-                 "_get_current", "_launch", "_lock")
+    __slots__ = ("kernel", "grid", "block", "_lib", "_slots", "_scalars", "_defaults", "_written", "_stream",
+                 "_current", "_current_ref", "_get_current", "_launch", "_lock")
 
     def __init__(self, kernel: DriverKernel, groups: int, block: tuple, n_pointers: int, scalars: tuple, lib=None):
         self.kernel = kernel
@@ -444,6 +446,7 @@ class PreparedLaunch:
         self._lib = lib = _driver() if lib is None else lib
         self._slots = tuple(ctypes.c_uint64() for _ in range(n_pointers))  # CUdeviceptr values
         self._scalars = tuple(_ctypes_scalar(s) for s in scalars)
+        self._defaults = self._written = tuple(scalars)  # the launch's values; those in the slots now
         params = _parameter_array(self._slots + self._scalars)
         self._stream = ctypes.c_void_p()
         self._current = ctypes.c_void_p()
@@ -454,12 +457,20 @@ class PreparedLaunch:
                                          *dims, ctypes.c_uint(0), self._stream, params, None)
         self._lock = threading.Lock()
 
-    def __call__(self, stream: int, *pointers: int) -> None:
+    def __call__(self, stream: int, *pointers: int, scalars: tuple | None = None) -> None:
         if len(pointers) != len(self._slots):
             raise TypeError(f"{self.kernel.name} takes {len(self._slots)} device pointers, got {len(pointers)}")
+        if scalars is None:
+            scalars = self._defaults
+        elif len(scalars) != len(self._scalars):
+            raise TypeError(f"{self.kernel.name} takes {len(self._scalars)} run-time scalars, got {len(scalars)}")
         with self._lock:
             for slot, pointer in zip(self._slots, pointers):
                 slot.value = pointer
+            if scalars is not self._written:
+                for slot, value in zip(self._scalars, scalars):
+                    slot.value = value.item()
+                self._written = scalars
             self._stream.value = stream
             status = self._get_current(self._current_ref)
             if status:

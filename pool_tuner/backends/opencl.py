@@ -287,9 +287,10 @@ class OpenCLDevice(Conveniences):
 
     def prepare(self, launch, nbytes: tuple, n_inputs: int):
         """Only where ``info.shares_host_memory``: a function running ``launch`` on the default
-        queue over host memory, called as ``run(None, *addresses)`` with the addresses of the
-        inputs then the outputs (``nbytes`` each, the first ``n_inputs`` read only), returning
-        once the outputs are written (see ``HostLaunch``)."""
+        queue over host memory, called as ``run(None, *addresses, scalars=None)`` with the
+        addresses of the inputs then the outputs (``nbytes`` each, the first ``n_inputs`` read
+        only), and the call's run-time scalars where not the launch's, returning once the outputs
+        are written (see ``HostLaunch``)."""
         return HostLaunch(self, launch, nbytes, n_inputs)
 
     @property
@@ -480,8 +481,9 @@ class HostLaunch:
         self.writable = tuple(i >= n_inputs for i in range(len(nbytes)))
         self.buffers = device.host_buffers if device.host_memory_aliases else None
 
-    def __call__(self, stream, *addresses) -> None:
-        """Run over the memory at ``addresses``; ``stream`` is None (the device's default queue)."""
+    def __call__(self, stream, *addresses, scalars: tuple | None = None) -> None:
+        """Run over the memory at ``addresses``; ``stream`` is None (the device's default queue);
+        ``scalars``: this call's run-time scalars in place of the launch's (GeM's learnt ``p``)."""
         if self.buffers is not None:
             get = self.buffers.get
             buffers = [get(a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
@@ -489,7 +491,7 @@ class HostLaunch:
             context = self.queue.context
             buffers = [host_buffer(context, a, n, w) for a, n, w in zip(addresses, self.nbytes, self.writable)]
         with self.kernel.launch_lock:
-            self.kernel.set_typed_args((*buffers, *self.scalars))
+            self.kernel.set_typed_args((*buffers, *(self.scalars if scalars is None else scalars)))
             event = cl.enqueue_nd_range_kernel(self.queue, self.kernel, self.global_size, self.local_size)
         event.wait()
         if self.buffers is None:
