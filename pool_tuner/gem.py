@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from . import backends, dispatch, kernel_source, ops, plans
+from . import backends, dispatch, host_fallback, kernel_source, ops, plans
 from .operations import BACKWARD, find
 from .problem import Problem
 from .variants import is_global
@@ -180,7 +180,8 @@ def input_gradient(device, problem: Problem, arguments: dict, x_address: int, sh
         raise NotImplementedError(f"GeM's backward on numpy arrays needs a device that shares host memory; "
                                   f"{device.info.describe()} does not")
     if device.info.host_fallback is not None:
-        raise RuntimeError(f"GeM's backward cannot run in this process: {device.info.host_fallback}")
+        return host_fallback.gem_input_gradient(problem, arguments, plane_shares(problem), x_address, shares_address,
+                                                grad_address)
     groups = input_gradient_groups(problem)
     acc = np.float64 if problem.dtype == "float64" else np.float32
     terms = np.empty(groups, acc)

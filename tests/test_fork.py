@@ -206,3 +206,27 @@ def test_dataloader_workers_forked_after_the_parent_used_pool_tuner():
         np.testing.assert_allclose(avg.numpy(), reference.forward("adaptive_avg_pool2d", x, OUT), rtol=1e-5, atol=1e-6)
         workers.add(pid)
     assert len(workers) == 2 and os.getpid() not in workers
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("size", [1, (3, 4)])
+def test_a_forked_child_pools_gem_with_its_own_p_on_the_host(rng, layout, size):
+    """GeM with a p and eps other than the defaults (a learnt p), forward and backward (x and p),
+    global and windowed, in the child: the host fallback takes the call's run-time arguments."""
+    x = np.abs(random_input(rng, (2, 4, 10, 9))) + 0.1
+    if layout == "channels_last":
+        x = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
+    p, eps = 2.5, 1e-3
+    out = pt.adaptive_gem_pool2d(x, size, p, eps)  # the parent uses PoCL first
+    grad = random_input(rng, out.shape)
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(grad, x, size, p, eps)
+
+    def child():
+        ok = _close(pt.adaptive_gem_pool2d(x, size, p, eps), reference.adaptive_gem_pool(x, size, 2, p, eps))
+        ok &= _close(pt.adaptive_gem_pool2d(x, size), reference.adaptive_gem_pool(x, size, 2))
+        want_x, want_p = reference.adaptive_gem_pool_backward(grad, x, size, 2, p, eps)
+        got_x, got_p = pt.adaptive_gem_pool2d_backward(grad, x, size, p, eps)
+        ok &= _close(got_x, want_x) and np.isclose(got_p, want_p, rtol=1e-4)
+        return ok and _close(got_x, grad_x) and np.isclose(got_p, grad_p, rtol=1e-4)
+
+    assert _wait(_in_child(child)) == 0
