@@ -7,7 +7,11 @@ defines them; a fresh thread has none current); memory belongs to the context th
 fail with ``CUDA_ERROR_INVALID_CONTEXT`` (201) when no context is current or when the memory or
 the kernel's module belongs to another context; ``cuPointerGetAttribute`` answers for its own
 allocations (context, device) and not for made-up addresses.  Launches are recorded with their
-arguments read back from the ctypes argument array as the driver would.
+arguments read back from the ctypes argument array as the driver would: where the module's image
+is pool_tuner's kernel source (the tests' stand-in compiler returns it), by the parameter list the
+kernel declares there -- each argument read at its declared size and type (a float32 ``p`` as a
+float), and a launch with another number of arguments refused -- since the driver reads each
+argument at the size the kernel's signature gives, whatever the caller stored there.
 
 ``FakePyCuda`` plays PyCUDA on top of it: ``Context.push``/``pop`` through the driver's stack
 (``pop`` of an empty stack fails as PyCUDA's does), ``autoinit()`` (a context of its own, pushed,
@@ -19,6 +23,8 @@ assert on.  ``fake_cuda_device`` makes a real ``CudaDevice`` without PyCUDA."""
 
 import ctypes
 import math
+import re
+import subprocess
 import threading
 import types
 
@@ -58,6 +64,7 @@ class FakeDriver:
         self.contexts = {PRIMARY_CONTEXT: 0, OTHER_CONTEXT: 1}  # context -> device ordinal
         self.primary = {0: PRIMARY_CONTEXT, 1: OTHER_CONTEXT}
         self.functions = {}  # function handle -> context of its module
+        self.parameters = {}  # function handle -> its declared parameters' ctypes types (None: unknown)
         self.memory = {}  # device address -> (context, bytearray)
         self._next_address = 0x7_0000_0000
         self.max_threads = MAX_THREADS
@@ -149,8 +156,13 @@ class FakeDriver:
 
     def cuModuleGetFunction(self, function, module, name):
         self.calls.append(("cuModuleGetFunction", _value(_target(module)), name))
+        image = self.modules[_value(_target(module)) - 0x101][0]
+        parameters = kernel_parameters(image, _value(name).decode() if isinstance(_value(name), bytes) else name)
+        if parameters is NOT_FOUND:
+            return NOT_FOUND_STATUS
         _target(function).value = 0xF000 + len(self.modules)
         self.functions[0xF000 + len(self.modules)] = self.current()
+        self.parameters[0xF000 + len(self.modules)] = parameters
         return 0
 
     # memory: owned by the context that allocated it; bytes that copies move
@@ -230,7 +242,11 @@ class FakeDriver:
         function, gx, gy, gz, bx, by, bz, shared, stream = map(_value, (function, gx, gy, gz, bx, by, bz, shared, stream))
         slots = [ctypes.c_void_p.from_address(ctypes.addressof(params) + i * ctypes.sizeof(ctypes.c_void_p)).value
                  for i in range(len(params))]
-        arguments = [ctypes.c_uint64.from_address(slot).value for slot in slots]
+        declared = self.parameters.get(function)
+        if declared is not None and len(declared) != len(slots):
+            return INVALID_VALUE  # the kernel would read arguments that were never given
+        arguments = [(kind or ctypes.c_uint64).from_address(slot).value
+                     for kind, slot in zip(declared or (None,) * len(slots), slots)]
         if self.current() is None or self.functions.get(function, self.current()) != self.current():
             return INVALID_CONTEXT  # no context, or a kernel of another context's module
         if self._check_memory(*arguments):
@@ -329,6 +345,45 @@ class FakeDriver:
     def cuGetErrorName(self, status, out):
         _target(out).value = b"CUDA_ERROR_FAKE"
         return 0
+
+
+NOT_FOUND = object()
+NOT_FOUND_STATUS = 500  # CUDA_ERROR_NOT_FOUND: no kernel of that name in the module
+_POINTER = ctypes.c_uint64  # a device pointer, read as its 64-bit address
+
+
+def kernel_parameters(image: bytes, name: str):
+    """The ctypes types of the parameters kernel ``name`` declares in ``image``, when ``image`` is
+    pool_tuner's CUDA source (``KERNEL void name(...)`` or ``extern "C" __global__ void
+    name(...)``), read after the C preprocessor (the CUDA branch of prelude.h, as nvcc sees it;
+    ``#include``s left out) with its typedefs resolved; None for an image that is no such source
+    (the tests' made-up cubins); ``NOT_FOUND`` when it is source without that kernel."""
+    text = image.decode("utf-8", "replace").removeprefix("cubin:")  # the stand-in compiler's mark
+    if "KERNEL void" not in text and "__global__ void" not in text:
+        return None
+    source = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#include"))
+    expanded = subprocess.run(["cpp", "-P", "-w"], input=source, capture_output=True, text=True, check=True).stdout
+    found = re.search(r"\bvoid\s+" + re.escape(name) + r"\s*\(([^)]*)\)", expanded)
+    if found is None:
+        return NOT_FOUND
+    typedefs = {alias: base for base, alias in re.findall(r"typedef\s+([^;]*?)\s+(\w+)\s*;", expanded)}
+    types = []
+    for parameter in filter(None, (p.strip() for p in found.group(1).split(","))):
+        if "*" in parameter:
+            types.append(_POINTER)
+            continue
+        words = parameter.split()[:-1]  # the type, without the parameter's name
+        for _ in range(4):
+            words = [w for word in words for w in typedefs.get(word, word).split()]
+        if "double" in words:
+            types.append(ctypes.c_double)
+        elif "float" in words:
+            types.append(ctypes.c_float)
+        elif "long" in words:
+            types.append(ctypes.c_int64)
+        else:
+            types.append(ctypes.c_int32)
+    return tuple(types)
 
 
 class FakeFunction:
