@@ -24,6 +24,7 @@ The numpy functions below take numpy arrays (and, forward only, the device array
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import threading
@@ -32,7 +33,7 @@ import numpy as np
 
 from . import backends, dispatch, host_fallback, kernel_source, ops, plans
 from .operations import BACKWARD, find
-from .problem import Problem
+from .problem import ITEMSIZE, Problem
 from .variants import is_global
 
 #: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
@@ -182,18 +183,42 @@ def input_gradient(device, problem: Problem, arguments: dict, x_address: int, sh
     if device.info.host_fallback is not None:
         return host_fallback.gem_input_gradient(problem, arguments, plane_shares(problem), x_address, shares_address,
                                                 grad_address)
+    terms = np.empty(input_gradient_groups(problem), np.float64 if problem.dtype == "float64" else np.float32)
+    input_gradient_on_device(device, problem, arguments, None, x_address, shares_address, grad_address,
+                             terms.ctypes.data)
+    return terms
+
+
+def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, x_address: int, shares_address: int,
+                             grad_address: int, terms_address: int) -> None:
+    """Launch the input-gradient kernel on memory given by address (as ``input_gradient``, the
+    work-groups' terms written to ``input_gradient_groups(problem)`` acc-dtype elements at
+    ``terms_address``): over host memory where the device shares it (``stream`` None, written
+    when this returns), else over device memory on the raw stream handle ``stream`` (CUDA:
+    PyTorch's current stream), without waiting.  The launch is prepared once per device and
+    problem, its kernel built in the context current then (CUDA: the primary one, where PyTorch's
+    tensors live; a later call under another context is refused by the launch, naming both);
+    ``p`` and ``eps`` reach it as this call's scalars."""
+    acc = np.float64 if problem.dtype == "float64" else np.float32
+    scalars = (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"]))
+    _prepared_input_gradient(device, problem)(stream, x_address, shares_address, grad_address, terms_address,
+                                              scalars=scalars)
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared_input_gradient(device, problem: Problem):
+    """The input-gradient kernel of ``problem`` on ``device`` with its grid and argument storage
+    fixed (``prepare``), its scalars the defaults until a call passes its own."""
     groups = input_gradient_groups(problem)
     acc = np.float64 if problem.dtype == "float64" else np.float32
-    terms = np.empty(groups, acc)
-    numel = math.prod(problem.input_shape)
     itemsize = np.dtype(acc).itemsize
-    storage = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[problem.dtype]
+    numel = math.prod(problem.input_shape)
+    storage = ITEMSIZE[problem.dtype]
+    defaults = dict(problem.operation.arguments)
     launch = dispatch.Launch(input_gradient_kernel(device, problem), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
-                             (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"])))
+                             (np.int64(problem.planes), acc(defaults["p"]), acc(defaults["eps"])))
     shares = (problem.planes if plane_shares(problem) else numel) * itemsize
-    run = device.prepare(launch, (numel * storage, shares, numel * storage, groups * itemsize), 2)
-    run(None, x_address, shares_address, grad_address, terms.ctypes.data)
-    return terms
+    return device.prepare(launch, (numel * storage, shares, numel * storage, groups * itemsize), 2)
 
 
 def _make(ndim: int):

@@ -65,6 +65,7 @@ from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from . import torch_timm as _torch_timm
+from .backends import cuda as _cuda_backend
 from .backends import env_device_setting
 from .backends import resolve_device as _resolve_device
 from .decomposition import decompose
@@ -1313,7 +1314,9 @@ def explain_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
 # run-time kernel argument.  The double backward (``create_graph=True``) is PyTorch's composition
 # ``adaptive_avg_pool(x.clamp(min=eps).pow(p), size).pow(1/p)``, differentiated by autograd; under
 # ``torch.onnx.export`` the layers are that composition, in standard ONNX operators.  CPU tensors
-# run on pool_tuner's kernels; CUDA tensors are refused with a message (not implemented yet).
+# run through ``pool_tuner.torch_cpu``'s plans, CUDA tensors through ``pool_tuner.torch_cuda``'s
+# (PyTorch's allocator and current stream), ``p`` and ``eps`` as the launches' run-time scalars: a
+# CUDA ``p`` is read once per call (a synchronisation, as any host read of a device value is).
 
 
 _GEM_FORWARD_SCHEMA = "(Tensor input, SymInt[] output_size, Tensor p, float eps, str options) -> Tensor"
@@ -1334,14 +1337,7 @@ def _gem_composition(input, output_size, p, eps: float):
 
 def _gem_arguments(p: torch.Tensor, eps: float) -> dict:
     """``{"p", "eps"}`` as floats, checked (finite, > 0): p is read from its tensor."""
-    if p.is_cuda:
-        raise NotImplementedError("pool_tuner's GeM runs on CPU tensors only for now (p is on a CUDA device)")
     return _gem.check_arguments(float(p.detach().reshape(())), eps)
-
-
-def _check_gem_cpu(t: torch.Tensor, name: str) -> None:
-    if t.is_cuda:
-        raise NotImplementedError(f"pool_tuner's GeM runs on CPU tensors only for now; {name} is on {t.device}")
 
 
 _NUMPY_ACC = {torch.float32: np.float32, torch.float64: np.float64}
@@ -1357,15 +1353,88 @@ def _layout_name(t: torch.Tensor, ndim: int) -> str:
     return LAYOUT_NAMES[ndim][int(_is_channels_last(t, ndim))]
 
 
+def _gem_forward_cpu(op: str, input, output_size, arguments: dict, options: str):
+    found = _cpu_plan(op, "forward", [input], output_size, options)
+    return _torch_cpu.run(found, [input], found.problem.with_arguments(arguments))[0]
+
+
+def _gem_forward_cuda(op: str, input, output_size, arguments: dict, options: str):
+    found = _torch_cuda.plan_op(op, "forward", [input], output_size, options)
+    return _torch_cuda.run(found, [input], found.problem.with_arguments(arguments))[0]
+
+
+def _gem_backward_cpu(problem, grad_out, input, output, p, arguments: dict, options: str):
+    """GeM's backward on CPU tensors: ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
+    ndim, channels_last = problem.ndim, problem.channels_last
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
+    # meets PoCL's workers on the same cores.
+    g64, y64 = _float64_array(grad_out), _float64_array(output)
+    # dL/dm of each window mean m = y**p, in the input's layout
+    mean = _gem.mean_gradient(g64, y64, arguments["p"]).astype(_NUMPY_ACC[acc])
+    channel = mean.ndim - ndim - 1
+    mean_grad = (torch.from_numpy(np.ascontiguousarray(np.moveaxis(mean, channel, -1))).movedim(-1, channel)
+                 if channels_last else torch.from_numpy(np.ascontiguousarray(mean)))
+    if _gem.plane_shares(problem):
+        device, shares = _resolve_device(dict(_plans.options_of(options)).get("device")), mean_grad
+        grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
+    else:
+        found = _cpu_plan(problem.op, "backward", [mean_grad], tuple(input.shape), options)
+        (shares,) = _torch_cpu.run(found, [mean_grad])
+        device = found.device
+        grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
+                                                                       channels_last, ndim)
+    terms = _gem.input_gradient(device, problem, arguments, input.data_ptr(), shares.data_ptr(),
+                                grad_input.data_ptr())
+    return grad_input, torch.full_like(p, math.fsum(terms.tolist()) + _gem.output_term(g64, y64, arguments["p"]))
+
+
+def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, options: str):
+    """GeM's backward on CUDA tensors, the passes of the CPU path on PyTorch's current stream:
+    the window means' gradients (output-sized, PyTorch's ops in float64), their gather through
+    the backward plan (``torch_cuda``), the input-gradient kernel, and ``dL/dp`` summed on the
+    device in a fixed order (deterministic): ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
+    ndim, channels_last = problem.ndim, problem.channels_last
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    g64, y64 = grad_out.detach().double(), output.detach().double()
+    mean_grad = _in_layout(_gem.mean_gradient(g64, y64, arguments["p"]).to(acc), channels_last, ndim)
+    if _gem.plane_shares(problem):
+        index = input.device.index
+        device = _cuda_backend.device_by_ordinal(0 if index is None else index, "input")
+        _plans.check_device_option(device, dict(_plans.options_of(options)).get("device"), "input")
+        shares = mean_grad.contiguous()
+        grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
+    else:
+        found = _torch_cuda.plan_op(problem.op, "backward", [mean_grad], tuple(input.shape), options)
+        (shares,) = _torch_cuda.run(found, [mean_grad])
+        device = found.device
+        grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
+                                                                       channels_last, ndim)
+    terms = torch.empty(_gem.input_gradient_groups(problem), dtype=acc, device=input.device)
+    _gem.input_gradient_on_device(device, problem, arguments, _torch_cuda.current_raw_stream(input.device.index),
+                                  input.data_ptr(), shares.data_ptr(), grad_input.data_ptr(), terms.data_ptr())
+    grad_p = terms.double().sum() - (g64 * y64 * torch.log(y64)).sum() / arguments["p"]
+    return grad_input, grad_p.to(device=p.device, dtype=p.dtype).reshape(p.shape)
+
+
+#: device type -> GeM's (forward, backward) on tensors of that device
+_GEM_PATHS = {"cpu": (_gem_forward_cpu, _gem_backward_cpu), "cuda": (_gem_forward_cuda, _gem_backward_cuda)}
+
+
+def _gem_path(t: torch.Tensor):
+    found = _GEM_PATHS.get(t.device.type)
+    if found is None:
+        raise ValueError(f"pool_tuner's GeM runs on CPU and CUDA tensors; input is on {t.device}")
+    return found
+
+
 def _register_gem(ndim: int):
     operation = find("gem", ndim)
     op = operation.name
 
     def forward(input, output_size, p, eps, options):
-        _check_gem_cpu(input, "input")
-        arguments = _gem_arguments(p, eps)
-        found = _cpu_plan(op, "forward", [input], tuple(output_size), options)
-        (result,) = _torch_cpu.run(found, [input], found.problem.with_arguments(arguments))
+        run_forward = _gem_path(input)[0]
+        result = run_forward(op, input, tuple(output_size), _gem_arguments(p, eps), options)
         return _in_layout(result, _is_channels_last(input, ndim), ndim)
 
     def forward_fake(input, output_size, p, eps, options):
@@ -1373,35 +1442,13 @@ def _register_gem(ndim: int):
         return _empty(shape, input, input.dtype, _is_channels_last(input, ndim), ndim)
 
     def backward(grad_out, input, output, p, eps, options):
-        _check_gem_cpu(input, "input")
+        run_backward = _gem_path(input)[1]
         arguments = _gem_arguments(p, eps)
-        channels_last = _is_channels_last(input, ndim)
-        if not channels_last and not input.is_contiguous():
+        if not _is_channels_last(input, ndim) and not input.is_contiguous():
             input = input.contiguous()
-        acc = torch.float64 if input.dtype == torch.float64 else torch.float32
         problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
-        # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
-        # meets PoCL's workers on the same cores.
-        g64, y64 = _float64_array(grad_out), _float64_array(output)
-        # dL/dm of each window mean m = y**p, in the input's layout
-        mean = _gem.mean_gradient(g64, y64, arguments["p"]).astype(_NUMPY_ACC[acc])
-        channel = mean.ndim - ndim - 1
-        mean_grad = (torch.from_numpy(np.ascontiguousarray(np.moveaxis(mean, channel, -1))).movedim(-1, channel)
-                     if channels_last else torch.from_numpy(np.ascontiguousarray(mean)))
-        if _gem.plane_shares(problem):
-            device, shares = _resolve_device(dict(_plans.options_of(options)).get("device")), mean_grad
-            grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
-        else:
-            found = _cpu_plan(op, "backward", [mean_grad], tuple(input.shape), options)
-            (shares,) = _torch_cpu.run(found, [mean_grad])
-            device = found.device
-            grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
-                                                                           channels_last, ndim)
-        terms = _gem.input_gradient(device, problem, arguments, input.data_ptr(), shares.data_ptr(),
-                                    grad_input.data_ptr())
-        grad_p = math.fsum(terms.tolist()) + _gem.output_term(g64, y64, arguments["p"])
-        return grad_input, torch.full_like(p, grad_p)
+        return run_backward(problem, grad_out, input, output, p, arguments, options)
 
     def backward_fake(grad_out, input, output, p, eps, options):
         return (_empty(list(input.shape), input, input.dtype, _is_channels_last(input, ndim), ndim),

@@ -122,14 +122,16 @@ def _make(op, direction, tensors, size, options: dict) -> plans.Plan:
                            options.get("config"), on_miss=tuner.tune_on_miss, names=(name,))
 
 
-def run(found: plans.Plan, tensors: list) -> list:
+def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:
     """Run a plan on CUDA ``tensors``: inputs in neither layout copied into the problem's memory
     order first, results from PyTorch's allocator on the input's device, one launch of the plan's
-    prepared launch on PyTorch's current stream of that device."""
+    prepared launch on PyTorch's current stream of that device.  ``scalars``: the call's run-time
+    kernel arguments where not the plan's (``Problem.with_arguments``: GeM's p and eps)."""
     first = tensors[0]
     if any(found.reorder):
         tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
-    return found.run(tensors, functools.partial(empty_result, first), _data_ptr, current_raw_stream(first.device.index))
+    return found.run(tensors, functools.partial(empty_result, first), _data_ptr, current_raw_stream(first.device.index),
+                     scalars)
 
 
 #: A tensor's address (``plans.Plan.run``).

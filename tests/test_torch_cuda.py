@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pool_tuner import backends, dispatch, ops, plans, torch_cuda  # noqa: E402
+from pool_tuner import backends, dispatch, gem, ops, plans, torch_cuda  # noqa: E402
 from pool_tuner.backends import cuda, cuda_driver  # noqa: E402
 
 from cuda_fakes import PRIMARY_CONTEXT, FakeDriver, fake_cuda_device  # noqa: E402
@@ -52,6 +52,8 @@ def _forget_builds_and_plans():
     cuda_driver.primary_context.cache_clear()
     cuda.forget_builds()
     dispatch.forget()  # which also empties the plan tables
+    gem._KERNELS.clear()
+    gem._prepared_input_gradient.cache_clear()
 
 
 def _x(shape, dtype=torch.float32):
@@ -501,3 +503,95 @@ def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launc
     assert len(gpu.launches) == 2 * (10 + 3) * kernels
     assert len({launch["function"] for launch in gpu.launches}) == kernels
     assert not eager_cuda
+
+
+# ---------------------------------------------------------------- GeM on CUDA tensors
+
+
+@pytest.fixture
+def gem_cuda(gpu, monkeypatch):
+    """pool_tuner.torch's GeM sends the CPU tensors that stand in for CUDA ones down its CUDA path."""
+    from pool_tuner import torch as ptt
+
+    monkeypatch.setitem(ptt._GEM_PATHS, "cpu", ptt._GEM_PATHS["cuda"])
+    return ptt
+
+
+def _float32(value):
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gem_forward_on_cuda_passes_p_and_eps_as_the_kernels_scalars_in_one_argument_array(gpu, gem_cuda, dtype):
+    """p and eps reach the kernel as launch arguments of the kernel's declared types (the fake reads
+    them at those types), a new p every call rewriting only their slots."""
+    x = _x((2, 3, 10, 9), dtype)
+    ps = [2.5, 3.7, 1.25]
+    outs = [gem_cuda.adaptive_gem_pool2d(x, (4, 7), torch.tensor([p], dtype=dtype), eps=1e-3) for p in ps]
+    outs.append(gem_cuda.adaptive_gem_pool2d(x, (4, 7)))  # the defaults again
+    as_acc = (lambda v: v) if dtype == torch.float64 else _float32
+    assert [launch["arguments"] for launch in gpu.launches] == [
+        [x.data_ptr(), out.data_ptr(), 2 * 3, as_acc(p), as_acc(eps)]
+        for out, p, eps in zip(outs, ps + [3.0], [1e-3] * 3 + [1e-6])]
+    assert len({launch["params_address"] for launch in gpu.launches}) == 1, "one argument array for every call"
+    assert [launch["stream"] for launch in gpu.launches] == [STREAM] * 4 and len(gpu.modules) == 1
+    assert all(out.shape == (2, 3, 4, 7) and out.dtype == dtype for out in outs)
+
+
+@pytest.mark.parametrize("size", [(4, 7), 1])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_a_gem_training_step_on_cuda_launches_on_the_current_stream(gpu, gem_cuda, size, memory_format):
+    """Forward, the window means' gather (windowed only: a global GeM has one window per plane)
+    and the input-gradient kernel, with the gradients of x and p shaped like them."""
+    module = gem_cuda.AdaptiveGeMPool2d(size, p=2.5, eps=1e-3)
+    x = _x((2, 3, 10, 9)).to(memory_format=memory_format).requires_grad_()
+    out = module(x)
+    grad = _x(tuple(out.shape))
+    out.backward(grad)
+    forward, *gather, gradient = gpu.launches
+    assert len(gather) == (0 if size == 1 else 1)
+    assert forward["arguments"][0] == x.data_ptr()
+    x_address, shares, grad_address, terms, planes, p, eps = gradient["arguments"]
+    assert (x_address, grad_address, planes, p, eps) == (x.data_ptr(), x.grad.data_ptr(), 6, 2.5, _float32(1e-3))
+    if gather:
+        assert shares in gather[0]["arguments"], "the input gradient reads the gathered shares"
+    assert {launch["stream"] for launch in gpu.launches} == {STREAM}
+    assert x.grad.shape == x.shape and x.grad.stride() == x.stride() and module.p.grad.shape == (1,)
+
+
+def test_a_gem_backward_on_cuda_prepares_its_input_gradient_launch_once(gpu, gem_cuda):
+    module = gem_cuda.AdaptiveGeMPool2d((4, 7))
+    for p in (2.5, 3.5):
+        with torch.no_grad():
+            module.p.fill_(p)
+        x = _x((2, 3, 10, 9)).requires_grad_()
+        module(x).backward(_x((2, 3, 4, 7)))
+    gradients = gpu.launches[2], gpu.launches[5]
+    assert [g["arguments"][5] for g in gradients] == [2.5, 3.5]
+    assert gradients[0]["params_address"] == gradients[1]["params_address"]
+
+
+def test_gem_on_cuda_under_another_current_context_is_refused_naming_both(gpu, gem_cuda):
+    x = _x((2, 3, 10, 9)).requires_grad_()
+    gem_cuda.adaptive_gem_pool2d(x, 1).sum().backward()
+    launched = len(gpu.launches)
+    own = gpu.create_context(0)
+    gpu.set_current(own)
+    with pytest.raises(ValueError, match=f"current CUDA context \\({own:#x}, device 0\\).*{PRIMARY_CONTEXT:#x}"):
+        gem_cuda.adaptive_gem_pool2d(x.detach(), 1)
+    gpu.set_current(PRIMARY_CONTEXT)
+    out = gem_cuda.adaptive_gem_pool2d(x, 1)
+    gpu.set_current(own)
+    with pytest.raises(ValueError, match="current CUDA context"):
+        out.sum().backward()
+    assert len(gpu.launches) == launched + 1, "only the forward under the primary context launched"
+
+
+def test_the_fake_driver_refuses_a_launch_without_the_kernels_declared_arguments(gpu):
+    """GeM's forward kernel declares p and eps after the plane count: a launch that leaves them
+    out fails, as the real driver reading unset arguments would not be trusted to."""
+    found = torch_cuda.plan_op("adaptive_gem_pool2d", "forward", [_x((2, 3, 10, 9))], (4, 7), "")
+    short = dataclasses.replace(found.launch, scalars=found.launch.scalars[:1])
+    prepared = found.device.prepare(short, found.nbytes, 1)
+    with pytest.raises(cuda_driver.DriverError, match="CUDA_ERROR"):
+        prepared(STREAM, *(t.data_ptr() for t in (_x((2, 3, 10, 9)), _x((2, 3, 4, 7)))))

@@ -174,11 +174,25 @@ def test_onnx_export_is_the_composition_and_runs_in_onnxruntime(rng):
     np.testing.assert_allclose(result, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_cuda_tensors_are_refused_with_a_message():
+@pytest.mark.parametrize("size", [1, (3, 4)])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_cuda_tensors_match_the_composition_for_x_and_p(size, memory_format):
+    """On a GPU: forward and the gradients of x and a learnt p, against PyTorch's composition in
+    float64 (tests/test_torch_cuda.py checks the launches on the fake driver)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    with pytest.raises(NotImplementedError, match="CPU tensors only"):
-        ptt.adaptive_gem_pool2d(torch.rand(1, 2, 4, 4, device="cuda"), 1)
+    x = (torch.rand(2, 8, 10, 9, device="cuda") + 0.1).to(memory_format=memory_format).requires_grad_()
+    module = ptt.AdaptiveGeMPool2d(size, p=2.5, eps=1e-3).cuda()
+    grad = torch.rand((2, 8) + ((1, 1) if size == 1 else size), device="cuda")
+    out = module(x)
+    out.backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    p64 = module.p.detach().double().requires_grad_()
+    want = ptt._gem_composition(x64, [1, 1] if size == 1 else list(size), p64, 1e-3)
+    want.backward(grad.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(module.p.grad.double(), p64.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_pool_tuner_onnx_export_exports_the_composition(rng):
