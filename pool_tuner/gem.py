@@ -32,6 +32,7 @@ import threading
 import numpy as np
 
 from . import backends, dispatch, host_fallback, kernel_source, ops, plans
+from .backends import cuda_arrays
 from .operations import BACKWARD, find
 from .problem import ITEMSIZE, Problem
 from .variants import is_global
@@ -68,13 +69,22 @@ def forward(ndim: int, x, output_size, p=3.0, eps=1e-6, *, device=None, variant=
 def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None, variant=None,
              config=None) -> tuple:
     """``(grad_x, grad_p)``: the gradients of ``sum(grad_out * adaptive_gem_pool(x, ...))`` for
-    ``x`` (an array like ``x``) and ``p`` (a float), numpy arrays in and out.  ``output``: the
-    forward's result, when the caller has it (else it is computed); ``variant``/``config`` choose
-    the gather's backward variant."""
+    ``x`` (an array like ``x``) and ``p`` (a float): numpy arrays in and out, or device arrays of
+    one device (``_backward_on_device``).  ``output``: the forward's result, when the caller has it
+    (else it is computed); ``variant``/``config`` choose the gather's backward variant."""
     arguments = check_arguments(p, eps)
+    owner = backends.device_of_array(x)
+    if owner is not None:
+        if backends.device_of_array(grad_out) is not owner:
+            raise TypeError(f"grad_out must be a device array on x's device ({owner.info.describe()}), got "
+                            f"{type(grad_out).__name__}")
+        plans.check_device_option(owner, device, "x")
+        if output is None:
+            output = forward(ndim, x, output_size, p, eps)
+        return _backward_on_device(owner, ndim, grad_out, x, output, arguments, variant, config)
     for name, array in (("grad_out", grad_out), ("x", x)):
         if not isinstance(array, np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+            raise TypeError(f"{name} must be a numpy.ndarray or a device array, got {type(array).__name__}")
     if output is None:
         output = forward(ndim, x, output_size, p, eps, device=device)
     if grad_out.shape != output.shape:
@@ -104,6 +114,69 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     grad_p = math.fsum(terms.tolist()) + output_term(grad_out.astype(np.float64), output.astype(np.float64),
                                                      arguments["p"])
     return grad_x, grad_p
+
+
+def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict, variant, config) -> tuple:
+    """``backward`` on device arrays of ``owner``, results on ``x``'s queue (its stream) as the
+    caller's kind of array.  The passes of the numpy path: the window means' gradients computed on
+    the host from ``grad_out`` and ``output`` (output-sized copies, after waiting for x's queue),
+    their gather on the device (``ops.pool_backward``), the input-gradient kernel on device memory
+    (``input_gradient_on_device``), and ``dL/dp``'s terms copied back and added in order.  A device
+    that shares host memory (PoCL) runs the numpy path on host copies instead: its prepared launches
+    take host addresses, not its arrays."""
+    queue = owner.arrays.queue_of(x)
+    if owner.info.shares_host_memory:
+        host = owner.to_host
+        grad_x, grad_p = backward(ndim, host(grad_out), host(x), tuple(output.shape[len(output.shape) - ndim:]),
+                                  arguments["p"], arguments["eps"], output=host(output), device=owner,
+                                  variant=variant, config=config)
+        return owner.arrays.deliver(owner.to_device(grad_x, queue), queue), grad_p
+    operation = find("gem", ndim)
+    layout = ops.memory_layout(x, ndim)
+    out_spatial = tuple(output.shape[len(output.shape) - ndim:])
+    for name, array in (("grad_out", grad_out), ("output", output)):
+        if tuple(array.shape) != tuple(output.shape):
+            raise ValueError(f"{name} must have the shape of the output {tuple(output.shape)}, got {tuple(array.shape)}")
+        if ops.memory_layout(array, ndim) not in ((layout,) if math.prod(out_spatial) > 1 else plans.LAYOUT_NAMES[ndim]):
+            raise ValueError(f"{name} must be in x's memory layout ({layout}) on a device")
+    if layout is None:
+        raise ValueError(f"x must be contiguous or channels-last on a device (GeM's backward reads it in place), got "
+                         f"strides {plans.numpy_spec(x).strides}")
+    dtype = plans.numpy_spec(x).dtype
+    problem = Problem.create(operation.name, tuple(x.shape), out_spatial, _dtype_name(dtype), layout,
+                             direction="backward")
+    x_in, grad_in, output_in = (owner.arrays.wrap_input(a, name) for a, name in
+                                ((x, "x"), (grad_out, "grad_out"), (output, "output")))
+    owner.synchronize(queue)  # grad_out's and output's producers, before they are read on the host
+    host = [np.empty(problem.memory_shape(output.shape), dtype) for _ in range(2)]
+    owner.copy(host[0], grad_in)
+    owner.copy(host[1], output_in)
+    g64, y64 = (a.astype(np.float64) for a in host)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    mean_grad = owner.to_device(mean_gradient(g64, y64, arguments["p"]).astype(acc), queue)
+    if plane_shares(problem):
+        shares = mean_grad
+        grad = owner.empty(problem.memory_shape(x.shape), dtype, queue)
+    else:
+        view = owner.arrays.strided_view(mean_grad, tuple(output.shape), _byte_strides(problem, output.shape, acc))
+        shares = ops.pool_backward(operation.name, view, tuple(x.shape), variant=variant, config=config)
+        grad = shares if np.dtype(acc) == dtype else owner.empty(problem.memory_shape(x.shape), dtype, queue)
+    terms = owner.empty((input_gradient_groups(problem),), acc, queue)
+    input_gradient_on_device(owner, problem, arguments, queue.stream, *map(_address, (x_in, shares, grad, terms)))
+    owner.synchronize(queue)
+    grad_p = math.fsum(owner.to_host(terms).tolist()) + output_term(g64, y64, arguments["p"])
+    if problem.channels_last:
+        grad = owner.arrays.strided_view(grad, tuple(x.shape), _byte_strides(problem, x.shape, dtype))
+    return owner.arrays.deliver(grad, queue), grad_p
+
+
+def _byte_strides(problem: Problem, logical_shape, dtype) -> tuple:
+    return tuple(s * np.dtype(dtype).itemsize for s in plans.element_strides(problem, tuple(logical_shape)))
+
+
+def _address(array) -> int:
+    """A CUDA array's device pointer (its ``__cuda_array_interface__``'s)."""
+    return cuda_arrays.cuda_array_interface(array)["data"][0]
 
 
 def _dtype_name(dtype) -> str:

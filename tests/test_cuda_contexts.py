@@ -361,3 +361,47 @@ def test_release_memory_frees_each_context_s_blocks_in_that_context(gpu):
     (free,) = [c for c in driver.calls[calls:] if c[0] == "cuMemFree"]
     assert driver.calls[calls:] == [("push", own.handle), free, "pop"]
     assert free[1] not in driver.memory and pycuda.fatal == []
+
+
+# ---------------------------------------------------------------------- GeM on device arrays
+
+
+def _forget_gem():
+    from pool_tuner import gem
+
+    gem._KERNELS.clear()
+    gem._prepared_input_gradient.cache_clear()
+
+
+@pytest.mark.parametrize("size", [SIZE, 1])
+def test_gem_forward_and_backward_on_gpuarrays_launch_in_their_context_with_p_and_eps(gpu, size):
+    """GeM on PyCUDA arrays: the forward's p and eps as the kernel's float scalars; the backward's
+    window-mean gradients computed from grad_out and output and sent to the device, the gather
+    (windowed only), the input-gradient kernel on device pointers with p and eps, results as
+    GPUArrays of x's shape, dL/dp its terms (zero: the fake kernel writes none) plus the output part."""
+    from pool_tuner import gem
+
+    _forget_gem()
+    device, pycuda, driver = gpu
+    pycuda.autoprimaryctx()
+    p, eps = 2.5, 1e-3
+    x = pycuda.gpuarray.to_gpu(_host() + 0.5)
+    y = pt.adaptive_gem_pool2d(x, size, p, eps)
+    out_shape = tuple(y.shape)
+    (forward,) = driver.launches
+    assert forward["arguments"] == [int(x.gpudata), int(y.gpudata), 6, p, float(np.float32(eps))]
+    grad_host, output_host = _host(out_shape) + 0.5, _host(out_shape) + 0.25
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(pycuda.gpuarray.to_gpu(grad_host), x, size, p, eps,
+                                                     output=pycuda.gpuarray.to_gpu(output_host))
+    *gather, gradient = driver.launches[1:]
+    assert len(gather) == (1 if size == SIZE else 0)
+    x_address, shares, grad_address, terms, planes, got_p, got_eps = gradient["arguments"]
+    assert (x_address, grad_address, planes, got_p, got_eps) == (int(x.gpudata), int(grad_x.gpudata), 6, p,
+                                                                 float(np.float32(eps)))
+    mean = driver.memory[gather[0]["arguments"][0] if gather else shares][1]
+    want = gem.mean_gradient(grad_host.astype(np.float64), output_host.astype(np.float64), p).astype(np.float32)
+    assert np.frombuffer(bytes(mean), np.float32)[:want.size].tolist() == want.ravel().tolist()
+    assert isinstance(grad_x, pycuda.gpuarray.GPUArray) and grad_x.shape == SHAPE
+    assert grad_p == pytest.approx(gem.output_term(grad_host.astype(np.float64), output_host.astype(np.float64), p))
+    assert {launch["context"] for launch in driver.launches} == {PRIMARY_CONTEXT}
+    _forget_gem()

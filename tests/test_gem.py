@@ -197,3 +197,19 @@ def test_the_op_is_one_object_with_its_own_operator_header():
     assert pt.explain(op.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"] == \
         pt.explain(avg.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"]
     assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"
+
+
+@pytest.mark.parametrize("size", [1, (4, 7)])
+def test_backward_on_device_arrays_gives_device_arrays(rng, size):
+    """PyOpenCL arrays in, PyOpenCL arrays out (grad_x), the gradients of x and p as on numpy arrays."""
+    cla = pytest.importorskip("pyopencl.array")
+    from pool_tuner import backends
+
+    queue = backends.resolve_device(None).queue
+    x = rng.random((2, 3, 10, 9)).astype(np.float32) + 0.5
+    grad = rng.random((2, 3) + ((1, 1) if size == 1 else size)).astype(np.float32)
+    got_x, got_p = pt.adaptive_gem_pool2d_backward(cla.to_device(queue, grad), cla.to_device(queue, x), size, 2.5, 1e-3)
+    want_x, want_p = reference.adaptive_gem_pool_backward(grad, x, size, 2, 2.5, 1e-3)
+    assert isinstance(got_x, cla.Array)
+    np.testing.assert_allclose(got_x.get(), want_x, rtol=1e-4, atol=1e-6)
+    assert got_p == pytest.approx(want_p, rel=1e-4)
