@@ -89,6 +89,12 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
         output = forward(ndim, x, output_size, p, eps, device=device)
     if grad_out.shape != output.shape:
         raise ValueError(f"grad_out must have the shape of the output {output.shape}, got {grad_out.shape}")
+    dev = backends.resolve_device(device)
+    if not dev.info.shares_host_memory:  # through copies on the device, as pool_tuner.ops does
+        queue = dev.queue
+        grad_x, grad_p = _backward_on_device(dev, ndim, *(dev.to_device(a, queue) for a in (grad_out, x, output)),
+                                             arguments, variant, config)
+        return dev.to_host(grad_x), grad_p
     operation = find("gem", ndim)
     channel_axis = x.ndim - ndim - 1
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
@@ -107,7 +113,6 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
         shares = ops.pool_backward(operation.name, mean_grad, x.shape, device=device, variant=variant, config=config)
         shares_memory = memory(shares)
         grad_memory = shares_memory if shares.dtype == x.dtype else np.empty(x_memory.shape, x.dtype)
-    dev = backends.resolve_device(device)
     terms = input_gradient(dev, problem, arguments, x_memory.ctypes.data, shares_memory.ctypes.data,
                            grad_memory.ctypes.data)
     grad_x = np.moveaxis(grad_memory, -1, channel_axis) if channels_last else grad_memory
@@ -246,13 +251,10 @@ def input_gradient_kernel(device, problem: Problem):
 
 def input_gradient(device, problem: Problem, arguments: dict, x_address: int, shares_address: int,
                    grad_address: int) -> np.ndarray:
-    """Run the input-gradient kernel over host memory (the input, the shares and the gradient, in
-    the problem's memory order; gathered shares may be the gradient's memory, and where
-    ``plane_shares`` they are the window means' gradients, one per plane): writes the gradient,
-    returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
-    if not device.info.shares_host_memory:
-        raise NotImplementedError(f"GeM's backward on numpy arrays needs a device that shares host memory; "
-                                  f"{device.info.describe()} does not")
+    """Run the input-gradient kernel over host memory on a device that shares it (the input, the
+    shares and the gradient, in the problem's memory order; gathered shares may be the gradient's
+    memory, and where ``plane_shares`` they are the window means' gradients, one per plane):
+    writes the gradient, returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
     if device.info.host_fallback is not None:
         return host_fallback.gem_input_gradient(problem, arguments, plane_shares(problem), x_address, shares_address,
                                                 grad_address)

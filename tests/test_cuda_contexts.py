@@ -405,3 +405,18 @@ def test_gem_forward_and_backward_on_gpuarrays_launch_in_their_context_with_p_an
     assert grad_p == pytest.approx(gem.output_term(grad_host.astype(np.float64), output_host.astype(np.float64), p))
     assert {launch["context"] for launch in driver.launches} == {PRIMARY_CONTEXT}
     _forget_gem()
+
+
+def test_gem_backward_of_numpy_arrays_on_a_cuda_device_runs_through_copies(gpu):
+    """numpy arrays with device= a CUDA device: copied in, the same launches, the gradient copied
+    back (it was a NotImplementedError: the input-gradient pass ran over host memory only)."""
+    _forget_gem()
+    device, _, driver = gpu
+    x = _host() + 0.5
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(_host(OUT), x, SIZE, 2.5, 1e-3, output=_host(OUT) + 0.25,
+                                                     device=device)
+    assert isinstance(grad_x, np.ndarray) and grad_x.shape == SHAPE and np.isfinite(grad_p)
+    gradient = driver.launches[-1]
+    assert gradient["arguments"][4:] == [6, 2.5, float(np.float32(1e-3))]
+    assert {launch["context"] for launch in driver.launches} == {PRIMARY_CONTEXT}
+    _forget_gem()
