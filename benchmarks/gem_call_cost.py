@@ -4,9 +4,9 @@ training), on a tiny input where the kernel's own time is small: the numpy API
 one-element ``p`` tensor, each in a hot loop, forward only, plus the same call with the default
 ``p`` as the floor.  ``--fake-cuda``: instead, the host side of a CUDA call alone -- the plan's
 ``run`` with this call's scalars, on the fake driver of ``tests/cuda_fakes.py`` with its
-``cuLaunchKernel`` a no-op (no GPU: what preparing the launch costs, not the launch).  Prints one JSON line: per case, the median
-microseconds per call of each round.  Run it for two trees in alternation (``--rounds`` each) to
-compare them on a shared machine.
+``cuLaunchKernel`` a no-op (no GPU: what preparing the launch costs, not the launch).  Prints one
+JSON line: per case, the median microseconds per call of each round.  Run it for two trees in
+alternation (``--rounds`` each) to compare them on a shared machine.
 
     PYTHONPATH=TREE python benchmarks/gem_call_cost.py [--shape 1x8x4x4] [--calls 2000] [--rounds 5] [--fake-cuda]
 """

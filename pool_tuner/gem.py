@@ -139,10 +139,13 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict, 
     operation = find("gem", ndim)
     layout = ops.memory_layout(x, ndim)
     out_spatial = tuple(output.shape[len(output.shape) - ndim:])
+    # one value per plane: both layouts are the same memory
+    layouts = (layout,) if math.prod(out_spatial) > 1 else plans.LAYOUT_NAMES[ndim]
     for name, array in (("grad_out", grad_out), ("output", output)):
         if tuple(array.shape) != tuple(output.shape):
-            raise ValueError(f"{name} must have the shape of the output {tuple(output.shape)}, got {tuple(array.shape)}")
-        if ops.memory_layout(array, ndim) not in ((layout,) if math.prod(out_spatial) > 1 else plans.LAYOUT_NAMES[ndim]):
+            raise ValueError(f"{name} must have the shape of the output {tuple(output.shape)}, "
+                             f"got {tuple(array.shape)}")
+        if ops.memory_layout(array, ndim) not in layouts:
             raise ValueError(f"{name} must be in x's memory layout ({layout}) on a device")
     if layout is None:
         raise ValueError(f"x must be contiguous or channels-last on a device (GeM's backward reads it in place), got "

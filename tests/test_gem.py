@@ -213,3 +213,25 @@ def test_backward_on_device_arrays_gives_device_arrays(rng, size):
     assert isinstance(got_x, cla.Array)
     np.testing.assert_allclose(got_x.get(), want_x, rtol=1e-4, atol=1e-6)
     assert got_p == pytest.approx(want_p, rel=1e-4)
+
+
+def test_a_new_p_every_call_reuses_the_prepared_launches(rng, monkeypatch):
+    """A learnt p changes every step: forward and backward keep their prepared launches (the call's
+    p and eps written into the scalar slots), and each call computes with its own p."""
+    from pool_tuner import backends
+
+    x = rng.random((2, 3, 10, 9)).astype(np.float32) + 0.5
+    grad = rng.random((2, 3, 3, 4)).astype(np.float32)
+    pt.adaptive_gem_pool2d_backward(grad, x, (3, 4), 3.0)  # plans made, launches prepared
+    device = backends.resolve_device(None)
+    prepared = []
+    real = type(device).prepare
+    monkeypatch.setattr(type(device), "prepare", lambda self, *a: prepared.append(a) or real(self, *a))
+    for p in (1.5, 2.5, 4.0):
+        np.testing.assert_allclose(pt.adaptive_gem_pool2d(x, (3, 4), p), reference.adaptive_gem_pool(x, (3, 4), 2, p),
+                                   rtol=1e-5, atol=1e-6)
+        got_x, got_p = pt.adaptive_gem_pool2d_backward(grad, x, (3, 4), p)
+        want_x, want_p = reference.adaptive_gem_pool_backward(grad, x, (3, 4), 2, p)
+        np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-6)
+        assert got_p == pytest.approx(want_p, rel=1e-4)
+    assert prepared == [], "a call with its own p prepared a launch again"
