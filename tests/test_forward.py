@@ -322,7 +322,7 @@ def test_poisoning_is_active(monkeypatch, rng):
     from pool_tuner.backends.opencl import HostLaunch, OpenCLDevice
 
     monkeypatch.setattr(OpenCLDevice, "launch", staticmethod(lambda queue, *a, **k: cl.enqueue_marker(queue)))
-    monkeypatch.setattr(HostLaunch, "__call__", lambda self, stream, *addresses: None)
+    monkeypatch.setattr(HostLaunch, "__call__", lambda self, stream, *addresses, scalars=None: None)
     out = pt.adaptive_avg_pool2d(random_input(rng, (1, 2, 6, 6)), 3)
     assert np.isnan(out).all()
     values, indices = pt.adaptive_max_pool2d(random_input(rng, (1, 2, 6, 6)), 3, return_indices=True)

@@ -215,9 +215,9 @@ def test_cpu_tensors_are_pooled_in_their_own_memory(rng, monkeypatch):
     launched = []
     real_call = HostLaunch.__call__
 
-    def record(self, stream, *addresses):
+    def record(self, stream, *addresses, scalars=None):
         launched.append(addresses[0])
-        real_call(self, stream, *addresses)
+        real_call(self, stream, *addresses, scalars=scalars)
 
     monkeypatch.setattr(HostLaunch, "__call__", record)
     base = tensor(rng, (2, 3, 10, 9), requires_grad=True)
