@@ -82,11 +82,13 @@ def gem_input_gradient(problem: Problem, arguments: dict, plane_shares: bool, x_
     x = _to_float64(_host_array(x_address, numel * ITEMSIZE[problem.dtype], problem.dtype), problem.dtype)
     count = problem.planes if plane_shares else numel
     shares = _host_array(shares_address, count * ITEMSIZE[acc], acc).astype(np.float64)
-    if plane_shares:
+    if plane_shares:  # each input's share of its plane's window mean gradient
         i = np.arange(numel)
-        planes = i // (plane * problem.channels) * problem.channels + i % problem.channels if problem.channels_last \
-            else i // plane
-        shares = shares[planes] / plane
+        if problem.channels_last:  # memory (batch, spatial..., channel)
+            plane_of = i // (plane * problem.channels) * problem.channels + i % problem.channels
+        else:
+            plane_of = i // plane
+        shares = shares[plane_of] / plane
     p, eps = arguments["p"], arguments["eps"]
     clamped = np.maximum(x, eps)
     power = clamped ** p

@@ -1354,11 +1354,14 @@ def _layout_name(t: torch.Tensor, ndim: int) -> str:
 
 
 def _gem_forward_cpu(op: str, input, output_size, arguments: dict, options: str):
+    """GeM's forward on a CPU tensor: its ``torch_cpu`` plan, ``p`` and ``eps`` as this call's scalars."""
     found = _cpu_plan(op, "forward", [input], output_size, options)
     return _torch_cpu.run(found, [input], found.problem.with_arguments(arguments))[0]
 
 
 def _gem_forward_cuda(op: str, input, output_size, arguments: dict, options: str):
+    """GeM's forward on a CUDA tensor: its ``torch_cuda`` plan on PyTorch's current stream, ``p``
+    and ``eps`` as this call's scalars."""
     found = _torch_cuda.plan_op(op, "forward", [input], output_size, options)
     return _torch_cuda.run(found, [input], found.problem.with_arguments(arguments))[0]
 
@@ -1422,6 +1425,7 @@ _GEM_PATHS = {"cpu": (_gem_forward_cpu, _gem_backward_cpu), "cuda": (_gem_forwar
 
 
 def _gem_path(t: torch.Tensor):
+    """GeM's ``(forward, backward)`` for ``t``'s device (the custom ops are registered for both)."""
     found = _GEM_PATHS.get(t.device.type)
     if found is None:
         raise ValueError(f"pool_tuner's GeM runs on CPU and CUDA tensors; input is on {t.device}")
