@@ -420,3 +420,26 @@ def test_gem_backward_of_numpy_arrays_on_a_cuda_device_runs_through_copies(gpu):
     assert gradient["arguments"][4:] == [6, 2.5, float(np.float32(1e-3))]
     assert {launch["context"] for launch in driver.launches} == {PRIMARY_CONTEXT}
     _forget_gem()
+
+
+@pytest.mark.parametrize("size", [SIZE, 1])
+def test_gem_backward_on_arrays_of_a_side_stream_launches_there_and_waits_for_it_before_reading(gpu, size):
+    """CUDA arrays naming a stream: every launch of the backward goes on that stream, and the host
+    reads grad_out and output only after waiting for it (their producers may still be writing)."""
+    _forget_gem()
+    _, _, driver = gpu
+    side = 0x7F00DEAD0
+    out_shape = OUT if size == SIZE else SHAPE[:2] + (1, 1)
+
+    def on_side(host):
+        address = driver.allocate_in(PRIMARY_CONTEXT, host.nbytes)
+        driver.memory[address][1][:] = host.tobytes()
+        return ForeignArray(host.shape, address, side)
+
+    x = on_side(_host() + 0.5)
+    pt.adaptive_gem_pool2d_backward(on_side(_host(out_shape)), x, size, 2.5, 1e-3, output=on_side(_host(out_shape)))
+    assert driver.launches and {launch["stream"] for launch in driver.launches} == {side}
+    reads = [i for i, c in enumerate(driver.calls) if isinstance(c, tuple) and c[0] == "cuMemcpyDtoH"]
+    waits = [i for i, c in enumerate(driver.calls) if c == ("cuStreamSynchronize", side)]
+    assert waits and reads and waits[0] < reads[0], "grad_out was read before its stream was waited for"
+    _forget_gem()
