@@ -56,6 +56,25 @@ def test_every_call_reuses_the_argument_array(driver):
     assert [r["arguments"] for r in driver.launches] == [[0x1000 * k, 0x1100 * k] for k in (1, 2, 3)]
 
 
+def test_a_calls_scalars_go_into_the_same_slots_and_the_launchs_own_come_back_without_them(driver):
+    """A learnt GeM p: each call's scalars written into the prepared slots (the kernel reads the
+    64-bit plane count, then the float32 p, as the fake reads them here by address), the launch's
+    own when a call passes none; a call with another number of scalars is refused before launching."""
+    driver.set_current(PRIMARY_CONTEXT)
+    defaults = (np.int64(6), np.float32(3.0))
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 1, defaults, lib=driver)
+    for scalars in ((np.int64(6), np.float32(2.5)), None, (np.int64(7), np.float32(1.25))):
+        launch(0, 0x1000, scalars=scalars)
+    assert len({r["params_address"] for r in driver.launches}) == 1
+    params = driver.launches[0]["params_address"]
+    slot = ctypes.c_void_p.from_address(params + 2 * ctypes.sizeof(ctypes.c_void_p)).value  # pointer, planes, p
+    assert ctypes.c_float.from_address(slot).value == 1.25, "the p slot holds the last call's p"
+    assert [r["arguments"][1] for r in driver.launches] == [6, 6, 7]
+    with pytest.raises(TypeError, match="takes 2 run-time scalars, got 1"):
+        launch(0, 0x1000, scalars=(np.int64(6),))
+    assert len(driver.launches) == 3
+
+
 def test_a_thread_without_a_context_gets_the_primary_one_made_current_and_kept(driver):
     """The runtime's rule, PyTorch's and CuPy's: no push and pop around the launch; the primary
     context bound with cuCtxSetCurrent and left current for the thread's later work."""
