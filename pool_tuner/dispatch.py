@@ -90,12 +90,20 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """A built kernel, its grid, and the run-time arguments that callers append after the buffers
-    (``Problem.scalars``): everything a call needs besides the buffers."""
+    (``Problem.scalars``): everything a call needs besides the buffers.  A variant of two passes
+    (``Variant.second_pass``) adds the ``second`` launch, run after this one on the same arguments,
+    and ``scratch_bytes``: both take a scratch buffer of that size after the results."""
 
     kernel: object
     groups: int
     block: tuple
     scalars: tuple
+    second: Launch | None = None
+    scratch_bytes: int = 0
+
+    def passes(self) -> tuple:
+        """The launches of one call, in order."""
+        return (self,) if self.second is None else (self, self.second)
 
 
 def default_choice(problem: Problem, device) -> Choice:
@@ -306,19 +314,27 @@ class Dispatcher:
                 launch = self._launches.peek(key)
                 if launch is None:
                     params, variant = choice.config, choice.variant
+                    second = variant.second_pass(params, problem)
+                    if second is not None:
+                        groups, block, defines = second
+                        second = Launch(self._kernel(device, context, problem, choice, defines), groups, block,
+                                        problem.scalars)
                     launch = self._launches.put(problem, key, Launch(
                         self._kernel(device, context, problem, choice), variant.groups(params, problem),
-                        variant.block(params), problem.scalars))
+                        variant.block(params), problem.scalars, second, variant.scratch_bytes(params, problem)))
         return launch
 
-    def _kernel(self, device, context, problem: Problem, choice: Choice):
-        """The built kernel of ``choice``, shared by every batch size of ``problem``'s per-sample
-        shape (memoised per context and ``Problem.kernel_key``, filed under the latter)."""
-        key = (context, problem.kernel_key, choice.variant.name, choice.params)
+    def _kernel(self, device, context, problem: Problem, choice: Choice, pass_defines: dict | None = None):
+        """The built kernel of ``choice`` (of its second pass: with ``pass_defines``), shared by
+        every batch size of ``problem``'s per-sample shape (memoised per context and
+        ``Problem.kernel_key``, filed under the latter)."""
+        key = (context, problem.kernel_key, choice.variant.name, choice.params) + (
+            (tuple(sorted(pass_defines.items())),) if pass_defines else ())
         kernel = self._kernels.get(key)
         if kernel is None:
             variant = choice.variant
-            source = kernel_source.render(variant.template, variant.defines(choice.config, problem),
+            source = kernel_source.render(variant.template,
+                                          {**variant.defines(choice.config, problem), **(pass_defines or {})},
                                           problem.operation.operator_header)
             kernel = self._keep(device, problem, choice, key, device.build(context, source, variant.kernel_name))
         return kernel
