@@ -314,14 +314,15 @@ class Dispatcher:
                 launch = self._launches.peek(key)
                 if launch is None:
                     params, variant = choice.config, choice.variant
+                    kernel = self._kernel(device, context, problem, choice)
                     second = variant.second_pass(params, problem)
                     if second is not None:
                         groups, block, defines = second
                         second = Launch(self._kernel(device, context, problem, choice, defines), groups, block,
                                         problem.scalars)
                     launch = self._launches.put(problem, key, Launch(
-                        self._kernel(device, context, problem, choice), variant.groups(params, problem),
-                        variant.block(params), problem.scalars, second, variant.scratch_bytes(params, problem)))
+                        kernel, variant.groups(params, problem), variant.block(params), problem.scalars, second,
+                        variant.scratch_bytes(params, problem)))
         return launch
 
     def _kernel(self, device, context, problem: Problem, choice: Choice, pass_defines: dict | None = None):
