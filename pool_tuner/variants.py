@@ -202,12 +202,16 @@ class Variant:
         return [self.check_config(c, problem, limits) for c in self.configurations() if self.is_legal(c, problem, limits)]
 
     def representative_configurations(self, problem: Problem, limits: DeviceLimits) -> dict:
-        """``{"default", "smallest", "largest": config}``: the default and the first and last legal
-        points of the space -- those that are legal, duplicates dropped (the first label kept)."""
+        """``{"default", "smallest", "largest", "two-pass": config}``: the default, the first and last
+        legal points of the space and the last of two passes (``second_pass``) -- those that are
+        legal, duplicates dropped (the first label kept)."""
         legal = self.legal_configurations(problem, limits)
         picks = {"default": self.check_config({}, problem, limits)} if self.is_legal({}, problem, limits) else {}
         if legal:
             picks.update(smallest=legal[0], largest=legal[-1])
+        two_pass = [params for params in legal if self.second_pass(params, problem) is not None]
+        if two_pass:
+            picks["two-pass"] = two_pass[-1]
         unique: dict = {}
         for label, config in picks.items():
             if config not in unique.values():
