@@ -455,7 +455,7 @@ def test_on_a_gpu_the_variant_shaped_for_gpus_is_a_candidate(fake_cuda):
 def test_on_cuda_a_two_pass_candidate_is_built_in_its_stages_one_program(fake_cuda):
     """A few huge planes: global_blocks's default splits them (a second pass), and both its kernels
     are built in the stage's one program -- the first call still costs one compile per stage."""
-    device, fake, driver, compiled = fake_cuda
+    device, fake, _, compiled = fake_cuda
     fake.autoprimaryctx()
     shape = (1, 1, 256, 256)
     problem = Problem.create(OP, shape, (1, 1), "float32", "NCHW")
