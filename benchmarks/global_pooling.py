@@ -12,12 +12,13 @@ On a CUDA device (``--device cuda:0``; forward), what a GPU lease measures again
 targets: PyTorch (``torch.nn.functional`` on CUDA tensors), ``pool_tuner.torch`` on the same
 tensors (dispatched), and the kernels alone (``bench``'s prepared launch) of the dispatched choice,
 ``global_blocks`` (and, where the layer allows, ``global_blocks`` reading 4 positions per load:
-``VECTOR_CONFIG``), the channels-first or channels-last global variant of before it and the earlier
+``VECTOR_CONFIG``; where its default splits planes, ``global_blocks`` unsplit), the channels-first or channels-last global variant of before it and the earlier
 heuristic's variant; each loop between CUDA events, interleaved, medians; every time also as a
 multiple of the copy floor (the layer's bytes over the device's copy bandwidth).
 
     python benchmarks/global_pooling.py [--device ID] [--repeat 7] [--backward] [--max]
-                                        [--layer 32x2048x7x7 ...] [--issue-layers] [--shape 2x8x7x7 ...]
+                                        [--layer 32x2048x7x7 ...] [--issue-layers] [--split-layers]
+                                        [--shape 2x8x7x7 ...]
 """
 
 import argparse
@@ -44,6 +45,10 @@ ISSUE_LAYERS = [
     ((8, 2048, 64, 64), "NCHW"), ((16, 2048, 65, 65), "NCHW"), ((64, 2560, 19, 19), "NCHW"),
     ((32, 256, 56, 56), "NCHW"), ((32, 2048, 7, 7), "NCHW"),
 ]
+#: A few huge planes (``--split-layers``): global_blocks's default cuts each plane into parts over
+#: work-groups merged by a second pass (``split``); timed beside it unsplit (``UNSPLIT_CONFIG``).
+SPLIT_LAYERS = [((1, 4, 4096, 4096), "NCHW"), ((2, 1, 16384, 16384), "NCHW")]
+UNSPLIT_CONFIG = {"split": 1}
 #: The global-pooling forward variant of before global_blocks, per channels-last.
 GLOBAL_BEFORE = {False: "global_planes", True: "global_channels"}
 #: global_blocks's default with vector loads, timed beside it on CUDA where legal: its default reads
@@ -70,8 +75,10 @@ def measure(device, op, shape, layout, direction, repeat, rng):
     problem = Problem.create(op, shape, 1, layout=layout, direction=direction)
     chosen = dispatch.choose(problem, device)
     before = dispatch.choose(problem, device, variant=BEFORE[(direction, problem.channels_last)])
-    raced = [chosen, before] + ([dispatch.choose(problem, device, variant="global_blocks")]
-                                if direction == "forward" else [])
+    blocks = dispatch.choose(problem, device, variant="global_blocks") if direction == "forward" else None
+    raced = [chosen, before] + ([blocks] if blocks else []) + (
+        [dispatch.choose(problem, device, variant="global_blocks", config=UNSPLIT_CONFIG)]
+        if blocks and blocks.config["split"] > 1 else [])
     kernel_ms = tuner.race(problem, device, raced, repetitions=repeat * 3)
     x = rng.uniform(-1.0, 1.0, shape).astype(np.float32)
     xt = torch.from_numpy(x)
@@ -111,13 +118,19 @@ def measure(device, op, shape, layout, direction, repeat, rng):
     call_ms = {name: float(np.median(t)) for name, t in times.items()}
     gbs = problem.bytes_moved() / (kernel_ms[0] * 1e-3) / 1e9
     label = f"{op} {'x'.join(map(str, shape))} {layout} {direction}"
-    print(f"{label}: kernel {chosen.variant.name} {kernel_ms[0]:.3f} ms ({gbs:.2f} GB/s), "
-          + ", ".join(f"{c.variant.name} {ms:.3f} ms" for c, ms in zip(raced[1:], kernel_ms[1:]))
+    print(f"{label}: kernel {choice_label(chosen)} {kernel_ms[0]:.3f} ms ({gbs:.2f} GB/s), "
+          + ", ".join(f"{choice_label(c)} {ms:.3f} ms" for c, ms in zip(raced[1:], kernel_ms[1:]))
           + " | call ms: "
           + ", ".join(f"{name} {ms:.3f}" for name, ms in call_ms.items())
           + f" | pool_tuner vs torch {call_ms['torch'] / call_ms['pool_tuner']:.2f}x"
           + (f", module vs torch {call_ms['torch'] / call_ms['pool_tuner.torch']:.2f}x" if "pool_tuner.torch" in call_ms else ""),
           flush=True)
+
+
+def choice_label(choice) -> str:
+    """A variant's name, with its ``split`` where it cuts planes into parts."""
+    split = choice.config.get("split", 1)
+    return choice.variant.name + (f" split={split}" if split > 1 else "")
 
 
 def measure_cuda(device, op, shape, layout, repeat, rng, copy_gbs):
@@ -139,9 +152,16 @@ def measure_cuda(device, op, shape, layout, repeat, rng, copy_gbs):
                   "pool_tuner.torch": bench._pool_tuner_torch_candidate(problem, tensors)}
     candidates.update({f"kernel {name}": bench._cuda_kernel_candidate(problem, tensors, variant=name)
                        for name in kernels})
-    if variants_for(op)["global_blocks"].is_legal(VECTOR_CONFIG, problem, device.info.limits):
+    blocks = variants_for(op)["global_blocks"]
+    if blocks.is_legal(VECTOR_CONFIG, problem, device.info.limits):
         candidates["kernel global_blocks vector_width=4"] = bench._cuda_kernel_candidate(
             problem, tensors, variant="global_blocks", config=VECTOR_CONFIG)
+    split = blocks.default_for(problem)["split"]
+    default_blocks = f"kernel global_blocks split={split}" if split > 1 else "kernel global_blocks"
+    if split > 1:
+        candidates[f"kernel global_blocks split={split}"] = candidates.pop("kernel global_blocks")
+        candidates["kernel global_blocks"] = bench._cuda_kernel_candidate(problem, tensors, variant="global_blocks",
+                                                                          config=UNSPLIT_CONFIG)
     medians, _ = bench._interleaved(list(candidates.values()), repeat, rng, bench.time_loop_cuda_events)
     ms = dict(zip(candidates, medians))
     floor_ms = problem.bytes_moved() / (copy_gbs * 1e9) * 1e3
@@ -149,7 +169,7 @@ def measure_cuda(device, op, shape, layout, repeat, rng, copy_gbs):
     print(f"{label} (dispatched {chosen}; copy floor {floor_ms:.4f} ms): "
           + ", ".join(f"{name} {t:.4f} ms ({t / floor_ms:.2f}x floor)" for name, t in ms.items())
           + f" | pool_tuner.torch vs torch {ms['torch'] / ms['pool_tuner.torch']:.2f}x, "
-          f"kernel global_blocks vs torch {ms['torch'] / ms['kernel global_blocks']:.2f}x", flush=True)
+          f"{default_blocks} vs torch {ms['torch'] / ms[default_blocks]:.2f}x", flush=True)
 
 
 def parse_shape(text: str) -> tuple:
@@ -169,6 +189,8 @@ def main():
     parser.add_argument("--max", action="store_true", help="max pooling instead of average pooling")
     parser.add_argument("--layer", action="append", help="only layers of this input shape (e.g. 32x2048x7x7)")
     parser.add_argument("--issue-layers", action="store_true", help="the five layers of issue 35's targets")
+    parser.add_argument("--split-layers", action="store_true",
+                        help="a few huge planes (global_blocks split over work-groups, and unsplit)")
     parser.add_argument("--shape", action="append", type=parse_shape, help="a layer of its own (2x8x7x7[:NHWC])")
     args = parser.parse_args()
     device = backends.resolve_device(args.device)
@@ -176,7 +198,8 @@ def main():
     bandwidth = bench.memory_bandwidth(device)
     print(f"device {device.info.describe()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
           f"GB/s: " + ", ".join(f"{name} {gbs:.1f}" for name, gbs in bandwidth.items()), flush=True)
-    layers = args.shape or (ISSUE_LAYERS if args.issue_layers else LAYERS)
+    layers = args.shape or ((ISSUE_LAYERS if args.issue_layers else []) + (SPLIT_LAYERS if args.split_layers else [])
+                            or LAYERS)
     for shape, layout in layers:
         if args.layer and "x".join(map(str, shape)) not in args.layer:
             continue

@@ -18,10 +18,15 @@ debugging it.  The steps, in the order of what a lease must not miss:
 7. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
    in the checkout), then the ``gpu`` rules derived from it, written to ``default_rules.json``
    (``derived_from`` names the grid's directory, which names the GPU);
-8. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all`` with a time budget, the
-   records then exported to ``tuning_cache/cuda_<arch>.json``.
+8. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all``, the records then exported
+   to ``tuning_cache/cuda_<arch>.json``.
 
-A step that fails or runs out of time is reported so, and the next one runs.  ``--dry-run`` runs
+The budget (``--budget``, 480 s) covers the whole command: ``START_UP_S`` for the start, each fixed
+step's timeout (``TIMEOUTS``), the report's ``RESERVE_S``; the tuning steps (the grid and the two
+tunings) come last and share what is left when each starts (``TUNING_SHARES``), so a lease's
+remaining time, not a fixed number, cuts them short; the plan is refused before anything runs when
+the fixed timeouts leave them less than ``MIN_TUNING_S``.  A step that fails or runs out of time is
+reported so, and the next one runs.  ``--dry-run`` runs
 every step here, on this machine's default device and tiny sizes (the CUDA test files skip without
 a GPU; the steps that need one are expected to fail): its exit status is 0 when the plumbing works.
 
@@ -57,22 +62,32 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-#: Seconds kept back from the budget for the report.
+#: The budget of a session (a lease's 8 minutes), and of a dry run.
+BUDGET_S = 480.0
+#: Seconds of the budget kept for what precedes the first step -- the interpreter's start, the
+#: imports, nvidia-smi, copying the grid data -- ...
+START_UP_S = 20.0
+#: ... and for the report after the last.
 RESERVE_S = 5.0
 #: Seconds a step has to end after SIGTERM at its timeout, before SIGKILL.
 STOP_GRACE_S = 10.0
 #: A step is not started with less than this left (it would only be killed).
 MIN_STEP_S = 10.0
-#: Seconds each step may take on a GPU, from earlier leases' figures (nvcc about 0.65 s per tuned
-#: configuration), not yet from a run of this script there: the first lease that runs it should
-#: move time between the steps from its report's durations (``--timeout STEP=SECONDS``).
-TIMEOUTS = {"tests": 150, "suite_float32": 50, "suite_float16": 35, "global_pooling": 30, "call_overhead": 25,
-            "models": 45, "memory": 25, "dispatch_grid": 120, "derive_rules": 20, "tune_float32": 45,
-            "tune_float16": 45}
+#: Seconds each step of a fixed length may take on a GPU, from earlier leases' figures, not yet
+#: from a run of this script there: the first lease that runs it should move time between the
+#: steps from its report's durations (``--timeout STEP=SECONDS``).
+TIMEOUTS = {"tests": 140, "suite_float32": 45, "suite_float16": 30, "global_pooling": 40, "call_overhead": 20,
+            "models": 40, "memory": 20, "derive_rules": 15}
 #: ... and here, in a dry run (a shared machine: generous).
 DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "global_pooling": 60, "call_overhead": 25,
-                    "models": 30, "memory": 25, "dispatch_grid": 40, "derive_rules": 20, "tune_float32": 30,
-                    "tune_float16": 30}
+                    "models": 30, "memory": 25, "derive_rules": 20}
+#: The tuning steps, last: each may take this share of the time left when it starts, less the
+#: timeouts of the fixed steps after it (derive_rules), so that they are cut short by what remains
+#: of the budget, not by a number fixed beforehand (tuning costs about 0.65 s per configuration:
+#: nvcc).  The last takes all that is left.
+TUNING_SHARES = {"dispatch_grid": 0.45, "tune_float32": 0.6, "tune_float16": 1.0}
+#: The budget must leave the tuning steps together at least this much after the fixed steps.
+MIN_TUNING_S = 60.0
 #: Seconds of a step's timeout kept for what follows its own budget: the tests' runner writing its
 #: results, the grid finishing the problem in progress.
 WIND_DOWN_S = 10
@@ -85,17 +100,20 @@ GPU_TEST_FILES = ("tests/test_cuda_gpu.py", "tests/test_cuda.py")
 
 @dataclasses.dataclass
 class Step:
-    """One command of the session.  ``command`` is the argv, or a function returning it when it
-    depends on what an earlier step wrote.  ``conclude(step_dir, log_text)`` reads what the step
-    wrote, writes what follows from it, and returns the key figures for the report.
+    """One command of the session.  ``command`` is the argv, or a function of the step's timeout
+    returning it when it depends on what an earlier step wrote or on the time it is given.
+    ``timeout_s``: its timeout; or with ``share`` (the tuning steps, ``TUNING_SHARES``) that share
+    of the time left when it starts (``step_timeout``).  ``conclude(step_dir, log_text)`` reads
+    what the step wrote, writes what follows from it, and returns the key figures for the report.
     ``needs_gpu``: the step cannot work without a CUDA GPU (in a dry run its failure is expected)."""
 
     name: str
-    command: list | Callable[[], list]
-    timeout_s: float
+    command: list | Callable[[float], list]
+    timeout_s: float | None
     conclude: Callable[[Path, str], list] = lambda step_dir, log: last_lines(log)
     env: dict = dataclasses.field(default_factory=dict)
     needs_gpu: bool = False
+    share: float | None = None
 
 
 @dataclasses.dataclass
@@ -201,13 +219,16 @@ def seed_grid(work: Path) -> None:
 
 def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) -> list:
     """The session's steps: on a GPU (``cuda:0``), or tiny on this machine's default device for
-    ``dry_run``; each with its timeout of ``TIMEOUTS`` (``DRY_RUN_TIMEOUTS``) or ``timeouts``."""
+    ``dry_run``; each with its timeout of ``TIMEOUTS`` (``DRY_RUN_TIMEOUTS``) or ``timeouts``, the
+    tuning steps with their share of the time left (``TUNING_SHARES``) unless ``timeouts`` names
+    them."""
     timeout = {**(DRY_RUN_TIMEOUTS if dry_run else TIMEOUTS), **(timeouts or {})}
+    share = {name: None if name in timeout else part for name, part in TUNING_SHARES.items()}
     device = [] if dry_run else ["--device", "cuda:0"]
     cli = python("-m", "pool_tuner.cli")
-    if dry_run:  # one shape, one round, the variants that run every problem
+    if dry_run:  # one shape, one round, the variants that run every problem; a few huge planes
         suite = ["--preset", "upsample_area", "--direction", "forward", "--repeat", "1", "--stream-mib", "1"]
-        global_pooling = ["--shape", "2x8x7x7", "--shape", "2x8x9x9:NHWC", "--repeat", "1"]
+        global_pooling = ["--shape", "2x8x7x7", "--shape", "2x8x9x9:NHWC", "--shape", "1x2x512x512", "--repeat", "1"]
         overhead = ["--preset", "upsample_area", "--no-tiny", "--calls", "5", "--repeat", "1"]
         models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
         memory = ["--api", "numpy", "--shapes", "4", "--every", "2", "--pocl-cache", "cold"]
@@ -217,11 +238,11 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
                 "--max-fevals", "1", "--time-limit", "0.5"]
     else:
         suite = ["--direction", "both", "--repeat", "5"]
-        global_pooling = ["--issue-layers", "--repeat", "5"]
+        global_pooling = ["--issue-layers", "--split-layers", "--repeat", "5"]
         overhead = ["--calls", "100", "--repeat", "5"]
         models = ["--rounds", "3"]
         memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
-        grid = ["--max-fevals", "3", "--time-limit", "1", "--budget", timeout["dispatch_grid"] - WIND_DOWN_S]
+        grid = ["--max-fevals", "3", "--time-limit", "1"]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
     tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
@@ -232,7 +253,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
                                         *suite], timeout[f"suite_{dtype}"], suite_figures)
           for dtype in ("float32", "float16")],
         Step("global_pooling", python(BENCHMARKS / "global_pooling.py", *device, *global_pooling),
-             timeout["global_pooling"], lambda step_dir, log: last_lines(log, 6)),
+             timeout["global_pooling"], lambda step_dir, log: last_lines(log, 10)),
         Step("call_overhead", python(BENCHMARKS / "cuda_call_overhead.py", *overhead, "--json",
                                      work / "call_overhead" / "call_overhead.json"), timeout["call_overhead"],
              needs_gpu=True),
@@ -240,32 +261,56 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
                               work / "models" / "models.json"), timeout["models"], needs_gpu=True),
         Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
              timeout["memory"], memory_figures),
-        Step("dispatch_grid", python(BENCHMARKS / "dispatch_grid.py", *device, "--data-root", work / "dispatch_grid",
-                                     *grid), timeout["dispatch_grid"]),
-        Step("derive_rules", lambda: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(work),
-                                            "--device-type", "cpu" if dry_run else "gpu",
-                                            "--rules-out", work / "default_rules.json"), timeout["derive_rules"],
-             lambda step_dir, log: last_lines(log, 2)),
-        *[Step(f"tune_{dtype}", cli + ["tune", *device, "--dtype", dtype, "--quiet", *tune], timeout[f"tune_{dtype}"],
-               lambda step_dir, log: export_records(work / "tune", log, work), env=tune_cache)
+        Step("dispatch_grid", lambda seconds: python(
+            BENCHMARKS / "dispatch_grid.py", *device, "--data-root", work / "dispatch_grid", *grid, "--budget",
+            max(seconds - WIND_DOWN_S, 1)), timeout.get("dispatch_grid"), share=share["dispatch_grid"]),
+        Step("derive_rules", lambda seconds: python(BENCHMARKS / "derive_rules.py", "--data-dir", grid_data_dir(work),
+                                                    "--device-type", "cpu" if dry_run else "gpu",
+                                                    "--rules-out", work / "default_rules.json"),
+             timeout["derive_rules"], lambda step_dir, log: last_lines(log, 2)),
+        *[Step(f"tune_{dtype}", cli + ["tune", *device, "--dtype", dtype, "--quiet", *tune],
+               timeout.get(f"tune_{dtype}"), lambda step_dir, log: export_records(work / "tune", log, work),
+               env=tune_cache, share=share[f"tune_{dtype}"])
           for dtype in ("float32", "float16")],
     ]
 
 
+def step_timeout(step: Step, left: float, later_fixed: float) -> float:
+    """The timeout of ``step`` started with ``left`` seconds of the budget left (the report's
+    reserve already taken), ``later_fixed`` of them promised to the fixed steps after it: its own
+    timeout, or a tuning step's share of what the later steps leave -- at most what is left."""
+    if step.share is None:
+        return min(step.timeout_s, left)
+    return max(left - later_fixed, 0.0) * step.share
+
+
+def plan_problem(chosen: list, budget: float) -> str | None:
+    """Why the steps ``chosen`` cannot fit ``budget``, or None: the fixed steps' timeouts, the
+    start-up and the report's reserve must leave the tuning steps (if any) ``MIN_TUNING_S``."""
+    fixed = sum(step.timeout_s for step in chosen if step.share is None)
+    tuning = MIN_TUNING_S if any(step.share is not None for step in chosen) else 0.0
+    needed = fixed + START_UP_S + RESERVE_S + tuning
+    if needed <= budget:
+        return None
+    return (f"the steps need {needed:.0f} s ({fixed:.0f} s of fixed timeouts, {START_UP_S + RESERVE_S:.0f} s to start "
+            f"and report{f', {tuning:.0f} s for tuning' if tuning else ''}), more than the budget of {budget:.0f} s")
+
+
 # ---------------------------------------------------------------------- running them
 
-def run_step(step: Step, work: Path, deadline: float) -> Outcome:
-    """Run ``step`` under its timeout (or what is left of the budget), its output in its log."""
+def run_step(step: Step, work: Path, deadline: float, later_fixed: float = 0.0) -> Outcome:
+    """Run ``step`` under its timeout (``step_timeout``), its output in its log; ``later_fixed``:
+    the seconds promised to the fixed steps after it."""
     step_dir = work / step.name
     step_dir.mkdir(parents=True, exist_ok=True)
     log_path = step_dir / "log.txt"
     left = deadline - time.monotonic() - RESERVE_S
-    if left < MIN_STEP_S:
+    timeout = step_timeout(step, left, later_fixed)
+    if timeout < MIN_STEP_S:
         return Outcome(step.name, f"not started: {left:.0f} s of the budget left", 0.0, [], "", "")
-    timeout = min(step.timeout_s, left)
     started = time.monotonic()
     try:
-        command = [str(part) for part in (step.command() if callable(step.command) else step.command)]
+        command = [str(part) for part in (step.command(timeout) if callable(step.command) else step.command)]
     except Exception as exc:  # noqa: BLE001 - what the step needs from an earlier one is missing
         return Outcome(step.name, f"not started: {exc}", 0.0, [], "", "")
     env = dict(os.environ, PYTHONUNBUFFERED="1", **step.env)
@@ -355,7 +400,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="folder for report.md and session.tar.gz (default: $OUT, else a new temporary "
                                       "directory)")
     parser.add_argument("--work", help="the session's working folder (default: a new temporary directory)")
-    parser.add_argument("--budget", type=float, help="seconds for every step together (default: 480; dry run 300)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help="seconds for the whole session, start-up included (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=6, help="test processes at a time (default: %(default)s)")
     parser.add_argument("--only", help="comma-separated step names to run (default: every step)")
     parser.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS",
@@ -366,7 +412,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 480.0)
+    budget = args.budget
     if budget <= 0:
         parser.error(f"--budget must be a positive number of seconds, got {budget}")
     every = [s.name for s in steps(Path(), args.dry_run, args.jobs)]
@@ -387,8 +433,11 @@ def main(argv=None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     out, work = out.resolve(), work.resolve()
     chosen = [s for s in steps(work, args.dry_run, args.jobs, timeouts) if s.name in names]
+    problem = plan_problem(chosen, budget)
+    if problem:
+        parser.error(f"{problem}: give a larger --budget, smaller --timeout values or fewer steps (--only)")
     started = time.monotonic()
-    deadline = started + budget
+    deadline = started + budget - START_UP_S
     if not args.dry_run:
         seed_grid(work)
     needs_gpu = {s.name for s in chosen if s.needs_gpu}
@@ -396,7 +445,8 @@ def main(argv=None) -> int:
     outcomes = []
     for done, step in enumerate(chosen, 1):
         print(f"[gpu_session] {step.name} ...", flush=True)
-        outcomes.append(run_step(step, work, deadline))
+        later_fixed = sum(s.timeout_s for s in chosen[done:] if s.share is None)
+        outcomes.append(run_step(step, work, deadline, later_fixed))
         print(f"[gpu_session] {step.name}: {outcomes[-1].status} ({outcomes[-1].seconds:.0f} s)", flush=True)
         text = report(outcomes, [s.name for s in chosen[done:]], args.dry_run, budget, time.monotonic() - started,
                       needs_gpu, gpus)

@@ -330,7 +330,8 @@ def _pool_tuner_torch_candidate(problem: Problem, tensors: list, variant=None, c
 
 def _cuda_kernel_candidate(problem: Problem, tensors: list, variant=None, config=None) -> Candidate:
     """The kernel alone: the ``torch_cuda`` plan's prepared launch on PyTorch's current stream,
-    on inputs and results allocated once, so a call is one ``cuLaunchKernel``."""
+    on inputs and results (and a two-pass variant's scratch buffer) allocated once, so a call is
+    one ``cuLaunchKernel`` per pass."""
     import torch
 
     from . import ops, torch_cuda
@@ -339,7 +340,8 @@ def _cuda_kernel_candidate(problem: Problem, tensors: list, variant=None, config
     size = problem.output_shape[-problem.ndim:] if problem.flow.reads_input else problem.input_shape
     fn = getattr(ops, problem.flow.op_name(problem.operation))
     plan = torch_cuda.plan(fn, inputs, size, {"device": None, "variant": variant, "config": config})
-    results = [torch_cuda.empty_result(inputs[0], result, None) for result in plan.results]
+    results = [torch_cuda.empty_result(inputs[0], result, None)
+               for result in plan.results + ((plan.scratch,) if plan.scratch is not None else ())]
     pointers = [t.data_ptr() for t in inputs + results]
     index = inputs[0].device.index
     launch = plan.prepared_launch()

@@ -179,12 +179,16 @@ def problems_for(op: str, direction: str, dtype: str, layout: str, table=PROBLEM
 
 
 def representative_configs(variant, problem: Problem, limits: DeviceLimits = CUDA_LIMITS) -> list:
-    """``[(label, params)]``: the default, the first and the last legal configuration, merged when
-    they coincide (labels joined by ``+``)."""
+    """``[(label, params)]``: the default, the first and the last legal configuration, and the last
+    of two passes (``Variant.second_pass``) where there is one, merged when they coincide (labels
+    joined by ``+``)."""
     legal = variant.legal_configurations(problem, limits)
     picks = [("default", variant.check_config({}, problem, limits))] if variant.is_legal({}, problem, limits) else []
     if legal:
         picks += [("smallest", legal[0]), ("largest", legal[-1])]
+    two_pass = [params for params in legal if variant.second_pass(params, problem) is not None]
+    if two_pass:
+        picks.append(("two-pass", two_pass[-1]))
     merged: dict = {}
     for label, params in picks:
         key = tuple(sorted(params.items()))
@@ -226,13 +230,18 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                             entry = no_config.setdefault((direction, name, layout), [0, reason])
                             entry[0] += 1
                         for config_label, params in configs:
-                            source = kernel_source.render(variant.template, variant.defines(params, problem),
-                                                            problem.operation.operator_header)
-                            for arch in archs:
-                                found.append(Instantiation(
-                                    op, direction, dtype, layout, name, config_label,
-                                    tuple(sorted(params.items())), problem_label, arch,
-                                    variant.kernel_name, source))
+                            second = variant.second_pass(params, problem)
+                            passes = [(config_label, {})] + ([(f"{config_label}/second-pass", second[2])]
+                                                             if second is not None else [])
+                            for pass_label, pass_defines in passes:
+                                source = kernel_source.render(variant.template,
+                                                              {**variant.defines(params, problem), **pass_defines},
+                                                              problem.operation.operator_header)
+                                for arch in archs:
+                                    found.append(Instantiation(
+                                        op, direction, dtype, layout, name, pass_label,
+                                        tuple(sorted(params.items())), problem_label, arch,
+                                        variant.kernel_name, source))
     notes = [f"skipped (rejected by Problem.create): {', '.join(rejected)}"] if rejected else []
     for (direction, name, layout), (count, reason) in no_config.items():
         notes.append(f"skipped {direction} {name} on {layout} ({count} op/dtype/problem combinations): "

@@ -90,12 +90,20 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """A built kernel, its grid, and the run-time arguments that callers append after the buffers
-    (``Problem.scalars``): everything a call needs besides the buffers."""
+    (``Problem.scalars``): everything a call needs besides the buffers.  A variant of two passes
+    (``Variant.second_pass``) adds the ``second`` launch, run after this one on the same arguments,
+    and ``scratch_bytes``: both take a scratch buffer of that size after the results."""
 
     kernel: object
     groups: int
     block: tuple
     scalars: tuple
+    second: Launch | None = None
+    scratch_bytes: int = 0
+
+    def passes(self) -> tuple:
+        """The launches of one call, in order."""
+        return (self,) if self.second is None else (self, self.second)
 
 
 def default_choice(problem: Problem, device) -> Choice:
@@ -306,19 +314,27 @@ class Dispatcher:
                 launch = self._launches.peek(key)
                 if launch is None:
                     params, variant = choice.config, choice.variant
+                    kernel = self._kernel(device, context, problem, choice)
+                    second = variant.second_pass(params, problem)
+                    if second is not None:
+                        groups, block, defines = second
+                        second = Launch(self._kernel(device, context, problem, choice, defines), groups, block,
+                                        problem.scalars)
                     launch = self._launches.put(problem, key, Launch(
-                        self._kernel(device, context, problem, choice), variant.groups(params, problem),
-                        variant.block(params), problem.scalars))
+                        kernel, variant.groups(params, problem), variant.block(params), problem.scalars, second,
+                        variant.scratch_bytes(params, problem)))
         return launch
 
-    def _kernel(self, device, context, problem: Problem, choice: Choice):
-        """The built kernel of ``choice``, shared by every batch size of ``problem``'s per-sample
-        shape (memoised per context and ``Problem.kernel_key``, filed under the latter)."""
-        key = (context, problem.kernel_key, choice.variant.name, choice.params)
+    def _kernel(self, device, context, problem: Problem, choice: Choice, pass_defines: dict | None = None):
+        """The built kernel of ``choice`` (of its second pass: with ``pass_defines``), shared by
+        every batch size of ``problem``'s per-sample shape (memoised per context and
+        ``Problem.kernel_key``, filed under the latter)."""
+        key = self._kernel_key(context, problem, choice, pass_defines)
         kernel = self._kernels.get(key)
         if kernel is None:
             variant = choice.variant
-            source = kernel_source.render(variant.template, variant.defines(choice.config, problem),
+            source = kernel_source.render(variant.template,
+                                          {**variant.defines(choice.config, problem), **(pass_defines or {})},
                                           problem.operation.operator_header)
             kernel = self._keep(device, problem, choice, key, device.build(context, source, variant.kernel_name))
         return kernel
@@ -345,13 +361,13 @@ class Dispatcher:
         failed shared program is retried one program each, so one bad candidate costs no other."""
         failed = {}
         with self._build_lock:
-            wanted = [(i, c) for i, c in enumerate(choices)
-                      if self._kernels.peek((context, problem.kernel_key, c.variant.name, c.params)) is None]
+            wanted = [(i, c, defines) for i, c in enumerate(choices) for defines in self._pass_defines(c, problem)
+                      if self._kernels.peek(self._kernel_key(context, problem, c, defines)) is None]
             if len(wanted) > 1 and device.info.source_suffix in kernel_source.SHARED_PROGRAM_SUFFIXES:
                 kernel_name = wanted[0][1].variant.kernel_name
                 source = kernel_source.render_together(
-                    [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem),
-                                          problem.operation.operator_header) for _, c in wanted],
+                    [kernel_source.render(c.variant.template, {**c.variant.defines(c.config, problem), **defines},
+                                          problem.operation.operator_header) for _, c, defines in wanted],
                     kernel_name)
                 try:
                     built = [device.build(context, source, kernel_source.together_name(kernel_name, position))
@@ -359,19 +375,31 @@ class Dispatcher:
                 except Exception:  # noqa: BLE001 - each alone below, which names the culprit
                     built = None
                 if built is not None:
-                    for (i, choice), kernel in zip(wanted, built):
-                        key = (context, problem.kernel_key, choice.variant.name, choice.params)
+                    for (i, choice, defines), kernel in zip(wanted, built):
                         try:
-                            self._keep(device, problem, choice, key, kernel)
+                            self._keep(device, problem, choice, self._kernel_key(context, problem, choice, defines),
+                                       kernel)
                         except ValueError as exc:
                             failed[i] = exc
                     return failed
-            for i, choice in wanted:
+            for i, choice, defines in wanted:
                 try:
-                    self._kernel(device, context, problem, choice)
+                    self._kernel(device, context, problem, choice, defines)
                 except Exception as exc:  # noqa: BLE001 - a candidate that cannot build is left out
                     failed[i] = exc
         return failed
+
+    @staticmethod
+    def _pass_defines(choice: Choice, problem: Problem) -> list:
+        """The extra defines of each pass of ``choice``: none for the first, the second's."""
+        second = choice.variant.second_pass(choice.config, problem)
+        return [{}] if second is None else [{}, second[2]]
+
+    @staticmethod
+    def _kernel_key(context, problem: Problem, choice: Choice, pass_defines: dict | None) -> tuple:
+        """The memo key of the kernel of ``choice`` (of its second pass: with ``pass_defines``)."""
+        return (context, problem.kernel_key, choice.variant.name, choice.params) + (
+            (tuple(sorted(pass_defines.items())),) if pass_defines else ())
 
 
 DISPATCHER = Dispatcher()

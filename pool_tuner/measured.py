@@ -237,18 +237,24 @@ def time_interleaved(device, queue, launches: list, arguments: list, min_rounds:
     ``prune``, a launch whose warm-up took more than ``prune`` times the fastest warm-up runs no
     rounds, and its warm-up time is its time: the device's timer leaves out the build that a
     first launch may include (PoCL generates a kernel's code then).  Returns the times and the
-    number of rounds."""
-    warm = [device.launch(queue, launch.kernel, launch.groups, launch.block, (*arguments, *launch.scalars), timed=True)
-            for launch in launches]
-    timed = [i for i, t in enumerate(warm) if prune is None or t <= prune * min(warm)]
-    times = {i: [] for i in timed}
+    number of rounds.  A launch of two passes (``dispatch.Launch.passes``) is timed as the sum of
+    both, on a scratch buffer of its own."""
+    scratch = [[device.empty((-(-launch.scratch_bytes // 8),), np.int64, queue)] if launch.scratch_bytes else []
+               for launch in launches]
+
+    def timed(i: int) -> float:
+        launch = launches[i]
+        return sum(device.launch(queue, step.kernel, step.groups, step.block,
+                                 (*arguments, *scratch[i], *launch.scalars), timed=True) for step in launch.passes())
+
+    warm = [timed(i) for i in range(len(launches))]
+    timed_ones = [i for i, t in enumerate(warm) if prune is None or t <= prune * min(warm)]
+    times = {i: [] for i in timed_ones}
     started, rounds = time.perf_counter(), 0
     while rounds < min_rounds or (rounds < (max_rounds or min_rounds)
                                   and time.perf_counter() - started < (budget_s or 0.0)):
-        for i in timed:
-            launch = launches[i]
-            times[i].append(device.launch(queue, launch.kernel, launch.groups, launch.block,
-                                          (*arguments, *launch.scalars), timed=True))
+        for i in timed_ones:
+            times[i].append(timed(i))
         rounds += 1
     return [float(np.median(times[i])) if i in times else float(warm[i]) for i in range(len(launches))], rounds
 

@@ -181,9 +181,11 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
                             stored_fill(fill, r.dtype)) for r, fill in zip(plan.results, plan.fills)]
     if plan.launch is not None:
         launch = plan.launch
-        event = device.launch(queue, launch.kernel, launch.groups, launch.block,
-                              arrays + outputs + list(launch.scalars if scalars is None else scalars))
-        for array in arrays + outputs:
+        scratch = [] if plan.scratch is None else [device.empty(plan.scratch.memory_shape, np.int64, queue)]
+        for step in launch.passes():
+            event = device.launch(queue, step.kernel, step.groups, step.block,
+                                  arrays + outputs + scratch + list(launch.scalars if scalars is None else scalars))
+        for array in arrays + outputs + scratch:
             device.arrays.track(array, event)
     if not logical or not problem.channels_last or plan.results[0].flat:
         return outputs

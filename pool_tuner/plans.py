@@ -262,7 +262,9 @@ class Plan:
       ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
     * ``fills``: per result, what it is filled with when allocated, or None (``result_fill``);
-    * ``nbytes``: per input, then per result, the bytes of its memory.
+    * ``scratch``: the scratch buffer of a variant of two passes (``Variant.second_pass``), as a
+      flat int64 ``Result`` that each call allocates with the results, or None;
+    * ``nbytes``: per input, then per result (then the scratch buffer), the bytes of its memory.
 
     A hit on memory given by address -- numpy arrays and CPU tensors on host memory, CUDA tensors
     -- is ``run`` with the front end's allocator; device arrays of the caller's library are
@@ -270,7 +272,7 @@ class Plan:
     """
 
     __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "fills",
-                 "nbytes", "_prepared")
+                 "scratch", "nbytes", "_prepared")
 
     def __init__(self, problem: Problem, device, choice, reorder: tuple, results: tuple, build_target, context):
         self.problem, self.device, self.choice = problem, device, choice
@@ -285,6 +287,12 @@ class Plan:
         if problem.flow.reads_indices(problem.operation):
             sizes.append(positions * ELEMENT_BYTES["int64"])
         sizes += [math.prod(r.shape) * ELEMENT_BYTES[r.dtype] for r in results]
+        scratch = 0 if self._build is None else choice.variant.scratch_bytes(choice.config, problem)
+        self.scratch = None
+        if scratch:
+            words = -(-scratch // ELEMENT_BYTES["int64"])
+            self.scratch = Result((words,), (1,), (words,), "int64", flat=True)
+            sizes.append(words * ELEMENT_BYTES["int64"])
         self.nbytes = tuple(sizes)
         self._prepared = None
 
@@ -303,12 +311,20 @@ class Plan:
         first use: where the device's kernels cannot run in this process (a forked child of a PoCL
         process), ``host_fallback``'s instead."""
         if self._prepared is None:
-            n_inputs = len(self.nbytes) - len(self.results)
             if self.device.info.host_fallback is not None:
-                self._prepared = host_fallback.HostFallback(self.problem, self.results, self.nbytes, n_inputs)
+                self._prepared = host_fallback.HostFallback(self.problem, self.results, self.nbytes, self._n_inputs)
             else:
-                self._prepared = self.device.prepare(self.launch, self.nbytes, n_inputs)
+                self._prepared = self._prepare(self.launch)
         return self._prepared
+
+    @property
+    def _n_inputs(self) -> int:
+        return len(self.nbytes) - len(self.results) - (self.scratch is not None)
+
+    def _prepare(self, launch):
+        """The device's prepared launch of ``launch``, or of its passes one after the other."""
+        passes = [self.device.prepare(step, self.nbytes, self._n_inputs) for step in launch.passes()]
+        return passes[0] if len(passes) == 1 else Passes(passes)
 
     def run(self, inputs: list, allocate, address, stream=None, scalars: tuple | None = None) -> list:
         """Run on memory given by address: ``inputs`` in the problem's memory order (``reorder``
@@ -322,8 +338,24 @@ class Plan:
         outputs = [allocate(result, fill) for result, fill in zip(self.results, self.fills)]
         if self._launch is not None or self._build is not None:
             prepared = self._prepared or self.prepared_launch()
-            prepared(stream, *map(address, inputs), *map(address, outputs), scalars=scalars)
+            scratch = [] if self.scratch is None else [allocate(self.scratch, None)]  # alive until launched
+            prepared(stream, *map(address, inputs), *map(address, outputs), *map(address, scratch), scalars=scalars)
         return outputs
+
+
+class Passes:
+    """The prepared launches of a variant's passes (``dispatch.Launch.passes``), called as one:
+    each on the same addresses and run-time scalars, in order -- on one stream, or one after the
+    other returning once done over host memory."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: list):
+        self.steps = tuple(steps)
+
+    def __call__(self, stream, *addresses, scalars=None) -> None:
+        for step in self.steps:
+            step(stream, *addresses, scalars=scalars)
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,

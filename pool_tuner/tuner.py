@@ -319,7 +319,10 @@ def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_
     from kernel_tuner import tune_kernel
 
     rng = rng or np.random.default_rng()
-    legal = variant.legal_configurations(problem, device.info.limits)
+    # Kernel Tuner launches one kernel per configuration: configurations of two passes
+    # (Variant.second_pass) are left to the race, where the default may be one.
+    legal = [p for p in variant.legal_configurations(problem, device.info.limits)
+             if variant.second_pass(p, problem) is None]
     if not legal:
         return None, None, 0, []
     legal_keys = {_space_key(p) for p in legal}

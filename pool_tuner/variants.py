@@ -102,6 +102,17 @@ class Variant:
     def extra_defines(self, params: dict, problem: Problem) -> dict:
         return {}
 
+    def second_pass(self, params: dict, problem: Problem) -> tuple | None:
+        """``(groups, block, defines)`` of a second launch that ``params`` needs after the first, on
+        the same arguments -- the same kernel built with ``defines`` added -- or None (one pass,
+        as every variant but a split ``global_blocks``).  Both passes take a scratch buffer of
+        ``scratch_bytes`` after the results, which the caller allocates (``plans.Plan``)."""
+        return None
+
+    def scratch_bytes(self, params: dict, problem: Problem) -> int:
+        """Bytes of the scratch buffer that ``second_pass`` needs (0: none)."""
+        return 0
+
     # ------------------------------------------------------------------ shared logic
 
     @property
@@ -191,12 +202,16 @@ class Variant:
         return [self.check_config(c, problem, limits) for c in self.configurations() if self.is_legal(c, problem, limits)]
 
     def representative_configurations(self, problem: Problem, limits: DeviceLimits) -> dict:
-        """``{"default", "smallest", "largest": config}``: the default and the first and last legal
-        points of the space -- those that are legal, duplicates dropped (the first label kept)."""
+        """``{"default", "smallest", "largest", "two-pass": config}``: the default, the first and last
+        legal points of the space and the last of two passes (``second_pass``) -- those that are
+        legal, duplicates dropped (the first label kept)."""
         legal = self.legal_configurations(problem, limits)
         picks = {"default": self.check_config({}, problem, limits)} if self.is_legal({}, problem, limits) else {}
         if legal:
             picks.update(smallest=legal[0], largest=legal[-1])
+        two_pass = [params for params in legal if self.second_pass(params, problem) is not None]
+        if two_pass:
+            picks["two-pass"] = two_pass[-1]
         unique: dict = {}
         for label, config in picks.items():
             if config not in unique.values():
@@ -514,7 +529,8 @@ class GlobalBlocks(_Global):
     summary = ("global pooling, either layout, GPUs only: a team of `threads_per_plane` work-items per plane reads "
                "neighbouring positions (channels-first: `vector_width` at a time) at each step with `accumulators` "
                "loads in flight each, teams side by side in a work-group, merged by a tree in local memory, its "
-               "last rounds within a warp with `warp_shuffle`")
+               "last rounds within a warp with `warp_shuffle`; with `split`, each plane cut into parts over as many "
+               "work-groups, merged in part order by a second pass")
     device_types = ("gpu",)
     #: vector_width first, so that the last legal configuration (compile_check's and Oclgrind's
     #: "largest") reads vectors wherever the problem allows them.
@@ -524,11 +540,19 @@ class GlobalBlocks(_Global):
         "threads_per_plane": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
         "accumulators": [1, 2, 4, 8],
         "warp_shuffle": [0, 1],
+        "split": [1, 2, 4, 8, 16, 32, 64, 128],
     }
-    default = {"block_size_x": 256, "threads_per_plane": 32, "accumulators": 4, "warp_shuffle": 1, "vector_width": 1}
+    default = {"block_size_x": 256, "threads_per_plane": 32, "accumulators": 4, "warp_shuffle": 1, "vector_width": 1,
+               "split": 1}
     #: The default team gives each member about this many elements of its plane: enough loads per
     #: work-item to hide their latency, and the team as wide as the plane allows up to the work-group.
     ELEMENTS_PER_MEMBER = 8
+    #: The default splits planes (``split``) while the launch has fewer work-groups than this --
+    #: a few per multiprocessor of a large GPU (132 on an H100) -- ...
+    MIN_GROUPS = 256
+    #: ... and each part keeps at least this many elements, so that a part's reads outweigh its
+    #: share of the second pass.  Neither number has been measured on a GPU yet.
+    MIN_PART_ELEMENTS = 16384
     #: Channels-last, the default keeps at least this many teams side by side -- neighbouring
     #: channels, which a warp of 32 work-items then reads as one contiguous run at each step.
     MIN_CHANNELS_LAST_TEAMS = 32
@@ -551,6 +575,9 @@ class GlobalBlocks(_Global):
         if params["threads_per_plane"] * width > max(plane, 1):
             return (f"threads_per_plane must not exceed the plane size {plane} divided by vector_width {width} "
                     f"(every member needs an element)")
+        if params["split"] > 1 and params["threads_per_plane"] * width * params["split"] > plane:
+            return (f"split must not exceed the plane size {plane} divided by threads_per_plane * vector_width "
+                    f"(every member of every part needs an element)")
         return super().illegal_reason(params, problem, limits)
 
     def default_for(self, problem):
@@ -564,10 +591,32 @@ class GlobalBlocks(_Global):
         widest = self.default["block_size_x"] // (self.MIN_CHANNELS_LAST_TEAMS if problem.channels_last else 1)
         fitting = [t for t in self.search_space["threads_per_plane"]
                    if t <= widest and t * self.ELEMENTS_PER_MEMBER <= plane]
-        return {**self.default, "threads_per_plane": max(fitting, default=1)}
+        team = max(fitting, default=1)
+        groups = _ceil_div(problem.planes, self.default["block_size_x"] // team)
+        split = max(s for s in self.search_space["split"]
+                    if s == 1 or (groups * s <= self.MIN_GROUPS and plane >= s * self.MIN_PART_ELEMENTS))
+        return {**self.default, "threads_per_plane": team, "split": split}
 
     def groups(self, params, problem):
-        return _ceil_div(problem.planes, params["block_size_x"] // params["threads_per_plane"])
+        return _ceil_div(problem.planes, params["block_size_x"] // params["threads_per_plane"]) * params["split"]
+
+    def extra_defines(self, params, problem):
+        return {"COMBINE_PASS": 0}
+
+    def second_pass(self, params, problem):
+        """A split plane's parts merged by a work-item per plane (kernels/forward/global_blocks.c)."""
+        if params["split"] == 1:
+            return None
+        block = params["block_size_x"]
+        return _ceil_div(problem.planes, block), (block, 1), {"COMBINE_PASS": 1}
+
+    def scratch_bytes(self, params, problem):
+        """A value and (selecting ops) a position of at most 8 bytes per part of every plane, each
+        array padded to an even count."""
+        if params["split"] == 1:
+            return 0
+        slots = _ceil_div(problem.planes * params["split"], 2) * 2
+        return slots * 8 * (2 if problem.operation.selects else 1)
 
     def local_mem_bytes(self, params, problem):
         if params["threads_per_plane"] == 1:

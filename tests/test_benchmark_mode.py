@@ -450,3 +450,22 @@ def test_on_a_gpu_the_variant_shaped_for_gpus_is_a_candidate(fake_cuda):
         assert "global_blocks" in [c.variant.name for c in measured.candidates(problem, device)]
         on_cpu = measured.candidates(problem, backends.resolve_device("opencl:pocl:0"))
         assert on_cpu and "global_blocks" not in [c.variant.name for c in on_cpu]
+
+
+def test_on_cuda_a_two_pass_candidate_is_built_in_its_stages_one_program(fake_cuda):
+    """A few huge planes: global_blocks's default splits them (a second pass), and both its kernels
+    are built in the stage's one program -- the first call still costs one compile per stage."""
+    device, fake, _, compiled = fake_cuda
+    fake.autoprimaryctx()
+    shape = (1, 1, 256, 256)
+    problem = Problem.create(OP, shape, (1, 1), "float32", "NCHW")
+    blocks = [c for c in measured.candidates(problem, device) if c.variant.name == "global_blocks"]
+    assert blocks and blocks[0].config["split"] == 4
+    x = fake.gpuarray.to_gpu(np.random.default_rng(0).random(shape).astype(np.float32))
+    with pt.benchmark_mode(True):
+        pt.adaptive_avg_pool2d(x, 1)
+        info = pt.explain(OP, shape, 1, device=device.info.id)
+    stages = len(dispatch.tuning_cache().lookup(info["cache_key"])["measured"]["rounds"])
+    assert len(compiled) == stages, "one compile per stage, a second pass included"
+    assert "#define COMBINE_PASS 1" in compiled[0]
+    assert "global_blocks" in [e["variant"] for e in info["measured"] if e["stage"] == "variants"]

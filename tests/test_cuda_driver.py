@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from pool_tuner import dispatch, kernel_source
+from pool_tuner import dispatch, kernel_source, plans
 from pool_tuner.backends import cuda, cuda_driver
 from pool_tuner.problem import Problem
 
@@ -187,6 +187,39 @@ def test_the_device_refuses_blocks_the_loaded_kernel_cannot_run(driver, monkeypa
     choice = dispatch.choose(problem, device, "thread_per_output", {"block_size_x": 128})
     with pytest.raises(ValueError, match="at most 64"):
         dispatch.prepare(device, device.queue.context, problem, choice)
+
+
+def test_a_plan_of_two_passes_runs_both_on_the_callers_stream_over_its_scratch(driver, monkeypatch):
+    """global_blocks splitting four huge planes: the Plan allocates the scratch buffer with the
+    front end's allocator after the results, and launches the split kernel then the merging one
+    (a second build of the same file, COMBINE_PASS 1) on the caller's stream with the same
+    pointers."""
+    sources = []
+
+    def fake_compile(source, arch):
+        sources.append(source)
+        return b"cubin %d" % len(sources)
+
+    monkeypatch.setattr(cuda, "_compile", fake_compile)
+    device = fake_cuda_device()
+    shape = (1, 4, 4096, 4096)
+    spec = plans.ArraySpec(shape, tuple(int(s) for s in np.cumprod((1,) + shape[:0:-1])[::-1]), "float32")
+    plan = plans.make_plan("adaptive_max_pool2d", "forward", [spec], 1, device, variant="global_blocks")
+    assert plan.choice.config["split"] == 64
+    allocated = []
+
+    def allocate(result, fill):
+        allocated.append(result)
+        return 0x100000 * len(allocated)
+
+    plan.run([0x7000], allocate, lambda address: address, stream=0x5EED)
+    assert [r.dtype for r in allocated] == ["float32", "int64", "int64"]
+    assert allocated[2].flat and allocated[2].shape == (4 * 64 * 2,)  # a value and a position per part
+    first, second = driver.launches
+    assert first["arguments"] == second["arguments"] == [0x7000, 0x100000, 0x200000, 0x300000, 4]
+    assert (first["grid"], second["grid"]) == ((4 * 64, 1, 1), (1, 1, 1))
+    assert first["stream"] == second["stream"] == 0x5EED and first["function"] != second["function"]
+    assert ["#define COMBINE_PASS 1" in source for source in sources] == [False, True]
 
 
 def test_prepared_launch_checks_the_grid(driver):

@@ -257,6 +257,42 @@ def test_global_blocks_over_more_than_2_31_elements(device, ptt, op, layout):
 
 
 @pytest.mark.own_process
+@pytest.mark.parametrize("shape,dtype", [((1, 4, 4096, 4096), "float32"), ((1, 2, 32768, 32769), "float16")],
+                         ids=["4x4096x4096-float32", "2x32768x32769-float16"])
+@pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d"])
+def test_global_blocks_splits_a_few_huge_planes(device, ptt, op, shape, dtype):
+    """A few huge planes (the second of more than 2^31 elements): global_blocks's default cuts each
+    plane into parts over work-groups and merges them in a second pass -- the same bits twice,
+    means within float32's (float16's) tolerance of the float64 mean, maxima and their first
+    positions exactly."""
+    problem = Problem.create(op, shape, 1, dtype)
+    assert REGISTRY[op, "forward"]["global_blocks"].default_for(problem)["split"] > 1
+    torch.manual_seed(0)
+    x = torch.rand(shape, device="cuda", dtype=getattr(torch, dtype))
+    ours = getattr(ptt, op)
+
+    def run():
+        if "max" in op:
+            return ours(x, 1, return_indices=True, variant="global_blocks")
+        return (ours(x, 1, variant="global_blocks"),)
+
+    first = run()
+    assert all(torch.equal(a, b) for a, b in zip(first, run()))
+    _assert_all_written(first[0])
+    values = first[0].reshape(-1).double().cpu()
+    planes = x.reshape(shape[0] * shape[1], -1)
+    for plane in range(planes.shape[0]):
+        if "max" in op:
+            largest = planes[plane].max()
+            position = int((planes[plane] == largest).nonzero()[0])
+            assert (values[plane].item(), int(first[1].reshape(-1)[plane])) == (largest.double().item(), position)
+        else:
+            mean = planes[plane].mean(dtype=torch.float64).item()
+            tolerance = 1e-5 if dtype == "float32" else 2e-3
+            assert values[plane].item() == pytest.approx(mean, rel=tolerance, abs=tolerance), f"plane {plane}"
+
+
+@pytest.mark.own_process
 @pytest.mark.parametrize("offset", [0, 1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
 @pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d"])

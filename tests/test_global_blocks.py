@@ -270,3 +270,129 @@ def test_vector_width_legality(rng):
                                                         device_type="gpu")
     problem = Problem.create("adaptive_avg_pool2d", (2, 8, 4, 4), 1)
     assert {c["vector_width"] for c in VARIANT.legal_configurations(problem, gpu)} == {1, 2, 4}
+
+
+# ---------------------------------------------------------------- split planes: a second pass
+
+#: Configurations that cut each plane into parts (``split``) merged by the second pass: one member
+#: per part, a team with the warp rounds, vector loads; 128 parts of a 64-member team.
+SPLIT_CONFIGS = [
+    {"split": 2, "threads_per_plane": 1, "accumulators": 1, "block_size_x": 64},
+    {"split": 8, "threads_per_plane": 32, "accumulators": 4, "block_size_x": 128, "warp_shuffle": 1},
+    {"split": 16, "threads_per_plane": 64, "accumulators": 2, "block_size_x": 64, "vector_width": 4},
+    {"split": 128, "threads_per_plane": 64, "accumulators": 8, "block_size_x": 256},
+]
+
+
+def split_id(config):
+    return "-".join(f"{k[:3]}{v}" for k, v in config.items())
+
+
+def split_configs(problem):
+    """Those of ``SPLIT_CONFIGS`` that the kernel can run for ``problem`` (vector loads need
+    channels-first planes whose length they divide)."""
+    limits = backends.default_device().info.limits
+    return [c for c in SPLIT_CONFIGS if VARIANT.refusal({**VARIANT.default_for(problem), **c}, problem, limits,
+                                                        forced=True) is None]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
+@pytest.mark.parametrize("op", OPS[2])
+def test_split_planes_match_the_reference(op, layout, dtype, rng):
+    """Three planes of 70k elements, each cut into parts over work-groups whose results a second
+    pass merges, every dtype, either layout: the float64 reference of the stored input."""
+    x = in_layout(random_input(rng, (1, 3, 256, 272), np.float64).astype(np_dtype(dtype)), 2, layout)
+    check_forward(op, run(op, x, SPLIT_CONFIGS[1]), x)
+
+
+@pytest.mark.parametrize("shape,ndim", [((2, 3, 40001), 1), ((3, 2, 9, 61, 67), 3), ((4, 123, 129), 2)])
+@pytest.mark.parametrize("op_kind", [0, 1], ids=["avg", "max"])
+def test_split_planes_of_every_rank_and_batch_less(shape, ndim, op_kind, rng):
+    """Parts that do not divide the plane (the last part shorter), every rank, a batch-less input."""
+    op = OPS[ndim][op_kind]
+    for layout in LAYOUT_NAMES[ndim]:
+        x = in_layout(random_input(rng, shape), ndim, layout)
+        for config in split_configs(Problem.create(op, shape, 1, layout=layout)):
+            check_forward(op, run(op, x, config), x)
+
+
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=split_id)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
+def test_split_planes_keep_max_position_rule_across_parts(layout, config, rng):
+    """NaN, -inf and ties placed so that the rule is decided between parts (the winner in a late
+    part, ties across parts): the reference's positions and PyTorch's, exactly."""
+    if config.get("vector_width", 1) > 1 and layout == "NHWC":
+        pytest.skip("vector loads need channels-first memory")
+    x = special_planes(rng, (2, 4, 128, 130))
+    planes = x.reshape(8, -1)
+    size = planes.shape[1]
+    planes[6] = 2.0                          # a tie over every part: the first position
+    planes[7, :] = 0.0
+    planes[7, [5, size // 2, size - 3]] = 9.0  # a tie between parts 0, the middle and the last
+    x = in_layout(x, 2, layout)
+    values, indices = run("adaptive_max_pool2d", x, config)
+    ref_values, ref_indices = reference.forward("adaptive_max_pool2d", x, 1)
+    np.testing.assert_array_equal(as_float64(values), ref_values)
+    np.testing.assert_array_equal(indices, ref_indices)
+    t_values, t_indices = torch.nn.functional.adaptive_max_pool2d(torch.from_numpy(np.ascontiguousarray(x)), 1,
+                                                                  return_indices=True)
+    np.testing.assert_array_equal(values, t_values.numpy())
+    np.testing.assert_array_equal(indices, t_indices.numpy())
+
+
+def test_split_planes_are_deterministic_and_a_few_huge_planes_work(rng):
+    """1x4x2048x2048 -> 1 (four planes of 4M elements) on the default's split: the same bits on
+    every run, within float32's tolerance of the reference and of PyTorch."""
+    x = rng.standard_normal((1, 4, 2048, 2048), dtype=np.float32)
+    problem = Problem.create("adaptive_avg_pool2d", x.shape, 1)
+    config = VARIANT.default_for(problem)
+    assert config["split"] == 64
+    first = run("adaptive_avg_pool2d", x, config)
+    assert np.array_equal(first, run("adaptive_avg_pool2d", x, config))
+    check_forward("adaptive_avg_pool2d", first, x)
+    np.testing.assert_allclose(first, torch.nn.functional.adaptive_avg_pool2d(torch.from_numpy(x), 1).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", OPS[2])
+def test_split_planes_through_every_front_end(op, rng):
+    """``pool_tuner.torch`` (eager, and autograd's custom op with a gradient) and PyOpenCL arrays
+    allocate the scratch buffer their own way and launch both passes: the same results as numpy."""
+    import pyopencl.array as cl_array
+
+    import pool_tuner.torch as ptt
+
+    config = SPLIT_CONFIGS[1]
+    x = random_input(rng, (2, 3, 100, 101))
+    expected = run(op, x, config)
+    fn = getattr(ptt, op)
+    kwargs = {"return_indices": True} if "max" in op else {}
+    eager = fn(torch.from_numpy(x), 1, variant=NAME, config=config, **kwargs)
+    t = torch.from_numpy(x).requires_grad_()
+    with_grad = fn(t, 1, variant=NAME, config=config, **kwargs)
+    queue = backends.default_device().queue
+    on_device = getattr(pt, op)(cl_array.to_device(queue, x), 1, *([True] if "max" in op else []), variant=NAME,
+                                config=config)
+    for got in (eager, with_grad):
+        for g, e in zip(got if "max" in op else (got,), expected if "max" in op else (expected,)):
+            np.testing.assert_array_equal(g.detach().numpy(), e)
+    for g, e in zip(on_device if "max" in op else (on_device,), expected if "max" in op else (expected,)):
+        np.testing.assert_array_equal(g.get(), e)
+
+
+def test_split_legality_and_default():
+    """``split`` leaves every member of every part an element; the default splits only planes huge
+    enough for parts of ``MIN_PART_ELEMENTS`` and only while the launch is short of ``MIN_GROUPS``."""
+    limits = backends.default_device().info.limits
+    small = Problem.create("adaptive_avg_pool2d", (1, 2, 16, 16), 1)
+    with pytest.raises(ValueError, match="split must not exceed the plane size 256"):
+        VARIANT.check_config({"split": 8, "threads_per_plane": 64}, small, limits, forced=True)
+    assert VARIANT.check_config({"split": 4, "threads_per_plane": 64}, small, limits, forced=True)["split"] == 4
+    for shape, split in [((1, 4, 4096, 4096), 64), ((2, 1, 16384, 16384), 128), ((8, 2048, 64, 64), 1),
+                         ((32, 2048, 7, 7), 1), ((1, 1, 100, 100), 1), ((1, 1, 1024, 1024), 64)]:
+        problem = Problem.create("adaptive_avg_pool2d", shape, 1)
+        assert VARIANT.default_for(problem)["split"] == split, shape
+        params = VARIANT.default_for(problem)
+        assert (VARIANT.second_pass(params, problem) is None) == (split == 1)
+        assert VARIANT.scratch_bytes(params, problem) == (0 if split == 1 else -(-shape[0] * shape[1] * split // 2) * 16)

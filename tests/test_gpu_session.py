@@ -206,7 +206,8 @@ def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
     assert "not run yet" not in report
     assert "tests/test_cuda_gpu.py: " in report and "tests/test_cuda.py: " in report
     assert "geomean" in report  # the suite's figures
-    assert "global_blocks" in report.split("## global_pooling: ", 1)[1].split("\n## ", 1)[0]
+    global_pooling = report.split("## global_pooling: ", 1)[1].split("\n## ", 1)[0]
+    assert "global_blocks" in global_pooling and "global_blocks split=" in global_pooling  # a few huge planes
     records = list((work / "tuning_cache").glob("*.json"))
     assert len(records) == 1 and json.loads(records[0].read_text())["records"]
     rules = json.loads((work / "default_rules.json").read_text())["devices"]["cpu"]
@@ -265,3 +266,45 @@ def test_records_tuned_on_a_gpu_are_exported_under_its_architecture(tmp_path):
     assert figures[-1] == "1 records of Fake GPU merged into tuning_cache/cuda_sm_90.json"
     exported = json.loads((tmp_path / "tuning_cache" / "cuda_sm_90.json").read_text())["records"]
     assert list(exported) == [record["key"]] and exported[record["key"]]["device"] == device.info.fingerprint
+
+
+def test_the_plan_fits_a_leases_budget_with_the_tuning_steps_last():
+    """The fixed steps' timeouts, the start-up and the report's reserve leave the tuning steps at
+    least ``MIN_TUNING_S`` of the 480 s (they summed to 590 s before); the tuning steps come last."""
+    gpu_session = _script("gpu_session")
+    for dry_run in (False, True):
+        chosen = gpu_session.steps(Path("work"), dry_run=dry_run, jobs=2)
+        assert gpu_session.plan_problem(chosen, gpu_session.BUDGET_S) is None, dry_run
+        fixed = sum(step.timeout_s for step in chosen if step.share is None)
+        assert fixed + gpu_session.START_UP_S + gpu_session.RESERVE_S + gpu_session.MIN_TUNING_S <= 480
+        tuning = [step.name for step in chosen if step.share is not None]
+        assert tuning == ["dispatch_grid", "tune_float32", "tune_float16"]
+        assert [step.name for step in chosen][-4:] == ["dispatch_grid", "derive_rules", "tune_float32", "tune_float16"]
+    assert "more than the budget of 300 s" in gpu_session.plan_problem(chosen, 300)
+
+
+def test_the_tuning_steps_are_cut_short_by_the_time_left():
+    """A tuning step's timeout is its share of what is left after the fixed steps still to come;
+    the last takes all of it; a fixed step keeps its own timeout unless less is left; a tuning step
+    named by ``--timeout`` becomes fixed.  The grid's own budget follows its timeout."""
+    gpu_session = _script("gpu_session")
+    named = {step.name: step for step in gpu_session.steps(Path("work"), dry_run=False, jobs=2)}
+    grid, last, tests = named["dispatch_grid"], named["tune_float16"], named["tests"]
+    share = gpu_session.TUNING_SHARES["dispatch_grid"]
+    assert gpu_session.step_timeout(grid, 115.0, 15.0) == pytest.approx(100.0 * share)
+    assert gpu_session.step_timeout(grid, 215.0, 15.0) == pytest.approx(200.0 * share)  # more left: more time
+    assert gpu_session.step_timeout(last, 40.0, 0.0) == 40.0
+    assert gpu_session.step_timeout(tests, 500.0, 0.0) == gpu_session.TIMEOUTS["tests"]
+    assert gpu_session.step_timeout(tests, 30.0, 0.0) == 30.0
+    command = [str(part) for part in grid.command(70.0)]
+    assert command[command.index("--budget") + 1] == str(70.0 - gpu_session.WIND_DOWN_S)
+    fixed = {s.name: s for s in gpu_session.steps(Path("work"), dry_run=False, jobs=2, timeouts={"dispatch_grid": 200})}
+    assert fixed["dispatch_grid"].share is None and fixed["dispatch_grid"].timeout_s == 200
+
+
+def test_a_budget_the_plan_cannot_fit_is_refused_before_anything_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_session.py"), "--budget", "200", "--out",
+                           str(tmp_path / "out"), "--work", str(tmp_path / "work")], check=False, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "more than the budget of 200 s" in proc.stderr
+    assert not list((tmp_path / "work").iterdir())

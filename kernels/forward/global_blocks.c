@@ -20,7 +20,16 @@
  * is a vector of that many neighbouring positions, read with one load, instead of one position:
  * a plane then starts on a vector boundary whenever the input does, and the kernel tests the input
  * (vectors_aligned) and reads one position at a time where it does not (an offset view, say).
- * Launch: ceil(N_PLANES / PLANES_PER_GROUP) groups of block_size_x. */
+ *
+ * With split > 1 (a few huge planes) each plane is cut into `split` parts of neighbouring units,
+ * each reduced by its own team in its own work-group, so that a few planes still fill the device:
+ * the part's result goes to slot plane * split + part of the scratch buffer, and a second pass
+ * (COMBINE_PASS, the same arguments) merges each plane's slots in part order -- a fixed order, so
+ * the same bits on every run; the parts are disjoint runs of increasing positions, so reduce_merge
+ * keeps the position rule.  The scratch holds the slots' positions (selecting ops), then their
+ * values, each array padded to an even count so that the values start 8-byte aligned.
+ * Launch: ceil(N_PLANES / PLANES_PER_GROUP) * split groups of block_size_x; the second pass
+ * ceil(N_PLANES / block_size_x) groups of block_size_x, a work-item per plane. */
 #define PLANES_PER_GROUP (block_size_x / threads_per_plane)
 #if CHANNELS_LAST
 #define TEAM_SLOT (LOCAL_ID_X % PLANES_PER_GROUP)
@@ -36,6 +45,16 @@
  * index looks at most one step past its plane's end (at most 8192 units), within the 32-bit
  * index's margin (OVERSHOOT_MARGIN). */
 #define MEMBER_STEP ((index_t)threads_per_plane * accumulators)
+
+#if split > 1
+#define SCRATCH_PARAM , GLOBAL int64_t_* RESTRICT scratch
+/* The scratch slots (above): PARTIAL_POSITIONS[slot] (selecting ops), PARTIAL_VALUES[slot]. */
+#define SLOTS_PADDED (((index_t)N_PLANES * split + 1) / 2 * 2)
+#define PARTIAL_POSITIONS ((GLOBAL index_t*)scratch)
+#define PARTIAL_VALUES ((GLOBAL acc_t*)(PARTIAL_POSITIONS + (OP_SELECTS ? SLOTS_PADDED : 0)))
+#else
+#define SCRATCH_PARAM
+#endif
 
 /* Add unit `unit` of a plane (its positions unit * unit_size ...) to `partial`: a vector of
  * vector_width positions, or where unit_size is 1 one position. */
@@ -55,17 +74,21 @@ DEVICE_FN void reduce_unit(reduction_t* partial, const GLOBAL scalar_t* RESTRICT
     reduce_step(partial, LOAD(in, plane_base + unit * ELEMENT_STEP), unit);
 }
 
-/* One member's share of a plane read in units of unit_size positions: units member,
- * member + threads_per_plane, ... */
-DEVICE_FN reduction_t reduce_member(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t member,
-                                    int unit_size)
+/* One member's share of part `part` of a plane read in units of unit_size positions: of the part's
+ * units first, first + 1, ... (the plane's units cut into `split` runs of equal length, the last
+ * shorter), the units first + member, first + member + threads_per_plane, ... */
+DEVICE_FN reduction_t reduce_member(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t part,
+                                    index_t member, int unit_size)
 {
-    const index_t units = IN_PLANE_SIZE / unit_size;
+    const index_t plane_units = IN_PLANE_SIZE / unit_size;
+    const index_t part_units = (plane_units + split - 1) / split;
+    const index_t first = part * part_units;
+    const index_t units = first + part_units < plane_units ? first + part_units : plane_units;
     reduction_t partial[accumulators];
 #pragma unroll
     for (int a = 0; a < accumulators; ++a)
         partial[a] = reduce_init();
-    index_t unit = member;
+    index_t unit = first + member;
     for (; unit + (accumulators - 1) * (index_t)threads_per_plane < units; unit += MEMBER_STEP)
 #pragma unroll
         for (int a = 0; a < accumulators; ++a)
@@ -84,22 +107,40 @@ DEVICE_FN reduction_t reduce_member(const GLOBAL scalar_t* RESTRICT in, index_t 
     return r;
 }
 
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+#if COMBINE_PASS
+/* The second pass: each plane's result from its parts' slots, merged in part order. */
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT SCRATCH_PARAM
+                         PLANES_PARAM)
+{
+    const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (plane >= N_PLANES)
+        return;
+    reduction_t r = reduce_init();
+    for (int part = 0; part < split; ++part) {
+        const index_t slot = plane * split + part;
+        r = reduce_merge(r, PARTIAL(PARTIAL_VALUES[slot], PARTIAL_POSITIONS[slot]));
+    }
+    STORE_RESULT(plane, r, 0, 0, 0);
+}
+#else
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT SCRATCH_PARAM
+                         PLANES_PARAM)
 {
 #if threads_per_plane > 1
     LOCAL_MEM acc_t partial_value[block_size_x];
     IF_SELECTING(LOCAL_MEM index_t partial_position[block_size_x];)
 #endif
     const int member = TEAM_MEMBER;
-    const index_t plane = (index_t)GROUP_ID * PLANES_PER_GROUP + TEAM_SLOT;
+    const index_t part = (index_t)GROUP_ID % split;
+    const index_t plane = (index_t)GROUP_ID / split * PLANES_PER_GROUP + TEAM_SLOT;
     reduction_t r = reduce_init();
     if (plane < N_PLANES) {
         const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
 #if vector_width > 1
-        r = vectors_aligned(in) ? reduce_member(in, plane_base, member, vector_width)
-                                : reduce_member(in, plane_base, member, 1);
+        r = vectors_aligned(in) ? reduce_member(in, plane_base, part, member, vector_width)
+                                : reduce_member(in, plane_base, part, member, 1);
 #else
-        r = reduce_member(in, plane_base, member, 1);
+        r = reduce_member(in, plane_base, part, member, 1);
 #endif
     }
 #if threads_per_plane > 1
@@ -120,6 +161,13 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         }
     }
 #endif
-    if (member == 0 && plane < N_PLANES)
+    if (member == 0 && plane < N_PLANES) {
+#if split > 1
+        const index_t slot = plane * split + part;
+        STORE_PARTIAL(PARTIAL_VALUES[slot], PARTIAL_POSITIONS[slot], r);
+#else
         STORE_RESULT(plane, r, 0, 0, 0);
+#endif
+    }
 }
+#endif
