@@ -119,3 +119,23 @@ def test_runs_wider_than_the_channels_are_refused():
     assert VARIANT.is_legal({"channels_per_item": 4}, problem, limits)  # masked: 4 and 2 channels
     with pytest.raises(ValueError, match="channels_per_item must not exceed the number of channels"):
         VARIANT.check_config({"channels_per_item": 8}, problem, limits)
+
+
+@pytest.mark.parametrize("op,shape,size,layout,chosen", [
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", True),
+    ("adaptive_avg_pool3d", (2, 64, 4, 9, 9), (2, 4, 4), "NDHWC", True),
+    ("adaptive_avg_pool1d", (2, 64, 30), (7,), "NLC", True),
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NCHW", False),
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (1, 1), "NHWC", False),  # global: broadcast
+    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", False),  # max: not ruled (design.md)
+])
+def test_the_cpu_rules_send_channels_last_average_backward_here(op, shape, size, layout, chosen, user_cache):
+    """With no record, a CPU dispatches every non-global channels-last avg backward to channels_gather,
+    and names the rule with its evidence."""
+    info = pt.explain(op, shape, size, layout=layout, direction="backward")
+    if backends.default_device().info.limits.device_type != "cpu":
+        pytest.skip("the rule is a CPU rule")
+    assert info["source"] == "default"
+    assert (info["variant"] == NAME) == chosen, info
+    if chosen:
+        assert info["rule_evidence"].startswith("by hand: benchmarks/grid_race.py")
