@@ -666,6 +666,9 @@ class ChannelsGather(Variant):
     default = {"block_size_x": 16, "channels_per_item": 64}
 
     def illegal_reason(self, params, problem, limits):
+        if is_global(problem):
+            return ("not for global pooling, whose gradient is one value per plane broadcast (global_broadcast), "
+                    "and whose grad_out reads as channels-first")
         per_item = params["channels_per_item"]
         if per_item > 1 and per_item > problem.channels:
             return f"channels_per_item must not exceed the number of channels ({problem.channels})"

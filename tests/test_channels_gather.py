@@ -139,3 +139,12 @@ def test_the_cpu_rules_send_channels_last_average_backward_here(op, shape, size,
     assert (info["variant"] == NAME) == chosen, info
     if chosen:
         assert info["rule_evidence"].startswith("by hand: benchmarks/grid_race.py")
+
+
+def test_refused_for_global_pooling():
+    """A global grad_out (one value per plane) is the same memory in either layout and reads as
+    channels-first, so a channels-last global problem (tune's or explain's ``layout=``) must not
+    pick a variant that its calls could not run."""
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 7, 7), 1, layout="NHWC", direction="backward")
+    with pytest.raises(ValueError, match="not for global pooling"):
+        VARIANT.check_config({}, problem, backends.default_device().info.limits, forced=True)
