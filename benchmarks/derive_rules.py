@@ -28,8 +28,9 @@ The grid is of single-level problems, so the rules it writes are the single-leve
 are kept as they are, in their order, after them.  Single-level rules written by hand (their
 evidence starts with ``by hand``: a variant the grid was tuned without, raced against the grid's
 winners with ``grid_race.py``) are kept too, in their order, before the derived ones, and the
-grid problems they decide are left out of the derivation (the derived rules never see them).  ``derived_from`` names the grid (one) or lists
-the grids (several) and ``device`` every model the records were measured on.
+grid problems they decide are left out of the derivation (the derived rules never see them).
+``derived_from`` names the grid (one) or lists the grids (several) and ``device`` every model the
+records were measured on.
 
     python benchmarks/derive_rules.py            # from the grids the shipped rules name: print, write
     python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
