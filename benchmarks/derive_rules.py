@@ -25,8 +25,12 @@ often among the leaf's samples, of every model.
 
 The grid is of single-level problems, so the rules it writes are the single-level ones (no
 ``levels`` condition); the device type's multi-level rules (``"levels": "multi"``, written by hand)
-are kept as they are, in their order, after them.  ``derived_from`` names the grid (one) or lists
-the grids (several) and ``device`` every model the records were measured on.
+are kept as they are, in their order, after them.  Single-level rules written by hand (their
+evidence starts with ``by hand``: a variant the grid was tuned without, raced against the grid's
+winners with ``grid_race.py``) are kept too, in their order, before the derived ones, and the
+grid problems they decide are left out of the derivation (the derived rules never see them).
+``derived_from`` names the grid (one) or lists the grids (several) and ``device`` every model the
+records were measured on.
 
     python benchmarks/derive_rules.py            # from the grids the shipped rules name: print, write
     python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
@@ -194,9 +198,22 @@ def geomean_slowdown(samples: list, choose) -> float:
 
 
 def multi_level_rules(entry: dict) -> list:
-    """The multi-level rules of a device type's ``entry`` in the rules file, in their order: the
-    ones this script keeps rather than derives."""
+    """The multi-level rules of a device type's ``entry`` in the rules file, in their order: kept
+    rather than derived, after the single-level rules."""
     return [rule for rule in entry.get("rules", []) if default_rules.family(rule["when"]) != "single"]
+
+
+def hand_rules(entry: dict) -> list:
+    """The single-level rules written by hand of a device type's ``entry``, in their order: kept
+    rather than derived, before the derived ones."""
+    return [rule for rule in entry.get("rules", [])
+            if default_rules.family(rule["when"]) == "single" and rule.get("evidence", "").startswith("by hand")]
+
+
+def decided_by(rules: list, sample: Sample) -> bool:
+    """Whether one of ``rules`` (as in the rules file) holds for ``sample``'s problem."""
+    parsed = [default_rules._parse_rule(rule, rule["name"]) for rule in rules]
+    return any(rule.holds(sample.features) for rule in parsed)
 
 
 def same_kind(a, b) -> bool:
@@ -297,11 +314,12 @@ def main(argv=None) -> int:
         return 1
     records = [record for data_dir in data_dirs
                for record in cache.TuningCache(data_dir / "no_shipped_records", data_dir).records().values()]
-    samples = [Sample(r) for r in records if not cache.is_partial(r)]
+    by_hand = hand_rules(document["devices"].get(args.device_type, {}))
+    samples = [s for s in (Sample(r) for r in records if not cache.is_partial(r)) if not decided_by(by_hand, s)]
     if not samples:
         print(f"no finished grid problems in {', '.join(map(str, data_dirs))}", file=sys.stderr)
         return 1
-    rules = derive(samples, args.device_type)
+    rules = by_hand + derive(samples, args.device_type)
     kept = multi_level_rules(document["devices"].get(args.device_type, {}))
     sources = [f"benchmarks/dispatch_grid/{data_dir.name}/{cache.USER_FILE}" for data_dir in data_dirs]
     entry = {"derived_from": sources[0] if len(sources) == 1 else sources,

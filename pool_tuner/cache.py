@@ -52,7 +52,7 @@ import platformdirs
 
 from . import kernel_source
 from .problem import Problem, check_op
-from .variants import variants_for
+from .variants import layout_of, variants_for
 from .version import __version__
 
 SCHEMA_VERSION = 1
@@ -137,11 +137,14 @@ def device_type(device_fingerprint: dict) -> str:
 
 def kernel_hash(problem, device_type: str) -> str:
     """sha256 over the build options and the templates of every variant of the problem's op and
-    direction that is legal on devices of ``device_type`` (``Variant.device_types``): any change to
-    the kernel code that a tuning there could have chosen makes the records tuned on the old code
-    misses, and a variant shaped for GPUs alone leaves the hash of the CPU records alone."""
+    direction that is legal on devices of ``device_type`` (``Variant.device_types``) and for the
+    problem's memory layout (``Variant.layouts``): any change to the kernel code that a tuning there
+    could have chosen makes the records tuned on the old code misses, and a variant shaped for GPUs
+    alone, or for channels-last memory alone, leaves the hash of the CPU, or channels-first,
+    records alone."""
+    layout = layout_of(problem)
     templates = sorted({v.template for v in variants_for(problem.op, problem.direction).values()
-                        if device_type in v.device_types})
+                        if device_type in v.device_types and layout in v.layouts})
     digest = hashlib.sha256(BUILD_OPTIONS.encode())
     for template in templates:
         digest.update(kernel_source.template_hash(template, problem.operation.operator_header).encode())

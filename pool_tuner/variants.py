@@ -67,6 +67,13 @@ def _longest_run(problem: Problem) -> int:
 
 #: The kinds of device, in the default rules' words: ``cpu`` for CPU devices, ``gpu`` for all others.
 DEVICE_TYPES = ("cpu", "gpu")
+#: The memory layouts of a problem, in the default rules' words (``default_rules.features``).
+LAYOUTS = ("channels_first", "channels_last")
+
+
+def layout_of(problem: Problem) -> str:
+    """The memory layout of ``problem`` in ``LAYOUTS``' words."""
+    return LAYOUTS[problem.channels_last]
 
 
 class Variant:
@@ -87,6 +94,11 @@ class Variant:
     #: records tuned there (``cache.kernel_hash``).  Elsewhere it runs only when forced by name
     #: (``variant=``), which is how its tests run a GPU variant on PoCL.
     device_types = DEVICE_TYPES
+    #: The memory layouts (``LAYOUTS``) whose problems the kernel is written for: only there is it
+    #: legal -- even when forced by name, since its offsets assume the layout -- and only the
+    #: records of problems in those layouts have its template in their kernel hash
+    #: (``cache.kernel_hash``), so a variant for one layout leaves the other layout's records alone.
+    layouts = LAYOUTS
 
     def block(self, params: dict) -> tuple[int, int]:
         """Work-group shape ``(x, y)``."""
@@ -173,7 +185,13 @@ class Variant:
         parameters' rule first, then the device kind's unless ``forced``, then the problem's), or
         None when it can."""
         return (self.extra_rule(params) or (None if forced else self.device_refusal(limits))
-                or self.illegal_reason(params, problem, limits))
+                or self.layout_refusal(problem) or self.illegal_reason(params, problem, limits))
+
+    def layout_refusal(self, problem: Problem) -> str | None:
+        """Why the variant cannot run a problem in ``problem``'s memory layout (``layouts``), or None."""
+        if layout_of(problem) in self.layouts:
+            return None
+        return f"needs {' or '.join(self.layouts).replace('_', '-')} memory"
 
     def device_refusal(self, limits) -> str | None:
         """Why the variant is not legal on a device of ``limits``' kind (``device_types``), or None."""
@@ -686,6 +704,37 @@ class ThreadPerInput(Variant):
         return _partial_last_group(math.prod(problem.in_spatial), problem, per_group)
 
 
+class ChannelsGather(Variant):
+    name = "channels_gather"
+    direction = "backward"
+    layouts = ("channels_last",)
+    summary = ("gather, channels-last only: a work-item takes `channels_per_item` neighbouring channels of one input "
+               "position, finds its covering outputs and their areas once for all of them, and sums each channel's "
+               "terms with the channels as the contiguous inner loop")
+    search_space = {"block_size_x": [1, 4, 16, 64, 256], "channels_per_item": [1, 2, 4, 8, 16, 32, 64, 128]}
+    default = {"block_size_x": 16, "channels_per_item": 64}
+
+    def illegal_reason(self, params, problem, limits):
+        if is_global(problem):
+            return ("not for global pooling, whose gradient is one value per plane broadcast (global_broadcast), "
+                    "and whose grad_out reads as channels-first")
+        per_item = params["channels_per_item"]
+        if per_item > 1 and per_item > problem.channels:
+            return f"channels_per_item must not exceed the number of channels ({problem.channels})"
+        return super().illegal_reason(params, problem, limits)
+
+    def default_for(self, problem):
+        """The widest channel run of at most the default's that divides the channels (no masked run)."""
+        widest = max(n for n in self.search_space["channels_per_item"]
+                     if n <= self.default["channels_per_item"]
+                     and (n == 1 or (n <= problem.channels and problem.channels % n == 0)))
+        return {**self.default, "channels_per_item": widest}
+
+    def groups(self, params, problem):
+        positions = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial)
+        return _ceil_div(positions * _ceil_div(problem.channels, params["channels_per_item"]), params["block_size_x"])
+
+
 class SmemTiledBackward(_Tiled):
     name = "smem_tiled"
     direction = "backward"
@@ -1003,7 +1052,8 @@ class PyramidCellsBackward(_CellVariant):
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
             GlobalPlanes(), GlobalChannels(), GlobalBlocks())
-_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast())
+_BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast(),
+             ChannelsGather())
 _SINGLE_LEVEL = {"forward": _FORWARD, "backward": _BACKWARD}
 _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), PyramidRows(), PyramidChannels(),
                             PyramidWindows()),

@@ -247,7 +247,10 @@ def _real_cases():
                 else:
                     names = [None]
                 for name in names:
-                    layouts = [LAYOUT_NAMES[ndim][1]] if name == "channels_vector" else [LAYOUT_NAMES[ndim][0]]
+                    if (name, kind) == ("channels_gather", "max"):
+                        continue  # its max indices go in as contiguous device arrays (below); its avg case runs
+                    channels_last_only = name in ("channels_vector", "channels_gather")
+                    layouts = [LAYOUT_NAMES[ndim][1 if channels_last_only else 0]]
                     for layout in layouts:
                         cases.append(pytest.param(op, direction, name, layout,
                                                   id=f"{op}-{direction}-{name or 'dispatched'}-{layout}"))
@@ -302,9 +305,10 @@ def _forced_cases():
     for (op, direction), table in REGISTRY.items():
         kind, ndim = OPS[op]
         for name in table:
-            # both layouts in 2d; contiguous 1d and channels-last 3d (channels_vector: channels-last only)
+            # both layouts in 2d; contiguous 1d and channels-last 3d (channels_vector, channels_gather:
+            # channels-last only)
             layouts = {1: LAYOUT_NAMES[1][:1], 2: LAYOUT_NAMES[2], 3: LAYOUT_NAMES[3][1:]}[ndim]
-            if name in ("channels_vector", "global_channels"):
+            if name in ("channels_vector", "global_channels", "channels_gather"):
                 layouts = LAYOUT_NAMES[ndim][1:]
             # channels-first only (global_broadcast: a global grad_out reads as contiguous)
             if name in ("plane_reduce", "thread_per_row", "global_planes", "global_broadcast"):

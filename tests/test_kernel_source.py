@@ -11,7 +11,7 @@ import pytest
 import pool_tuner as pt
 from pool_tuner import backends, cache, kernel_source
 from pool_tuner.problem import Problem
-from pool_tuner.variants import REGISTRY
+from pool_tuner.variants import REGISTRY, layout_of
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 VARIANT_FILES = sorted(str(p.relative_to(KERNELS)) for d in ("forward", "backward") for p in (KERNELS / d).glob("*"))
@@ -67,11 +67,12 @@ def kernel_copy(tmp_path, monkeypatch):
 
 PROBLEM_SHAPE = ((2, 3, 10, 9), (4, 7))
 KINDS = ("cpu", "gpu")
+LAYOUTS = ("NCHW", "NHWC")
 
 
-def _src(op, direction, device_type):
+def _src(op, direction, device_type, layout="NCHW"):
     """The kernel hash of a small problem's records tuned on a device of ``device_type``."""
-    return cache.kernel_hash(Problem.create(op, *PROBLEM_SHAPE, direction=direction), device_type)
+    return cache.kernel_hash(Problem.create(op, *PROBLEM_SHAPE, layout=layout, direction=direction), device_type)
 
 
 def test_the_cache_key_of_the_device_at_hand_has_its_kinds_kernel_hash():
@@ -82,16 +83,19 @@ def test_the_cache_key_of_the_device_at_hand_has_its_kinds_kernel_hash():
 
 def test_the_cache_key_covers_every_file_of_its_directions_programs(kernel_copy):
     """Editing any header or any variant file of a direction makes that direction's records stale
-    (a record ranks every variant of its direction) on the kinds of device where a variant built
-    from the file is legal (Variant.device_types); the other direction's keys stay, and so do the
-    keys of the kinds of device where no such variant is legal (a GPU-only variant's file leaves
-    the CPU records alone)."""
+    (a record ranks every variant of its direction) on the kinds of device and in the memory
+    layouts where a variant built from the file is legal (Variant.device_types, Variant.layouts);
+    the other direction's keys stay, and so do the keys of the kinds of device and layouts where no
+    such variant is legal (a GPU-only variant's file leaves the CPU records alone, a channels-last
+    variant's file the channels-first records)."""
     ops = ("adaptive_avg_pool2d", "adaptive_max_pool2d")
-    cases = [(op, d, kind) for op in ops for d in ("forward", "backward") for kind in KINDS]
+    cases = [(op, d, kind, layout) for op in ops for d in ("forward", "backward") for kind in KINDS
+             for layout in LAYOUTS]
     before = {case: _src(*case) for case in cases}
     files = sorted({name for table in REGISTRY.values() for v in table.values()
                     for name in kernel_source.program_files(v.template)})
-    assert {"tiles.h", "reduction.h", "gradients.h", "gpu.h", "forward/global_blocks.c"} <= set(files)
+    assert {"tiles.h", "reduction.h", "gradients.h", "gpu.h", "forward/global_blocks.c",
+            "backward/channels_gather.c"} <= set(files)
     gpu_only = {v.template for table in REGISTRY.values() for v in table.values() if "cpu" not in v.device_types}
     assert "forward/global_blocks.c" in gpu_only
     for name in files:
@@ -100,10 +104,13 @@ def test_the_cache_key_covers_every_file_of_its_directions_programs(kernel_copy)
         path.write_text(original + "/* edited */\n")
         kernel_source.read.cache_clear()
         kernel_source.template_hash.cache_clear()
-        for (op, direction, kind) in cases:
+        for (op, direction, kind, layout) in cases:
             used = any(name in kernel_source.program_files(v.template)
-                       for v in REGISTRY[(op, direction)].values() if kind in v.device_types)
-            assert (_src(op, direction, kind) != before[(op, direction, kind)]) == used, (name, op, direction, kind)
+                       for v in REGISTRY[(op, direction)].values()
+                       if kind in v.device_types and layout_of(Problem.create(op, *PROBLEM_SHAPE, layout=layout))
+                       in v.layouts)
+            assert (_src(op, direction, kind, layout) != before[(op, direction, kind, layout)]) == used, (
+                name, op, direction, kind, layout)
         path.write_text(original)
 
 
@@ -145,3 +152,23 @@ def test_a_cpu_records_hash_ignores_the_gpu_only_variant_and_a_gpu_records_follo
     kernel_source.template_hash.cache_clear()
     assert cache.record_kernel_hash(problem, cpu) == before["cpu"]
     assert cache.record_kernel_hash(problem, gpu) != before["gpu"]
+
+
+def test_a_channels_first_records_hash_ignores_the_channels_last_variant_and_a_channels_last_records_follows_it(
+        kernel_copy):
+    """channels_gather is legal for channels-last problems only (Variant.layouts): editing it leaves
+    the hash of every channels-first record (every shipped record is channels-first) as it was, on
+    either kind of device, and changes that of channels-last backward records."""
+    assert REGISTRY[("adaptive_avg_pool2d", "backward")]["channels_gather"].layouts == ("channels_last",)
+    cases = [("adaptive_avg_pool1d", "NCL"), ("adaptive_avg_pool1d", "NLC"), ("adaptive_max_pool2d", "NCHW"),
+             ("adaptive_max_pool2d", "NHWC"), ("adaptive_avg_pool3d", "NCDHW"), ("adaptive_avg_pool3d", "NDHWC")]
+    problems = {(op, layout): Problem.create(op, (2, 8) + (9,) * int(op[-2]), 4, layout=layout, direction="backward")
+                for op, layout in cases}
+    before = {(key, kind): cache.kernel_hash(problem, kind) for key, problem in problems.items() for kind in KINDS}
+    path = kernel_copy / "backward" / "channels_gather.c"
+    path.write_text(path.read_text() + "/* edited */\n")
+    kernel_source.read.cache_clear()
+    kernel_source.template_hash.cache_clear()
+    for (key, kind), hashed in before.items():
+        channels_last = problems[key].channels_last
+        assert (cache.kernel_hash(problems[key], kind) != hashed) == channels_last, (key, kind)

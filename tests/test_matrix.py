@@ -162,8 +162,9 @@ def _batchless():
         for direction in ("forward", "backward"):
             legal = legal_variants(op, direction, shape[1:], size, layout=layout)
             # The kernels see a batch-less input as N = 1; what differs is the host's handling of
-            # channel axis 0, which every variant shares: the default one and channels_vector.
-            for variant in [None] + (["channels_vector"] if "channels_vector" in legal else []):
+            # channel axis 0, which every variant shares: the default one and the channels-last
+            # variants.
+            for variant in [None] + [v for v in ("channels_vector", "channels_gather") if v in legal]:
                 cases.append(pytest.param(op, direction, variant, id=f"{op}-{direction}-{variant}"))
     return cases
 

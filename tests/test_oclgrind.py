@@ -653,7 +653,8 @@ def test_every_variant_is_covered():
             mine = [s for s in CASES.values() if (s["op"], s["direction"], s["variant"]) == (op, direction, name)]
             layouts = {s["layout"] for s in mine if s["dtype"] == "float32"}
             channels_first, channels_last = LAYOUT_NAMES[OPS[op][1]]
-            expected = {"channels_vector": {channels_last}, "plane_reduce": {channels_first},
+            expected = {"channels_vector": {channels_last}, "channels_gather": {channels_last},
+                        "plane_reduce": {channels_first},
                         "thread_per_row": {channels_first}, "global_planes": {channels_first},
                         "global_channels": {channels_last}, "global_broadcast": {channels_first}}.get(
                 name, {channels_first, channels_last})

@@ -1,0 +1,150 @@
+"""channels_gather, the channels-last backward gather, through the public backward functions with
+``variant=``: every rank, avg and max, uniform and non-uniform windows, upsampling, batch-less inputs,
+channel counts its runs divide and ones they do not (a masked last run), every dtype;
+against the float64 reference and bit for bit against thread_per_input (the project's one summation
+order).  Its legality: channels-last problems only, even when forced.  (Its 64-bit build:
+tests/test_index64.py; CUDA compile: tests/test_compile_check.py; Oclgrind: tests/test_oclgrind.py;
+the hash of the records: tests/test_kernel_source.py.)"""
+
+import random
+
+import numpy as np
+import pytest
+
+import pool_tuner as pt
+from pool_tuner import backends, reference
+from pool_tuner.problem import LAYOUT_NAMES, Problem
+from pool_tuner.shapes import resolve_output_size
+from pool_tuner.variants import variants_for
+
+from conftest import random_input
+from test_matrix import TOLERANCES, as_float64, backward, check_result, in_layout, np_dtype
+
+NAME = "channels_gather"
+VARIANT = variants_for("adaptive_avg_pool2d", "backward")[NAME]
+
+#: (input shape, output size): non-uniform and uniform windows, upsampling, O = I, size-1 axes,
+#: batch-less; channel counts that the default run of 64 divides,
+#: that only narrower runs divide (72, 130), and odd ones.
+SHAPES = {
+    1: [((2, 5, 13), 5), ((3, 64, 12), 4), ((70, 9), 4), ((2, 3, 5), 9)],
+    2: [((2, 5, 10, 9), (4, 7)), ((2, 48, 8, 8), (4, 4)), ((1, 72, 17, 17), (5, 5)), ((33, 7, 6), (3, 2)),
+        ((1, 3, 1, 9), (1, 4)), ((2, 130, 6, 5), (6, 5)), ((1, 128, 3, 4), (7, 9))],
+    3: [((2, 3, 5, 6, 7), (3, 4, 2)), ((1, 16, 4, 4, 4), 2), ((9, 3, 4, 5), (2, 5, 2))],
+}
+
+
+def configs_for(problem, count=2):
+    """The default, the first and last legal configuration, and a seeded random few (masked runs
+    among them where the channel count allows)."""
+    legal = VARIANT.legal_configurations(problem, backends.default_device().info.limits)
+    picks = [VARIANT.check_config({}, problem, backends.default_device().info.limits), legal[0], legal[-1]]
+    picks += random.Random(str(problem.input_shape)).sample(legal, min(count, len(legal)))
+    return [dict(c) for c in dict.fromkeys(tuple(sorted(c.items())) for c in picks)]
+
+
+def _cases():
+    cases = []
+    for ndim, shapes in SHAPES.items():
+        layout = LAYOUT_NAMES[ndim][1]
+        for shape, size in shapes:
+            for kind in ("avg", "max"):
+                op = f"adaptive_{kind}_pool{ndim}d"
+                problem = Problem.create(op, shape, size, "float32", layout, direction="backward")
+                for config in configs_for(problem):
+                    label = "-".join(str(v) for v in config.values())
+                    cases.append(pytest.param(op, shape, size, config, id=f"{op}-{shape}->{size}-{label}"))
+    return cases
+
+
+def gradients(op, shape, size, dtype, rng, **kwargs):
+    """(ours, thread_per_input's, the float64 reference) for fresh random channels-last inputs."""
+    ndim = int(op[-2])
+    layout = LAYOUT_NAMES[ndim][1]
+    dt = np_dtype(dtype)
+    x = in_layout(random_input(rng, shape, np.float64).astype(dt), ndim, layout)
+    out_shape = shape[:-ndim] + resolve_output_size(size, shape[-ndim:])
+    grad_out = in_layout(random_input(rng, out_shape, np.float64).astype(dt), ndim, layout)
+    indices = ref_indices = None
+    if op.startswith("adaptive_max"):
+        _, ref_indices = reference.forward(op, x, size)
+        indices = in_layout(ref_indices, ndim, layout)
+    ours = backward(op, grad_out, shape, indices, variant=NAME, **kwargs)
+    gather = backward(op, grad_out, shape, indices, variant="thread_per_input")
+    return ours, gather, reference.backward(op, grad_out, shape, ref_indices)
+
+
+@pytest.mark.parametrize("op,shape,size,config", _cases())
+def test_matches_the_reference_and_thread_per_input_bit_for_bit(op, shape, size, config, rng):
+    ndim = int(op[-2])
+    ours, gather, expected = gradients(op, shape, size, "float32", rng, config=config)
+    check_result(ours, expected, np.dtype(np.float32), LAYOUT_NAMES[ndim][1], ndim)
+    assert ours.tobytes() == gather.tobytes(), "the sums differ from the gathers' order"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_avg_pool3d"])
+@pytest.mark.parametrize("channels_per_item", [None, 4])
+def test_every_dtype(op, dtype, channels_per_item, rng):
+    """Every storage dtype, with the default run and a masked one (4 does not divide 130 or 5)."""
+    shape, size = {2: ((2, 130, 6, 7), (4, 3)), 3: ((2, 5, 5, 6, 7), (3, 4, 2))}[int(op[-2])]
+    config = {} if channels_per_item is None else {"channels_per_item": channels_per_item}
+    ours, gather, expected = gradients(op, shape, size, dtype, rng, config=config)
+    got = as_float64(ours)
+    assert not np.isnan(got).any(), "some input gradients were never written (poisoned NaN left)"
+    np.testing.assert_allclose(got, expected, **TOLERANCES[dtype])
+    assert ours.tobytes() == gather.tobytes()
+
+
+def test_refused_for_channels_first_problems_even_when_forced():
+    """Its offsets assume channels-last memory: no rule, record or ``variant=`` may run it on a
+    channels-first problem."""
+    grad_out = np.ones((2, 8, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="channels_gather.*needs channels-last memory"):
+        pt.adaptive_avg_pool2d_backward(grad_out, (2, 8, 7, 7), variant=NAME)
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 7, 7), 3, direction="backward")
+    assert not VARIANT.is_legal({}, problem, backends.default_device().info.limits)
+    assert VARIANT.refusal(VARIANT.default, problem, backends.default_device().info.limits, forced=True)
+
+
+@pytest.mark.parametrize("channels,expected", [(768, 64), (512, 64), (96, 32), (72, 8), (130, 2), (3, 1), (1, 1)])
+def test_the_default_run_is_the_widest_that_divides_the_channels(channels, expected):
+    problem = Problem.create("adaptive_avg_pool2d", (2, channels, 9, 9), 4, layout="NHWC", direction="backward")
+    assert VARIANT.default_for(problem)["channels_per_item"] == expected
+
+
+def test_runs_wider_than_the_channels_are_refused():
+    problem = Problem.create("adaptive_avg_pool2d", (2, 6, 9, 9), 4, layout="NHWC", direction="backward")
+    limits = backends.default_device().info.limits
+    assert VARIANT.is_legal({"channels_per_item": 4}, problem, limits)  # masked: 4 and 2 channels
+    with pytest.raises(ValueError, match="channels_per_item must not exceed the number of channels"):
+        VARIANT.check_config({"channels_per_item": 8}, problem, limits)
+
+
+@pytest.mark.parametrize("op,shape,size,layout,chosen", [
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", True),
+    ("adaptive_avg_pool3d", (2, 64, 4, 9, 9), (2, 4, 4), "NDHWC", True),
+    ("adaptive_avg_pool1d", (2, 64, 30), (7,), "NLC", True),
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NCHW", False),
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (1, 1), "NHWC", False),  # global: broadcast
+    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", False),  # max: not ruled (design.md)
+])
+def test_the_cpu_rules_send_channels_last_average_backward_here(op, shape, size, layout, chosen, user_cache):
+    """With no record, a CPU dispatches every non-global channels-last avg backward to channels_gather,
+    and names the rule with its evidence."""
+    info = pt.explain(op, shape, size, layout=layout, direction="backward")
+    if backends.default_device().info.limits.device_type != "cpu":
+        pytest.skip("the rule is a CPU rule")
+    assert info["source"] == "default"
+    assert (info["variant"] == NAME) == chosen, info
+    if chosen:
+        assert info["rule_evidence"].startswith("by hand: benchmarks/grid_race.py")
+
+
+def test_refused_for_global_pooling():
+    """A global grad_out (one value per plane) is the same memory in either layout and reads as
+    channels-first, so a channels-last global problem (tune's or explain's ``layout=``) must not
+    pick a variant that its calls could not run."""
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 7, 7), 1, layout="NHWC", direction="backward")
+    with pytest.raises(ValueError, match="not for global pooling"):
+        VARIANT.check_config({}, problem, backends.default_device().info.limits, forced=True)
