@@ -7,16 +7,15 @@ object (``operations.OPERATIONS["adaptive_gem_pool2d"]``, kind ``gem``) with its
 learnt exponent that changes every step needs no new build.
 
 Forward: one read of the input, no temporary (GeM's forward variants, dispatched and tuned like
-every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics) in two passes:
+every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics), with no input-sized
+temporary:
 
-1. the gather of the window means' gradients ``dL/dm_o = dL/dy_o * y_o**(1-p) / p`` (output-sized,
-   computed here) into each input's share -- the backward of the mean through GeM's operator,
-   any backward variant, dispatched and tuned as the op's backward problem; global pooling, where
-   an input's share is its plane's, skips it;
-2. ``kernels/operators/gem_input_gradient.c``: each input's gradient from its share, its value, ``p``
-   and ``eps``, and per work-group the input terms of the gradient of ``p``, which the host adds in
-   order.  float32/float64 keep the shares in the gradient's own memory; float16/bfloat16 gather
-   them in float32 (where ``y**(1-p)`` of small outputs does not overflow) beside it.
+1. each output's coefficient ``dL/dy_o * y_o**(1-p) / (p * area_o)`` (``coefficients``:
+   output-sized, float64 arithmetic on the host, stored in the accumulation dtype);
+2. ``kernels/operators/gem_input_gradient.c``, one pass over the input: each input gathers the
+   coefficients of the outputs whose windows hold it (its inverse windows), and from that share,
+   its value, ``p`` and ``eps`` writes its gradient; per work-group it adds up the input terms of the
+   gradient of ``p``, which the host adds in order.
 
 The numpy functions below take numpy arrays (and, forward only, the device arrays of
 ``pool_tuner.adaptive_*``); ``pool_tuner.torch`` has the autograd op and modules.
@@ -32,8 +31,8 @@ import numpy as np
 
 from . import backends, dispatch, kernel_source, ops, plans
 from .operations import BACKWARD, find
-from .problem import Problem
-from .variants import is_global
+from .problem import ITEMSIZE, Problem
+from .windows import pooling_windows
 
 #: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
 #: ``items_per_thread`` inputs ``block_size_x`` apart (neighbouring work-items on neighbouring inputs).
@@ -64,12 +63,10 @@ def forward(ndim: int, x, output_size, p=3.0, eps=1e-6, *, device=None, variant=
                             arguments=arguments)
 
 
-def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None, variant=None,
-             config=None) -> tuple:
+def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None) -> tuple:
     """``(grad_x, grad_p)``: the gradients of ``sum(grad_out * adaptive_gem_pool(x, ...))`` for
-    ``x`` (an array like ``x``) and ``p`` (a float), numpy arrays in and out.  ``output``: the
-    forward's result, when the caller has it (else it is computed); ``variant``/``config`` choose
-    the gather's backward variant."""
+    ``x`` (an array like ``x``, in its layout) and ``p`` (a float), numpy arrays in and out.
+    ``output``: the forward's result, when the caller has it (else it is computed)."""
     arguments = check_arguments(p, eps)
     for name, array in (("grad_out", grad_out), ("x", x)):
         if not isinstance(array, np.ndarray):
@@ -78,35 +75,29 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
         output = forward(ndim, x, output_size, p, eps, device=device)
     if grad_out.shape != output.shape:
         raise ValueError(f"grad_out must have the shape of the output {output.shape}, got {grad_out.shape}")
-    operation = find("gem", ndim)
-    channel_axis = x.ndim - ndim - 1
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
-    acc = np.float64 if x.dtype == np.float64 else np.float32
-    mean_grad = mean_gradient(grad_out.astype(np.float64), output.astype(np.float64), arguments["p"]).astype(acc)
-    problem = Problem.create(operation.name, x.shape, tuple(output.shape[x.ndim - ndim:]), _dtype_name(x.dtype),
-                             plans.LAYOUT_NAMES[ndim][1 if channels_last else 0], direction="backward")
-    memory = (lambda a: np.moveaxis(a, channel_axis, -1)) if channels_last else (lambda a: a)
-    x_memory = np.ascontiguousarray(memory(x))
-    if plane_shares(problem):
-        shares_memory = np.ascontiguousarray(mean_grad)
-        grad_memory = np.empty(x_memory.shape, x.dtype)
-    else:
-        if channels_last:
-            mean_grad = np.moveaxis(np.ascontiguousarray(memory(mean_grad)), -1, channel_axis)
-        shares = ops.pool_backward(operation.name, mean_grad, x.shape, device=device, variant=variant, config=config)
-        shares_memory = memory(shares)
-        grad_memory = shares_memory if shares.dtype == x.dtype else np.empty(x_memory.shape, x.dtype)
-    dev = backends.resolve_device(device)
-    terms = input_gradient(dev, problem, arguments, x_memory.ctypes.data, shares_memory.ctypes.data,
-                           grad_memory.ctypes.data)
-    grad_x = np.moveaxis(grad_memory, -1, channel_axis) if channels_last else grad_memory
-    grad_p = math.fsum(terms.tolist()) + output_term(grad_out.astype(np.float64), output.astype(np.float64),
-                                                     arguments["p"])
-    return grad_x, grad_p
+    problem = Problem.create(find("gem", ndim).name, x.shape, tuple(output.shape[x.ndim - ndim:]),
+                             _dtype_name(x.dtype), plans.LAYOUT_NAMES[ndim][int(channels_last)], direction="backward")
+    g64, y64 = grad_out.astype(np.float64), output.astype(np.float64)
+    x_memory = np.ascontiguousarray(in_memory_order(x, problem))
+    outputs_coefficients = coefficients(g64, y64, arguments["p"], problem)
+    grad_memory = np.empty(x_memory.shape, x.dtype)
+    input_term = input_gradient(backends.resolve_device(device), problem, arguments, x_memory.ctypes.data,
+                                outputs_coefficients.ctypes.data, grad_memory.ctypes.data)
+    grad_x = np.moveaxis(grad_memory, -1, x.ndim - ndim - 1) if channels_last else grad_memory
+    return grad_x, input_term + output_term(g64, y64, arguments["p"])
 
 
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
+
+
+def in_memory_order(array: np.ndarray, problem: Problem) -> np.ndarray:
+    """``array`` (logical axes: batch, channels, spatial) with its axes in ``problem``'s memory
+    order: channels moved last where the problem is channels-last."""
+    if not problem.channels_last:
+        return array
+    return np.moveaxis(array, array.ndim - problem.ndim - 1, -1)
 
 
 def mean_gradient(grad_out, output, p):
@@ -115,16 +106,26 @@ def mean_gradient(grad_out, output, p):
     return grad_out * output ** (1 - p) / p
 
 
+def window_areas(problem: Problem) -> np.ndarray:
+    """The number of inputs each output of one plane pools, shaped like the plane's outputs."""
+    areas = np.ones((), np.int64)
+    for in_size, out_size in zip(problem.in_spatial, problem.out_spatial):
+        starts, ends = pooling_windows(in_size, out_size)
+        areas = np.multiply.outer(areas, ends - starts)
+    return areas.reshape(problem.out_spatial[3 - problem.ndim:])
+
+
+def coefficients(grad_out, output, p: float, problem: Problem) -> np.ndarray:
+    """What the input-gradient kernel gathers: each output's ``dL/dm_o / area_o``, from ``dL/dy``
+    and ``y`` (float64, logical axes), in the accumulation dtype and ``problem``'s memory order."""
+    acc = np.float64 if problem.dtype == "float64" else np.float32
+    values = (mean_gradient(grad_out, output, p) / window_areas(problem)).astype(acc)
+    return np.ascontiguousarray(in_memory_order(values, problem))
+
+
 def output_term(grad_out, output, p) -> float:
     """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``."""
     return float(-(grad_out * output * np.log(output)).sum() / p)
-
-
-def plane_shares(problem: Problem) -> bool:
-    """Whether the input-gradient kernel of ``problem`` reads the window means' gradients per plane
-    (global pooling: every input has one window, its plane's, so no gather runs) rather than
-    gathered shares per input."""
-    return is_global(problem)
 
 
 def input_gradient_groups(problem: Problem) -> int:
@@ -136,8 +137,7 @@ def input_gradient_groups(problem: Problem) -> int:
 def input_gradient_program(problem: Problem) -> str:
     """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
     files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
-    return kernel_source.render_files(files, {**problem.defines(), "PLANE_SHARES": int(plane_shares(problem)),
-                                              **INPUT_GRADIENT_CONFIG})
+    return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG})
 
 
 def helper_problems(ops=None, dtypes=("float32",)) -> list:
@@ -170,12 +170,12 @@ def input_gradient_kernel(device, problem: Problem):
     return kernel
 
 
-def input_gradient(device, problem: Problem, arguments: dict, x_address: int, shares_address: int,
-                   grad_address: int) -> np.ndarray:
-    """Run the input-gradient kernel over host memory (the input, the shares and the gradient, in
-    the problem's memory order; gathered shares may be the gradient's memory, and where
-    ``plane_shares`` they are the window means' gradients, one per plane): writes the gradient,
-    returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
+def input_gradient(device, problem: Problem, arguments: dict, x_address: int, coefficients_address: int,
+                   grad_address: int) -> float:
+    """Run the input-gradient kernel over host memory (the input and its gradient, and the
+    outputs' ``coefficients``, each in the problem's memory order): writes the gradient, returns
+    the input part of ``dL/dp``, the work-groups' terms added in float64 in a fixed order
+    (numpy's pairwise sum; ``tolist`` would allocate a Python float per work-group)."""
     if not device.info.shares_host_memory:
         raise NotImplementedError(f"GeM's backward on numpy arrays needs a device that shares host memory; "
                                   f"{device.info.describe()} does not")
@@ -184,25 +184,21 @@ def input_gradient(device, problem: Problem, arguments: dict, x_address: int, sh
     groups = input_gradient_groups(problem)
     acc = np.float64 if problem.dtype == "float64" else np.float32
     terms = np.empty(groups, acc)
-    numel = math.prod(problem.input_shape)
-    itemsize = np.dtype(acc).itemsize
-    storage = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[problem.dtype]
+    in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
+    coefficient_bytes = math.prod(problem.output_shape) * np.dtype(acc).itemsize
     launch = dispatch.Launch(input_gradient_kernel(device, problem), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
                              (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"])))
-    shares = (problem.planes if plane_shares(problem) else numel) * itemsize
-    run = device.prepare(launch, (numel * storage, shares, numel * storage, groups * itemsize), 2)
-    run(None, x_address, shares_address, grad_address, terms.ctypes.data)
-    return terms
+    run = device.prepare(launch, (in_bytes, coefficient_bytes, in_bytes, terms.nbytes), 2)
+    run(None, x_address, coefficients_address, grad_address, terms.ctypes.data)
+    return float(np.sum(terms, dtype=np.float64))
 
 
 def _make(ndim: int):
     def adaptive_gem_pool(x, output_size, p=3.0, eps=1e-6, *, device=None, variant=None, config=None):
         return forward(ndim, x, output_size, p, eps, device=device, variant=variant, config=config)
 
-    def adaptive_gem_pool_backward(grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None,
-                                   variant=None, config=None):
-        return backward(ndim, grad_out, x, output_size, p, eps, output=output, device=device, variant=variant,
-                        config=config)
+    def adaptive_gem_pool_backward(grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None):
+        return backward(ndim, grad_out, x, output_size, p, eps, output=output, device=device)
 
     name = find("gem", ndim).name
     adaptive_gem_pool.__name__ = adaptive_gem_pool.__qualname__ = name

@@ -1344,8 +1344,6 @@ def _check_gem_cpu(t: torch.Tensor, name: str) -> None:
         raise NotImplementedError(f"pool_tuner's GeM runs on CPU tensors only for now; {name} is on {t.device}")
 
 
-_NUMPY_ACC = {torch.float32: np.float32, torch.float64: np.float64}
-
 
 def _float64_array(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's values as a float64 numpy array (16-bit floats widened by PyTorch first)."""
@@ -1378,29 +1376,16 @@ def _register_gem(ndim: int):
         channels_last = _is_channels_last(input, ndim)
         if not channels_last and not input.is_contiguous():
             input = input.contiguous()
-        acc = torch.float64 if input.dtype == torch.float64 else torch.float32
         problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
         # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
         # meets PoCL's workers on the same cores.
         g64, y64 = _float64_array(grad_out), _float64_array(output)
-        # dL/dm of each window mean m = y**p, in the input's layout
-        mean = _gem.mean_gradient(g64, y64, arguments["p"]).astype(_NUMPY_ACC[acc])
-        channel = mean.ndim - ndim - 1
-        mean_grad = (torch.from_numpy(np.ascontiguousarray(np.moveaxis(mean, channel, -1))).movedim(-1, channel)
-                     if channels_last else torch.from_numpy(np.ascontiguousarray(mean)))
-        if _gem.plane_shares(problem):
-            device, shares = _resolve_device(dict(_plans.options_of(options)).get("device")), mean_grad
-            grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
-        else:
-            found = _cpu_plan(op, "backward", [mean_grad], tuple(input.shape), options)
-            (shares,) = _torch_cpu.run(found, [mean_grad])
-            device = found.device
-            grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
-                                                                           channels_last, ndim)
-        terms = _gem.input_gradient(device, problem, arguments, input.data_ptr(), shares.data_ptr(),
-                                    grad_input.data_ptr())
-        grad_p = math.fsum(terms.tolist()) + _gem.output_term(g64, y64, arguments["p"])
+        coefficients = _gem.coefficients(g64, y64, arguments["p"], problem)
+        grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
+        device = _resolve_device(dict(_plans.options_of(options)).get("device"))
+        grad_p = (_gem.input_gradient(device, problem, arguments, input.data_ptr(), coefficients.ctypes.data,
+                                      grad_input.data_ptr()) + _gem.output_term(g64, y64, arguments["p"]))
         return grad_input, torch.full_like(p, grad_p)
 
     def backward_fake(grad_out, input, output, p, eps, options):
