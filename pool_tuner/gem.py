@@ -137,7 +137,10 @@ def input_gradient_groups(problem: Problem) -> int:
 def input_gradient_program(problem: Problem) -> str:
     """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
     files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
-    return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG})
+    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
+    partial = problem.channels * math.prod(problem.in_spatial) % per_group != 0
+    return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG,
+                                              "PARTIAL_LAST_GROUP": int(partial)})
 
 
 def helper_problems(ops=None, dtypes=("float32",)) -> list:

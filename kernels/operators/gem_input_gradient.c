@@ -16,9 +16,10 @@
  *
  * Where every inverse window fits a box of at most SMALL_BOX_LIMIT outputs the gather is unrolled
  * straight-line code over the box (a repeat past a shorter inverse window's end adds +0), otherwise
- * loops, which vanish along axes whose windows do not overlap.  Only the last work-group can run past
- * the end: the others' work-items stay branch-free (the condition is the same for a whole group), so
- * CPU compilers vectorise them.
+ * loops, which vanish along axes whose windows do not overlap.  The work-items are branch-free, so
+ * CPU compilers vectorise them: where the grid can run past the last input (host define
+ * PARTIAL_LAST_GROUP: one sample's inputs do not fill whole work-groups), a work-item past the end
+ * computes the last input again, adds nothing to the terms and stores nothing.
  * Launch: ceil(IN_NUMEL / (block_size_x * items_per_thread)) groups of block_size_x. */
 #define INVERSE_BOX_T MAX_INVERSE_WINDOW_T
 #define INVERSE_BOX_H MAX_INVERSE_WINDOW_H
@@ -60,20 +61,20 @@ KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL 
 {
     LOCAL_MEM acc_t partial[block_size_x];
     const index_t first = (index_t)GROUP_ID * (block_size_x * items_per_thread) + LOCAL_ID_X;
-    const int whole_group = (GROUP_ID + 1) * (block_size_x * items_per_thread) <= IN_NUMEL;
     acc_t term = (acc_t)0;
     for (int k = 0; k < items_per_thread; ++k) {
-        const index_t i = first + (index_t)k * block_size_x;
-        if (!whole_group && i >= IN_NUMEL)
-            break;
+        const index_t wanted = first + (index_t)k * block_size_x;
+        const int inside = !PARTIAL_LAST_GROUP || wanted < IN_NUMEL;
+        const index_t i = inside ? wanted : IN_NUMEL - 1;
         index_t plane, t, h, w;
         IN_COORDS(i, plane, t, h, w);
         const acc_t share = gathered_share(coefficients, plane, t, h, w);
         const acc_t x = LOAD(in, i);
         const acc_t c = x < eps ? eps : x;
         const acc_t power = gem_power(x, p, eps);
-        STORE(grad_in, i, x >= eps ? share * p * power / c : (acc_t)0);
-        term += share * power * gem_log(c);
+        if (inside)
+            STORE(grad_in, i, x >= eps ? share * p * power / c : (acc_t)0);
+        term += inside ? share * power * gem_log(c) : (acc_t)0;
     }
     partial[LOCAL_ID_X] = term;
     BARRIER();
