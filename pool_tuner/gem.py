@@ -78,14 +78,15 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
     problem = Problem.create(find("gem", ndim).name, x.shape, tuple(output.shape[x.ndim - ndim:]),
                              _dtype_name(x.dtype), plans.LAYOUT_NAMES[ndim][int(channels_last)], direction="backward")
-    g64, y64 = grad_out.astype(np.float64), output.astype(np.float64)
+    acc = accumulation_dtype(problem)
+    g, y = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
     x_memory = np.ascontiguousarray(in_memory_order(x, problem))
-    outputs_coefficients = coefficients(g64, y64, arguments["p"], problem)
+    outputs_coefficients = coefficients(g, y, arguments["p"], problem)
     grad_memory = np.empty(x_memory.shape, x.dtype)
     input_term = input_gradient(backends.resolve_device(device), problem, arguments, x_memory.ctypes.data,
                                 outputs_coefficients.ctypes.data, grad_memory.ctypes.data)
     grad_x = np.moveaxis(grad_memory, -1, x.ndim - ndim - 1) if channels_last else grad_memory
-    return grad_x, input_term + output_term(g64, y64, arguments["p"])
+    return grad_x, input_term + output_term(g, y, arguments["p"])
 
 
 def _dtype_name(dtype) -> str:
@@ -100,10 +101,9 @@ def in_memory_order(array: np.ndarray, problem: Problem) -> np.ndarray:
     return np.moveaxis(array, array.ndim - problem.ndim - 1, -1)
 
 
-def mean_gradient(grad_out, output, p):
-    """``dL/dm`` of each window mean ``m = y**p`` from ``dL/dy``: ``dL/dy * y**(1-p) / p`` (any
-    array library: numpy arrays or tensors, ``p`` a number or a 0-d tensor)."""
-    return grad_out * output ** (1 - p) / p
+def accumulation_dtype(problem: Problem):
+    """The numpy dtype GeM's kernels accumulate ``problem`` in: float64 for float64, else float32."""
+    return np.float64 if problem.dtype == "float64" else np.float32
 
 
 def window_areas(problem: Problem) -> np.ndarray:
@@ -116,16 +116,19 @@ def window_areas(problem: Problem) -> np.ndarray:
 
 
 def coefficients(grad_out, output, p: float, problem: Problem) -> np.ndarray:
-    """What the input-gradient kernel gathers: each output's ``dL/dm_o / area_o``, from ``dL/dy``
-    and ``y`` (float64, logical axes), in the accumulation dtype and ``problem``'s memory order."""
-    acc = np.float64 if problem.dtype == "float64" else np.float32
-    values = (mean_gradient(grad_out, output, p) / window_areas(problem)).astype(acc)
+    """What the input-gradient kernel gathers: each output's ``dL/dm_o / area_o = dL/dy_o *
+    y_o**(1-p) / (p * area_o)``, from ``dL/dy`` and ``y`` (numpy arrays, logical axes), computed
+    in the accumulation dtype and stored in ``problem``'s memory order."""
+    acc = accumulation_dtype(problem)
+    grad_out, output = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
+    values = grad_out * output ** acc(1 - p) / (acc(p) * window_areas(problem).astype(acc))
     return np.ascontiguousarray(in_memory_order(values, problem))
 
 
 def output_term(grad_out, output, p) -> float:
-    """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``."""
-    return float(-(grad_out * output * np.log(output)).sum() / p)
+    """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``,
+    the terms in the arrays' dtype, their sum in float64."""
+    return float(-np.sum(grad_out * output * np.log(output), dtype=np.float64) / p)
 
 
 def input_gradient_groups(problem: Problem) -> int:
@@ -185,7 +188,7 @@ def input_gradient(device, problem: Problem, arguments: dict, x_address: int, co
     if device.info.host_fallback is not None:
         raise RuntimeError(f"GeM's backward cannot run in this process: {device.info.host_fallback}")
     groups = input_gradient_groups(problem)
-    acc = np.float64 if problem.dtype == "float64" else np.float32
+    acc = accumulation_dtype(problem)
     terms = np.empty(groups, acc)
     in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
     coefficient_bytes = math.prod(problem.output_shape) * np.dtype(acc).itemsize

@@ -1345,10 +1345,11 @@ def _check_gem_cpu(t: torch.Tensor, name: str) -> None:
 
 
 
-def _float64_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a float64 numpy array (16-bit floats widened by PyTorch first)."""
+def _accumulation_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array in GeM's accumulation dtype (float64 stays, the rest
+    float32: 16-bit floats widened by PyTorch; float32 shares the tensor's memory)."""
     t = t.detach()
-    return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy().astype(np.float64)
+    return (t if t.dtype == torch.float64 else t.float()).numpy()
 
 
 def _layout_name(t: torch.Tensor, ndim: int) -> str:
@@ -1378,14 +1379,14 @@ def _register_gem(ndim: int):
             input = input.contiguous()
         problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
-        # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
-        # meets PoCL's workers on the same cores.
-        g64, y64 = _float64_array(grad_out), _float64_array(output)
-        coefficients = _gem.coefficients(g64, y64, arguments["p"], problem)
+        # Output-sized math in numpy: PyTorch's small ops would wake its thread pool, which meets
+        # PoCL's workers on the same cores.
+        g, y = _accumulation_array(grad_out), _accumulation_array(output)
+        coefficients = _gem.coefficients(g, y, arguments["p"], problem)
         grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
         device = _resolve_device(dict(_plans.options_of(options)).get("device"))
         grad_p = (_gem.input_gradient(device, problem, arguments, input.data_ptr(), coefficients.ctypes.data,
-                                      grad_input.data_ptr()) + _gem.output_term(g64, y64, arguments["p"]))
+                                      grad_input.data_ptr()) + _gem.output_term(g, y, arguments["p"]))
         return grad_input, torch.full_like(p, grad_p)
 
     def backward_fake(grad_out, input, output, p, eps, options):
