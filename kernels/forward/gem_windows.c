@@ -58,8 +58,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     const box_t box = window_box(ot, oh, ow);
     const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
     /* GeM's usual exponent 3 takes a copy of the sum of its own, in which the power folds to two
-     * multiplications: the branch is the same for every work-item, so vectorised code does not
-     * also compute the general power (as a select would). */
+     * multiplications (p is the same for every work-item, so the branch is too). */
     acc_t sum;
     if (p == (acc_t)3)
         sum = window_power_sum(in, base, box, (acc_t)3, eps);
