@@ -11,11 +11,11 @@ every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics), with no
 temporary:
 
 1. each output's coefficient ``dL/dy_o * y_o**(1-p) / (p * area_o)`` (``coefficients``:
-   output-sized, float64 arithmetic on the host, stored in the accumulation dtype);
+   output-sized host arithmetic in the accumulation dtype);
 2. ``kernels/operators/gem_input_gradient.c``, one pass over the input: each input gathers the
    coefficients of the outputs whose windows hold it (its inverse windows), and from that share,
    its value, ``p`` and ``eps`` writes its gradient; per work-group it adds up the input terms of the
-   gradient of ``p``, which the host adds in order.
+   gradient of ``p``, which the host adds in a fixed order.
 
 The numpy functions below take numpy arrays (and, forward only, the device arrays of
 ``pool_tuner.adaptive_*``); ``pool_tuner.torch`` has the autograd op and modules.

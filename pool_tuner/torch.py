@@ -1344,7 +1344,6 @@ def _check_gem_cpu(t: torch.Tensor, name: str) -> None:
         raise NotImplementedError(f"pool_tuner's GeM runs on CPU tensors only for now; {name} is on {t.device}")
 
 
-
 def _accumulation_array(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's values as a numpy array in GeM's accumulation dtype (float64 stays, the rest
     float32: 16-bit floats widened by PyTorch; float32 shares the tensor's memory)."""
