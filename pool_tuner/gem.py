@@ -7,19 +7,19 @@ object (``operations.OPERATIONS["adaptive_gem_pool2d"]``, kind ``gem``) with its
 learnt exponent that changes every step needs no new build.
 
 Forward: one read of the input, no temporary (GeM's forward variants, dispatched and tuned like
-every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics) in two passes:
+every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics), with no input-sized
+temporary:
 
-1. the gather of the window means' gradients ``dL/dm_o = dL/dy_o * y_o**(1-p) / p`` (output-sized,
-   computed here) into each input's share -- the backward of the mean through GeM's operator,
-   any backward variant, dispatched and tuned as the op's backward problem; global pooling, where
-   an input's share is its plane's, skips it;
-2. ``kernels/operators/gem_input_gradient.c``: each input's gradient from its share, its value, ``p``
-   and ``eps``, and per work-group the input terms of the gradient of ``p``, which the host adds in
-   order.  float32/float64 keep the shares in the gradient's own memory; float16/bfloat16 gather
-   them in float32 (where ``y**(1-p)`` of small outputs does not overflow) beside it.
+1. each output's coefficient ``dL/dy_o * y_o**(1-p) / (p * area_o)`` (``coefficients``:
+   output-sized host arithmetic in the accumulation dtype);
+2. ``kernels/operators/gem_input_gradient.c``, one pass over the input: each input gathers the
+   coefficients of the outputs whose windows hold it (its inverse windows), and from that share,
+   its value, ``p`` and ``eps`` writes its gradient; per work-group it adds up the input terms of the
+   gradient of ``p``, which the host adds in a fixed order.
 
-The numpy functions below take numpy arrays (and, forward only, the device arrays of
-``pool_tuner.adaptive_*``); ``pool_tuner.torch`` has the autograd op and modules.
+The functions below take numpy arrays and the device arrays of ``pool_tuner.adaptive_*`` (the
+backward's output-sized step on the host, its input pass on the arrays' device and stream);
+``pool_tuner.torch`` has the autograd op and modules.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from . import backends, dispatch, host_fallback, kernel_source, ops, plans
 from .backends import cuda_arrays
 from .operations import BACKWARD, find
 from .problem import ITEMSIZE, Problem
-from .variants import is_global
+from .windows import pooling_windows
 
 #: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
 #: ``items_per_thread`` inputs ``block_size_x`` apart (neighbouring work-items on neighbouring inputs).
@@ -66,12 +66,11 @@ def forward(ndim: int, x, output_size, p=3.0, eps=1e-6, *, device=None, variant=
                             arguments=arguments)
 
 
-def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None, variant=None,
-             config=None) -> tuple:
+def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None) -> tuple:
     """``(grad_x, grad_p)``: the gradients of ``sum(grad_out * adaptive_gem_pool(x, ...))`` for
-    ``x`` (an array like ``x``) and ``p`` (a float): numpy arrays in and out, or device arrays of
-    one device (``_backward_on_device``).  ``output``: the forward's result, when the caller has it
-    (else it is computed); ``variant``/``config`` choose the gather's backward variant."""
+    ``x`` (an array like ``x``, in its layout) and ``p`` (a float): numpy arrays in and out, or
+    device arrays of one device (``_backward_on_device``).  ``output``: the forward's result, when
+    the caller has it (else it is computed)."""
     arguments = check_arguments(p, eps)
     owner = backends.device_of_array(x)
     if owner is not None:
@@ -81,7 +80,7 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
         plans.check_device_option(owner, device, "x")
         if output is None:
             output = forward(ndim, x, output_size, p, eps)
-        return _backward_on_device(owner, ndim, grad_out, x, output, arguments, variant, config)
+        return _backward_on_device(owner, ndim, grad_out, x, output, arguments)
     for name, array in (("grad_out", grad_out), ("x", x)):
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray or a device array, got {type(array).__name__}")
@@ -93,48 +92,34 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     if not dev.info.shares_host_memory:  # through copies on the device, as pool_tuner.ops does
         queue = dev.queue
         grad_x, grad_p = _backward_on_device(dev, ndim, *(dev.to_device(a, queue) for a in (grad_out, x, output)),
-                                             arguments, variant, config)
+                                             arguments)
         return dev.to_host(grad_x), grad_p
-    operation = find("gem", ndim)
-    channel_axis = x.ndim - ndim - 1
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
-    acc = np.float64 if x.dtype == np.float64 else np.float32
-    mean_grad = mean_gradient(grad_out.astype(np.float64), output.astype(np.float64), arguments["p"]).astype(acc)
-    problem = Problem.create(operation.name, x.shape, tuple(output.shape[x.ndim - ndim:]), _dtype_name(x.dtype),
-                             plans.LAYOUT_NAMES[ndim][1 if channels_last else 0], direction="backward")
-    memory = (lambda a: np.moveaxis(a, channel_axis, -1)) if channels_last else (lambda a: a)
-    x_memory = np.ascontiguousarray(memory(x))
-    if plane_shares(problem):
-        shares_memory = np.ascontiguousarray(mean_grad)
-        grad_memory = np.empty(x_memory.shape, x.dtype)
-    else:
-        if channels_last:
-            mean_grad = np.moveaxis(np.ascontiguousarray(memory(mean_grad)), -1, channel_axis)
-        shares = ops.pool_backward(operation.name, mean_grad, x.shape, device=device, variant=variant, config=config)
-        shares_memory = memory(shares)
-        grad_memory = shares_memory if shares.dtype == x.dtype else np.empty(x_memory.shape, x.dtype)
-    terms = input_gradient(dev, problem, arguments, x_memory.ctypes.data, shares_memory.ctypes.data,
-                           grad_memory.ctypes.data)
-    grad_x = np.moveaxis(grad_memory, -1, channel_axis) if channels_last else grad_memory
-    grad_p = math.fsum(terms.tolist()) + output_term(grad_out.astype(np.float64), output.astype(np.float64),
-                                                     arguments["p"])
-    return grad_x, grad_p
+    problem = Problem.create(find("gem", ndim).name, x.shape, tuple(output.shape[x.ndim - ndim:]),
+                             _dtype_name(x.dtype), plans.LAYOUT_NAMES[ndim][int(channels_last)], direction="backward")
+    acc = accumulation_dtype(problem)
+    g, y = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
+    x_memory = np.ascontiguousarray(in_memory_order(x, problem))
+    outputs_coefficients = coefficients(g, y, arguments["p"], problem)
+    grad_memory = np.empty(x_memory.shape, x.dtype)
+    input_term = input_gradient(dev, problem, arguments, x_memory.ctypes.data, outputs_coefficients.ctypes.data,
+                                grad_memory.ctypes.data)
+    grad_x = np.moveaxis(grad_memory, -1, x.ndim - ndim - 1) if channels_last else grad_memory
+    return grad_x, input_term + output_term(g, y, arguments["p"])
 
 
-def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict, variant, config) -> tuple:
+def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) -> tuple:
     """``backward`` on device arrays of ``owner``, results on ``x``'s queue (its stream) as the
-    caller's kind of array.  The passes of the numpy path: the window means' gradients computed on
-    the host from ``grad_out`` and ``output`` (output-sized copies, after waiting for x's queue),
-    their gather on the device (``ops.pool_backward``), the input-gradient kernel on device memory
-    (``input_gradient_on_device``), and ``dL/dp``'s terms copied back and added in order.  A device
-    that shares host memory (PoCL) runs the numpy path on host copies instead: its prepared launches
-    take host addresses, not its arrays."""
+    caller's kind of array: the outputs' coefficients computed on the host from ``grad_out`` and
+    ``output`` (output-sized copies, after waiting for x's queue), the input-gradient kernel on
+    device memory (``input_gradient_on_device``), and ``dL/dp``'s terms copied back and added in
+    order.  A device that shares host memory (PoCL) runs the numpy path on host copies instead:
+    its prepared launches take host addresses, not its arrays."""
     queue = owner.arrays.queue_of(x)
     if owner.info.shares_host_memory:
         host = owner.to_host
         grad_x, grad_p = backward(ndim, host(grad_out), host(x), tuple(output.shape[len(output.shape) - ndim:]),
-                                  arguments["p"], arguments["eps"], output=host(output), device=owner,
-                                  variant=variant, config=config)
+                                  arguments["p"], arguments["eps"], output=host(output), device=owner)
         return owner.arrays.deliver(owner.to_device(grad_x, queue), queue), grad_p
     operation = find("gem", ndim)
     layout = ops.memory_layout(x, ndim)
@@ -159,23 +144,25 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict, 
     host = [np.empty(problem.memory_shape(output.shape), dtype) for _ in range(2)]
     owner.copy(host[0], grad_in)
     owner.copy(host[1], output_in)
-    g64, y64 = (a.astype(np.float64) for a in host)
-    acc = np.float64 if dtype == np.float64 else np.float32
-    mean_grad = owner.to_device(mean_gradient(g64, y64, arguments["p"]).astype(acc), queue)
-    if plane_shares(problem):
-        shares = mean_grad
-        grad = owner.empty(problem.memory_shape(x.shape), dtype, queue)
-    else:
-        view = owner.arrays.strided_view(mean_grad, tuple(output.shape), _byte_strides(problem, output.shape, acc))
-        shares = ops.pool_backward(operation.name, view, tuple(x.shape), variant=variant, config=config)
-        grad = shares if np.dtype(acc) == dtype else owner.empty(problem.memory_shape(x.shape), dtype, queue)
+    acc = accumulation_dtype(problem)
+    g, y = (_logical(a, problem).astype(acc) for a in host)
+    outputs_coefficients = owner.to_device(coefficients(g, y, arguments["p"], problem), queue)
+    grad = owner.empty(problem.memory_shape(x.shape), dtype, queue)
     terms = owner.empty((input_gradient_groups(problem),), acc, queue)
-    input_gradient_on_device(owner, problem, arguments, queue.stream, *map(_address, (x_in, shares, grad, terms)))
+    input_gradient_on_device(owner, problem, arguments, queue.stream,
+                             *map(_address, (x_in, outputs_coefficients, grad, terms)))
     owner.synchronize(queue)
-    grad_p = math.fsum(owner.to_host(terms).tolist()) + output_term(g64, y64, arguments["p"])
+    grad_p = float(np.sum(owner.to_host(terms), dtype=np.float64)) + output_term(g, y, arguments["p"])
     if problem.channels_last:
         grad = owner.arrays.strided_view(grad, tuple(x.shape), _byte_strides(problem, x.shape, dtype))
     return owner.arrays.deliver(grad, queue), grad_p
+
+
+def _logical(memory: np.ndarray, problem: Problem) -> np.ndarray:
+    """An array in ``problem``'s memory order seen with the logical (channels-first) axes."""
+    if not problem.channels_last:
+        return memory
+    return np.moveaxis(memory, -1, memory.ndim - problem.ndim - 1)
 
 
 def _byte_strides(problem: Problem, logical_shape, dtype) -> tuple:
@@ -191,22 +178,42 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def mean_gradient(grad_out, output, p):
-    """``dL/dm`` of each window mean ``m = y**p`` from ``dL/dy``: ``dL/dy * y**(1-p) / p`` (any
-    array library: numpy arrays or tensors, ``p`` a number or a 0-d tensor)."""
-    return grad_out * output ** (1 - p) / p
+def in_memory_order(array: np.ndarray, problem: Problem) -> np.ndarray:
+    """``array`` (logical axes: batch, channels, spatial) with its axes in ``problem``'s memory
+    order: channels moved last where the problem is channels-last."""
+    if not problem.channels_last:
+        return array
+    return np.moveaxis(array, array.ndim - problem.ndim - 1, -1)
+
+
+def accumulation_dtype(problem: Problem):
+    """The numpy dtype GeM's kernels accumulate ``problem`` in: float64 for float64, else float32."""
+    return np.float64 if problem.dtype == "float64" else np.float32
+
+
+def window_areas(problem: Problem) -> np.ndarray:
+    """The number of inputs each output of one plane pools, shaped like the plane's outputs."""
+    areas = np.ones((), np.int64)
+    for in_size, out_size in zip(problem.in_spatial, problem.out_spatial):
+        starts, ends = pooling_windows(in_size, out_size)
+        areas = np.multiply.outer(areas, ends - starts)
+    return areas.reshape(problem.out_spatial[3 - problem.ndim:])
+
+
+def coefficients(grad_out, output, p: float, problem: Problem) -> np.ndarray:
+    """What the input-gradient kernel gathers: each output's ``dL/dm_o / area_o = dL/dy_o *
+    y_o**(1-p) / (p * area_o)``, from ``dL/dy`` and ``y`` (numpy arrays, logical axes), computed
+    in the accumulation dtype and stored in ``problem``'s memory order."""
+    acc = accumulation_dtype(problem)
+    grad_out, output = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
+    values = grad_out * output ** acc(1 - p) / (acc(p) * window_areas(problem).astype(acc))
+    return np.ascontiguousarray(in_memory_order(values, problem))
 
 
 def output_term(grad_out, output, p) -> float:
-    """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``."""
-    return float(-(grad_out * output * np.log(output)).sum() / p)
-
-
-def plane_shares(problem: Problem) -> bool:
-    """Whether the input-gradient kernel of ``problem`` reads the window means' gradients per plane
-    (global pooling: every input has one window, its plane's, so no gather runs) rather than
-    gathered shares per input."""
-    return is_global(problem)
+    """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``,
+    the terms in the arrays' dtype, their sum in float64."""
+    return float(-np.sum(grad_out * output * np.log(output), dtype=np.float64) / p)
 
 
 def input_gradient_groups(problem: Problem) -> int:
@@ -218,8 +225,10 @@ def input_gradient_groups(problem: Problem) -> int:
 def input_gradient_program(problem: Problem) -> str:
     """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
     files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
-    return kernel_source.render_files(files, {**problem.defines(), "PLANE_SHARES": int(plane_shares(problem)),
-                                              **INPUT_GRADIENT_CONFIG})
+    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
+    partial = problem.channels * math.prod(problem.in_spatial) % per_group != 0
+    return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG,
+                                              "PARTIAL_LAST_GROUP": int(partial)})
 
 
 def helper_problems(ops=None, dtypes=("float32",)) -> list:
@@ -252,23 +261,23 @@ def input_gradient_kernel(device, problem: Problem):
     return kernel
 
 
-def input_gradient(device, problem: Problem, arguments: dict, x_address: int, shares_address: int,
-                   grad_address: int) -> np.ndarray:
-    """Run the input-gradient kernel over host memory on a device that shares it (the input, the
-    shares and the gradient, in the problem's memory order; gathered shares may be the gradient's
-    memory, and where ``plane_shares`` they are the window means' gradients, one per plane):
-    writes the gradient, returns each work-group's input terms of ``dL/dp`` (acc dtype), in order."""
+def input_gradient(device, problem: Problem, arguments: dict, x_address: int, coefficients_address: int,
+                   grad_address: int) -> float:
+    """Run the input-gradient kernel over host memory on a device that shares it (the input and
+    its gradient, and the outputs' ``coefficients``, each in the problem's memory order): writes
+    the gradient, returns the input part of ``dL/dp``, the work-groups' terms added in float64 in
+    a fixed order (numpy's pairwise sum; ``tolist`` would allocate a Python float per work-group).
+    In a process where the device's kernels cannot run, ``host_fallback``'s pass instead."""
     if device.info.host_fallback is not None:
-        return host_fallback.gem_input_gradient(problem, arguments, plane_shares(problem), x_address, shares_address,
-                                                grad_address)
-    terms = np.empty(input_gradient_groups(problem), np.float64 if problem.dtype == "float64" else np.float32)
-    input_gradient_on_device(device, problem, arguments, None, x_address, shares_address, grad_address,
+        return host_fallback.gem_input_gradient(problem, arguments, x_address, coefficients_address, grad_address)
+    terms = np.empty(input_gradient_groups(problem), accumulation_dtype(problem))
+    input_gradient_on_device(device, problem, arguments, None, x_address, coefficients_address, grad_address,
                              terms.ctypes.data)
-    return terms
+    return float(np.sum(terms, dtype=np.float64))
 
 
-def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, x_address: int, shares_address: int,
-                             grad_address: int, terms_address: int) -> None:
+def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, x_address: int,
+                             coefficients_address: int, grad_address: int, terms_address: int) -> None:
     """Launch the input-gradient kernel on memory given by address (as ``input_gradient``, the
     work-groups' terms written to ``input_gradient_groups(problem)`` acc-dtype elements at
     ``terms_address``): over host memory where the device shares it (``stream`` None, written
@@ -277,9 +286,9 @@ def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, 
     problem, its kernel built in the context current then (CUDA: the primary one, where PyTorch's
     tensors live; a later call under another context is refused by the launch, naming both);
     ``p`` and ``eps`` reach it as this call's scalars."""
-    acc = np.float64 if problem.dtype == "float64" else np.float32
+    acc = accumulation_dtype(problem)
     scalars = (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"]))
-    _prepared_input_gradient(device, problem)(stream, x_address, shares_address, grad_address, terms_address,
+    _prepared_input_gradient(device, problem)(stream, x_address, coefficients_address, grad_address, terms_address,
                                               scalars=scalars)
 
 
@@ -288,25 +297,21 @@ def _prepared_input_gradient(device, problem: Problem):
     """The input-gradient kernel of ``problem`` on ``device`` with its grid and argument storage
     fixed (``prepare``), its scalars the defaults until a call passes its own."""
     groups = input_gradient_groups(problem)
-    acc = np.float64 if problem.dtype == "float64" else np.float32
-    itemsize = np.dtype(acc).itemsize
-    numel = math.prod(problem.input_shape)
-    storage = ITEMSIZE[problem.dtype]
+    acc = accumulation_dtype(problem)
+    in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
+    coefficient_bytes = math.prod(problem.output_shape) * np.dtype(acc).itemsize
     defaults = dict(problem.operation.arguments)
     launch = dispatch.Launch(input_gradient_kernel(device, problem), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
                              (np.int64(problem.planes), acc(defaults["p"]), acc(defaults["eps"])))
-    shares = (problem.planes if plane_shares(problem) else numel) * itemsize
-    return device.prepare(launch, (numel * storage, shares, numel * storage, groups * itemsize), 2)
+    return device.prepare(launch, (in_bytes, coefficient_bytes, in_bytes, groups * np.dtype(acc).itemsize), 2)
 
 
 def _make(ndim: int):
     def adaptive_gem_pool(x, output_size, p=3.0, eps=1e-6, *, device=None, variant=None, config=None):
         return forward(ndim, x, output_size, p, eps, device=device, variant=variant, config=config)
 
-    def adaptive_gem_pool_backward(grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None,
-                                   variant=None, config=None):
-        return backward(ndim, grad_out, x, output_size, p, eps, output=output, device=device, variant=variant,
-                        config=config)
+    def adaptive_gem_pool_backward(grad_out, x, output_size, p=3.0, eps=1e-6, *, output=None, device=None):
+        return backward(ndim, grad_out, x, output_size, p, eps, output=output, device=device)
 
     name = find("gem", ndim).name
     adaptive_gem_pool.__name__ = adaptive_gem_pool.__qualname__ = name

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import pyramid, reference
 from .problem import ITEMSIZE, Problem
+from .windows import pooling_windows
 
 
 class HostFallback:
@@ -72,30 +73,29 @@ def _backward(problem: Problem, inputs, grad_in_flat) -> None:
     _store(_logical(grad_in_flat, problem.input_shape, problem), grad_in, problem.dtype)
 
 
-def gem_input_gradient(problem: Problem, arguments: dict, plane_shares: bool, x_address: int, shares_address: int,
-                       grad_address: int) -> np.ndarray:
+def gem_input_gradient(problem: Problem, arguments: dict, x_address: int, coefficients_address: int,
+                       grad_address: int) -> float:
     """GeM's input-gradient pass (``kernels/operators/gem_input_gradient.c``) on the host, in
-    float64 over the same memory: writes the input gradient, returns the input part of ``dL/dp``
-    as one term.  ``plane_shares``: the shares are the window means' gradients per plane."""
-    numel, plane = math.prod(problem.input_shape), math.prod(problem.in_spatial)
+    float64 over the same memory: each input gathers the coefficients of the outputs whose windows
+    hold it, writes its gradient, and the input part of ``dL/dp`` is returned as one term."""
+    numel = math.prod(problem.input_shape)
     acc = "float64" if problem.dtype == "float64" else "float32"
-    x = _to_float64(_host_array(x_address, numel * ITEMSIZE[problem.dtype], problem.dtype), problem.dtype)
-    count = problem.planes if plane_shares else numel
-    shares = _host_array(shares_address, count * ITEMSIZE[acc], acc).astype(np.float64)
-    if plane_shares:  # each input's share of its plane's window mean gradient
-        i = np.arange(numel)
-        if problem.channels_last:  # memory (batch, spatial..., channel)
-            plane_of = i // (plane * problem.channels) * problem.channels + i % problem.channels
-        else:
-            plane_of = i // plane
-        shares = shares[plane_of] / plane
+    x_flat = _host_array(x_address, numel * ITEMSIZE[problem.dtype], problem.dtype)
+    x = _to_float64(_logical(x_flat, problem.input_shape, problem), problem.dtype)
+    coefficients_flat = _host_array(coefficients_address, math.prod(problem.output_shape) * ITEMSIZE[acc], acc)
+    share = _logical(coefficients_flat, problem.output_shape, problem).astype(np.float64)
+    for axis in range(len(problem.input_shape) - problem.ndim, len(problem.input_shape)):
+        starts, ends = pooling_windows(problem.input_shape[axis], problem.output_shape[axis])
+        holds = np.arange(problem.input_shape[axis]) - starts[:, None]  # output o holds input i
+        membership = ((holds >= 0) & (np.arange(problem.input_shape[axis]) < ends[:, None])).astype(np.float64)
+        share = np.moveaxis(np.tensordot(share, membership, axes=([axis], [0])), -1, axis)
     p, eps = arguments["p"], arguments["eps"]
     clamped = np.maximum(x, eps)
     power = clamped ** p
-    grad = np.where(x >= eps, shares * p * power / clamped, 0.0)
-    terms = np.array([math.fsum((shares * power * np.log(clamped)).tolist())])
-    _store(_host_array(grad_address, numel * ITEMSIZE[problem.dtype], problem.dtype), grad, problem.dtype)
-    return terms
+    grad = np.where(x >= eps, share * p * power / clamped, 0.0)
+    grad_flat = _host_array(grad_address, numel * ITEMSIZE[problem.dtype], problem.dtype)
+    _store(_logical(grad_flat, problem.input_shape, problem), grad, problem.dtype)
+    return float(np.sum(share * power * np.log(clamped)))
 
 
 def _host_array(address: int, nbytes: int, dtype: str) -> np.ndarray:

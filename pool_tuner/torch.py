@@ -59,7 +59,6 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 from . import avgmax as _avgmax
 from . import fused as _fused
 from . import gem as _gem
-from . import ops as _ops
 from . import plans as _plans
 from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
@@ -1340,13 +1339,11 @@ def _gem_arguments(p: torch.Tensor, eps: float) -> dict:
     return _gem.check_arguments(float(p.detach().reshape(())), eps)
 
 
-_NUMPY_ACC = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _float64_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a float64 numpy array (16-bit floats widened by PyTorch first)."""
+def _accumulation_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array in GeM's accumulation dtype (float64 stays, the rest
+    float32: 16-bit floats widened by PyTorch; float32 shares the tensor's memory)."""
     t = t.detach()
-    return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy().astype(np.float64)
+    return (t if t.dtype == torch.float64 else t.float()).numpy()
 
 
 def _layout_name(t: torch.Tensor, ndim: int) -> str:
@@ -1368,55 +1365,37 @@ def _gem_forward_cuda(op: str, input, output_size, arguments: dict, options: str
 
 def _gem_backward_cpu(problem, grad_out, input, output, p, arguments: dict, options: str):
     """GeM's backward on CPU tensors: ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
-    ndim, channels_last = problem.ndim, problem.channels_last
-    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
-    # Output-sized math in numpy (float64): PyTorch's small ops would wake its thread pool, which
-    # meets PoCL's workers on the same cores.
-    g64, y64 = _float64_array(grad_out), _float64_array(output)
-    # dL/dm of each window mean m = y**p, in the input's layout
-    mean = _gem.mean_gradient(g64, y64, arguments["p"]).astype(_NUMPY_ACC[acc])
-    channel = mean.ndim - ndim - 1
-    mean_grad = (torch.from_numpy(np.ascontiguousarray(np.moveaxis(mean, channel, -1))).movedim(-1, channel)
-                 if channels_last else torch.from_numpy(np.ascontiguousarray(mean)))
-    if _gem.plane_shares(problem):
-        device, shares = _resolve_device(dict(_plans.options_of(options)).get("device")), mean_grad
-        grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
-    else:
-        found = _cpu_plan(problem.op, "backward", [mean_grad], tuple(input.shape), options)
-        (shares,) = _torch_cpu.run(found, [mean_grad])
-        device = found.device
-        grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
-                                                                       channels_last, ndim)
-    terms = _gem.input_gradient(device, problem, arguments, input.data_ptr(), shares.data_ptr(),
-                                grad_input.data_ptr())
-    return grad_input, torch.full_like(p, math.fsum(terms.tolist()) + _gem.output_term(g64, y64, arguments["p"]))
+    # Output-sized math in numpy: PyTorch's small ops would wake its thread pool, which meets
+    # PoCL's workers on the same cores.
+    g, y = _accumulation_array(grad_out), _accumulation_array(output)
+    coefficients = _gem.coefficients(g, y, arguments["p"], problem)
+    grad_input = _empty(list(input.shape), input, input.dtype, problem.channels_last, problem.ndim)
+    device = _resolve_device(dict(_plans.options_of(options)).get("device"))
+    grad_p = (_gem.input_gradient(device, problem, arguments, input.data_ptr(), coefficients.ctypes.data,
+                                  grad_input.data_ptr()) + _gem.output_term(g, y, arguments["p"]))
+    return grad_input, torch.full_like(p, grad_p)
 
 
 def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, options: str):
-    """GeM's backward on CUDA tensors, the passes of the CPU path on PyTorch's current stream:
-    the window means' gradients (output-sized, PyTorch's ops in float64), their gather through
-    the backward plan (``torch_cuda``), the input-gradient kernel, and ``dL/dp`` summed on the
-    device in a fixed order (deterministic): ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
+    """GeM's backward on CUDA tensors, the passes of the CPU path on PyTorch's current stream: the
+    outputs' coefficients (output-sized, PyTorch's ops in the accumulation dtype), the
+    input-gradient kernel, and ``dL/dp`` summed on the device in a fixed order (deterministic):
+    ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
     ndim, channels_last = problem.ndim, problem.channels_last
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
-    g64, y64 = grad_out.detach().double(), output.detach().double()
-    mean_grad = _in_layout(_gem.mean_gradient(g64, y64, arguments["p"]).to(acc), channels_last, ndim)
-    if _gem.plane_shares(problem):
-        index = input.device.index
-        device = _cuda_backend.device_by_ordinal(0 if index is None else index, "input")
-        _plans.check_device_option(device, dict(_plans.options_of(options)).get("device"), "input")
-        shares = mean_grad.contiguous()
-        grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
-    else:
-        found = _torch_cuda.plan_op(problem.op, "backward", [mean_grad], tuple(input.shape), options)
-        (shares,) = _torch_cuda.run(found, [mean_grad])
-        device = found.device
-        grad_input = shares if shares.dtype == input.dtype else _empty(list(input.shape), input, input.dtype,
-                                                                       channels_last, ndim)
+    g, y = grad_out.detach().to(acc), output.detach().to(acc)
+    areas = torch.from_numpy(_gem.window_areas(problem)).to(device=input.device, dtype=acc)
+    coefficients = g * y ** (1 - arguments["p"]) / (arguments["p"] * areas)
+    coefficients = (coefficients.movedim(coefficients.dim() - ndim - 1, -1) if channels_last else coefficients)
+    coefficients = coefficients.contiguous()
+    index = input.device.index
+    device = _cuda_backend.device_by_ordinal(0 if index is None else index, "input")
+    _plans.check_device_option(device, dict(_plans.options_of(options)).get("device"), "input")
+    grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
     terms = torch.empty(_gem.input_gradient_groups(problem), dtype=acc, device=input.device)
     _gem.input_gradient_on_device(device, problem, arguments, _torch_cuda.current_raw_stream(input.device.index),
-                                  input.data_ptr(), shares.data_ptr(), grad_input.data_ptr(), terms.data_ptr())
-    grad_p = terms.double().sum() - (g64 * y64 * torch.log(y64)).sum() / arguments["p"]
+                                  input.data_ptr(), coefficients.data_ptr(), grad_input.data_ptr(), terms.data_ptr())
+    grad_p = terms.double().sum() - (g.double() * y.double() * torch.log(y.double())).sum() / arguments["p"]
     return grad_input, grad_p.to(device=p.device, dtype=p.dtype).reshape(p.shape)
 
 

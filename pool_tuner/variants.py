@@ -817,6 +817,9 @@ class GemWindows(Variant):
     def groups(self, params, problem):
         return _grid(math.prod(problem.out_spatial), problem, params["block_size_x"])
 
+    def extra_defines(self, params, problem):
+        return _partial_last_group(math.prod(problem.out_spatial), problem, params["block_size_x"])
+
 
 class GemPlanes(_Global):
     name = "gem_planes"
@@ -828,6 +831,9 @@ class GemPlanes(_Global):
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"])
+
+    def extra_defines(self, params, problem):
+        return _partial_last_group(1, problem, params["block_size_x"])
 
 
 # ---------------------------------------------------------------------------- multi-level ops

@@ -15,7 +15,9 @@ from pool_tuner.variants import variants_for
 
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 SHAPES = [((2, 3, 10, 9), (4, 7)), ((2, 5, 7, 7), 1), ((1, 4, 23, 37), (5, 7)), ((2, 3, 5, 6), (7, 9)),
-          ((3, 8, 16, 16), (2, 2))]
+          ((3, 8, 16, 16), (2, 2)),
+          # one sample's outputs (forward) or inputs (backward) fill whole work-groups: no bounds check
+          ((2, 64, 8, 8), 3), ((2, 64, 7, 7), 1)]
 
 
 def _dtype(name):
@@ -235,3 +237,45 @@ def test_a_new_p_every_call_reuses_the_prepared_launches(rng, monkeypatch):
         np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-6)
         assert got_p == pytest.approx(want_p, rel=1e-4)
     assert prepared == [], "a call with its own p prepared a launch again"
+
+
+def test_float16_conversions_of_gem_programs_match_numpy():
+    """GeM's OpenCL programs widen and narrow float16 in integer arithmetic (gem.h), not
+    vload_half/vstore_half_rte: every float16 value widens exactly; floats narrow to numpy's bits
+    (round to nearest even: halfway cases, subnormals, overflow to infinity, NaN)."""
+    cl = pytest.importorskip("pyopencl")
+    device = pt.devices()[0]
+    problem = Problem.create("adaptive_gem_pool1d", (1, 1, 4), 2, "float16")
+    source = kernel_source.render_files(("prelude.h", "windows.h", "operators/gem.h"), problem.defines()) + """
+__kernel void widen(__global const half* h, __global float* f) { int i = get_global_id(0); f[i] = LOAD(h, i); }
+__kernel void narrow(__global const float* f, __global half* h) { int i = get_global_id(0); STORE(h, i, f[i]); }
+"""
+    context, queue = device.queue.context, device.queue
+    program = cl.Program(context, source).build()
+    every_half = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    widened = np.empty(every_half.size, np.float32)
+    flags = cl.mem_flags
+    halves = cl.Buffer(context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=every_half)
+    floats = cl.Buffer(context, flags.WRITE_ONLY, widened.nbytes)
+    program.widen(queue, (every_half.size,), None, halves, floats)
+    cl.enqueue_copy(queue, widened, floats)
+    expected = every_half.astype(np.float32)
+    assert np.array_equal(widened.view(np.uint32), expected.view(np.uint32))
+    finite = expected[np.isfinite(expected)].astype(np.float64)
+    spacing = np.spacing(finite.astype(np.float16)).astype(np.float64)
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore"):
+        values = np.concatenate([expected, (finite + spacing / 2).astype(np.float32),
+                                 (finite + spacing / 4).astype(np.float32),
+                                 (rng.standard_normal(100_000) * 10.0 ** rng.integers(-9, 6, 100_000)).astype(np.float32),
+                                 np.array([65519.99, 65520.0, 1e10, -1e10, np.inf, -np.inf, np.nan, -0.0, 2.98e-8],
+                                          np.float32)])
+        expected_halves = values.astype(np.float16)
+    narrowed = np.empty(values.size, np.float16)
+    source_floats = cl.Buffer(context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=values)
+    target = cl.Buffer(context, flags.WRITE_ONLY, narrowed.nbytes)
+    program.narrow(queue, (values.size,), None, source_floats, target)
+    cl.enqueue_copy(queue, narrowed, target)
+    queue.finish()
+    same = (narrowed.view(np.uint16) == expected_halves.view(np.uint16)) | (np.isnan(narrowed) & np.isnan(expected_halves))
+    assert same.all(), (values[~same][:5], narrowed[~same][:5], expected_halves[~same][:5])

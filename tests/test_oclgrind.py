@@ -305,6 +305,65 @@ def _run_avgmax_join_case(spec, device) -> str | None:
     return "; ".join(p for p in problems if p) or None
 
 
+def _run_gem_case(spec, device) -> str | None:
+    """GeM on the Oclgrind device against the float64 reference: forward through the public API
+    (the forced variant), or backward as its input-gradient kernel on device buffers (the numpy
+    backward runs on devices that share host memory, which Oclgrind does not), gradients for x
+    and p; None if they match."""
+    import numpy as np
+    import pyopencl as cl
+
+    import pool_tuner as pt
+    from pool_tuner import gem, reference
+    from pool_tuner.operations import find
+    from pool_tuner.problem import Problem
+
+    ndim, dtype, p = len(spec["output_size"]), spec["dtype"], spec["p"]
+    in_shape, size = tuple(spec["input_shape"]), tuple(spec["output_size"])
+    rng = np.random.default_rng(spec["seed"])
+    rtol, atol = TOLERANCE[dtype]
+    lay = (lambda a: _channels_last(a, ndim)) if spec["channels_last"] else (lambda a: a)
+    x = rng.uniform(0.0, 2.0, size=in_shape)
+    x[rng.random(in_shape) < 0.2] = 0.0  # below eps: clamped forward, no gradient backward
+    x = x.astype(_storage(dtype))
+    y = reference.adaptive_gem_pool(_f64(x), size, ndim, p)
+    if spec["direction"] == "forward":
+        _marker(BEGIN, spec["id"])
+        got = getattr(pt, find("gem", ndim).name)(lay(x), size, p=p, device=device, variant=spec["variant"],
+                                                   config=spec["config"])
+        device.queue.finish()
+        _marker(END, spec["id"])
+        return _compare("output", got, y, rtol, atol)
+    g = rng.standard_normal(y.shape)
+    want_x, want_p = reference.adaptive_gem_pool_backward(g, _f64(x), size, ndim, p)
+    problem = Problem.create(find("gem", ndim).name, in_shape, size, dtype, spec["layout"], direction="backward")
+    acc = np.float64 if dtype == "float64" else np.float32
+    x_memory = np.ascontiguousarray(gem.in_memory_order(x, problem))
+    coefficients = gem.coefficients(g, y, p, problem)
+    context, queue = device.queue.context, device.queue
+    flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+    groups = gem.input_gradient_groups(problem)
+    buffers = [cl.Buffer(context, flags, hostbuf=x_memory), cl.Buffer(context, flags, hostbuf=coefficients),
+               cl.Buffer(context, cl.mem_flags.WRITE_ONLY, x_memory.nbytes),
+               cl.Buffer(context, cl.mem_flags.WRITE_ONLY, groups * np.dtype(acc).itemsize)]
+    kernel = gem.input_gradient_kernel(device, problem)
+    kernel.set_args(*buffers, np.int64(problem.planes), acc(p), acc(1e-6))
+    block = gem.INPUT_GRADIENT_CONFIG["block_size_x"]
+    _marker(BEGIN, spec["id"])
+    cl.enqueue_nd_range_kernel(queue, kernel, (groups * block,), (block,))
+    queue.finish()
+    _marker(END, spec["id"])
+    grad_memory, terms = np.empty_like(x_memory), np.empty(groups, acc)
+    cl.enqueue_copy(queue, grad_memory, buffers[2])
+    cl.enqueue_copy(queue, terms, buffers[3])
+    grad_x = np.moveaxis(grad_memory, -1, len(in_shape) - ndim - 1) if spec["channels_last"] else grad_memory
+    got_p = float(terms.astype(np.float64).sum()) + gem.output_term(g, y, p)
+    problems = [_compare("grad_x", grad_x, want_x, rtol, atol * np.abs(want_x).max()),
+                None if np.isclose(got_p, want_p, rtol=rtol * 10, atol=atol * 10) else
+                f"grad_p {got_p!r}, expected {want_p!r}"]
+    return "; ".join(p for p in problems if p) or None
+
+
 def _run_raw_case(spec, device) -> str | None:
     """Build ``spec["source"]`` and launch it on buffers made as the spec says, then its int64
     scalars (self-tests)."""
@@ -372,7 +431,7 @@ def worker_main(spec_path: str, result_path: str) -> None:
                 os.abort()
             try:
                 run = {"raw": _run_raw_case, "multi_level": _run_multi_level_case,
-                       "avgmax_join": _run_avgmax_join_case}.get(spec["kind"], _run_pool_case)
+                       "avgmax_join": _run_avgmax_join_case, "gem": _run_gem_case}.get(spec["kind"], _run_pool_case)
                 error = run(spec, device)
             except Exception:  # reported per instantiation; the worker carries on
                 error = traceback.format_exc()
@@ -483,14 +542,14 @@ if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
 import pytest  # noqa: E402
 
 import pool_tuner as pt  # noqa: E402
-from pool_tuner import kernel_source  # noqa: E402
-from pool_tuner.operations import OPERATIONS  # noqa: E402
+from pool_tuner import gem, kernel_source  # noqa: E402
+from pool_tuner.operations import OPERATIONS, find  # noqa: E402
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem  # noqa: E402
 
 #: The multi-level ops' variants (``_multi_level_cases``), and the single-level ops and their variants.
-from pool_tuner.variants import REGISTRY  # noqa: E402
+from pool_tuner.variants import REGISTRY, variants_for  # noqa: E402
 MULTI_LEVEL = {key: table for key, table in REGISTRY.items() if OPS[key[0]].multi_level}
-#: GeM (an operator with run-time arguments, whose backward takes x) has tests of its own: test_gem.py
+#: GeM (an operator with run-time arguments, whose backward takes x) has cases of its own (``_gem_cases``)
 OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level and not operation.arguments}
 REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
@@ -604,11 +663,58 @@ def _avgmax_join_cases() -> list:
     return specs
 
 
+#: A GeM problem whose grids fill whole work-groups: 32 x 9 outputs (forward, groups of 32) and
+#: 32 x 16 inputs (the input gradient, groups of 256).
+GEM_WHOLE_GROUPS = ((1, 32, 4, 4), (3, 3))
+
+
+def _gem_cases() -> list:
+    """GeM's kernels: each forward variant in each layout it takes (its representative
+    configurations, p = 2.5: the general power, and its default at p = 3: the cube), and the
+    backward's input-gradient kernel on a windowed and a global problem in both layouts, every
+    rank, float32; float16 at the default on the first 2d problem."""
+    if OCLGRIND is None:
+        return []
+    specs = []
+
+    def add(direction, name, label, config, shape, size, layout, dtype, p):
+        case_id = f"{gem_ops[len(size)]}-{direction}-{name}-{label}-p{p}-{_shape_id(shape, size)}-{layout}-{dtype}"
+        specs.append({"id": case_id, "kind": "gem", "op": gem_ops[len(size)], "direction": direction,
+                      "variant": name, "config": config, "input_shape": list(shape), "output_size": list(size),
+                      "dtype": dtype, "p": p, "layout": layout, "channels_last": layout == LAYOUT_NAMES[len(size)][1],
+                      "seed": [RUN_SEED, zlib.crc32(case_id.encode())]})
+
+    gem_ops = {ndim: find("gem", ndim).name for ndim in (1, 2, 3)}
+    for ndim, op in gem_ops.items():
+        for layout in LAYOUT_NAMES[ndim]:
+            for name, variant in variants_for(op, "forward").items():
+                for shape, size in SHAPES[ndim][:1] + GLOBAL_SHAPES[ndim]:
+                    problem = Problem.create(op, shape, size, "float32", layout)
+                    configs = variant.representative_configurations(problem, OCLGRIND.info.limits)
+                    for label, config in configs.items():
+                        add("forward", name, label, config, shape, size, layout, "float32", 2.5)
+                    if configs:
+                        label, config = next(iter(configs.items()))
+                        add("forward", name, label, config, shape, size, layout, "float32", 3.0)
+                        if ndim == 2:
+                            add("forward", name, label, config, shape, size, layout, "float16", 2.5)
+                        break
+            for shape, size in SHAPES[ndim][:1] + GLOBAL_SHAPES[ndim]:
+                for dtype in ("float32", "float16") if ndim == 2 else ("float32",):
+                    add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, layout, dtype, 2.5)
+        if ndim == 2:  # grids of whole work-groups: the kernels without their end checks (PARTIAL_LAST_GROUP 0)
+            shape, size = GEM_WHOLE_GROUPS
+            add("forward", "gem_windows", "smallest", {"block_size_x": 32, "row_lanes": 1}, shape, size,
+                LAYOUT_NAMES[2][0], "float32", 2.5)
+            add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, LAYOUT_NAMES[2][0], "float32", 2.5)
+    return specs
+
+
 #: The join cases come first, so that each runs early in its worker: after some hundreds of
 #: instantiations in one worker, Oclgrind 21.10 has flagged the join's reads of a buffer the
 #: forward kernel had just written (values right, bit for bit) as uninitialised -- and not when
 #: the same case ran again in that worker.
-CASES = {spec["id"]: spec for spec in _avgmax_join_cases() + _cases() + _multi_level_cases()}
+CASES = {spec["id"]: spec for spec in _avgmax_join_cases() + _cases() + _multi_level_cases() + _gem_cases()}
 _RUNTIME: dict = {}
 
 
@@ -667,6 +773,22 @@ def test_every_variant_is_covered():
     for direction in ("forward", "backward"):
         dtypes = {s["dtype"] for s in CASES.values() if s["direction"] == direction}
         assert dtypes == {"float32", *HALF_DTYPES}
+
+
+def test_every_gem_kernel_is_covered():
+    """Every GeM op has its forward variants (in each layout they take) and its input-gradient
+    kernel (both layouts, windowed and global) under Oclgrind, at p = 3 and another p."""
+    for ndim in (1, 2, 3):
+        op = find("gem", ndim).name
+        mine = [s for s in CASES.values() if s["op"] == op]
+        channels_first, channels_last = LAYOUT_NAMES[ndim]
+        for name in variants_for(op, "forward"):
+            layouts = {s["layout"] for s in mine if s["variant"] == name}
+            assert layouts == ({channels_first} if name == "gem_planes" else {channels_first, channels_last}), name
+            assert {s["p"] for s in mine if s["variant"] == name} == {2.5, 3.0}, name
+        backward = [s for s in mine if s["direction"] == "backward"]
+        assert {(s["layout"], set(s["output_size"]) == {1}) for s in backward} == {
+            (layout, is_global) for layout in (channels_first, channels_last) for is_global in (False, True)}
 
 
 def test_every_multi_level_variant_is_covered():

@@ -61,6 +61,40 @@ def test_channels_last_keeps_its_layout_and_values(rng, size):
     torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-6)
 
 
+def _extra_peak_bytes(call) -> int:
+    """Bytes one ``call`` allocates at its peak beyond what existed before it: PyTorch's allocator
+    (profiler memory events, in time order) plus numpy's and Python's (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        call()
+    numpy_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    running = peak = 0
+    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in profile.events()
+                            if e.self_cpu_memory_usage):
+        running += change
+        peak = max(peak, running)
+    return peak + numpy_peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("size", [1, 2, 3, (5, 7)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_backward_allocates_no_input_sized_temporary(rng, dtype, size, channels_last):
+    """Beyond the input's gradient it returns, the backward allocates at most 1% of the input (the
+    issue's target), plus 128 KiB for the profiler's and Python's own allocations while measuring."""
+    x = _input(rng, (2, 32, 160, 160), dtype, channels_last).requires_grad_()
+    p = torch.nn.Parameter(torch.tensor([2.5]))
+    y = ptt.adaptive_gem_pool2d(x, size, p)
+    g = torch.randn_like(y)
+    torch.autograd.grad(y, (x, p), g, retain_graph=True)  # warm: the kernel is built
+    input_bytes = x.numel() * x.element_size()
+    extra = _extra_peak_bytes(lambda: torch.autograd.grad(y, (x, p), g, retain_graph=True)) - input_bytes
+    assert extra <= 0.01 * input_bytes + 128 * 1024, f"{extra / input_bytes:.1%} of the input"
+
+
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_gradcheck_and_gradgradcheck_for_x_and_p(rng, ndim):
     shape, size = {1: ((1, 2, 7), (3,)), 2: ((1, 2, 5, 4), (3, 2)), 3: ((1, 2, 3, 4, 3), (2, 3, 2))}[ndim]

@@ -2,12 +2,13 @@
  * in channels-first memory: a work-item maps and sums one whole contiguous plane in run_lanes
  * independent partial sums (lane k takes elements k, k + run_lanes, ...: one contiguous load of
  * run_lanes elements per step, which CPU compilers turn into vector operations), neighbouring
- * work-items taking neighbouring planes.
+ * work-items taking neighbouring planes.  Work-items are branch-free (CPU compilers vectorise across
+ * them) except where the grid can run past the last plane (host define PARTIAL_LAST_GROUP).
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out PLANES_PARAM GEM_PARAMS)
 {
     const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
-    if (plane >= N_PLANES)
+    if (PARTIAL_LAST_GROUP && plane >= N_PLANES)
         return;
     const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
     acc_t lanes[run_lanes];

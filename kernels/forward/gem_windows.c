@@ -6,17 +6,13 @@
  * code over the box, taps past a shorter window's end clamped and masked (windows.h), which CPU
  * compilers vectorise across work-items.  Others run row by row, with row_lanes independent partial
  * sums along each row (lane k takes elements k, k + row_lanes, ...; a step past the row's end is
- * clamped and masked, so every step is the same straight-line code).
+ * clamped and masked, so every step is the same straight-line code).  Work-items are branch-free
+ * (CPU compilers vectorise across them) except where the grid can run past the last output (host
+ * define PARTIAL_LAST_GROUP: one sample's outputs do not fill whole work-groups).
  * Launch: ceil(OUT_NUMEL / block_size_x) groups of block_size_x. */
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out PLANES_PARAM GEM_PARAMS)
+/* The sum of max(x, eps)^p over `box` of the plane at memory offset `base`. */
+DEVICE_FN acc_t window_power_sum(const GLOBAL scalar_t* RESTRICT in, index_t base, box_t box, acc_t p, acc_t eps)
 {
-    const index_t o = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
-    if (o >= OUT_NUMEL)
-        return;
-    index_t plane, ot, oh, ow;
-    OUT_COORDS(o, plane, ot, oh, ow);
-    const box_t box = window_box(ot, oh, ow);
-    const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
     acc_t sum = (acc_t)0;
 #if SMALL_WINDOW && row_lanes == 1
 #pragma unroll
@@ -49,5 +45,24 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     for (int k = 0; k < row_lanes; ++k)
         sum += lanes[k];
 #endif
+    return sum;
+}
+
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out PLANES_PARAM GEM_PARAMS)
+{
+    const index_t o = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (PARTIAL_LAST_GROUP && o >= OUT_NUMEL)
+        return;
+    index_t plane, ot, oh, ow;
+    OUT_COORDS(o, plane, ot, oh, ow);
+    const box_t box = window_box(ot, oh, ow);
+    const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    /* GeM's usual exponent 3 takes a copy of the sum of its own, in which the power folds to two
+     * multiplications (p is the same for every work-item, so the branch is too). */
+    acc_t sum;
+    if (p == (acc_t)3)
+        sum = window_power_sum(in, base, box, (acc_t)3, eps);
+    else
+        sum = window_power_sum(in, base, box, p, eps);
     STORE(out, o, gem_root(sum, window_area(ot, oh, ow), p));
 }

@@ -23,6 +23,42 @@
 /* GeM's forward kernels take p and eps after the plane count. */
 #define GEM_PARAMS , const acc_t p, const acc_t eps
 
+#if DTYPE_FLOAT16 && defined(__OPENCL_VERSION__)
+/* float16 storage in GeM's OpenCL programs: vload_half and vstore_half_rte run as scalar library
+ * calls on CPU devices (PoCL), which keeps every loop that calls them from vectorising; these
+ * conversions are integer arithmetic and selects, which vectorise, and give the same bits (every
+ * float16 value widened exactly; narrowed with round-to-nearest-even, overflow to infinity, NaN a
+ * quiet NaN of the same sign). */
+DEVICE_FN float float_from_half_bits(unsigned int h)
+{
+    const unsigned int sign = (h & 0x8000u) << 16, magnitude = h & 0x7FFFu;
+    const float normal = UINT_AS_FLOAT((magnitude << 13) + 0x38000000u); /* exponent rebiased by 127 - 15 */
+    const float subnormal = (float)magnitude * 0x1p-24f;                  /* exact: magnitude < 2^10 */
+    const unsigned int special = 0x7F800000u | ((magnitude & 0x03FFu) << 13); /* infinity, NaN */
+    const unsigned int bits = magnitude >= 0x7C00u ? special
+                            : magnitude < 0x0400u ? FLOAT_AS_UINT(subnormal) : FLOAT_AS_UINT(normal);
+    return UINT_AS_FLOAT(sign | bits);
+}
+
+DEVICE_FN ushort half_bits_from_float(float value)
+{
+    const unsigned int bits = FLOAT_AS_UINT(value), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
+    /* at least 2^16 (rounds to infinity), infinity or NaN */
+    const unsigned int large = magnitude > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    /* below 2^-14 (a float16 subnormal or zero): adding 0.5 rounds the value to a multiple of 2^-24,
+     * to nearest even, which the low bits of the sum then hold */
+    const unsigned int small = FLOAT_AS_UINT(UINT_AS_FLOAT(magnitude) + 0.5f) - 0x3F000000u;
+    /* normal: rebias the exponent by 15 - 127, round the 13 dropped mantissa bits to nearest even */
+    const unsigned int normal = (magnitude - 0x38000000u + 0x0FFFu + ((magnitude >> 13) & 1u)) >> 13;
+    const unsigned int result = magnitude >= 0x47800000u ? large : magnitude < 0x38800000u ? small : normal;
+    return (ushort)(sign | result);
+}
+#undef LOAD
+#undef STORE
+#define LOAD(ptr, i) float_from_half_bits(((const GLOBAL ushort*)(ptr))[i])
+#define STORE(ptr, i, value) (((GLOBAL ushort*)(ptr))[i] = half_bits_from_float(value))
+#endif
+
 /* log2 and exp2 in float32 arithmetic alone.  OpenCL's pow, exp2 and log2 run as scalar library
  * calls on CPU devices (PoCL), which keeps every loop that calls them from vectorising; these are
  * plain arithmetic and bit moves, which vectorise.  Accurate to a few float32 ulps for every
