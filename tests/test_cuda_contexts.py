@@ -376,10 +376,12 @@ def _forget_gem():
 @pytest.mark.parametrize("size", [SIZE, 1])
 def test_gem_forward_and_backward_on_gpuarrays_launch_in_their_context_with_p_and_eps(gpu, size):
     """GeM on PyCUDA arrays: the forward's p and eps as the kernel's float scalars; the backward's
-    window-mean gradients computed from grad_out and output and sent to the device, the gather
-    (windowed only), the input-gradient kernel on device pointers with p and eps, results as
-    GPUArrays of x's shape, dL/dp its terms (zero: the fake kernel writes none) plus the output part."""
+    outputs' coefficients computed from grad_out and output and sent to the device, the
+    input-gradient kernel on device pointers with p and eps (it gathers the coefficients itself:
+    no other launch), results as GPUArrays of x's shape, dL/dp its terms (zero: the fake kernel
+    writes none) plus the output part."""
     from pool_tuner import gem
+    from pool_tuner.problem import Problem
 
     _forget_gem()
     device, pycuda, driver = gpu
@@ -393,16 +395,16 @@ def test_gem_forward_and_backward_on_gpuarrays_launch_in_their_context_with_p_an
     grad_host, output_host = _host(out_shape) + 0.5, _host(out_shape) + 0.25
     grad_x, grad_p = pt.adaptive_gem_pool2d_backward(pycuda.gpuarray.to_gpu(grad_host), x, size, p, eps,
                                                      output=pycuda.gpuarray.to_gpu(output_host))
-    *gather, gradient = driver.launches[1:]
-    assert len(gather) == (1 if size == SIZE else 0)
-    x_address, shares, grad_address, terms, planes, got_p, got_eps = gradient["arguments"]
+    (gradient,) = driver.launches[1:]
+    x_address, coefficients, grad_address, terms, planes, got_p, got_eps = gradient["arguments"]
     assert (x_address, grad_address, planes, got_p, got_eps) == (int(x.gpudata), int(grad_x.gpudata), 6, p,
                                                                  float(np.float32(eps)))
-    mean = driver.memory[gather[0]["arguments"][0] if gather else shares][1]
-    want = gem.mean_gradient(grad_host.astype(np.float64), output_host.astype(np.float64), p).astype(np.float32)
-    assert np.frombuffer(bytes(mean), np.float32)[:want.size].tolist() == want.ravel().tolist()
+    problem = Problem.create("adaptive_gem_pool2d", SHAPE, size, "float32", direction="backward")
+    want = gem.coefficients(grad_host, output_host, p, problem)
+    sent = driver.memory[coefficients][1]
+    assert np.frombuffer(bytes(sent), np.float32)[:want.size].tolist() == want.ravel().tolist()
     assert isinstance(grad_x, pycuda.gpuarray.GPUArray) and grad_x.shape == SHAPE
-    assert grad_p == pytest.approx(gem.output_term(grad_host.astype(np.float64), output_host.astype(np.float64), p))
+    assert grad_p == pytest.approx(gem.output_term(grad_host, output_host, p))
     assert {launch["context"] for launch in driver.launches} == {PRIMARY_CONTEXT}
     _forget_gem()
 
