@@ -327,12 +327,12 @@ def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
     t = torch.from_numpy(x)
     ptt.adaptive_max_pool2d(t, 3)  # eager, no gradient
     assert torch_cpu.plan_of(plans.signature("adaptive_max_pool2d", "forward", 3, "", env,
-                                             (plans.describe(t),))) is not None
+                                             (plans.describe_tensor(t),))) is not None
     options = ptt._encode_options(variant="thread_per_output")
     torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)  # the custom op
     assert torch_cpu.plan_of(plans.signature("adaptive_avg_pool2d", "forward", (4, 7), options, env,
                                              (plans.describe(t),))) is not None
-    assert plans.describe(t) == (torch.Tensor, t.shape, t.stride(), t.dtype) != plans.describe(x)
+    assert plans.describe(t) == (torch.Tensor, t.shape, t.stride(), t.dtype, t.device) != plans.describe(x)
 
 
 @pytest.mark.parametrize("output_size", [[[4, 7]], [(4,), 7], {4: 7}])
