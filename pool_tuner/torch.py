@@ -371,7 +371,7 @@ _deterministic = torch._C._get_deterministic_algorithms
 _grad_enabled = torch.is_grad_enabled
 _signature, _describe, _describe_tensor = _plans.signature, _plans.describe, _plans.describe_tensor
 _Tensor = torch.Tensor
-#: The races' decisions (a dict that lives as long as the process) and PyTorch's kernels, by op.
+#: The races' decisions (``torch_cpu.WINNERS``, a memo table) and PyTorch's kernels, by op.
 _winner_of, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH_KERNELS
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
 
@@ -417,8 +417,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
                                    options)
         if use_pytorch is None:  # a new signature (or one met only under deterministic algorithms): raced now
             size = tuple(_check_input(input, operation.ndim, output_size))
-            _torch_cpu.plan(op, _FORWARD, [input], size, options, key, race=True)
-            use_pytorch = _torch_cpu.WINNERS[key]
+            use_pytorch = _torch_cpu.pytorch_runs(op, input, size, options, key)
         if use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
             if type(output_size) is int:
                 kernel, selects = _PYTORCH_KERNELS[op]

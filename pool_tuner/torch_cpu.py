@@ -19,9 +19,12 @@ pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.
 
 **One answer per input.**  Both candidates compute PyTorch's semantics, but an average may differ
 in its last bit between them.  So the race is decided before the signature's first result is
-returned, once per process (under a lock, so threads meeting a new signature together wait for
-one decision; kept apart from the bounded plan tables, so an evicted plan comes back with the same
-winner): every call of a signature returns the same bits.  Deciding first costs the first call a
+returned (under a lock, so threads meeting a new signature together wait for one decision) and
+kept with the signature's plan, bounded as plans are by the one memo limit (``pool_tuner.memo``):
+every call of a signature returns the same bits while it is held.  A process that meets more
+problems than the limit drops the least recently used, and a signature dropped so is raced again
+when it comes back, which may pick the other candidate (``POOL_TUNER_MEMO_LIMIT`` raises the
+limit; deterministic algorithms, below, never race).  Deciding first costs the first call a
 dozen small calls, against the alternative of returning one candidate's bits while timing the
 other, which would have to keep the first candidate even where the other wins.  A close race can
 still go either way from one process to the next: under ``torch.use_deterministic_algorithms(True)``
@@ -39,7 +42,7 @@ import time
 import numpy as np
 import torch
 
-from . import backends, dispatch, ops, plans, tuner
+from . import backends, dispatch, memo, ops, plans, tuner
 from .operations import DIRECTIONS, OPERATIONS, SINGLE_LEVEL
 
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
@@ -55,35 +58,41 @@ RACE_MARGIN = 1.25
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
 
-class Winners(dict):
+class Winners:
     """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
     the module docstring; False also where no race is run), each decided once, by the first thread
-    to meet the signature while the others wait for it.  A bool per signature, kept while the
-    process lives, or until
-    dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
-    warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
+    to meet the signature while the others wait for it.  A ``memo`` table, each decision filed
+    under its plan's problem: bounded by the one memo limit, leaving with the signature's plan
+    and built kernel, and emptied when dispatch forgets its decisions (which may change
+    pool_tuner's kernel).  ``get`` is the table's own, so that a warm call of a layer PyTorch's
+    kernel runs asks it once and needs nothing else (and keeps its problem recent)."""
 
     def __init__(self):
-        super().__init__()
+        self._table = memo.table("torch_cpu.winners")
+        dispatch.register_dependent_memo(self._table)
+        #: ``get(key)``: the decision for ``key``, or None (``TypeError`` for an unhashable key).
+        self.get = self._table.get
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # a forked child starts with the lock free
             os.register_at_fork(after_in_child=self._after_fork_in_child)
 
-    def decide(self, key, decide) -> bool:
-        """The decision for ``key``, made by ``decide()`` if there is none yet."""
+    def decide(self, key, owner, decide) -> bool:
+        """The decision for ``key``, made by ``decide()`` and filed under ``owner`` (its plan's
+        problem) if there is none yet."""
         with self._lock:
-            decided = self.get(key)
+            decided = self._table.get(key)
             if decided is None:
-                decided = decide()
-                self[key] = decided
+                decided = self._table.put(owner, key, decide())
             return decided
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
 
 WINNERS = Winners()
-dispatch.register_dependent_memo(WINNERS)
 
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
@@ -94,12 +103,10 @@ PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), O
                    for op in SINGLE_LEVEL}
 
 
-def plan(op: str, direction: str, tensors: list, size, options: str, key, race: bool = False) -> plans.Plan:
+def plan(op: str, direction: str, tensors: list, size, options: str, key) -> plans.Plan:
     """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
     its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
-    string (``plans.options_text``).  ``race``: the eager path's plans, whose forward may be raced
-    against PyTorch's kernel on ``tensors`` before this returns (``race_pytorch``;
-    ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run pool_tuner's."""
+    string (``plans.options_text``)."""
     found = _PLANS.get(key)
     if found is None:
         given = dict(plans.options_of(options))
@@ -108,9 +115,15 @@ def plan(op: str, direction: str, tensors: list, size, options: str, key, race: 
                                 given.get("config"), on_miss=tuner.tune_on_miss,
                                 names=(DIRECTIONS[direction].torch_argument,))
         _PLANS.put(key, found)
-    if race and WINNERS.get(key) is None:
-        WINNERS.decide(key, lambda: races(found) and race_pytorch(found, tensors[0], size))
     return found
+
+
+def pytorch_runs(op: str, x: torch.Tensor, size, options: str, key) -> bool:
+    """Whether PyTorch's kernel runs the eager forward of signature ``key`` on input ``x``: the
+    race's decision (``WINNERS``), made now on ``x`` if there is none (``race_pytorch``), before
+    the signature's first result."""
+    found = plan(op, "forward", [x], size, options, key)
+    return WINNERS.decide(key, found.problem, lambda: races(found) and race_pytorch(found, x, size))
 
 
 def plan_of(key) -> plans.Plan | None:

@@ -169,6 +169,28 @@ MANY_CALLS = 3 * (torch_cpu.RACE_CALLS + 1)
 
 
 @pytest.mark.usefixtures("candidate_on")
+def test_the_races_decisions_are_bounded_by_the_memo_limit_and_leave_with_their_plans(rng):
+    """One decision per eager signature, bounded as the plans are (on 0511fb1 ``WINNERS`` grew by
+    one entry per signature without end), and a signature still gives one answer per call while
+    its decision is held."""
+    from pool_tuner import memo
+
+    previous = memo.limit()
+    memo.set_limit(3)
+    try:
+        for rows in range(4, 12):
+            t = torch.from_numpy(random_input(rng, (1, 3, rows, 5)))
+            first = ptt.adaptive_avg_pool2d(t, 2)
+            assert torch.equal(first, ptt.adaptive_avg_pool2d(t, 2))
+            assert len(torch_cpu.WINNERS) <= 3
+    finally:
+        memo.set_limit(previous)
+    assert len(torch_cpu.WINNERS) > 0
+    dispatch.forget()
+    assert len(torch_cpu.WINNERS) == 0
+
+
+@pytest.mark.usefixtures("candidate_on")
 def test_small_problems_race_pytorch_on_their_first_call_and_explain_says_who_won(monkeypatch, rng):
     used = _count(monkeypatch, torch_cpu, "run")
     prepared = _count(monkeypatch, dispatch, "prepare")
