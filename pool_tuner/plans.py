@@ -86,6 +86,15 @@ def signature(op: str, direction: str, size, options, device, arrays: tuple) -> 
     return op, direction, size if type(size) is int else exact(size), options, device, arrays
 
 
+def tensor_signature(op: str, direction: str, size, options, device, tensor) -> tuple:
+    """``signature`` of a call on one tensor, described without its device (``device`` says where
+    it runs), in one step: the key of the eager forward of ``pool_tuner.torch``, made on every call
+    of a layer inside models whose other layers leave the caches cold, where each function
+    touched costs."""
+    return (op, direction, size if type(size) is int else exact(size), options, device,
+            ((type(tensor), tensor.shape, tensor.stride(), tensor.dtype),))
+
+
 def options_text(device=None, variant=None, config=None) -> str:
     """pool_tuner's keyword options as one string: ``""`` (all defaults) or the JSON of those set,
     so that ``pool_tuner.torch``'s custom ops carry them in their schema (they survive compile and
@@ -141,12 +150,6 @@ class _Rule:
 
 def _numpy_description(array) -> tuple:
     return np.ndarray, array.shape, array.strides, array.dtype
-
-
-def describe_tensor(tensor) -> tuple:
-    """The description of a PyTorch tensor without its device, for the eager paths of
-    ``pool_tuner.torch``, which know they hold a tensor and key its device themselves."""
-    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype
 
 
 def _tensor_description(tensor) -> tuple:

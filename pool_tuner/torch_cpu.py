@@ -58,26 +58,30 @@ RACE_MARGIN = 1.25
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
 
+#: What ``WINNERS`` holds for a signature that PyTorch's kernel runs.
+PYTORCH = object()
+
+
 class Winners:
-    """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
-    the module docstring; False also where no race is run), each decided once, by the first thread
-    to meet the signature while the others wait for it.  A ``memo`` table, each decision filed
-    under its plan's problem: bounded by the one memo limit, leaving with the signature's plan
-    and built kernel, and emptied when dispatch forgets its decisions (which may change
-    pool_tuner's kernel).  ``get`` is the table's own, so that a warm call of a layer PyTorch's
-    kernel runs asks it once and needs nothing else (and keeps its problem recent)."""
+    """The races' winners by the eager forward's signature: ``PYTORCH`` where PyTorch's kernel
+    runs it, else the signature's plan (pool_tuner's kernel; also where no race is run), each
+    decided once, by the first thread to meet the signature while the others wait for it.  A
+    ``memo`` table, each winner filed under its plan's problem: bounded by the one memo limit,
+    leaving with the signature's plan and built kernel, and emptied when dispatch forgets its
+    decisions (which may change pool_tuner's kernel).  ``get`` is the table's own, so that a warm
+    eager call asks it once and needs nothing else (and keeps its problem recent)."""
 
     def __init__(self):
         self._table = memo.table("torch_cpu.winners")
         dispatch.register_dependent_memo(self._table)
-        #: ``get(key)``: the decision for ``key``, or None (``TypeError`` for an unhashable key).
+        #: ``get(key)``: the winner for ``key``, or None (``TypeError`` for an unhashable key).
         self.get = self._table.get
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # a forked child starts with the lock free
             os.register_at_fork(after_in_child=self._after_fork_in_child)
 
-    def decide(self, key, owner, decide) -> bool:
-        """The decision for ``key``, made by ``decide()`` and filed under ``owner`` (its plan's
+    def decide(self, key, owner, decide):
+        """The winner for ``key``, found by ``decide()`` and filed under ``owner`` (its plan's
         problem) if there is none yet."""
         with self._lock:
             decided = self._table.get(key)
@@ -118,12 +122,13 @@ def plan(op: str, direction: str, tensors: list, size, options: str, key) -> pla
     return found
 
 
-def pytorch_runs(op: str, x: torch.Tensor, size, options: str, key) -> bool:
-    """Whether PyTorch's kernel runs the eager forward of signature ``key`` on input ``x``: the
-    race's decision (``WINNERS``), made now on ``x`` if there is none (``race_pytorch``), before
-    the signature's first result."""
+def winner(op: str, x: torch.Tensor, size, options: str, key):
+    """What runs the eager forward of signature ``key``: ``PYTORCH`` or the signature's plan, as
+    the race decided (``WINNERS``), raced now on input ``x`` if it was not (``race_pytorch``),
+    before the signature's first result."""
     found = plan(op, "forward", [x], size, options, key)
-    return WINNERS.decide(key, found.problem, lambda: races(found) and race_pytorch(found, x, size))
+    return WINNERS.decide(key, found.problem,
+                          lambda: PYTORCH if races(found) and race_pytorch(found, x, size) else found)
 
 
 def plan_of(key) -> plans.Plan | None:

@@ -7,7 +7,7 @@ import torch
 
 import pool_tuner as pt
 import pool_tuner.torch as ptt
-from pool_tuner import dispatch, plans, reference, torch_cpu
+from pool_tuner import backends, dispatch, plans, reference, torch_cpu
 from pool_tuner.backends import default_device
 from pool_tuner.backends import opencl
 from pool_tuner.operations import OPERATIONS
@@ -339,7 +339,7 @@ def test_a_layer_pytorch_runs_gives_pytorchs_results_and_gradients(monkeypatch, 
 def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
     """numpy arrays (ops), the custom op's path on CPU tensors (torch_cpu) and the eager path all
     memoise under ``plans.signature`` of the call as given."""
-    from pool_tuner import backends, ops
+    from pool_tuner import ops
 
     x = random_input(rng, (2, 3, 10, 9))
     pt.adaptive_avg_pool2d(x, (4, 7))
@@ -348,8 +348,9 @@ def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
                                           (plans.describe(x),))) is not None
     t = torch.from_numpy(x)
     ptt.adaptive_max_pool2d(t, 3)  # eager, no gradient
-    assert torch_cpu.plan_of(plans.signature("adaptive_max_pool2d", "forward", 3, "", env,
-                                             (plans.describe_tensor(t),))) is not None
+    key = plans.signature("adaptive_max_pool2d", "forward", 3, "", env, ((torch.Tensor, t.shape, t.stride(), t.dtype),))
+    assert plans.tensor_signature("adaptive_max_pool2d", "forward", 3, "", env, t) == key
+    assert torch_cpu.plan_of(key) is not None
     options = ptt._encode_options(variant="thread_per_output")
     torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)  # the custom op
     assert torch_cpu.plan_of(plans.signature("adaptive_avg_pool2d", "forward", (4, 7), options, env,
@@ -394,3 +395,23 @@ def test_deterministic_calls_run_pool_tuner_s_kernel_and_a_later_plain_call_stil
     first = module(t)
     assert len(raced) == 1
     assert all(torch.equal(first, module(t)) for _ in range(3)) and len(raced) == 1
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_layer_s_options_set_after_it_was_made_apply_to_its_next_call(rng):
+    """The drop-in modules encode their options when they are set, not per call: setting one later
+    (or copying the layer) must still reach the call."""
+    import copy
+
+    t = torch.from_numpy(random_input(rng, (1, 3, 10, 9)))
+    layer = ptt.AdaptiveAvgPool2d((4, 7))
+    layer(t)
+    layer.variant = "thread_per_output"
+    env = backends.env_device_setting()
+    for module in (layer, copy.deepcopy(layer)):
+        torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, (4, 7)))
+        key = plans.tensor_signature("adaptive_avg_pool2d", "forward", (4, 7), '{"variant": "thread_per_output"}',
+                                     env, t)
+        assert torch_cpu.plan_of(key).choice.source == "forced"
+    with pytest.raises(TypeError, match="JSON"):
+        layer.config = {"block": object()}
