@@ -87,10 +87,9 @@ def signature(op: str, direction: str, size, options, device, arrays: tuple) -> 
 
 
 def tensor_signature(op: str, direction: str, size, options, device, tensor) -> tuple:
-    """``signature`` of a call on one tensor, described without its device (``device`` says where
-    it runs), in one step: the key of the eager forward of ``pool_tuner.torch``, made on every call
-    of a layer inside models whose other layers leave the caches cold, where each function
-    touched costs."""
+    """``signature(op, direction, size, options, device, (describe_tensor(tensor),))`` in one
+    step: the key of the eager forward of ``pool_tuner.torch``, made on every call of a layer
+    inside models whose other layers leave the caches cold, where each function touched costs."""
     return (op, direction, size if type(size) is int else exact(size), options, device,
             ((type(tensor), tensor.shape, tensor.stride(), tensor.dtype),))
 
@@ -150,6 +149,13 @@ class _Rule:
 
 def _numpy_description(array) -> tuple:
     return np.ndarray, array.shape, array.strides, array.dtype
+
+
+def describe_tensor(tensor) -> tuple:
+    """The description of a PyTorch tensor without its device, for ``pool_tuner.torch``'s paths
+    (eager and custom op, CPU and CUDA), which key the device in the signature's ``device``:
+    one form, so that a signature called both ways has one plan."""
+    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype
 
 
 def _tensor_description(tensor) -> tuple:

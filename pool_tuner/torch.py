@@ -369,7 +369,7 @@ _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _deterministic = torch._C._get_deterministic_algorithms
 _grad_enabled = torch.is_grad_enabled
-_signature, _describe, _tensor_signature = _plans.signature, _plans.describe, _plans.tensor_signature
+_signature, _describe, _tensor_signature = _plans.signature, _plans.describe_tensor, _plans.tensor_signature
 _Tensor = torch.Tensor
 #: The races' winners (``torch_cpu.WINNERS``, a memo table) and PyTorch's kernels, by op.
 _winner_of, _PYTORCH, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH, _torch_cpu.PYTORCH_KERNELS

@@ -348,14 +348,27 @@ def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
                                           (plans.describe(x),))) is not None
     t = torch.from_numpy(x)
     ptt.adaptive_max_pool2d(t, 3)  # eager, no gradient
-    key = plans.signature("adaptive_max_pool2d", "forward", 3, "", env, ((torch.Tensor, t.shape, t.stride(), t.dtype),))
+    key = plans.signature("adaptive_max_pool2d", "forward", 3, "", env, (plans.describe_tensor(t),))
     assert plans.tensor_signature("adaptive_max_pool2d", "forward", 3, "", env, t) == key
     assert torch_cpu.plan_of(key) is not None
     options = ptt._encode_options(variant="thread_per_output")
     torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)  # the custom op
     assert torch_cpu.plan_of(plans.signature("adaptive_avg_pool2d", "forward", (4, 7), options, env,
-                                             (plans.describe(t),))) is not None
-    assert plans.describe(t) == (torch.Tensor, t.shape, t.stride(), t.dtype, t.device) != plans.describe(x)
+                                             (plans.describe_tensor(t),))) is not None
+    assert plans.describe_tensor(t) == (torch.Tensor, t.shape, t.stride(), t.dtype)
+    assert plans.describe(t) == (*plans.describe_tensor(t), t.device) != plans.describe(x)
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_signature_called_eagerly_and_through_the_custom_op_has_one_plan(rng):
+    """pool_tuner.torch's eager path and its custom op (which keys its size as a tuple) describe
+    a tensor the same way."""
+    t = torch.from_numpy(random_input(rng, (2, 3, 10, 9)))
+    options = ptt._encode_options(variant="thread_per_output")
+    before = len(torch_cpu._PLANS)
+    ptt.adaptive_avg_pool2d(t, (4, 7), variant="thread_per_output")
+    torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)
+    assert len(torch_cpu._PLANS) - before == 1
 
 
 @pytest.mark.parametrize("output_size", [[[4, 7]], [(4,), 7], {4: 7}])
