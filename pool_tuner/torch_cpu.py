@@ -146,7 +146,8 @@ def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:
         names = (problem.flow.argument, "indices")  # as many as there are arrays
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names, scalars),
                                                 _result_likes(found, tensors[0]))]
-    tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
+    if True in found.reorder:  # rare: most calls' inputs are in a layout the kernels read as they are
+        tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     return found.run(tensors, functools.partial(empty_result, problem, tensors[0].dtype), _data_ptr,
                      scalars=scalars)
 
