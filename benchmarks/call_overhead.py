@@ -11,7 +11,11 @@ of calls back to back, interleaved, medians: ``pool_tuner.bench``'s timing):
   bare way on pre-made device arrays: what the kernel itself adds to the floor;
 * ``numpy API avg/max``: ``pool_tuner.adaptive_{avg,max}_pool2d`` on a numpy array;
 * ``pool_tuner.torch Avg/Max``: the ``AdaptiveAvgPool2d``/``AdaptiveMaxPool2d`` modules on a CPU
-  tensor (no autograd: the input does not require grad);
+  tensor (no autograd: the input does not require grad), as a user gets them: on a tiny shape
+  their first call's race usually gives the layer to PyTorch's kernel;
+* ``pool_tuner.torch Avg/Max, own kernel``: the same modules made with the variant and
+  configuration dispatch chooses for the shape (``explain``), which forces pool_tuner's kernel --
+  the same kernel a layer the race left to pool_tuner runs -- so that both are timed in one run;
 * ``torch.nn Avg/Max``: PyTorch's own modules on the same tensor;
 * ``device arrays: library`` and ``device arrays: bare launch``: the avg kernel on data already on
   the device (``pyopencl.array.Array``), calls back to back and one wait per loop, through the
@@ -118,6 +122,8 @@ def candidates_for(shape, out_size, device, rng) -> dict:
     modules = {
         "pool_tuner.torch Avg": ptt.AdaptiveAvgPool2d(out_size),
         "pool_tuner.torch Max": ptt.AdaptiveMaxPool2d(out_size),
+        "pool_tuner.torch Avg, own kernel": ptt.AdaptiveAvgPool2d(out_size, **_dispatched("adaptive_avg_pool2d", problem)),
+        "pool_tuner.torch Max, own kernel": ptt.AdaptiveMaxPool2d(out_size, **_dispatched("adaptive_max_pool2d", problem)),
         "torch.nn Avg": torch.nn.AdaptiveAvgPool2d(out_size),
         "torch.nn Max": torch.nn.AdaptiveMaxPool2d(out_size),
     }
@@ -135,6 +141,13 @@ def candidates_for(shape, out_size, device, rng) -> dict:
     return candidates
 
 
+def _dispatched(op: str, problem: Problem) -> dict:
+    """The variant and configuration dispatch chooses for ``op`` on ``problem``'s shapes, as a
+    module's keyword options."""
+    explained = pt.explain(op, problem.input_shape, problem.output_shape[-2:])
+    return {"variant": explained["variant"], "config": explained["params"]}
+
+
 def check(x, t, x_dev, out_size, candidates, modules) -> None:
     """Every candidate computes the same pooling (the floor aside): a benchmark of a wrong result
     would time nothing worth having."""
@@ -146,7 +159,7 @@ def check(x, t, x_dev, out_size, candidates, modules) -> None:
         "device arrays: library": (pt.adaptive_avg_pool2d(x_dev, out_size).get(), expected_avg),
     }
     for name, module in modules.items():
-        results[name] = (module(t).numpy(), expected_max if name.endswith("Max") else expected_avg)
+        results[name] = (module(t).numpy(), expected_max if " Max" in name else expected_avg)
     for name, (got, expected) in results.items():
         if not np.allclose(got, expected, rtol=1e-5, atol=1e-6):
             raise SystemExit(f"call_overhead: {name} gave a wrong result; not timing it")

@@ -22,7 +22,7 @@ import numbers
 
 import numpy as np
 
-from . import avgmax, backends, ops, plans, pyramid
+from . import avgmax, ops, plans, pyramid
 from .operations import find
 from .problem import LAYOUT_NAMES, OPS, Problem
 from .shapes import check_int
@@ -122,11 +122,11 @@ def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False)
     if expected is not None and len(grad_outs) != expected:
         raise ValueError(f"{name} must hold {expected} arrays (one per level), got {len(grad_outs)}")
     if owner is False and grad_outs:
-        owner = backends.device_of_array(grad_outs[0])
+        owner = plans.device_of(grad_outs[0])
     for level, grad in enumerate(grad_outs):
         if owner is None and not isinstance(grad, np.ndarray):
             raise TypeError(f"{name}[{level}] must be a numpy.ndarray like grad_outs[0], got {type(grad).__name__}")
-        if owner is not None and backends.device_of_array(grad) is not owner:
+        if owner is not None and plans.device_of(grad) is not owner:
             raise TypeError(f"{name}[{level}] must be a device array on {owner.info.describe()} like grad_outs[0], got "
                             f"{type(grad).__name__}")
     return list(grad_outs)
@@ -139,7 +139,7 @@ def _backward(op: str, grads: list, indices, input_shape, device, variant, confi
     ndim, labels = OPS[op].ndim, [f"grad_outs[{level}]" for level in range(len(grads))]
     problem = _backward_problem(op, [g.shape for g in grads], [ops.memory_layout(g, ndim) for g in grads],
                                 plans.numpy_spec(grads[0]).dtype, input_shape, labels)
-    owner = backends.device_of_array(grads[0])
+    owner = plans.device_of(grads[0])
     if owner is not None:
         _check_memory_order(problem, grads, labels)
     return _run_backward(problem, _pack(problem, grads, owner), indices, owner, device, variant, config, grads[0])
@@ -253,7 +253,7 @@ def adaptive_avgmax_pool2d_backward(grad_out, indices, input_shape, mode="avg+ma
     input was, the result on its device)."""
     op = avgmax.OP
     avgmax.check_mode(mode)
-    owner = backends.device_of_array(grad_out)
+    owner = plans.device_of(grad_out)
     if owner is None and not isinstance(grad_out, np.ndarray):
         raise TypeError(f"grad_out must be a numpy.ndarray or a device array, got {type(grad_out).__name__}")
     level_shape = tuple(grad_out.shape)

@@ -72,9 +72,9 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     device arrays of one device (``_backward_on_device``).  ``output``: the forward's result, when
     the caller has it (else it is computed)."""
     arguments = check_arguments(p, eps)
-    owner = backends.device_of_array(x)
+    owner = plans.device_of(x)
     if owner is not None:
-        if backends.device_of_array(grad_out) is not owner:
+        if plans.device_of(grad_out) is not owner:
             raise TypeError(f"grad_out must be a device array on x's device ({owner.info.describe()}), got "
                             f"{type(grad_out).__name__}")
         plans.check_device_option(owner, device, "x")

@@ -47,7 +47,7 @@ def _plan(op: str, direction: str, arrays: list, size, device, variant, config, 
         if check_data is not None:
             check_data(plan.problem)
         return plan
-    owner = backends.device_of_array(first)
+    owner = plans.device_of(first)
     if owner is not None:
         plans.check_device_option(owner, device, names[0])
         queue = owner.arrays.queue_of(first)
@@ -97,7 +97,7 @@ def _indices_spec(indices, grad_out, owner):
     same kind of array as ``grad_out``, on the same device."""
     if indices is None:
         return None
-    indices_owner = backends.device_of_array(indices)
+    indices_owner = plans.device_of(indices)
     if (owner is not None) != (indices_owner is not None) or not hasattr(indices, "dtype"):
         raise TypeError(f"indices must be the same kind of array as grad_out ({type(grad_out).__name__}), "
                         f"got {type(indices).__name__}")
@@ -177,16 +177,12 @@ def _run_on_device_arrays(plan: plans.Plan, arrays: list, queue, logical: bool =
     call's run-time arguments, where not the launch's."""
     device, problem = plan.device, plan.problem
     dtype = arrays[0].dtype
-    outputs = [device.empty(r.memory_shape, np.int64 if r.dtype == "int64" else dtype, queue,
-                            stored_fill(fill, r.dtype)) for r, fill in zip(plan.results, plan.fills)]
-    if plan.launch is not None:
-        launch = plan.launch
-        scratch = [] if plan.scratch is None else [device.empty(plan.scratch.memory_shape, np.int64, queue)]
-        for step in launch.passes():
-            event = device.launch(queue, step.kernel, step.groups, step.block,
-                                  arrays + outputs + scratch + list(launch.scalars if scalars is None else scalars))
-        for array in arrays + outputs + scratch:
-            device.arrays.track(array, event)
+
+    def allocate(result: plans.Result, fill):
+        return device.empty(result.memory_shape, np.int64 if result.dtype == "int64" else dtype, queue,
+                            stored_fill(fill, result.dtype))
+
+    outputs = plan.run(arrays, allocate, None, queue, scalars)
     if not logical or not problem.channels_last or plan.results[0].flat:
         return outputs
     return [device.arrays.strided_view(out, result.shape, tuple(s * out.dtype.itemsize for s in result.strides))

@@ -86,6 +86,14 @@ def signature(op: str, direction: str, size, options, device, arrays: tuple) -> 
     return op, direction, size if type(size) is int else exact(size), options, device, arrays
 
 
+def tensor_signature(op: str, direction: str, size, options, device, tensor) -> tuple:
+    """``signature(op, direction, size, options, device, (describe_tensor(tensor),))`` in one
+    step: the key of the eager forward of ``pool_tuner.torch``, made on every call of a layer
+    inside models whose other layers leave the caches cold, where each function touched costs."""
+    return (op, direction, size if type(size) is int else exact(size), options, device,
+            ((type(tensor), tensor.shape, tensor.stride(), tensor.dtype),))
+
+
 def options_text(device=None, variant=None, config=None) -> str:
     """pool_tuner's keyword options as one string: ``""`` (all defaults) or the JSON of those set,
     so that ``pool_tuner.torch``'s custom ops carry them in their schema (they survive compile and
@@ -109,14 +117,34 @@ def options_of(text: str) -> tuple:
 
 def describe(array) -> tuple:
     """What of ``array`` a call's signature holds: its type, shape, strides and dtype as the array
-    states them (a PyOpenCL array also its queue; a CUDA array of any library its
-    ``__cuda_array_interface__``'s, ``numpy_spec``).  One rule per type of array, found on the
-    type's first call.  Raises ``TypeError`` for what is no array (validation then explains)."""
-    describer = _DESCRIBERS.get(type(array))
-    if describer is None:
-        describer = _describer_of(array)
-        _DESCRIBERS[type(array)] = describer
-    return describer(array)
+    states them, and where it lives -- a PyOpenCL array its queue, a tensor its ``device``, a CUDA
+    array of any library its ``__cuda_array_interface__``'s (``numpy_spec``) and the device holding
+    it -- so that arrays of two devices never share a plan.  One rule per type of array, found on
+    the type's first call.  Raises ``TypeError`` for what is no array (validation then explains)."""
+    rule = _RULES.get(type(array))
+    if rule is None:
+        rule = _rule_of(array)
+    return rule.describe(array)
+
+
+def device_of(array):
+    """The device that holds ``array`` (a device array of any backend, ``Backend.device_of_array``),
+    or None for host memory (numpy arrays, CPU tensors) and what is no array."""
+    rule = _RULES.get(type(array))
+    if rule is None:
+        try:
+            rule = _rule_of(array)
+        except TypeError:
+            return None
+    return rule.device(array)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """How ``describe`` and ``device_of`` read one type of array."""
+
+    describe: object
+    device: object
 
 
 def _numpy_description(array) -> tuple:
@@ -124,9 +152,14 @@ def _numpy_description(array) -> tuple:
 
 
 def describe_tensor(tensor) -> tuple:
-    """``describe`` of a PyTorch tensor (any device: the signature's ``device`` says which), for
-    the eager paths of ``pool_tuner.torch``, which know they hold a tensor."""
+    """The description of a PyTorch tensor without its device, for ``pool_tuner.torch``'s paths
+    (eager and custom op, CPU and CUDA), which key the device in the signature's ``device``:
+    one form, so that a signature called both ways has one plan."""
     return type(tensor), tensor.shape, tensor.stride(), tensor.dtype
+
+
+def _tensor_description(tensor) -> tuple:
+    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 
 
 def _queued_description(array) -> tuple:
@@ -135,24 +168,35 @@ def _queued_description(array) -> tuple:
 
 
 def _interface_description(array) -> tuple:
-    return type(array), numpy_spec(array)
+    return type(array), numpy_spec(array), backends.device_of_array(array)
 
 
-def _describer_of(array):
-    """The description rule of ``array``'s type (see ``describe``)."""
+def _host(array) -> None:
+    return None
+
+
+def _tensor_device(tensor):
+    return None if tensor.device.type == "cpu" else backends.device_of_array(tensor)
+
+
+def _rule_of(array) -> _Rule:
+    """The rule of ``array``'s type (see ``describe``), kept for the type's later calls."""
     if isinstance(array, np.ndarray):
-        return _numpy_description
-    if type(array).__module__.startswith("torch") and callable(getattr(array, "stride", None)):
-        return describe_tensor
-    if getattr(array, "queue", None) is not None and hasattr(array, "strides"):
-        return _queued_description
-    if cuda_arrays.cuda_array_interface(array) is not None:
-        return _interface_description
-    raise TypeError(f"{type(array).__name__} is not an array pool_tuner reads")
+        rule = _Rule(_numpy_description, _host)
+    elif type(array).__module__.startswith("torch") and callable(getattr(array, "stride", None)):
+        rule = _Rule(_tensor_description, _tensor_device)
+    elif getattr(array, "queue", None) is not None and hasattr(array, "strides"):
+        rule = _Rule(_queued_description, backends.device_of_array)
+    elif cuda_arrays.cuda_array_interface(array) is not None:
+        rule = _Rule(_interface_description, backends.device_of_array)
+    else:
+        raise TypeError(f"{type(array).__name__} is not an array pool_tuner reads")
+    _RULES[type(array)] = rule
+    return rule
 
 
-#: type -> its rule (``describe``).
-_DESCRIBERS: dict = {np.ndarray: _numpy_description}
+#: type -> its rule (``describe``, ``device_of``).
+_RULES: dict = {np.ndarray: _Rule(_numpy_description, _host)}
 
 
 def strides_layout(shape: tuple, strides: tuple, ndim: int) -> str | None:
@@ -266,9 +310,9 @@ class Plan:
       flat int64 ``Result`` that each call allocates with the results, or None;
     * ``nbytes``: per input, then per result (then the scratch buffer), the bytes of its memory.
 
-    A hit on memory given by address -- numpy arrays and CPU tensors on host memory, CUDA tensors
-    -- is ``run`` with the front end's allocator; device arrays of the caller's library are
-    launched by ``ops`` through the device's ``launch``.
+    Every hit is ``run``, with the front end's allocator: on memory given by address (numpy
+    arrays and CPU tensors on host memory, CUDA tensors) through the device's ``prepare``d
+    launch, or on the device's own arrays (``ops``' device arrays) through its ``launch``.
     """
 
     __slots__ = ("problem", "device", "choice", "reorder", "results", "_launch", "_build", "zero_fill", "fills",
@@ -327,20 +371,38 @@ class Plan:
         return passes[0] if len(passes) == 1 else Passes(passes)
 
     def run(self, inputs: list, allocate, address, stream=None, scalars: tuple | None = None) -> list:
-        """Run on memory given by address: ``inputs`` in the problem's memory order (``reorder``
-        done), ``allocate(result, fill)`` the front end's allocator of one result (a ``Result``
-        and what it is filled with, ``fills``: numpy, ``torch.empty_strided``, ...),
+        """Run the plan: ``inputs`` in the problem's memory order (``reorder`` done),
+        ``allocate(result, fill)`` the front end's allocator of one result (a ``Result`` and what
+        it is filled with, ``fills``: numpy, ``torch.empty_strided``, the device's ``empty``, ...),
         ``address(array)`` an array's address; ``stream``: the raw stream handle a device launches
         on (None: host memory, the results written when this returns); ``scalars``: this call's
         run-time kernel arguments (``Problem.with_arguments``: GeM's p and eps), written into the
-        prepared launch's scalar slots for this call (None: the launch's own).  Returns the
-        results as ``allocate`` made them."""
+        prepared launch's scalar slots for this call (None: the launch's own).  ``address`` None:
+        the inputs and results are the device's own arrays (``Device.empty``,
+        ``CallerArrays.wrap_input``), launched on queue ``stream`` by the device's ``launch``, each
+        array's waits including it (``CallerArrays.track``).  A variant of two passes gets its
+        scratch buffer from ``allocate`` too.  Returns the results as ``allocate`` made them."""
         outputs = [allocate(result, fill) for result, fill in zip(self.results, self.fills)]
-        if self._launch is not None or self._build is not None:
-            prepared = self._prepared or self.prepared_launch()
-            scratch = [] if self.scratch is None else [allocate(self.scratch, None)]  # alive until launched
-            prepared(stream, *map(address, inputs), *map(address, outputs), *map(address, scratch), scalars=scalars)
+        if self._launch is None and self._build is None:
+            return outputs
+        scratch = [] if self.scratch is None else [allocate(self.scratch, None)]  # alive until launched
+        if address is None:
+            self._launch_on_arrays(stream, [*inputs, *outputs, *scratch], scalars)
+            return outputs
+        prepared = self._prepared or self.prepared_launch()
+        prepared(stream, *map(address, inputs), *map(address, outputs), *map(address, scratch), scalars=scalars)
         return outputs
+
+    def _launch_on_arrays(self, queue, arrays: list, scalars: tuple | None) -> None:
+        """Launch on device arrays (``run`` with no ``address``): a device array is a kernel
+        argument itself, and names its own queue or stream, which the device's ``launch`` orders
+        the kernel after; a variant's passes run in order on that queue."""
+        device = self.device
+        for step in self.launch.passes():
+            handle = device.launch(queue, step.kernel, step.groups, step.block,
+                                   [*arrays, *(step.scalars if scalars is None else scalars)])
+        for array in arrays:
+            device.arrays.track(array, handle)
 
 
 class Passes:

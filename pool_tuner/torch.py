@@ -369,10 +369,10 @@ _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _deterministic = torch._C._get_deterministic_algorithms
 _grad_enabled = torch.is_grad_enabled
-_signature, _describe, _describe_tensor = _plans.signature, _plans.describe, _plans.describe_tensor
+_signature, _describe, _tensor_signature = _plans.signature, _plans.describe_tensor, _plans.tensor_signature
 _Tensor = torch.Tensor
-#: The races' decisions (a dict that lives as long as the process) and PyTorch's kernels, by op.
-_winner_of, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH_KERNELS
+#: The races' winners (``torch_cpu.WINNERS``, a memo table) and PyTorch's kernels, by op.
+_winner_of, _PYTORCH, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH, _torch_cpu.PYTORCH_KERNELS
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
 
 
@@ -405,31 +405,30 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
     ``torch.use_deterministic_algorithms(True)``, where pool_tuner's kernel runs untimed.
 
     This runs on every call of a layer, inside models whose other layers leave the caches cold:
-    each object it touches costs, so a warm call is its signature and one lookup (two where
-    pool_tuner's kernel runs it)."""
+    each object it touches costs, so a warm call is its signature and one lookup, which gives
+    either PyTorch's kernel or the plan."""
     op = operation.name
-    key = _signature(op, _FORWARD, output_size, options, env_device_setting(), (_describe_tensor(input),))
+    key = _tensor_signature(op, _FORWARD, output_size, options, env_device_setting(), input)
     if not _deterministic():
         try:
-            use_pytorch = _winner_of(key)
+            found = _winner_of(key)
         except TypeError:  # an unhashable output size: the custom op's path validates it
             return _custom_op_pool(operation, input, _check_input(input, operation.ndim, output_size), return_indices,
                                    options)
-        if use_pytorch is None:  # a new signature (or one met only under deterministic algorithms): raced now
-            size = tuple(_check_input(input, operation.ndim, output_size))
-            _torch_cpu.plan(op, _FORWARD, [input], size, options, key, race=True)
-            use_pytorch = _torch_cpu.WINNERS[key]
-        if use_pytorch:  # the race's winner: PyTorch's own kernel runs this layer
+        if found is None:  # a new signature (or one met only under deterministic algorithms): raced now
+            found = _torch_cpu.winner(op, input, tuple(_check_input(input, operation.ndim, output_size)), options, key)
+        if found is _PYTORCH:  # the race's winner: PyTorch's own kernel runs this layer
             if type(output_size) is int:
                 kernel, selects = _PYTORCH_KERNELS[op]
                 result = kernel(input, output_size)
                 return result if not selects or return_indices else result[0]
             form = _torch_cpu.PYTORCH_FORMS[op]
             return form(input, output_size, True) if return_indices else form(input, output_size)
-    found = _torch_cpu.plan_of(key)
-    if found is None:
-        size = tuple(_check_input(input, operation.ndim, output_size))
-        found = _torch_cpu.plan(op, _FORWARD, [input], size, options, key)
+    else:
+        found = _torch_cpu.plan_of(key)
+        if found is None:
+            size = tuple(_check_input(input, operation.ndim, output_size))
+            found = _torch_cpu.plan(op, _FORWARD, [input], size, options, key)
     if input.requires_grad and _grad_enabled():
         output_size = list(found.problem.output_shape[-operation.ndim:])
         return _custom_op_pool(operation, input, output_size, return_indices, options)
@@ -441,7 +440,7 @@ def _eager_cuda_pool(operation, input, output_size, return_indices: bool, option
     """An eager forward on a CUDA tensor through its plan (``pool_tuner.torch_cuda``): a warm call
     is its signature, one lookup, the results' allocation and one launch; with a gradient to
     compute, inside ``_EagerPooling`` (an ``autograd.Function``) instead of the custom op."""
-    key = _signature(operation.name, _FORWARD, output_size, options, input.device, (_describe_tensor(input),))
+    key = _tensor_signature(operation.name, _FORWARD, output_size, options, input.device, input)
     found = _torch_cuda.plan_of(key)
     if found is None:
         size = tuple(_check_input(input, operation.ndim, output_size))
@@ -553,11 +552,28 @@ class _OwnModule:
         raise RuntimeError(NO_TORCHSCRIPT)
 
 
+def _option(name: str) -> property:
+    """A pool_tuner option of a drop-in module (``device``, ``variant``, ``config``), which may be
+    set at any time: setting it encodes the module's options into the schema string its forward
+    passes on (``_options``), so that a call does not encode them."""
+    stored = "_" + name
+
+    def get(self):
+        return self.__dict__.get(stored)
+
+    def set(self, value):
+        self.__dict__[stored] = value
+        self.__dict__["_options"] = _encode_options(self.device, self.variant, self.config)
+
+    return property(get, set, doc=f"pool_tuner's ``{name}=`` option of this layer.")
+
+
 class _PoolTunerModule(_OwnModule):
     """What the six drop-in modules share: keyword-only pool_tuner options and the forward."""
 
     kind: str
     ndim: int
+    device, variant, config = _option("device"), _option("variant"), _option("config")
 
     def _set_options(self, device, variant, config):
         """Keep the options; a variant is checked here, where the layer is made, not at its first forward."""
@@ -571,9 +587,8 @@ class _PoolTunerModule(_OwnModule):
         cls.returns_indices = cls.operation.returns_indices
 
     def forward(self, input):
-        options = ("" if self.device is None and self.variant is None and self.config is None
-                   else _encode_options(self.device, self.variant, self.config))
-        return _pool(self.operation, input, self.output_size, self.returns_indices and self.return_indices, options)
+        return _pool(self.operation, input, self.output_size, self.returns_indices and self.return_indices,
+                     self._options)
 
 
 class AdaptiveAvgPool1d(_PoolTunerModule, torch.nn.AdaptiveAvgPool1d):

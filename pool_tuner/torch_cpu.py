@@ -19,9 +19,11 @@ pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.
 
 **One answer per input.**  Both candidates compute PyTorch's semantics, but an average may differ
 in its last bit between them.  So the race is decided before the signature's first result is
-returned, once per process (under a lock, so threads meeting a new signature together wait for
-one decision; kept apart from the bounded plan tables, so an evicted plan comes back with the same
-winner): every call of a signature returns the same bits.  Deciding first costs the first call a
+returned (under a lock, so threads meeting a new signature together wait for one decision) and
+kept with the signature's plan, bounded as plans are by the one memo limit (``pool_tuner.memo``);
+which side won is also kept apart, one flag per signature the process met, so a signature that
+the limit dropped gets the same kernel when it comes back, not a new race: every call of a
+signature returns the same bits for the life of the process.  Deciding first costs the first call a
 dozen small calls, against the alternative of returning one candidate's bits while timing the
 other, which would have to keep the first candidate even where the other wins.  A close race can
 still go either way from one process to the next: under ``torch.use_deterministic_algorithms(True)``
@@ -39,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from . import backends, dispatch, ops, plans, tuner
+from . import backends, dispatch, memo, ops, plans, tuner
 from .operations import DIRECTIONS, OPERATIONS, SINGLE_LEVEL
 
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
@@ -55,35 +57,56 @@ RACE_MARGIN = 1.25
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
 
-class Winners(dict):
-    """The races' decisions by the eager path's signature: whether PyTorch's kernel runs it (see
-    the module docstring; False also where no race is run), each decided once, by the first thread
-    to meet the signature while the others wait for it.  A bool per signature, kept while the
-    process lives, or until
-    dispatch forgets its decisions (which may change pool_tuner's kernel).  A dict, so that a
-    warm call asks it with one ``get``: a layer that PyTorch's kernel runs needs nothing else."""
+#: What ``WINNERS`` holds for a signature that PyTorch's kernel runs.
+PYTORCH = object()
+
+
+class Winners:
+    """The races' winners by the eager forward's signature: ``PYTORCH`` where PyTorch's kernel
+    runs it, else the signature's plan (pool_tuner's kernel; also where no race is run), each
+    decided once, by the first thread to meet the signature while the others wait for it.  A
+    ``memo`` table, each winner filed under its plan's problem: bounded by the one memo limit,
+    leaving with the signature's plan and built kernel, and emptied when dispatch forgets its
+    decisions (which may change pool_tuner's kernel).  ``get`` is the table's own, so that a warm
+    eager call asks it once and needs nothing else (and keeps its problem recent).
+
+    Which side won is kept apart from the table (``_pytorch_won``, a flag per signature the
+    process met, emptied only by ``forget``): a signature evicted by the memo limit and met again
+    gets the same kernel, not a new race that could pick the other one -- one answer per input
+    for the life of the process."""
 
     def __init__(self):
-        super().__init__()
+        self._table = memo.table("torch_cpu.winners")
+        dispatch.register_dependent_memo(self._table)
+        self._pytorch_won: dict = {}
+        dispatch.register_dependent_memo(self._pytorch_won)
+        #: ``get(key)``: the winner for ``key``, or None (``TypeError`` for an unhashable key).
+        self.get = self._table.get
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # a forked child starts with the lock free
             os.register_at_fork(after_in_child=self._after_fork_in_child)
 
-    def decide(self, key, decide) -> bool:
-        """The decision for ``key``, made by ``decide()`` if there is none yet."""
+    def decide(self, key, found: plans.Plan, race):
+        """The winner for ``key``: ``PYTORCH`` if ``race()`` says PyTorch's kernel wins, else the
+        signature's plan ``found``, filed under its problem if there is none yet; the race runs
+        once per signature in the process."""
         with self._lock:
-            decided = self.get(key)
+            decided = self._table.get(key)
             if decided is None:
-                decided = decide()
-                self[key] = decided
+                won = self._pytorch_won.get(key)
+                if won is None:
+                    won = self._pytorch_won[key] = bool(race())
+                decided = self._table.put(found.problem, key, PYTORCH if won else found)
             return decided
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
 
 WINNERS = Winners()
-dispatch.register_dependent_memo(WINNERS)
 
 #: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
@@ -94,12 +117,10 @@ PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), O
                    for op in SINGLE_LEVEL}
 
 
-def plan(op: str, direction: str, tensors: list, size, options: str, key, race: bool = False) -> plans.Plan:
+def plan(op: str, direction: str, tensors: list, size, options: str, key) -> plans.Plan:
     """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
     its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
-    string (``plans.options_text``).  ``race``: the eager path's plans, whose forward may be raced
-    against PyTorch's kernel on ``tensors`` before this returns (``race_pytorch``;
-    ``WINNERS[key]`` says whether PyTorch's won); the custom op's always run pool_tuner's."""
+    string (``plans.options_text``)."""
     found = _PLANS.get(key)
     if found is None:
         given = dict(plans.options_of(options))
@@ -108,9 +129,15 @@ def plan(op: str, direction: str, tensors: list, size, options: str, key, race: 
                                 given.get("config"), on_miss=tuner.tune_on_miss,
                                 names=(DIRECTIONS[direction].torch_argument,))
         _PLANS.put(key, found)
-    if race and WINNERS.get(key) is None:
-        WINNERS.decide(key, lambda: races(found) and race_pytorch(found, tensors[0], size))
     return found
+
+
+def winner(op: str, x: torch.Tensor, size, options: str, key):
+    """What runs the eager forward of signature ``key``: ``PYTORCH`` or the signature's plan, as
+    the race decided (``WINNERS``), raced now on input ``x`` if it was not (``race_pytorch``),
+    before the signature's first result."""
+    found = plan(op, "forward", [x], size, options, key)
+    return WINNERS.decide(key, found, lambda: races(found) and race_pytorch(found, x, size))
 
 
 def plan_of(key) -> plans.Plan | None:
@@ -128,7 +155,8 @@ def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:
         names = (problem.flow.argument, "indices")  # as many as there are arrays
         return [to_tensor(a, t) for a, t in zip(ops._run(found, arrays, names, scalars),
                                                 _result_likes(found, tensors[0]))]
-    tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
+    if True in found.reorder:  # rare: most calls' inputs are in a layout the kernels read as they are
+        tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
     return found.run(tensors, functools.partial(empty_result, problem, tensors[0].dtype), _data_ptr,
                      scalars=scalars)
 

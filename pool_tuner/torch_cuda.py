@@ -72,8 +72,9 @@ def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> p
     caller has made it already."""
     if key is None:
         try:
-            key = plans.signature(op, direction, size, options, tensors[0].device, tuple(map(plans.describe, tensors)))
-        except TypeError:  # an argument that is no tensor: validated on every call
+            key = plans.signature(op, direction, size, options, tensors[0].device,
+                                  tuple(map(plans.describe_tensor, tensors)))
+        except (TypeError, AttributeError):  # an argument that is no tensor: validated on every call
             key = None
     found = _PLANS.get(key) if key is not None else None
     if found is None:

@@ -7,7 +7,7 @@ import torch
 
 import pool_tuner as pt
 import pool_tuner.torch as ptt
-from pool_tuner import dispatch, plans, reference, torch_cpu
+from pool_tuner import backends, dispatch, plans, reference, torch_cpu
 from pool_tuner.backends import default_device
 from pool_tuner.backends import opencl
 from pool_tuner.operations import OPERATIONS
@@ -169,6 +169,53 @@ MANY_CALLS = 3 * (torch_cpu.RACE_CALLS + 1)
 
 
 @pytest.mark.usefixtures("candidate_on")
+def test_the_races_decisions_are_bounded_by_the_memo_limit_and_leave_with_their_plans(rng):
+    """One decision per eager signature, bounded as the plans are (on 0511fb1 ``WINNERS`` grew by
+    one entry per signature without end), and a signature still gives one answer per call while
+    its decision is held."""
+    from pool_tuner import memo
+
+    previous = memo.limit()
+    memo.set_limit(3)
+    try:
+        for rows in range(4, 12):
+            t = torch.from_numpy(random_input(rng, (1, 3, rows, 5)))
+            first = ptt.adaptive_avg_pool2d(t, 2)
+            assert torch.equal(first, ptt.adaptive_avg_pool2d(t, 2))
+            assert len(torch_cpu.WINNERS) <= 3
+    finally:
+        memo.set_limit(previous)
+    assert len(torch_cpu.WINNERS) > 0
+    dispatch.forget()
+    assert len(torch_cpu.WINNERS) == 0
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_a_signature_evicted_by_the_memo_limit_keeps_its_race_s_winner_when_met_again(monkeypatch, rng):
+    """Eviction bounds the plans and the table of winners, not the promise of one answer per input:
+    a signature met again after the memo limit dropped it runs the kernel its race chose, with no
+    new race (which could pick the other kernel, and other bits)."""
+    from pool_tuner import memo
+
+    raced = _count(monkeypatch, torch_cpu, "race_pytorch")
+    t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+    first = ptt.adaptive_avg_pool2d(t, 2)
+    assert len(raced) == 1
+    previous = memo.limit()
+    memo.set_limit(2)
+    try:
+        for rows in range(5, 10):  # other signatures push the first out of the bounded tables
+            ptt.adaptive_avg_pool2d(torch.from_numpy(random_input(rng, (1, 8, rows, 4))), 2)
+        assert len(torch_cpu.WINNERS) <= 2
+        raced.clear()
+        again = ptt.adaptive_avg_pool2d(t, 2)
+    finally:
+        memo.set_limit(previous)
+    assert raced == [], "the returning signature was raced again"
+    assert torch.equal(first, again)
+
+
+@pytest.mark.usefixtures("candidate_on")
 def test_small_problems_race_pytorch_on_their_first_call_and_explain_says_who_won(monkeypatch, rng):
     used = _count(monkeypatch, torch_cpu, "run")
     prepared = _count(monkeypatch, dispatch, "prepare")
@@ -317,7 +364,7 @@ def test_a_layer_pytorch_runs_gives_pytorchs_results_and_gradients(monkeypatch, 
 def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
     """numpy arrays (ops), the custom op's path on CPU tensors (torch_cpu) and the eager path all
     memoise under ``plans.signature`` of the call as given."""
-    from pool_tuner import backends, ops
+    from pool_tuner import ops
 
     x = random_input(rng, (2, 3, 10, 9))
     pt.adaptive_avg_pool2d(x, (4, 7))
@@ -326,13 +373,27 @@ def test_every_front_end_keys_its_plans_by_the_one_signature(rng):
                                           (plans.describe(x),))) is not None
     t = torch.from_numpy(x)
     ptt.adaptive_max_pool2d(t, 3)  # eager, no gradient
-    assert torch_cpu.plan_of(plans.signature("adaptive_max_pool2d", "forward", 3, "", env,
-                                             (plans.describe(t),))) is not None
+    key = plans.signature("adaptive_max_pool2d", "forward", 3, "", env, (plans.describe_tensor(t),))
+    assert plans.tensor_signature("adaptive_max_pool2d", "forward", 3, "", env, t) == key
+    assert torch_cpu.plan_of(key) is not None
     options = ptt._encode_options(variant="thread_per_output")
     torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)  # the custom op
     assert torch_cpu.plan_of(plans.signature("adaptive_avg_pool2d", "forward", (4, 7), options, env,
-                                             (plans.describe(t),))) is not None
-    assert plans.describe(t) == (torch.Tensor, t.shape, t.stride(), t.dtype) != plans.describe(x)
+                                             (plans.describe_tensor(t),))) is not None
+    assert plans.describe_tensor(t) == (torch.Tensor, t.shape, t.stride(), t.dtype)
+    assert plans.describe(t) == (*plans.describe_tensor(t), t.device) != plans.describe(x)
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_signature_called_eagerly_and_through_the_custom_op_has_one_plan(rng):
+    """pool_tuner.torch's eager path and its custom op (which keys its size as a tuple) describe
+    a tensor the same way."""
+    t = torch.from_numpy(random_input(rng, (2, 3, 10, 9)))
+    options = ptt._encode_options(variant="thread_per_output")
+    before = len(torch_cpu._PLANS)
+    ptt.adaptive_avg_pool2d(t, (4, 7), variant="thread_per_output")
+    torch.ops.pool_tuner.adaptive_avg_pool2d(t, [4, 7], options)
+    assert len(torch_cpu._PLANS) - before == 1
 
 
 @pytest.mark.parametrize("output_size", [[[4, 7]], [(4,), 7], {4: 7}])
@@ -372,3 +433,23 @@ def test_deterministic_calls_run_pool_tuner_s_kernel_and_a_later_plain_call_stil
     first = module(t)
     assert len(raced) == 1
     assert all(torch.equal(first, module(t)) for _ in range(3)) and len(raced) == 1
+
+
+@pytest.mark.usefixtures("fresh_plans")
+def test_a_layer_s_options_set_after_it_was_made_apply_to_its_next_call(rng):
+    """The drop-in modules encode their options when they are set, not per call: setting one later
+    (or copying the layer) must still reach the call."""
+    import copy
+
+    t = torch.from_numpy(random_input(rng, (1, 3, 10, 9)))
+    layer = ptt.AdaptiveAvgPool2d((4, 7))
+    layer(t)
+    layer.variant = "thread_per_output"
+    env = backends.env_device_setting()
+    for module in (layer, copy.deepcopy(layer)):
+        torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, (4, 7)))
+        key = plans.tensor_signature("adaptive_avg_pool2d", "forward", (4, 7), '{"variant": "thread_per_output"}',
+                                     env, t)
+        assert torch_cpu.plan_of(key).choice.source == "forced"
+    with pytest.raises(TypeError, match="JSON"):
+        layer.config = {"block": object()}

@@ -22,7 +22,7 @@ import pytest
 import pool_tuner as pt
 from pool_tuner.backends import cuda
 
-from cuda_fakes import OTHER_CONTEXT, PRIMARY_CONTEXT, ForeignArray, forget_fake_gpu, install_fake_gpu
+from cuda_fakes import OTHER_CONTEXT, PRIMARY_CONTEXT, ForeignArray, fake_cuda_device, forget_fake_gpu, install_fake_gpu
 
 SHAPE, SIZE, OUT = (2, 3, 10, 9), (4, 7), (2, 3, 4, 7)
 
@@ -445,3 +445,20 @@ def test_gem_backward_on_arrays_of_a_side_stream_launches_there_and_waits_for_it
     waits = [i for i, c in enumerate(driver.calls) if c == ("cuStreamSynchronize", side)]
     assert waits and reads and waits[0] < reads[0], "grad_out was read before its stream was waited for"
     _forget_gem()
+
+
+def test_two_devices_with_the_same_shapes_each_run_their_own_plan(gpu, monkeypatch):
+    """A plan holds its device: a call on device 1's array whose shapes match an earlier call on
+    device 0's must not reuse device 0's plan (on 0511fb1 it did, and was refused for device 1's
+    current context)."""
+    first, _, driver = gpu
+    second = fake_cuda_device(1)
+    monkeypatch.setattr(cuda, "list_devices", lambda: (first, second))
+    results = []
+    for context in (PRIMARY_CONTEXT, OTHER_CONTEXT):
+        driver.set_current(context)
+        pointer = driver.allocate_in(context, 4 * int(np.prod(SHAPE)))
+        results.append(pt.adaptive_avg_pool2d(ForeignArray(SHAPE, pointer), SIZE))
+    assert [launch["context"] for launch in driver.launches] == [PRIMARY_CONTEXT, OTHER_CONTEXT]
+    assert [c for _, c in driver.modules] == [PRIMARY_CONTEXT, OTHER_CONTEXT]
+    assert [driver._allocation(r.ptr)[1] for r in results] == [PRIMARY_CONTEXT, OTHER_CONTEXT]
