@@ -85,8 +85,21 @@ class Winners(dict):
 WINNERS = Winners()
 dispatch.register_dependent_memo(WINNERS)
 
-#: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
+
+
+def _levels_form(operation):
+    """PyTorch's computation of a multi-level op: each level's functional form at the level's
+    size (a level is exactly that single-level op, ``Operation.level_ops``), as a list."""
+    def levels(x, output_size):
+        sizes = operation.resolve_levels(output_size, tuple(x.shape[x.dim() - operation.ndim:]))
+        return [PYTORCH_FORMS[level.name](x, size) for level, size in zip(operation.level_ops(len(sizes)), sizes)]
+    return levels
+
+
+#: op -> PyTorch's computation of it: a single-level op's functional form (its forward kernel;
+#: its backward through autograd), a multi-level op's levels each by theirs.
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
+PYTORCH_FORMS.update({op: _levels_form(operation) for op, operation in OPERATIONS.items() if operation.multi_level})
 #: op -> (PyTorch's ATen function of it, whether it returns ``(values, indices)``): what the
 #: functional form calls, without the Python around it, for an output size that is one int (the
 #: form resolves ``None`` entries first).  A layer that PyTorch's kernel runs pays no more.
