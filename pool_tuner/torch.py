@@ -1370,7 +1370,10 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
     ``fast`` ones) become ``AdaptiveAvgMaxPool2d`` or ``GlobalPool2d``, computing what timm's do;
     those pooling one tensor twice (avg and max) only with ``fuse=True``, which also runs sibling
     adaptive poolings of one tensor elsewhere (PSPNet's pyramid) as one fused op
-    (``fuse_sibling_pools``).
+    (``fuse_sibling_pools``).  On CPU tensors each swapped layer runs, per input signature, the
+    faster of pool_tuner's kernel and PyTorch's own computation (timm's, for timm's layers),
+    decided on the signature's first call (``pool_tuner.explain(op, shape, size)`` of the layer's
+    op shows the race: ``measured_candidate``).
 
     ``report``, a list, gets one entry per layer swapped, module rewritten, or pooling layer left
     as it is, with the reason (``explain_pooling`` says what the entries hold)."""

@@ -15,7 +15,9 @@ tensors with no forced variant or configuration races the two on its first call 
 block of calls of each on the caller's input, the fastest call of each compared), and the layer
 keeps the faster one -- pool_tuner's only by a margin, for the cost its launches put on the
 PyTorch operations around them -- for its forward and (through PyTorch's autograd) its backward
-pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.
+pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.  ``pool_tuner.torch``'s
+avg+max and global layers race the same way (``PYTORCH_FORMS``: a multi-level op's PyTorch
+computation is each level's functional form).
 
 **One answer per input.**  Both candidates compute PyTorch's semantics, but an average may differ
 in its last bit between them.  So the race is decided before the signature's first result is
