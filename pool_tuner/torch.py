@@ -942,13 +942,14 @@ def _join_avgmax(avg, mx, mode: str):
 
 
 def _composed_avgmax(input, output_size, mode: str):
+    """``AdaptiveAvgMaxPool2d`` in standard operators."""
     return _join_avgmax(*_decomposed_levels(_AVGMAX, input, output_size, "output_size"), mode)
 
 
 def _composed_pyramid(input, output_sizes, mode: str, ndim):
+    """``PyramidPooling`` in standard operators."""
     operation = find(mode, _fused.pyramid_rank(tuple(input.shape), output_sizes, ndim), pyramid=True)
     return _decomposed_levels(operation, input, output_sizes, "output_sizes")
-
 
 
 #: ``PyramidPooling``'s modes and the function each runs.
@@ -1109,7 +1110,7 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
     if input.dim() != 4:
         raise ValueError(f"input must be 4-d ({input_fmt}) for global 2d pooling, got shape {tuple(input.shape)}")
     spec = GLOBAL_POOL_MODES[mode]
-    dims, channel = _INPUT_FORMATS[input_fmt]
+    channel = _INPUT_FORMATS[input_fmt][1]
     if _exported_to_onnx() or _pytorch_runs(spec.operation, input.movedim(channel, 1), 1,
                                             _encode_options(device, variant, config)):
         return _composed_global(input, mode, flatten, input_fmt)

@@ -88,7 +88,6 @@ WINNERS = Winners()
 dispatch.register_dependent_memo(WINNERS)
 
 
-
 def _levels_form(operation):
     """PyTorch's computation of a multi-level op: each level's functional form at the level's
     size (a level is exactly that single-level op, ``Operation.level_ops``), as a list."""

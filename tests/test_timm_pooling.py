@@ -18,9 +18,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import outputs_and_gradients  # noqa: E402
+
 import pool_tuner as pt  # noqa: E402
 import pool_tuner.torch as ptt  # noqa: E402
-from conftest import outputs_and_gradients  # noqa: E402
 from pool_tuner import dispatch, torch_cpu  # noqa: E402
 
 F = torch.nn.functional
@@ -387,3 +388,19 @@ def test_pool_tuner_onnx_export_exports_the_layers_in_standard_operators(layer, 
     for result, want in zip(got, expected if isinstance(expected, list) else [expected]):
         np.testing.assert_allclose(result, want.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert model[2] is layer, "the model itself is untouched"
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("pool_type", ["avgmax", "catavgmax", "fastavgmax", "fastcatavgmax"])
+def test_a_timm_model_whose_pooling_race_pytorch_won_is_timms_bit_for_bit(monkeypatch, pool_type, timm, rng):
+    """Where timm's own computation won the race (as at batch 1 on a CPU), the swapped model's
+    outputs and gradients are the stock model's, bit for bit."""
+    _rig_race(monkeypatch, "pytorch")
+    torch.manual_seed(0)
+    stock = timm.create_model("resnet18", pretrained=False, global_pool=pool_type, num_classes=10).eval()
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
+    assert _timm_layers(swapped) == []
+    x = tensor(rng, (1, 3, 64, 64))
+    ys, gs, _ = outputs_and_gradients(stock, x)
+    yw, gw, _ = outputs_and_gradients(swapped, x)
+    assert torch.equal(yw, ys) and torch.equal(gw, gs)
