@@ -448,17 +448,19 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
     return (results[0], results[1]) if return_indices else results[0]
 
 
-def _pytorch_runs(operation, input, output_size, options: str) -> bool:
-    """Whether PyTorch's own computation (``torch_cpu.PYTORCH_FORMS``) runs a forward of a
-    multi-level op, or a global pooling (``GlobalPool2d``) of any op: a plain eager call on a CPU
-    tensor whose signature's race PyTorch's won -- raced now, before the signature's first result,
-    where it is new (``torch_cpu.race_pytorch``; see its "one answer per input").  Never under
-    ``torch.use_deterministic_algorithms(True)``, where pool_tuner's kernel runs untimed.  The
-    signature is the one ``_eager_cpu_pool`` keys a single-level layer by, so that a
-    single-level op has one decision for both."""
+def _pytorch_runs(operation, input, output_size, options: str, form=None) -> bool:
+    """Whether PyTorch's own computation runs a forward of ``operation`` on ``input``: a plain
+    eager call on a CPU tensor whose signature's race PyTorch's won -- raced now, before the
+    signature's first result, where it is new (``torch_cpu.race_pytorch``; see its "one answer
+    per input").  Never under ``torch.use_deterministic_algorithms(True)``, where pool_tuner's
+    kernel runs untimed.  ``form(input, size)``: the computation that runs where PyTorch's wins,
+    and so the one the race times, where it is not the op's ``torch_cpu.PYTORCH_FORMS``; its
+    races are decided apart from the op's own."""
     if not (_plain_eager(input) and input.is_cpu) or _deterministic():
         return False
     key = _signature(operation.name, _FORWARD, output_size, options, env_device_setting(), (_describe_tensor(input),))
+    if form is not None:
+        key = (key, form)
     try:
         use_pytorch = _winner_of(key)
     except TypeError:  # an unhashable output size: the custom op's path validates it
@@ -466,8 +468,9 @@ def _pytorch_runs(operation, input, output_size, options: str) -> bool:
     if use_pytorch is None:
         levels = _levels_of(operation, input, output_size, "output_size")
         size = levels if operation.pyramid else levels[0]
-        _torch_cpu.plan(operation.name, _FORWARD, [input], size, options, key, race=True)
-        use_pytorch = _torch_cpu.WINNERS[key]
+        found = _cpu_plan(operation.name, _FORWARD, [input], size, options)
+        use_pytorch = _torch_cpu.WINNERS.decide(
+            key, lambda: _torch_cpu.races(found) and _torch_cpu.race_pytorch(found, input, size, form))
     return use_pytorch
 
 
@@ -1070,6 +1073,15 @@ GLOBAL_POOL_MODES = {
 }
 
 
+def _timms_levels(reductions: tuple, input, output_size) -> list:
+    return [reduction.reduce(input, (2, 3)) for reduction in reductions]
+
+
+#: mode -> its levels as timm computes them, of a channels-first input (output size 1): what the
+#: race of a new signature times against pool_tuner's kernel (``_pytorch_runs``).
+_TIMMS_LEVELS = {mode: functools.partial(_timms_levels, spec.reductions) for mode, spec in GLOBAL_POOL_MODES.items()}
+
+
 class _GlobalPooling(torch.autograd.Function):
     """The levels of a global pooling in ``input_fmt``'s layout, kept dims: the values from
     pool_tuner's kernels, the gradient timm's own -- mean's, and amax's, which splits a plane's
@@ -1112,7 +1124,7 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
     spec = GLOBAL_POOL_MODES[mode]
     channel = _INPUT_FORMATS[input_fmt][1]
     if _exported_to_onnx() or _pytorch_runs(spec.operation, input.movedim(channel, 1), 1,
-                                            _encode_options(device, variant, config)):
+                                            _encode_options(device, variant, config), _TIMMS_LEVELS[mode]):
         return _composed_global(input, mode, flatten, input_fmt)
     levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
     return _joined_globally(spec, levels, flatten, channel)

@@ -334,6 +334,20 @@ def test_either_winner_gives_one_answer_per_input_and_timms_gradients(monkeypatc
 
 
 @pytest.mark.usefixtures("candidate_on")
+def test_global_pooling_races_timms_reductions_apart_from_the_adaptive_layers(monkeypatch, rng):
+    """GlobalPool2d runs timm's x.mean/x.amax where PyTorch's side wins, so that is what its race
+    times, decided apart from an AdaptiveAvgMaxPool2d's race (adaptive poolings) on the same input."""
+    x = tensor(rng, (2, 32, 7, 7))
+    _rig_race(monkeypatch, "pool_tuner")
+    adaptive = ptt.AdaptiveAvgMaxPool2d(1, "cat")(x)
+    _rig_race(monkeypatch, "pytorch")
+    fast = ptt.GlobalPool2d("cat", flatten=True)(x)
+    assert torch.equal(adaptive.flatten(1), torch.from_numpy(pt.adaptive_avgmax_pool2d(x.numpy(), 1, mode="cat")).flatten(1))
+    assert torch.equal(fast, _timm_fast(x, "cat", True, "NCHW"))
+    assert torch.equal(ptt.AdaptiveAvgMaxPool2d(1, "cat")(x), adaptive), "each kept its own decision"
+
+
+@pytest.mark.usefixtures("candidate_on")
 @pytest.mark.parametrize("name", ["catavgmax", "fastcatavgmax"])
 def test_threads_meeting_a_new_signature_get_one_answer(name, rng):
     """Threads calling a layer on one new signature together wait for one race: every result,
