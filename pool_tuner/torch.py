@@ -1123,8 +1123,10 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
         raise ValueError(f"input must be 4-d ({input_fmt}) for global 2d pooling, got shape {tuple(input.shape)}")
     spec = GLOBAL_POOL_MODES[mode]
     channel = _INPUT_FORMATS[input_fmt][1]
-    if _exported_to_onnx() or _pytorch_runs(spec.operation, input.movedim(channel, 1), 1,
-                                            _encode_options(device, variant, config), _TIMMS_LEVELS[mode]):
+    channels_first = input if channel == 1 else input.movedim(channel, 1)
+    options = _encode_options(device, variant, config)
+    # a plain eager call (the one _pytorch_runs may say yes to) is never an export: asked first
+    if _pytorch_runs(spec.operation, channels_first, 1, options, _TIMMS_LEVELS[mode]) or _exported_to_onnx():
         return _composed_global(input, mode, flatten, input_fmt)
     levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
     return _joined_globally(spec, levels, flatten, channel)
