@@ -16,7 +16,6 @@ also the input's gradient), as a percentage of the input.
 
 from __future__ import annotations
 
-import math
 import tracemalloc
 
 import numpy as np

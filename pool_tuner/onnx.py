@@ -5,8 +5,10 @@ output size divides its input size, and ONNX runtimes cannot run pool_tuner's ke
 have exact equivalents in standard operators (``pool_tuner.decomposition`` says which).
 
 ``export(model, args, f)`` exports a copy of ``model`` whose PyTorch and pool_tuner adaptive
-pooling layers are replaced by these decompositions; pool_tuner's layers and functional forms
-also decompose themselves under a plain ``torch.onnx.export``.  The pooled input sizes must be
+pooling layers are replaced by these decompositions, and pool_tuner's other layers (GeM,
+avg+max, global and pyramid pooling) by their ``composed()`` forms in standard operators;
+pool_tuner's layers and functional forms also decompose themselves under a plain
+``torch.onnx.export``.  The pooled input sizes must be
 static (batch and channel sizes may be dynamic).  ``onnx`` and ``onnxscript`` (the exporter) are
 imported only by ``export``: ``pip install "pool-tuner[onnx]"``.
 """
@@ -26,7 +28,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 
 from .decomposition import decompose
 from .shapes import resolve_output_size
-from .torch import REPLACEMENTS, _AdaptiveGeMPool, _PoolTunerModule, swap_layers
+from .torch import REPLACEMENTS, _OwnModule, _PoolTunerModule, swap_layers
 
 __all__ = ["export"]
 
@@ -55,7 +57,7 @@ _ADAPTIVE_BASES = tuple(REPLACEMENTS)
 
 
 def _decomposed(name: str, module: torch.nn.Module) -> torch.nn.Module:
-    if isinstance(module, _AdaptiveGeMPool):  # GeM exports as PyTorch's composition
+    if isinstance(module, _OwnModule) and hasattr(module, "composed"):  # GeM, avg+max, global, pyramid layers
         return module.composed()
     known = _KNOWN.get(type(module))
     if known is None:

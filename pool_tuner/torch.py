@@ -328,6 +328,12 @@ for _op in SINGLE_LEVEL:
 def _check_input(input, ndim: int, output_size) -> list:
     """Validate a functional call's arguments, named as the caller wrote them, and return the
     output size with ``None`` entries resolved (ints, or SymInts of dynamic input sizes)."""
+    return list(resolve_output_size(output_size, _pooled_sizes(input, ndim), "output_size"))
+
+
+def _pooled_sizes(input, ndim: int) -> tuple:
+    """The sizes of ``input``'s ``ndim`` pooled axes, once ``input`` is checked to be a tensor
+    of a rank ``ndim``-d pooling takes, with no pooled axis empty."""
     _check_tensor(input, "input")
     if input.dim() not in (ndim + 1, ndim + 2):
         raise ValueError(f"input must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
@@ -336,7 +342,7 @@ def _check_input(input, ndim: int, output_size) -> list:
     if any(size == 0 for size in spatial):
         raise ValueError(f"input has a pooled dimension of size 0 (shape {tuple(input.shape)}); "
                          f"pooled dimensions must be >= 1")
-    return list(resolve_output_size(output_size, spatial, "output_size"))
+    return spatial
 
 
 def _exported_to_onnx() -> bool:
@@ -376,13 +382,18 @@ _winner_of, _PYTORCH, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTO
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
 
 
+def _plain_eager(input) -> bool:
+    """Whether a call on ``input`` is a plain eager one: not traced, compiled, exported,
+    transformed by torch.func or under a dispatch mode."""
+    return (not _is_dynamo_compiling() and type(input) is _Tensor and _tracing_state() is None
+            and _functorch_level() is None and not _dispatch_modes())
+
+
 def _pool(operation, input, output_size, return_indices: bool, options: str):
-    """A single-level forward: a plain eager call on a CPU or CUDA tensor (not traced, compiled,
-    exported, transformed by torch.func or under a dispatch mode) through its plan, skipping the
-    custom op's dispatch layers (``_eager_cpu_pool``, ``_eager_cuda_pool``); everything else
-    through the custom op."""
-    if (not _is_dynamo_compiling() and type(input) is _Tensor and _tracing_state() is None
-            and _functorch_level() is None and not _dispatch_modes()):
+    """A single-level forward: a plain eager call on a CPU or CUDA tensor through its plan,
+    skipping the custom op's dispatch layers (``_eager_cpu_pool``, ``_eager_cuda_pool``);
+    everything else through the custom op."""
+    if _plain_eager(input):
         if input.is_cpu:
             return _eager_cpu_pool(operation, input, output_size, return_indices, options)
         if input.is_cuda:
@@ -434,6 +445,32 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
         return _custom_op_pool(operation, input, output_size, return_indices, options)
     results = _torch_cpu.run(found, [input])
     return (results[0], results[1]) if return_indices else results[0]
+
+
+def _pytorch_runs(operation, input, output_size, options: str, form=None) -> bool:
+    """Whether PyTorch's own computation runs a forward of ``operation`` on ``input``: a plain
+    eager call on a CPU tensor whose signature's race PyTorch's won -- raced now, before the
+    signature's first result, where it is new (``torch_cpu.race_pytorch``; see its "one answer
+    per input").  Never under ``torch.use_deterministic_algorithms(True)``, where pool_tuner's
+    kernel runs untimed.  ``form(input, size)``: the computation that runs where PyTorch's wins,
+    and so the one the race times, where it is not the op's ``torch_cpu.PYTORCH_FORMS``; its
+    races are decided apart from the op's own."""
+    if not (_plain_eager(input) and input.is_cpu) or _deterministic():
+        return False
+    key = _tensor_signature(operation.name, _FORWARD, output_size, options, env_device_setting(), input)
+    if form is not None:
+        key = (key, form)
+    try:
+        winner = _winner_of(key)
+    except TypeError:  # an unhashable output size: the custom op's path validates it
+        return False
+    if winner is None:
+        levels = _levels_of(operation, input, output_size, "output_size")
+        size = levels if operation.pyramid else levels[0]
+        found = _cpu_plan(operation.name, _FORWARD, [input], size, options)
+        winner = _torch_cpu.WINNERS.decide(
+            key, found, lambda: _torch_cpu.races(found) and _torch_cpu.race_pytorch(found, input, size, form))
+    return winner is _PYTORCH
 
 
 def _eager_cuda_pool(operation, input, output_size, return_indices: bool, options: str):
@@ -831,24 +868,42 @@ def _level_views(flat, input, layout, ndim: int, channels_last: bool, positions:
     return views
 
 
+def _levels_of(operation, input, output_size, name: str) -> tuple:
+    """The checked sizes of every level of ``operation`` on ``input`` (a single-level op: one)."""
+    if not operation.multi_level:
+        return (tuple(_check_input(input, operation.ndim, output_size)),)
+    return operation.resolve_levels(output_size, _pooled_sizes(input, operation.ndim), name)
+
+
+def _decomposed_levels(operation, input, output_size, name: str) -> list:
+    """The values of every level of a multi-level op, each its exact decomposition into standard
+    ONNX operators (``pool_tuner.decomposition``)."""
+    levels = _levels_of(operation, input, output_size, name)
+    return [decompose(level.kind, operation.ndim, input, list(size), f"pool_tuner.torch.{operation.name}")
+            for level, size in zip(operation.level_ops(len(levels)), levels)]
+
+
+class _Composition(torch.nn.Module):
+    """A multi-level pool_tuner layer as standard operators only (its ``composed()``, what
+    ``pool_tuner.onnx.export`` exports): ``compute(input, **arguments)``."""
+
+    def __init__(self, compute, **arguments):
+        super().__init__()
+        self.compute, self.arguments = compute, arguments
+
+    def forward(self, input):
+        return self.compute(input, **self.arguments)
+
+
 def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[list, list]:
     """``(values per level, indices per max level)`` of a multi-level op: through its custom op, or
     under ``torch.onnx.export`` the exact per-level decompositions (values only)."""
     operation = OPS[op]
-    _check_tensor(input, "input")
-    ndim = operation.ndim
-    if input.dim() not in (ndim + 1, ndim + 2):
-        raise ValueError(f"input must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
-                         f"got shape {tuple(input.shape)}")
-    spatial = tuple(input.shape[input.dim() - ndim:])
-    if any(size == 0 for size in spatial):
-        raise ValueError(f"input has a pooled dimension of size 0 (shape {tuple(input.shape)}); "
-                         f"pooled dimensions must be >= 1")
-    levels = operation.resolve_levels(output_size, spatial, name)
-    level_ops = operation.level_ops(len(levels))
     if _exported_to_onnx():
-        return [decompose(level.kind, ndim, input, list(size), f"pool_tuner.torch.{op}")
-                for level, size in zip(level_ops, levels)], []
+        return _decomposed_levels(operation, input, output_size, name), []
+    ndim = operation.ndim
+    levels = _levels_of(operation, input, output_size, name)
+    level_ops = operation.level_ops(len(levels))
     _check_no_functorch_transform()
     sizes = [n for level in (levels if operation.pyramid else levels[:1]) for n in level]
     out = _LEVEL_OPS[op, False](input, sizes, options)
@@ -882,14 +937,37 @@ def adaptive_max_pool_pyramid(input, output_sizes, return_indices=False, *, ndim
     return (values, indices) if return_indices else values
 
 
+#: timm's avg+max pooling: an average and a max level from one read.
+_AVGMAX = find("avgmax", 2)
+
+
 def adaptive_avgmax_pool2d(input, output_size=1, mode="avg+max", *, device=None, variant=None, config=None):
     """timm's ``adaptive_avgmax_pool2d`` (``mode="avg+max"``: ``0.5 * (avg + max)``) or
     ``adaptive_catavgmax_pool2d`` (``mode="cat"``: ``torch.cat((avg, max), 1)``), both poolings
     from one read of ``input``."""
     _avgmax.check_mode(mode)
-    (avg, mx), _ = _multi_level("adaptive_avgmax_pool2d", input, output_size,
-                                _encode_options(device, variant, config), "output_size")
+    options = _encode_options(device, variant, config)
+    if _pytorch_runs(_AVGMAX, input, output_size, options):  # the race's winner on this CPU input
+        avg, mx = _torch_cpu.PYTORCH_FORMS[_AVGMAX.name](input, output_size)
+    else:
+        (avg, mx), _ = _multi_level(_AVGMAX.name, input, output_size, options, "output_size")
+    return _join_avgmax(avg, mx, mode)
+
+
+def _join_avgmax(avg, mx, mode: str):
+    """timm's join of avgmax's levels (``pool_tuner.avgmax``)."""
     return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), avg.dim() - 3)
+
+
+def _composed_avgmax(input, output_size, mode: str):
+    """``AdaptiveAvgMaxPool2d`` in standard operators."""
+    return _join_avgmax(*_decomposed_levels(_AVGMAX, input, output_size, "output_size"), mode)
+
+
+def _composed_pyramid(input, output_sizes, mode: str, ndim):
+    """``PyramidPooling`` in standard operators."""
+    operation = find(mode, _fused.pyramid_rank(tuple(input.shape), output_sizes, ndim), pyramid=True)
+    return _decomposed_levels(operation, input, output_sizes, "output_sizes")
 
 
 #: ``PyramidPooling``'s modes and the function each runs.
@@ -916,6 +994,10 @@ class PyramidPooling(_OwnModule, torch.nn.Module):
         return _PYRAMID_MODES[self.mode](input, self.output_sizes, ndim=self.ndim, device=self.device,
                                          variant=self.variant, config=self.config)
 
+    def composed(self) -> torch.nn.Module:
+        """This layer in standard operators (what ``pool_tuner.onnx.export`` exports)."""
+        return _Composition(_composed_pyramid, output_sizes=self.output_sizes, mode=self.mode, ndim=self.ndim)
+
 
 class AdaptiveAvgMaxPool2d(_OwnModule, torch.nn.Module):
     """timm's ``AdaptiveAvgMaxPool2d`` (``mode="avg+max"``) and ``AdaptiveCatAvgMaxPool2d``
@@ -932,6 +1014,10 @@ class AdaptiveAvgMaxPool2d(_OwnModule, torch.nn.Module):
     def forward(self, input):
         return adaptive_avgmax_pool2d(input, self.output_size, self.mode, device=self.device, variant=self.variant,
                                       config=self.config)
+
+    def composed(self) -> torch.nn.Module:
+        """This layer in standard operators (what ``pool_tuner.onnx.export`` exports)."""
+        return _Composition(_composed_avgmax, output_size=self.output_size, mode=self.mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -950,7 +1036,7 @@ def _max_level(input, options: dict) -> list:
 
 
 def _avg_and_max_levels(input, options: dict) -> list:
-    return _multi_level(find("avgmax", 2).name, input, 1, _encode_options(**options), "output_size")[0]
+    return _multi_level(_AVGMAX.name, input, 1, _encode_options(**options), "output_size")[0]
 
 
 def _mean_gradient(grad, level, input, shape, dims):
@@ -981,9 +1067,11 @@ _AMAX = _Reduction(lambda input, dims: input.amax(dims, keepdim=True), _amax_gra
 
 @dataclasses.dataclass(frozen=True)
 class _GlobalMode:
-    """One of GlobalPool2d's modes: its levels from pool_tuner's kernels (one read of the input),
-    the reduction each level is, and how timm joins the levels (along ``dim``, the channels)."""
+    """One of GlobalPool2d's modes: the op its levels are (at output size 1), those levels from
+    pool_tuner's kernels (one read of the input), the reduction each level is, and how timm joins
+    the levels (along ``dim``, the channels)."""
 
+    operation: object
     levels: object
     reductions: tuple
     join: object
@@ -992,11 +1080,21 @@ class _GlobalMode:
 #: timm's fast layers: FastAdaptiveAvgPool, FastAdaptiveMaxPool, FastAdaptiveAvgMaxPool (which
 #: halves each level before adding them, unlike AdaptiveAvgMaxPool2d) and FastAdaptiveCatAvgMaxPool.
 GLOBAL_POOL_MODES = {
-    "avg": _GlobalMode(_avg_level, (_MEAN,), lambda levels, dim: levels[0]),
-    "max": _GlobalMode(_max_level, (_AMAX,), lambda levels, dim: levels[0]),
-    "avg+max": _GlobalMode(_avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: 0.5 * levels[0] + 0.5 * levels[1]),
-    "cat": _GlobalMode(_avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: torch.cat(levels, dim)),
+    "avg": _GlobalMode(find("avg", 2), _avg_level, (_MEAN,), lambda levels, dim: levels[0]),
+    "max": _GlobalMode(find("max", 2), _max_level, (_AMAX,), lambda levels, dim: levels[0]),
+    "avg+max": _GlobalMode(_AVGMAX, _avg_and_max_levels, (_MEAN, _AMAX),
+                           lambda levels, dim: 0.5 * levels[0] + 0.5 * levels[1]),
+    "cat": _GlobalMode(_AVGMAX, _avg_and_max_levels, (_MEAN, _AMAX), lambda levels, dim: torch.cat(levels, dim)),
 }
+
+
+def _timms_levels(reductions: tuple, input, output_size) -> list:
+    return [reduction.reduce(input, (2, 3)) for reduction in reductions]
+
+
+#: mode -> its levels as timm computes them, of a channels-first input (output size 1): what the
+#: race of a new signature times against pool_tuner's kernel (``_pytorch_runs``).
+_TIMMS_LEVELS = {mode: functools.partial(_timms_levels, spec.reductions) for mode, spec in GLOBAL_POOL_MODES.items()}
 
 
 class _GlobalPooling(torch.autograd.Function):
@@ -1029,17 +1127,35 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
     (``"avg+max"``) or both concatenated along the channels (``"cat"``) over the spatial dims of
     ``input_fmt`` (``"NCHW"`` or ``"NHWC"``), kept as size-1 dims or, with ``flatten``, dropped.
     avg and max come from one read of ``input``; the gradient is timm's (amax's splits among ties).
-    Under ONNX export it is timm's reductions (``ReduceMean``, ``ReduceMax``)."""
+
+    timm's own reductions run instead -- with PyTorch's autograd -- under ONNX export (``ReduceMean``,
+    ``ReduceMax``), and on a CPU tensor whose signature they won the race against pool_tuner's
+    kernel (``_pytorch_runs``: ``pool_tuner.explain`` of the mode's op on the channels-first
+    input, output size 1, says which won and the times)."""
     _check_global_pool_arguments(mode, input_fmt)
     _check_tensor(input, "input")
     if input.dim() != 4:
         raise ValueError(f"input must be 4-d ({input_fmt}) for global 2d pooling, got shape {tuple(input.shape)}")
     spec = GLOBAL_POOL_MODES[mode]
+    channel = _INPUT_FORMATS[input_fmt][1]
+    channels_first = input if channel == 1 else input.movedim(channel, 1)
+    options = _encode_options(device, variant, config)
+    # a plain eager call (the one _pytorch_runs may say yes to) is never an export: asked first
+    if _pytorch_runs(spec.operation, channels_first, 1, options, _TIMMS_LEVELS[mode]) or _exported_to_onnx():
+        return _composed_global(input, mode, flatten, input_fmt)
+    levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
+    return _joined_globally(spec, levels, flatten, channel)
+
+
+def _composed_global(input, mode: str, flatten: bool, input_fmt: str):
+    """``global_pool2d`` as timm computes it, in PyTorch's reductions."""
+    spec = GLOBAL_POOL_MODES[mode]
     dims, channel = _INPUT_FORMATS[input_fmt]
-    if _exported_to_onnx():
-        levels = [reduction.reduce(input, dims) for reduction in spec.reductions]
-    else:
-        levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
+    return _joined_globally(spec, [reduction.reduce(input, dims) for reduction in spec.reductions], flatten, channel)
+
+
+def _joined_globally(spec: _GlobalMode, levels: list, flatten: bool, channel: int):
+    """The levels of a global pooling (size-1 dims kept), flattened where asked, joined as timm does."""
     if flatten:
         levels = [level.flatten(1) for level in levels]
     return spec.join(levels, 1 if flatten else channel)
@@ -1068,6 +1184,10 @@ class GlobalPool2d(_OwnModule, torch.nn.Module):
     def forward(self, input):
         return global_pool2d(input, self.mode, flatten=self.flatten, input_fmt=self.input_fmt, device=self.device,
                              variant=self.variant, config=self.config)
+
+    def composed(self) -> torch.nn.Module:
+        """This layer in timm's own reductions (what ``pool_tuner.onnx.export`` exports)."""
+        return _Composition(_composed_global, mode=self.mode, flatten=self.flatten, input_fmt=self.input_fmt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1280,7 +1400,10 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
     ``fast`` ones) become ``AdaptiveAvgMaxPool2d`` or ``GlobalPool2d``, computing what timm's do;
     those pooling one tensor twice (avg and max) only with ``fuse=True``, which also runs sibling
     adaptive poolings of one tensor elsewhere (PSPNet's pyramid) as one fused op
-    (``fuse_sibling_pools``).
+    (``fuse_sibling_pools``).  On CPU tensors each swapped layer runs, per input signature, the
+    faster of pool_tuner's kernel and PyTorch's own computation (timm's, for timm's layers),
+    decided on the signature's first call (``pool_tuner.explain(op, shape, size)`` of the layer's
+    op shows the race: ``measured_candidate``).
 
     ``report``, a list, gets one entry per layer swapped, module rewritten, or pooling layer left
     as it is, with the reason (``explain_pooling`` says what the entries hold)."""

@@ -15,7 +15,9 @@ tensors with no forced variant or configuration races the two on its first call 
 block of calls of each on the caller's input, the fastest call of each compared), and the layer
 keeps the faster one -- pool_tuner's only by a margin, for the cost its launches put on the
 PyTorch operations around them -- for its forward and (through PyTorch's autograd) its backward
-pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.
+pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.  ``pool_tuner.torch``'s
+avg+max and global layers race the same way (``PYTORCH_FORMS``: a multi-level op's PyTorch
+computation is each level's functional form).
 
 **One answer per input.**  Both candidates compute PyTorch's semantics, but an average may differ
 in its last bit between them.  So the race is decided before the signature's first result is
@@ -108,13 +110,38 @@ class Winners:
 
 WINNERS = Winners()
 
-#: op -> PyTorch's functional form of it (its forward kernel; its backward through autograd).
+
+#: op -> PyTorch's computation of it: a single-level op's functional form (its forward kernel;
+#: its backward through autograd), a multi-level op's levels each by theirs.
 PYTORCH_FORMS = {op: getattr(torch.nn.functional, op) for op in SINGLE_LEVEL}
 #: op -> (PyTorch's ATen function of it, whether it returns ``(values, indices)``): what the
 #: functional form calls, without the Python around it, for an output size that is one int (the
 #: form resolves ``None`` entries first).  A layer that PyTorch's kernel runs pays no more.
 PYTORCH_KERNELS = {op: (getattr(torch._C._nn, op, None) or getattr(torch, op), OPERATIONS[op].selects)
                    for op in SINGLE_LEVEL}
+
+
+def _levels_form(operation):
+    """PyTorch's computation of a multi-level op: each level's functional form at the level's
+    size (a level is exactly that single-level op, ``Operation.level_ops``), as a list; for
+    avg+max's one int output size, each level's ATen function, without the forms' Python."""
+    if operation.pyramid:
+        def levels(x, output_sizes):
+            return [PYTORCH_FORMS[level.name](x, size)
+                    for level, size in zip(operation.level_ops(len(output_sizes)), output_sizes)]
+        return levels
+    level_ops = operation.level_ops(1)
+    forms = [PYTORCH_FORMS[level.name] for level in level_ops]
+    kernels = [PYTORCH_KERNELS[level.name] for level in level_ops]
+
+    def levels(x, output_size):
+        if type(output_size) is int:
+            return [kernel(x, output_size)[0] if selects else kernel(x, output_size) for kernel, selects in kernels]
+        return [form(x, output_size) for form in forms]
+    return levels
+
+
+PYTORCH_FORMS.update({op: _levels_form(operation) for op, operation in OPERATIONS.items() if operation.multi_level})
 
 
 def plan(op: str, direction: str, tensors: list, size, options: str, key) -> plans.Plan:
@@ -229,9 +256,10 @@ def races(found: plans.Plan) -> bool:
             and not problem.is_empty and problem.bytes_moved() <= RACE_BYTES)
 
 
-def race_pytorch(found: plans.Plan, x: torch.Tensor, output_size) -> bool:
+def race_pytorch(found: plans.Plan, x: torch.Tensor, output_size, form=None) -> bool:
     """Race PyTorch's kernel against pool_tuner's on input ``x``; returns whether PyTorch's runs
-    the plan, and notes the race for ``explain``.
+    the plan, and notes the race for ``explain``.  ``form(x, output_size)``: PyTorch's computation
+    that runs where it wins, by default the op's ``PYTORCH_FORMS``.
 
     In blocks rather than taking turns: a launch leaves the device's worker threads competing for
     the cores with PyTorch's own for a while, so a PyTorch call right after one of pool_tuner's
@@ -239,7 +267,7 @@ def race_pytorch(found: plans.Plan, x: torch.Tensor, output_size) -> bool:
     kernel, which the race cannot see: pool_tuner's kernel must win by ``RACE_MARGIN``.  The
     fastest call, not the median: what ran just before a call (another library's threads still
     spinning, say) can slow any few of them, and the race is about the kernels."""
-    form = PYTORCH_FORMS[found.problem.op]
+    form = form or PYTORCH_FORMS[found.problem.op]
     with torch.no_grad():
         pytorch_ms = _fastest_call_ms(lambda: form(x, output_size))
         pool_tuner_ms = _fastest_call_ms(lambda: run(found, [x]))

@@ -7,17 +7,22 @@ The tests that build timm's models skip, saying why, where timm does not import 
 torchvision built for the installed torch).  ``GlobalPool2d`` -- the replacement of timm's fast
 layers -- is tested without timm against timm's formulas written out in PyTorch operations."""
 
+import concurrent.futures
 import copy
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import pool_tuner.torch as ptt  # noqa: E402
 from conftest import outputs_and_gradients  # noqa: E402
+
+import pool_tuner as pt  # noqa: E402
+import pool_tuner.torch as ptt  # noqa: E402
+from pool_tuner import dispatch, torch_cpu  # noqa: E402
 
 F = torch.nn.functional
 TIMM_POOLING = "timm.layers.adaptive_avgmax_pool"
@@ -245,3 +250,171 @@ def test_the_report_names_pytorch_layers_swapped_kept_and_modules_fused(rng):
     assert "subclass of torch.nn.AdaptiveAvgPool2d" in kept["reason"] and kept["replacement"] is None
     x = tensor(rng, (2, 3, 9, 9))
     torch.testing.assert_close(ptt.replace_pooling(copy.deepcopy(model), fuse=True)(x), model(x))
+
+
+# ------------------------------------------------------------------ PyTorch's computation as a candidate
+
+
+@pytest.fixture
+def candidate_on(monkeypatch):
+    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
+    dispatch.forget()
+    yield
+    dispatch.forget()
+
+
+def _rig_race(monkeypatch, winner):
+    """Every race is still run and noted, and ends with ``winner`` running the layer."""
+    monkeypatch.setattr(torch_cpu, "RACE_MARGIN", 1e12 if winner == "pytorch" else 0.0)
+
+
+def _timm_adaptive(x, size, mode):
+    """timm's ``AdaptiveAvgMaxPool2d`` / ``AdaptiveCatAvgMaxPool2d`` forward, written out."""
+    avg, mx = F.adaptive_avg_pool2d(x, size), F.adaptive_max_pool2d(x, size)
+    return 0.5 * (avg + mx) if mode == "avg+max" else torch.cat((avg, mx), 1)
+
+
+#: (layer, timm's computation of it, the op pool_tuner.explain names its race by, output size)
+RACED_LAYERS = {
+    "catavgmax": (lambda: ptt.AdaptiveAvgMaxPool2d(1, "cat"), lambda x: _timm_adaptive(x, 1, "cat"),
+                  "adaptive_avgmax_pool2d", 1),
+    "avgmax_2x3": (lambda: ptt.AdaptiveAvgMaxPool2d((2, 3), "avg+max"), lambda x: _timm_adaptive(x, (2, 3), "avg+max"),
+                   "adaptive_avgmax_pool2d", (2, 3)),
+    "fastcatavgmax": (lambda: ptt.GlobalPool2d("cat", flatten=True), lambda x: _timm_fast(x, "cat", True, "NCHW"),
+                      "adaptive_avgmax_pool2d", 1),
+    "fastavgmax": (lambda: ptt.GlobalPool2d("avg+max"), lambda x: _timm_fast(x, "avg+max", False, "NCHW"),
+                   "adaptive_avgmax_pool2d", 1),
+    "fastavg": (lambda: ptt.GlobalPool2d("avg", flatten=True), lambda x: _timm_fast(x, "avg", True, "NCHW"),
+                "adaptive_avg_pool2d", 1),
+    "fastmax": (lambda: ptt.GlobalPool2d("max"), lambda x: _timm_fast(x, "max", False, "NCHW"),
+                "adaptive_max_pool2d", 1),
+}
+#: More calls than a race times.
+MANY_CALLS = 3 * (torch_cpu.RACE_CALLS + 1)
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("name", RACED_LAYERS)
+def test_avgmax_and_global_layers_race_pytorch_on_cpu_and_explain_says_who_won(name, rng):
+    """A CPU layer's first call of a signature times timm's own computation against pool_tuner's
+    one-read kernel and keeps the faster: ``pool_tuner.explain`` names the race and its times."""
+    make, timms, op, size = RACED_LAYERS[name]
+    shape = (2, 16, 7, 7)
+    assert pt.explain(op, shape, size)["measured_candidate"] is None
+    layer, x = make(), tensor(rng, shape)
+    torch.testing.assert_close(layer(x), timms(x), rtol=1e-5, atol=1e-6)
+    race = pt.explain(op, shape, size)["measured_candidate"]
+    assert race is not None, "the race is noted"
+    assert race["candidate"] == "pytorch" and race["pytorch_ms"] > 0 and race["pool_tuner_ms"] > 0
+    assert race["winner"] == ("pytorch" if race["pool_tuner_ms"] * torch_cpu.RACE_MARGIN > race["pytorch_ms"]
+                              else "pool_tuner")
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("winner", ["pytorch", "pool_tuner"])
+@pytest.mark.parametrize("name", RACED_LAYERS)
+def test_either_winner_gives_one_answer_per_input_and_timms_gradients(monkeypatch, name, winner, rng):
+    """From the first call (the race's) on, a signature's results are the same bits; where timm's
+    own computation won they are its bits and its gradients, exactly."""
+    _rig_race(monkeypatch, winner)
+    make, timms, op, size = RACED_LAYERS[name]
+    layer, x = make(), tensor(rng, (3, 8, 5, 6))
+    first = layer(x)
+    assert pt.explain(op, tuple(x.shape), size)["measured_candidate"]["winner"] == winner
+    differing = [call for call in range(MANY_CALLS) if not torch.equal(layer(x), first)]
+    assert differing == [], f"calls {differing} gave other bits than the first"
+    x_stock, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = timms(x_stock), layer(x_ours)
+    if winner == "pytorch":
+        assert torch.equal(got, expected)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    grad = torch.from_numpy(rng.standard_normal(tuple(expected.shape)).astype(np.float32))
+    expected.backward(grad), got.backward(grad)
+    torch.testing.assert_close(x_ours.grad, x_stock.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_global_pooling_races_timms_reductions_apart_from_the_adaptive_layers(monkeypatch, rng):
+    """GlobalPool2d runs timm's x.mean/x.amax where PyTorch's side wins, so that is what its race
+    times, decided apart from an AdaptiveAvgMaxPool2d's race (adaptive poolings) on the same input."""
+    x = tensor(rng, (2, 32, 7, 7))
+    _rig_race(monkeypatch, "pool_tuner")
+    adaptive = ptt.AdaptiveAvgMaxPool2d(1, "cat")(x)
+    _rig_race(monkeypatch, "pytorch")
+    fast = ptt.GlobalPool2d("cat", flatten=True)(x)
+    assert torch.equal(adaptive.flatten(1), torch.from_numpy(pt.adaptive_avgmax_pool2d(x.numpy(), 1, mode="cat")).flatten(1))
+    assert torch.equal(fast, _timm_fast(x, "cat", True, "NCHW"))
+    assert torch.equal(ptt.AdaptiveAvgMaxPool2d(1, "cat")(x), adaptive), "each kept its own decision"
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("name", ["catavgmax", "fastcatavgmax"])
+def test_threads_meeting_a_new_signature_get_one_answer(name, rng):
+    """Threads calling a layer on one new signature together wait for one race: every result,
+    and every later call's, is the same bits."""
+    make, _, op, size = RACED_LAYERS[name]
+    layer, x = make(), tensor(rng, (2, 24, 6, 5))
+    barrier = threading.Barrier(4)
+
+    def call(_):
+        barrier.wait()
+        return layer(x)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(call, range(4)))
+    results.append(layer(x))
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert pt.explain(op, tuple(x.shape), size)["measured_candidate"] is not None
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_deterministic_algorithms_run_the_fused_kernel_without_a_race(rng):
+    x = tensor(rng, (2, 8, 7, 5))
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = [ptt.AdaptiveAvgMaxPool2d(1, "cat")(x) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    expected = pt.adaptive_avgmax_pool2d(x.numpy(), 1, mode="cat")
+    assert all(np.array_equal(r.numpy(), expected) for r in results)
+    assert pt.explain("adaptive_avgmax_pool2d", (2, 8, 7, 5), 1)["measured_candidate"] is None
+
+
+@pytest.mark.parametrize("layer", [ptt.AdaptiveAvgMaxPool2d((2, 3), "cat"), ptt.AdaptiveAvgMaxPool2d(1, "avg+max"),
+                                   ptt.GlobalPool2d("cat", flatten=True), ptt.GlobalPool2d("avg+max"),
+                                   ptt.GlobalPool2d("max", input_fmt="NHWC"), ptt.PyramidPooling([1, 2, 3], "max")],
+                         ids=repr)
+def test_pool_tuner_onnx_export_exports_the_layers_in_standard_operators(layer, rng):
+    """pool_tuner.onnx.export swaps avg+max, global and pyramid layers for their compositions
+    (they failed to convert: their custom ops have no ONNX form); onnxruntime gives their results."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from pool_tuner import onnx as pto
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.ReLU(), layer).eval()
+    x = tensor(rng, (2, 3, 9, 11))
+    program = pto.export(model, (x,))
+    assert not [node.domain for node in program.model.graph if node.domain not in ("", "ai.onnx")]
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    expected = model(x)
+    for result, want in zip(got, expected if isinstance(expected, list) else [expected]):
+        np.testing.assert_allclose(result, want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert model[2] is layer, "the model itself is untouched"
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("pool_type", ["avgmax", "catavgmax", "fastavgmax", "fastcatavgmax"])
+def test_a_timm_model_whose_pooling_race_pytorch_won_is_timms_bit_for_bit(monkeypatch, pool_type, timm, rng):
+    """Where timm's own computation won the race (as at batch 1 on a CPU), the swapped model's
+    outputs and gradients are the stock model's, bit for bit."""
+    _rig_race(monkeypatch, "pytorch")
+    torch.manual_seed(0)
+    stock = timm.create_model("resnet18", pretrained=False, global_pool=pool_type, num_classes=10).eval()
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=True)
+    assert _timm_layers(swapped) == []
+    x = tensor(rng, (1, 3, 224, 224))  # 7x7 maps at the head: sums in another order differ in their last bits
+    ys, gs, _ = outputs_and_gradients(stock, x)
+    yw, gw, _ = outputs_and_gradients(swapped, x)
+    assert torch.equal(yw, ys) and torch.equal(gw, gs)
