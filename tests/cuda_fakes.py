@@ -64,6 +64,7 @@ class FakeDriver:
         self.contexts = {PRIMARY_CONTEXT: 0, OTHER_CONTEXT: 1}  # context -> device ordinal
         self.primary = {0: PRIMARY_CONTEXT, 1: OTHER_CONTEXT}
         self.functions = {}  # function handle -> context of its module
+        self.function_modules = {}  # function handle -> its module's handle
         self.parameters = {}  # function handle -> its declared parameters' ctypes types (None: unknown)
         self.memory = {}  # device address -> (context, bytearray)
         self._next_address = 0x7_0000_0000
@@ -160,9 +161,11 @@ class FakeDriver:
         parameters = kernel_parameters(image, _value(name).decode() if isinstance(_value(name), bytes) else name)
         if parameters is NOT_FOUND:
             return NOT_FOUND_STATUS
-        _target(function).value = 0xF000 + len(self.modules)
-        self.functions[0xF000 + len(self.modules)] = self.current()
-        self.parameters[0xF000 + len(self.modules)] = parameters
+        handle = 0xF001 + len(self.functions)  # one per function, as the driver's: a module may hold several
+        _target(function).value = handle
+        self.functions[handle] = self.current()
+        self.parameters[handle] = parameters
+        self.function_modules[handle] = _value(_target(module))
         return 0
 
     # memory: owned by the context that allocated it; bytes that copies move
