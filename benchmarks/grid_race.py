@@ -50,7 +50,7 @@ def grid_problems(path: Path, direction: str, layout: str | None, no_global: boo
     return chosen
 
 
-def race(problem: Problem, winner: tuple, variant: str, device, rounds: int, rng) -> dict:
+def race(problem: Problem, winner: tuple, variant: str, device, rounds: int, rng, config: dict | None = None) -> dict:
     kind, ndim = problem.operation.kind, problem.ndim
     layout = problem.layout
     size = problem.output_shape[-ndim:]
@@ -67,7 +67,7 @@ def race(problem: Problem, winner: tuple, variant: str, device, rounds: int, rng
         return lambda: function(*args, problem.input_shape, variant=name, config=config)
 
     candidates = {"winner": bench.Candidate(call(*winner), device.queue.finish),
-                  variant: bench.Candidate(call(variant, {}), device.queue.finish),
+                  variant: bench.Candidate(call(variant, config or {}), device.queue.finish),
                   "fallback": bench.Candidate(call(FALLBACK[problem.direction], {}), device.queue.finish)}
     want = held_back.host_copy(candidates["winner"].call())
     for name, candidate in candidates.items():
@@ -88,6 +88,9 @@ def main() -> int:
     parser.add_argument("--direction", default="backward", choices=("forward", "backward"))
     parser.add_argument("--layout", choices=("channels_first", "channels_last"))
     parser.add_argument("--no-global", action="store_true", help="leave out global pooling problems")
+    parser.add_argument("--config", type=json.loads, default={},
+                        help="the variant's configuration as JSON (default: its default for each problem); "
+                             "problems it is not legal for are left out")
     parser.add_argument("--rounds", type=int, default=5)
     common.add_output_argument(parser)
     args = parser.parse_args()
@@ -98,9 +101,9 @@ def main() -> int:
     rows = []
     limits = device.info.limits
     for problem, *winner in grid_problems(args.grid, args.direction, args.layout, args.no_global):
-        if not variants_for(problem.op, problem.direction)[args.variant].is_legal({}, problem, limits):
+        if not variants_for(problem.op, problem.direction)[args.variant].is_legal(args.config, problem, limits):
             continue
-        rows.append(race(problem, tuple(winner), args.variant, device, args.rounds, rng))
+        rows.append(race(problem, tuple(winner), args.variant, device, args.rounds, rng, args.config))
         r = rows[-1]
         print(f"  {r['op']} {'x'.join(map(str, r['input']))} -> {'x'.join(map(str, r['output']))} {r['layout']}: "
               f"winner {r['winner']['variant']} {r['ms']['winner']:.3f} ms, {args.variant} {r['ms'][args.variant]:.3f} "

@@ -21,6 +21,10 @@ every round), medians:
   8, ``--time-limit`` 4, random sampling) in a scratch cache (``--tuned-dir``, kept: a second run
   reuses its tunings), forced.
 
+``rules``, ``measured`` and ``tuned`` are those of the problem the calls make: the layout the call
+reads its input (backward: grad_out) in, ``call_layout``, which for a channels-last global layer's
+backward is channels-first (its grad_out, one value per plane, is contiguous either way).
+
 Every candidate's output is checked against PyTorch's once before timing.  Reported per layer:
 milliseconds of each and each one's speed-up over PyTorch (torch ms / candidate ms); overall the
 geomean and worst speed-up of each, and measured / tuned.  The load average is printed before and
@@ -46,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
 import pool_tuner as pt  # noqa: E402
-from pool_tuner import backends, bench, cache, default_rules, tuner  # noqa: E402
+from pool_tuner import backends, bench, cache, default_rules, ops, tuner  # noqa: E402
 from pool_tuner.problem import LAYOUT_NAMES, Problem  # noqa: E402
 
 #: name -> (op, input shape, output size, layout): forward passes of torchvision/timm-style layers
@@ -115,9 +119,12 @@ def layer(name: str) -> tuple:
     return (*LAYERS[name], "forward") if name in LAYERS else (*BACKWARD_LAYERS[name], "backward")
 
 
-def tuned_choice(name: str, device, table: cache.TuningCache, allow_tuning: bool) -> tuple | None:
-    """The scratch cache's winner for layer ``name`` (tuned now if missing and ``allow_tuning``)."""
-    op, shape, size, layout, direction = layer(name)
+def tuned_choice(name: str, device, table: cache.TuningCache, allow_tuning: bool, layout: str | None = None
+                 ) -> tuple | None:
+    """The scratch cache's winner for layer ``name`` (tuned now if missing and ``allow_tuning``), in
+    ``layout`` where given (the layout its calls read, ``call_layout``), else the layer's."""
+    op, shape, size, layer_layout, direction = layer(name)
+    layout = layout or layer_layout
     problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
     record = table.lookup(cache.cache_key(problem, device))
     if record is None and allow_tuning:
@@ -127,9 +134,17 @@ def tuned_choice(name: str, device, table: cache.TuningCache, allow_tuning: bool
     return None if record is None else (record["best"]["variant"], record["best"]["params"])
 
 
+def call_layout(array, ndim: int) -> str:
+    """The layout a call reads ``array`` (its input, or a backward call's grad_out) in: where the
+    memory is both contiguous and channels-last (a global grad_out, one value per plane) contiguous
+    wins, so a channels-last global layer's backward is a channels-first problem; its rules, its
+    measured choice and its tuning must be that problem's, not the layer's nominal layout's."""
+    return ops.memory_layout(array, ndim)
+
+
 def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int, rng) -> dict:
     op, shape, size, layout, direction = layer(name)
-    problem = Problem.create(op, shape, size, "float32", layout, direction=direction)
+    output_shape = Problem.create(op, shape, size, "float32", layout, direction=direction).output_shape
     x_host = rng.uniform(-2, 2, shape).astype(np.float32)
     x, t = device_input(device, x_host, layout), torch_input(x_host, layout)
     if direction == "forward":
@@ -141,7 +156,7 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
         def torch_call():
             return torch_function(t, size)
     else:  # the gradient of a random upstream gradient, in the layer's memory format
-        g_host = rng.uniform(-2, 2, problem.output_shape).astype(np.float32)
+        g_host = rng.uniform(-2, 2, output_shape).astype(np.float32)
         g, g_t = device_input(device, g_host, layout), torch_input(g_host, layout)
         function = getattr(pt, f"{op}_backward")
         torch_function = getattr(torch.ops.aten, f"_{op}_backward")
@@ -151,15 +166,17 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
 
         def torch_call():
             return torch_function(g_t, t)
-    plain_source = pt.explain(op, shape, size, layout=layout, direction=direction)["source"]
+    read = call_layout(x if direction == "forward" else g, len(size))
+    problem = Problem.create(op, shape, size, "float32", read, direction=direction)
+    plain_source = pt.explain(op, shape, size, layout=read, direction=direction)["source"]
     with pt.benchmark_mode(True):
         ours_call()
-    measured = pt.explain(op, shape, size, layout=layout, direction=direction)
+    measured = pt.explain(op, shape, size, layout=read, direction=direction)
     choices = {"rules": default_rules.decide(problem, device)}
     if old_rules is not None:
         choices["old rules"] = default_rules.decide(problem, device, old_rules)
     forced = {k: (d.variant.name, d.params) for k, d in choices.items()}
-    tuned = tuned_choice(name, device, table, allow_tuning)
+    tuned = tuned_choice(name, device, table, allow_tuning, read)
     if tuned is not None:
         forced["tuned"] = tuned
 
@@ -176,7 +193,7 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
     timings = common.interleave(candidates, rounds, 0.2, rng)
     return {
         "layer": name, "op": op, "direction": direction, "input": list(shape), "output_size": list(size),
-        "layout": layout,
+        "layout": layout, "call_layout": read,
         "plain_source": plain_source,
         "choices": {**{k: {"variant": v, "params": p} for k, (v, p) in forced.items()},
                     "measured": {"variant": measured["variant"], "params": measured["params"],

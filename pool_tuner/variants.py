@@ -708,11 +708,13 @@ class ChannelsGather(Variant):
     name = "channels_gather"
     direction = "backward"
     layouts = ("channels_last",)
-    summary = ("gather, channels-last only: a work-item takes `channels_per_item` neighbouring channels of one input "
-               "position, finds its covering outputs and their areas once for all of them, and sums each channel's "
-               "terms with the channels as the contiguous inner loop")
-    search_space = {"block_size_x": [1, 4, 16, 64, 256], "channels_per_item": [1, 2, 4, 8, 16, 32, 64, 128]}
-    default = {"block_size_x": 16, "channels_per_item": 64}
+    summary = ("gather, channels-last only: a work-item takes `channels_per_item` neighbouring channels of a run of "
+               "`positions_per_item` input positions along W, finds the row's covering outputs once for the run, "
+               "each position's along W and their areas once for all its channels, and sums each channel's terms "
+               "with the channels as the contiguous inner loop")
+    search_space = {"block_size_x": [1, 4, 16, 64, 256], "channels_per_item": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+                    "positions_per_item": [1, 2, 4, 8, 16, 32]}
+    default = {"block_size_x": 16, "channels_per_item": 64, "positions_per_item": 1}
 
     def illegal_reason(self, params, problem, limits):
         if is_global(problem):
@@ -721,6 +723,9 @@ class ChannelsGather(Variant):
         per_item = params["channels_per_item"]
         if per_item > 1 and per_item > problem.channels:
             return f"channels_per_item must not exceed the number of channels ({problem.channels})"
+        run = params["positions_per_item"]
+        if run > 1 and run > problem.in_spatial[-1]:
+            return f"positions_per_item must not exceed the input's width ({problem.in_spatial[-1]})"
         return super().illegal_reason(params, problem, limits)
 
     def default_for(self, problem):
@@ -731,8 +736,9 @@ class ChannelsGather(Variant):
         return {**self.default, "channels_per_item": widest}
 
     def groups(self, params, problem):
-        positions = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial)
-        return _ceil_div(positions * _ceil_div(problem.channels, params["channels_per_item"]), params["block_size_x"])
+        rows = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial[:-1])
+        runs = rows * _ceil_div(problem.in_spatial[-1], params["positions_per_item"])
+        return _ceil_div(runs * _ceil_div(problem.channels, params["channels_per_item"]), params["block_size_x"])
 
 
 class SmemTiledBackward(_Tiled):

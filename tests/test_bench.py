@@ -360,3 +360,26 @@ def dispatch_tables_hold_no_record(problem, device, cache) -> bool:
     from pool_tuner import dispatch
 
     return dispatch.tuning_cache().lookup(cache.cache_key(problem, device)) is None
+
+
+def test_held_back_times_the_problem_its_calls_make(tmp_path):
+    """A channels-last global layer's backward call reads its grad_out (one value per plane,
+    contiguous either way) as channels-first: held_back.py's ``rules`` must be what dispatch decides
+    for that problem, not for the layer's nominal channels-last one (a variant no call runs)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "held_back.py"
+    if not script.exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+    report = tmp_path / "report.json"
+    env = dict(os.environ, POOL_TUNER_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script), "--backward", "--no-tune", "--rounds", "1", "--layer",
+                           "convnext_head_cl_backward", "--tuned-dir", str(tmp_path / "tuned"), "--out", str(report)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = json.loads(report.read_text())["layers"][0]
+    assert (row["layout"], row["call_layout"]) == ("NHWC", "NCHW")
+    dispatched = pt.explain("adaptive_avg_pool2d", (32, 768, 7, 7), 1, layout="NCHW", direction="backward")
+    assert row["choices"]["rules"] == {"variant": dispatched["variant"], "params": dispatched["params"]}

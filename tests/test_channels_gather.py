@@ -148,3 +148,28 @@ def test_refused_for_global_pooling():
     problem = Problem.create("adaptive_avg_pool2d", (2, 8, 7, 7), 1, layout="NHWC", direction="backward")
     with pytest.raises(ValueError, match="not for global pooling"):
         VARIANT.check_config({}, problem, backends.default_device().info.limits, forced=True)
+
+
+@pytest.mark.parametrize("op,shape,size", [
+    ("adaptive_avg_pool2d", (2, 48, 17, 17), (5, 5)), ("adaptive_max_pool2d", (2, 48, 17, 17), (5, 5)),
+    ("adaptive_avg_pool2d", (3, 20, 6, 9), (4, 13)), ("adaptive_avg_pool3d", (2, 16, 3, 5, 10), (2, 3, 4)),
+    ("adaptive_avg_pool1d", (2, 24, 30), (7,))])
+@pytest.mark.parametrize("positions_per_item", [2, 4, 8])
+def test_runs_along_w_whole_and_short(op, shape, size, positions_per_item, rng):
+    """Runs of positions along W that divide the width and ones that leave a short last run per row
+    (17, 9, 10 and 30 wide): every input written once, in the gathers' order."""
+    if positions_per_item > shape[-1]:
+        pytest.skip("wider than the row")
+    config = {"positions_per_item": positions_per_item, "channels_per_item": 8, "block_size_x": 4}
+    ndim = int(op[-2])
+    ours, gather, expected = gradients(op, shape, size, "float32", rng, config=config)
+    check_result(ours, expected, np.dtype(np.float32), LAYOUT_NAMES[ndim][1], ndim)
+    assert ours.tobytes() == gather.tobytes(), "the sums differ from the gathers' order"
+
+
+def test_runs_wider_than_the_row_are_refused():
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 9, 3), 2, layout="NHWC", direction="backward")
+    limits = backends.default_device().info.limits
+    assert VARIANT.is_legal({"positions_per_item": 2}, problem, limits)
+    with pytest.raises(ValueError, match="positions_per_item must not exceed the input's width"):
+        VARIANT.check_config({"positions_per_item": 4}, problem, limits)
