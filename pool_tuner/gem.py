@@ -226,9 +226,11 @@ def input_gradient_program(problem: Problem) -> str:
     """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
     files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
     per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
-    partial = problem.channels * math.prod(problem.in_spatial) % per_group != 0
+    plane_size = math.prod(problem.in_spatial)
+    partial = problem.channels * plane_size % per_group != 0
+    groups_per_plane = plane_size // per_group if plane_size % per_group == 0 and not problem.channels_last else 0
     return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG,
-                                              "PARTIAL_LAST_GROUP": int(partial)})
+                                              "PARTIAL_LAST_GROUP": int(partial), "GROUPS_PER_PLANE": groups_per_plane})
 
 
 def helper_problems(ops=None, dtypes=("float32",)) -> list:
@@ -240,10 +242,12 @@ def helper_problems(ops=None, dtypes=("float32",)) -> list:
         op = find("gem", ndim).name
         if ops is not None and op not in ops:
             continue
-        for kind, size in (("global", 1), ("windows", 4)):
+        # 9-wide planes gather inverse windows; 256-element planes fill whole work-groups (masked shares)
+        for kind, spatial, size in (("global", (9,) * ndim, 1), ("windows", (9,) * ndim, 4),
+                                    ("group_planes", {1: (256,), 2: (16, 16), 3: (4, 8, 8)}[ndim], 3)):
             for dtype in dtypes:
                 found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
-                              Problem.create(op, (2, 3) + (9,) * ndim, size, dtype, direction="backward")))
+                              Problem.create(op, (2, 3) + spatial, size, dtype, direction="backward")))
     return found
 
 

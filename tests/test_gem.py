@@ -156,6 +156,28 @@ def test_backward_channels_last_and_3d(rng):
     assert gp == pytest.approx(ep, rel=1e-11)
 
 
+@pytest.mark.parametrize("ndim,spatial,size", [(1, (512,), 5), (2, (32, 32), 3), (2, (16, 16), (4, 1)),
+                                                (2, (64, 64), 1), (3, (4, 8, 8), (3, 2, 3))])
+def test_backward_where_planes_fill_whole_work_groups(rng, ndim, spatial, size):
+    """Channels-first planes of a multiple of the input-gradient kernel's work-group: the plane is
+    the group's and each input masks all of its plane's outputs (few) instead of gathering its
+    inverse window.  Same bits as the gather (channels-last memory takes it), and the reference."""
+    shape = (2, 3) + spatial
+    x = _input(rng, shape, "float32")
+    backward = getattr(pt, f"adaptive_gem_pool{ndim}d_backward")
+    y = getattr(pt, f"adaptive_gem_pool{ndim}d")(x, size, p=2.5)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    grad_x, grad_p = backward(g, x, size, p=2.5)
+    x_cl = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
+    grad_cl, _ = backward(g, x_cl, size, p=2.5, output=y)
+    assert np.array_equal(grad_x, grad_cl)
+    expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64), size,
+                                                                  ndim, 2.5)
+    scale = np.abs(expected_x).max()
+    np.testing.assert_allclose(grad_x, expected_x, rtol=TOL["float32"] * 10, atol=TOL["float32"] * 10 * scale)
+    assert grad_p == pytest.approx(expected_p, rel=TOL["float32"] * 100)
+
+
 def test_backward_is_deterministic(rng):
     x = _input(rng, (4, 16, 12, 12), "float32")
     g = rng.standard_normal((4, 16, 3, 3)).astype(np.float32)

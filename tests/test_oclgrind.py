@@ -666,6 +666,9 @@ def _avgmax_join_cases() -> list:
 #: A GeM problem whose grids fill whole work-groups: 32 x 9 outputs (forward, groups of 32) and
 #: 32 x 16 inputs (the input gradient, groups of 256).
 GEM_WHOLE_GROUPS = ((1, 32, 4, 4), (3, 3))
+#: GeM problems whose planes each fill whole work-groups of the input gradient (256 inputs): its
+#: plane is the group's and it masks the plane's outputs instead of gathering inverse windows.
+GEM_WHOLE_PLANE_GROUPS = {2: ((1, 2, 16, 16), (3, 3)), 3: ((1, 2, 4, 8, 8), (3, 2, 3))}
 
 
 def _gem_cases() -> list:
@@ -707,6 +710,10 @@ def _gem_cases() -> list:
             add("forward", "gem_windows", "smallest", {"block_size_x": 32, "row_lanes": 1}, shape, size,
                 LAYOUT_NAMES[2][0], "float32", 2.5)
             add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, LAYOUT_NAMES[2][0], "float32", 2.5)
+        if ndim in GEM_WHOLE_PLANE_GROUPS:
+            shape, size = GEM_WHOLE_PLANE_GROUPS[ndim]
+            add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, LAYOUT_NAMES[ndim][0], "float32",
+                2.5)
     return specs
 
 
