@@ -251,6 +251,20 @@ def helper_problems(ops=None, dtypes=("float32",)) -> list:
     return found
 
 
+def explain_backward(problem: Problem, device) -> dict:
+    """``pool_tuner.explain`` of GeM's backward ``problem`` on ``device``: the input-gradient kernel
+    in its one configuration (source ``own``: no variant, rule, record or measurement decides it),
+    with explain's other fields empty."""
+    return {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
+            "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
+            "variant": INPUT_GRADIENT_KERNEL, "params": dict(INPUT_GRADIENT_CONFIG), "source": "own",
+            "device": device.info.describe(), "cache_key": None, "record_key": None, "tier": None,
+            "record_origin": None, "problem_class": problem.problem_class, "distance": None, "rule": None,
+            "rule_config": None, "rule_evidence": None, "measured": None,
+            "index_bits": 64 if problem.index_64 else 32, "partial": None, "autotune_on_miss": False,
+            "benchmark_on_miss": False, "measured_candidate": None, "host_fallback": device.info.host_fallback}
+
+
 def input_gradient_kernel(device, problem: Problem):
     """The built input-gradient kernel of ``problem``'s per-sample shape on ``device``'s default
     context (built once per ``Problem.kernel_key``)."""

@@ -791,8 +791,9 @@ class PlaneScatter(Variant):
 
 # ---------------------------------------------------------------------------- GeM's own forward variants
 # GeM's operator takes run-time arguments (p, eps: kernels/operators/gem.h), which the shared
-# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own; its backward
-# gather is the mean's, through its operator, so it runs every single-level backward variant.
+# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own.  Its backward
+# runs no variant: one pass of its own input-gradient kernel (Operation.backward_kernel,
+# pool_tuner/gem.py) in a fixed configuration, so there is nothing to dispatch or tune.
 
 
 class GemWindows(Variant):
@@ -1068,8 +1069,8 @@ _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), P
 
 
 #: GeM's forward variants in the order the default choice tries them where no rule names one
-#: (default_rules.decide): the global variant first, where it is legal.
-_GEM = {"forward": (GemPlanes(), GemWindows()), "backward": _BACKWARD}
+#: (default_rules.decide): the global variant first, where it is legal; none in its backward.
+_GEM = {"forward": (GemPlanes(), GemWindows()), "backward": ()}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

@@ -217,10 +217,28 @@ def test_the_op_is_one_object_with_its_own_operator_header():
     avg = OPERATIONS["adaptive_avg_pool2d"]
     for variant in variants_for(avg.name, "forward").values():
         assert "operators/gem.h" not in kernel_source.program_files(variant.template, avg.operator_header)
-    # The backward of GeM's problem follows avg's default rules (same variant names).
-    assert pt.explain(op.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"] == \
-        pt.explain(avg.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"]
     assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_the_backward_is_explained_as_the_input_gradient_kernel_it_runs(ndim):
+    """GeM's backward runs its own input-gradient kernel, not the backward variants: the registry
+    lists none, explain names that kernel and its one configuration, tune has nothing to tune."""
+    from pool_tuner import gem, tuner
+
+    op = find("gem", ndim)
+    assert op.backward_kernel == gem.INPUT_GRADIENT_KERNEL
+    assert pt.variants(op.name, "backward") == [] and variants_for(op.name, "forward")
+    shape, size = (2, 3) + (12,) * ndim, (4,) * ndim
+    info = pt.explain(op.name, shape, size, direction="backward")
+    assert (info["variant"], info["params"], info["source"]) == (gem.INPUT_GRADIENT_KERNEL, gem.INPUT_GRADIENT_CONFIG,
+                                                                 "own")
+    assert info["rule"] is None and info["cache_key"] is None and info["output_shape"] == [2, 3] + [4] * ndim
+    assert set(info) == set(pt.explain(op.name, shape, size))
+    with pytest.raises(ValueError, match="variant"):
+        pt.explain(op.name, shape, size, direction="backward", variant="thread_per_input")
+    with pytest.raises(ValueError, match="nothing to tune"):
+        tuner.tune(op.name, shape, size, direction="backward", store=False)
 
 
 @pytest.mark.parametrize("size", [1, (4, 7)])
