@@ -72,6 +72,37 @@ def test_every_variant_and_layout(rng, variant, channels_last, ndim):
         np.testing.assert_allclose(got, reference.adaptive_gem_pool(x, size, ndim, 2.0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("shape,size", [((2, 6, 40), 5), ((3, 5, 7, 7), 3), ((2, 4, 6, 5), (4, 1)), ((1, 3, 8, 8), 2),
+                                        ((2, 3, 3, 4, 5), (2, 3, 2)), ((2, 70, 7, 7), (2, 3))])
+def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size, dtype):
+    """gem_plane_windows (the default for small channels-first planes into few outputs) against
+    the reference, and bit for bit against gem_windows, which sums each window in the same order."""
+    ndim = len(shape) - 2
+    op = find("gem", ndim)
+    x = _input(rng, shape, dtype)
+    x[(0,) * x.ndim] = np.nan
+    assert pt.explain(op.name, shape, size, dtype)["variant"] == "gem_plane_windows"
+    for p in (3.0, 2.5):
+        got = getattr(pt, op.name)(x, size, p=p)
+        windows = getattr(pt, op.name)(x, size, p=p, variant="gem_windows")
+        np.testing.assert_array_equal(got, windows)
+        want = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype] * 10)
+
+
+def test_small_planes_variant_is_refused_where_it_does_not_fit(rng):
+    x = _input(rng, (2, 3, 9, 9), "float32")
+    with pytest.raises(ValueError, match="at most 64 inputs"):
+        pt.adaptive_gem_pool2d(x, 3, variant="gem_plane_windows")
+    with pytest.raises(ValueError, match="at most 64 inputs"):
+        pt.adaptive_gem_pool2d(x[..., :8, :8], 5, variant="gem_plane_windows")
+    channels_last = np.moveaxis(np.ascontiguousarray(np.moveaxis(x[..., :7, :7], 1, -1)), -1, 1)
+    with pytest.raises(ValueError, match="channels-first"):
+        pt.adaptive_gem_pool2d(channels_last, 3, variant="gem_plane_windows")
+    assert pt.explain("adaptive_gem_pool2d", (2, 3, 9, 9), 3)["variant"] == "gem_windows"
+
+
 def test_p_changes_without_a_new_build(rng):
     """p is a run-time argument: the same plan (and kernel) serves every value."""
     x = _input(rng, (2, 4, 9, 9))

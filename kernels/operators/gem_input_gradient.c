@@ -34,9 +34,6 @@
 #define SMALL_INVERSE_WINDOW (INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W <= SMALL_BOX_LIMIT)
 #define MASKED_SHARE_LIMIT 16
 #define MASKED_SHARE (GROUPS_PER_PLANE > 0 && OUT_T * OUT_H * OUT_W <= MASKED_SHARE_LIMIT)
-/* Whether output o of an axis of O outputs holds input coordinate x (its forward window does):
- * always along an axis pooled whole. */
-#define HOLDS(x, o, O, START, END) ((O) == 1 || (((x) >= START(o)) & ((x) < END(o))))
 
 #if MASKED_SHARE
 /* The sum of the coefficients of the outputs whose windows hold input (t, h, w) of `plane`: every
@@ -48,8 +45,9 @@ DEVICE_FN acc_t gathered_share(const GLOBAL acc_t* RESTRICT coefficients, index_
 #pragma unroll
     for (int k = 0; k < OUT_T * OUT_H * OUT_W; ++k) {
         const int ot = k / (OUT_H * OUT_W), oh = k / OUT_W % OUT_H, ow = k % OUT_W;
-        const int holds = HOLDS(t, ot, OUT_T, T_WINDOW_START, T_WINDOW_END) & HOLDS(h, oh, OUT_H, H_WINDOW_START, H_WINDOW_END)
-                        & HOLDS(w, ow, OUT_W, W_WINDOW_START, W_WINDOW_END);
+        const int holds = WINDOW_HOLDS(t, ot, OUT_T, T_WINDOW_START, T_WINDOW_END)
+                        & WINDOW_HOLDS(h, oh, OUT_H, H_WINDOW_START, H_WINDOW_END)
+                        & WINDOW_HOLDS(w, ow, OUT_W, W_WINDOW_START, W_WINDOW_END);
         const acc_t coefficient = coefficients[OUT_OFFSET(plane, ot, oh, ow)];
         share += holds ? coefficient : (acc_t)0;
     }
