@@ -153,7 +153,7 @@ def test_programs_depend_on_the_per_sample_shape_only(key):
 
 def _units_per_plane(variant, problem) -> int:
     """Work-items' units of one plane in the variants with a bounds-check define."""
-    if variant.name == "thread_per_output":
+    if variant.name in ("thread_per_output", "gem_windows"):
         return math.prod(problem.out_spatial)
     if variant.name == "thread_per_input":
         return math.prod(problem.in_spatial)
