@@ -242,9 +242,11 @@ def helper_problems(ops=None, dtypes=("float32",)) -> list:
         op = find("gem", ndim).name
         if ops is not None and op not in ops:
             continue
-        # 9-wide planes gather inverse windows; 256-element planes fill whole work-groups (masked shares)
+        # 9-wide planes gather inverse windows; 256-element planes into at most 16 outputs fill whole
+        # work-groups and mask their outputs
         for kind, spatial, size in (("global", (9,) * ndim, 1), ("windows", (9,) * ndim, 4),
-                                    ("group_planes", {1: (256,), 2: (16, 16), 3: (4, 8, 8)}[ndim], 3)):
+                                    ("group_planes", {1: (256,), 2: (16, 16), 3: (4, 8, 8)}[ndim],
+                                     {1: 3, 2: 3, 3: (2, 2, 3)}[ndim])):
             for dtype in dtypes:
                 found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
                               Problem.create(op, (2, 3) + spatial, size, dtype, direction="backward")))

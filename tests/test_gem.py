@@ -188,7 +188,7 @@ def test_backward_channels_last_and_3d(rng):
 
 
 @pytest.mark.parametrize("ndim,spatial,size", [(1, (512,), 5), (2, (32, 32), 3), (2, (16, 16), (4, 1)),
-                                                (2, (64, 64), 1), (3, (4, 8, 8), (3, 2, 3))])
+                                                (2, (64, 64), 1), (3, (4, 8, 8), (2, 3, 2))])
 def test_backward_where_planes_fill_whole_work_groups(rng, ndim, spatial, size):
     """Channels-first planes of a multiple of the input-gradient kernel's work-group: the plane is
     the group's and each input masks all of its plane's outputs (few) instead of gathering its

@@ -670,7 +670,7 @@ GEM_WHOLE_GROUPS = ((1, 32, 4, 4), (3, 3))
 GEM_SMALL_PLANES = {1: ((2, 3, 40), (5,)), 2: ((2, 3, 7, 7), (3, 3)), 3: ((1, 2, 3, 4, 5), (2, 3, 2))}
 #: GeM problems whose planes each fill whole work-groups of the input gradient (256 inputs): its
 #: plane is the group's and it masks the plane's outputs instead of gathering inverse windows.
-GEM_WHOLE_PLANE_GROUPS = {2: ((1, 2, 16, 16), (3, 3)), 3: ((1, 2, 4, 8, 8), (3, 2, 3))}
+GEM_WHOLE_PLANE_GROUPS = {2: ((1, 2, 16, 16), (3, 3)), 3: ((1, 2, 4, 8, 8), (2, 2, 3))}
 
 
 def _gem_cases() -> list:
