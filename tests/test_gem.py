@@ -272,6 +272,14 @@ def test_the_backward_is_explained_as_the_input_gradient_kernel_it_runs(ndim):
         tuner.tune(op.name, shape, size, direction="backward", store=False)
 
 
+def test_the_cli_refuses_to_tune_gems_backward_before_tuning_anything(capsys):
+    from pool_tuner import cli
+
+    code = cli.main(["tune", "--op", "adaptive_gem_pool2d", "--input", "1x2x6x6", "--output", "3x3",
+                     "--direction", "backward", "--quiet"])
+    assert code != 0 and "nothing to tune" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("size", [1, (4, 7)])
 def test_backward_on_device_arrays_gives_device_arrays(rng, size):
     """PyOpenCL arrays in, PyOpenCL arrays out (grad_x), the gradients of x and p as on numpy arrays."""
