@@ -179,7 +179,16 @@ def cmd_tune(args) -> int:
     shapes = _shapes_from_args(args)
     device = None if args.ray is not None else backends.resolve_device(args.device, "--device")
     directions = DIRECTION_OPTION[args.direction]
-    jobs = [(op, shape, out, d) for op, shape, out in shapes for d in directions]
+    jobs = []
+    for op, shape, out in shapes:
+        for direction in directions:
+            if not variants_for(op, direction):  # a pass that runs its op's own kernel (GeM's backward)
+                what = f"{op} {direction} runs its own kernel ({OPS[op].backward_kernel}) in one configuration"
+                if args.direction == direction:
+                    raise ValueError(f"--direction {direction}: {what}: nothing to tune")
+                print(f"{what}: nothing to tune there, skipped", file=sys.stderr)
+                continue
+            jobs.append((op, shape, out, direction))
     variant_names = args.variants.split(",") if args.variants else None
     problems = set()
     unique_jobs = []

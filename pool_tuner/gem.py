@@ -226,9 +226,11 @@ def input_gradient_program(problem: Problem) -> str:
     """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
     files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
     per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
-    partial = problem.channels * math.prod(problem.in_spatial) % per_group != 0
+    plane_size = math.prod(problem.in_spatial)
+    partial = problem.channels * plane_size % per_group != 0
+    groups_per_plane = plane_size // per_group if plane_size % per_group == 0 and not problem.channels_last else 0
     return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG,
-                                              "PARTIAL_LAST_GROUP": int(partial)})
+                                              "PARTIAL_LAST_GROUP": int(partial), "GROUPS_PER_PLANE": groups_per_plane})
 
 
 def helper_problems(ops=None, dtypes=("float32",)) -> list:
@@ -240,11 +242,29 @@ def helper_problems(ops=None, dtypes=("float32",)) -> list:
         op = find("gem", ndim).name
         if ops is not None and op not in ops:
             continue
-        for kind, size in (("global", 1), ("windows", 4)):
+        # 9-wide planes gather inverse windows; 256-element planes into at most 16 outputs fill whole
+        # work-groups and mask their outputs
+        for kind, spatial, size in (("global", (9,) * ndim, 1), ("windows", (9,) * ndim, 4),
+                                    ("group_planes", {1: (256,), 2: (16, 16), 3: (4, 8, 8)}[ndim],
+                                     {1: 3, 2: 3, 3: (2, 2, 3)}[ndim])):
             for dtype in dtypes:
                 found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
-                              Problem.create(op, (2, 3) + (9,) * ndim, size, dtype, direction="backward")))
+                              Problem.create(op, (2, 3) + spatial, size, dtype, direction="backward")))
     return found
+
+
+def explain_backward(problem: Problem, device) -> dict:
+    """``pool_tuner.explain`` of GeM's backward ``problem`` on ``device``: the input-gradient kernel
+    in its one configuration (source ``own``: no variant, rule, record or measurement decides it),
+    with explain's other fields empty."""
+    return {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
+            "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
+            "variant": INPUT_GRADIENT_KERNEL, "params": dict(INPUT_GRADIENT_CONFIG), "source": "own",
+            "device": device.info.describe(), "cache_key": None, "record_key": None, "tier": None,
+            "record_origin": None, "problem_class": problem.problem_class, "distance": None, "rule": None,
+            "rule_config": None, "rule_evidence": None, "measured": None,
+            "index_bits": 64 if problem.index_64 else 32, "partial": None, "autotune_on_miss": False,
+            "benchmark_on_miss": False, "measured_candidate": None, "host_fallback": device.info.host_fallback}
 
 
 def input_gradient_kernel(device, problem: Problem):

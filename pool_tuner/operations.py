@@ -43,6 +43,10 @@ KIND_ARGUMENTS = {"gem": (("p", 3.0), ("eps", 1e-6))}
 #: The kind whose default rules (pool_tuner/default_rules.json) a kind follows, where it has none
 #: of its own: GeM is an accumulating reduction with avg's memory traffic.
 RULES_KIND = {"gem": "avg"}
+#: The kernel a kind's backward pass runs instead of the backward variants, where it has one of its
+#: own: GeM's input gradient (pool_tuner/gem.py) takes the outputs' coefficients and x, not the
+#: output's gradient that the variants route, and runs one fixed configuration.
+OWN_BACKWARD_KERNELS = {"gem": "gem_input_gradient"}
 RANKS = (1, 2, 3)
 #: Bytes of one index (int64) of a selecting op.
 INDEX_BYTES = 8
@@ -82,6 +86,12 @@ class Operation:
         """The operator's run-time arguments as ``(name, default)`` pairs (GeM: ``p``, ``eps``);
         empty for ops that have none."""
         return KIND_ARGUMENTS.get(self.kind, ())
+
+    @property
+    def backward_kernel(self) -> str | None:
+        """The kernel this op's backward pass runs instead of the backward variants
+        (``OWN_BACKWARD_KERNELS``), or None: the op's backward is dispatched among the variants."""
+        return OWN_BACKWARD_KERNELS.get(self.kind)
 
     @property
     def rules_kind(self) -> str:

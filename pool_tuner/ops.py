@@ -309,7 +309,8 @@ adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward",
             variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
-    (``forced``/``cache``/``nearest``/``measured``/``default``), device, cache key; ``measured``: for a
+    (``forced``/``cache``/``nearest``/``measured``/``default``; ``own`` for a backward that runs its
+    op's own kernel, ``Operation.backward_kernel``: its name and one configuration), device, cache key; ``measured``: for a
     measured dispatch, its candidates and their times (``pool_tuner.measured``), else None;
     ``autotune_on_miss`` / ``benchmark_on_miss``: whether a call's first use of an untuned problem
     would tune or measure it; ``partial``: for a
@@ -323,6 +324,14 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     plans.check_fits(problem, dev)
+    if problem.direction == BACKWARD.name and problem.operation.backward_kernel is not None:
+        from . import gem  # the one op with a backward kernel of its own; gem imports this module
+
+        if variant is not None or config is not None:
+            raise ValueError(f"variant and config choose among the backward variants; {op}'s backward runs no "
+                             f"variant but its own kernel {problem.operation.backward_kernel} in one configuration, "
+                             f"got variant={variant!r}, config={config!r}")
+        return gem.explain_backward(problem, dev)
     info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, memoise=False))
     record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.

@@ -470,6 +470,9 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
     if problem.is_empty:
         raise ValueError(f"output_size {output_size!r} gives an empty output {problem.output_shape}: nothing to tune")
     table = variants_for(problem.op, problem.direction)
+    if not table:
+        raise ValueError(f"{op} {direction} runs no variant but its own kernel ({problem.operation.backward_kernel}) in "
+                         f"one configuration: nothing to tune")
     names = list(table) if variants is None else list(variants)
     for name in names:
         if name not in table:

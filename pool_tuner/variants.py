@@ -797,8 +797,9 @@ class PlaneScatter(Variant):
 
 # ---------------------------------------------------------------------------- GeM's own forward variants
 # GeM's operator takes run-time arguments (p, eps: kernels/operators/gem.h), which the shared
-# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own; its backward
-# gather is the mean's, through its operator, so it runs every single-level backward variant.
+# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own.  Its backward
+# runs no variant: one pass of its own input-gradient kernel (Operation.backward_kernel,
+# pool_tuner/gem.py) in a fixed configuration, so there is nothing to dispatch or tune.
 
 
 class GemWindows(Variant):
@@ -825,6 +826,33 @@ class GemWindows(Variant):
 
     def extra_defines(self, params, problem):
         return _partial_last_group(math.prod(problem.out_spatial), problem, params["block_size_x"])
+
+
+class GemPlaneWindows(Variant):
+    name = "gem_plane_windows"
+    summary = ("GeM, small channels-first planes into few outputs: a work-item maps each input of one plane once "
+               "(the plane unrolled) into the sums of the windows that hold it, neighbouring work-items on "
+               "neighbouring planes")
+    search_space = {"block_size_x": [16, 64, 256]}
+    default = {"block_size_x": 64}
+    layouts = ("channels_first",)
+    #: The most inputs and outputs of a plane: the kernel unrolls the plane's inputs times its outputs.
+    PLANE_LIMIT = 64
+    OUTPUTS_LIMIT = 16
+
+    def illegal_reason(self, params, problem, limits):
+        if problem.channels_last:
+            return "needs channels-first memory (contiguous planes)"
+        if math.prod(problem.in_spatial) > self.PLANE_LIMIT or math.prod(problem.out_spatial) > self.OUTPUTS_LIMIT:
+            return (f"only for planes of at most {self.PLANE_LIMIT} inputs into at most {self.OUTPUTS_LIMIT} outputs "
+                    f"(the kernel unrolls the plane)")
+        return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+    def extra_defines(self, params, problem):
+        return _partial_last_group(1, problem, params["block_size_x"])
 
 
 class GemPlanes(_Global):
@@ -1074,8 +1102,9 @@ _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), P
 
 
 #: GeM's forward variants in the order the default choice tries them where no rule names one
-#: (default_rules.decide): the global variant first, where it is legal.
-_GEM = {"forward": (GemPlanes(), GemWindows()), "backward": _BACKWARD}
+#: (default_rules.decide): the global variant first, then the small planes', where they are legal;
+#: none in its backward.
+_GEM = {"forward": (GemPlanes(), GemPlaneWindows(), GemWindows()), "backward": ()}
 
 
 def _variants_of(op: str, direction: str) -> tuple:

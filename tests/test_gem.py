@@ -72,6 +72,37 @@ def test_every_variant_and_layout(rng, variant, channels_last, ndim):
         np.testing.assert_allclose(got, reference.adaptive_gem_pool(x, size, ndim, 2.0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("shape,size", [((2, 6, 40), 5), ((3, 5, 7, 7), 3), ((2, 4, 6, 5), (4, 1)), ((1, 3, 8, 8), 2),
+                                        ((2, 3, 3, 4, 5), (2, 3, 2)), ((2, 70, 7, 7), (2, 3))])
+def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size, dtype):
+    """gem_plane_windows (the default for small channels-first planes into few outputs) against
+    the reference, and bit for bit against gem_windows, which sums each window in the same order."""
+    ndim = len(shape) - 2
+    op = find("gem", ndim)
+    x = _input(rng, shape, dtype)
+    x[(0,) * x.ndim] = np.nan
+    assert pt.explain(op.name, shape, size, dtype)["variant"] == "gem_plane_windows"
+    for p in (3.0, 2.5):
+        got = getattr(pt, op.name)(x, size, p=p)
+        windows = getattr(pt, op.name)(x, size, p=p, variant="gem_windows")
+        np.testing.assert_array_equal(got, windows)
+        want = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype] * 10)
+
+
+def test_small_planes_variant_is_refused_where_it_does_not_fit(rng):
+    x = _input(rng, (2, 3, 9, 9), "float32")
+    with pytest.raises(ValueError, match="at most 64 inputs"):
+        pt.adaptive_gem_pool2d(x, 3, variant="gem_plane_windows")
+    with pytest.raises(ValueError, match="at most 64 inputs"):
+        pt.adaptive_gem_pool2d(x[..., :8, :8], 5, variant="gem_plane_windows")
+    channels_last = np.moveaxis(np.ascontiguousarray(np.moveaxis(x[..., :7, :7], 1, -1)), -1, 1)
+    with pytest.raises(ValueError, match="channels-first"):
+        pt.adaptive_gem_pool2d(channels_last, 3, variant="gem_plane_windows")
+    assert pt.explain("adaptive_gem_pool2d", (2, 3, 9, 9), 3)["variant"] == "gem_windows"
+
+
 def test_p_changes_without_a_new_build(rng):
     """p is a run-time argument: the same plan (and kernel) serves every value."""
     x = _input(rng, (2, 4, 9, 9))
@@ -156,6 +187,28 @@ def test_backward_channels_last_and_3d(rng):
     assert gp == pytest.approx(ep, rel=1e-11)
 
 
+@pytest.mark.parametrize("ndim,spatial,size", [(1, (512,), 5), (2, (32, 32), 3), (2, (16, 16), (4, 1)),
+                                                (2, (64, 64), 1), (3, (4, 8, 8), (2, 3, 2))])
+def test_backward_where_planes_fill_whole_work_groups(rng, ndim, spatial, size):
+    """Channels-first planes of a multiple of the input-gradient kernel's work-group: the plane is
+    the group's and each input masks all of its plane's outputs (few) instead of gathering its
+    inverse window.  Same bits as the gather (channels-last memory takes it), and the reference."""
+    shape = (2, 3) + spatial
+    x = _input(rng, shape, "float32")
+    backward = getattr(pt, f"adaptive_gem_pool{ndim}d_backward")
+    y = getattr(pt, f"adaptive_gem_pool{ndim}d")(x, size, p=2.5)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    grad_x, grad_p = backward(g, x, size, p=2.5)
+    x_cl = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
+    grad_cl, _ = backward(g, x_cl, size, p=2.5, output=y)
+    assert np.array_equal(grad_x, grad_cl)
+    expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64), size,
+                                                                  ndim, 2.5)
+    scale = np.abs(expected_x).max()
+    np.testing.assert_allclose(grad_x, expected_x, rtol=TOL["float32"] * 10, atol=TOL["float32"] * 10 * scale)
+    assert grad_p == pytest.approx(expected_p, rel=TOL["float32"] * 100)
+
+
 def test_backward_is_deterministic(rng):
     x = _input(rng, (4, 16, 12, 12), "float32")
     g = rng.standard_normal((4, 16, 3, 3)).astype(np.float32)
@@ -195,10 +248,36 @@ def test_the_op_is_one_object_with_its_own_operator_header():
     avg = OPERATIONS["adaptive_avg_pool2d"]
     for variant in variants_for(avg.name, "forward").values():
         assert "operators/gem.h" not in kernel_source.program_files(variant.template, avg.operator_header)
-    # The backward of GeM's problem follows avg's default rules (same variant names).
-    assert pt.explain(op.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"] == \
-        pt.explain(avg.name, (2, 3, 10, 9), (4, 7), direction="backward")["variant"]
     assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_the_backward_is_explained_as_the_input_gradient_kernel_it_runs(ndim):
+    """GeM's backward runs its own input-gradient kernel, not the backward variants: the registry
+    lists none, explain names that kernel and its one configuration, tune has nothing to tune."""
+    from pool_tuner import gem, tuner
+
+    op = find("gem", ndim)
+    assert op.backward_kernel == gem.INPUT_GRADIENT_KERNEL
+    assert pt.variants(op.name, "backward") == [] and variants_for(op.name, "forward")
+    shape, size = (2, 3) + (12,) * ndim, (4,) * ndim
+    info = pt.explain(op.name, shape, size, direction="backward")
+    assert (info["variant"], info["params"], info["source"]) == (gem.INPUT_GRADIENT_KERNEL, gem.INPUT_GRADIENT_CONFIG,
+                                                                 "own")
+    assert info["rule"] is None and info["cache_key"] is None and info["output_shape"] == [2, 3] + [4] * ndim
+    assert set(info) == set(pt.explain(op.name, shape, size))
+    with pytest.raises(ValueError, match="variant"):
+        pt.explain(op.name, shape, size, direction="backward", variant="thread_per_input")
+    with pytest.raises(ValueError, match="nothing to tune"):
+        tuner.tune(op.name, shape, size, direction="backward", store=False)
+
+
+def test_the_cli_refuses_to_tune_gems_backward_before_tuning_anything(capsys):
+    from pool_tuner import cli
+
+    code = cli.main(["tune", "--op", "adaptive_gem_pool2d", "--input", "1x2x6x6", "--output", "3x3",
+                     "--direction", "backward", "--quiet"])
+    assert code != 0 and "nothing to tune" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("size", [1, (4, 7)])

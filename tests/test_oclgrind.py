@@ -666,6 +666,11 @@ def _avgmax_join_cases() -> list:
 #: A GeM problem whose grids fill whole work-groups: 32 x 9 outputs (forward, groups of 32) and
 #: 32 x 16 inputs (the input gradient, groups of 256).
 GEM_WHOLE_GROUPS = ((1, 32, 4, 4), (3, 3))
+#: A GeM problem of small planes into few outputs, each rank (gem_plane_windows' problems).
+GEM_SMALL_PLANES = {1: ((2, 3, 40), (5,)), 2: ((2, 3, 7, 7), (3, 3)), 3: ((1, 2, 3, 4, 5), (2, 3, 2))}
+#: GeM problems whose planes each fill whole work-groups of the input gradient (256 inputs): its
+#: plane is the group's and it masks the plane's outputs instead of gathering inverse windows.
+GEM_WHOLE_PLANE_GROUPS = {2: ((1, 2, 16, 16), (3, 3)), 3: ((1, 2, 4, 8, 8), (2, 2, 3))}
 
 
 def _gem_cases() -> list:
@@ -688,7 +693,7 @@ def _gem_cases() -> list:
     for ndim, op in gem_ops.items():
         for layout in LAYOUT_NAMES[ndim]:
             for name, variant in variants_for(op, "forward").items():
-                for shape, size in SHAPES[ndim][:1] + GLOBAL_SHAPES[ndim]:
+                for shape, size in SHAPES[ndim][:1] + GLOBAL_SHAPES[ndim] + [GEM_SMALL_PLANES[ndim]]:
                     problem = Problem.create(op, shape, size, "float32", layout)
                     configs = variant.representative_configurations(problem, OCLGRIND.info.limits)
                     for label, config in configs.items():
@@ -707,6 +712,10 @@ def _gem_cases() -> list:
             add("forward", "gem_windows", "smallest", {"block_size_x": 32, "row_lanes": 1}, shape, size,
                 LAYOUT_NAMES[2][0], "float32", 2.5)
             add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, LAYOUT_NAMES[2][0], "float32", 2.5)
+        if ndim in GEM_WHOLE_PLANE_GROUPS:
+            shape, size = GEM_WHOLE_PLANE_GROUPS[ndim]
+            add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, LAYOUT_NAMES[ndim][0], "float32",
+                2.5)
     return specs
 
 
@@ -784,7 +793,8 @@ def test_every_gem_kernel_is_covered():
         channels_first, channels_last = LAYOUT_NAMES[ndim]
         for name in variants_for(op, "forward"):
             layouts = {s["layout"] for s in mine if s["variant"] == name}
-            assert layouts == ({channels_first} if name == "gem_planes" else {channels_first, channels_last}), name
+            channels_first_only = name in ("gem_planes", "gem_plane_windows")
+            assert layouts == ({channels_first} if channels_first_only else {channels_first, channels_last}), name
             assert {s["p"] for s in mine if s["variant"] == name} == {2.5, 3.0}, name
         backward = [s for s in mine if s["direction"] == "backward"]
         assert {(s["layout"], set(s["output_size"]) == {1}) for s in backward} == {

@@ -20,6 +20,10 @@
 #define OP_GRADIENT_SHARE(grad, area) ((grad) / (acc_t)(area))
 #define IF_SELECTING(...)
 
+/* Whether output o of an axis of O outputs holds input coordinate x (its forward window, windows.h):
+ * always along an axis pooled whole. */
+#define WINDOW_HOLDS(x, o, O, START, END) ((O) == 1 || (((x) >= START(o)) & ((x) < END(o))))
+
 /* GeM's forward kernels take p and eps after the plane count. */
 #define GEM_PARAMS , const acc_t p, const acc_t eps
 

@@ -14,7 +14,14 @@
  *                each work-group adds up for its inputs into p_terms[group], in work-item order, for
  *                the host to add up in group order (deterministic: no atomics).
  *
- * Where every inverse window fits a box of at most SMALL_BOX_LIMIT outputs the gather is unrolled
+ * Where a plane's inputs fill whole work-groups (channels-first; host define GROUPS_PER_PLANE, the
+ * work-groups of one plane, else 0) the plane is the same for every work-item of a group, and so are
+ * its coefficients; where that plane has few outputs (MASKED_SHARE) each input adds up all of them,
+ * each masked by whether its window holds the input.  Those loads are uniform and the masks compares,
+ * which CPU compilers vectorise, where the inverse-window gather loads from per-work-item addresses
+ * (a vector gather per tap).  The outputs come in the gather's ascending order and the others add +0,
+ * so the share has the gather's bits.
+ * Elsewhere, where every inverse window fits a box of at most SMALL_BOX_LIMIT outputs the gather is unrolled
  * straight-line code over the box (a repeat past a shorter inverse window's end adds +0), otherwise
  * loops, which vanish along axes whose windows do not overlap.  The work-items are branch-free, so
  * CPU compilers vectorise them: where the grid can run past the last input (host define
@@ -25,7 +32,28 @@
 #define INVERSE_BOX_H MAX_INVERSE_WINDOW_H
 #define INVERSE_BOX_W MAX_INVERSE_WINDOW_W
 #define SMALL_INVERSE_WINDOW (INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W <= SMALL_BOX_LIMIT)
+#define MASKED_SHARE_LIMIT 16
+#define MASKED_SHARE (GROUPS_PER_PLANE > 0 && OUT_T * OUT_H * OUT_W <= MASKED_SHARE_LIMIT)
 
+#if MASKED_SHARE
+/* The sum of the coefficients of the outputs whose windows hold input (t, h, w) of `plane`: every
+ * output of the plane, masked. */
+DEVICE_FN acc_t gathered_share(const GLOBAL acc_t* RESTRICT coefficients, index_t plane, index_t t, index_t h,
+                               index_t w)
+{
+    acc_t share = (acc_t)0;
+#pragma unroll
+    for (int k = 0; k < OUT_T * OUT_H * OUT_W; ++k) {
+        const int ot = k / (OUT_H * OUT_W), oh = k / OUT_W % OUT_H, ow = k % OUT_W;
+        const int holds = WINDOW_HOLDS(t, ot, OUT_T, T_WINDOW_START, T_WINDOW_END)
+                        & WINDOW_HOLDS(h, oh, OUT_H, H_WINDOW_START, H_WINDOW_END)
+                        & WINDOW_HOLDS(w, ow, OUT_W, W_WINDOW_START, W_WINDOW_END);
+        const acc_t coefficient = coefficients[OUT_OFFSET(plane, ot, oh, ow)];
+        share += holds ? coefficient : (acc_t)0;
+    }
+    return share;
+}
+#else
 /* The sum of the coefficients of the outputs whose windows hold input (t, h, w) of `plane`. */
 DEVICE_FN acc_t gathered_share(const GLOBAL acc_t* RESTRICT coefficients, index_t plane, index_t t, index_t h,
                                index_t w)
@@ -55,6 +83,32 @@ DEVICE_FN acc_t gathered_share(const GLOBAL acc_t* RESTRICT coefficients, index_
 #endif
     return share;
 }
+#endif
+
+#if GROUPS_PER_PLANE > 0
+/* The plane and coordinates of the k-th input of this work-item where a plane's inputs fill whole
+ * work-groups: the plane is the group's (the compiler sees it the same for the whole group), the
+ * coordinates from the position within the plane.  Written with divisions and subtractions rather
+ * than IN_COORDS's remainders: the two remainders by IN_H and IN_W are alike, and the compiler
+ * packs such a pair into one two-lane vector instruction, after which it no longer vectorises the
+ * work-items. */
+DEVICE_FN void in_plane_coords(int k, index_t* plane, index_t* t, index_t* h, index_t* w)
+{
+    const int position = (int)(GROUP_ID % GROUPS_PER_PLANE) * (block_size_x * items_per_thread) + (int)LOCAL_ID_X
+                       + k * block_size_x;
+    const int row = position / IN_W;
+    *plane = (index_t)GROUP_ID / GROUPS_PER_PLANE;
+    *w = position - row * IN_W;
+#if IN_T == 1
+    *t = 0;
+    *h = row;
+#else
+    const int slice = row / IN_H;
+    *t = slice;
+    *h = row - slice * IN_H;
+#endif
+}
+#endif
 
 KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL acc_t* RESTRICT coefficients,
                                GLOBAL scalar_t* RESTRICT grad_in, GLOBAL acc_t* RESTRICT p_terms PLANES_PARAM GEM_PARAMS)
@@ -67,7 +121,11 @@ KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL 
         const int inside = !PARTIAL_LAST_GROUP || wanted < IN_NUMEL;
         const index_t i = inside ? wanted : IN_NUMEL - 1;
         index_t plane, t, h, w;
+#if GROUPS_PER_PLANE > 0
+        in_plane_coords(k, &plane, &t, &h, &w);
+#else
         IN_COORDS(i, plane, t, h, w);
+#endif
         const acc_t share = gathered_share(coefficients, plane, t, h, w);
         const acc_t x = LOAD(in, i);
         const acc_t c = x < eps ? eps : x;
