@@ -184,8 +184,8 @@ def cmd_tune(args) -> int:
         for direction in directions:
             if not variants_for(op, direction):  # a pass that runs its op's own kernel (GeM's backward)
                 what = f"{op} {direction} runs its own kernel ({OPS[op].backward_kernel}) in one configuration"
-                if args.direction == direction:
-                    raise ValueError(f"--direction {direction}: {what}: nothing to tune")
+                if len(directions) == 1:  # asked for that pass alone
+                    raise ValueError(f"--direction {args.direction}: {what}: nothing to tune")
                 print(f"{what}: nothing to tune there, skipped", file=sys.stderr)
                 continue
             jobs.append((op, shape, out, direction))

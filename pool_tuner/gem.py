@@ -37,11 +37,11 @@ from .operations import BACKWARD, find
 from .problem import ITEMSIZE, Problem
 from .windows import pooling_windows
 
-#: The work-group shape of the input-gradient kernel: ``block_size_x`` work-items, each taking
-#: ``items_per_thread`` inputs ``block_size_x`` apart (neighbouring work-items on neighbouring inputs).
-INPUT_GRADIENT_CONFIG = {"block_size_x": 256, "items_per_thread": 1}
-INPUT_GRADIENT_FILE = "operators/gem_input_gradient.c"
-INPUT_GRADIENT_KERNEL = "gem_input_gradient"
+#: The input-gradient kernel, as GeM's op object names it (``Operation.backward_kernel``), and its one
+#: configuration (neighbouring work-items on neighbouring inputs).
+INPUT_GRADIENT_KERNEL = find("gem", 2).backward_kernel
+INPUT_GRADIENT_CONFIG = find("gem", 2).backward_kernel_config
+INPUT_GRADIENT_FILE = f"operators/{INPUT_GRADIENT_KERNEL}.c"
 
 _KERNELS: dict = {}
 _KERNELS_LOCK = threading.Lock()
@@ -251,20 +251,6 @@ def helper_problems(ops=None, dtypes=("float32",)) -> list:
                 found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
                               Problem.create(op, (2, 3) + spatial, size, dtype, direction="backward")))
     return found
-
-
-def explain_backward(problem: Problem, device) -> dict:
-    """``pool_tuner.explain`` of GeM's backward ``problem`` on ``device``: the input-gradient kernel
-    in its one configuration (source ``own``: no variant, rule, record or measurement decides it),
-    with explain's other fields empty."""
-    return {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
-            "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
-            "variant": INPUT_GRADIENT_KERNEL, "params": dict(INPUT_GRADIENT_CONFIG), "source": "own",
-            "device": device.info.describe(), "cache_key": None, "record_key": None, "tier": None,
-            "record_origin": None, "problem_class": problem.problem_class, "distance": None, "rule": None,
-            "rule_config": None, "rule_evidence": None, "measured": None,
-            "index_bits": 64 if problem.index_64 else 32, "partial": None, "autotune_on_miss": False,
-            "benchmark_on_miss": False, "measured_candidate": None, "host_fallback": device.info.host_fallback}
 
 
 def input_gradient_kernel(device, problem: Problem):

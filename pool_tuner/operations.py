@@ -44,9 +44,10 @@ KIND_ARGUMENTS = {"gem": (("p", 3.0), ("eps", 1e-6))}
 #: of its own: GeM is an accumulating reduction with avg's memory traffic.
 RULES_KIND = {"gem": "avg"}
 #: The kernel a kind's backward pass runs instead of the backward variants, where it has one of its
-#: own: GeM's input gradient (pool_tuner/gem.py) takes the outputs' coefficients and x, not the
-#: output's gradient that the variants route, and runs one fixed configuration.
-OWN_BACKWARD_KERNELS = {"gem": "gem_input_gradient"}
+#: own, and its one configuration: GeM's input gradient (pool_tuner/gem.py) takes the outputs'
+#: coefficients and x, not the output's gradient that the variants route -- ``block_size_x``
+#: work-items, each taking ``items_per_thread`` inputs ``block_size_x`` apart.
+OWN_BACKWARD_KERNELS = {"gem": ("gem_input_gradient", {"block_size_x": 256, "items_per_thread": 1})}
 RANKS = (1, 2, 3)
 #: Bytes of one index (int64) of a selecting op.
 INDEX_BYTES = 8
@@ -91,7 +92,14 @@ class Operation:
     def backward_kernel(self) -> str | None:
         """The kernel this op's backward pass runs instead of the backward variants
         (``OWN_BACKWARD_KERNELS``), or None: the op's backward is dispatched among the variants."""
-        return OWN_BACKWARD_KERNELS.get(self.kind)
+        found = OWN_BACKWARD_KERNELS.get(self.kind)
+        return None if found is None else found[0]
+
+    @property
+    def backward_kernel_config(self) -> dict | None:
+        """The one configuration of ``backward_kernel`` (a copy), or None where there is none."""
+        found = OWN_BACKWARD_KERNELS.get(self.kind)
+        return None if found is None else dict(found[1])
 
     @property
     def rules_kind(self) -> str:

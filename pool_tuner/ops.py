@@ -306,6 +306,20 @@ adaptive_max_pool2d_backward = _make_backward("adaptive_max_pool2d")
 adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 
 
+def _explain_own_backward(problem: Problem, device) -> dict:
+    """``explain`` of a backward ``problem`` whose op runs a kernel of its own (GeM's input
+    gradient, ``Operation.backward_kernel``) in its one configuration: source ``own`` (no variant,
+    rule, record or measurement decides it), explain's other fields empty."""
+    return {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
+            "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
+            "variant": problem.operation.backward_kernel, "params": problem.operation.backward_kernel_config,
+            "source": "own", "device": device.info.describe(), "cache_key": None, "record_key": None, "tier": None,
+            "record_origin": None, "problem_class": problem.problem_class, "distance": None, "rule": None,
+            "rule_config": None, "rule_evidence": None, "measured": None,
+            "index_bits": 64 if problem.index_64 else 32, "partial": None, "autotune_on_miss": False,
+            "benchmark_on_miss": False, "measured_candidate": None, "host_fallback": device.info.host_fallback}
+
+
 def explain(op, input_shape, output_size, dtype="float32", layout=None, device=None, *, direction="forward",
             variant=None, config=None) -> dict:
     """What a call would run, without running it: variant, params, ``source`` of the decision
@@ -325,13 +339,11 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     plans.check_fits(problem, dev)
     if problem.direction == BACKWARD.name and problem.operation.backward_kernel is not None:
-        from . import gem  # the one op with a backward kernel of its own; gem imports this module
-
         if variant is not None or config is not None:
             raise ValueError(f"variant and config choose among the backward variants; {op}'s backward runs no "
                              f"variant but its own kernel {problem.operation.backward_kernel} in one configuration, "
                              f"got variant={variant!r}, config={config!r}")
-        return gem.explain_backward(problem, dev)
+        return _explain_own_backward(problem, dev)
     info = dispatch.describe(problem, dev, dispatch.choose(problem, dev, variant, config, memoise=False))
     record = dispatch.tuning_cache().lookup(info["record_key"]) if info["record_key"] else None
     # An interrupted tuning's record: what it covered (see pool_tuner.tuner), else None.
