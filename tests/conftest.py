@@ -71,6 +71,18 @@ def outputs_and_gradients(model, x, grad_seed=0):
 
 
 @pytest.fixture
+def candidate_on(monkeypatch):
+    """PyTorch's computation is a candidate of the CPU race (``torch_cpu.pytorch_candidate``),
+    whatever the environment says; dispatch state forgotten before and after."""
+    from pool_tuner import dispatch, torch_cpu
+
+    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
+    dispatch.forget()
+    yield
+    dispatch.forget()
+
+
+@pytest.fixture
 def user_cache(tmp_path, monkeypatch):
     """A private, empty user tuning cache; no autotuning; dispatch state forgotten before and
     after.  The working directory is tmp_path too, in case Kernel Tuner leaves files there."""

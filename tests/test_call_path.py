@@ -145,14 +145,6 @@ def test_kept_buffers_see_the_new_contents_of_reused_memory(rng):
 # ------------------------------------------------------------------ PyTorch's kernel as a candidate
 
 
-@pytest.fixture
-def candidate_on(monkeypatch):
-    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
-    dispatch.forget()
-    yield
-    dispatch.forget()
-
-
 def _race_winner(monkeypatch, winner):
     """Make every race end with ``winner`` running the layer."""
     real = torch_cpu.race_pytorch

@@ -22,7 +22,7 @@ from conftest import outputs_and_gradients  # noqa: E402
 
 import pool_tuner as pt  # noqa: E402
 import pool_tuner.torch as ptt  # noqa: E402
-from pool_tuner import dispatch, torch_cpu  # noqa: E402
+from pool_tuner import torch_cpu  # noqa: E402
 
 F = torch.nn.functional
 TIMM_POOLING = "timm.layers.adaptive_avgmax_pool"
@@ -253,14 +253,6 @@ def test_the_report_names_pytorch_layers_swapped_kept_and_modules_fused(rng):
 
 
 # ------------------------------------------------------------------ PyTorch's computation as a candidate
-
-
-@pytest.fixture
-def candidate_on(monkeypatch):
-    monkeypatch.setattr(torch_cpu, "pytorch_candidate", True)
-    dispatch.forget()
-    yield
-    dispatch.forget()
 
 
 def _rig_race(monkeypatch, winner):
