@@ -159,7 +159,8 @@ def describe_tensor(tensor) -> tuple:
 
 
 def _tensor_description(tensor) -> tuple:
-    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+    """``describe`` of a tensor: ``describe_tensor``'s and the device it lives on."""
+    return (*describe_tensor(tensor), tensor.device)
 
 
 def _queued_description(array) -> tuple:
