@@ -201,13 +201,21 @@ def window_areas(problem: Problem) -> np.ndarray:
 
 
 def coefficients(grad_out, output, p: float, problem: Problem) -> np.ndarray:
-    """What the input-gradient kernel gathers: each output's ``dL/dm_o / area_o = dL/dy_o *
-    y_o**(1-p) / (p * area_o)``, from ``dL/dy`` and ``y`` (numpy arrays, logical axes), computed
-    in the accumulation dtype and stored in ``problem``'s memory order."""
+    """What the input-gradient kernel gathers (``coefficient_values``) from ``dL/dy`` and ``y``
+    (numpy arrays, logical axes), computed in the accumulation dtype and stored in ``problem``'s
+    memory order."""
     acc = accumulation_dtype(problem)
     grad_out, output = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
-    values = grad_out * output ** acc(1 - p) / (acc(p) * window_areas(problem).astype(acc))
+    values = coefficient_values(grad_out, output, float(p), window_areas(problem).astype(acc))
     return np.ascontiguousarray(in_memory_order(values, problem))
+
+
+def coefficient_values(grad_out, output, p, areas):
+    """Each output's ``dL/dm_o / area_o = dL/dy_o * y_o**(1-p) / (p * area_o)``, in the arrays'
+    dtype: numpy arrays, or tensors of one device (CUDA tensors' backward), ``p`` a Python float
+    (taken in the arrays' dtype, as ``1 - p`` is) and ``areas`` the windows' areas
+    (``window_areas``) in that dtype."""
+    return grad_out * output ** (1 - p) / (p * areas)
 
 
 def output_term(grad_out, output, p) -> float:

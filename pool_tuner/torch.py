@@ -1523,7 +1523,7 @@ def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, opt
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     g, y = grad_out.detach().to(acc), output.detach().to(acc)
     areas = torch.from_numpy(_gem.window_areas(problem)).to(device=input.device, dtype=acc)
-    coefficients = g * y ** (1 - arguments["p"]) / (arguments["p"] * areas)
+    coefficients = _gem.coefficient_values(g, y, arguments["p"], areas)
     coefficients = (coefficients.movedim(coefficients.dim() - ndim - 1, -1) if channels_last else coefficients)
     coefficients = coefficients.contiguous()
     index = input.device.index
