@@ -1,17 +1,18 @@
-"""GeM pooling on CPU tensors: pool_tuner's fused op against PyTorch's four-op composition
+"""GeM pooling on CPU or CUDA tensors: pool_tuner's fused op against PyTorch's four-op composition
 ``F.adaptive_avg_pool2d(x.clamp(min=eps).pow(p), out).pow(1/p)``, forward and forward+backward
 (gradients for x and p), global and regional outputs, with peak memory.
 
 Both take ``p`` as a one-element ``nn.Parameter`` (the learnt exponent of a retrieval head); the
 candidates of a case run interleaved in a fresh random order every round (``common.interleave``),
 medians and round-by-round ratios reported, outputs and gradients checked against each other first.
-Peak memory is what a call allocates beyond its arguments, measured once per candidate: PyTorch's
-allocations (``torch.profiler`` with ``profile_memory``) plus numpy's (``tracemalloc``: pool_tuner's
-CPU results come from numpy), minus the results a call must return (the output; forward+backward:
-also the input's gradient), as a percentage of the input.
+Peak memory is what a call allocates beyond its arguments, measured once per candidate: on the CPU
+PyTorch's allocations (``torch.profiler`` with ``profile_memory``) plus numpy's (``tracemalloc``:
+pool_tuner's CPU results come from numpy), on a GPU the CUDA caching allocator's peak
+(``torch.cuda.max_memory_allocated``); minus the results a call must return (the output;
+forward+backward: also the input's gradient), as a percentage of the input.
 
-    python benchmarks/gem.py [--shapes 32x2048x7x7,8x2048x64x64] [--outputs 1,2,3] [--dtypes float32,float16]
-                             [--p 3.0] [--rounds 5] [--loop-s 0.5] [--out report.json]
+    python benchmarks/gem.py [--device cpu|cuda:0] [--shapes 32x2048x7x7,8x2048x64x64] [--outputs 1,2,3]
+                             [--dtypes float32,float16] [--p 3.0] [--rounds 5] [--loop-s 0.5] [--out report.json]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import common
 import pool_tuner.torch as ptt
+from pool_tuner import backends
 from pool_tuner.bench import Candidate
 
 EPS = 1e-6
@@ -37,9 +39,17 @@ def fused(x, out, p):
     return ptt.adaptive_gem_pool2d(x, out, p, EPS)
 
 
-def peak_extra_bytes(call) -> int:
-    """Bytes allocated at the peak of one ``call`` beyond what existed before it: PyTorch's
-    allocator (profiler memory events, in time order) plus numpy/Python's (tracemalloc)."""
+def peak_extra_bytes(call, device: torch.device) -> int:
+    """Bytes allocated at the peak of one ``call`` beyond what existed before it: on a GPU the
+    caching allocator's peak; on the CPU PyTorch's allocator (profiler memory events, in time
+    order) plus numpy/Python's (tracemalloc)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
     tracemalloc.start()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         call()
@@ -57,6 +67,7 @@ def peak_extra_bytes(call) -> int:
 
 def main(argv=None) -> int:
     parser = common.parser(__doc__)
+    parser.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda:N")
     parser.add_argument("--shapes", default="32x2048x7x7,8x2048x64x64")
     parser.add_argument("--outputs", default="1,2,3")
     parser.add_argument("--dtypes", default="float32,float16")
@@ -65,7 +76,9 @@ def main(argv=None) -> int:
     parser.add_argument("--loop-s", type=float, default=0.5, help="seconds per timed loop (default 0.5)")
     common.add_output_argument(parser)
     args = parser.parse_args(argv)
-    info = common.circumstances(torch)
+    device = torch.device(args.device)
+    wait = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    info = common.circumstances(torch, backends.resolve_device(args.device) if device.type == "cuda" else None)
     print(common.describe_circumstances(info))
     rng = np.random.default_rng(0)
     report = {"circumstances": info, "p": args.p, "cases": []}
@@ -74,10 +87,10 @@ def main(argv=None) -> int:
         shape = tuple(int(n) for n in shape_text.split("x"))
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            x = torch.from_numpy(rng.random(shape, dtype=np.float32)).to(dtype)
+            x = torch.from_numpy(rng.random(shape, dtype=np.float32)).to(device=device, dtype=dtype)
             x_grad = x.clone().requires_grad_()
             for out in (int(n) for n in args.outputs.split(",")):
-                p = torch.nn.Parameter(torch.tensor([args.p]))
+                p = torch.nn.Parameter(torch.tensor([args.p], device=device))
                 y_fused, y_composed = fused(x, out, p), composition(x, out, p)
                 difference = (y_fused.float() - y_composed.float()).abs().max().item()
                 g = torch.randn_like(y_fused)
@@ -96,12 +109,12 @@ def main(argv=None) -> int:
 
                 for case, make in (("forward", forward), ("forward+backward", training)):
                     calls = {"composition": make(composition), "pool_tuner": make(fused)}
-                    timings = common.interleave({n: Candidate(c, lambda: None) for n, c in calls.items()},
+                    timings = common.interleave({n: Candidate(c, wait) for n, c in calls.items()},
                                                 args.rounds, args.loop_s, rng, warmup=1)
                     ratio = timings.ratio("composition", "pool_tuner")
                     returned = y_fused.numel() * y_fused.element_size() + (
                         x.numel() * x.element_size() if case == "forward+backward" else 0)
-                    memory = {name: max(0, peak_extra_bytes(call) - returned) for name, call in calls.items()}
+                    memory = {name: max(0, peak_extra_bytes(call, device) - returned) for name, call in calls.items()}
                     input_bytes = x.numel() * x.element_size()
                     entry = {"shape": shape, "dtype": dtype_name, "output": out, "case": case,
                              "ms": {n: timings.summary(n) for n in calls}, "composition_over_pool_tuner": ratio,

@@ -14,6 +14,7 @@ debugging it.  The steps, in the order of what a lease must not miss:
    the copy floor;
 4. ``call_overhead``: benchmarks/cuda_call_overhead.py;
 5. ``models``: benchmarks/models.py --device cuda;
+   ``gem``: benchmarks/gem.py, fused GeM against PyTorch's four-op composition;
 6. ``memory``: benchmarks/memory_growth.py;
 7. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
    in the checkout), then the ``gpu`` rules derived from it, written to ``default_rules.json``
@@ -77,10 +78,10 @@ MIN_STEP_S = 10.0
 #: from a run of this script there: the first lease that runs it should move time between the
 #: steps from its report's durations (``--timeout STEP=SECONDS``).
 TIMEOUTS = {"tests": 140, "suite_float32": 45, "suite_float16": 30, "global_pooling": 40, "call_overhead": 20,
-            "models": 40, "memory": 20, "derive_rules": 15}
+            "models": 40, "gem": 35, "memory": 20, "derive_rules": 15}
 #: ... and here, in a dry run (a shared machine: generous).
 DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "global_pooling": 60, "call_overhead": 25,
-                    "models": 30, "memory": 25, "derive_rules": 20}
+                    "models": 30, "gem": 30, "memory": 25, "derive_rules": 20}
 #: The tuning steps, last: each may take this share of the time left when it starts, less the
 #: timeouts of the fixed steps after it (derive_rules), so that they are cut short by what remains
 #: of the budget, not by a number fixed beforehand (tuning costs about 0.65 s per configuration:
@@ -231,6 +232,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         global_pooling = ["--shape", "2x8x7x7", "--shape", "2x8x9x9:NHWC", "--shape", "1x2x512x512", "--repeat", "1"]
         overhead = ["--preset", "upsample_area", "--no-tiny", "--calls", "5", "--repeat", "1"]
         models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
+        gem = ["--shapes", "2x8x7x7", "--outputs", "1", "--dtypes", "float32", "--rounds", "1", "--loop-s", "0.01"]
         memory = ["--api", "numpy", "--shapes", "4", "--every", "2", "--pocl-cache", "cold"]
         grid = ["--limit", "1", "--max-fevals", "1", "--time-limit", "0.5", "--variants",
                 "thread_per_output,thread_per_input"]
@@ -241,6 +243,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         global_pooling = ["--issue-layers", "--split-layers", "--repeat", "5"]
         overhead = ["--calls", "100", "--repeat", "5"]
         models = ["--rounds", "3"]
+        gem = ["--outputs", "1,3", "--rounds", "3", "--loop-s", "0.1"]
         memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
         grid = ["--max-fevals", "3", "--time-limit", "1"]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
@@ -259,6 +262,8 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
              needs_gpu=True),
         Step("models", python(BENCHMARKS / "models.py", "--device", "cuda", *models, "--out",
                               work / "models" / "models.json"), timeout["models"], needs_gpu=True),
+        Step("gem", python(BENCHMARKS / "gem.py", *device, *gem, "--out", work / "gem" / "gem.json"), timeout["gem"],
+             lambda step_dir, log: last_lines(log, 10)),
         Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
              timeout["memory"], memory_figures),
         Step("dispatch_grid", lambda seconds: python(

@@ -194,8 +194,8 @@ def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
         tar.extractall(tmp_path, filter="data")
     work = tmp_path / "session"
     names = [step.name for step in gpu_session.steps(work, dry_run=True, jobs=2)]
-    assert names == ["tests", "suite_float32", "suite_float16", "global_pooling", "call_overhead", "models", "memory",
-                     "dispatch_grid", "derive_rules", "tune_float32", "tune_float16"]
+    assert names == ["tests", "suite_float32", "suite_float16", "global_pooling", "call_overhead", "models", "gem",
+                     "memory", "dispatch_grid", "derive_rules", "tune_float32", "tune_float16"]
     rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
     for name in names:
         assert f"## {name}: " in report and (work / name / "log.txt").exists(), name
