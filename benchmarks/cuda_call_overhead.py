@@ -161,7 +161,7 @@ def main(argv=None):
         sides, plan = sides_of(torch, ptt, op, shape, size, dtype, direction)
         timings = _time_rounds(torch, sides, args.calls, args.repeat)
         rows.append({"direction": direction, "case": name, "op": op, "input": list(shape), "output_size": list(size),
-                     "dtype": args.dtype, "variant": plan.plan.choice.variant.name, "source": plan.plan.choice.source,
+                     "dtype": args.dtype, "variant": plan.choice.variant.name, "source": plan.choice.source,
                      **{f"{side}_{what}_us": t for side, (dev, host) in timings.items()
                         for what, t in (("device", dev), ("host", host))}})
         cells = " ".join(f"{dev:7.1f}/{host:7.1f}" for dev, host in timings.values())
