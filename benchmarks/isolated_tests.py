@@ -6,7 +6,12 @@ single fault fails every case after it.  Here:
 
 * a case marked ``own_process`` (one that can fault: more than 2^31 elements, CUDA graph capture,
   tuning on the CUDA tuning thread) runs in a pytest process of its own;
-* the other cases are dealt round-robin into ``jobs`` shards, each one pytest process.  This module,
+* the other cases, the quick ones, are dealt round-robin into shards, each one pytest process, every
+  file's shards started before any case of its own: the quick cases of every file are never left
+  waiting behind the long ones.  The shards take the ``jobs`` slots the cases of their own leave
+  (``alone_jobs`` of them at most at a time: each can hold gigabytes of GPU memory), dealt among
+  the files by their number of cases.  Both lists are ordered so that each test function comes up
+  early (``interleaved``): a run cut off by its deadline has tried every function.  This module,
   loaded into it as a plugin (``-p isolated_tests``), writes each case's start and outcome to a file
   as it goes, and ends the session after a failure whose report names an error that poisons a
   CUDA context (``POISONING``).  A shard that stopped so, or died (a segfault, an abort), is started
@@ -17,9 +22,13 @@ single fault fails every case after it.  Here:
   counted ``timed out`` and the cases after it ``not run``.
 
 Up to ``jobs`` processes run at a time.  Per file, a summary line; per case, its outcome, in
-``results.json`` under ``--out``, with each process's log beside it.
+``results.json`` under ``--out``, with each process's log beside it.  Every process builds its
+CUDA kernels into one cubin directory (``POOL_TUNER_CUBIN_DIR``, ``--out``'s ``cubin/`` unless
+the environment names one; see ``pool_tuner/backends/cuda_compile.py``), so that a kernel one
+process compiled is read, not compiled again, by the others.
 
-    python benchmarks/isolated_tests.py tests/test_cuda_gpu.py tests/test_cuda.py --out DIR [--jobs 4] [--timeout 150]
+    python benchmarks/isolated_tests.py tests/test_cuda_gpu.py tests/test_cuda.py --out DIR [--jobs 4]
+                                        [--alone-jobs 4] [--timeout 150]
 
 Exit status 0 when every case passed or skipped.
 """
@@ -52,6 +61,8 @@ EVENTS_ENV = "POOL_TUNER_ISOLATED_EVENTS"
 POISONING = re.compile(r"illegal memory access|ILLEGAL_ADDRESS|unspecified launch failure|LAUNCH_FAILED|"
                        r"misaligned address|illegal instruction|device-side assert|CUDA_ERROR_ASSERT|"
                        r"context is destroyed|CONTEXT_IS_DESTROYED|hardware stack error|ECC error", re.IGNORECASE)
+#: The cubin directory every process builds into (pool_tuner/backends/cuda_compile.py).
+CUBIN_DIR_ENV = "POOL_TUNER_CUBIN_DIR"
 #: The test seed (tests/conftest.py) every process is given, so that a failure can be replayed.
 SEED_ENV = "POOL_TUNER_TEST_SEED"
 #: Every outcome a case can end with, in the summary's order.
@@ -185,7 +196,7 @@ def run_shard(ids: list[str], log_dir: Path, name: str, env: dict, deadline: flo
         left = [nodeid for nodeid in remaining if nodeid not in finished and nodeid not in unfinished]
         if timed_out or len(left) == len(remaining):  # out of time, or the process ran nothing (see its log)
             for nodeid in left:
-                cases[nodeid].message = f"see {log_path.name}"
+                cases[nodeid].message = f"see {log_path.name}" if log_path.exists() else "the deadline came first"
             break
         remaining = left
     return cases, attempt
@@ -208,8 +219,8 @@ def _stop(signum, frame):
 
 def _run_until(ids: list[str], log_path: Path, env: dict, deadline: float) -> bool:
     """One pytest process on ``ids``, killed (its whole process group) at ``deadline`` or when the
-    runner is stopped; whether it was."""
-    if _stopped.is_set():
+    runner is stopped (it is not started after either); whether it was."""
+    if _stopped.is_set() or time.monotonic() >= deadline:
         return True
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen([sys.executable, *PYTEST, "-p", "isolated_tests", *ids], cwd=ROOT, env=env,
@@ -250,38 +261,85 @@ def shards(ids: list[str], jobs: int) -> list[list[str]]:
     return [part for part in (ids[i::jobs] for i in range(jobs)) if part]
 
 
-def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env: dict | None = None) -> dict:
-    """Run ``test_files`` (see the module docstring); returns ``{file: {"cases": [...], "summary":
-    line, "collection_error": text}}``."""
+def interleaved(ids: list[str]) -> list[str]:
+    """``ids`` with their test functions taking turns (the first case of each function, then the
+    second of each, ...), each function's cases in their order: a run cut off part way has
+    tried every test function, not the first ones only."""
+    by_function = collections.defaultdict(list)
+    for nodeid in ids:
+        by_function[nodeid.split("[", 1)[0]].append(nodeid)
+    turns = list(by_function.values())
+    return [cases[rank] for rank in range(max(map(len, turns), default=0)) for cases in turns if rank < len(cases)]
+
+
+def shard_counts(together: dict, slots: int) -> dict:
+    """How many of ``slots`` shards each file of ``together`` (file -> its quick cases) gets: one
+    each at least, the rest by their number of cases (largest remainders first)."""
+    files = [f for f, ids in together.items() if ids]
+    if not files:
+        return {}
+    slots = max(slots, len(files))
+    total = sum(len(together[f]) for f in files)
+    shares = {f: (slots - len(files)) * len(together[f]) / total for f in files}
+    counts = {f: 1 + int(shares[f]) for f in files}
+    for f in sorted(files, key=lambda f: int(shares[f]) - shares[f])[:slots - sum(counts.values())]:
+        counts[f] += 1
+    return counts
+
+
+def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env: dict | None = None,
+              alone_jobs: int | None = None) -> dict:
+    """Run ``test_files`` (see the module docstring): ``jobs`` processes at a time, at most
+    ``alone_jobs`` (default ``jobs``) of them cases of their own; returns ``{file: {"cases": [...],
+    "summary": line, "collection_error": text}}``."""
     started = time.monotonic()
     deadline = started + timeout_s
+    alone_jobs = jobs if alone_jobs is None else min(alone_jobs, jobs)
     env = dict(os.environ if env is None else env)
     # one seed for every process (tests/conftest.py draws the inputs from it): a failure replays
     env.setdefault(SEED_ENV, str(random.randrange(2**31)))
+    env.setdefault(CUBIN_DIR_ENV, str(out.resolve() / "cubin"))
     # the plugin (this module) last: benchmarks/ holds scripts whose names a test must not import
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", ""), str(ROOT / "benchmarks")]))
     out.mkdir(parents=True, exist_ok=True)
-    plans = {}
+    collected = {}
     for test_file in test_files:
         log_dir = out / Path(test_file).stem
         log_dir.mkdir(parents=True, exist_ok=True)
         alone, together, skipped, error = collect(test_file, log_dir, env, max(1.0, deadline - time.monotonic()))
         if error:
             (log_dir / "collection.log").write_text(error, encoding="utf-8")
-        # the cases of their own first: the long ones among them overlap the shards
-        work = [([nodeid], f"alone-{i}") for i, nodeid in enumerate(alone)]
-        work += [(part, f"shard-{i}") for i, part in enumerate(shards(together, jobs))]
-        plans[test_file] = (log_dir, skipped, work, error)
-    results = {}
+        collected[test_file] = (log_dir, interleaved(alone), interleaved(together), skipped, error)
+    any_alone = any(alone for _, alone, _, _, _ in collected.values())
+    counts = shard_counts({f: together for f, (_, _, together, _, _) in collected.items()},
+                          jobs - alone_jobs if any_alone and jobs > alone_jobs else jobs)
+    quick = [(test_file, part, f"shard-{i}") for test_file, (_, _, together, _, _) in collected.items()
+             for i, part in enumerate(shards(together, counts.get(test_file, 1)))]
+    # the cases of their own after every shard, taking turns between the files
+    queues = [[(test_file, [nodeid], f"alone-{i}") for i, nodeid in enumerate(alone)]
+              for test_file, (_, alone, _, _, _) in collected.items()]
+    own = [queue[rank] for rank in range(max(map(len, queues), default=0)) for queue in queues if rank < len(queue)]
+    alone_slots = threading.BoundedSemaphore(alone_jobs)
+
+    def run_alone(ids, log_dir, name):
+        with alone_slots:
+            return run_shard(ids, log_dir, name, env, deadline)
+
+    futures = collections.defaultdict(list)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {test_file: [pool.submit(run_shard, ids, log_dir, name, env, deadline) for ids, name in work]
-                   for test_file, (log_dir, _, work, _) in plans.items()}
-        for test_file, (log_dir, skipped, work, error) in plans.items():
-            ordered, processes = list(skipped.values()), 0
+        for test_file, ids, name in quick:
+            futures[test_file].append(pool.submit(run_shard, ids, collected[test_file][0], name, env, deadline))
+        for test_file, ids, name in own:
+            futures[test_file].append(pool.submit(run_alone, ids, collected[test_file][0], name))
+        results = {}
+        for test_file, (log_dir, alone, together, skipped, error) in collected.items():
+            ran = {}
+            processes = 0
             for future in futures[test_file]:
                 shard_cases, shard_processes = future.result()
-                ordered += shard_cases.values()
+                ran.update(shard_cases)
                 processes += shard_processes
+            ordered = list(skipped.values()) + [ran[nodeid] for nodeid in (*alone, *together)]
             note = f"{SEED_ENV}={env[SEED_ENV]}" + ("; collection failed, see collection.log" if error else "")
             cases = [dict(dataclasses.asdict(c), nodeid=display_id(c.nodeid)) for c in ordered]
             results[test_file] = {"cases": cases, "collection_error": error,
@@ -308,12 +366,17 @@ def main(argv=None) -> int:
     parser.add_argument("files", nargs="+", help="test files, relative to the project root")
     parser.add_argument("--out", required=True, help="directory for results.json and the processes' logs")
     parser.add_argument("--jobs", type=int, default=4, help="pytest processes at a time (default: %(default)s)")
+    parser.add_argument("--alone-jobs", type=int, default=4,
+                        help="of those, processes of a case of its own at a time (default: %(default)s): each may "
+                             "hold gigabytes of GPU memory")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds for everything (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.alone_jobs < 1:
+        parser.error(f"--alone-jobs must be at least 1, got {args.alone_jobs}")
     signal.signal(signal.SIGTERM, _stop)
-    results = run_files(args.files, Path(args.out), args.jobs, args.timeout)
+    results = run_files(args.files, Path(args.out), args.jobs, args.timeout, alone_jobs=args.alone_jobs)
     bad = 0
     for result in results.values():
         print(result["summary"])

@@ -90,6 +90,7 @@ def user_cache(tmp_path, monkeypatch):
 
     directory = tmp_path / "user_cache"
     monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(directory))
+    monkeypatch.delenv("POOL_TUNER_CUBIN_DIR", raising=False)  # its cubins under it too
     monkeypatch.delenv("POOL_TUNER_AUTOTUNE", raising=False)
     monkeypatch.delenv("POOL_TUNER_DEVICE", raising=False)
     monkeypatch.chdir(tmp_path)

@@ -2,7 +2,10 @@
 a hit starts no process, a source both paths need is compiled once, modules are loaded once per
 context and kept.  The nvcc tests compile for real (no GPU needed) and skip without nvcc."""
 
+import os
 import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -51,6 +54,35 @@ def test_a_hit_reads_the_cubin_and_starts_no_process(user_cache, no_process):
     no_process()
     assert cuda_compile.cubin(source, "sm_80", NVCC) == (key, image)
     assert cuda._compile(source, "sm_80") == image  # the backend's builds use the same cache
+
+
+@needs_nvcc
+def test_processes_with_user_caches_of_their_own_share_one_cubin_directory(user_cache, tmp_path, monkeypatch):
+    """POOL_TUNER_CUBIN_DIR (set by benchmarks/isolated_tests.py for its test processes, each with a
+    user cache of its own): what one process compiled, another reads without running nvcc."""
+    shared = tmp_path / "shared_cubins"
+    monkeypatch.setenv(cuda_compile.CUBIN_DIR_ENV, str(shared))
+    source = _source((3, 5))
+    key, image = cuda_compile.cubin(source, "sm_80", NVCC)
+    assert (shared / f"{key}.cubin").read_bytes() == image
+    assert not (user_cache / "cubin").exists()
+    other = tmp_path / "other_process_cache"
+    script = textwrap.dedent(f"""
+        import sys
+        from pool_tuner.backends import cuda_compile
+
+        def no_nvcc(*args, **kwargs):
+            raise AssertionError("compiled again")
+
+        cuda_compile.compile_source = no_nvcc
+        key, image = cuda_compile.cubin(sys.stdin.read(), "sm_80", {NVCC!r})
+        print(key, len(image))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], input=source, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, POOL_TUNER_CACHE_DIR=str(other)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [key, str(len(image))]
+    assert not (other / "cubin").exists()
 
 
 @needs_nvcc

@@ -143,6 +143,46 @@ def test_the_deadline_kills_what_still_runs(tmp_path):
                                                   "test_after_the_hang": "not run"}
 
 
+def test_every_files_quick_cases_run_before_the_cases_of_their_own(tmp_path):
+    """The first lease's tests step: the long cases of their own of the first file took every
+    slot, and the second file never started.  Its quick cases run first; no more than
+    ``alone_jobs`` cases of their own at a time (each may hold gigabytes of GPU memory)."""
+    isolated_tests = _script("isolated_tests")
+    long_file = tmp_path / "test_long.py"
+    long_file.write_text(textwrap.dedent('''
+        import time
+
+        import pytest
+
+
+        @pytest.mark.own_process
+        @pytest.mark.parametrize("i", range(3))
+        def test_long(i):
+            time.sleep(600)
+
+
+        def test_quick_beside_them():
+            pass
+    '''))
+    quick_file = tmp_path / "test_quick.py"
+    quick_file.write_text("def test_quick_1():\n    pass\n\n\ndef test_quick_2():\n    pass\n")
+    results = isolated_tests.run_files([str(long_file), str(quick_file)], tmp_path / "out", jobs=2, timeout_s=25,
+                                       alone_jobs=1)
+    assert _outcomes(results[str(quick_file)]) == {"test_quick_1": "passed", "test_quick_2": "passed"}
+    assert _outcomes(results[str(long_file)]) == {"test_long[0]": "timed out", "test_long[1]": "not run",
+                                                  "test_long[2]": "not run", "test_quick_beside_them": "passed"}
+
+
+def test_a_cut_off_run_has_tried_every_test_function():
+    isolated_tests = _script("isolated_tests")
+    ids = ["t.py::test_a[1]", "t.py::test_a[2]", "t.py::test_a[3]", "t.py::test_b", "t.py::test_c[1]",
+           "t.py::test_c[2]"]
+    assert isolated_tests.interleaved(ids) == ["t.py::test_a[1]", "t.py::test_b", "t.py::test_c[1]",
+                                               "t.py::test_a[2]", "t.py::test_c[2]", "t.py::test_a[3]"]
+    assert isolated_tests.shard_counts({"big": ids * 30, "small": ids[:2], "none": []}, 10) == {"big": 9, "small": 1}
+    assert isolated_tests.shard_counts({"one": ids}, 1) == {"one": 1}
+
+
 def test_a_stopped_runner_leaves_no_test_process_behind(tmp_path):
     """SIGTERM (gpu_session.py's step timeout) to the runner ends the pytest processes it started in
     process groups of their own, and it still writes its results."""

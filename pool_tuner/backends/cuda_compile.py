@@ -10,7 +10,7 @@ a hit reads one file and starts no process.  Both CUDA build paths (PyCUDA's mod
 so a kernel both paths need is compiled once.
 
 The cache lives in ``<pool_tuner's user cache directory>/cubin`` (``POOL_TUNER_CACHE_DIR``, see
-``cache.default_user_dir``); files are written to a temporary name and renamed, so concurrent
+``cache.default_user_dir``), or where ``POOL_TUNER_CUBIN_DIR`` says; files are written to a temporary name and renamed, so concurrent
 processes never read half a cubin.  Within a process, one thread compiles a given key while
 others asking for the same key wait for its result (no double compile).
 """
@@ -32,6 +32,8 @@ import platformdirs
 NVCC_OPTIONS = ("-cubin",)
 #: Seconds one nvcc run may take.
 NVCC_TIMEOUT_S = 600
+#: The environment variable naming a cubin directory of its own (``cache_dir``).
+CUBIN_DIR_ENV = "POOL_TUNER_CUBIN_DIR"
 #: Bumped when the key's recipe changes, so that old files are never read under a new meaning.
 KEY_VERSION = "pool_tuner-cubin-v1"
 
@@ -41,8 +43,14 @@ class CudaCompileError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where cubins are kept: ``cubin/`` in pool_tuner's user cache directory -- the directory of
-    ``cache.default_user_dir``, worked out here because backends sit below ``cache``."""
+    """Where cubins are kept: the directory ``POOL_TUNER_CUBIN_DIR`` names, else ``cubin/`` in
+    pool_tuner's user cache directory -- the directory of ``cache.default_user_dir``, worked out
+    here because backends sit below ``cache``.  ``POOL_TUNER_CUBIN_DIR`` lets processes that keep
+    their tuning records apart (test processes, each with a user cache of its own) share their
+    builds."""
+    shared = os.environ.get(CUBIN_DIR_ENV)
+    if shared:
+        return Path(shared).expanduser()
     configured = os.environ.get("POOL_TUNER_CACHE_DIR")
     root = Path(configured).expanduser() if configured else Path(platformdirs.user_cache_dir("pool_tuner"))
     return root / "cubin"
