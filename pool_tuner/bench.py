@@ -483,11 +483,15 @@ def geomean(values) -> float:
 
 
 def run(names=None, directions=("forward", "backward"), device=None, repeat: int = 15, torch_threads: int | None = None,
-        progress=None, tune_untuned: bool = False, dtype: str = "float32", stream_bytes: int = STREAM_BYTES) -> dict:
+        progress=None, tune_untuned: bool = False, dtype: str = "float32", stream_bytes: int = STREAM_BYTES,
+        rows_path: Path | None = None) -> dict:
     """Run the suite in ``dtype`` (one of ``DTYPES``); returns the JSON-ready report.
     ``tune_untuned``: tune each of the untuned shapes in the run and time its winner beside
     dispatch's choice (``measure``'s ``tune_here``).  ``stream_bytes``: the bandwidth streams'
-    buffer size (``memory_bandwidth``); small ones make a quick check, whose floors are a cache's."""
+    buffer size (``memory_bandwidth``); small ones make a quick check, whose floors are a cache's.
+    ``rows_path``: a file (emptied first) that gets each row as soon as it is measured, one JSON
+    object a line, its floors from the streams timed before the suite -- what a run killed part way
+    (a GPU lease's step timeout) keeps."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (numpy has no bfloat16 for the inputs), "
                          f"got {dtype!r}")
@@ -504,10 +508,16 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
     streams_before = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
     rng = np.random.default_rng()
     rows = []
+    if rows_path is not None:
+        rows_path.write_text("")
     for name, op, shape, out in suite(names):
         for direction in directions:
             rows.append(measure(name, op, shape, out, direction, dev, repeat, rng,
                                 tune_here=tune_untuned and name == presets.UNTUNED_NAME, dtype=dtype))
+            if rows_path is not None:
+                with open(rows_path, "a", encoding="utf-8") as partial:
+                    partial.write(json.dumps(dict(dataclasses.asdict(rows[-1]), **rows[-1].derived(streams_before)))
+                                  + "\n")
             if progress:
                 progress(rows[-1])
     streams_after = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
@@ -664,6 +674,10 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")  # nothing cut off, however long the labels
     plt.close(fig)
+
+
+#: The file of ``--out`` that gets each row as it is measured (``run``'s ``rows_path``).
+ROWS_FILE = "bench_rows.jsonl"
 
 
 def save(report: dict, directory: Path) -> tuple[Path, Path | None]:

@@ -371,9 +371,8 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--out {args.out}: the directory is not writable")
     directions = DIRECTION_OPTION[args.direction]
     report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
-                       progress=None if args.quiet else lambda row: print(
-                           f"  {row.name} {row.direction}: {row.tuned_ms:.3f} ms", file=sys.stderr),
-                       tune_untuned=args.tune_untuned, dtype=args.dtype,
+                       progress=None if args.quiet else _print_bench_row, tune_untuned=args.tune_untuned,
+                       dtype=args.dtype, rows_path=out / bench.ROWS_FILE,
                        **({} if args.stream_mib is None else {"stream_bytes": args.stream_mib * 2**20}))
     print(bench.format_table(report))
     if bench.load_warning(report):
@@ -381,6 +380,13 @@ def cmd_bench(args) -> int:
     json_path, png_path = bench.save(report, out)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib not installed)"))
     return 0
+
+
+def _print_bench_row(row) -> None:
+    """A line on stderr for each problem as soon as it is measured."""
+    shape = "x".join(map(str, row.input_shape)) + "->" + "x".join(map(str, row.output_shape))
+    print(f"  {row.name} {shape} {row.direction}: pool_tuner {row.tuned_ms:.4f} ms, PyTorch {row.torch_ms:.4f} ms "
+          f"({row.torch_ms / row.tuned_ms:.2f}x)", file=sys.stderr, flush=True)
 
 
 def default_bench_dir() -> Path:
@@ -473,8 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-mib", type=int,
                    help="MiB of each bandwidth stream's buffers (default: enough to measure memory, not caches; a "
                         "small one makes a quick check, whose floors are a cache's)")
-    p.add_argument("--out", help=f"directory for bench.json and bench.png (default {default_bench_dir()}, outside "
-                                 f"any clone)")
+    p.add_argument("--out", help=f"directory for bench.json and bench.png, and bench_rows.jsonl, each problem's row "
+                                 f"as soon as it is measured (default {default_bench_dir()}, outside any clone)")
     p.add_argument("--quiet", action="store_true", help="no per-shape progress lines on stderr")
     p.add_argument("--tune-untuned", action="store_true",
                    help="also tune each untuned shape in the run (not stored) and time its winner beside dispatch's "

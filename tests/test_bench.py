@@ -50,6 +50,32 @@ def test_bench_writes_json_plot_and_table(tmp_path, capsys):
         assert report["runtime_note"] in table.splitlines()
 
 
+def test_a_bench_cut_off_part_way_keeps_the_problems_it_finished(tmp_path, monkeypatch, capsys):
+    """The first H100 lease's suite steps were killed at their timeouts having written nothing:
+    each row is in bench_rows.jsonl, and its line on stderr, as soon as it is measured."""
+    measured = []
+    real_measure = bench.measure
+
+    def measure_then_die(*args, **kwargs):
+        if measured:
+            raise KeyboardInterrupt("the step's timeout")
+        measured.append(real_measure(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(bench, "measure", measure_then_die)
+    status = cli.main(["bench", "--preset", "upsample_area", "--repeat", "1", "--stream-mib", "1", "--out",
+                       str(tmp_path)])
+    assert status != 0
+    assert not (tmp_path / "bench.json").exists()
+    [row] = [json.loads(line) for line in (tmp_path / bench.ROWS_FILE).read_text().splitlines()]
+    assert row["name"] == "upsample_area" and row["direction"] == "forward" and row["input_shape"] == [16, 64, 5, 5]
+    assert row["tuned_ms"] == measured[0].tuned_ms and row["speedup_vs_torch"] == pytest.approx(
+        measured[0].torch_ms / measured[0].tuned_ms)
+    assert row["floor_ms"] > 0
+    line = f"upsample_area 16x64x5x5->16x64x7x7 forward: pool_tuner {measured[0].tuned_ms:.4f} ms"
+    assert line in capsys.readouterr().err
+
+
 def test_bytes_moved_counts_reads_writes_and_indices():
     from pool_tuner.problem import Problem
 
