@@ -4,25 +4,33 @@ within one budget, everything written under one folder, and a one-page report at
 GPU machines are lent rarely and for minutes (docs/gpu.md): a lease is spent running this, not
 debugging it.  The steps, in the order of what a lease must not miss:
 
-1. ``tests``: tests/test_cuda_gpu.py and tests/test_cuda.py through ``isolated_tests.py`` (a case
-   that can fault in a process of its own, the rest in shards that start again after a fault), a
-   summary line per file;
-2. ``suite_float32``, ``suite_float16``: ``pool-tuner bench``, the suite's presets and the held-out
-   (untuned) layers against PyTorch, forward and backward;
+1. ``tests``: tests/test_cuda_gpu.py and tests/test_cuda.py through ``isolated_tests.py`` (the
+   quick cases of both files in shards first, that start again after a fault; the cases that can
+   fault or need gigabytes in processes of their own beside them, ``ALONE_JOBS`` at a time; every
+   test function tried early, so a cut-off run is a sample of all of them), a summary line per
+   file.  It does not finish in one session (about 1900 quick cases and 120 of their own, 5-45 s
+   each): what it did not reach is listed ``not run``;
+2. ``suite_float32``: ``pool-tuner bench``, the suite's presets and the held-out (untuned) layers
+   against PyTorch, forward and backward, each problem kept as soon as it is measured
+   (``bench_rows.jsonl``), so a step cut off still reports what it measured;
 3. ``global_pooling``: benchmarks/global_pooling.py on the layers of the issue's global-pooling
-   targets: PyTorch, ``pool_tuner.torch`` and the kernels alone (global_blocks among them) against
-   the copy floor;
+   targets, then a few huge planes: PyTorch, ``pool_tuner.torch`` and the kernels alone
+   (global_blocks among them) against the copy floor;
 4. ``call_overhead``: benchmarks/cuda_call_overhead.py;
-5. ``models``: benchmarks/models.py --device cuda;
-   ``gem``: benchmarks/gem.py, fused GeM against PyTorch's four-op composition;
-6. ``memory``: benchmarks/memory_growth.py;
-7. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
+5. ``gem``: benchmarks/gem.py, fused GeM against PyTorch's four-op composition;
+   ``models``: benchmarks/models.py --device cuda, two cases of each model;
+6. ``suite_float16``: the suite's forward passes in float16;
+7. ``memory``: benchmarks/memory_growth.py;
+8. ``dispatch_grid`` and ``derive_rules``: the grid within its budget (adding to the GPU's grid data
    in the checkout), then the ``gpu`` rules derived from it, written to ``default_rules.json``
    (``derived_from`` names the grid's directory, which names the GPU);
-8. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all``, the records then exported
+9. ``tune_float32``, ``tune_float16``: ``pool-tuner tune --preset all``, the records then exported
    to ``tuning_cache/cuda_<arch>.json``.
 
-The budget (``--budget``, 480 s) covers the whole command: ``START_UP_S`` for the start, each fixed
+Every step builds its kernels into the session's one cubin directory (``POOL_TUNER_CUBIN_DIR``,
+``<work>/cubin``): a kernel one step (or test process) compiled, the next reads.
+
+The budget (``--budget``, 560 s) covers the whole command: ``START_UP_S`` for the start, each fixed
 step's timeout (``TIMEOUTS``), the report's ``RESERVE_S``; the tuning steps (the grid and the two
 tunings) come last and share what is left when each starts (``TUNING_SHARES``), so a lease's
 remaining time, not a fixed number, cuts them short; the plan is refused before anything runs when
@@ -31,7 +39,7 @@ reported so, and the next one runs.  ``--dry-run`` runs
 every step here, on this machine's default device and tiny sizes (the CUDA test files skip without
 a GPU; the steps that need one are expected to fail): its exit status is 0 when the plumbing works.
 
-    python benchmarks/gpu_session.py [--out DIR] [--work DIR] [--budget 480] [--jobs 6] [--only STEPS]
+    python benchmarks/gpu_session.py [--out DIR] [--work DIR] [--budget 560] [--jobs 14] [--only STEPS]
                                      [--timeout STEP=SECONDS ...] [--dry-run]
 
 Each step writes into the session's working folder (``--work``, else a new temporary directory);
@@ -63,25 +71,33 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-#: The budget of a session (a lease's 8 minutes), and of a dry run.
-BUDGET_S = 480.0
+#: The budget of a session, and of a dry run: a lease's command may run 600 s; this leaves the rest
+#: for what the command runs before (installing the checkout), the last step's ``STOP_GRACE_S`` and
+#: packing.  A lease has 900 s of device time in all, its start taking about 30 s: a second,
+#: shorter command fits after this one (docs/gpu.md).
+BUDGET_S = 560.0
 #: Seconds of the budget kept for what precedes the first step -- the interpreter's start, the
 #: imports, nvidia-smi, copying the grid data -- ...
-START_UP_S = 20.0
+START_UP_S = 10.0
 #: ... and for the report after the last.
 RESERVE_S = 5.0
 #: Seconds a step has to end after SIGTERM at its timeout, before SIGKILL.
 STOP_GRACE_S = 10.0
 #: A step is not started with less than this left (it would only be killed).
 MIN_STEP_S = 10.0
-#: Seconds each step of a fixed length may take on a GPU, from earlier leases' figures, not yet
-#: from a run of this script there: the first lease that runs it should move time between the
-#: steps from its report's durations (``--timeout STEP=SECONDS``).
-TIMEOUTS = {"tests": 140, "suite_float32": 45, "suite_float16": 30, "global_pooling": 40, "call_overhead": 20,
-            "models": 40, "gem": 35, "memory": 20, "derive_rules": 15}
+#: Seconds each step of a fixed length may take on a GPU, from the first run of this script on an
+#: H100 (docs/benchmarks.md): the steps cut short there get more (gem, global_pooling's huge
+#: planes), the test step the most, as what a lease must not miss; the steps that finished early
+#: (memory, derive_rules) less.  Those whose work does not fit take what fits (tests, the suites).
+TIMEOUTS = {"tests": 160, "suite_float32": 80, "global_pooling": 50, "call_overhead": 20, "gem": 40, "models": 50,
+            "suite_float16": 35, "memory": 15, "derive_rules": 10}
 #: ... and here, in a dry run (a shared machine: generous).
-DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "suite_float16": 30, "global_pooling": 60, "call_overhead": 25,
-                    "models": 30, "gem": 30, "memory": 25, "derive_rules": 20}
+DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "global_pooling": 60, "call_overhead": 25, "gem": 30,
+                    "models": 30, "suite_float16": 30, "memory": 25, "derive_rules": 20}
+#: Test processes at a time (a GPU machine's 16 cores, nvcc dominating the quick cases), and of
+#: them, cases of their own at a time (each holds about 8-12 GB of GPU memory).
+JOBS = 14
+ALONE_JOBS = 4
 #: The tuning steps, last: each may take this share of the time left when it starts, less the
 #: timeouts of the fixed steps after it (derive_rules), so that they are cut short by what remains
 #: of the budget, not by a number fixed beforehand (tuning costs about 0.65 s per configuration:
@@ -95,6 +111,8 @@ WIND_DOWN_S = 10
 #: The session's working folder packed into the output folder, and its name inside the archive.
 PACKED = "session.tar.gz"
 SESSION_DIR = "session"
+#: The session's cubin directory under its working folder (left out of the packed folder).
+CUBIN_DIR = "cubin"
 #: The test files that need a GPU.
 GPU_TEST_FILES = ("tests/test_cuda_gpu.py", "tests/test_cuda.py")
 
@@ -157,9 +175,24 @@ def tests_figures(step_dir: Path, log: str) -> list:
 
 
 def suite_figures(step_dir: Path, log: str) -> list:
+    """The suite's geomeans from ``bench.json``; from a run cut off before writing it, those of the
+    problems it finished (``bench_rows.jsonl``)."""
+    from pool_tuner import bench
+
     path = step_dir / "bench.json"
     if not path.exists():
-        return last_lines(log)
+        rows_path = step_dir / bench.ROWS_FILE
+        rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
+        if not rows:
+            return last_lines(log)
+        lines = [f"cut off after {len(rows)} problems ({bench.ROWS_FILE}; floors from the streams timed before)"]
+        for direction in dict.fromkeys(row["direction"] for row in rows):
+            picked = [row for row in rows if row["direction"] == direction]
+            lines.append(f"{direction}, {len(picked)} problems: geomean "
+                         f"{bench.geomean(r['speedup_vs_torch'] for r in picked):.2f}x PyTorch, tuned/default "
+                         f"{bench.geomean(r['tuned_vs_default'] for r in picked):.2f}x, "
+                         f"{bench.geomean(r['times_floor'] for r in picked):.2f}x the copy floor")
+        return lines
     report = json.loads(path.read_text())
     lines = [f"{report['device']}; copy {report['copy_gbs']:.0f} GB/s"]
     for label, summary in report["summary"].items():
@@ -228,7 +261,8 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
     device = [] if dry_run else ["--device", "cuda:0"]
     cli = python("-m", "pool_tuner.cli")
     if dry_run:  # one shape, one round, the variants that run every problem; a few huge planes
-        suite = ["--preset", "upsample_area", "--direction", "forward", "--repeat", "1", "--stream-mib", "1"]
+        suite = {dtype: ["--preset", "upsample_area", "--direction", "forward", "--repeat", "1", "--stream-mib", "1"]
+                 for dtype in ("float32", "float16")}
         global_pooling = ["--shape", "2x8x7x7", "--shape", "2x8x9x9:NHWC", "--shape", "1x2x512x512", "--repeat", "1"]
         overhead = ["--preset", "upsample_area", "--no-tiny", "--calls", "5", "--repeat", "1"]
         models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
@@ -239,31 +273,37 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         tune = ["--preset", "upsample_area", "--direction", "forward", "--variants", "thread_per_output",
                 "--max-fevals", "1", "--time-limit", "0.5"]
     else:
-        suite = ["--direction", "both", "--repeat", "5"]
+        suite = {"float32": ["--direction", "both", "--repeat", "3"],
+                 "float16": ["--direction", "forward", "--repeat", "3"]}
         global_pooling = ["--issue-layers", "--split-layers", "--repeat", "5"]
         overhead = ["--calls", "100", "--repeat", "5"]
-        models = ["--rounds", "3"]
+        models = ["--cases", "infer_b64,train_b32", "--rounds", "3", "--loop-s", "0.1"]
         gem = ["--outputs", "1,3", "--rounds", "3", "--loop-s", "0.1"]
         memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
         grid = ["--max-fevals", "3", "--time-limit", "1"]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
     tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
+
+    def suite_step(dtype):
+        return Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--out", work / f"suite_{dtype}",
+                                            *suite[dtype]], timeout[f"suite_{dtype}"], suite_figures)
+
     return [
         Step("tests", python(BENCHMARKS / "isolated_tests.py", *GPU_TEST_FILES, "--out", work / "tests", "--jobs", jobs,
-                             "--timeout", timeout["tests"] - WIND_DOWN_S), timeout["tests"], tests_figures),
-        *[Step(f"suite_{dtype}", cli + ["bench", *device, "--dtype", dtype, "--quiet", "--out", work / f"suite_{dtype}",
-                                        *suite], timeout[f"suite_{dtype}"], suite_figures)
-          for dtype in ("float32", "float16")],
+                             "--alone-jobs", min(ALONE_JOBS, jobs), "--timeout", timeout["tests"] - WIND_DOWN_S),
+             timeout["tests"], tests_figures),
+        suite_step("float32"),
         Step("global_pooling", python(BENCHMARKS / "global_pooling.py", *device, *global_pooling),
              timeout["global_pooling"], lambda step_dir, log: last_lines(log, 10)),
         Step("call_overhead", python(BENCHMARKS / "cuda_call_overhead.py", *overhead, "--json",
                                      work / "call_overhead" / "call_overhead.json"), timeout["call_overhead"],
              needs_gpu=True),
-        Step("models", python(BENCHMARKS / "models.py", "--device", "cuda", *models, "--out",
-                              work / "models" / "models.json"), timeout["models"], needs_gpu=True),
         Step("gem", python(BENCHMARKS / "gem.py", *device, *gem, "--out", work / "gem" / "gem.json"), timeout["gem"],
              lambda step_dir, log: last_lines(log, 10)),
+        Step("models", python(BENCHMARKS / "models.py", "--device", "cuda", *models, "--out",
+                              work / "models" / "models.json"), timeout["models"], needs_gpu=True),
+        suite_step("float16"),
         Step("memory", python(BENCHMARKS / "memory_growth.py", *memory, "--out", work / "memory" / "memory.json"),
              timeout["memory"], memory_figures),
         Step("dispatch_grid", lambda seconds: python(
@@ -318,7 +358,7 @@ def run_step(step: Step, work: Path, deadline: float, later_fixed: float = 0.0) 
         command = [str(part) for part in (step.command(timeout) if callable(step.command) else step.command)]
     except Exception as exc:  # noqa: BLE001 - what the step needs from an earlier one is missing
         return Outcome(step.name, f"not started: {exc}", 0.0, [], "", "")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **step.env)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", POOL_TUNER_CUBIN_DIR=str(work / CUBIN_DIR), **step.env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(command)}\n")
@@ -389,10 +429,11 @@ def default_out() -> Path:
 
 def pack(work: Path, out: Path) -> None:
     """``out/session.tar.gz``: the working folder as ``session/``, without compiled kernels (the
-    tuning cache's ``cubin/``) and lock files; written to a temporary name, then renamed."""
+    session's ``cubin/``, and the tuning cache's) and lock files; written to a temporary name, then
+    renamed."""
     def keep(member):
         parts = Path(member.name).parts
-        return None if "cubin" in parts or member.name.endswith(".lock") else member
+        return None if CUBIN_DIR in parts or member.name.endswith(".lock") else member
 
     partial = out / f".{PACKED}.partial"
     with tarfile.open(partial, "w:gz") as tar:
@@ -407,7 +448,8 @@ def main(argv=None) -> int:
     parser.add_argument("--work", help="the session's working folder (default: a new temporary directory)")
     parser.add_argument("--budget", type=float, default=BUDGET_S,
                         help="seconds for the whole session, start-up included (default: %(default)s)")
-    parser.add_argument("--jobs", type=int, default=6, help="test processes at a time (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=JOBS, help="test processes at a time (default: %(default)s; "
+                                                                 f"at most {ALONE_JOBS} of them a case of its own)")
     parser.add_argument("--only", help="comma-separated step names to run (default: every step)")
     parser.add_argument("--timeout", action="append", default=[], metavar="STEP=SECONDS",
                         help="a step's timeout instead of its default, repeatable (a lease for the grid alone: "
