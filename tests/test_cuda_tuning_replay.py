@@ -30,6 +30,7 @@ import random
 import re
 import shutil
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -360,6 +361,35 @@ def test_the_tuning_thread_returns_results_raises_errors_and_runs_nested_work_in
         cuda_tuning.run(lambda: 1 / 0)
     assert cuda_tuning.run(lambda: cuda_tuning.run(lambda: "nested")) == "nested"
 
+
+def test_what_a_tuning_left_in_reference_cycles_is_freed_on_the_tuning_thread():
+    """Kernel Tuner's PyCudaFunctions and its PyCudaRuntimeObserver refer to each other, so the
+    module, stream and events they hold are freed by the cycle collector: on the tuning thread,
+    where their context is current, before the caller's wait ends -- not on another thread later
+    ("module in out-of-thread context could not be cleaned up")."""
+    import gc
+
+    freed_on = []
+
+    class PyCudaFunctionsLike:
+        def __init__(self):
+            self.observer = types.SimpleNamespace(dev=self)  # the cycle
+
+        def __del__(self):
+            freed_on.append(threading.get_ident())
+
+    def tune():
+        PyCudaFunctionsLike()
+        return "tuned"
+
+    enabled = gc.isenabled()
+    gc.disable()  # no collection by chance, on any thread
+    try:
+        assert cuda_tuning.run(tune) == "tuned"
+        assert freed_on == [cuda_tuning.tuning_thread().ident]
+    finally:
+        if enabled:
+            gc.enable()
 
 def test_ctrl_c_while_waiting_interrupts_the_work_on_the_tuning_thread():
     """Ctrl-C reaches the waiting main thread; the work on the tuning thread gets it, ends as the

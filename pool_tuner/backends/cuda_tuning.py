@@ -8,7 +8,14 @@ allocations need that stack on the calling thread.  Tuning from a second thread 
 autograd thread running a backward pass under ``POOL_TUNER_AUTOTUNE=1``, a user's worker --
 therefore failed with ``invalid device context`` on every configuration.  PyCUDA objects must also
 be freed on the thread whose context stack made them, or they leak ("out-of-thread context could
-not be cleaned up"): the race's arrays and events are made and dropped on this thread too.
+not be cleaned up"): the race's arrays and events are made and dropped on this thread too.  Kernel
+Tuner's own are not dropped when its run ends: its ``PyCudaFunctions`` (holding the module, the
+stream and the two events of the run) and the ``PyCudaRuntimeObserver`` it makes refer to each
+other, so only Python's cycle collector frees them -- on whichever thread it next runs, usually
+another one, or at exit, after the context was popped (the first H100 lease's dispatch_grid log:
+"module/stream/event in out-of-thread context could not be cleaned up").  So each piece of work
+ends with a collection on this thread (``_Job.run``), while the context that made them is still
+current here.
 
 ``run(work)`` from any other thread queues ``work`` and waits for its result or exception; from the
 tuning thread itself (a tuning that races, ``tune_on_miss`` that tunes) it calls ``work`` directly.
@@ -42,6 +49,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import gc
 import os
 import queue
 import re
@@ -76,6 +84,10 @@ class _Job:
         finally:
             with self.lock:
                 self.running = False
+            # The cycles the work left (Kernel Tuner's PyCUDA objects) freed here, on the thread
+            # whose context stack made them; after ``running`` is cleared, so that no Ctrl-C
+            # forwarded into the work lands in the collection.
+            gc.collect()
             self.done.set()
 
 
