@@ -287,6 +287,20 @@ def test_the_cuda_variant_matrix_collects_the_same_in_every_process(tmp_path):
     assert not any("no-cuda-gpu" in nodeid for nodeid in collected[0])
 
 
+def test_a_suite_cut_off_reports_the_problems_it_finished(tmp_path):
+    """No bench.json (the step was killed): the report's figures come from bench_rows.jsonl."""
+    gpu_session = _script("gpu_session")
+    rows = [{"direction": "forward", "speedup_vs_torch": 2.0, "tuned_vs_default": 1.0, "times_floor": 1.5},
+            {"direction": "forward", "speedup_vs_torch": 0.5, "tuned_vs_default": 4.0, "times_floor": 1.5},
+            {"direction": "backward", "speedup_vs_torch": 3.0, "tuned_vs_default": 1.0, "times_floor": 2.0}]
+    (tmp_path / "bench_rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    figures = gpu_session.suite_figures(tmp_path, "$ pool-tuner bench ...\n")
+    assert figures[0].startswith("cut off after 3 problems")
+    assert figures[1:] == ["forward, 2 problems: geomean 1.00x PyTorch, tuned/default 2.00x, 1.50x the copy floor",
+                           "backward, 1 problems: geomean 3.00x PyTorch, tuned/default 1.00x, 2.00x the copy floor"]
+    (tmp_path / "bench_rows.jsonl").write_text("")
+    assert gpu_session.suite_figures(tmp_path, "a\nb\n") == ["a", "b"]
+
 def test_a_gpus_grid_data_is_named_after_the_gpu():
     dispatch_grid = _script("dispatch_grid")
     assert dispatch_grid.device_slug(fake_cuda_device()) == "cuda_fake_gpu"
