@@ -261,15 +261,18 @@ def shards(ids: list[str], jobs: int) -> list[list[str]]:
     return [part for part in (ids[i::jobs] for i in range(jobs)) if part]
 
 
+def taking_turns(groups: list[list]) -> list:
+    """The first item of each group, then the second of each, and so on."""
+    return [group[rank] for rank in range(max(map(len, groups), default=0)) for group in groups if rank < len(group)]
+
+
 def interleaved(ids: list[str]) -> list[str]:
-    """``ids`` with their test functions taking turns (the first case of each function, then the
-    second of each, ...), each function's cases in their order: a run cut off part way has
-    tried every test function, not the first ones only."""
+    """``ids`` with their test functions taking turns, each function's cases in their order: a run
+    cut off part way has tried every test function, not the first ones only."""
     by_function = collections.defaultdict(list)
     for nodeid in ids:
         by_function[nodeid.split("[", 1)[0]].append(nodeid)
-    turns = list(by_function.values())
-    return [cases[rank] for rank in range(max(map(len, turns), default=0)) for cases in turns if rank < len(cases)]
+    return taking_turns(list(by_function.values()))
 
 
 def shard_counts(together: dict, slots: int) -> dict:
@@ -315,10 +318,9 @@ def run_files(test_files: list[str], out: Path, jobs: int, timeout_s: float, env
                           jobs - alone_jobs if any_alone and jobs > alone_jobs else jobs)
     quick = [(test_file, part, f"shard-{i}") for test_file, (_, _, together, _, _) in collected.items()
              for i, part in enumerate(shards(together, counts.get(test_file, 1)))]
-    # the cases of their own after every shard, taking turns between the files
-    queues = [[(test_file, [nodeid], f"alone-{i}") for i, nodeid in enumerate(alone)]
-              for test_file, (_, alone, _, _, _) in collected.items()]
-    own = [queue[rank] for rank in range(max(map(len, queues), default=0)) for queue in queues if rank < len(queue)]
+    # the cases of their own after every shard, the files taking turns
+    own = taking_turns([[(test_file, [nodeid], f"alone-{i}") for i, nodeid in enumerate(alone)]
+                        for test_file, (_, alone, _, _, _) in collected.items()])
     alone_slots = threading.BoundedSemaphore(alone_jobs)
 
     def run_alone(ids, log_dir, name):
