@@ -6,13 +6,13 @@ single fault fails every case after it.  Here:
 
 * a case marked ``own_process`` (one that can fault: more than 2^31 elements, CUDA graph capture,
   tuning on the CUDA tuning thread) runs in a pytest process of its own;
-* the other cases, the quick ones, are dealt round-robin into shards, each one pytest process, every
-  file's shards started before any case of its own: the quick cases of every file are never left
-  waiting behind the long ones.  The shards take the ``jobs`` slots the cases of their own leave
-  (``alone_jobs`` of them at most at a time: each can hold gigabytes of GPU memory), dealt among
-  the files by their number of cases.  Both lists are ordered so that each test function comes up
-  early (``interleaved``): a run cut off by its deadline has tried every function.  This module,
-  loaded into it as a plugin (``-p isolated_tests``), writes each case's start and outcome to a file
+* the other cases, the quick ones, are dealt round-robin into shards, each one pytest process.
+  Every file's shards start before any case of its own, so that no file's quick cases wait behind
+  the long ones: of the ``jobs`` processes at a time, at most ``alone_jobs`` are cases of their
+  own (each can hold gigabytes of GPU memory), and the shards, dealt among the files by their
+  number of cases, take the other slots.  Both lists are ordered so that every test function comes
+  up early (``interleaved``): a run cut off by its deadline has tried each.  This module, loaded
+  into every process as a plugin (``-p isolated_tests``), writes each case's start and outcome to a file
   as it goes, and ends the session after a failure whose report names an error that poisons a
   CUDA context (``POISONING``).  A shard that stopped so, or died (a segfault, an abort), is started
   again on the cases it did not finish; the case it died in is counted ``crashed``;
