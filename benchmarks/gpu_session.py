@@ -89,7 +89,7 @@ MIN_STEP_S = 10.0
 #: H100 (docs/benchmarks.md): the steps cut short there get more (gem, global_pooling's huge
 #: planes), the test step the most, as what a lease must not miss; the steps that finished early
 #: (memory, derive_rules) less.  Those whose work does not fit take what fits (tests, the suites).
-TIMEOUTS = {"tests": 160, "suite_float32": 80, "global_pooling": 50, "call_overhead": 20, "gem": 40, "models": 50,
+TIMEOUTS = {"tests": 160, "suite_float32": 70, "global_pooling": 60, "call_overhead": 20, "gem": 40, "models": 50,
             "suite_float16": 35, "memory": 15, "derive_rules": 10}
 #: ... and here, in a dry run (a shared machine: generous).
 DRY_RUN_TIMEOUTS = {"tests": 60, "suite_float32": 30, "global_pooling": 60, "call_overhead": 25, "gem": 30,
