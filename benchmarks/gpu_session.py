@@ -95,6 +95,8 @@ WIND_DOWN_S = 10
 #: The session's working folder packed into the output folder, and its name inside the archive.
 PACKED = "session.tar.gz"
 SESSION_DIR = "session"
+#: The GPU's grid (``dispatch_grid.py --grid-file``), measured (``--measure``) to fit the grid step.
+GPU_GRID = BENCHMARKS / "dispatch_grid" / "gpu_grid.json"
 #: The test files that need a GPU.
 GPU_TEST_FILES = ("tests/test_cuda_gpu.py", "tests/test_cuda.py")
 
@@ -234,8 +236,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
         gem = ["--shapes", "2x8x7x7", "--outputs", "1", "--dtypes", "float32", "--rounds", "1", "--loop-s", "0.01"]
         memory = ["--api", "numpy", "--shapes", "4", "--every", "2", "--pocl-cache", "cold"]
-        grid = ["--limit", "1", "--max-fevals", "1", "--time-limit", "0.5", "--variants",
-                "thread_per_output,thread_per_input"]
+        grid = ["--measure", "--grid-file", GPU_GRID, "--limit", "1", "--variants", "thread_per_output,thread_per_input"]
         tune = ["--preset", "upsample_area", "--direction", "forward", "--variants", "thread_per_output",
                 "--max-fevals", "1", "--time-limit", "0.5"]
     else:
@@ -245,7 +246,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         models = ["--rounds", "3"]
         gem = ["--outputs", "1,3", "--rounds", "3", "--loop-s", "0.1"]
         memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
-        grid = ["--max-fevals", "3", "--time-limit", "1"]
+        grid = ["--measure", "--grid-file", GPU_GRID]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
     tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}
