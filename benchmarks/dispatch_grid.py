@@ -33,8 +33,10 @@ were derived from; run both scripts on another device to rebuild them there.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
+import os
 import random
 import re
 import sys
@@ -44,7 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import pool_tuner as pt
-from pool_tuner import backends, cache, measured, memo
+from pool_tuner import backends, cache, dispatch, measured, memo
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import fixed_pool_equivalent
@@ -61,6 +63,9 @@ SIDES_2D = {7: ((2, 64), (32, 512)), 24: ((2, 64), (16, 256)), 56: ((2, 32), (8,
 #: (every variant's configuration and up to ``measured.REFINE_LIMIT`` changes of it, two kernels
 #: where a configuration has a second pass).
 MEMO_LIMIT = 512
+#: Threads compiling the next problems' programs while one is timed (--compile-ahead): nvcc is
+#: single-threaded, and a GPU machine has cores to spare.
+COMPILE_AHEAD = max(1, min(8, (os.cpu_count() or 2) - 1))
 REGIMES = ("global", "uniform", "non-uniform", "one_axis", "upsampling")
 
 
@@ -145,6 +150,27 @@ def device_slug(device) -> str:
     return f"{backend_or_platform}_{device.info.fingerprint.get('type', 'device')}"
 
 
+def compile_ahead(device, todo: list, only: list | None, threads: int):
+    """Start compiling the one program of each problem of ``todo`` (``measured.neighbourhoods``,
+    ``dispatch.DISPATCHER.shared_program``) into the compiler's cache, in order, in ``threads``
+    threads: a problem's build then finds its program compiled, or waits for the thread compiling
+    it (the cache's lock per program), instead of running nvcc while the device idles.  Returns the
+    executor, or None where the device builds no shared programs (OpenCL).  A program that fails
+    here fails again in the problem's build, which then builds its configurations one by one."""
+    programs = []
+    for entry in todo:
+        problem = problem_of(entry)
+        variants = only and [name for name in variants_for(problem.op, problem.direction) if name in only]
+        program = dispatch.DISPATCHER.shared_program(device, problem, measured.neighbourhoods(problem, device, variants))
+        if program is None:
+            return None
+        programs.append(program)
+    executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile_ahead")
+    for program in programs:
+        executor.submit(device.compile, program)
+    return executor
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="pool_tuner device id (default: the default device)")
@@ -156,6 +182,10 @@ def main(argv=None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="measure each problem as the benchmark mode does (one build of every variant's "
                              "neighbourhood, one race) instead of tuning it: minutes for a GPU grid, not hours")
+    parser.add_argument("--compile-ahead", type=int, default=COMPILE_AHEAD, metavar="THREADS",
+                        help="with --measure, where a problem's configurations build as one program (CUDA): "
+                             "compile the next problems' programs in this many threads while one is timed "
+                             "(0: none; default: %(default)s)")
     parser.add_argument("--grid-file", help="the grid as data (e.g. benchmarks/dispatch_grid/gpu_grid.json) "
                                             "instead of the broad grid")
     parser.add_argument("--budget", type=float, default=None,
@@ -197,6 +227,7 @@ def main(argv=None) -> int:
         return 0
     started = time.perf_counter()
     done = 0
+    ahead = compile_ahead(device, todo, only, args.compile_ahead) if args.measure and args.compile_ahead else None
     try:
         for entry in tqdm(todo, unit="problem"):
             if args.budget is not None and time.perf_counter() - started > args.budget:
@@ -216,6 +247,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as stop:
         print(f"\nstopped after {done} problems: {stop}; run again to go on", file=sys.stderr)
         return 130
+    finally:
+        if ahead is not None:
+            ahead.shutdown(wait=True, cancel_futures=True)
     print(f"{'measured' if args.measure else 'tuned'} {done} problems in {time.perf_counter() - started:.0f} s")
     return 0
 

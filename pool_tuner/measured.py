@@ -379,6 +379,13 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
     return stages.record(timed, started)
 
 
+def neighbourhoods(problem: Problem, device, variants: list | None = None) -> list:
+    """What ``measure_neighbourhoods`` times: every candidate (of ``variants`` only, where given)
+    and each one's one-parameter changes, in that order."""
+    chosen = [c for c in candidates(problem, device) if variants is None or c.variant.name in variants]
+    return chosen + [change for choice in chosen for change in refinements(problem, device, choice)]
+
+
 def measure_neighbourhoods(problem: Problem, device, rng=None, variants: list | None = None) -> dict | None:
     """Like ``measure``, but in one stage, ``neighbourhoods``: every candidate (``candidates``) and
     the one-parameter changes of each (``refinements``), built together (one program on CUDA: one
@@ -391,8 +398,7 @@ def measure_neighbourhoods(problem: Problem, device, rng=None, variants: list | 
     otherwise be evicted and built again one program each."""
     started = time.perf_counter()
     stages = _Stages(problem, device, rng or np.random.default_rng())
-    chosen = [c for c in candidates(problem, device) if variants is None or c.variant.name in variants]
-    chosen += [change for choice in chosen for change in refinements(problem, device, choice)]
+    chosen = neighbourhoods(problem, device, variants)
     kernels = sum(1 if c.variant.second_pass(c.config, problem) is None else 2 for c in chosen)
     if kernels > memo.limit():
         raise ValueError(f"measuring {problem} builds {kernels} kernels, more than the memo's limit of {memo.limit()} "

@@ -5,6 +5,7 @@ rules derived from what one lease measures (``benchmarks/derive_rules.py``)."""
 import importlib.util
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,10 @@ from pool_tuner.problem import Problem
 
 from test_default_rules import load_derive_rules, write_grid
 
+from pool_tuner.backends import cuda
+
 ROOT = Path(__file__).resolve().parent.parent
+COMPILE = cuda._compile  # the real one, before a fake replaces it
 GPU_GRID = ROOT / "benchmarks" / "dispatch_grid" / "gpu_grid.json"
 H100 = {"backend": "cuda", "name": "NVIDIA H100 80GB HBM3", "compute_capability": [9, 0], "multiprocessors": 132}
 
@@ -127,7 +131,7 @@ def test_on_a_gpu_each_problem_is_one_program_of_every_configuration_timed_by_ev
     grid_file = tiny_grid(tmp_path / "grid.json", directions=("forward", "backward"), shapes=((2, 4, 8, 8),))
     root = tmp_path / "data"
     assert dispatch_grid.main(["--device", "cuda:0", "--measure", "--grid-file", str(grid_file),
-                               "--data-root", str(root)]) == 0
+                               "--data-root", str(root), "--compile-ahead", "0"]) == 0
     records = json.loads((root / "cuda_fake_gpu" / "records.json").read_text())["records"].values()
     assert len(records) == 2 and len(compiled) == 2, "one compile per problem, every configuration in it"
     for record in records:
@@ -140,6 +144,27 @@ def test_on_a_gpu_each_problem_is_one_program_of_every_configuration_timed_by_ev
     assert driver.events > 0, "timed by the driver's events"
     modules = {driver.function_modules[launch["function"]] for launch in driver.launches}
     assert len(modules) == 2
+
+
+def test_the_next_problems_programs_are_compiled_ahead_into_the_compilers_cache(fake_gpu, tmp_path, monkeypatch):
+    """Compiled in other threads while a problem is timed: each problem's build then finds its one
+    program in the compiler's cache (the program compiled ahead is the one the build asks for), so
+    nvcc runs once per problem, and the ahead threads ran them."""
+    from pool_tuner.backends import cuda, cuda_compile
+
+    monkeypatch.setattr(cuda, "_compile", COMPILE)  # the real cache in front of a counting "nvcc"
+    runs = []
+    monkeypatch.setattr(cuda_compile, "compile_source", lambda source, arch, nvcc, options=None: runs.append(
+        threading.current_thread().name) or source.encode())
+    monkeypatch.setattr(cuda, "find_nvcc", lambda nvcc=None: shutil.which("true") or "/bin/true")
+    dispatch_grid = load_dispatch_grid()
+    grid_file = tiny_grid(tmp_path / "grid.json", directions=("forward", "backward"), regimes=("global", "uniform"),
+                          shapes=((2, 4, 8, 8),))
+    assert dispatch_grid.main(["--device", "cuda:0", "--measure", "--grid-file", str(grid_file),
+                               "--data-root", str(tmp_path / "data"), "--compile-ahead", "2"]) == 0
+    records = json.loads((tmp_path / "data" / "cuda_fake_gpu" / "records.json").read_text())["records"]
+    assert len(records) == 4 and len(runs) == 4
+    assert all(name.startswith("compile_ahead") for name in runs), runs
 
 
 def test_a_neighbourhood_larger_than_the_memo_is_refused_before_anything_is_built(fake_gpu):
