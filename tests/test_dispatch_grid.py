@@ -270,3 +270,11 @@ def test_too_little_data_gives_unsplit_rules_and_says_so(tmp_path, capsys):
     empty = write_grid(tmp_path / "cuda_none", [])
     assert derive_rules.main(["--data-dir", str(empty), "--device-type", "gpu", "--rules-out", str(out)]) == 1
     assert "no finished grid problems" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device_type", sorted(
+    name for name, entry in json.loads(default_rules.RULES_FILE.read_text())["devices"].items()
+    if entry.get("derived_from")))
+def test_every_shipped_derived_rule_list_is_what_its_grids_derive(device_type):
+    """The gpu rules too, once a lease has derived them from a grid shipped in the checkout."""
+    assert load_derive_rules().main(["--check", "--device-type", device_type]) == 0
