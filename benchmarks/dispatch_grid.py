@@ -16,7 +16,8 @@ configuration), so a lease's minutes tune a handful.  ``--measure`` measures eac
 benchmark mode does (``pool_tuner.measured.measure_neighbourhoods``): every variant's rule
 configuration and its one-parameter changes, built together (one nvcc run for all of a problem's
 configurations), timed on the device in one interleaved race (device timers, several launches each,
-medians), the record of every configuration's time kept.  With ``--grid-file`` the grid is a data
+medians), the record of every configuration's time kept; the next problems' programs compile in
+other threads meanwhile (``--compile-ahead``).  With ``--grid-file`` the grid is a data
 file of crosses instead of the broad grid below: ``dispatch_grid/gpu_grid.json`` is the GPU's,
 sized for a lease and chosen where the ``gpu`` rules decide.
 
