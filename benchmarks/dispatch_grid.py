@@ -237,7 +237,11 @@ def main(argv=None) -> int:
             problem = problem_of(entry)
             variants = only and [name for name in variants_for(problem.op, problem.direction) if name in only]
             if args.measure:
-                record = measured.measure_neighbourhoods(problem, device, variants=variants)
+                try:
+                    record = measured.measure_neighbourhoods(problem, device, variants=variants)
+                except Exception as exc:  # noqa: BLE001 - one problem's failure must not cost a lease the rest
+                    print(f"\nmeasuring {problem} failed ({type(exc).__name__}: {exc}); going on", file=sys.stderr)
+                    record = None
                 if record is not None:
                     table.store(record)
             else:

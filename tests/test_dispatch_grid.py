@@ -108,6 +108,25 @@ def test_measure_keeps_every_variants_neighbourhood_and_a_rerun_skips_what_is_do
     assert "1 grid problems, 0 to measure" in capsys.readouterr().out
 
 
+def test_a_problem_whose_measurement_fails_is_said_and_the_grid_goes_on(tmp_path, capsys, monkeypatch):
+    dispatch_grid = load_dispatch_grid()
+    grid_file = tiny_grid(tmp_path / "grid.json", shapes=((2, 4, 6, 6), (2, 4, 5, 5)))
+    real = measured.measure_neighbourhoods
+
+    def first_fails(problem, device, variants=None):
+        if problem.input_shape == (2, 4, 6, 6):
+            raise RuntimeError("a device error")
+        return real(problem, device, variants=variants)
+
+    monkeypatch.setattr(measured, "measure_neighbourhoods", first_fails)
+    assert dispatch_grid.main(["--measure", "--grid-file", str(grid_file), "--data-root", str(tmp_path / "data"),
+                               "--variants", "thread_per_output"]) == 0
+    [records_file] = (tmp_path / "data").glob("*/records.json")
+    [record] = json.loads(records_file.read_text())["records"].values()
+    assert record["problem"]["input_shape"] == [2, 4, 5, 5]
+    assert "failed (RuntimeError: a device error); going on" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- --measure on a fake GPU
 
 @pytest.fixture
