@@ -297,3 +297,14 @@ def test_too_little_data_gives_unsplit_rules_and_says_so(tmp_path, capsys):
 def test_every_shipped_derived_rule_list_is_what_its_grids_derive(device_type):
     """The gpu rules too, once a lease has derived them from a grid shipped in the checkout."""
     assert load_derive_rules().main(["--check", "--device-type", device_type]) == 0
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_grid_nvcc_cost_times_nvcc_on_a_grid_problems_program(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("grid_nvcc_cost", ROOT / "benchmarks" / "grid_nvcc_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--sizes", "2", "--repeat", "1", "--problem", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "62 problems, " in out and "2 configurations in one program: " in out
