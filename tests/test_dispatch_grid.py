@@ -9,13 +9,11 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from pool_tuner import cache, default_rules, kernel_source, measured, memo
-from pool_tuner.problem import Problem
-
 from test_default_rules import load_derive_rules, write_grid
 
+from pool_tuner import cache, default_rules, kernel_source, measured, memo
 from pool_tuner.backends import cuda
+from pool_tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPILE = cuda._compile  # the real one, before a fake replaces it
@@ -132,12 +130,12 @@ def test_a_problem_whose_measurement_fails_is_said_and_the_grid_goes_on(tmp_path
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """A fake CUDA device (tests/cuda_fakes.py) whose "compiler" records each program it is given."""
-    from pool_tuner.backends import cuda
-
     from cuda_fakes import forget_fake_gpu, install_fake_gpu
 
+    from pool_tuner.backends import cuda
+
     monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(tmp_path / "user_cache"))
-    device, fake, driver = install_fake_gpu(monkeypatch)
+    device, _, driver = install_fake_gpu(monkeypatch)
     compiled = []
     monkeypatch.setattr(cuda, "_compile", lambda source, arch: compiled.append(source) or b"cubin:" + source.encode())
     yield device, driver, compiled
@@ -145,7 +143,7 @@ def fake_gpu(monkeypatch, tmp_path):
 
 
 def test_on_a_gpu_each_problem_is_one_program_of_every_configuration_timed_by_events(fake_gpu, tmp_path):
-    device, driver, compiled = fake_gpu
+    _, driver, compiled = fake_gpu
     dispatch_grid = load_dispatch_grid()
     grid_file = tiny_grid(tmp_path / "grid.json", directions=("forward", "backward"), shapes=((2, 4, 8, 8),))
     root = tmp_path / "data"
