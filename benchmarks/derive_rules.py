@@ -28,7 +28,9 @@ The grid is of single-level problems, so the rules it writes are the single-leve
 are kept as they are, in their order, after them.  Single-level rules written by hand (their
 evidence starts with ``by hand``: a variant the grid was tuned without, raced against the grid's
 winners with ``grid_race.py``) are kept too, in their order, before the derived ones, and the
-grid problems they decide are left out of the derivation (the derived rules never see them).
+grid problems they decide are left out of the derivation (the derived rules never see them); but
+not those whose evidence starts ``by hand, not measured`` (a device type's guesses before its first
+grid, the GPU's): the grid's rules replace them.
 ``derived_from`` names the grid (one) or lists the grids (several) and ``device`` every model the
 records were measured on.
 
@@ -36,6 +38,12 @@ records were measured on.
     python benchmarks/derive_rules.py --check    # exit 1 if the shipped rules differ from the data's
     python benchmarks/derive_rules.py --grid pocl_cpu pocl_cpu_amd_epyc_znver3   # one fit, two CPU models
     python benchmarks/derive_rules.py --data-dir DIR --device-type gpu --rules-out FILE   # a GPU session's grid
+
+A grid cut short (a lease's budget) still gives rules: a direction with fewer than ``2 * MIN_LEAF``
+problems gets one rule for them all (no split), one with none only its fallback rule, and the
+script says so (``coverage``); with no finished problem at all it writes nothing and exits 1.
+A grid measured with ``dispatch_grid.py --measure`` holds several configurations per variant per
+problem: a variant's time is that of its fastest.
 
 It prints, beside the rules, how well they fit each model's grid (geomean and worst slowdown
 against each problem's best on that model; ``--compare FILE``: another rules file's too) and how
@@ -59,6 +67,9 @@ MISSING_SLOWDOWN = 4.0
 MIN_LEAF = 4
 MIN_GAIN = 1.0  # in summed log-slowdown: a split must save at least e-fold on one problem, or its equal
 MAX_DEPTH = 4
+#: How the evidence of a rule written by hand starts; and of one written by hand with nothing
+#: measured behind it (replaced by the grid's rules).
+BY_HAND, UNMEASURED = "by hand", "by hand, not measured"
 #: The variant of each direction's last rule: legal for every problem.
 FALLBACK = {"forward": "thread_per_output", "backward": "thread_per_input"}
 WORD_FEATURES = ("kind", "layout", "problem_class")
@@ -73,8 +84,13 @@ class Sample:
         self.model = record["device"]["name"]
         self.features = default_rules.features(self.problem)
         entries = [record["best"]] + record.get("runners_up", [])
-        self.times = {e["variant"]: e["time_ms"] for e in entries if e.get("time_ms")}
-        self.params = {e["variant"]: e["params"] for e in entries if e.get("time_ms")}
+        fastest = {}  # a tuning keeps one entry per variant; a measurement (--measure) several
+        for entry in entries:
+            if entry.get("time_ms") and (entry["variant"] not in fastest
+                                         or entry["time_ms"] < fastest[entry["variant"]]["time_ms"]):
+                fastest[entry["variant"]] = entry
+        self.times = {variant: e["time_ms"] for variant, e in fastest.items()}
+        self.params = {variant: e["params"] for variant, e in fastest.items()}
         self.best = min(self.times.values())
 
     def slowdown(self, variant: str) -> float:
@@ -193,6 +209,20 @@ def derive(samples: list, device_type: str) -> list:
     return [{key: rule[key] for key in ("name", "when", "variant", "config", "evidence")} for rule in rules]
 
 
+def coverage(samples: list) -> list[str]:
+    """What the rules of each direction can be from ``samples``: a line per direction with too few
+    problems for a split (``2 * MIN_LEAF``), or none."""
+    lines = []
+    for direction in ("forward", "backward"):
+        count = sum(s.features["direction"] == direction for s in samples)
+        if count == 0:
+            lines.append(f"{direction}: no grid problems: only the fallback rule ({FALLBACK[direction]})")
+        elif count < 2 * MIN_LEAF:
+            lines.append(f"{direction}: {count} grid problems, fewer than {2 * MIN_LEAF}: one rule for them all, "
+                         f"no split")
+    return lines
+
+
 def geomean_slowdown(samples: list, choose) -> float:
     return math.exp(sum(math.log(s.slowdown(choose(s))) for s in samples) / len(samples))
 
@@ -205,9 +235,12 @@ def multi_level_rules(entry: dict) -> list:
 
 def hand_rules(entry: dict) -> list:
     """The single-level rules written by hand of a device type's ``entry``, in their order: kept
-    rather than derived, before the derived ones."""
+    rather than derived, before the derived ones.  A rule written by hand without a measurement
+    (evidence ``UNMEASURED``: a device type's first guess before any grid of it) is not kept: the
+    grid's data replaces it."""
     return [rule for rule in entry.get("rules", [])
-            if default_rules.family(rule["when"]) == "single" and rule.get("evidence", "").startswith("by hand")]
+            if default_rules.family(rule["when"]) == "single" and rule.get("evidence", "").startswith(BY_HAND)
+            and not rule["evidence"].startswith(UNMEASURED)]
 
 
 def decided_by(rules: list, sample: Sample) -> bool:
@@ -330,6 +363,8 @@ def main(argv=None) -> int:
         print("the shipped rules are the data's" if same else "the shipped rules differ from the data's")
         return 0 if same else 1
     device = backends.default_device()
+    for line in coverage(samples):
+        print(line)
     for line in fit_report(samples, rules, kept, device, args.device_type):
         print(line)
     if args.compare:

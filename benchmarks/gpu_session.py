@@ -102,7 +102,7 @@ ALONE_JOBS = 4
 #: timeouts of the fixed steps after it (derive_rules), so that they are cut short by what remains
 #: of the budget, not by a number fixed beforehand (tuning costs about 0.65 s per configuration:
 #: nvcc).  The last takes all that is left.
-TUNING_SHARES = {"dispatch_grid": 0.45, "tune_float32": 0.6, "tune_float16": 1.0}
+TUNING_SHARES = {"dispatch_grid": 0.7, "tune_float32": 0.6, "tune_float16": 1.0}
 #: The budget must leave the tuning steps together at least this much after the fixed steps.
 MIN_TUNING_S = 60.0
 #: Seconds of a step's timeout kept for what follows its own budget: the tests' runner writing its
@@ -113,6 +113,8 @@ PACKED = "session.tar.gz"
 SESSION_DIR = "session"
 #: The session's cubin directory under its working folder (left out of the packed folder).
 CUBIN_DIR = "cubin"
+#: The GPU's grid (``dispatch_grid.py --grid-file``), measured (``--measure``) to fit the grid step.
+GPU_GRID = BENCHMARKS / "dispatch_grid" / "gpu_grid.json"
 #: The test files that need a GPU.
 GPU_TEST_FILES = ("tests/test_cuda_gpu.py", "tests/test_cuda.py")
 
@@ -268,8 +270,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         models = ["--models", "resnet18", "--cases", "infer_b1", "--rounds", "1"]
         gem = ["--shapes", "2x8x7x7", "--outputs", "1", "--dtypes", "float32", "--rounds", "1", "--loop-s", "0.01"]
         memory = ["--api", "numpy", "--shapes", "4", "--every", "2", "--pocl-cache", "cold"]
-        grid = ["--limit", "1", "--max-fevals", "1", "--time-limit", "0.5", "--variants",
-                "thread_per_output,thread_per_input"]
+        grid = ["--measure", "--grid-file", GPU_GRID, "--limit", "1", "--variants", "thread_per_output,thread_per_input"]
         tune = ["--preset", "upsample_area", "--direction", "forward", "--variants", "thread_per_output",
                 "--max-fevals", "1", "--time-limit", "0.5"]
     else:
@@ -280,7 +281,7 @@ def steps(work: Path, dry_run: bool, jobs: int, timeouts: dict | None = None) ->
         models = ["--cases", "infer_b64,train_b32", "--rounds", "3", "--loop-s", "0.1"]
         gem = ["--outputs", "1,3", "--rounds", "3", "--loop-s", "0.1"]
         memory = ["--api", "numpy", "--shapes", "20", "--every", "10", "--pocl-cache", "cold"]
-        grid = ["--max-fevals", "3", "--time-limit", "1"]
+        grid = ["--measure", "--grid-file", GPU_GRID]
         tune = ["--preset", "all", "--direction", "both", "--strategy", "random_sample", "--max-fevals", "4",
                 "--time-limit", "2"]
     tune_cache = {"POOL_TUNER_CACHE_DIR": str(work / "tune" / "cache")}

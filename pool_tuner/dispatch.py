@@ -365,10 +365,7 @@ class Dispatcher:
                       if self._kernels.peek(self._kernel_key(context, problem, c, defines)) is None]
             if len(wanted) > 1 and device.info.source_suffix in kernel_source.SHARED_PROGRAM_SUFFIXES:
                 kernel_name = wanted[0][1].variant.kernel_name
-                source = kernel_source.render_together(
-                    [kernel_source.render(c.variant.template, {**c.variant.defines(c.config, problem), **defines},
-                                          problem.operation.operator_header) for _, c, defines in wanted],
-                    kernel_name)
+                source = _one_program(problem, [(c, defines) for _, c, defines in wanted])
                 try:
                     built = [device.build(context, source, kernel_source.together_name(kernel_name, position))
                              for position in range(len(wanted))]
@@ -389,6 +386,14 @@ class Dispatcher:
                     failed[i] = exc
         return failed
 
+    def shared_program(self, device, problem: Problem, choices: list) -> str | None:
+        """The one program in which ``build_together`` builds ``choices`` when none of them is built
+        yet, or None where the device's kernel language has no shared programs: what a caller may
+        compile ahead, in another thread, into the compiler's cache (``dispatch_grid.py``)."""
+        if device.info.source_suffix not in kernel_source.SHARED_PROGRAM_SUFFIXES:
+            return None
+        return _one_program(problem, [(c, defines) for c in choices for defines in self._pass_defines(c, problem)])
+
     @staticmethod
     def _pass_defines(choice: Choice, problem: Problem) -> list:
         """The extra defines of each pass of ``choice``: none for the first, the second's."""
@@ -400,6 +405,15 @@ class Dispatcher:
         """The memo key of the kernel of ``choice`` (of its second pass: with ``pass_defines``)."""
         return (context, problem.kernel_key, choice.variant.name, choice.params) + (
             (tuple(sorted(pass_defines.items())),) if pass_defines else ())
+
+
+def _one_program(problem: Problem, kernels: list) -> str:
+    """The one program of ``kernels``, ``(choice, pass defines)`` each, the ``i``-th kernel named
+    ``kernel_source.together_name(kernel_name, i)`` (``kernel_source.render_together``)."""
+    return kernel_source.render_together(
+        [kernel_source.render(c.variant.template, {**c.variant.defines(c.config, problem), **defines},
+                              problem.operation.operator_header) for c, defines in kernels],
+        kernels[0][0].variant.kernel_name)
 
 
 DISPATCHER = Dispatcher()

@@ -52,7 +52,7 @@ import warnings
 import numpy as np
 
 from . import cache as cache_mod
-from . import default_rules, dispatch, pyramid
+from . import default_rules, dispatch, memo, pyramid
 from .problem import Problem
 from .variants import variants_for
 from .windows import pooling_windows
@@ -332,6 +332,22 @@ class _Stages:
                           **({"record": c.record_key} if c.record_key else {})} for c, t in zip(ready, times)]
         return list(zip(ready, times))
 
+    def record(self, timed: list, started: float) -> dict:
+        """The measured record (not stored) whose best is the fastest of ``timed`` (the last race's
+        ``(choice, ms)``), every other entry a runner-up, fastest first."""
+        best, best_ms = min(timed, key=lambda entry: entry[1])
+        winner = next(e for e in reversed(self.entries) if (e["variant"], e["params"], e["time_ms"]) ==
+                      (best.variant.name, best.config, best_ms))
+        others = sorted((e for e in self.entries if e is not winner), key=lambda entry: entry["time_ms"])
+        measured = {
+            "rounds": self.rounds,
+            "build_seconds": round(self.build_seconds, 3),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        code = cache_mod.record_kernel_hash(self.problem, self.device.info.fingerprint)
+        return cache_mod.make_record(self.problem, self.device.info.fingerprint, code, best=winner,
+                                     runners_up=others, extra={"measured": measured, "failures": self.failures})
+
 
 def measure(problem: Problem, device, rng=None) -> dict | None:
     """Time ``problem``'s candidates on ``device`` (module docstring) and return the measured
@@ -360,18 +376,35 @@ def measure(problem: Problem, device, rng=None) -> dict | None:
     combinations = [combination for leader in leaders for combination in combined(problem, device, leader, timed)]
     best = min(timed, key=lambda entry: entry[1])[0]
     timed = (stages.race([best] + combinations, "combine") if combinations else []) or timed
-    best, best_ms = min(timed, key=lambda entry: entry[1])
-    winner = next(e for e in reversed(stages.entries) if (e["variant"], e["params"], e["time_ms"]) ==
-                  (best.variant.name, best.config, best_ms))
-    others = sorted((e for e in stages.entries if e is not winner), key=lambda entry: entry["time_ms"])
-    measured = {
-        "rounds": stages.rounds,
-        "build_seconds": round(stages.build_seconds, 3),
-        "seconds": round(time.perf_counter() - started, 3),
-    }
-    code = cache_mod.record_kernel_hash(problem, device.info.fingerprint)
-    return cache_mod.make_record(problem, device.info.fingerprint, code, best=winner,
-                                 runners_up=others, extra={"measured": measured, "failures": stages.failures})
+    return stages.record(timed, started)
+
+
+def neighbourhoods(problem: Problem, device, variants: list | None = None) -> list:
+    """What ``measure_neighbourhoods`` times: every candidate (of ``variants`` only, where given)
+    and each one's one-parameter changes, in that order."""
+    chosen = [c for c in candidates(problem, device) if variants is None or c.variant.name in variants]
+    return chosen + [change for choice in chosen for change in refinements(problem, device, choice)]
+
+
+def measure_neighbourhoods(problem: Problem, device, rng=None, variants: list | None = None) -> dict | None:
+    """Like ``measure``, but in one stage, ``neighbourhoods``: every candidate (``candidates``) and
+    the one-parameter changes of each (``refinements``), built together (one program on CUDA: one
+    compile for them all) and timed in one interleaved race.  Every variant is refined, not only
+    the fastest few, so each variant's time is near its best on the problem: what the default rules
+    are derived from (``benchmarks/dispatch_grid.py --measure``), where ``measure`` serves a call.
+    ``variants``: only these variants' (names; a quick check).  None when nothing could be built
+    and run.  The built kernels are memoised until the race prepares them, so they must fit the
+    memo's limit (``memo.limit``): a ValueError says so before anything is built, where they would
+    otherwise be evicted and built again one program each."""
+    started = time.perf_counter()
+    stages = _Stages(problem, device, rng or np.random.default_rng())
+    chosen = neighbourhoods(problem, device, variants)
+    kernels = sum(1 if c.variant.second_pass(c.config, problem) is None else 2 for c in chosen)
+    if kernels > memo.limit():
+        raise ValueError(f"measuring {problem} builds {kernels} kernels, more than the memo's limit of {memo.limit()} "
+                         f"holds: raise it ({memo.LIMIT_ENV} or pool_tuner.memo.set_limit)")
+    timed = stages.race(chosen, "neighbourhoods")
+    return stages.record(timed, started) if timed else None
 
 
 def measure_on_miss(problem: Problem, device) -> bool:

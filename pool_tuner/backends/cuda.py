@@ -277,6 +277,12 @@ class CudaDevice(Conveniences):
         is what the caller files the kernel under, the current context's handle for a queue's)."""
         return _build_for_driver(self.current_context(), self.ordinal, self.arch, source, kernel_name)
 
+    def compile(self, source: str) -> None:
+        """Compile ``source`` for this device into the compiler's cache (``cuda_compile``), loading
+        nothing: any thread, no context needed; a later ``build`` of the same source finds it
+        there.  Raises ``cuda_compile.CudaCompileError`` when nvcc fails."""
+        _compile(source, self.arch)
+
     def _in_context(self, kernel: cuda_driver.DriverKernel, context: int) -> cuda_driver.DriverKernel:
         """``kernel`` as loaded into ``context`` (the current one): a plan made in one context and
         called in another launches its kernel from a module of the other."""
