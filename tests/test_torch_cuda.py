@@ -478,11 +478,9 @@ def test_an_eager_cuda_double_backward_goes_through_the_custom_ops(gpu, eager_cu
     assert len(gpu.launches) == 3 and grad_out.grad.shape == out.shape
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launch(gpu, eager_cuda, monkeypatch,
-                                                                                  direction):
-    """benchmarks/cuda_call_overhead.py's cases on the fake GPU (CPU tensors, a host clock): every
-    side runs, pool_tuner's and the bare one launching the same kernels."""
+def _call_overhead_script(monkeypatch):
+    """benchmarks/cuda_call_overhead.py loaded as a module, set to run on the fake GPU: CPU tensors,
+    a host clock for its CUDA events (each run of calls 1 us per call), no synchronisation."""
     import importlib.util
     import pathlib
 
@@ -493,8 +491,21 @@ def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launc
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.setattr(script, "DEVICE", "cpu")
-    monkeypatch.setattr(script, "_time_run", lambda torch, fn, calls: (fn(), (1.0, 1.0))[1])
+    monkeypatch.setattr(script, "_require_gpu", lambda: (torch, ptt))
+    monkeypatch.setattr(script, "_time_run", lambda torch, fn, calls: [fn() for _ in range(calls)] and (1.0, 1.0))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    return script
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launch(gpu, eager_cuda, monkeypatch,
+                                                                                  direction):
+    """benchmarks/cuda_call_overhead.py's cases on the fake GPU (CPU tensors, a host clock): every
+    side runs, pool_tuner's and the bare one launching the same kernels."""
+    script = _call_overhead_script(monkeypatch)
+    from pool_tuner import torch as ptt
+
     sides, plan = script.sides_of(torch, ptt, "adaptive_max_pool2d", (2, 3, 10, 9), (4, 7), torch.float32, direction)
     assert plan.choice.variant.name
     timings = script._time_rounds(torch, sides, 1, 3)
@@ -502,6 +513,30 @@ def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launc
     kernels = 1 if direction == "forward" else 2
     assert len(gpu.launches) == 2 * (10 + 3) * kernels
     assert len({launch["function"] for launch in gpu.launches}) == kernels
+    assert not eager_cuda
+
+
+def test_the_call_overhead_benchmark_runs_from_its_command_line_to_its_report(gpu, eager_cuda, monkeypatch, tmp_path,
+                                                                              capsys):
+    """The whole script, as the GPU session runs it (its main, both directions, the report and the
+    JSON), on the fake GPU: a field it reads from a plan that no longer exists, or a report line
+    that fails, fails here rather than in a GPU lease."""
+    import json
+
+    script = _call_overhead_script(monkeypatch)
+    out = tmp_path / "call_overhead.json"
+    script.main(["--preset", "spp_net", "--no-tiny", "--direction", "forward,backward", "--calls", "2",
+                 "--repeat", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(row["direction"], tuple(row["output_size"])) for row in rows] == [
+        (direction, (size, size)) for direction in ("forward", "backward") for size in (4, 2, 1)]
+    for row in rows:
+        assert row["variant"] and row["source"]
+        assert all(row[f"{side}_{what}_us"] == 1.0 for side in ("pytorch", "pool_tuner", "bare")
+                   for what in ("device", "host"))
+    report = capsys.readouterr().out
+    assert "forward: geomean pool_tuner/pytorch host time per call: 1.00" in report
+    assert "backward: geomean pool_tuner/pytorch host time per call: 1.00" in report
     assert not eager_cuda
 
 
