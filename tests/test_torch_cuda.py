@@ -464,6 +464,68 @@ def test_an_eager_cuda_training_step_launches_forward_and_backward_without_the_c
     assert not eager_cuda and x.grad.shape == x.shape
 
 
+def _forbid_synchronisation(monkeypatch):
+    """Make every way a call could wait for the GPU on the host fail: PyTorch's synchronisations
+    and reads of a tensor's values into Python (the driver's own are in the fake driver's
+    ``calls``, which a warm call must leave empty)."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm call waited for the device on the host")
+
+    for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                        (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "query"),
+                        (torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch.Tensor, "cpu"),
+                        (torch.Tensor, "numpy"), (torch.Tensor, "__bool__"), (torch.Tensor, "__float__"),
+                        (torch.Tensor, "__int__")):
+        monkeypatch.setattr(owner, name, forbidden)
+
+
+class _SqueezeExcitation(torch.nn.Module):
+    """torchvision's squeeze-and-excitation block (MobileNetV3, EfficientNet): a global average
+    pooling whose gradient comes back through two 1x1 convolutions and a broadcast product."""
+
+    def __init__(self, channels: int):
+        from pool_tuner import torch as ptt
+
+        super().__init__()
+        self.avgpool = ptt.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = torch.nn.Conv2d(channels, 4, 1), torch.nn.Conv2d(4, channels, 1)
+
+    def forward(self, x):
+        scale = torch.nn.functional.hardsigmoid(self.fc2(torch.relu(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+def test_a_warm_training_step_of_squeeze_excitation_blocks_is_two_launches_per_layer_and_no_wait(gpu, eager_cuda,
+                                                                                                 monkeypatch):
+    """A model's training step on the CUDA path, as ``benchmarks/models.py --device cuda`` times
+    it (zero_grad, forward, loss, backward, SGD step): once warm, each pooling layer is its
+    forward and its backward launch, with no plan made, no custom op, no driver call besides the
+    launches and nothing that waits for the device on the host."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), _SqueezeExcitation(8),
+                                torch.nn.Conv2d(8, 12, 3, stride=2), _SqueezeExcitation(12),
+                                torch.nn.Conv2d(12, 16, 1), _SqueezeExcitation(16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    images, target = _x((4, 3, 12, 12)), _x((4, 16, 5, 5))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(images), target).backward()
+        optimizer.step()
+
+    step()
+    pooled = {launch["function"] for launch in gpu.launches}
+    assert len(pooled) == 6, "three layers of other shapes: three forward and three backward kernels"
+    _no_planning(monkeypatch)
+    _forbid_synchronisation(monkeypatch)
+    launched, called = len(gpu.launches), len(gpu.calls)
+    for _ in range(3):
+        step()
+    warm = gpu.launches[launched:]
+    assert len(warm) == 3 * 3 * 2 and {launch["function"] for launch in warm} == pooled
+    assert gpu.calls[called:] == [], "a warm step made driver calls besides its launches"
+    assert {launch["stream"] for launch in warm} == {STREAM} and not eager_cuda
+
+
 def test_an_eager_cuda_double_backward_goes_through_the_custom_ops(gpu, eager_cuda):
     """Differentiating the gradient needs the backward's own autograd: the custom backward op's."""
     from pool_tuner import torch as ptt
