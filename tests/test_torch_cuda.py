@@ -602,6 +602,26 @@ def test_the_call_overhead_benchmark_runs_from_its_command_line_to_its_report(gp
     assert not eager_cuda
 
 
+def test_the_call_overhead_benchmark_times_a_models_pooling_layers_forward_and_backward(gpu, eager_cuda, monkeypatch,
+                                                                                       tmp_path):
+    """``--shapes``: a model's own layers (a named set, as ``models.py --device cuda`` runs them),
+    each a forward and a forward+backward through pool_tuner.torch, the bare launches and PyTorch."""
+    import json
+
+    script = _call_overhead_script(monkeypatch)
+    assert len(script.parse_shapes("mobilenet_v3_large_b32")) == 9
+    out = tmp_path / "call_overhead.json"
+    script.main(["--shapes", "4x6x7x7:1,3x5x9:2,2x3x4x5x6:2x1x3", "--direction", "forward,backward", "--calls", "2",
+                 "--repeat", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(row["direction"], row["op"], tuple(row["output_size"])) for row in rows] == [
+        (direction, op, size) for direction in ("forward", "backward")
+        for op, size in (("adaptive_avg_pool2d", (1, 1)), ("adaptive_avg_pool1d", (2,)),
+                         ("adaptive_avg_pool3d", (2, 1, 3)))]
+    with pytest.raises(ValueError, match="--shapes takes"):
+        script.parse_shapes("4x6:1")
+
+
 # ---------------------------------------------------------------- GeM on CUDA tensors
 
 
