@@ -499,8 +499,8 @@ def test_a_warm_training_step_of_squeeze_excitation_blocks_is_two_launches_per_l
                                                                                                  monkeypatch):
     """A model's training step on the CUDA path, as ``benchmarks/models.py --device cuda`` times
     it (zero_grad, forward, loss, backward, SGD step): once warm, each pooling layer is its
-    forward and its backward launch, with no plan made, no custom op, no driver call besides the
-    launches and nothing that waits for the device on the host."""
+    forward and its backward launch, each after one plan lookup, with no plan made, no custom op,
+    no driver call besides the launches and nothing that waits for the device on the host."""
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), _SqueezeExcitation(8),
                                 torch.nn.Conv2d(8, 12, 3, stride=2), _SqueezeExcitation(12),
                                 torch.nn.Conv2d(12, 16, 1), _SqueezeExcitation(16))
@@ -517,11 +517,15 @@ def test_a_warm_training_step_of_squeeze_excitation_blocks_is_two_launches_per_l
     assert len(pooled) == 6, "three layers of other shapes: three forward and three backward kernels"
     _no_planning(monkeypatch)
     _forbid_synchronisation(monkeypatch)
+    lookups = []
+    monkeypatch.setattr(torch_cuda, "plan_of", lambda key, lookup=torch_cuda.plan_of: lookups.append(key) or lookup(key))
+    monkeypatch.setattr(torch_cuda, "plan_op", lambda *a, **k: pytest.fail("a warm call looked its plan up twice"))
     launched, called = len(gpu.launches), len(gpu.calls)
     for _ in range(3):
         step()
     warm = gpu.launches[launched:]
     assert len(warm) == 3 * 3 * 2 and {launch["function"] for launch in warm} == pooled
+    assert len(lookups) == 3 * 3 * 2, "a warm forward, and a warm backward, is one lookup"
     assert gpu.calls[called:] == [], "a warm step made driver calls besides its launches"
     assert {launch["stream"] for launch in warm} == {STREAM} and not eager_cuda
 
