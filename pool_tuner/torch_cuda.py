@@ -140,8 +140,8 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def empty_result(like, result: plans.Result, fill) -> torch.Tensor:
-    """A result (``plans.Plan.run``'s allocator): ``torch.empty_strided`` on ``like``'s device, of
-    its dtype or int64 for indices, filled with ``fill`` unless it is None."""
+    """A result (``plans.Plan.run``'s allocator): ``like.new_empty_strided`` -- PyTorch's allocator
+    on ``like``'s device -- of its dtype or int64 for indices, filled with ``fill`` unless it is None."""
     if result.dtype == "int64":
         out = like.new_empty_strided(result.shape, result.strides, dtype=torch.int64)
     else:  # like's dtype and device, which new_empty_strided keeps without their being asked for
