@@ -5,7 +5,7 @@ The first call of a signature -- the op and direction, each tensor's shape, stri
 device, the output size (or input shape) and pool_tuner's options -- validates it, dispatches,
 builds the kernel for the driver-API launch path (``backends.cuda_driver``) and fixes the grid,
 the argument layout and the results' shapes and strides: a ``plans.Plan``.  Every later call of
-the signature is one dictionary lookup, ``torch.empty_strided`` for each result on the input's
+the signature is one dictionary lookup, ``new_empty_strided`` for each result on the input's
 device (PyTorch's caching allocator) and one ``cuLaunchKernel`` on PyTorch's current stream of
 that device: the plan's ``run``, with this module's allocator, launching the device's ``prepare``d
 launch.
