@@ -626,6 +626,29 @@ def test_the_call_overhead_benchmark_times_a_models_pooling_layers_forward_and_b
         script.parse_shapes("4x6:1")
 
 
+def test_the_host_cost_benchmark_times_every_side_through_the_stub_libcuda(tmp_path):
+    """benchmarks/cuda_host_cost.py in a process of its own (it swaps the driver for the C stub
+    for the whole process): every side timed, one JSON line."""
+    import json
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on PATH to build the stub libcuda")
+    root = pathlib.Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "cuda_host_cost.py"), "--calls", "3",
+                           "--rounds", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    times = json.loads(done.stdout.splitlines()[-1])["us_per_call"]
+    assert set(times) == {"pool_tuner forward", "torch.nn forward", "bare forward", "pool_tuner training",
+                          "torch.nn training"}
+    assert all(t > 0 for t in times.values())
+
+
 # ---------------------------------------------------------------- GeM on CUDA tensors
 
 
