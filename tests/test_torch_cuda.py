@@ -518,7 +518,8 @@ def test_a_warm_training_step_of_squeeze_excitation_blocks_is_two_launches_per_l
     _no_planning(monkeypatch)
     _forbid_synchronisation(monkeypatch)
     lookups = []
-    monkeypatch.setattr(torch_cuda, "plan_of", lambda key, lookup=torch_cuda.plan_of: lookups.append(key) or lookup(key))
+    lookup = torch_cuda.plan_of
+    monkeypatch.setattr(torch_cuda, "plan_of", lambda key: lookups.append(key) or lookup(key))
     monkeypatch.setattr(torch_cuda, "plan_op", lambda *a, **k: pytest.fail("a warm call looked its plan up twice"))
     launched, called = len(gpu.launches), len(gpu.calls)
     for _ in range(3):
