@@ -18,8 +18,16 @@ host's pace, else the kernels'), and ``host``, the wall time of the Python loop.
 PyTorch with CUDA and pool_tuner's CUDA backend; without them it says what is missing and exits
 non-zero.  ``--list`` prints the cases it would time and needs none of that.
 
+``--shapes`` times average poolings of other shapes instead of the presets: a list such as
+``32x72x28x28:1,32x120x28x28:1`` (an output size of one number is that size in every pooled
+dimension), or the name of a set in ``SHAPE_SETS`` -- ``mobilenet_v3_large_b32``: the pooling
+layers of torchvision's mobilenet_v3_large at batch 32 and 224 pixels, whose training step
+``models.py --device cuda`` times (with ``--direction backward``, each layer's forward and backward
+as in that step, the device column telling the kernels' time from the host's).
+
     python benchmarks/cuda_call_overhead.py [--preset all] [--dtype float32] [--direction forward,backward]
                                             [--calls 200] [--repeat 15] [--list] [--json FILE]
+    python benchmarks/cuda_call_overhead.py --shapes mobilenet_v3_large_b32 --direction forward,backward
 """
 
 import argparse
@@ -32,6 +40,11 @@ import time
 #: Where the tensors live (the tests run the cases on a fake GPU with CPU tensors standing in).
 DEVICE = "cuda"
 DIRECTIONS = ("forward", "backward")
+#: Named ``--shapes``: the pooling layers (input shape, output size) of a model at a batch size.
+SHAPE_SETS = {
+    "mobilenet_v3_large_b32": "32x72x28x28:1,32x120x28x28:1,32x120x28x28:1,32x480x14x14:1,32x672x14x14:1,"
+                              "32x672x7x7:1,32x960x7x7:1,32x960x7x7:1,32x960x7x7:1",
+}
 
 
 def _require_gpu():
@@ -84,10 +97,28 @@ def _time_run(torch, fn, calls: int) -> tuple:
     return start.elapsed_time(end) * 1e3 / calls, host
 
 
-def cases(preset: str, tiny: bool) -> list:
-    """``(name, (op, input shape, output size))`` of every shape to time."""
+def parse_shapes(text: str) -> list:
+    """``--shapes``: ``"32x72x28x28:1,8x64x50:4"`` (or a name in ``SHAPE_SETS``) -> ``(name, (op,
+    input shape, output size))`` of average poolings, the op's dimensions those after batch and
+    channels."""
+    found = []
+    for entry in SHAPE_SETS.get(text, text).split(","):
+        shape_text, _, size_text = entry.partition(":")
+        shape, size = tuple(int(n) for n in shape_text.split("x")), tuple(int(n) for n in size_text.split("x"))
+        ndim = len(shape) - 2
+        if ndim not in (1, 2, 3) or len(size) not in (1, ndim):
+            raise ValueError(f"--shapes takes NxCxL, NxCxHxW or NxCxDxHxW:OUT entries, got {entry!r}")
+        found.append(("shapes", (f"adaptive_avg_pool{ndim}d", shape, size * ndim if len(size) == 1 else size)))
+    return found
+
+
+def cases(preset: str, tiny: bool, shapes: str | None = None) -> list:
+    """``(name, (op, input shape, output size))`` of every shape to time: ``shapes``
+    (``parse_shapes``) where given, else the tiny one and the presets'."""
     from pool_tuner.presets import PRESETS, preset_shapes
 
+    if shapes:
+        return parse_shapes(shapes)
     found = [("tiny", ("adaptive_avg_pool2d", (2, 16, 14, 14), (1, 1)))] if tiny else []
     names = list(PRESETS) if preset == "all" else preset.split(",")
     for name in names:
@@ -134,6 +165,8 @@ def main(argv=None):
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--preset", default="all", help="comma-separated preset names, or all")
     parser.add_argument("--no-tiny", action="store_true", help="leave out the tiny shape")
+    parser.add_argument("--shapes", help=f"average poolings to time instead of the presets: NxCxHxW:OUT,... or one "
+                                         f"of {', '.join(SHAPE_SETS)}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "float16", "bfloat16"))
     parser.add_argument("--direction", default="forward",
                         help="comma-separated, of forward and backward (a forward and its backward)")
@@ -145,7 +178,8 @@ def main(argv=None):
     directions = args.direction.split(",")
     if set(directions) - set(DIRECTIONS):
         parser.error(f"--direction takes {', '.join(DIRECTIONS)}")
-    todo = [(direction, name, case) for direction in directions for name, case in cases(args.preset, not args.no_tiny)]
+    todo = [(direction, name, case) for direction in directions
+            for name, case in cases(args.preset, not args.no_tiny, args.shapes)]
     if args.list:
         for direction, name, (op, shape, size) in todo:
             print(f"{direction:8s} {name:16s} {op} {'x'.join(map(str, shape))} -> {tuple(size)}")

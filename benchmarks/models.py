@@ -24,6 +24,11 @@ the features the model pools (``forward_features`` of the case's images): the ca
 for ``train_b8`` a forward and backward of the layer.  On a shared machine the whole model's time
 moves by more than the layer takes; the layer alone says what the swap changes.
 
+``--profile N`` then runs one call of each side of every case under ``torch.profiler`` and prints
+its N heaviest operations and kernels by self time on the device (CUDA: the kernels, pool_tuner's
+driver-API launches among them) or on the host (CPU), with the totals.  A side slower than the
+other shows whether the difference is in kernels or in host work around them.
+
 Reported: milliseconds per call of each (median and quartiles over the rounds), the ratio stock /
 pool_tuner (below 1: pool_tuner's model is slower) of the medians and the quartiles of the paired
 per-round ratios, and the pooling layers swapped.  PyTorch's intra-op threads are set explicitly
@@ -33,6 +38,7 @@ them.
     python benchmarks/models.py [--models efficientnet_b0,timm:resnet18:catavgmax] [--cases infer_b1,infer_b16,train_b8]
                                 [--rounds 5] [--threads N] [--out FILE]
     python benchmarks/models.py --device cuda [--cases infer_b1,infer_b64,infer_b64_fp16_cl,train_b32]
+    python benchmarks/models.py --device cuda --models mobilenet_v3_large --cases train_b32 --profile 15
 """
 
 from __future__ import annotations
@@ -165,6 +171,33 @@ def head_step(layer, features, device: str = "cpu") -> common.Candidate:
     return common.Candidate(call, _wait(device))
 
 
+def profile(candidate: common.Candidate, device: str, top: int) -> dict:
+    """One call of ``candidate`` (after one untimed call) under ``torch.profiler``: the totals and
+    the ``top`` events by self time on the device (``cuda``) or the host, each as its name, calls
+    and self microseconds on the device and on the host."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    candidate.call()
+    candidate.wait()
+    with torch.profiler.profile(activities=activities) as profiler:
+        candidate.call()
+        candidate.wait()
+    events = [{"name": e.key, "calls": e.count, "device_us": getattr(e, "self_device_time_total", 0.0),
+               "host_us": e.self_cpu_time_total} for e in profiler.key_averages()]
+    order = "device_us" if device == "cuda" else "host_us"
+    return {"device_us": sum(e["device_us"] for e in events), "host_us": sum(e["host_us"] for e in events),
+            "top": sorted(events, key=lambda e: -e[order])[:top]}
+
+
+def _print_profile(title: str, found: dict) -> None:
+    print(f"{title}: self time {found['device_us'] / 1e3:.2f} ms on the device, {found['host_us'] / 1e3:.2f} ms "
+          "on the host (profiled: slower than unprofiled)")
+    print(common.format_table(["event", "calls", "device us", "host us"],
+                              [[e["name"][:60], e["calls"], f"{e['device_us']:.0f}", f"{e['host_us']:.0f}"]
+                               for e in found["top"]]))
+
+
 def main():
     parser = common.parser(__doc__)
     parser.add_argument("--device", default="cpu", choices=tuple(CASES), help="where the models run (default: cpu)")
@@ -178,6 +211,8 @@ def main():
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     parser.add_argument("--head", action="store_true",
                         help="time timm models' pooling layer (global_pool) alone, on the features it pools")
+    parser.add_argument("--profile", type=int, metavar="N", default=0,
+                        help="after timing, profile one call of each side and print its N heaviest events")
     common.add_output_argument(parser)
     args = parser.parse_args()
     device_cases = CASES[args.device]
@@ -226,8 +261,8 @@ def main():
                 make = functools.partial(training_step, images=images, labels=labels, device=args.device)
             else:
                 make = functools.partial(inference, images=images, case=spec, device=args.device)
-            timings = common.interleave({"stock": make(stock_part), "pool_tuner": make(swapped_part)}, args.rounds,
-                                        args.loop_s, rng)
+            sides = {"stock": make(stock_part), "pool_tuner": make(swapped_part)}
+            timings = common.interleave(sides, args.rounds, args.loop_s, rng)
             ratio = timings.ratio("stock", "pool_tuner")
             entry["cases"][case] = {"stock_ms": timings.summary("stock"), "pool_tuner_ms": timings.summary("pool_tuner"),
                                     "ratio_stock_over_pool_tuner": ratio}
@@ -236,6 +271,11 @@ def main():
                          f"{ratio['q1']:.2f}-{ratio['q3']:.2f}", "yes" if agree["allclose"] else "NO"])
             print(f"{name} {case}: stock {timings.median('stock'):.1f} ms, pool_tuner {timings.median('pool_tuner'):.1f} ms",
                   file=sys.stderr, flush=True)
+            if args.profile:
+                found = {side: profile(candidate, args.device, args.profile) for side, candidate in sides.items()}
+                entry["cases"][case]["profile"] = found
+                for side, side_profile in found.items():
+                    _print_profile(f"{name} {case}, {side}", side_profile)
         results.append(entry)
     print(common.format_table(["model case", "swapped", "stock ms (q1-q3)", "pool_tuner ms (q1-q3)", "stock/pt",
                                "paired q1-q3", "agree"], rows))

@@ -391,7 +391,7 @@ class Plan:
             self._launch_on_arrays(stream, [*inputs, *outputs, *scratch], scalars)
             return outputs
         prepared = self._prepared or self.prepared_launch()
-        prepared(stream, *map(address, inputs), *map(address, outputs), *map(address, scratch), scalars=scalars)
+        prepared(stream, *map(address, [*inputs, *outputs, *scratch]), scalars=scalars)
         return outputs
 
     def _launch_on_arrays(self, queue, arrays: list, scalars: tuple | None) -> None:

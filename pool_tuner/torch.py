@@ -483,7 +483,7 @@ def _eager_cuda_pool(operation, input, output_size, return_indices: bool, option
         size = tuple(_check_input(input, operation.ndim, output_size))
         found = _torch_cuda.plan_op(operation.name, _FORWARD, [input], size, options, key)
     if input.requires_grad and _grad_enabled():
-        results = _EagerPooling.apply(input, found, options)
+        results = _apply_eager_pooling(_unwrap_if_dead(input), found, options)
     else:
         results = _torch_cuda.run(found, [input])
     return (results[0], results[1]) if return_indices else results[0]
@@ -519,6 +519,15 @@ class _EagerPooling(torch.autograd.Function):
                 found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
             (grad_in,) = _torch_cuda.run(found, tensors)
         return grad_in, None, None
+
+
+#: ``_EagerPooling.apply`` without ``autograd.Function.apply``'s Python layer, which a plain eager
+#: call (``_plain_eager``: no torch.func transform active) needs only for its unwrapping of
+#: tensors a dead transform left behind (``_unwrap_if_dead``, one C call) -- it binds default
+#: arguments only for a ``setup_context``, which this function has not.  The training step
+#: of a model runs it on every pooling layer.
+_apply_eager_pooling = super(torch.autograd.Function, _EagerPooling).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _custom_op_pool(operation, input, output_size: list, return_indices: bool, options: str):

@@ -5,7 +5,7 @@ The first call of a signature -- the op and direction, each tensor's shape, stri
 device, the output size (or input shape) and pool_tuner's options -- validates it, dispatches,
 builds the kernel for the driver-API launch path (``backends.cuda_driver``) and fixes the grid,
 the argument layout and the results' shapes and strides: a ``plans.Plan``.  Every later call of
-the signature is one dictionary lookup, ``torch.empty_strided`` for each result on the input's
+the signature is one dictionary lookup, ``new_empty_strided`` for each result on the input's
 device (PyTorch's caching allocator) and one ``cuLaunchKernel`` on PyTorch's current stream of
 that device: the plan's ``run``, with this module's allocator, launching the device's ``prepare``d
 launch.
@@ -85,9 +85,9 @@ def plan_op(op: str, direction: str, tensors, size, options: str, key=None) -> p
     return found
 
 
-def plan_of(key) -> plans.Plan | None:
-    """The plan memoised under signature ``key`` (see ``plan_op``), or None."""
-    return _PLANS.get(key)
+#: ``plan_of(key)``: the plan memoised under signature ``key`` (see ``plan_op``), or None -- the
+#: table's own lookup, bound here, since every warm eager call (forward and backward) makes it.
+plan_of = _PLANS.get
 
 
 def _refuse_capture(first) -> None:
@@ -131,7 +131,7 @@ def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:
     first = tensors[0]
     if any(found.reorder):
         tensors = [_in_memory_order(t, found) if reorder else t for t, reorder in zip(tensors, found.reorder)]
-    return found.run(tensors, functools.partial(empty_result, first), _data_ptr, current_raw_stream(first.device.index),
+    return found.run(tensors, functools.partial(empty_result, first), _data_ptr, current_raw_stream(first.get_device()),
                      scalars)
 
 
@@ -140,10 +140,12 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def empty_result(like, result: plans.Result, fill) -> torch.Tensor:
-    """A result (``plans.Plan.run``'s allocator): ``torch.empty_strided`` on ``like``'s device, of
-    its dtype or int64 for indices, filled with ``fill`` unless it is None."""
-    dtype = torch.int64 if result.dtype == "int64" else like.dtype
-    out = torch.empty_strided(result.shape, result.strides, dtype=dtype, device=like.device)
+    """A result (``plans.Plan.run``'s allocator): ``like.new_empty_strided`` -- PyTorch's allocator
+    on ``like``'s device -- of its dtype or int64 for indices, filled with ``fill`` unless it is None."""
+    if result.dtype == "int64":
+        out = like.new_empty_strided(result.shape, result.strides, dtype=torch.int64)
+    else:  # like's dtype and device, which new_empty_strided keeps without their being asked for
+        out = like.new_empty_strided(result.shape, result.strides)
     return out if fill is None else out.fill_(fill)
 
 

@@ -71,6 +71,7 @@ class FakeDriver:
         self.max_threads = MAX_THREADS
         self._local = threading.local()
         self.on_get_current = None  # called inside cuCtxGetCurrent (tests use it to force thread switches)
+        self.on_launch = None  # called inside cuLaunchKernel before it reads the arguments (the same)
         self.capturing = set()  # stream handles being captured into a graph
         self.events = 0  # events made
 
@@ -242,6 +243,8 @@ class FakeDriver:
         return FakeFunction(getattr(self, name))
 
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        if self.on_launch is not None:
+            self.on_launch()
         function, gx, gy, gz, bx, by, bz, shared, stream = map(_value, (function, gx, gy, gz, bx, by, bz, shared, stream))
         slots = [ctypes.c_void_p.from_address(ctypes.addressof(params) + i * ctypes.sizeof(ctypes.c_void_p)).value
                  for i in range(len(params))]

@@ -87,7 +87,20 @@ def test_a_thread_without_a_context_gets_the_primary_one_made_current_and_kept(d
     assert driver.current() == PRIMARY_CONTEXT
 
 
+def test_a_launch_under_the_kernels_context_is_one_driver_call(driver):
+    """As a launch of PyTorch's own: the current context is asked for only when the driver refuses
+    a launch (no context current, or another one), never on a launch it takes."""
+    driver.set_current(PRIMARY_CONTEXT)
+    asked = []
+    driver.on_get_current = lambda: asked.append("cuCtxGetCurrent")
+    launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
+    for i in range(3):
+        launch(0, i, i + 1)
+    assert len(driver.launches) == 3 and not asked and not driver.calls
+
+
 def test_a_launch_under_another_current_context_is_refused_naming_both(driver):
+    driver.functions[KERNEL.function] = KERNEL.context  # its module loaded there: the driver refuses it elsewhere
     driver.set_current(OTHER_CONTEXT)
     launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     with pytest.raises(cuda_driver.ContextError, match=r"current CUDA context \(0xd0, device 1\).*0xc0, cuda:0"):
@@ -113,15 +126,17 @@ def test_wrong_number_of_pointers_is_a_type_error(driver):
 
 def test_concurrent_launches_never_launch_another_threads_pointers(driver):
     """The argument slots are shared; each launch must carry its own thread's pointers even when
-    the interpreter switches threads between filling the slots and launching."""
+    the interpreter switches threads between filling the slots and the driver reading them."""
     driver.set_current(PRIMARY_CONTEXT)
-    driver.on_get_current = lambda: time.sleep(0)  # a thread switch between fill and launch
+    driver.on_launch = lambda: time.sleep(0)  # a thread switch between fill and read
     launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     pointers = {}
+    started = threading.Barrier(4)  # all alive at once: no thread's id is reused by another
 
     def worker(base):
         driver.set_current(PRIMARY_CONTEXT)
         pointers[threading.get_ident()] = [base, base + 1]
+        started.wait()
         for _ in range(300):
             launch(0, base, base + 1)
 

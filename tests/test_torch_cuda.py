@@ -464,6 +464,73 @@ def test_an_eager_cuda_training_step_launches_forward_and_backward_without_the_c
     assert not eager_cuda and x.grad.shape == x.shape
 
 
+def _forbid_synchronisation(monkeypatch):
+    """Make every way a call could wait for the GPU on the host fail: PyTorch's synchronisations
+    and reads of a tensor's values into Python (the driver's own are in the fake driver's
+    ``calls``, which a warm call must leave empty)."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm call waited for the device on the host")
+
+    for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                        (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "query"),
+                        (torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch.Tensor, "cpu"),
+                        (torch.Tensor, "numpy"), (torch.Tensor, "__bool__"), (torch.Tensor, "__float__"),
+                        (torch.Tensor, "__int__")):
+        monkeypatch.setattr(owner, name, forbidden)
+
+
+class _SqueezeExcitation(torch.nn.Module):
+    """torchvision's squeeze-and-excitation block (MobileNetV3, EfficientNet): a global average
+    pooling whose gradient comes back through two 1x1 convolutions and a broadcast product."""
+
+    def __init__(self, channels: int):
+        from pool_tuner import torch as ptt
+
+        super().__init__()
+        self.avgpool = ptt.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = torch.nn.Conv2d(channels, 4, 1), torch.nn.Conv2d(4, channels, 1)
+
+    def forward(self, x):
+        scale = torch.nn.functional.hardsigmoid(self.fc2(torch.relu(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+def test_a_warm_training_step_of_squeeze_excitation_blocks_is_two_launches_per_layer_and_no_wait(gpu, eager_cuda,
+                                                                                                 monkeypatch):
+    """A model's training step on the CUDA path, as ``benchmarks/models.py --device cuda`` times
+    it (zero_grad, forward, loss, backward, SGD step): once warm, each pooling layer is its
+    forward and its backward launch, each after one plan lookup, with no plan made, no custom op,
+    no driver call besides the launches and nothing that waits for the device on the host."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), _SqueezeExcitation(8),
+                                torch.nn.Conv2d(8, 12, 3, stride=2), _SqueezeExcitation(12),
+                                torch.nn.Conv2d(12, 16, 1), _SqueezeExcitation(16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    images, target = _x((4, 3, 12, 12)), _x((4, 16, 5, 5))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(images), target).backward()
+        optimizer.step()
+
+    step()
+    pooled = {launch["function"] for launch in gpu.launches}
+    assert len(pooled) == 6, "three layers of other shapes: three forward and three backward kernels"
+    _no_planning(monkeypatch)
+    _forbid_synchronisation(monkeypatch)
+    lookups = []
+    lookup = torch_cuda.plan_of
+    monkeypatch.setattr(torch_cuda, "plan_of", lambda key: lookups.append(key) or lookup(key))
+    monkeypatch.setattr(torch_cuda, "plan_op", lambda *a, **k: pytest.fail("a warm call looked its plan up twice"))
+    launched, called = len(gpu.launches), len(gpu.calls)
+    for _ in range(3):
+        step()
+    warm = gpu.launches[launched:]
+    assert len(warm) == 3 * 3 * 2 and {launch["function"] for launch in warm} == pooled
+    assert len(lookups) == 3 * 3 * 2, "a warm forward, and a warm backward, is one lookup"
+    assert gpu.calls[called:] == [], "a warm step made driver calls besides its launches"
+    assert {launch["stream"] for launch in warm} == {STREAM} and not eager_cuda
+
+
 def test_an_eager_cuda_double_backward_goes_through_the_custom_ops(gpu, eager_cuda):
     """Differentiating the gradient needs the backward's own autograd: the custom backward op's."""
     from pool_tuner import torch as ptt
@@ -478,11 +545,9 @@ def test_an_eager_cuda_double_backward_goes_through_the_custom_ops(gpu, eager_cu
     assert len(gpu.launches) == 3 and grad_out.grad.shape == out.shape
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launch(gpu, eager_cuda, monkeypatch,
-                                                                                  direction):
-    """benchmarks/cuda_call_overhead.py's cases on the fake GPU (CPU tensors, a host clock): every
-    side runs, pool_tuner's and the bare one launching the same kernels."""
+def _call_overhead_script(monkeypatch):
+    """benchmarks/cuda_call_overhead.py loaded as a module, set to run on the fake GPU: CPU tensors,
+    a host clock for its CUDA events (each run of calls 1 us per call), no synchronisation."""
     import importlib.util
     import pathlib
 
@@ -493,8 +558,21 @@ def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launc
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.setattr(script, "DEVICE", "cpu")
-    monkeypatch.setattr(script, "_time_run", lambda torch, fn, calls: (fn(), (1.0, 1.0))[1])
+    monkeypatch.setattr(script, "_require_gpu", lambda: (torch, ptt))
+    monkeypatch.setattr(script, "_time_run", lambda torch, fn, calls: [fn() for _ in range(calls)] and (1.0, 1.0))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    return script
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launch(gpu, eager_cuda, monkeypatch,
+                                                                                  direction):
+    """benchmarks/cuda_call_overhead.py's cases on the fake GPU (CPU tensors, a host clock): every
+    side runs, pool_tuner's and the bare one launching the same kernels."""
+    script = _call_overhead_script(monkeypatch)
+    from pool_tuner import torch as ptt
+
     sides, plan = script.sides_of(torch, ptt, "adaptive_max_pool2d", (2, 3, 10, 9), (4, 7), torch.float32, direction)
     assert plan.choice.variant.name
     timings = script._time_rounds(torch, sides, 1, 3)
@@ -503,6 +581,73 @@ def test_the_call_overhead_benchmark_times_pytorch_pool_tuner_and_the_bare_launc
     assert len(gpu.launches) == 2 * (10 + 3) * kernels
     assert len({launch["function"] for launch in gpu.launches}) == kernels
     assert not eager_cuda
+
+
+def test_the_call_overhead_benchmark_runs_from_its_command_line_to_its_report(gpu, eager_cuda, monkeypatch, tmp_path,
+                                                                              capsys):
+    """The whole script, as the GPU session runs it (its main, both directions, the report and the
+    JSON), on the fake GPU: a field it reads from a plan that no longer exists, or a report line
+    that fails, fails here rather than in a GPU lease."""
+    import json
+
+    script = _call_overhead_script(monkeypatch)
+    out = tmp_path / "call_overhead.json"
+    script.main(["--preset", "spp_net", "--no-tiny", "--direction", "forward,backward", "--calls", "2",
+                 "--repeat", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(row["direction"], tuple(row["output_size"])) for row in rows] == [
+        (direction, (size, size)) for direction in ("forward", "backward") for size in (4, 2, 1)]
+    for row in rows:
+        assert row["variant"] and row["source"]
+        assert all(row[f"{side}_{what}_us"] == 1.0 for side in ("pytorch", "pool_tuner", "bare")
+                   for what in ("device", "host"))
+    report = capsys.readouterr().out
+    assert "forward: geomean pool_tuner/pytorch host time per call: 1.00" in report
+    assert "backward: geomean pool_tuner/pytorch host time per call: 1.00" in report
+    assert not eager_cuda
+
+
+def test_the_call_overhead_benchmark_times_a_models_pooling_layers_forward_and_backward(gpu, eager_cuda, monkeypatch,
+                                                                                       tmp_path):
+    """``--shapes``: a model's own layers (a named set, as ``models.py --device cuda`` runs them),
+    each a forward and a forward+backward through pool_tuner.torch, the bare launches and PyTorch."""
+    import json
+
+    script = _call_overhead_script(monkeypatch)
+    assert len(script.parse_shapes("mobilenet_v3_large_b32")) == 9
+    out = tmp_path / "call_overhead.json"
+    script.main(["--shapes", "4x6x7x7:1,3x5x9:2,2x3x4x5x6:2x1x3", "--direction", "forward,backward", "--calls", "2",
+                 "--repeat", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(row["direction"], row["op"], tuple(row["output_size"])) for row in rows] == [
+        (direction, op, size) for direction in ("forward", "backward")
+        for op, size in (("adaptive_avg_pool2d", (1, 1)), ("adaptive_avg_pool1d", (2,)),
+                         ("adaptive_avg_pool3d", (2, 1, 3)))]
+    with pytest.raises(ValueError, match="--shapes takes"):
+        script.parse_shapes("4x6:1")
+
+
+def test_the_host_cost_benchmark_times_every_side_through_the_stub_libcuda(tmp_path):
+    """benchmarks/cuda_host_cost.py in a process of its own (it swaps the driver for the C stub
+    for the whole process): every side timed, one JSON line."""
+    import json
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on PATH to build the stub libcuda")
+    root = pathlib.Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "cuda_host_cost.py"), "--calls", "3",
+                           "--rounds", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    times = json.loads(done.stdout.splitlines()[-1])["us_per_call"]
+    assert set(times) == {"pool_tuner forward", "torch.nn forward", "bare forward", "pool_tuner training",
+                          "torch.nn training"}
+    assert all(t > 0 for t in times.values())
 
 
 # ---------------------------------------------------------------- GeM on CUDA tensors

@@ -434,7 +434,10 @@ class PreparedLaunch:
 
     The launch runs in the calling thread's current context, which must be the kernel's (the
     primary context, where PyTorch's tensors live); a thread with no current context gets the
-    kernel's made current (``cuCtxSetCurrent``) and keeps it, as the module docstring says."""
+    kernel's made current (``cuCtxSetCurrent``) and keeps it, as the module docstring says.  The
+    driver refuses a launch with no context current, or of a kernel whose module another
+    context loaded, so the current context is asked for only when a launch is refused
+    (``_launch_refused``): a warm call is one driver call, as a launch of PyTorch's own is."""
 
     __slots__ = ("kernel", "grid", "block", "_lib", "_slots", "_scalars", "_defaults", "_written", "_stream",
                  "_current", "_current_ref", "_get_current", "_launch", "_lock")
@@ -472,14 +475,23 @@ class PreparedLaunch:
                     slot.value = value.item()
                 self._written = scalars
             self._stream.value = stream
-            status = self._get_current(self._current_ref)
-            if status:
-                raise DriverError("cuCtxGetCurrent", status)
-            if self._current.value != self.kernel.context:
-                self._bind_kernel_context()
             status = self._launch()
+            if status:
+                status = self._launch_refused(status)
         if status:
             raise DriverError(f"cuLaunchKernel({self.kernel.name})", status)
+
+    def _launch_refused(self, status: int) -> int:
+        """After a refused launch (its ``status``): under the kernel's own context, that status;
+        under none, the launch again with the kernel's context made current (and kept); under
+        another, a ``ContextError`` naming both (``_bind_kernel_context``)."""
+        asked = self._get_current(self._current_ref)
+        if asked:
+            raise DriverError("cuCtxGetCurrent", asked)
+        if self._current.value == self.kernel.context:
+            return status
+        self._bind_kernel_context()
+        return self._launch()
 
     def _bind_kernel_context(self) -> None:
         """No current context: make the kernel's current, and keep it so.  Another context current:
