@@ -214,8 +214,13 @@ def coefficient_values(grad_out, output, p, areas):
     """Each output's ``dL/dm_o / area_o = dL/dy_o * y_o**(1-p) / (p * area_o)``, in the arrays'
     dtype: numpy arrays, or tensors of one device (CUDA tensors' backward), ``p`` a Python float
     (taken in the arrays' dtype, as ``1 - p`` is) and ``areas`` the windows' areas
-    (``window_areas``) in that dtype."""
-    return grad_out * output ** (1 - p) / (p * areas)
+    (``window_areas``) in that dtype; ``grad_out`` may be of a narrower float dtype (widened
+    exactly).  One new array, the rest in place: the bits of ``grad_out * output ** (1 - p) /
+    (p * areas)``, without its two output-sized temporaries."""
+    values = output ** (1 - p)
+    values *= grad_out
+    values /= p * areas
+    return values
 
 
 def output_term(grad_out, output, p) -> float:

@@ -59,6 +59,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 from . import avgmax as _avgmax
 from . import fused as _fused
 from . import gem as _gem
+from . import memo as _memo
 from . import plans as _plans
 from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
@@ -1517,13 +1518,21 @@ def _gem_backward_cpu(problem, grad_out, input, output, p, arguments: dict, opti
 def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, options: str):
     """GeM's backward on CUDA tensors, the passes of the CPU path on PyTorch's current stream: the
     outputs' coefficients (output-sized, PyTorch's ops in the accumulation dtype), the
-    input-gradient kernel, and ``dL/dp`` summed on the device in a fixed order (deterministic):
-    ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
+    input-gradient kernel, and ``dL/dp``, its input terms and output terms each summed on the
+    device in a fixed order (deterministic): ``(grad_input, grad_p)``, ``grad_p`` like ``p``.
+
+    A warm call is the p read, one launch of the kernel and a few output-sized PyTorch ops, with
+    at most two output-sized temporaries in the accumulation dtype: the windows' areas come from
+    ``_gem_window_areas`` (no host arithmetic, no copy to the device, which waits as a
+    synchronisation does), and the output terms ``dL/dy * y * ln(y)`` are one ``xlogy`` and an
+    in-place product, summed in the accumulation dtype (a float64 copy of each output-sized
+    operand would be larger than a regional GeM's input in float16)."""
     ndim, channels_last = problem.ndim, problem.channels_last
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
-    g, y = grad_out.detach().to(acc), output.detach().to(acc)
-    areas = torch.from_numpy(_gem.window_areas(problem)).to(device=input.device, dtype=acc)
-    coefficients = _gem.coefficient_values(g, y, arguments["p"], areas)
+    g, y = grad_out.detach(), output.detach().to(acc)
+    output_terms = torch.xlogy(y, y).mul_(g).sum()
+    coefficients = _gem.coefficient_values(g, y, arguments["p"], _gem_window_areas(problem, input.device, acc))
+    del y
     coefficients = (coefficients.movedim(coefficients.dim() - ndim - 1, -1) if channels_last else coefficients)
     coefficients = coefficients.contiguous()
     index = input.device.index
@@ -1533,8 +1542,22 @@ def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, opt
     terms = torch.empty(_gem.input_gradient_groups(problem), dtype=acc, device=input.device)
     _gem.input_gradient_on_device(device, problem, arguments, _torch_cuda.current_raw_stream(input.device.index),
                                   input.data_ptr(), coefficients.data_ptr(), grad_input.data_ptr(), terms.data_ptr())
-    grad_p = terms.double().sum() - (g.double() * y.double() * torch.log(y.double())).sum() / arguments["p"]
+    grad_p = torch.sub(terms.sum(), output_terms, alpha=1 / arguments["p"])
     return grad_input, grad_p.to(device=p.device, dtype=p.dtype).reshape(p.shape)
+
+
+#: (problem, device, dtype) -> the windows' areas of a GeM backward problem as a tensor there
+_GEM_AREAS = _memo.table("torch.gem_window_areas")
+
+
+def _gem_window_areas(problem, device: torch.device, dtype) -> torch.Tensor:
+    """``gem.window_areas(problem)`` as a ``dtype`` tensor on ``device``, made on the problem's
+    first backward there and kept with its other memos."""
+    key = (problem, device, dtype)
+    found = _GEM_AREAS.get(key)
+    if found is None:
+        found = _GEM_AREAS.put(problem, key, torch.from_numpy(_gem.window_areas(problem)).to(device=device, dtype=dtype))
+    return found
 
 
 #: device type -> GeM's (forward, backward) on tensors of that device

@@ -594,3 +594,76 @@ def test_the_fake_driver_refuses_a_launch_without_the_kernels_declared_arguments
     prepared = found.device.prepare(short, found.nbytes, 1)
     with pytest.raises(cuda_driver.DriverError, match="CUDA_ERROR"):
         prepared(STREAM, *(t.data_ptr() for t in (_x((2, 3, 10, 9)), _x((2, 3, 4, 7)))))
+
+
+#: PyTorch ops that launch nothing on a GPU: views, metadata and allocation
+_NO_LAUNCH = {"aten::detach", "aten::reshape", "aten::view", "aten::empty", "aten::empty_strided", "aten::movedim",
+              "aten::permute", "aten::as_strided", "aten::result_type", "aten::alias", "aten::lift_fresh",
+              "aten::item", "aten::_local_scalar_dense"}
+
+
+def _gem_backward_on_the_device(step):
+    """What GeM's backward custom op does on the device in a profiled ``step``: the PyTorch ops
+    called directly by it that launch a kernel (a dtype or layout change only where it copies),
+    its host reads of device values, and the peak of its allocations beyond what it returns
+    (bytes, in time order of the allocator's events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        step()
+    events = profile.events()
+    (backward,) = [e for e in events if e.name.startswith("pool_tuner::adaptive_gem_pool") and
+                   e.name.endswith("_backward")]
+
+    def copies(event):
+        return any(c.name == "aten::copy_" or copies(c) for c in event.cpu_children)
+
+    children = [c.name for c in backward.cpu_children]
+    launches = [name for name, c in zip(children, backward.cpu_children) if name not in _NO_LAUNCH and (
+        name not in ("aten::to", "aten::contiguous", "aten::clone") or copies(c))]
+    reads = children.count("aten::item")
+    start, end = backward.time_range.start, backward.time_range.end
+    # PyTorch's ops with what each allocates, and the frees between them ("[memory]"), not the
+    # custom op's own total of those
+    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events
+                     if e.self_cpu_memory_usage and start <= e.time_range.start <= end
+                     and (e.name == "[memory]" or e.name.startswith("aten::")))
+    running = peak = 0
+    for _, change in changes:
+        running += change
+        peak = max(peak, running)
+    return launches, reads, peak
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_warm_gem_backward_on_cuda_is_its_kernel_few_output_sized_ops_and_no_large_temporary(
+        gpu, gem_cuda, monkeypatch, dtype, size):
+    """After the first step of a signature, a GeM backward on CUDA tensors is the input-gradient
+    launch, a few output-sized PyTorch ops (the outputs' coefficients and the p-gradient
+    reduction) and one read of p: no host arithmetic on the windows (nor its copy to the device,
+    which waits as a synchronisation does), no float64 copies of the outputs.  Its temporaries stay
+    within two output-sized arrays in the accumulation dtype (there were six to seven, float64
+    copies of the outputs among them: 2.5 times a regional GeM's float16 input on an H100)."""
+    module = gem_cuda.AdaptiveGeMPool2d(size, p=2.5, eps=1e-3)
+    x = _x((4, 64, 7, 7)).to(dtype).requires_grad_()
+    grad = _x((4, 64, size, size)).to(dtype)
+
+    def step():
+        x.grad = module.p.grad = None
+        module(x).backward(grad)
+
+    step()
+    monkeypatch.setattr(gem, "window_areas", lambda problem: pytest.fail("a warm backward computed window areas"))
+    launched = len(gpu.launches)
+    launches, reads, peak = _gem_backward_on_the_device(step)
+    assert len(gpu.launches) - launched == 2, "the forward and the input-gradient kernel"
+    assert reads <= 1, "p is read once"
+    # the coefficients (a float16 output widened, pow, two products, a division), the output
+    # terms (xlogy, a product, a sum), the input terms' sum and the difference
+    assert len(launches) <= 10, launches
+    terms = gem.input_gradient_groups(gem.plans.Problem.create(
+        "adaptive_gem_pool2d", tuple(x.shape), size, str(dtype).removeprefix("torch."), direction="backward"))
+    returned = x.numel() * x.element_size()
+    # the CPU tensors standing in widen a float16 operand of a float32 op into a temporary, which
+    # CUDA's kernels do in registers
+    widened = grad.numel() * 4 if dtype == torch.float16 else 0
+    assert peak - returned <= 2 * grad.numel() * 4 + widened + terms * 4 + 1024
