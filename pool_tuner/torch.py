@@ -1572,27 +1572,43 @@ def _gem_path(t: torch.Tensor):
     return found
 
 
+def _gem_forward(ndim: int, input, output_size, arguments: dict, options: str):
+    """GeM's forward on ``input``'s device, in the layout the fake implementation promises."""
+    result = _gem_path(input)[0](find("gem", ndim).name, input, tuple(output_size), arguments, options)
+    return _in_layout(result, _is_channels_last(input, ndim), ndim)
+
+
+def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, options: str):
+    """GeM's ``(grad_input, grad_p)`` on ``input``'s device, ``p`` and ``eps`` as ``arguments``."""
+    if not _is_channels_last(input, ndim) and not input.is_contiguous():
+        input = input.contiguous()
+    problem = Problem.create(find("gem", ndim).name, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
+                             str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
+    return _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
+
+
+def _gem_composed_gradients(input, output_size, p, eps: float, grad_out):
+    """``(grad_input, grad_p)`` through PyTorch's composition with its graph (None where the
+    tensor needs none): the backward of a backward that is itself differentiated."""
+    wanted = [t for t in (input, p) if t.requires_grad]
+    found = iter(torch.autograd.grad(_gem_composition(input, output_size, p, eps), wanted, grad_out,
+                                     create_graph=True) if wanted else ())
+    return tuple(next(found) if t.requires_grad else None for t in (input, p))
+
+
 def _register_gem(ndim: int):
     operation = find("gem", ndim)
     op = operation.name
 
     def forward(input, output_size, p, eps, options):
-        run_forward = _gem_path(input)[0]
-        result = run_forward(op, input, tuple(output_size), _gem_arguments(p, eps), options)
-        return _in_layout(result, _is_channels_last(input, ndim), ndim)
+        return _gem_forward(ndim, input, output_size, _gem_arguments(p, eps), options)
 
     def forward_fake(input, output_size, p, eps, options):
         shape = list(input.shape[: input.dim() - ndim]) + list(output_size)
         return _empty(shape, input, input.dtype, _is_channels_last(input, ndim), ndim)
 
     def backward(grad_out, input, output, p, eps, options):
-        run_backward = _gem_path(input)[1]
-        arguments = _gem_arguments(p, eps)
-        if not _is_channels_last(input, ndim) and not input.is_contiguous():
-            input = input.contiguous()
-        problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
-                                 str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
-        return run_backward(problem, grad_out, input, output, p, arguments, options)
+        return _gem_backward(ndim, grad_out, input, output, p, _gem_arguments(p, eps), options)
 
     def backward_fake(grad_out, input, output, p, eps, options):
         return (_empty(list(input.shape), input, input.dtype, _is_channels_last(input, ndim), ndim),
@@ -1613,10 +1629,7 @@ def _register_gem(ndim: int):
     def gradient(ctx, grad_out):
         input, output, p = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the composition's graph, for the double backward
-            wanted = [t for t in (input, p) if t.requires_grad]
-            found = iter(torch.autograd.grad(_gem_composition(input, ctx.output_size, p, ctx.eps), wanted, grad_out,
-                                             create_graph=True) if wanted else ())
-            grad_input, grad_p = (next(found) if t.requires_grad else None for t in (input, p))
+            grad_input, grad_p = _gem_composed_gradients(input, ctx.output_size, p, ctx.eps, grad_out)
         else:
             grad_input, grad_p = backward_op(grad_out, input, output, p, ctx.eps, _backward_options(ctx.options))
         return grad_input, None, grad_p, None, None
@@ -1627,6 +1640,33 @@ def _register_gem(ndim: int):
 
 for _ndim in (1, 2, 3):
     _register_gem(_ndim)
+
+
+class _EagerGeM(torch.autograd.Function):
+    """The autograd of a plain eager GeM call that needs a gradient (``_gem_pool``), without the
+    custom ops' dispatch layers: ``p`` is read once, by the forward, and the backward runs with
+    that value -- ``p`` is saved for the backward, so it cannot have changed in between (autograd
+    refuses a saved tensor changed in place) -- where the custom backward op reads it again, which
+    on a CUDA tensor is one more synchronisation per training step.  A backward that is itself
+    differentiated (``create_graph=True``) goes through the composition, as the custom op's does."""
+
+    @staticmethod
+    def forward(ctx, input, p, output_size, eps: float, options: str, ndim: int):
+        arguments = _gem_arguments(p, eps)
+        output = _gem_forward(ndim, input, output_size, arguments, options)
+        ctx.save_for_backward(input, output, p)
+        ctx.arguments, ctx.output_size, ctx.eps, ctx.ndim = arguments, list(output_size), eps, ndim
+        ctx.options = _backward_options(options)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        input, output, p = ctx.saved_tensors
+        if _grad_enabled():
+            grad_input, grad_p = _gem_composed_gradients(input, ctx.output_size, p, ctx.eps, grad_out)
+        else:
+            grad_input, grad_p = _gem_backward(ctx.ndim, grad_out, input, output, p, ctx.arguments, ctx.options)
+        return grad_input, grad_p, None, None, None, None
 
 
 def _gem_p(p, input: torch.Tensor) -> torch.Tensor:
@@ -1647,6 +1687,8 @@ def _gem_pool(ndim: int, input, output_size, p, eps, options: str):
     _gem.check_arguments(1.0, eps)
     if _exported_to_onnx():
         return _gem_composition(input, output_size, p, float(eps))
+    if _plain_eager(input) and _grad_enabled() and (input.requires_grad or p.requires_grad):
+        return _EagerGeM.apply(input, p, output_size, float(eps), options, ndim)
     _check_no_functorch_transform()
     return _GEM_OPS[ndim][0](input, output_size, p, float(eps), options)
 

@@ -603,15 +603,16 @@ _NO_LAUNCH = {"aten::detach", "aten::reshape", "aten::view", "aten::empty", "ate
 
 
 def _gem_backward_on_the_device(step):
-    """What GeM's backward custom op does on the device in a profiled ``step``: the PyTorch ops
-    called directly by it that launch a kernel (a dtype or layout change only where it copies),
+    """What GeM's backward does on the device in a profiled ``step``: the PyTorch ops called
+    directly by it that launch a kernel (a dtype or layout change only where it copies),
     its host reads of device values, and the peak of its allocations beyond what it returns
     (bytes, in time order of the allocator's events)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         step()
     events = profile.events()
+    # the backward custom op, or in eager mode the backward of pool_tuner.torch's autograd.Function
     (backward,) = [e for e in events if e.name.startswith("pool_tuner::adaptive_gem_pool") and
-                   e.name.endswith("_backward")]
+                   e.name.endswith("_backward") or e.name == "_EagerGeMBackward"]
 
     def copies(event):
         return any(c.name == "aten::copy_" or copies(c) for c in event.cpu_children)
@@ -667,3 +668,22 @@ def test_a_warm_gem_backward_on_cuda_is_its_kernel_few_output_sized_ops_and_no_l
     # CUDA's kernels do in registers
     widened = grad.numel() * 4 if dtype == torch.float16 else 0
     assert peak - returned <= 2 * grad.numel() * 4 + widened + terms * 4 + 1024
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_a_gem_training_step_on_cuda_reads_p_once(gpu, gem_cuda, memory_format):
+    """A CUDA p read on the host waits for the device: the forward reads it, and the backward runs
+    with the forward's value (p is saved for it, so it cannot change in between)."""
+    module = gem_cuda.AdaptiveGeMPool2d(3, p=2.5, eps=1e-3)
+    x = _x((2, 3, 10, 9)).to(memory_format=memory_format).requires_grad_()
+    grad = _x((2, 3, 3, 3))
+    module(x).backward(grad)
+    x.grad = module.p.grad = None
+    launched = len(gpu.launches)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        module(x).backward(grad)
+    reads = [e for e in profile.events() if e.name == "aten::_local_scalar_dense"]
+    assert len(reads) == 1
+    forward, gradient = gpu.launches[launched:]
+    assert gradient["arguments"][5] == 2.5 and gradient["arguments"][2] == x.grad.data_ptr()
+    assert x.grad.stride() == x.stride() and module.p.grad.shape == (1,)

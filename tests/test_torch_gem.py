@@ -95,6 +95,25 @@ def test_the_backward_allocates_no_input_sized_temporary(rng, dtype, size, chann
     assert extra <= 0.01 * input_bytes + 128 * 1024, f"{extra / input_bytes:.1%} of the input"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_eager_path_gives_the_custom_ops_bits(rng, dtype, channels_last):
+    """A plain eager call that needs gradients runs GeM's passes without the custom ops (reading
+    p once): its output and both gradients are the custom ops' to the bit."""
+    x = _input(rng, (2, 5, 10, 9), dtype, channels_last).requires_grad_()
+    p = torch.nn.Parameter(torch.tensor([2.0 + rng.random()]))
+    g = torch.from_numpy(rng.random((2, 5, 4, 3))).to(dtype)
+    options = ptt._encode_options(None, None, None)
+    results = []
+    for y in (ptt.adaptive_gem_pool2d(x, (4, 3), p, 1e-3),
+              torch.ops.pool_tuner.adaptive_gem_pool2d(x, [4, 3], p, 1e-3, options)):
+        results.append((y, *torch.autograd.grad(y, (x, p), g)))
+    eager, custom = results
+    for a, b in zip(eager, custom):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_gradcheck_and_gradgradcheck_for_x_and_p(rng, ndim):
     shape, size = {1: ((1, 2, 7), (3,)), 2: ((1, 2, 5, 4), (3, 2)), 3: ((1, 2, 3, 4, 3), (2, 3, 2))}[ndim]
