@@ -55,9 +55,11 @@ def peak_extra_bytes(call, device: torch.device) -> int:
         call()
     numpy_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    # allocations are the ops' own (self) memory, at the op's start; frees are "[memory]" events
+    # allocations are PyTorch's ops' own (self) memory, at the op's start; frees are "[memory]"
+    # events.  Custom ops and autograd nodes are left out: their self memory counts the frees of
+    # the tensors made inside them, at their start, which would hide those tensors.
     events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in profile.events()
-                    if e.self_cpu_memory_usage)
+                    if e.self_cpu_memory_usage and (e.name == "[memory]" or e.name.startswith("aten::")))
     running = peak = 0
     for _, change in events:
         running += change

@@ -1478,11 +1478,11 @@ def _gem_arguments(p: torch.Tensor, eps: float) -> dict:
     return _gem.check_arguments(float(p.detach().reshape(())), eps)
 
 
-def _accumulation_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a numpy array in GeM's accumulation dtype (float64 stays, the rest
-    float32: 16-bit floats widened by PyTorch; float32 shares the tensor's memory)."""
+def _numpy_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array sharing its memory, where numpy has its dtype
+    (bfloat16, which it lacks, widened to float32)."""
     t = t.detach()
-    return (t if t.dtype == torch.float64 else t.float()).numpy()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _layout_name(t: torch.Tensor, ndim: int) -> str:
@@ -1506,12 +1506,14 @@ def _gem_backward_cpu(problem, grad_out, input, output, p, arguments: dict, opti
     """GeM's backward on CPU tensors: ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
     # Output-sized math in numpy: PyTorch's small ops would wake its thread pool, which meets
     # PoCL's workers on the same cores.
-    g, y = _accumulation_array(grad_out), _accumulation_array(output)
+    # The output terms first, their array gone before the coefficients': one output-sized array at a time.
+    g, y = _numpy_array(grad_out), _numpy_array(output)
+    output_part = _gem.output_term(g, y, arguments["p"])
     coefficients = _gem.coefficients(g, y, arguments["p"], problem)
     grad_input = _empty(list(input.shape), input, input.dtype, problem.channels_last, problem.ndim)
     device = _resolve_device(dict(_plans.options_of(options)).get("device"))
     grad_p = (_gem.input_gradient(device, problem, arguments, input.data_ptr(), coefficients.ctypes.data,
-                                  grad_input.data_ptr()) + _gem.output_term(g, y, arguments["p"]))
+                                  grad_input.data_ptr()) + output_part)
     return grad_input, torch.full_like(p, grad_p)
 
 
@@ -1531,7 +1533,8 @@ def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, opt
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     g, y = grad_out.detach(), output.detach().to(acc)
     output_terms = torch.xlogy(y, y).mul_(g).sum()
-    coefficients = _gem.coefficient_values(g, y, arguments["p"], _gem_window_areas(problem, input.device, acc))
+    coefficients = _gem.coefficient_values(g, y.pow(1 - arguments["p"]), arguments["p"],
+                                           _gem_window_areas(problem, input.device, acc))
     del y
     coefficients = (coefficients.movedim(coefficients.dim() - ndim - 1, -1) if channels_last else coefficients)
     coefficients = coefficients.contiguous()
