@@ -1690,8 +1690,10 @@ def _gem_pool(ndim: int, input, output_size, p, eps, options: str):
     _gem.check_arguments(1.0, eps)
     if _exported_to_onnx():
         return _gem_composition(input, output_size, p, float(eps))
-    if _plain_eager(input) and _grad_enabled() and (input.requires_grad or p.requires_grad):
-        return _EagerGeM.apply(input, p, output_size, float(eps), options, ndim)
+    if _plain_eager(input) and (input.is_cpu or input.is_cuda):  # without the custom ops' dispatch layers
+        if _grad_enabled() and (input.requires_grad or p.requires_grad):
+            return _EagerGeM.apply(input, p, output_size, float(eps), options, ndim)
+        return _gem_forward(ndim, input, output_size, _gem_arguments(p, eps), options)
     _check_no_functorch_transform()
     return _GEM_OPS[ndim][0](input, output_size, p, float(eps), options)
 

@@ -687,3 +687,21 @@ def test_a_gem_training_step_on_cuda_reads_p_once(gpu, gem_cuda, memory_format):
     forward, gradient = gpu.launches[launched:]
     assert gradient["arguments"][5] == 2.5 and gradient["arguments"][2] == x.grad.data_ptr()
     assert x.grad.stride() == x.stride() and module.p.grad.shape == (1,)
+
+
+def test_plain_eager_gem_calls_skip_the_custom_ops(gpu, gem_cuda, monkeypatch):
+    """Forward alone and a training step run GeM's passes directly: one launch each, no custom op's
+    dispatch layers (which torch.compile, export and torch.func still take)."""
+    x = _x((2, 3, 10, 9))
+    module = gem_cuda.AdaptiveGeMPool2d((4, 7))
+    module(x)  # warm: the plan is made
+
+    def custom_op(*args):
+        raise AssertionError("a plain eager call went through a GeM custom op")
+
+    monkeypatch.setattr(gem_cuda, "_GEM_OPS", {ndim: (custom_op, custom_op) for ndim in (1, 2, 3)})
+    launched = len(gpu.launches)
+    with torch.no_grad():
+        module(x)
+    module(x.requires_grad_()).sum().backward()
+    assert len(gpu.launches) - launched == 3 and x.grad.shape == x.shape
