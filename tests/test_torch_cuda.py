@@ -705,3 +705,39 @@ def test_plain_eager_gem_calls_skip_the_custom_ops(gpu, gem_cuda, monkeypatch):
         module(x)
     module(x.requires_grad_()).sum().backward()
     assert len(gpu.launches) - launched == 3 and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_gem_backward_on_cuda_sends_the_numpy_paths_coefficients_and_output_part(gpu, gem_cuda, monkeypatch, dtype,
+                                                                                 memory_format):
+    """The CUDA backward's output-sized steps (PyTorch's ops on the device) give the kernel the
+    coefficients of the numpy path in the problem's memory order (within a few ulps: PyTorch's
+    ``pow`` is not numpy's), and ``dL/dp`` its output part (the fake kernel's terms set to zero
+    here)."""
+    import ctypes
+
+    import numpy as np
+
+    sent = {}
+
+    def kernel(device, problem, arguments, stream, x_address, coefficients_address, grad_address, terms_address):
+        acc = gem.accumulation_dtype(problem)
+        count = math.prod(problem.output_shape)
+        sent["coefficients"] = np.frombuffer(ctypes.string_at(coefficients_address, count * np.dtype(acc).itemsize),
+                                             acc).copy()
+        sent["problem"] = problem
+        ctypes.memset(terms_address, 0, gem.input_gradient_groups(problem) * np.dtype(acc).itemsize)
+
+    monkeypatch.setattr(gem, "input_gradient_on_device", kernel)
+    p = torch.tensor([2.5], dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
+    x = _x((2, 3, 10, 9), dtype).to(memory_format=memory_format).requires_grad_()
+    y = torch.rand((2, 3, 4, 3), dtype=dtype) + 0.5  # stands in for the output (the fake forward writes none)
+    g = torch.randn((2, 3, 4, 3), dtype=dtype)
+    with torch.no_grad():
+        y = y.to(memory_format=memory_format)
+        grad_x, grad_p = gem_cuda._gem_backward(2, g, x.detach(), y, p, {"p": 2.5, "eps": 1e-3}, "")
+    want = gem.coefficients(g.numpy(), y.numpy(), 2.5, sent["problem"])
+    np.testing.assert_allclose(sent["coefficients"], want.ravel(), rtol=1e-13 if dtype == torch.float64 else 1e-6)
+    assert float(grad_p) == pytest.approx(gem.output_term(g.numpy(), y.numpy(), 2.5), rel=1e-5)
+    assert grad_p.shape == p.shape and grad_p.dtype == p.dtype and grad_x.stride() == x.stride()
