@@ -1581,12 +1581,22 @@ def _gem_forward(ndim: int, input, output_size, arguments: dict, options: str):
     return _in_layout(result, _is_channels_last(input, ndim), ndim)
 
 
+#: (ndim, input's shape, strides and dtype, output's shape) -> GeM's backward problem
+_GEM_BACKWARD_PROBLEMS = _memo.table("torch.gem_backward_problems")
+
+
 def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, options: str):
-    """GeM's ``(grad_input, grad_p)`` on ``input``'s device, ``p`` and ``eps`` as ``arguments``."""
-    if not _is_channels_last(input, ndim) and not input.is_contiguous():
+    """GeM's ``(grad_input, grad_p)`` on ``input``'s device, ``p`` and ``eps`` as ``arguments``;
+    the problem validated on the signature's first backward, looked up after."""
+    key = (ndim, tuple(input.shape), input.stride(), input.dtype, tuple(output.shape))
+    problem = _GEM_BACKWARD_PROBLEMS.get(key)
+    if problem is None:
+        problem = Problem.create(find("gem", ndim).name, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
+                                 str(input.dtype).removeprefix("torch."), _layout_name(input, ndim),
+                                 direction="backward")
+        _GEM_BACKWARD_PROBLEMS.put(problem, key, problem)
+    if not problem.channels_last and not input.is_contiguous():  # read in place in either layout, else copied
         input = input.contiguous()
-    problem = Problem.create(find("gem", ndim).name, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
-                             str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
     return _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
 
 

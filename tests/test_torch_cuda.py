@@ -640,8 +640,8 @@ def test_a_warm_gem_backward_on_cuda_is_its_kernel_few_output_sized_ops_and_no_l
         gpu, gem_cuda, monkeypatch, dtype, size):
     """After the first step of a signature, a GeM backward on CUDA tensors is the input-gradient
     launch, a few output-sized PyTorch ops (the outputs' coefficients and the p-gradient
-    reduction) and one read of p: no host arithmetic on the windows (nor its copy to the device,
-    which waits as a synchronisation does), no float64 copies of the outputs.  Its temporaries stay
+    reduction): no problem validated again, no host arithmetic on the windows (nor its copy to the
+    device, which waits as a synchronisation does), no float64 copies of the outputs.  Its temporaries stay
     within two output-sized arrays in the accumulation dtype (there were six to seven, float64
     copies of the outputs among them: 2.5 times a regional GeM's float16 input on an H100)."""
     module = gem_cuda.AdaptiveGeMPool2d(size, p=2.5, eps=1e-3)
@@ -653,7 +653,10 @@ def test_a_warm_gem_backward_on_cuda_is_its_kernel_few_output_sized_ops_and_no_l
         module(x).backward(grad)
 
     step()
+    terms = gem.input_gradient_groups(ops.Problem.create(
+        "adaptive_gem_pool2d", tuple(x.shape), size, str(dtype).removeprefix("torch."), direction="backward"))
     monkeypatch.setattr(gem, "window_areas", lambda problem: pytest.fail("a warm backward computed window areas"))
+    monkeypatch.setattr(ops.Problem, "create", lambda *args, **kwargs: pytest.fail("a warm step validated a problem"))
     launched = len(gpu.launches)
     launches, reads, peak = _gem_backward_on_the_device(step)
     assert len(gpu.launches) - launched == 2, "the forward and the input-gradient kernel"
@@ -661,8 +664,6 @@ def test_a_warm_gem_backward_on_cuda_is_its_kernel_few_output_sized_ops_and_no_l
     # the coefficients (a float16 output widened, pow, two products, a division), the output
     # terms (xlogy, a product, a sum), the input terms' sum and the difference
     assert len(launches) <= 10, launches
-    terms = gem.input_gradient_groups(gem.plans.Problem.create(
-        "adaptive_gem_pool2d", tuple(x.shape), size, str(dtype).removeprefix("torch."), direction="backward"))
     returned = x.numel() * x.element_size()
     # the CPU tensors standing in widen a float16 operand of a float32 op into a temporary, which
     # CUDA's kernels do in registers
