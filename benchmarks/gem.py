@@ -55,9 +55,11 @@ def peak_extra_bytes(call, device: torch.device) -> int:
         call()
     numpy_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    # allocations are the ops' own (self) memory, at the op's start; frees are "[memory]" events
+    # allocations are PyTorch's ops' own (self) memory, at the op's start; frees are "[memory]"
+    # events.  Custom ops and autograd nodes are left out: their self memory counts the frees of
+    # the tensors made inside them, at their start, which would hide those tensors.
     events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in profile.events()
-                    if e.self_cpu_memory_usage)
+                    if e.self_cpu_memory_usage and (e.name == "[memory]" or e.name.startswith("aten::")))
     running = peak = 0
     for _, change in events:
         running += change
@@ -114,7 +116,10 @@ def main(argv=None) -> int:
                     ratio = timings.ratio("composition", "pool_tuner")
                     returned = y_fused.numel() * y_fused.element_size() + (
                         x.numel() * x.element_size() if case == "forward+backward" else 0)
-                    memory = {name: max(0, peak_extra_bytes(call, device) - returned) for name, call in calls.items()}
+                    memory = {}
+                    for name, call in calls.items():
+                        x_grad.grad = p.grad = None  # freed before the baseline, not inside the call
+                        memory[name] = max(0, peak_extra_bytes(call, device) - returned)
                     input_bytes = x.numel() * x.element_size()
                     entry = {"shape": shape, "dtype": dtype_name, "output": out, "case": case,
                              "ms": {n: timings.summary(n) for n in calls}, "composition_over_pool_tuner": ratio,

@@ -202,26 +202,34 @@ def window_areas(problem: Problem) -> np.ndarray:
 
 def coefficients(grad_out, output, p: float, problem: Problem) -> np.ndarray:
     """What the input-gradient kernel gathers (``coefficient_values``) from ``dL/dy`` and ``y``
-    (numpy arrays, logical axes), computed in the accumulation dtype and stored in ``problem``'s
-    memory order."""
+    (numpy arrays, logical axes, in the accumulation dtype or a narrower float one), computed in
+    the accumulation dtype and stored in ``problem``'s memory order.  A narrower array is widened
+    by the ufuncs as they go, not copied whole: the result is the only output-sized array made."""
     acc = accumulation_dtype(problem)
-    grad_out, output = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
-    values = coefficient_values(grad_out, output, float(p), window_areas(problem).astype(acc))
+    powered = np.power(output, 1 - float(p), dtype=acc)
+    values = coefficient_values(grad_out, powered, float(p), window_areas(problem).astype(acc))
     return np.ascontiguousarray(in_memory_order(values, problem))
 
 
-def coefficient_values(grad_out, output, p, areas):
-    """Each output's ``dL/dm_o / area_o = dL/dy_o * y_o**(1-p) / (p * area_o)``, in the arrays'
-    dtype: numpy arrays, or tensors of one device (CUDA tensors' backward), ``p`` a Python float
-    (taken in the arrays' dtype, as ``1 - p`` is) and ``areas`` the windows' areas
-    (``window_areas``) in that dtype."""
-    return grad_out * output ** (1 - p) / (p * areas)
+def coefficient_values(grad_out, powered, p, areas):
+    """Each output's ``dL/dm_o / area_o = dL/dy_o * y_o**(1-p) / (p * area_o)``, written over
+    ``powered = y_o**(1-p)`` (the caller's, in the accumulation dtype, ``1 - p`` taken in it) and
+    returned: numpy arrays, or tensors of one device (CUDA tensors' backward), ``p`` a Python
+    float, ``areas`` the windows' areas (``window_areas``) in that dtype, ``grad_out`` in it or a
+    narrower float dtype (widened exactly).  In place: no output-sized temporary."""
+    powered *= grad_out
+    powered /= p * areas
+    return powered
 
 
 def output_term(grad_out, output, p) -> float:
     """The output part of ``dL/dp``: ``sum of dL/dy * y * (-ln(m) / p**2)`` with ``ln(m) = p ln(y)``,
-    the terms in the arrays' dtype, their sum in float64."""
-    return float(-np.sum(grad_out * output * np.log(output), dtype=np.float64) / p)
+    the terms ``ln(y) * y * dL/dy`` in the accumulation dtype (float32 for narrower arrays, widened
+    as the ufuncs go) in one output-sized array, their sum in float64."""
+    terms = np.log(output, dtype=np.result_type(output.dtype, np.float32))
+    terms *= output
+    terms *= grad_out
+    return float(-np.sum(terms, dtype=np.float64) / p)
 
 
 def input_gradient_groups(problem: Problem) -> int:

@@ -59,6 +59,7 @@ except ModuleNotFoundError as error:  # only torch itself missing, not something
 from . import avgmax as _avgmax
 from . import fused as _fused
 from . import gem as _gem
+from . import memo as _memo
 from . import plans as _plans
 from . import pyramid as _pyramid
 from . import torch_cpu as _torch_cpu
@@ -1486,11 +1487,11 @@ def _gem_arguments(p: torch.Tensor, eps: float) -> dict:
     return _gem.check_arguments(float(p.detach().reshape(())), eps)
 
 
-def _accumulation_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a numpy array in GeM's accumulation dtype (float64 stays, the rest
-    float32: 16-bit floats widened by PyTorch; float32 shares the tensor's memory)."""
+def _numpy_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array sharing its memory, where numpy has its dtype
+    (bfloat16, which it lacks, widened to float32)."""
     t = t.detach()
-    return (t if t.dtype == torch.float64 else t.float()).numpy()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _layout_name(t: torch.Tensor, ndim: int) -> str:
@@ -1514,25 +1515,36 @@ def _gem_backward_cpu(problem, grad_out, input, output, p, arguments: dict, opti
     """GeM's backward on CPU tensors: ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
     # Output-sized math in numpy: PyTorch's small ops would wake its thread pool, which meets
     # PoCL's workers on the same cores.
-    g, y = _accumulation_array(grad_out), _accumulation_array(output)
+    # The output terms first, their array gone before the coefficients': one output-sized array at a time.
+    g, y = _numpy_array(grad_out), _numpy_array(output)
+    output_part = _gem.output_term(g, y, arguments["p"])
     coefficients = _gem.coefficients(g, y, arguments["p"], problem)
     grad_input = _empty(list(input.shape), input, input.dtype, problem.channels_last, problem.ndim)
     device = _resolve_device(dict(_plans.options_of(options)).get("device"))
     grad_p = (_gem.input_gradient(device, problem, arguments, input.data_ptr(), coefficients.ctypes.data,
-                                  grad_input.data_ptr()) + _gem.output_term(g, y, arguments["p"]))
+                                  grad_input.data_ptr()) + output_part)
     return grad_input, torch.full_like(p, grad_p)
 
 
 def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, options: str):
     """GeM's backward on CUDA tensors, the passes of the CPU path on PyTorch's current stream: the
     outputs' coefficients (output-sized, PyTorch's ops in the accumulation dtype), the
-    input-gradient kernel, and ``dL/dp`` summed on the device in a fixed order (deterministic):
-    ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
+    input-gradient kernel, and ``dL/dp``, its input terms and output terms each summed on the
+    device in a fixed order (deterministic): ``(grad_input, grad_p)``, ``grad_p`` like ``p``.
+
+    A warm call is the p read, one launch of the kernel and a few output-sized PyTorch ops, with
+    at most two output-sized temporaries in the accumulation dtype: the windows' areas come from
+    ``_gem_window_areas`` (no host arithmetic, no copy to the device, which waits as a
+    synchronisation does), and the output terms ``dL/dy * y * ln(y)`` are one ``xlogy`` and an
+    in-place product, summed in the accumulation dtype (a float64 copy of each output-sized
+    operand would be larger than a regional GeM's input in float16)."""
     ndim, channels_last = problem.ndim, problem.channels_last
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
-    g, y = grad_out.detach().to(acc), output.detach().to(acc)
-    areas = torch.from_numpy(_gem.window_areas(problem)).to(device=input.device, dtype=acc)
-    coefficients = _gem.coefficient_values(g, y, arguments["p"], areas)
+    g, y = grad_out.detach(), output.detach().to(acc)
+    output_terms = torch.xlogy(y, y).mul_(g).sum()
+    coefficients = _gem.coefficient_values(g, y.pow(1 - arguments["p"]), arguments["p"],
+                                           _gem_window_areas(problem, input.device, acc))
+    del y
     coefficients = (coefficients.movedim(coefficients.dim() - ndim - 1, -1) if channels_last else coefficients)
     coefficients = coefficients.contiguous()
     index = input.device.index
@@ -1542,8 +1554,22 @@ def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, opt
     terms = torch.empty(_gem.input_gradient_groups(problem), dtype=acc, device=input.device)
     _gem.input_gradient_on_device(device, problem, arguments, _torch_cuda.current_raw_stream(input.device.index),
                                   input.data_ptr(), coefficients.data_ptr(), grad_input.data_ptr(), terms.data_ptr())
-    grad_p = terms.double().sum() - (g.double() * y.double() * torch.log(y.double())).sum() / arguments["p"]
+    grad_p = torch.sub(terms.sum(), output_terms, alpha=1 / arguments["p"])
     return grad_input, grad_p.to(device=p.device, dtype=p.dtype).reshape(p.shape)
+
+
+#: (problem, device, dtype) -> the windows' areas of a GeM backward problem as a tensor there
+_GEM_AREAS = _memo.table("torch.gem_window_areas")
+
+
+def _gem_window_areas(problem, device: torch.device, dtype) -> torch.Tensor:
+    """``gem.window_areas(problem)`` as a ``dtype`` tensor on ``device``, made on the problem's
+    first backward there and kept with its other memos."""
+    key = (problem, device, dtype)
+    found = _GEM_AREAS.get(key)
+    if found is None:
+        found = _GEM_AREAS.put(problem, key, torch.from_numpy(_gem.window_areas(problem)).to(device=device, dtype=dtype))
+    return found
 
 
 #: device type -> GeM's (forward, backward) on tensors of that device
@@ -1558,27 +1584,53 @@ def _gem_path(t: torch.Tensor):
     return found
 
 
+def _gem_forward(ndim: int, input, output_size, arguments: dict, options: str):
+    """GeM's forward on ``input``'s device, in the layout the fake implementation promises."""
+    result = _gem_path(input)[0](find("gem", ndim).name, input, tuple(output_size), arguments, options)
+    return _in_layout(result, _is_channels_last(input, ndim), ndim)
+
+
+#: (ndim, input's shape, strides and dtype, output's shape) -> GeM's backward problem
+_GEM_BACKWARD_PROBLEMS = _memo.table("torch.gem_backward_problems")
+
+
+def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, options: str):
+    """GeM's ``(grad_input, grad_p)`` on ``input``'s device, ``p`` and ``eps`` as ``arguments``;
+    the problem validated on the signature's first backward, looked up after."""
+    key = (ndim, tuple(input.shape), input.stride(), input.dtype, tuple(output.shape))
+    problem = _GEM_BACKWARD_PROBLEMS.get(key)
+    if problem is None:
+        problem = Problem.create(find("gem", ndim).name, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
+                                 str(input.dtype).removeprefix("torch."), _layout_name(input, ndim),
+                                 direction="backward")
+        _GEM_BACKWARD_PROBLEMS.put(problem, key, problem)
+    if not problem.channels_last and not input.is_contiguous():  # read in place in either layout, else copied
+        input = input.contiguous()
+    return _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
+
+
+def _gem_composed_gradients(input, output_size, p, eps: float, grad_out):
+    """``(grad_input, grad_p)`` through PyTorch's composition with its graph (None where the
+    tensor needs none): the backward of a backward that is itself differentiated."""
+    wanted = [t for t in (input, p) if t.requires_grad]
+    found = iter(torch.autograd.grad(_gem_composition(input, output_size, p, eps), wanted, grad_out,
+                                     create_graph=True) if wanted else ())
+    return tuple(next(found) if t.requires_grad else None for t in (input, p))
+
+
 def _register_gem(ndim: int):
     operation = find("gem", ndim)
     op = operation.name
 
     def forward(input, output_size, p, eps, options):
-        run_forward = _gem_path(input)[0]
-        result = run_forward(op, input, tuple(output_size), _gem_arguments(p, eps), options)
-        return _in_layout(result, _is_channels_last(input, ndim), ndim)
+        return _gem_forward(ndim, input, output_size, _gem_arguments(p, eps), options)
 
     def forward_fake(input, output_size, p, eps, options):
         shape = list(input.shape[: input.dim() - ndim]) + list(output_size)
         return _empty(shape, input, input.dtype, _is_channels_last(input, ndim), ndim)
 
     def backward(grad_out, input, output, p, eps, options):
-        run_backward = _gem_path(input)[1]
-        arguments = _gem_arguments(p, eps)
-        if not _is_channels_last(input, ndim) and not input.is_contiguous():
-            input = input.contiguous()
-        problem = Problem.create(op, tuple(input.shape), tuple(output.shape[output.dim() - ndim:]),
-                                 str(input.dtype).removeprefix("torch."), _layout_name(input, ndim), direction="backward")
-        return run_backward(problem, grad_out, input, output, p, arguments, options)
+        return _gem_backward(ndim, grad_out, input, output, p, _gem_arguments(p, eps), options)
 
     def backward_fake(grad_out, input, output, p, eps, options):
         return (_empty(list(input.shape), input, input.dtype, _is_channels_last(input, ndim), ndim),
@@ -1599,10 +1651,7 @@ def _register_gem(ndim: int):
     def gradient(ctx, grad_out):
         input, output, p = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the composition's graph, for the double backward
-            wanted = [t for t in (input, p) if t.requires_grad]
-            found = iter(torch.autograd.grad(_gem_composition(input, ctx.output_size, p, ctx.eps), wanted, grad_out,
-                                             create_graph=True) if wanted else ())
-            grad_input, grad_p = (next(found) if t.requires_grad else None for t in (input, p))
+            grad_input, grad_p = _gem_composed_gradients(input, ctx.output_size, p, ctx.eps, grad_out)
         else:
             grad_input, grad_p = backward_op(grad_out, input, output, p, ctx.eps, _backward_options(ctx.options))
         return grad_input, None, grad_p, None, None
@@ -1613,6 +1662,33 @@ def _register_gem(ndim: int):
 
 for _ndim in (1, 2, 3):
     _register_gem(_ndim)
+
+
+class _EagerGeM(torch.autograd.Function):
+    """The autograd of a plain eager GeM call that needs a gradient (``_gem_pool``), without the
+    custom ops' dispatch layers: ``p`` is read once, by the forward, and the backward runs with
+    that value -- ``p`` is saved for the backward, so it cannot have changed in between (autograd
+    refuses a saved tensor changed in place) -- where the custom backward op reads it again, which
+    on a CUDA tensor is one more synchronisation per training step.  A backward that is itself
+    differentiated (``create_graph=True``) goes through the composition, as the custom op's does."""
+
+    @staticmethod
+    def forward(ctx, input, p, output_size, eps: float, options: str, ndim: int):
+        arguments = _gem_arguments(p, eps)
+        output = _gem_forward(ndim, input, output_size, arguments, options)
+        ctx.save_for_backward(input, output, p)
+        ctx.arguments, ctx.output_size, ctx.eps, ctx.ndim = arguments, list(output_size), eps, ndim
+        ctx.options = _backward_options(options)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        input, output, p = ctx.saved_tensors
+        if _grad_enabled():
+            grad_input, grad_p = _gem_composed_gradients(input, ctx.output_size, p, ctx.eps, grad_out)
+        else:
+            grad_input, grad_p = _gem_backward(ctx.ndim, grad_out, input, output, p, ctx.arguments, ctx.options)
+        return grad_input, grad_p, None, None, None, None
 
 
 def _gem_p(p, input: torch.Tensor) -> torch.Tensor:
@@ -1633,6 +1709,10 @@ def _gem_pool(ndim: int, input, output_size, p, eps, options: str):
     _gem.check_arguments(1.0, eps)
     if _exported_to_onnx():
         return _gem_composition(input, output_size, p, float(eps))
+    if _plain_eager(input) and (input.is_cpu or input.is_cuda):  # without the custom ops' dispatch layers
+        if _grad_enabled() and (input.requires_grad or p.requires_grad):
+            return _EagerGeM.apply(input, p, output_size, float(eps), options, ndim)
+        return _gem_forward(ndim, input, output_size, _gem_arguments(p, eps), options)
     _check_no_functorch_transform()
     return _GEM_OPS[ndim][0](input, output_size, p, float(eps), options)
 

@@ -739,3 +739,151 @@ def test_the_fake_driver_refuses_a_launch_without_the_kernels_declared_arguments
     prepared = found.device.prepare(short, found.nbytes, 1)
     with pytest.raises(cuda_driver.DriverError, match="CUDA_ERROR"):
         prepared(STREAM, *(t.data_ptr() for t in (_x((2, 3, 10, 9)), _x((2, 3, 4, 7)))))
+
+
+#: PyTorch ops that launch nothing on a GPU: views, metadata and allocation
+_NO_LAUNCH = {"aten::detach", "aten::reshape", "aten::view", "aten::empty", "aten::empty_strided", "aten::movedim",
+              "aten::permute", "aten::as_strided", "aten::result_type", "aten::alias", "aten::lift_fresh",
+              "aten::item", "aten::_local_scalar_dense"}
+
+
+def _gem_backward_on_the_device(step):
+    """What GeM's backward does on the device in a profiled ``step``: the PyTorch ops called
+    directly by it that launch a kernel (a dtype or layout change only where it copies),
+    its host reads of device values, and the peak of its allocations beyond what it returns
+    (bytes, in time order of the allocator's events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        step()
+    events = profile.events()
+    # the backward custom op, or in eager mode the backward of pool_tuner.torch's autograd.Function
+    (backward,) = [e for e in events if e.name.startswith("pool_tuner::adaptive_gem_pool") and
+                   e.name.endswith("_backward") or e.name == "_EagerGeMBackward"]
+
+    def copies(event):
+        return any(c.name == "aten::copy_" or copies(c) for c in event.cpu_children)
+
+    children = [c.name for c in backward.cpu_children]
+    launches = [name for name, c in zip(children, backward.cpu_children) if name not in _NO_LAUNCH and (
+        name not in ("aten::to", "aten::contiguous", "aten::clone") or copies(c))]
+    reads = children.count("aten::item")
+    start, end = backward.time_range.start, backward.time_range.end
+    # PyTorch's ops with what each allocates, and the frees between them ("[memory]"), not the
+    # custom op's own total of those
+    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events
+                     if e.self_cpu_memory_usage and start <= e.time_range.start <= end
+                     and (e.name == "[memory]" or e.name.startswith("aten::")))
+    running = peak = 0
+    for _, change in changes:
+        running += change
+        peak = max(peak, running)
+    return launches, reads, peak
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_warm_gem_backward_on_cuda_is_its_kernel_few_output_sized_ops_and_no_large_temporary(
+        gpu, gem_cuda, monkeypatch, dtype, size):
+    """After the first step of a signature, a GeM backward on CUDA tensors is the input-gradient
+    launch, a few output-sized PyTorch ops (the outputs' coefficients and the p-gradient
+    reduction): no problem validated again, no host arithmetic on the windows (nor its copy to the
+    device, which waits as a synchronisation does), no float64 copies of the outputs.  Its temporaries stay
+    within two output-sized arrays in the accumulation dtype (there were six to seven, float64
+    copies of the outputs among them: 2.5 times a regional GeM's float16 input on an H100)."""
+    module = gem_cuda.AdaptiveGeMPool2d(size, p=2.5, eps=1e-3)
+    x = _x((4, 64, 7, 7)).to(dtype).requires_grad_()
+    grad = _x((4, 64, size, size)).to(dtype)
+
+    def step():
+        x.grad = module.p.grad = None
+        module(x).backward(grad)
+
+    step()
+    terms = gem.input_gradient_groups(ops.Problem.create(
+        "adaptive_gem_pool2d", tuple(x.shape), size, str(dtype).removeprefix("torch."), direction="backward"))
+    monkeypatch.setattr(gem, "window_areas", lambda problem: pytest.fail("a warm backward computed window areas"))
+    monkeypatch.setattr(ops.Problem, "create", lambda *args, **kwargs: pytest.fail("a warm step validated a problem"))
+    launched = len(gpu.launches)
+    launches, reads, peak = _gem_backward_on_the_device(step)
+    assert len(gpu.launches) - launched == 2, "the forward and the input-gradient kernel"
+    assert reads <= 1, "p is read once"
+    # the coefficients (a float16 output widened, pow, two products, a division), the output
+    # terms (xlogy, a product, a sum), the input terms' sum and the difference
+    assert len(launches) <= 10, launches
+    returned = x.numel() * x.element_size()
+    # the CPU tensors standing in widen a float16 operand of a float32 op into a temporary, which
+    # CUDA's kernels do in registers
+    widened = grad.numel() * 4 if dtype == torch.float16 else 0
+    assert peak - returned <= 2 * grad.numel() * 4 + widened + terms * 4 + 1024
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_a_gem_training_step_on_cuda_reads_p_once(gpu, gem_cuda, memory_format):
+    """A CUDA p read on the host waits for the device: the forward reads it, and the backward runs
+    with the forward's value (p is saved for it, so it cannot change in between)."""
+    module = gem_cuda.AdaptiveGeMPool2d(3, p=2.5, eps=1e-3)
+    x = _x((2, 3, 10, 9)).to(memory_format=memory_format).requires_grad_()
+    grad = _x((2, 3, 3, 3))
+    module(x).backward(grad)
+    x.grad = module.p.grad = None
+    launched = len(gpu.launches)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        module(x).backward(grad)
+    reads = [e for e in profile.events() if e.name == "aten::_local_scalar_dense"]
+    assert len(reads) == 1
+    forward, gradient = gpu.launches[launched:]
+    assert gradient["arguments"][5] == 2.5 and gradient["arguments"][2] == x.grad.data_ptr()
+    assert x.grad.stride() == x.stride() and module.p.grad.shape == (1,)
+
+
+def test_plain_eager_gem_calls_skip_the_custom_ops(gpu, gem_cuda, monkeypatch):
+    """Forward alone and a training step run GeM's passes directly: one launch each, no custom op's
+    dispatch layers (which torch.compile, export and torch.func still take)."""
+    x = _x((2, 3, 10, 9))
+    module = gem_cuda.AdaptiveGeMPool2d((4, 7))
+    module(x)  # warm: the plan is made
+
+    def custom_op(*args):
+        raise AssertionError("a plain eager call went through a GeM custom op")
+
+    monkeypatch.setattr(gem_cuda, "_GEM_OPS", {ndim: (custom_op, custom_op) for ndim in (1, 2, 3)})
+    launched = len(gpu.launches)
+    with torch.no_grad():
+        module(x)
+    module(x.requires_grad_()).sum().backward()
+    assert len(gpu.launches) - launched == 3 and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_gem_backward_on_cuda_sends_the_numpy_paths_coefficients_and_output_part(gpu, gem_cuda, monkeypatch, dtype,
+                                                                                 memory_format):
+    """The CUDA backward's output-sized steps (PyTorch's ops on the device) give the kernel the
+    coefficients of the numpy path in the problem's memory order (within a few ulps: PyTorch's
+    ``pow`` is not numpy's), and ``dL/dp`` its output part (the fake kernel's terms set to zero
+    here)."""
+    import ctypes
+
+    import numpy as np
+
+    sent = {}
+
+    def kernel(device, problem, arguments, stream, x_address, coefficients_address, grad_address, terms_address):
+        acc = gem.accumulation_dtype(problem)
+        count = math.prod(problem.output_shape)
+        sent["coefficients"] = np.frombuffer(ctypes.string_at(coefficients_address, count * np.dtype(acc).itemsize),
+                                             acc).copy()
+        sent["problem"] = problem
+        ctypes.memset(terms_address, 0, gem.input_gradient_groups(problem) * np.dtype(acc).itemsize)
+
+    monkeypatch.setattr(gem, "input_gradient_on_device", kernel)
+    p = torch.tensor([2.5], dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
+    x = _x((2, 3, 10, 9), dtype).to(memory_format=memory_format).requires_grad_()
+    y = torch.rand((2, 3, 4, 3), dtype=dtype) + 0.5  # stands in for the output (the fake forward writes none)
+    g = torch.randn((2, 3, 4, 3), dtype=dtype)
+    with torch.no_grad():
+        y = y.to(memory_format=memory_format)
+        grad_x, grad_p = gem_cuda._gem_backward(2, g, x.detach(), y, p, {"p": 2.5, "eps": 1e-3}, "")
+    want = gem.coefficients(g.numpy(), y.numpy(), 2.5, sent["problem"])
+    np.testing.assert_allclose(sent["coefficients"], want.ravel(), rtol=1e-13 if dtype == torch.float64 else 1e-6)
+    assert float(grad_p) == pytest.approx(gem.output_term(g.numpy(), y.numpy(), 2.5), rel=1e-5)
+    assert grad_p.shape == p.shape and grad_p.dtype == p.dtype and grad_x.stride() == x.stride()

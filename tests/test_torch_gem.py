@@ -71,9 +71,12 @@ def _extra_peak_bytes(call) -> int:
         call()
     numpy_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    # PyTorch's ops with what each allocates and the frees between them ("[memory]"): not the
+    # custom ops' or autograd nodes' own totals, whose frees, counted at their start, would hide
+    # the allocations inside them
     running = peak = 0
     for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in profile.events()
-                            if e.self_cpu_memory_usage):
+                            if e.self_cpu_memory_usage and (e.name == "[memory]" or e.name.startswith("aten::"))):
         running += change
         peak = max(peak, running)
     return peak + numpy_peak
@@ -93,6 +96,42 @@ def test_the_backward_allocates_no_input_sized_temporary(rng, dtype, size, chann
     input_bytes = x.numel() * x.element_size()
     extra = _extra_peak_bytes(lambda: torch.autograd.grad(y, (x, p), g, retain_graph=True)) - input_bytes
     assert extra <= 0.01 * input_bytes + 128 * 1024, f"{extra / input_bytes:.1%} of the input"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_regional_backward_makes_one_output_sized_array(rng, dtype, channels_last):
+    """7x7 planes into 3x3 outputs (a regional head): the outputs are 9/49 of the input, so each
+    output-sized float32 array is 37% of a float16 input.  Beyond the input's gradient, the
+    backward makes one, the coefficients the kernel gathers (the output terms' array is gone
+    before it), and float16 outputs are widened by the ufuncs, not copied whole."""
+    x = _input(rng, (16, 512, 7, 7), dtype, channels_last).requires_grad_()
+    p = torch.nn.Parameter(torch.tensor([2.5]))
+    y = ptt.adaptive_gem_pool2d(x, 3, p)
+    g = torch.randn_like(y)
+    torch.autograd.grad(y, (x, p), g, retain_graph=True)
+    input_bytes = x.numel() * x.element_size()
+    extra = _extra_peak_bytes(lambda: torch.autograd.grad(y, (x, p), g, retain_graph=True)) - input_bytes
+    assert extra <= y.numel() * 4 + 128 * 1024, f"{extra / (y.numel() * 4):.2f} output-sized float32 arrays"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_eager_path_gives_the_custom_ops_bits(rng, dtype, channels_last):
+    """A plain eager call that needs gradients runs GeM's passes without the custom ops (reading
+    p once): its output and both gradients are the custom ops' to the bit."""
+    x = _input(rng, (2, 5, 10, 9), dtype, channels_last).requires_grad_()
+    p = torch.nn.Parameter(torch.tensor([2.0 + rng.random()]))
+    g = torch.from_numpy(rng.random((2, 5, 4, 3))).to(dtype)
+    options = ptt._encode_options(None, None, None)
+    results = []
+    for y in (ptt.adaptive_gem_pool2d(x, (4, 3), p, 1e-3),
+              torch.ops.pool_tuner.adaptive_gem_pool2d(x, [4, 3], p, 1e-3, options)):
+        results.append((y, *torch.autograd.grad(y, (x, p), g)))
+    eager, custom = results
+    for a, b in zip(eager, custom):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("ndim", [1, 2, 3])
