@@ -333,9 +333,7 @@ class Dispatcher:
         kernel = self._kernels.get(key)
         if kernel is None:
             variant = choice.variant
-            source = kernel_source.render(variant.template,
-                                          {**variant.defines(choice.config, problem), **(pass_defines or {})},
-                                          problem.operation.operator_header)
+            source = variant.program(choice.config, problem, pass_defines)
             kernel = self._keep(device, problem, choice, key, device.build(context, source, variant.kernel_name))
         return kernel
 
@@ -366,8 +364,7 @@ class Dispatcher:
             if len(wanted) > 1 and device.info.source_suffix in kernel_source.SHARED_PROGRAM_SUFFIXES:
                 kernel_name = wanted[0][1].variant.kernel_name
                 source = kernel_source.render_together(
-                    [kernel_source.render(c.variant.template, {**c.variant.defines(c.config, problem), **defines},
-                                          problem.operation.operator_header) for _, c, defines in wanted],
+                    [c.variant.program(c.config, problem, defines) for _, c, defines in wanted],
                     kernel_name)
                 try:
                     built = [device.build(context, source, kernel_source.together_name(kernel_name, position))
