@@ -179,6 +179,18 @@ def _copy_span(device, raw: np.ndarray, array) -> None:
     cl.enqueue_copy(array.queue, raw, array.base_data, src_offset=array.offset, is_blocking=True)
 
 
+def check_round_trip(device, rng):
+    """What the harness writes to ``device`` it reads back: both layouts, and a channels-last view
+    of a part of a flat buffer at an offset (a pyramid's level)."""
+    x = random_input(rng, (2, 3, 5, 4))
+    for channels_last in (False, True):
+        np.testing.assert_array_equal(to_host(device, to_device(device, x, 2, channels_last)), x)
+    memory = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+    flat = device.to_device(np.concatenate([np.full(7, np.nan, np.float32), memory.ravel()]))
+    level = device.arrays.strided_view(flat[7:7 + x.size], x.shape, np.moveaxis(memory, -1, 1).strides)
+    np.testing.assert_array_equal(to_host(device, level), x)
+
+
 # ---------------------------------------------------------------------- running a case
 
 def call_forward(op, x, size, variant, config):

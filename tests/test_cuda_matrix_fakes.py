@@ -20,7 +20,8 @@ from pool_tuner.problem import OPS, Problem
 from pool_tuner.variants import REGISTRY
 
 from cuda_fakes import INVALID_VALUE, fake_compile, forget_fake_gpu, install_fake_gpu
-from device_matrix import call_backward, call_forward, case_input, configurations, problem_of, to_device, variant_cases
+from device_matrix import (call_backward, call_forward, case_input, check_round_trip, configurations, problem_of,
+                           to_device, variant_cases)
 
 try:
     NVCC, NO_NVCC = cuda.find_nvcc(), None
@@ -102,3 +103,9 @@ def test_every_launch_of_the_matrix_has_its_kernels_parameters(fake_gpu, op, dir
     assert driver.launches
     for launch in driver.launches:
         assert len(launch["arguments"]) == len(driver.parameters[launch["function"]])
+
+
+def test_the_harness_reads_back_what_it_writes_on_the_fake_gpu(fake_gpu, rng):
+    """The fake driver's memory holds the bytes copies move: the harness's reads of CUDA arrays
+    (through their ``__cuda_array_interface__``) give back what it wrote."""
+    check_round_trip(fake_gpu[0], rng)

@@ -10,7 +10,7 @@ import pytest
 from pool_tuner import backends
 from pool_tuner.problem import OPS
 
-from device_matrix import REPRESENTATIVE, check_case, dtype_layout_cases, layout_for, variant_cases
+from device_matrix import REPRESENTATIVE, check_case, check_round_trip, dtype_layout_cases, layout_for, variant_cases
 
 
 def _newer_ops_in_half_precision():
@@ -40,3 +40,7 @@ def test_every_variant_on_device_arrays(device, op, direction, variant, layout, 
 def test_newer_ops_in_half_precision_on_device_arrays(device, op, direction, dtype, layout, variant, rng):
     shape, size = REPRESENTATIVE[OPS[op].ndim]
     check_case(device, op, direction, dtype, layout, variant, shape, size, rng)
+
+
+def test_the_harness_reads_back_what_it_writes(device, rng):
+    check_round_trip(device, rng)
