@@ -292,10 +292,9 @@ def check_case(device, op, direction, dtype, layout, variant, shape, size, rng, 
             got_values, got_indices = call_forward(op, to_device(device, x, ndim, channels_last), size, variant,
                                                     config)
             assert len(got_values) == len(values), label
-            exact = operation.selects and not operation.multi_level
+            maxima = operation.selects and not operation.also_mean  # avgmax's joined result holds means too
             for level, (got, want) in enumerate(zip(got_values, values)):
-                exact_level = exact or (operation.pyramid and operation.selects)
-                _check_values(to_host(device, got), want, dtype, exact_level, f"{label}: result {level}")
+                _check_values(to_host(device, got), want, dtype, maxima, f"{label}: result {level}")
             assert len(got_indices) == len(indices), label
             for level, (got, want) in enumerate(zip(got_indices, indices)):
                 got = to_host(device, got)
@@ -308,3 +307,29 @@ def check_case(device, op, direction, dtype, layout, variant, shape, size, rng, 
         grad_in = call_backward(op, device_grads, device_indices, shape, variant, config)
         expected = _expected_backward(op, [as_float64(g) for g in grads], indices, shape)
         _check_values(to_host(device, grad_in), expected, dtype, False, f"{label}: input gradient")
+
+
+def gem_backward_cases() -> list:
+    """``(ndim, dtype, layout)`` of GeM's backward, which runs kernels of its own (no variants):
+    every rank, dtype and layout on the representative shape."""
+    return [pytest.param(ndim, dtype, layout, id=f"gem{ndim}d-{dtype}-{layout}")
+            for ndim in (1, 2, 3) for dtype in DTYPES for layout in LAYOUT_NAMES[ndim]]
+
+
+def check_gem_backward(device, ndim, dtype, layout, rng):
+    """GeM's gradients for ``x`` and ``p`` on ``device``'s arrays against the reference's (the
+    tolerances of tests/test_gem.py: ``grad_x`` relative to its largest, ``grad_p`` summed over
+    every output)."""
+    shape, size = REPRESENTATIVE[ndim]
+    op = f"adaptive_gem_pool{ndim}d"
+    channels_last = layout == LAYOUT_NAMES[ndim][1]
+    x = np.abs(random_input(rng, shape, np.float64)).astype(host_dtype(dtype))
+    grad = random_input(rng, shape[:-ndim] + size, np.float64).astype(host_dtype(dtype))
+    grad_x, grad_p = getattr(pt, f"{op}_backward")(to_device(device, grad, ndim, channels_last),
+                                                    to_device(device, x, ndim, channels_last), size, **GEM_ARGUMENTS)
+    want_x, want_p = reference.adaptive_gem_pool_backward(as_float64(grad), as_float64(x), size, ndim, **GEM_ARGUMENTS)
+    tolerance = 10 * TOLERANCES[dtype]["rtol"]
+    got_x = as_float64(to_host(device, grad_x))
+    assert not np.isnan(got_x).any(), f"{op} on {device.info.describe()}: gradients never written (poison left)"
+    np.testing.assert_allclose(got_x, want_x, rtol=tolerance, atol=tolerance * np.abs(want_x).max())
+    assert float(grad_p) == pytest.approx(want_p, rel=10 * tolerance, abs=10 * tolerance)

@@ -19,7 +19,8 @@ from pool_tuner.problem import OPS, Problem
 from pool_tuner.variants import REGISTRY
 
 from conftest import random_input
-from device_matrix import REPRESENTATIVE, TOLERANCES, check_case, dtype_layout_cases, variant_cases
+from device_matrix import (REPRESENTATIVE, TOLERANCES, check_case, check_gem_backward, dtype_layout_cases,
+                           gem_backward_cases, variant_cases)
 
 DEVICES = cuda.list_devices()
 _WHY = cuda.import_error()
@@ -87,6 +88,13 @@ def test_every_dtype_and_layout(device, op, direction, dtype, layout, variant, r
 @pytest.mark.parametrize("op,direction,variant,layout,shape,size", _variant_cases(with_shapes=False))
 def test_smallest_and_largest_configurations(device, op, direction, variant, layout, shape, size, rng):
     check_case(device, op, direction, "float32", layout, variant, shape, size, rng, which=("smallest", "largest"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("ndim,dtype,layout", gem_backward_cases() if DEVICES else _no_gpu_placeholder(3))
+def test_gem_backward(device, ndim, dtype, layout, rng):
+    """GeM's backward runs kernels of its own (no variants): every rank, dtype and layout."""
+    check_gem_backward(device, ndim, dtype, layout, rng)
 
 
 @pytest.fixture

@@ -14,13 +14,15 @@ H100 showed, failing here as the real nvcc and driver did, and the matrix's own 
 import numpy as np
 import pytest
 
+import pool_tuner as pt
 from pool_tuner import kernel_source
 from pool_tuner.backends import cuda, cuda_compile, cuda_driver
 from pool_tuner.problem import OPS, Problem
 from pool_tuner.variants import REGISTRY
 
+from conftest import random_input
 from cuda_fakes import INVALID_VALUE, fake_compile, forget_fake_gpu, install_fake_gpu
-from device_matrix import (call_backward, call_forward, case_input, check_round_trip, configurations, problem_of,
+from device_matrix import (REPRESENTATIVE, call_backward, call_forward, case_input, check_round_trip, configurations, problem_of,
                            to_device, variant_cases)
 
 try:
@@ -109,3 +111,18 @@ def test_the_harness_reads_back_what_it_writes_on_the_fake_gpu(fake_gpu, rng):
     """The fake driver's memory holds the bytes copies move: the harness's reads of CUDA arrays
     (through their ``__cuda_array_interface__``) give back what it wrote."""
     check_round_trip(fake_gpu[0], rng)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels-first", "channels-last"])
+def test_gem_backward_launches_have_their_kernels_parameters(fake_gpu, ndim, channels_last, rng):
+    """GeM's backward on the fake GPU (its own kernels, no variants): its forward and its
+    input-gradient kernel launched with the parameters they declare."""
+    device, driver = fake_gpu
+    shape, size = REPRESENTATIVE[ndim]
+    x = to_device(device, np.abs(random_input(rng, shape)), ndim, channels_last)
+    grad = to_device(device, random_input(rng, shape[:-ndim] + size), ndim, channels_last)
+    getattr(pt, f"adaptive_gem_pool{ndim}d_backward")(grad, x, size, p=2.5, eps=1e-3)
+    assert len(driver.launches) >= 2
+    for launch in driver.launches:
+        assert len(launch["arguments"]) == len(driver.parameters[launch["function"]])
