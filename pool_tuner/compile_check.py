@@ -54,7 +54,6 @@ try:  # CPU time of the nvcc runs, where the platform reports it
 except ImportError:  # pragma: no cover - not on POSIX
     resource = None
 
-from . import kernel_source
 from .operations import BACKWARD
 from .problem import DTYPES, INT32_LIMIT, LAYOUT_NAMES, OPS, Problem
 from .backends.base import DeviceLimits
@@ -234,9 +233,7 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                             passes = [(config_label, {})] + ([(f"{config_label}/second-pass", second[2])]
                                                              if second is not None else [])
                             for pass_label, pass_defines in passes:
-                                source = kernel_source.render(variant.template,
-                                                              {**variant.defines(params, problem), **pass_defines},
-                                                              problem.operation.operator_header)
+                                source = variant.program(params, problem, pass_defines)
                                 for arch in archs:
                                     found.append(Instantiation(
                                         op, direction, dtype, layout, name, pass_label,

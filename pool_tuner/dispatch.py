@@ -333,9 +333,7 @@ class Dispatcher:
         kernel = self._kernels.get(key)
         if kernel is None:
             variant = choice.variant
-            source = kernel_source.render(variant.template,
-                                          {**variant.defines(choice.config, problem), **(pass_defines or {})},
-                                          problem.operation.operator_header)
+            source = variant.program(choice.config, problem, pass_defines)
             kernel = self._keep(device, problem, choice, key, device.build(context, source, variant.kernel_name))
         return kernel
 
@@ -410,10 +408,8 @@ class Dispatcher:
 def _one_program(problem: Problem, kernels: list) -> str:
     """The one program of ``kernels``, ``(choice, pass defines)`` each, the ``i``-th kernel named
     ``kernel_source.together_name(kernel_name, i)`` (``kernel_source.render_together``)."""
-    return kernel_source.render_together(
-        [kernel_source.render(c.variant.template, {**c.variant.defines(c.config, problem), **defines},
-                              problem.operation.operator_header) for c, defines in kernels],
-        kernels[0][0].variant.kernel_name)
+    return kernel_source.render_together([c.variant.program(c.config, problem, defines) for c, defines in kernels],
+                                         kernels[0][0].variant.kernel_name)
 
 
 DISPATCHER = Dispatcher()

@@ -217,13 +217,14 @@ def _pack(problem: Problem, arrays: list, owner, positions=False):
     bases = lay.index_bases if positions else lay.value_bases
     total = planes * (lay.indices_per_plane if positions else lay.values_per_plane)
     first = owner.arrays.wrap_input(arrays[0], "grad_outs[0]")
-    flat = owner.empty((total,), first.dtype, owner.arrays.queue_of(first))
+    queue = owner.arrays.queue_of(first)
+    flat = owner.empty((total,), first.dtype, queue)
     for level, array in zip(chosen, arrays):
         array = owner.arrays.wrap_input(array, "indices" if positions else "grad_outs")
         count = planes * lay.sizes[level]
         if count:
             memory = owner.arrays.strided_view(array, (count,), (array.dtype.itemsize,))
-            flat[planes * bases[level]: planes * bases[level] + count] = memory
+            owner.copy(flat[planes * bases[level]: planes * bases[level] + count], memory, queue)
     return flat
 
 

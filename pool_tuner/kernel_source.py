@@ -132,8 +132,11 @@ def format_defines(defines: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(template: str, defines: dict, operator_header: str = OPERATOR_HEADER) -> str:
-    """The complete program text for one specialised kernel: defines, headers, the variant's file."""
+def render(template: str, defines: dict, operator_header: str) -> str:
+    """The complete program text for one specialised kernel: defines, headers, the variant's file.
+    ``operator_header`` has no default: the op's own (``Operation.operator_header``) must be named,
+    since a program with another op's operator does not compile (``Variant.program`` renders a
+    variant's program for a problem)."""
     return format_defines(defines) + "\n".join(read(name) for name in program_files(template, operator_header))
 
 

@@ -57,7 +57,6 @@ import numpy as np
 from . import backends, device_tuning, dispatch, measured, pyramid, reference
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
-from . import kernel_source
 from .problem import Problem
 from .variants import variants_for
 
@@ -333,8 +332,7 @@ def _tune_variant(variant, problem: Problem, device, strategy, max_fevals, time_
 
     def generate(params):
         building["params"] = {k: int(v) for k, v in params.items()}
-        return kernel_source.render(variant.template, variant.defines(building["params"], problem),
-                                    problem.operation.operator_header)
+        return variant.program(building["params"], problem)
 
     names = list(variant.search_space)
 

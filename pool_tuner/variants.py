@@ -244,6 +244,15 @@ class Variant:
             **params,
         }
 
+    def program(self, params: dict, problem: Problem, pass_defines: dict | None = None) -> str:
+        """The rendered program of this variant's kernel for ``problem`` (of its second pass:
+        with ``pass_defines``): its defines, then its files with the problem's operator header.
+        Every build, tuning and compile check renders through here, so that no caller can pair a
+        variant's file with another op's operator (GeM's programs without ``operators/gem.h``
+        stop at operators.h's ``#error``)."""
+        return kernel_source.render(self.template, {**self.defines(params, problem), **(pass_defines or {})},
+                                    problem.operation.operator_header)
+
 
 def _output_rows(problem: Problem) -> int:
     """Output rows (t, h) of one plane: the unit of work of the row variants."""

@@ -30,7 +30,7 @@ import types
 
 import numpy as np
 
-from pool_tuner.backends import cuda
+from pool_tuner.backends import cuda, cuda_compile
 
 PRIMARY_CONTEXT = 0xC0
 OTHER_CONTEXT = 0xD0  # a context of another device (device 1)
@@ -392,6 +392,25 @@ def kernel_parameters(image: bytes, name: str):
     return tuple(types)
 
 
+def _preprocess(source: str) -> subprocess.CompletedProcess:
+    """``source`` through the C preprocessor as nvcc's front end sees it (CUDA's branch of
+    prelude.h: ``__CUDACC__`` defined), its ``#include`` lines left out."""
+    text = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#include"))
+    return subprocess.run(["cpp", "-P", "-w", "-D__CUDACC__"], input=text, capture_output=True, text=True)
+
+
+def fake_compile(source: str, arch: str) -> bytes:
+    """The stand-in for nvcc: the "cubin" is the source itself, marked, which ``FakeDriver`` reads
+    kernels' parameter lists from.  It fails where nvcc's preprocessor fails -- an ``#error`` a
+    program reaches (a GeM program without GeM's operator header stops at operators.h's), a
+    malformed directive -- with nvcc's error (``CudaCompileError``) and the preprocessor's message."""
+    preprocessed = _preprocess(source)
+    if preprocessed.returncode:
+        raise cuda_compile.CudaCompileError(f"nvcc failed with status 1 (fake nvcc for {arch}):\n"
+                                            f"{preprocessed.stderr}")
+    return b"cubin:" + source.encode()
+
+
 class FakeFunction:
     """A driver function as ``lib[name]`` gives it: with a settable ``restype``."""
 
@@ -581,7 +600,7 @@ def install_fake_gpu(monkeypatch):
     device = fake_cuda_device()
     monkeypatch.setattr(cuda, "_pycuda", lambda: (pycuda.driver, pycuda.gpuarray))
     monkeypatch.setattr(cuda.cuda_driver, "library", lambda: driver)
-    monkeypatch.setattr(cuda, "_compile", lambda source, arch: b"cubin:" + source.encode())
+    monkeypatch.setattr(cuda, "_compile", fake_compile)
     monkeypatch.setattr(cuda, "list_devices", lambda: (device,))
     forget_fake_gpu()
     return device, pycuda, driver

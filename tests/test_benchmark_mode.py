@@ -370,7 +370,7 @@ def test_nvcc_compiles_the_one_program_of_every_candidate(fake_cuda, op, shape, 
     choices = measured.candidates(problem, device)
     kernel_name = choices[0].variant.kernel_name
     source = kernel_source.render_together(
-        [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem)) for c in choices], kernel_name)
+        [c.variant.program(c.config, problem) for c in choices], kernel_name)
     cubin = cuda_compile.compile_source(source, "sm_75", cuda.find_nvcc())
     for position in range(len(choices)):
         assert kernel_source.together_name(kernel_name, position).encode() in cubin

@@ -1,6 +1,7 @@
-"""The CUDA backend (PyCUDA): every variant of every op and direction, run through the backend's
-own ``build``/``launch`` on GPUArrays, against the float64 reference; device arrays of other
-libraries taken without a copy; device listing that never fails.
+"""The CUDA backend (PyCUDA): every variant of every op and direction, run through the public
+functions on the device's arrays by the harness the OpenCL device runs too (tests/device_matrix.py,
+proven on PoCL by tests/test_device_matrix.py), against the float64 reference; device arrays of
+other libraries taken without a copy; device listing that never fails.
 
 The runtime tests skip with a reason when ``backends.cuda.list_devices()`` is empty (no PyCUDA, no
 driver or no GPU); the listing/import tests at the end run everywhere.
@@ -12,167 +13,20 @@ import sys
 import numpy as np
 import pytest
 
-from pool_tuner import backends, compile_check, kernel_source, reference
+from pool_tuner import backends, dispatch, ops, reference
 from pool_tuner.backends import cuda
-from pool_tuner.problem import DTYPES, LAYOUT_NAMES, OPS, Problem
+from pool_tuner.problem import OPS, Problem
 from pool_tuner.variants import REGISTRY
 
 from conftest import random_input
-
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - ml_dtypes ships with the test environment
-    ml_dtypes = None
+from device_matrix import (REPRESENTATIVE, TOLERANCES, check_case, check_gem_backward, dtype_layout_cases,
+                           gem_backward_cases, variant_cases)
 
 DEVICES = cuda.list_devices()
 _WHY = cuda.import_error()
 needs_gpu = pytest.mark.skipif(
     not DEVICES, reason="no CUDA GPU / PyCUDA not installed" + (f" ({type(_WHY).__name__}: {_WHY})" if _WHY else "")
 )
-
-#: Per rank: divisible, non-divisible (overlapping windows), upsampling, global, O = I, long windows.
-SHAPES = {
-    1: [((2, 3, 16), (4,)), ((2, 5, 13), (5,)), ((1, 2, 5), (7,)), ((2, 4, 50), (1,)), ((2, 3, 9), (9,)),
-        ((2, 3, 100), (3,))],
-    2: [((2, 3, 8, 8), (4, 4)), ((2, 3, 10, 9), (4, 7)), ((1, 2, 5, 5), (7, 7)), ((2, 4, 7, 7), (1, 1)),
-        ((2, 3, 6, 5), (6, 5)), ((2, 3, 64, 64), (6, 3))],
-    3: [((1, 2, 4, 4, 4), (2, 2, 2)), ((2, 3, 5, 6, 7), (3, 4, 2)), ((1, 2, 3, 3, 3), (5, 4, 5)),
-        ((2, 2, 6, 6, 6), (1, 1, 1)), ((1, 2, 3, 4, 5), (3, 4, 5)), ((1, 2, 16, 16, 16), (3, 2, 1))],
-}
-#: The shape of each rank used for the dtype x layout and configuration matrices.
-REPRESENTATIVE = {ndim: shapes[1] for ndim, shapes in SHAPES.items()}
-TOLERANCES = {
-    "float64": dict(rtol=1e-12, atol=1e-12),
-    "float32": dict(rtol=1e-5, atol=1e-6),
-    "float16": dict(rtol=2e-3, atol=2e-3),
-    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),
-}
-INDEX_POISON = np.iinfo(np.int64).min
-BFLOAT16_NAN_BITS = 0x7FC0
-
-
-# ---------------------------------------------------------------------- helpers
-
-def host_dtype(dtype: str):
-    if dtype == "bfloat16":
-        if ml_dtypes is None:
-            pytest.skip("bfloat16 needs ml_dtypes")
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
-
-
-def as_float64(a):
-    a = np.asarray(a)
-    return a.astype(np.float32).astype(np.float64) if a.dtype.name == "bfloat16" else a.astype(np.float64)
-
-
-def to_memory(problem: Problem, logical: np.ndarray) -> np.ndarray:
-    """A logical channels-first array in the problem's memory order, bfloat16 as its uint16 bits."""
-    if problem.channels_last:
-        logical = np.moveaxis(logical, len(logical.shape) - problem.ndim - 1, -1)
-    host = np.ascontiguousarray(logical)
-    return host.view(np.uint16) if host.dtype.name == "bfloat16" else host
-
-
-def from_memory(problem: Problem, memory: np.ndarray, dtype) -> np.ndarray:
-    logical = memory.view(dtype)
-    if problem.channels_last:
-        logical = np.moveaxis(logical, -1, len(logical.shape) - problem.ndim - 1)
-    return logical
-
-
-def legal_configs(variant, problem, device, which=("default",)):
-    """The requested configurations among default / smallest / largest legal, deduplicated."""
-    picks = variant.representative_configurations(problem, device.info.limits)
-    unique = []
-    for name in which:
-        if name in picks and picks[name] not in unique:
-            unique.append(picks[name])
-    return unique
-
-
-def run_variant(device, problem: Problem, variant, params, inputs, force_index_64=False):
-    """Render, build and launch one kernel on GPUArrays; return its outputs as logical host arrays.
-
-    ``inputs``: the logical host arrays the kernel reads (x; or grad_out[, indices]).  Outputs are
-    poisoned before the launch so that an element a kernel does not write cannot pass."""
-    defines = variant.defines(params, problem)
-    if force_index_64:
-        defines["INDEX_64"] = 1
-    source = kernel_source.render(variant.template, defines)
-    kernel = device.build(device.queue.context, source, variant.kernel_name)
-    block = variant.block(params)
-    if block[0] * block[1] > kernel.max_work_group_size:
-        pytest.skip(f"{variant.name} {params}: blocks of {block} exceed the built kernel's limit")
-    dtype = host_dtype(problem.dtype)
-    nan = BFLOAT16_NAN_BITS if problem.dtype == "bfloat16" else np.nan
-    if problem.direction == "forward":
-        outputs = [(problem.output_shape, dtype, nan)]
-        if problem.kind == "max":
-            outputs.append((problem.output_shape, np.dtype(np.int64), INDEX_POISON))
-    else:
-        outputs = [(problem.input_shape, dtype, nan)]
-    device_inputs = [device.to_device(to_memory(problem, a)) for a in inputs]
-    device_outputs = []
-    for shape, out_dtype, poison in outputs:
-        storage = np.dtype(np.uint16) if out_dtype.name == "bfloat16" else out_dtype
-        out = device.empty(problem.memory_shape(shape), storage, fill=poison)
-        device_outputs.append(out)
-    # kernel arguments: forward (x, out[, indices]); backward (grad_out[, indices], grad_in); the planes
-    args = [*device_inputs, *device_outputs, *problem.scalars]
-    device.launch(device.queue, kernel, variant.groups(params, problem), block, args).wait()
-    assert device.launch(device.queue, kernel, variant.groups(params, problem), block, args, timed=True) >= 0
-    return [from_memory(problem, out.get(), out_dtype) for out, (_, out_dtype, _) in zip(device_outputs, outputs)]
-
-
-def check_case(device, op, direction, dtype, layout, variant_name, shape, output_size, rng, which=("default",),
-               force_index_64=False):
-    kind, ndim = OPS[op]
-    problem = Problem.create(op, shape, output_size, dtype, layout, direction)
-    variant = REGISTRY[(op, direction)][variant_name]
-    configs = legal_configs(variant, problem, device, which)
-    if not configs:
-        pytest.skip(f"{variant_name} has no legal configuration for {problem}")
-    dt = host_dtype(dtype)
-    x = random_input(rng, problem.input_shape, np.float64).astype(dt)
-    x64 = as_float64(x)
-    for params in configs:
-        if direction == "forward":
-            got = run_variant(device, problem, variant, params, [x], force_index_64)
-            if kind == "avg":
-                values = as_float64(got[0])
-                assert not np.isnan(values).any(), f"{params}: outputs never written (poison left)"
-                np.testing.assert_allclose(values, reference.forward(op, x64, output_size), **TOLERANCES[dtype],
-                                           err_msg=str(params))
-            else:
-                ref_values, ref_indices = reference.forward(op, x64, output_size)
-                np.testing.assert_array_equal(as_float64(got[0]), ref_values, err_msg=str(params))
-                np.testing.assert_array_equal(got[1], ref_indices, err_msg=str(params))
-        else:
-            grad_out = random_input(rng, problem.output_shape, np.float64).astype(dt)
-            g64 = as_float64(grad_out)
-            if kind == "avg":
-                got = run_variant(device, problem, variant, params, [grad_out], force_index_64)
-                expected = reference.backward(op, g64, problem.input_shape)
-            else:
-                _, indices = reference.forward(op, x64, output_size)
-                got = run_variant(device, problem, variant, params, [grad_out, indices], force_index_64)
-                expected = reference.backward(op, g64, problem.input_shape, indices)
-            grad_in = as_float64(got[0])
-            assert not np.isnan(grad_in).any(), f"{params}: gradients never written (poison left)"
-            np.testing.assert_allclose(grad_in, expected, **TOLERANCES[dtype], err_msg=str(params))
-
-
-def _has_legal_config(op, direction, name, shape, size, dtype="float32", layout=None) -> bool:
-    """Whether the variant can run the problem at all on a CUDA GPU (channels_vector, for one,
-    needs channels-last memory); cases without are not generated rather than skipped."""
-    problem = Problem.create(op, shape, size, dtype, layout, direction)
-    return bool(compile_check.representative_configs(REGISTRY[(op, direction)][name], problem))
-
-
-def _layout_for(name, ndim):
-    """channels_vector vectorises over channels: it runs on channels-last memory only."""
-    return LAYOUT_NAMES[ndim][1] if name == "channels_vector" else LAYOUT_NAMES[ndim][0]
 
 
 def _no_gpu_placeholder(count: int):
@@ -181,34 +35,11 @@ def _no_gpu_placeholder(count: int):
 
 
 def _variant_cases(with_shapes: bool):
-    if not DEVICES:
-        return _no_gpu_placeholder(6)
-    cases = []
-    for (op, direction), table in REGISTRY.items():
-        ndim = OPS[op][1]
-        for name in table:
-            layout = _layout_for(name, ndim)
-            for shape, size in (SHAPES[ndim] if with_shapes else [REPRESENTATIVE[ndim]]):
-                if _has_legal_config(op, direction, name, shape, size, layout=layout):
-                    cases.append(pytest.param(op, direction, name, layout, shape, size,
-                                              id=f"{op}-{direction}-{name}-{layout}-{shape}->{size}"))
-    return cases
+    return variant_cases(with_shapes) if DEVICES else _no_gpu_placeholder(6)
 
 
 def _dtype_layout_cases():
-    if not DEVICES:
-        return _no_gpu_placeholder(5)
-    cases = []
-    for (op, direction), table in REGISTRY.items():
-        ndim = OPS[op][1]
-        shape, size = REPRESENTATIVE[ndim]
-        for dtype in DTYPES:
-            for layout in LAYOUT_NAMES[ndim]:
-                for name in table:
-                    if _has_legal_config(op, direction, name, shape, size, dtype, layout):
-                        cases.append(pytest.param(op, direction, dtype, layout, name,
-                                                  id=f"{op}-{direction}-{dtype}-{layout}-{name}"))
-    return cases
+    return dtype_layout_cases() if DEVICES else _no_gpu_placeholder(5)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +66,7 @@ def test_device_interface(device):
 def test_build_is_cached(device):
     problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7))
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
-    source = kernel_source.render(variant.template, variant.defines(variant.default, problem))
+    source = variant.program(variant.default, problem)
     assert device.build(device.queue.context, source, variant.kernel_name) is device.build(None, source,
                                                                                           variant.kernel_name)
 
@@ -249,7 +80,7 @@ def test_every_variant_on_the_shape_matrix(device, op, direction, variant, layou
 @needs_gpu
 @pytest.mark.parametrize("op,direction,dtype,layout,variant", _dtype_layout_cases())
 def test_every_dtype_and_layout(device, op, direction, dtype, layout, variant, rng):
-    shape, size = REPRESENTATIVE[OPS[op][1]]
+    shape, size = REPRESENTATIVE[OPS[op].ndim]
     check_case(device, op, direction, dtype, layout, variant, shape, size, rng)
 
 
@@ -260,10 +91,29 @@ def test_smallest_and_largest_configurations(device, op, direction, variant, lay
 
 
 @needs_gpu
+@pytest.mark.parametrize("ndim,dtype,layout", gem_backward_cases() if DEVICES else _no_gpu_placeholder(3))
+def test_gem_backward(device, ndim, dtype, layout, rng):
+    """GeM's backward runs kernels of its own (no variants): every rank, dtype and layout."""
+    check_gem_backward(device, ndim, dtype, layout, rng)
+
+
+@pytest.fixture
+def index_64_forced(monkeypatch):
+    """Every problem takes the 64-bit index path (``Problem.index_64``), with no plan or kernel of
+    the 32-bit one kept from before or after."""
+    dispatch.forget()
+    ops._PLANS.clear()
+    monkeypatch.setattr(Problem, "index_64", property(lambda self: True))
+    yield
+    dispatch.forget()
+    ops._PLANS.clear()
+
+
+@needs_gpu
 @pytest.mark.parametrize("op,direction,variant,layout,shape,size", _variant_cases(with_shapes=False))
-def test_64_bit_index_path(device, op, direction, variant, layout, shape, size, rng):
+def test_64_bit_index_path(device, op, direction, variant, layout, shape, size, rng, index_64_forced):
     """INDEX_64 forced on a small problem: the 64-bit offset arithmetic gives the same results."""
-    check_case(device, op, direction, "float32", layout, variant, shape, size, rng, force_index_64=True)
+    check_case(device, op, direction, "float32", layout, variant, shape, size, rng)
 
 
 @needs_gpu
@@ -295,8 +145,7 @@ def test_torch_cuda_tensors_are_read_through_their_interface(device, rng):
     problem = Problem.create("adaptive_avg_pool2d", tuple(x.shape), (4, 7))
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
     params = variant.check_config({}, problem, device.info.limits)
-    kernel = device.build(None, kernel_source.render(variant.template, variant.defines(params, problem)),
-                          variant.kernel_name)
+    kernel = device.build(None, variant.program(params, problem), variant.kernel_name)
     out = torch.empty(problem.output_shape, device=x.device)
     device.launch(None, kernel, variant.groups(params, problem), variant.block(params),
                   [wrapped, out, *problem.scalars]).wait()

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from pool_tuner import kernel_source
 from pool_tuner.backends import cuda, cuda_compile, cuda_driver
 from pool_tuner.problem import Problem
 from pool_tuner.variants import REGISTRY
@@ -27,7 +26,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason=f"compiles with nvcc: {NO_N
 def _source(size=(4, 7)):
     problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 9), size)
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
-    return kernel_source.render(variant.template, variant.defines(variant.default_for(problem), problem))
+    return variant.program(variant.default_for(problem), problem)
 
 
 @pytest.fixture

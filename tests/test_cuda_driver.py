@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from pool_tuner import dispatch, kernel_source, plans
+from pool_tuner import dispatch, plans
 from pool_tuner.backends import cuda, cuda_driver
 from pool_tuner.problem import Problem
 
@@ -190,7 +190,7 @@ def test_the_device_builds_once_per_kernel_without_pycuda(driver, monkeypatch):
     assert isinstance(launch.kernel, cuda_driver.DriverKernel) and launch.kernel.context == PRIMARY_CONTEXT
     variant, params = choice.variant, choice.config
     assert (launch.groups, launch.block) == (variant.groups(params, problem), variant.block(params))
-    source = kernel_source.render(variant.template, variant.defines(params, problem))
+    source = variant.program(params, problem)
     assert driver.modules[0][0] == b"cubin of " + source.encode()[-16:]
 
 

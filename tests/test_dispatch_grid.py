@@ -208,9 +208,7 @@ def test_nvcc_compiles_a_gpu_grid_problems_one_program(fake_gpu):
     choices = measured.candidates(problem, device)
     choices += [change for choice in choices for change in measured.refinements(problem, device, choice)]
     kernel_name = choices[0].variant.kernel_name
-    source = kernel_source.render_together(
-        [kernel_source.render(c.variant.template, c.variant.defines(c.config, problem),
-                              problem.operation.operator_header) for c in choices], kernel_name)
+    source = kernel_source.render_together([c.variant.program(c.config, problem) for c in choices], kernel_name)
     cubin = cuda_compile.compile_source(source, "sm_90", cuda.find_nvcc())
     assert len(choices) > 10
     for position in range(len(choices)):

@@ -27,7 +27,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import pool_tuner as pt
-from pool_tuner import backends, dispatch, kernel_source, reference, shapes
+from pool_tuner import backends, dispatch, reference, shapes
 from pool_tuner.backends.opencl import OpenCLDevice
 from pool_tuner.problem import INT32_LIMIT, LAYOUT_NAMES, OPS, OVERSHOOT_MARGIN, Problem
 
@@ -145,7 +145,7 @@ def test_define_follows_the_selection():
     assert small.defines()["INDEX_64"] == 0 and wide.defines()["INDEX_64"] == 1
     for problem, value in ((small, 0), (wide, 1)):
         variant = REGISTRY[(problem.op, "forward")]["thread_per_output"]
-        source = kernel_source.render(variant.template, variant.defines(variant.default, problem))
+        source = variant.program(variant.default, problem)
         assert f"#define INDEX_64 {value}\n" in source
         assert "#if INDEX_64\ntypedef int64_t_ index_t;" in source  # the prelude acts on it
 

@@ -13,7 +13,7 @@ import pyopencl.array as cl_array
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import backends, kernel_source, reference
+from pool_tuner import backends, reference
 from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem
 
@@ -695,7 +695,7 @@ def test_thread_per_row_unrolled_columns(op, shape, size, dtype, rng):
     x = random_input(rng, shape, np.float64).astype(np_dtype(dtype))
     problem = Problem.create(op, shape, size, dtype=dtype)
     variant = variants_for(op)["thread_per_row"]
-    assert "#define unrolled_columns 1" in kernel_source.render(variant.template, variant.defines(config, problem))
+    assert "#define unrolled_columns 1" in variant.program(config, problem)
     out = forward(op, x, size, variant="thread_per_row", config=config)
     check_forward(op, out, x, size, LAYOUT_NAMES[OPS[op][1]][0])
 

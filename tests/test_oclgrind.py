@@ -542,7 +542,7 @@ if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
 import pytest  # noqa: E402
 
 import pool_tuner as pt  # noqa: E402
-from pool_tuner import gem, kernel_source  # noqa: E402
+from pool_tuner import gem  # noqa: E402
 from pool_tuner.operations import OPERATIONS, find  # noqa: E402
 from pool_tuner.problem import LAYOUT_NAMES, OPS, Problem  # noqa: E402
 
@@ -866,7 +866,7 @@ def _raw_specs() -> dict:
         problem = Problem.create(op, shape, size, "float32", None)
         variant = REGISTRY[(op, "forward")][variant_name]
         params = variant.check_config(config, problem, OCLGRIND.info.limits)
-        source = kernel_source.render(variant.template, variant.defines(params, problem))
+        source = variant.program(params, problem)
         edited = edit(source)
         assert edited != source, f"mutant {name}: the edit changed nothing"
         block = variant.block(params)

@@ -196,8 +196,14 @@ class OpenCLDevice(Conveniences):
         return array.queue.device.int_ptr == self.cl_device.int_ptr
 
     def copy(self, destination, source, queue=None) -> None:
-        """``clEnqueueCopyBuffer`` of ``source`` into ``destination`` (device arrays or buffers),
-        or a blocking read or write where one side is a numpy array."""
+        """``clEnqueueCopyBuffer`` of ``source`` into ``destination`` (device arrays, each from its
+        first element -- a slice of a flat array too -- or buffers), or a blocking read or write where
+        one side is a numpy array.  Bytes are copied as they are, so every dtype copies (PyOpenCL's
+        own slice assignment runs a kernel that has no float16 or bfloat16)."""
+        if isinstance(destination, cl_array.Array) and isinstance(source, cl_array.Array):
+            cl.enqueue_copy(queue or self.queue, destination.base_data, source.base_data, byte_count=source.nbytes,
+                            dst_offset=destination.offset, src_offset=source.offset)
+            return
         data = [a.data if isinstance(a, cl_array.Array) else a for a in (destination, source)]
         cl.enqueue_copy(queue or self.queue, *data)
 
@@ -357,8 +363,9 @@ class OpenCLCallerArrays:
 
     @staticmethod
     def strided_view(array, shape, strides):
-        """``array``'s memory seen with another shape and strides (channels-last results)."""
-        return cl_array.Array(array.queue, tuple(shape), array.dtype, data=array.base_data,
+        """``array``'s memory seen with another shape and strides (channels-last results), from
+        its first element: a pyramid's levels are parts of one buffer, each at its own offset."""
+        return cl_array.Array(array.queue, tuple(shape), array.dtype, data=array.base_data, offset=array.offset,
                               strides=tuple(strides), events=array.events)
 
 
