@@ -113,14 +113,10 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
     caller's kind of array: the outputs' coefficients computed on the host from ``grad_out`` and
     ``output`` (output-sized copies, after waiting for x's queue), the input-gradient kernel on
     device memory (``input_gradient_on_device``), and ``dL/dp``'s terms copied back and added in
-    order.  A device that shares host memory (PoCL) runs the numpy path on host copies instead:
-    its prepared launches take host addresses, not its arrays."""
+    order.  A device that shares host memory (PoCL) runs the numpy path on host copies of the
+    arrays' memory instead (its prepared launches take host addresses, not its arrays), the
+    gradient returned in x's memory layout as on a GPU."""
     queue = owner.arrays.queue_of(x)
-    if owner.info.shares_host_memory:
-        host = owner.to_host
-        grad_x, grad_p = backward(ndim, host(grad_out), host(x), tuple(output.shape[len(output.shape) - ndim:]),
-                                  arguments["p"], arguments["eps"], output=host(output), device=owner)
-        return owner.arrays.deliver(owner.to_device(grad_x, queue), queue), grad_p
     operation = find("gem", ndim)
     layout = ops.memory_layout(x, ndim)
     out_spatial = tuple(output.shape[len(output.shape) - ndim:])
@@ -144,6 +140,15 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
     host = [np.empty(problem.memory_shape(output.shape), dtype) for _ in range(2)]
     owner.copy(host[0], grad_in)
     owner.copy(host[1], output_in)
+    if owner.info.shares_host_memory:
+        x_host = np.empty(problem.memory_shape(x.shape), dtype)
+        owner.copy(x_host, x_in)
+        grad_x, grad_p = backward(ndim, _logical(host[0], problem), _logical(x_host, problem), out_spatial,
+                                  arguments["p"], arguments["eps"], output=_logical(host[1], problem), device=owner)
+        grad = owner.to_device(np.ascontiguousarray(in_memory_order(grad_x, problem)), queue)
+        if problem.channels_last:
+            grad = owner.arrays.strided_view(grad, tuple(x.shape), _byte_strides(problem, x.shape, dtype))
+        return owner.arrays.deliver(grad, queue), grad_p
     acc = accumulation_dtype(problem)
     g, y = (_logical(a, problem).astype(acc) for a in host)
     outputs_coefficients = owner.to_device(coefficients(g, y, arguments["p"], problem), queue)

@@ -8,7 +8,7 @@ ops' dtypes on numpy arrays are test_matrix.py's."""
 import pytest
 
 from pool_tuner import backends
-from pool_tuner.problem import LAYOUT_NAMES, OPS
+from pool_tuner.problem import OPS
 
 from device_matrix import REPRESENTATIVE, check_case, check_gem_backward, check_round_trip, gem_backward_cases, dtype_layout_cases, layout_for, variant_cases
 
@@ -46,23 +46,8 @@ def test_the_harness_reads_back_what_it_writes(device, rng):
     check_round_trip(device, rng)
 
 
-#: GeM's backward on channels-last device arrays of a device that shares host memory reads them
-#: back with ``Device.to_host``, which copies their memory as if it were contiguous, and hands back
-#: a channels-first gradient: wrong ``grad_x`` and ``grad_p`` (pool_tuner/gem.py, _backward_on_device;
-#: the GPU branch reads them in their memory order and is checked by tests/test_cuda.py).
-GEM_CHANNELS_LAST_ON_HOST_MEMORY = pytest.mark.xfail(strict=True, reason=(
-    "gem._backward_on_device on a host-memory device reads channels-last arrays as contiguous ones"))
-
-
-def _gem_backward_cases():
-    cases = []
-    for case in gem_backward_cases():
-        ndim, _, layout = case.values
-        marks = [GEM_CHANNELS_LAST_ON_HOST_MEMORY] if layout == LAYOUT_NAMES[ndim][1] else []
-        cases.append(pytest.param(*case.values, id=case.id, marks=marks))
-    return cases
-
-
-@pytest.mark.parametrize("ndim,dtype,layout", _gem_backward_cases())
+@pytest.mark.parametrize("ndim,dtype,layout", gem_backward_cases())
 def test_gem_backward_on_device_arrays(device, ndim, dtype, layout, rng):
+    """Channels-last included: on a device that shares host memory the backward once read the
+    arrays' memory as if it were contiguous and returned a channels-first gradient."""
     check_gem_backward(device, ndim, dtype, layout, rng)
