@@ -7,10 +7,12 @@ never hands a layer to PyTorch's own kernel, and the user tuning cache lives in 
 directory, so tests neither read nor pollute the developer's.
 """
 
+import importlib.util
 import os
 import random
 import tempfile
 import zlib
+from pathlib import Path
 
 # pool_tuner.torch runs pool_tuner's kernels, never PyTorch's in their place, except in the tests of
 # that choice (tests/test_torch_cpu.py), which turn it back on.
@@ -114,3 +116,15 @@ def variants_legal_for(problem):
     limits = backends.default_device().info.limits
     return [name for name, variant in variants_for(problem.op, problem.direction).items()
             if variant.is_legal({}, problem, limits)]
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module, for tests of the scripts the project ships
+    beside its package; skipped where benchmarks/ is not beside the tests (an installed package)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    if not script.exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

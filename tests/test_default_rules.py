@@ -2,7 +2,6 @@
 shipped ones decide shapes outside the grid they were derived from (with correct results), that
 they are what the grid data derives, and that the docs print them as they are."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pool_tuner as pt
 from pool_tuner import backends, default_rules, dispatch, reference
 from pool_tuner.problem import Problem
 
-from conftest import random_input
+from conftest import load_benchmark, random_input
 from test_forward import to_channels_last
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,13 +257,7 @@ def test_the_shipped_cpu_rules_are_what_the_shipped_grids_derive():
 
 
 def load_derive_rules():
-    script = ROOT / "benchmarks" / "derive_rules.py"
-    if not script.exists():
-        pytest.skip("benchmarks/ is not beside the tests (installed package)")
-    spec = importlib.util.spec_from_file_location("derive_rules", script)
-    derive_rules = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(derive_rules)
-    return derive_rules
+    return load_benchmark("derive_rules")
 
 
 def grid_record(model: str, shape: tuple, size: tuple, times: dict) -> dict:

@@ -2,13 +2,13 @@
 --measure``), the GPU's grid as data (``benchmarks/dispatch_grid/gpu_grid.json``), and the ``gpu``
 rules derived from what one lease measures (``benchmarks/derive_rules.py``)."""
 
-import importlib.util
 import json
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 from test_default_rules import load_derive_rules, write_grid
 
 from pool_tuner import cache, default_rules, kernel_source, measured, memo
@@ -22,13 +22,7 @@ H100 = {"backend": "cuda", "name": "NVIDIA H100 80GB HBM3", "compute_capability"
 
 
 def load_dispatch_grid():
-    script = ROOT / "benchmarks" / "dispatch_grid.py"
-    if not script.exists():
-        pytest.skip("benchmarks/ is not beside the tests (installed package)")
-    spec = importlib.util.spec_from_file_location("dispatch_grid", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("dispatch_grid")
 
 
 def tiny_grid(path: Path, directions=("forward",), regimes=("global",), shapes=((2, 4, 6, 6),)) -> Path:
@@ -298,9 +292,7 @@ def test_every_shipped_derived_rule_list_is_what_its_grids_derive(device_type):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_grid_nvcc_cost_times_nvcc_on_a_grid_problems_program(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("grid_nvcc_cost", ROOT / "benchmarks" / "grid_nvcc_cost.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("grid_nvcc_cost")
     assert script.main(["--sizes", "2", "--repeat", "1", "--problem", "1"]) == 0
     out = capsys.readouterr().out
     assert "62 problems, " in out and "2 configurations in one program: " in out
