@@ -4,9 +4,9 @@ decision differs, the kernel time of the record's choice against the rules' choi
 
 Shapes (float32): the suite's presets and untuned shapes (both directions where the op has a
 backward), the layers of ``held_back.py`` and the problems of a dispatch grid (``--grid``, a
-directory under ``benchmarks/dispatch_grid``; none with ``--grid ''``).  ``--bound`` lists the shapes
-a smaller bound would change too (the bound itself stays the shipped one: the shapes are those
-whose nearest record lies beyond ``--bound``).  Each changed shape is raced in ``--rounds`` rounds
+directory under ``benchmarks/dispatch_grid``; none with ``--grid ''``).  ``--bound`` (at most the
+device type's ``NEAREST_MAX_DISTANCE``) also takes the shapes a smaller bound would change: those
+whose nearest record lies beyond it.  Each changed shape is raced in ``--rounds`` rounds
 of ``tuner.race`` (both choices launched interleaved on one queue, timed by the device, the median
 of ``--repetitions`` launches each), and reported as the medians over rounds and the median and
 quartiles of the round-by-round ratio rules / record.  The load average is printed before and after.
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import held_back
-from pool_tuner import backends, bench, cache, dispatch, tuner
+from pool_tuner import backends, bench, cache, default_rules, dispatch, tuner
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 
 GRID_DIR = Path(__file__).resolve().parent / "dispatch_grid"
@@ -55,19 +55,21 @@ def record_choice(key: str, problem: Problem, device) -> dispatch.Choice:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bound", type=float,
-                        help="list and race the shapes whose nearest record lies beyond this distance")
+    parser.add_argument("--bound", type=float, help="list and race the shapes whose nearest record lies beyond this "
+                                                    "distance (default: this device type's bound)")
     parser.add_argument("--grid", default="pocl_cpu_amd_epyc_znver3")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--list-only", action="store_true")
     args = parser.parse_args(argv)
     device = backends.default_device()
-    print(f"device {device.info.describe()}; load average {os.getloadavg()}; bound {args.bound} "
-          f"(dispatch.NEAREST_MAX_DISTANCE {dispatch.NEAREST_MAX_DISTANCE})")
-    if args.bound > dispatch.NEAREST_MAX_DISTANCE:
-        parser.error("--bound must not exceed dispatch.NEAREST_MAX_DISTANCE: dispatch names only the records "
-                     "beyond that one")
+    shipped_bound = dispatch.NEAREST_MAX_DISTANCE[default_rules.device_type(device)]
+    bound = shipped_bound if args.bound is None else args.bound
+    print(f"device {device.info.describe()}; load average {os.getloadavg()}; bound {bound} "
+          f"(dispatch.NEAREST_MAX_DISTANCE here: {shipped_bound})")
+    if bound > shipped_bound:
+        parser.error("--bound must not exceed this device type's dispatch.NEAREST_MAX_DISTANCE: dispatch names only "
+                     "the records beyond that one")
     rng = np.random.default_rng(0)
     seen = set()
     for label, problem in shapes(args.grid):
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
         seen.add(problem)
         rules = dispatch.default_choice(problem, device)
         now = dispatch.DISPATCHER._from_cache(problem, device)
-        if now.source == "nearest" and now.distance > args.bound:
+        if now.source == "nearest" and now.distance > bound:
             record_key, distance = now.record_key, now.distance
         elif now.source == "default" and now.beyond_bound is not None:
             record_key, distance = now.beyond_bound
