@@ -6,7 +6,9 @@ Decision order (each step is reported by ``explain`` as ``source``):
 2. ``cache``   -- a tuning-cache record of exactly this problem (op, direction, dtype, layout,
    shapes) and kernel code;
 3. ``nearest`` -- a record of another shape of the same problem class (``Problem.problem_class``),
-   op, direction, dtype, layout and rank, and the same kernel code;
+   op, direction, dtype, layout and rank, and the same kernel code, no farther than
+   ``NEAREST_MAX_DISTANCE`` (``shape_distance``); ``explain`` names the nearest record beyond it
+   (``nearest_beyond_bound``) when the default rules decide;
 4. ``measured`` -- a measured dispatch of exactly this problem on this very device
    (``cache.is_measured``: the variants' rule configurations and their neighbourhood timed on the
    problem, ``POOL_TUNER_BENCHMARK``, see ``pool_tuner.measured``); ranked below every tuned
@@ -81,6 +83,7 @@ class Choice:
     rule: str | None = None  # the default rule that fired (source default)
     rule_config: str | None = None  # why that rule's own configuration did not run, or None
     rule_evidence: str | None = None  # where that rule comes from (measured, or by hand and not measured)
+    beyond_bound: tuple | None = None  # (record key, distance) of the nearest legal record farther than the bound
 
     @property
     def config(self) -> dict:
@@ -137,6 +140,24 @@ def _choice_from_record(match: cache_mod.Match, problem: Problem, device, distan
     source = "measured" if cache_mod.is_measured(match.record) else "cache" if match.problem == problem else "nearest"
     return Choice(variant, tuple(sorted(params.items())), source, match.record["key"], match.tier, match.origin,
                   distance)
+
+
+#: The farthest ``shape_distance`` at which a record of another shape still decides a problem
+#: (``nearest``), per device type (``default_rules.device_type``); beyond it the default rules decide,
+#: and ``explain`` names the nearest record passed over (``nearest_beyond_bound``).
+#:
+#: GPU: a tuned configuration is sized for its problem's planes -- ``global_blocks``'s team per
+#: plane, whose rule sizes the team to the plane -- so it says something about planes up to a few
+#: times larger or smaller, not 16 times: at 4 the H100's one global-pooling record (32x2048x7x7, a
+#: team of 4) decides its channel-count neighbours (32x1280x7x7 at 0.66, 32x512x7x7 at 1.96) and
+#: planes 4 times larger (32x480x14x14 at 2.23), not mobilenet's 28x28 planes (32x72x28x28 at 4.81,
+#: 32x120x28x28 at 4.43), which the rule gives 16 times the team.  Argued, not measured: a GPU
+#: must time those layers.
+#:
+#: CPU: timed on the shipped AMD EPYC records (``benchmarks/nearest_bound.py``), the rules ran 2.8
+#: and 3.3 times slower than a record at 4.72 and 6.23, and no slower than it beyond 6.5 (on grid
+#: problems, which the rules were fitted to); docs/benchmarks.md, "A bound on nearest-shape dispatch".
+NEAREST_MAX_DISTANCE = {"cpu": 6.5, "gpu": 4.0}
 
 
 def shape_distance(a: Problem, b: Problem) -> float:
@@ -295,14 +316,19 @@ class Dispatcher:
         return choice
 
     def _from_cache(self, problem: Problem, device) -> Choice:
+        beyond_bound, bound = None, NEAREST_MAX_DISTANCE[default_rules.device_type(device)]
         for match, distance in _neighbours(problem, device, self.tuning_cache()):
+            if distance > bound:
+                if (beyond_bound is None or distance < beyond_bound[1]) and _legal_winner(match.record, problem, device):
+                    beyond_bound = (match.record["key"], distance)
+                continue
             choice = _choice_from_record(match, problem, device, distance)
             if choice is not None:
                 return choice
             if match.tier == "exact" and match.problem == problem:
                 warnings.warn(f"tuning-cache record {match.record['key']} names a configuration that is not legal "
                               f"here; ignored", cache_mod.CacheWarning, stacklevel=3)
-        return default_choice(problem, device)
+        return dataclasses.replace(default_choice(problem, device), beyond_bound=beyond_bound)
 
     def prepare(self, device, context, problem: Problem, choice: Choice) -> Launch:
         """The built kernel, grid and run-time arguments for ``choice`` (memoised per context, filed
@@ -443,6 +469,10 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "record_origin": choice.origin,
         "problem_class": problem.problem_class,
         "distance": None if choice.distance is None else round(choice.distance, 3),
+        "nearest_beyond_bound": None if choice.beyond_bound is None else {
+            "record_key": choice.beyond_bound[0], "distance": round(choice.beyond_bound[1], 3),
+            "why": f"farther than dispatch.NEAREST_MAX_DISTANCE[{default_rules.device_type(device)!r}] "
+                   f"({NEAREST_MAX_DISTANCE[default_rules.device_type(device)]}): the default rules decide"},
         "rule": choice.rule,
         "rule_config": choice.rule_config,
         "rule_evidence": choice.rule_evidence,

@@ -314,8 +314,8 @@ def _explain_own_backward(problem: Problem, device) -> dict:
             "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
             "variant": problem.operation.backward_kernel, "params": problem.operation.backward_kernel_config,
             "source": "own", "device": device.info.describe(), "cache_key": None, "record_key": None, "tier": None,
-            "record_origin": None, "problem_class": problem.problem_class, "distance": None, "rule": None,
-            "rule_config": None, "rule_evidence": None, "measured": None,
+            "record_origin": None, "problem_class": problem.problem_class, "distance": None,
+            "nearest_beyond_bound": None, "rule": None, "rule_config": None, "rule_evidence": None, "measured": None,
             "index_bits": 64 if problem.index_64 else 32, "partial": None, "autotune_on_miss": False,
             "benchmark_on_miss": False, "measured_candidate": None, "host_fallback": device.info.host_fallback}
 
@@ -326,7 +326,9 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     (``forced``/``cache``/``nearest``/``measured``/``default``; ``own`` for a backward that runs its
     op's own kernel, ``Operation.backward_kernel``: its name and one configuration), device, cache key; ``measured``: for a
     measured dispatch, its candidates and their times (``pool_tuner.measured``), else None;
-    ``autotune_on_miss`` / ``benchmark_on_miss``: whether a call's first use of an untuned problem
+    ``nearest_beyond_bound``: where the default rules decide though a record of another shape
+    applies, that record, its distance and why it did not decide (``dispatch.NEAREST_MAX_DISTANCE``),
+    else None; ``autotune_on_miss`` / ``benchmark_on_miss``: whether a call's first use of an untuned problem
     would tune or measure it; ``partial``: for a
     decision from an interrupted tuning's record, what that tuning covered (else None);
     ``measured_candidate``: where ``pool_tuner.torch`` raced PyTorch's own kernel on this problem

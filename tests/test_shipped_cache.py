@@ -5,8 +5,10 @@ import warnings
 
 import pytest
 
+import pool_tuner as pt
 from conftest import SHIPPED_CACHE_DIR
 from pool_tuner import backends, cache, dispatch
+from pool_tuner.backends import cuda
 from pool_tuner.backends.base import DeviceLimits
 from pool_tuner.problem import Problem
 from pool_tuner.variants import get_variant
@@ -65,5 +67,42 @@ def test_dispatch_uses_shipped_records_on_their_device(monkeypatch):
             problem = problem_of(record)
             choice = dispatch.choose(problem, device, memoise=False)
             assert (choice.source, choice.variant.name, choice.config) == ("cache", record["best"]["variant"], record["best"]["params"])
+    finally:
+        dispatch.forget()
+
+
+def h100():
+    """A CUDA device reporting the fingerprint of the H100 the shipped GPU records were tuned on
+    (made from properties, as ``cuda_fakes.fake_cuda_device``; nothing runs on it)."""
+    properties = cuda.CudaProperties(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), multiprocessors=132,
+                                     max_threads_per_block=1024, max_shared_memory_per_block=48 * 1024,
+                                     total_memory=80 * 2**30, driver_version=13000)
+    return cuda.CudaDevice(0, properties)
+
+
+def test_the_h100_global_pooling_record_decides_only_its_neighbourhood(monkeypatch):
+    """The one shipped global-pooling record of the H100 (32x2048x7x7, 4 threads per plane) decides
+    its own shape and near ones; mobilenet's 32x72x28x28, planes 16 times larger and 28 times fewer,
+    lies beyond ``dispatch.NEAREST_MAX_DISTANCE``: the default rules decide it, and explain names
+    the record passed over."""
+    device = h100()
+    records = [r for r in shipped_records().values() if r["device"] == device.info.fingerprint]
+    (head,) = [r for r in records if r["problem"]["input_shape"] == [32, 2048, 7, 7]
+               and (r["problem"]["direction"], r["problem"]["dtype"]) == ("forward", "float32")]
+    monkeypatch.setattr(dispatch.kernel_source, "shipped_cache_dir", lambda: SHIPPED_CACHE_DIR)
+    dispatch.forget()
+    try:
+        own = pt.explain("adaptive_avg_pool2d", (32, 2048, 7, 7), 1, device=device)
+        assert (own["source"], own["record_key"], own["variant"]) == ("cache", head["key"], "global_blocks")
+        assert own["params"] == head["best"]["params"]
+        near = pt.explain("adaptive_avg_pool2d", (32, 1280, 7, 7), 1, device=device)
+        assert (near["source"], near["record_key"]) == ("nearest", head["key"])
+
+        far = pt.explain("adaptive_avg_pool2d", (32, 72, 28, 28), 1, device=device)
+        rules = dispatch.default_choice(Problem.create("adaptive_avg_pool2d", (32, 72, 28, 28), 1), device)
+        assert (far["source"], far["variant"], far["params"]) == ("default", rules.variant.name, rules.config)
+        assert far["params"]["threads_per_plane"] > head["best"]["params"]["threads_per_plane"]
+        assert far["nearest_beyond_bound"]["record_key"] == head["key"]
+        assert far["nearest_beyond_bound"]["distance"] > dispatch.NEAREST_MAX_DISTANCE["gpu"]
     finally:
         dispatch.forget()

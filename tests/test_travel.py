@@ -230,17 +230,18 @@ def test_a_global_problem_never_takes_an_upsampling_record(shipped):
     here, shape = Elsewhere(HERE), (8, 64, 14, 14)
     assert explain(here, shape, 1)["source"] == "default"
 
-    far = record_of(HERE, shape=(32, 2048, 7, 7), out=(1, 1), block_size_x=128)
-    shipped(upsampling, uniform, far)
+    near = record_of(HERE, shape=(16, 64, 14, 14), out=(1, 1), block_size_x=128)
+    shipped(upsampling, uniform, near)
     info = explain(here, shape, 1)
-    assert (info["source"], info["record_key"], info["problem_class"]) == ("nearest", far["key"], "global")
-    expected = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, (32, 2048, 7, 7), 1))
+    assert (info["source"], info["record_key"], info["problem_class"]) == ("nearest", near["key"], "global")
+    expected = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, (16, 64, 14, 14), 1))
     assert info["distance"] == round(expected, 3) > 0
+    assert info["nearest_beyond_bound"] is None
 
 
 def test_nearest_is_searched_on_the_best_tier_then_by_distance(shipped):
     shape = (8, 64, 14, 14)
-    far_here = record_of(HERE, shape=(32, 2048, 7, 7), out=(1, 1), block_size_x=128)
+    far_here = record_of(HERE, shape=(8, 256, 14, 14), out=(1, 1), block_size_x=128)
     near_here = record_of(HERE, shape=(8, 64, 16, 16), out=(1, 1), block_size_x=64)
     nearer_elsewhere = record_of(dict(HERE, driver="5.0"), shape=(8, 64, 15, 15), out=(1, 1), block_size_x=32)
     shipped(far_here, nearer_elsewhere)
@@ -248,6 +249,51 @@ def test_nearest_is_searched_on_the_best_tier_then_by_distance(shipped):
     shipped(far_here, near_here, nearer_elsewhere)
     info = explain(Elsewhere(HERE), shape, 1)
     assert (info["record_key"], info["tier"], info["params"]) == (near_here["key"], "exact", config(64))
+
+
+def test_a_record_beyond_the_bound_leaves_the_problem_to_the_rules_and_explain_names_it(shipped):
+    """Once the one 32x2048x7x7 record of a class decided every problem of it, however far: 2x64x14x14
+    (512 times fewer planes, planes 4 times larger) lies beyond the CPU's ``NEAREST_MAX_DISTANCE``."""
+    shape, far_shape = (2, 64, 14, 14), (32, 2048, 7, 7)
+    distance = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, far_shape, 1))
+    assert distance > dispatch.NEAREST_MAX_DISTANCE["cpu"]
+    far = record_of(HERE, shape=far_shape, out=(1, 1), block_size_x=128)
+    farther = record_of(HERE, shape=(64, 2048, 7, 7), out=(1, 1), block_size_x=32)
+    shipped(far, farther)
+    info = explain(Elsewhere(HERE), shape, 1)
+    rules = dispatch.default_choice(Problem.create(OP, shape, 1), Elsewhere(HERE))
+    assert (info["source"], info["variant"], info["params"]) == ("default", rules.variant.name, rules.config)
+    assert (info["record_key"], info["distance"]) == (None, None)
+    beyond = info["nearest_beyond_bound"]
+    assert (beyond["record_key"], beyond["distance"]) == (far["key"], round(distance, 3))
+    assert "NEAREST_MAX_DISTANCE['cpu']" in beyond["why"]
+
+
+def test_the_bound_is_the_device_types(shipped):
+    """The same record and problem: beyond the GPU's bound, within the CPU's."""
+    shape, record_shape = (8, 64, 14, 14), (32, 2048, 7, 7)
+    distance = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, record_shape, 1))
+    assert dispatch.NEAREST_MAX_DISTANCE["gpu"] < distance <= dispatch.NEAREST_MAX_DISTANCE["cpu"]
+    record = record_of(HERE, shape=record_shape, out=(1, 1), block_size_x=128)
+    gpu_fingerprint = dict(HERE, type="gpu", name="Radeon (synthetic)")
+    gpu_record = record_of(gpu_fingerprint, shape=record_shape, out=(1, 1), block_size_x=128)
+    shipped(record, gpu_record)
+    assert explain(Elsewhere(HERE), shape, 1)["record_key"] == record["key"]
+    gpu = Elsewhere(gpu_fingerprint, limits=DeviceLimits(max_work_group_size=1024, local_mem_size=64 * 1024,
+                                                         device_type="gpu"))
+    gpu.info = dataclasses.replace(gpu.info, is_cpu=False)
+    info = explain(gpu, shape, 1)
+    assert (info["source"], info["nearest_beyond_bound"]["record_key"]) == ("default", gpu_record["key"])
+
+
+def test_a_record_within_the_bound_on_a_lower_tier_beats_one_beyond_it_on_this_device(shipped):
+    shape = (2, 64, 14, 14)
+    far_here = record_of(HERE, shape=(32, 2048, 7, 7), out=(1, 1), block_size_x=128)
+    near_elsewhere = record_of(dict(HERE, driver="5.0"), shape=(2, 64, 15, 15), out=(1, 1), block_size_x=32)
+    shipped(far_here, near_elsewhere)
+    info = explain(Elsewhere(HERE), shape, 1)
+    assert (info["source"], info["record_key"], info["tier"]) == ("nearest", near_elsewhere["key"], "model")
+    assert info["nearest_beyond_bound"] is None
 
 
 # ---------------------------------------------------------------- cache show
@@ -290,13 +336,15 @@ def test_the_shipped_records_apply_at_the_model_tier_on_another_pocl(user_cache,
     """The shipped database on a machine whose PoCL differs only in its compiler target or driver.
 
     Independent of the kernel hash being current (the lead re-tunes the file after kernel changes):
-    the kernel hash of each op and direction is taken to be the one its shipped records carry."""
-    records = cache.TuningCache(SHIPPED_CACHE_DIR, user_cache / "unused").records()
+    the kernel hash of each op, direction and device type is taken to be the one its shipped records carry."""
+    shipped_records = cache.TuningCache(SHIPPED_CACHE_DIR, user_cache / "unused").records()
+    records = {key: r for key, r in shipped_records.items() if r["device"]["backend"] == "opencl"}
     if not records:
-        pytest.skip("no tuning results are shipped yet")
-    hashes = {(r["problem"]["op"], r["problem"]["direction"]): r["kernel_hash"] for r in records.values()}
-    monkeypatch.setattr(cache, "kernel_hash",
-                        lambda problem, device_type: hashes.get((problem.op, problem.direction), "none"))
+        pytest.skip("no PoCL tuning results are shipped yet")
+    hashes = {(r["problem"]["op"], r["problem"]["direction"], cache.device_type(r["device"])): r["kernel_hash"]
+              for r in shipped_records.values()}
+    monkeypatch.setattr(cache, "kernel_hash", lambda problem, device_type: hashes.get(
+        (problem.op, problem.direction, device_type), "none"))
     monkeypatch.setattr(kernel_source, "shipped_cache_dir", lambda: SHIPPED_CACHE_DIR)
     dispatch.forget()
     for fingerprint in {json.dumps(r["device"], sort_keys=True) for r in records.values()}:
@@ -322,7 +370,7 @@ def test_the_shipped_records_apply_at_the_model_tier_on_another_pocl(user_cache,
         monkeypatch.setattr(cli.backends, "resolve_device", lambda *args: device)
         assert cli.main(["cache", "show"]) == 0
         summary = capsys.readouterr().out.splitlines()[-2]
-        n, others = len(mine), len(records) - len(mine)
-        assert summary.startswith(f"{len(records)} records, {n} apply to {device.info.describe()}: 0 exact device, "
+        n, others = len(mine), len(shipped_records) - len(mine)
+        assert summary.startswith(f"{len(shipped_records)} records, {n} apply to {device.info.describe()}: 0 exact device, "
                                   f"{n} same model (other driver/target), 0 same family; not applying: "
                                   f"{others} other devices, 0 stale"), summary
