@@ -64,6 +64,7 @@ import dataclasses
 import math
 import os
 import threading
+import types
 import warnings
 
 from . import cache as cache_mod
@@ -157,7 +158,7 @@ def _choice_from_record(match: cache_mod.Match, problem: Problem, device, distan
 #: CPU: timed on the shipped AMD EPYC records (``benchmarks/nearest_bound.py``), the rules ran 2.8
 #: and 3.3 times slower than a record at 4.72 and 6.23, and no slower than it beyond 6.5 (on grid
 #: problems, which the rules were fitted to); docs/benchmarks.md, "A bound on nearest-shape dispatch".
-NEAREST_MAX_DISTANCE = {"cpu": 6.5, "gpu": 4.0}
+NEAREST_MAX_DISTANCE = types.MappingProxyType({"cpu": 6.5, "gpu": 4.0})
 
 
 def shape_distance(a: Problem, b: Problem) -> float:
