@@ -106,6 +106,10 @@ class Row:
     tuned_here_variant: str | None = None
     tuned_here_params: dict | None = None
 
+    def reported(self, streams: dict) -> dict:
+        """The row as the report and the rows file write it: its fields and ``derived(streams)``."""
+        return dict(dataclasses.asdict(self), **self.derived(streams))
+
     def derived(self, streams: dict) -> dict:
         """Speeds and floors from the device's memory streams (``memory_bandwidth``).  The floor is
         the shape's bytes over the fastest copy; the stream floor is the largest of that floor and
@@ -516,15 +520,14 @@ def run(names=None, directions=("forward", "backward"), device=None, repeat: int
                                 tune_here=tune_untuned and name == presets.UNTUNED_NAME, dtype=dtype))
             if rows_path is not None:
                 with open(rows_path, "a", encoding="utf-8") as partial:
-                    partial.write(json.dumps(dict(dataclasses.asdict(rows[-1]), **rows[-1].derived(streams_before)))
-                                  + "\n")
+                    partial.write(json.dumps(rows[-1].reported(streams_before)) + "\n")
             if progress:
                 progress(rows[-1])
     streams_after = memory_bandwidth(dev, nbytes=stream_bytes, repeat=stream_repeat)
     load_after = load_average()
     streams = {name: max(streams_before[name], streams_after[name]) for name in STREAMS}
     copy_gbs = copy_bandwidth(streams)
-    report_rows = [dict(dataclasses.asdict(r), **r.derived(streams)) for r in rows]
+    report_rows = [r.reported(streams) for r in rows]
     summary = {}
     for direction in directions:
         picked = [r for r in report_rows if r["direction"] == direction]
