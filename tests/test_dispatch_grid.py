@@ -199,8 +199,7 @@ def test_nvcc_compiles_a_gpu_grid_problems_one_program(fake_gpu):
     dispatch_grid = load_dispatch_grid()
     problem = dispatch_grid.problem_of(next(e for e in dispatch_grid.grid_from_file(GPU_GRID)
                                             if e[3] == "NHWC" and e[4] == "forward" and e[5] == "float16"))
-    choices = measured.candidates(problem, device)
-    choices += [change for choice in choices for change in measured.refinements(problem, device, choice)]
+    choices = measured.neighbourhoods(problem, device)
     kernel_name = choices[0].variant.kernel_name
     source = kernel_source.render_together([c.variant.program(c.config, problem) for c in choices], kernel_name)
     cubin = cuda_compile.compile_source(source, "sm_90", cuda.find_nvcc())
