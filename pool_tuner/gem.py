@@ -11,11 +11,18 @@ every op's).  Backward, for ``x`` and ``p``, deterministic (no atomics), with no
 temporary:
 
 1. each output's coefficient ``dL/dy_o * y_o**(1-p) / (p * area_o)`` (``coefficients``:
-   output-sized host arithmetic in the accumulation dtype);
+   host arithmetic in the accumulation dtype);
 2. ``kernels/operators/gem_input_gradient.c``, one pass over the input: each input gathers the
    coefficients of the outputs whose windows hold it (its inverse windows), and from that share,
    its value, ``p`` and ``eps`` writes its gradient; per work-group it adds up the input terms of the
    gradient of ``p``, which the host adds in a fixed order.
+
+Over host memory (numpy arrays, CPU tensors) both steps run slab by slab (``slabs``): the
+coefficients and ``dL/dp``'s output terms of a slab of planes, then the kernel over that slab's
+inputs, so the output-sized temporaries are a slab's, a fixed small share of the input
+(``SLAB_SHARE_OF_INPUT``), not the whole output's: a float32 coefficient per output is 37% of a
+float16 input of 7x7 planes pooled to 3x3.  ``dL/dp`` is added in one order whatever the slabs
+(``_add_in_order``): the same bits for any slab size.
 
 The functions below take numpy arrays and the device arrays of ``pool_tuner.adaptive_*`` (the
 backward's output-sized step on the host, its input pass on the arrays' device and stream);
@@ -24,6 +31,7 @@ backward's output-sized step on the host, its input pass on the arrays' device a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -97,15 +105,167 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     channels_last = ops.memory_layout(x, ndim) not in (None, plans.LAYOUT_NAMES[ndim][0])
     problem = Problem.create(find("gem", ndim).name, x.shape, tuple(output.shape[x.ndim - ndim:]),
                              _dtype_name(x.dtype), plans.LAYOUT_NAMES[ndim][int(channels_last)], direction="backward")
-    acc = accumulation_dtype(problem)
-    g, y = grad_out.astype(acc, copy=False), output.astype(acc, copy=False)
     x_memory = np.ascontiguousarray(in_memory_order(x, problem))
-    outputs_coefficients = coefficients(g, y, arguments["p"], problem)
     grad_memory = np.empty(x_memory.shape, x.dtype)
-    input_term = input_gradient(dev, problem, arguments, x_memory.ctypes.data, outputs_coefficients.ctypes.data,
-                                grad_memory.ctypes.data)
+    grad_p = backward_on_host(dev, problem, arguments, grad_out, output, x_memory.ctypes.data,
+                              grad_memory.ctypes.data)
     grad_x = np.moveaxis(grad_memory, -1, x.ndim - ndim - 1) if channels_last else grad_memory
-    return grad_x, input_term + output_term(g, y, arguments["p"])
+    return grad_x, grad_p
+
+
+#: The share of the input's bytes that the host backward's slab temporaries may take (the
+#: coefficients and output terms of a slab, its work-groups' terms): half of the 1% that GeM's
+#: backward may allocate beyond its input and result, the rest left to Python's and numpy's own.
+SLAB_SHARE_OF_INPUT = 0.005
+#: The fewest inputs a slab's launch covers, so that launching costs little against the pass.
+MIN_SLAB_INPUTS = 1 << 16
+#: Output terms of ``dL/dp`` are summed in blocks of this many, each block's sum then added in order.
+SUM_BLOCK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Slab:
+    """Units ``[start, stop)`` of a backward problem (``_units``: planes channels-first, samples
+    channels-last, each a contiguous run of input and output memory), the offset of its first
+    input in the input's memory, and the backward problem of those units alone, whose grid the
+    input-gradient kernel runs on the slab."""
+    start: int
+    stop: int
+    first_input: int
+    problem: Problem
+
+
+def slabs(problem: Problem) -> tuple:
+    """The slabs the host backward of ``problem`` runs in (``Slab``s, in memory order): as many
+    units as keep the slab's temporaries within ``SLAB_SHARE_OF_INPUT`` of the input's bytes, but
+    at least ``MIN_SLAB_INPUTS`` inputs, a multiple of the units that end on a boundary of both a
+    work-group of the kernel and a ``SUM_BLOCK`` of output terms (so each slab's sums are the
+    unslabbed pass's, in order).  One slab where the input is small."""
+    return _slabs(problem, SLAB_SHARE_OF_INPUT, MIN_SLAB_INPUTS)
+
+
+@functools.lru_cache(maxsize=64)
+def _slabs(problem: Problem, share: float, min_inputs: int) -> tuple:
+    units, unit_inputs, unit_outputs = _units(problem)
+    acc_bytes = np.dtype(accumulation_dtype(problem)).itemsize
+    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
+    # a slab's widened y and dL/dy and its coefficients (or output terms), their block sums, and the
+    # work-groups' terms, each with the float64 copy that _add_in_order makes
+    unit_bytes = (unit_outputs * (3 * acc_bytes + (acc_bytes + 8) / SUM_BLOCK)
+                  + unit_inputs * (acc_bytes + 8) / per_group)
+    step = math.lcm(per_group // math.gcd(per_group, unit_inputs), SUM_BLOCK // math.gcd(SUM_BLOCK, unit_outputs))
+    input_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
+    within_share = int(share * input_bytes / unit_bytes) // step * step
+    worthwhile = -(-min_inputs // (unit_inputs * step)) * step
+    size = max(within_share, worthwhile)
+    if size >= units:
+        return (Slab(0, units, 0, problem),)
+    return tuple(Slab(start, min(start + size, units), start * unit_inputs,
+                      _slab_problem(problem, min(size, units - start))) for start in range(0, units, size))
+
+
+def _units(problem: Problem) -> tuple:
+    """``(units, inputs per unit, outputs per unit)``: the runs of memory the host backward
+    slabs ``problem`` by, whole planes channels-first, whole samples (all their channels)
+    channels-last."""
+    in_plane = math.prod(problem.input_shape[-problem.ndim:])
+    out_plane = math.prod(problem.output_shape[-problem.ndim:])
+    per_unit = problem.channels if problem.channels_last else 1
+    return problem.planes // per_unit, in_plane * per_unit, out_plane * per_unit
+
+
+def _slab_problem(problem: Problem, units: int) -> Problem:
+    """The backward problem of ``units`` units of ``problem``: channels-first, that many planes of
+    one channel each (so every slab shares one build); channels-last, that many samples."""
+    channels = problem.channels if problem.channels_last else 1
+    return Problem.create(problem.op, (units, channels) + tuple(problem.input_shape[-problem.ndim:]),
+                          tuple(problem.output_shape[-problem.ndim:]), problem.dtype, problem.layout,
+                          direction="backward")
+
+
+def _unit_view(array: np.ndarray, problem: Problem) -> np.ndarray:
+    """An output-shaped array (logical axes) in ``problem``'s memory order as ``(units, ...)``:
+    a view, or, for strides that cannot be seen so, a contiguous copy."""
+    memory = in_memory_order(array, problem)
+    units, _, _ = _units(problem)
+    shape = (units,) + memory.shape[memory.ndim - problem.ndim - int(problem.channels_last):]
+    try:
+        return memory.reshape(shape, copy=False)
+    except ValueError:
+        return np.ascontiguousarray(memory).reshape(shape)
+
+
+def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output, x_address: int,
+                     grad_address: int) -> float:
+    """GeM's backward over host memory, slab by slab (``slabs``): writes the input's gradient at
+    ``grad_address`` from the input at ``x_address`` (each in ``problem``'s memory order) and
+    returns ``dL/dp``.  ``grad_out`` and ``output``: numpy arrays with logical axes, in any float
+    dtype and strides.  Each slab's ``y`` and ``dL/dy`` are copied, widened to the accumulation
+    dtype, into contiguous buffers of the largest slab's outputs, and its output terms, then its
+    coefficients made in a third: every ufunc then runs on same-shaped contiguous operands of one
+    dtype, which numpy does without its iteration buffers (a cast, a broadcast or a strided
+    operand would allocate 8192 elements' worth per call, 1% of a float16 32x2048x7x7 input).  The
+    input terms and the output terms of ``dL/dp`` are each added in one order (``_add_in_order``),
+    the same whatever the slabs."""
+    p = arguments["p"]
+    acc = accumulation_dtype(problem)
+    found = slabs(problem)
+    grad_units, output_units = _unit_view(grad_out, problem), _unit_view(output, problem)
+    largest = max(s.stop - s.start for s in found)
+    widened_y, widened_g, values = (np.empty((largest,) + grad_units.shape[1:], acc) for _ in range(3))
+    areas = _slab_areas(problem, largest)
+    terms = np.empty(input_gradient_groups(found[0].problem), acc)
+    input_part = output_part = 0.0
+    for slab in found:
+        count = slab.stop - slab.start
+        y, g, v = widened_y[:count], widened_g[:count], values[:count]
+        np.copyto(y, output_units[slab.start:slab.stop])
+        np.copyto(g, grad_units[slab.start:slab.stop])
+        np.log(y, out=v)  # dL/dp's output terms ln(y) * y * dL/dy
+        v *= y
+        v *= g
+        output_part = _add_in_order(output_part, _block_sums(v.reshape(-1)))
+        np.power(y, acc(1 - p), out=v)  # the coefficients dL/dy * y**(1-p) / (p * area)
+        v *= g
+        v /= acc(p)
+        v /= areas[:count]
+        input_part = input_gradient(device, problem, slab, arguments, x_address, v.ctypes.data, grad_address, terms,
+                                    input_part)
+    return input_part - output_part / p
+
+
+@functools.lru_cache(maxsize=16)
+def _slab_areas(problem: Problem, units: int) -> np.ndarray:
+    """The windows' areas of ``units`` units of ``problem`` in its memory order and accumulation
+    dtype, kept with the slabs (read-only): what each slab's coefficients are divided by, the
+    shape of the slab's outputs so the division needs no broadcast."""
+    areas = window_areas(problem).astype(accumulation_dtype(problem))
+    if problem.channels_last:
+        areas = areas[..., np.newaxis]
+    unit_shape = areas.shape[:-1] + (problem.channels,) if problem.channels_last else areas.shape
+    tiled = np.ascontiguousarray(np.broadcast_to(areas, (units,) + unit_shape))
+    tiled.flags.writeable = False
+    return tiled
+
+
+def _block_sums(terms: np.ndarray) -> np.ndarray:
+    """The sums of ``SUM_BLOCK`` consecutive ``terms`` (the last block may be shorter), each in
+    the terms' dtype (a block's sum depends on nothing but its terms)."""
+    whole = terms.size - terms.size % SUM_BLOCK
+    sums = np.empty(-(-terms.size // SUM_BLOCK), terms.dtype)
+    np.sum(terms[:whole].reshape(-1, SUM_BLOCK), axis=1, out=sums[:whole // SUM_BLOCK])
+    if whole < terms.size:
+        sums[-1] = np.sum(terms[whole:])
+    return sums
+
+
+def _add_in_order(running: float, values: np.ndarray) -> float:
+    """``running`` plus ``values``, added one after the other in float64 (a cumulative sum),
+    so a sum split into consecutive parts has the bits of the whole's."""
+    chained = np.empty(values.size + 1)
+    chained[0] = running
+    chained[1:] = values
+    return float(np.cumsum(chained, out=chained)[-1])
 
 
 def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) -> tuple:
@@ -288,48 +448,55 @@ def input_gradient_kernel(device, problem: Problem):
     return kernel
 
 
-def input_gradient(device, problem: Problem, arguments: dict, x_address: int, coefficients_address: int,
-                   grad_address: int) -> float:
-    """Run the input-gradient kernel over host memory on a device that shares it (the input and
-    its gradient, and the outputs' ``coefficients``, each in the problem's memory order): writes
-    the gradient, returns the input part of ``dL/dp``, the work-groups' terms added in float64 in
-    a fixed order (numpy's pairwise sum; ``tolist`` would allocate a Python float per work-group).
-    In a process where the device's kernels cannot run, ``host_fallback``'s pass instead."""
+def input_gradient(device, problem: Problem, slab: Slab, arguments: dict, x_address: int, coefficients_address: int,
+                   grad_address: int, terms: np.ndarray, running: float) -> float:
+    """Run the input-gradient kernel on ``slab`` of ``problem`` over host memory on a device that
+    shares it (the whole input and its gradient, and the slab's outputs' ``coefficients``, each in
+    the problem's memory order): writes the slab's gradient, returns ``running`` plus the slab's
+    input part of ``dL/dp``, its work-groups' terms (written into ``terms``, the accumulation
+    dtype, at least the slab's work-groups long) added one after the other in float64
+    (``_add_in_order``).  In a process where the device's kernels cannot run, ``host_fallback``'s
+    pass instead (its float64 sum added once)."""
     if device.info.host_fallback is not None:
-        return host_fallback.gem_input_gradient(problem, arguments, x_address, coefficients_address, grad_address)
-    terms = np.empty(input_gradient_groups(problem), accumulation_dtype(problem))
+        offset = slab.first_input * ITEMSIZE[problem.dtype]
+        return running + host_fallback.gem_input_gradient(slab.problem, arguments, x_address + offset,
+                                                          coefficients_address, grad_address + offset)
     input_gradient_on_device(device, problem, arguments, None, x_address, coefficients_address, grad_address,
-                             terms.ctypes.data)
-    return float(np.sum(terms, dtype=np.float64))
+                             terms.ctypes.data, slab)
+    return _add_in_order(running, terms[:input_gradient_groups(slab.problem)])
 
 
 def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, x_address: int,
-                             coefficients_address: int, grad_address: int, terms_address: int) -> None:
+                             coefficients_address: int, grad_address: int, terms_address: int,
+                             slab: Slab | None = None) -> None:
     """Launch the input-gradient kernel on memory given by address (as ``input_gradient``, the
-    work-groups' terms written to ``input_gradient_groups(problem)`` acc-dtype elements at
-    ``terms_address``): over host memory where the device shares it (``stream`` None, written
-    when this returns), else over device memory on the raw stream handle ``stream`` (CUDA:
-    PyTorch's current stream), without waiting.  The launch is prepared once per device and
-    problem, its kernel built in the context current then (CUDA: the primary one, where PyTorch's
-    tensors live; a later call under another context is refused by the launch, naming both);
-    ``p`` and ``eps`` reach it as this call's scalars."""
+    work-groups' terms written to ``input_gradient_groups`` acc-dtype elements at
+    ``terms_address``), on ``slab`` of ``problem`` (None: the whole): over host memory where the
+    device shares it (``stream`` None, written when this returns), else over device memory on the
+    raw stream handle ``stream`` (CUDA: PyTorch's current stream), without waiting.  The launch is
+    prepared once per device, problem and slab shape, its kernel built in the context current then
+    (CUDA: the primary one, where PyTorch's tensors live; a later call under another context is
+    refused by the launch, naming both); ``p``, ``eps`` and the slab's first input reach it as
+    this call's scalars."""
     acc = accumulation_dtype(problem)
-    scalars = (np.int64(problem.planes), acc(arguments["p"]), acc(arguments["eps"]))
-    _prepared_input_gradient(device, problem)(stream, x_address, coefficients_address, grad_address, terms_address,
-                                              scalars=scalars)
+    part, first_input = (problem, 0) if slab is None else (slab.problem, slab.first_input)
+    scalars = (np.int64(part.planes), acc(arguments["p"]), acc(arguments["eps"]), np.int64(first_input))
+    _prepared_input_gradient(device, problem, part)(stream, x_address, coefficients_address, grad_address,
+                                                    terms_address, scalars=scalars)
 
 
 @functools.lru_cache(maxsize=64)
-def _prepared_input_gradient(device, problem: Problem):
-    """The input-gradient kernel of ``problem`` on ``device`` with its grid and argument storage
-    fixed (``prepare``), its scalars the defaults until a call passes its own."""
-    groups = input_gradient_groups(problem)
+def _prepared_input_gradient(device, problem: Problem, part: Problem):
+    """The input-gradient kernel of ``part`` (``problem`` or one of its slabs' problems) on
+    ``device`` with its grid fixed (``prepare``) over the whole input and gradient of ``problem``
+    and ``part``'s coefficients and terms, its scalars the defaults until a call passes its own."""
+    groups = input_gradient_groups(part)
     acc = accumulation_dtype(problem)
     in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
-    coefficient_bytes = math.prod(problem.output_shape) * np.dtype(acc).itemsize
+    coefficient_bytes = math.prod(part.output_shape) * np.dtype(acc).itemsize
     defaults = dict(problem.operation.arguments)
-    launch = dispatch.Launch(input_gradient_kernel(device, problem), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
-                             (np.int64(problem.planes), acc(defaults["p"]), acc(defaults["eps"])))
+    launch = dispatch.Launch(input_gradient_kernel(device, part), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
+                             (np.int64(part.planes), acc(defaults["p"]), acc(defaults["eps"]), np.int64(0)))
     return device.prepare(launch, (in_bytes, coefficient_bytes, in_bytes, groups * np.dtype(acc).itemsize), 2)
 
 

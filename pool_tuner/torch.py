@@ -1512,17 +1512,13 @@ def _gem_forward_cuda(op: str, input, output_size, arguments: dict, options: str
 
 
 def _gem_backward_cpu(problem, grad_out, input, output, p, arguments: dict, options: str):
-    """GeM's backward on CPU tensors: ``(grad_input, grad_p)``, ``grad_p`` like ``p``."""
-    # Output-sized math in numpy: PyTorch's small ops would wake its thread pool, which meets
-    # PoCL's workers on the same cores.
-    # The output terms first, their array gone before the coefficients': one output-sized array at a time.
-    g, y = _numpy_array(grad_out), _numpy_array(output)
-    output_part = _gem.output_term(g, y, arguments["p"])
-    coefficients = _gem.coefficients(g, y, arguments["p"], problem)
+    """GeM's backward on CPU tensors: ``(grad_input, grad_p)``, ``grad_p`` like ``p``; the
+    output-sized work in numpy slab by slab (``gem.backward_on_host``): PyTorch's small ops would
+    wake its thread pool, which meets PoCL's workers on the same cores."""
     grad_input = _empty(list(input.shape), input, input.dtype, problem.channels_last, problem.ndim)
     device = _resolve_device(dict(_plans.options_of(options)).get("device"))
-    grad_p = (_gem.input_gradient(device, problem, arguments, input.data_ptr(), coefficients.ctypes.data,
-                                  grad_input.data_ptr()) + output_part)
+    grad_p = _gem.backward_on_host(device, problem, arguments, _numpy_array(grad_out), _numpy_array(output),
+                                   input.data_ptr(), grad_input.data_ptr())
     return grad_input, torch.full_like(p, grad_p)
 
 

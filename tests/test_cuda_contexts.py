@@ -396,9 +396,9 @@ def test_gem_forward_and_backward_on_gpuarrays_launch_in_their_context_with_p_an
     grad_x, grad_p = pt.adaptive_gem_pool2d_backward(pycuda.gpuarray.to_gpu(grad_host), x, size, p, eps,
                                                      output=pycuda.gpuarray.to_gpu(output_host))
     (gradient,) = driver.launches[1:]
-    x_address, coefficients, grad_address, terms, planes, got_p, got_eps = gradient["arguments"]
-    assert (x_address, grad_address, planes, got_p, got_eps) == (int(x.gpudata), int(grad_x.gpudata), 6, p,
-                                                                 float(np.float32(eps)))
+    x_address, coefficients, grad_address, terms, planes, got_p, got_eps, first_input = gradient["arguments"]
+    assert (x_address, grad_address, planes, got_p, got_eps, first_input) == (
+        int(x.gpudata), int(grad_x.gpudata), 6, p, float(np.float32(eps)), 0)
     problem = Problem.create("adaptive_gem_pool2d", SHAPE, size, "float32", direction="backward")
     want = gem.coefficients(grad_host, output_host, p, problem)
     sent = driver.memory[coefficients][1]
@@ -419,7 +419,7 @@ def test_gem_backward_of_numpy_arrays_on_a_cuda_device_runs_through_copies(gpu):
                                                      device=device)
     assert isinstance(grad_x, np.ndarray) and grad_x.shape == SHAPE and np.isfinite(grad_p)
     gradient = driver.launches[-1]
-    assert gradient["arguments"][4:] == [6, 2.5, float(np.float32(1e-3))]
+    assert gradient["arguments"][4:] == [6, 2.5, float(np.float32(1e-3)), 0]
     assert {launch["context"] for launch in driver.launches} == {PRIMARY_CONTEXT}
     _forget_gem()
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pool_tuner as pt
-from pool_tuner import kernel_source, reference
+from pool_tuner import gem, kernel_source, reference
 from pool_tuner.operations import OPERATIONS, find
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
@@ -216,6 +216,90 @@ def test_backward_is_deterministic(rng):
     for _ in range(3):
         again = pt.adaptive_gem_pool2d_backward(g, x, 3, p=3.0)
         assert np.array_equal(again[0], first[0]) and again[1] == first[1]
+
+
+def _in_layout(x, channels_last):
+    return np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1) if channels_last else x
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("size", [1, 3, (5, 7)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_backward_in_slabs_has_the_bits_of_one_pass(rng, monkeypatch, dtype, size, channels_last):
+    """The host backward's slabs (the smallest its rule allows: 256 planes channels-first, two
+    samples channels-last) give the gradients of one pass over the whole, to the bit, dL/dp
+    included (its terms added in one order whatever the slabs), and the float64 reference's."""
+    x = _in_layout(_input(rng, (8, 128, 7, 7), dtype), channels_last)
+    y = pt.adaptive_gem_pool2d(x, size, p=2.5)
+    g = rng.standard_normal(y.shape).astype(x.dtype)
+    problem = Problem.create("adaptive_gem_pool2d", x.shape, size, dtype, LAYOUT_NAMES[2][int(channels_last)],
+                             direction="backward")
+    monkeypatch.setattr(gem, "MIN_SLAB_INPUTS", 1 << 40)
+    assert len(gem.slabs(problem)) == 1
+    whole = pt.adaptive_gem_pool2d_backward(g, x, size, p=2.5, output=y)
+    monkeypatch.setattr(gem, "SLAB_SHARE_OF_INPUT", 0.0)
+    monkeypatch.setattr(gem, "MIN_SLAB_INPUTS", 1)
+    assert len(gem.slabs(problem)) == 4
+    sliced = pt.adaptive_gem_pool2d_backward(g, x, size, p=2.5, output=y)
+    assert np.array_equal(sliced[0], whole[0]) and sliced[1] == whole[1]
+    expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64), size,
+                                                                  2, 2.5)
+    scale = np.abs(expected_x).max()
+    np.testing.assert_allclose(sliced[0], expected_x, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10 * scale)
+    # dL/dp sums terms of both signs: its error is relative to their magnitude, not to the sum
+    y64 = reference.adaptive_gem_pool(x.astype(np.float64), size, 2, 2.5)
+    magnitude = np.abs(g * y64 * np.log(y64)).sum() / 2.5
+    assert abs(sliced[1] - expected_p) <= TOL[dtype] * magnitude
+
+
+@pytest.mark.parametrize("shape,size,dtype,layout", [((32, 2048, 7, 7), 3, "float16", "NCHW"),
+                                                     ((32, 2048, 7, 7), 1, "float32", "NHWC"),
+                                                     ((8, 2048, 64, 64), 3, "float16", "NCHW"),
+                                                     ((2, 3, 10, 9), (4, 7), "float32", "NCHW")])
+def test_slabs_tile_the_planes_within_their_share_of_the_input(shape, size, dtype, layout):
+    """The slabs cover the units (planes, or samples channels-last) in order; every slab but the
+    last ends on a work-group's and a sum block's boundary; a slab's temporaries (three float32 buffers
+    and a block-sum share per output, a term per work-group, each with its float64 copy) stay within
+    SLAB_SHARE_OF_INPUT of the input, unless the slab is the MIN_SLAB_INPUTS launch; a small input
+    is one slab: its own problem."""
+    problem = Problem.create("adaptive_gem_pool2d", shape, size, dtype, layout, direction="backward")
+    found = gem.slabs(problem)
+    units, unit_inputs, unit_outputs = gem._units(problem)
+    assert [s.start for s in found] == [0] + [s.stop for s in found[:-1]] and found[-1].stop == units
+    if len(found) == 1:
+        assert found[0].problem is problem
+        return
+    input_bytes = math.prod(shape) * np.dtype(dtype).itemsize
+    for slab in found:
+        count = slab.stop - slab.start
+        assert math.prod(slab.problem.input_shape) == count * unit_inputs
+        assert slab.problem.output_shape[-2:] == problem.output_shape[-2:]
+        outputs, inputs = count * unit_outputs, count * unit_inputs
+        if slab is not found[-1]:
+            assert inputs % 256 == 0 and outputs % gem.SUM_BLOCK == 0
+        temporaries = outputs * (12 + 12 / gem.SUM_BLOCK) + inputs / 256 * 12
+        assert temporaries <= gem.SLAB_SHARE_OF_INPUT * input_bytes or inputs < 2 * gem.MIN_SLAB_INPUTS
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_numpy_backward_allocates_at_most_one_percent_of_the_input(rng, dtype, size, channels_last):
+    """7x7 planes (a retrieval or regional head): one float32 array of the outputs is 4% or 37% of
+    a float16 input.  Beyond the gradient it returns, the backward of numpy arrays (grad_out and
+    output in x's dtype and layout) allocates its slabs' temporaries, within the issue's 1% of the
+    input, plus 16 KiB for Python's own allocations (tracemalloc counts numpy's and Python's)."""
+    import tracemalloc
+
+    x = _in_layout(_input(rng, (32, 2048, 7, 7), dtype), channels_last)
+    y = pt.adaptive_gem_pool2d(x, size, p=2.5)
+    g = rng.standard_normal(y.shape).astype(x.dtype)
+    pt.adaptive_gem_pool2d_backward(g, x, size, p=2.5, output=y)  # warm: the kernels are built
+    tracemalloc.start()
+    grad_x, _ = pt.adaptive_gem_pool2d_backward(g, x, size, p=2.5, output=y)
+    extra = tracemalloc.get_traced_memory()[1] - grad_x.nbytes
+    tracemalloc.stop()
+    assert extra <= 0.01 * x.nbytes + 16 * 1024, f"{extra / x.nbytes:.2%} of the input"
 
 
 def test_the_clamp_gradient_passes_at_eps_and_stops_below():

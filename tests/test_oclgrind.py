@@ -347,7 +347,7 @@ def _run_gem_case(spec, device) -> str | None:
                cl.Buffer(context, cl.mem_flags.WRITE_ONLY, x_memory.nbytes),
                cl.Buffer(context, cl.mem_flags.WRITE_ONLY, groups * np.dtype(acc).itemsize)]
     kernel = gem.input_gradient_kernel(device, problem)
-    kernel.set_args(*buffers, np.int64(problem.planes), acc(p), acc(1e-6))
+    kernel.set_args(*buffers, np.int64(problem.planes), acc(p), acc(1e-6), np.int64(0))
     block = gem.INPUT_GRADIENT_CONFIG["block_size_x"]
     _marker(BEGIN, spec["id"])
     cl.enqueue_nd_range_kernel(queue, kernel, (groups * block,), (block,))

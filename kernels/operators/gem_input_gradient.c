@@ -27,6 +27,9 @@
  * CPU compilers vectorise them: where the grid can run past the last input (host define
  * PARTIAL_LAST_GROUP: one sample's inputs do not fill whole work-groups), a work-item past the end
  * computes the last input again, adds nothing to the terms and stores nothing.
+ * The host may run the pass on a slab of whole planes (channels-last: whole samples): first_input is
+ * the slab's first input in memory, n_planes the slab's planes, coefficients and p_terms the slab's
+ * own; in and grad_in stay the whole arrays, so their buffers are the same for every slab.
  * Launch: ceil(IN_NUMEL / (block_size_x * items_per_thread)) groups of block_size_x. */
 #define INVERSE_BOX_T MAX_INVERSE_WINDOW_T
 #define INVERSE_BOX_H MAX_INVERSE_WINDOW_H
@@ -34,6 +37,11 @@
 #define SMALL_INVERSE_WINDOW (INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W <= SMALL_BOX_LIMIT)
 #define MASKED_SHARE_LIMIT 16
 #define MASKED_SHARE (GROUPS_PER_PLANE > 0 && OUT_T * OUT_H * OUT_W <= MASKED_SHARE_LIMIT)
+#ifdef __OPENCL_VERSION__
+#define FIRST_INPUT_PARAM , const long first_input
+#else
+#define FIRST_INPUT_PARAM , const long long first_input
+#endif
 
 #if MASKED_SHARE
 /* The sum of the coefficients of the outputs whose windows hold input (t, h, w) of `plane`: every
@@ -111,8 +119,11 @@ DEVICE_FN void in_plane_coords(int k, index_t* plane, index_t* t, index_t* h, in
 #endif
 
 KERNEL void gem_input_gradient(const GLOBAL scalar_t* RESTRICT in, const GLOBAL acc_t* RESTRICT coefficients,
-                               GLOBAL scalar_t* RESTRICT grad_in, GLOBAL acc_t* RESTRICT p_terms PLANES_PARAM GEM_PARAMS)
+                               GLOBAL scalar_t* RESTRICT grad_in, GLOBAL acc_t* RESTRICT p_terms PLANES_PARAM GEM_PARAMS
+                               FIRST_INPUT_PARAM)
 {
+    in += first_input;
+    grad_in += first_input;
     LOCAL_MEM acc_t partial[block_size_x];
     const index_t first = (index_t)GROUP_ID * (block_size_x * items_per_thread) + LOCAL_ID_X;
     acc_t term = (acc_t)0;
