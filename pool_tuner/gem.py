@@ -31,6 +31,7 @@ backward's output-sized step on the host, its input pass on the arrays' device a
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
@@ -113,55 +114,112 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
     return grad_x, grad_p
 
 
-#: The share of the input's bytes that the host backward's slab temporaries may take (the
-#: coefficients and output terms of a slab, its work-groups' terms): half of the 1% that GeM's
+#: The share of the input's bytes that the host backward may allocate for a slab's workspace (the
+#: slabs whose workspace cannot lie in the gradient's unwritten memory): half of the 1% that GeM's
 #: backward may allocate beyond its input and result, the rest left to Python's and numpy's own.
 SLAB_SHARE_OF_INPUT = 0.005
-#: The fewest inputs a slab's launch covers, so that launching costs little against the pass.
+#: Inputs up to which the host backward runs as one slab, whatever its workspace.
 MIN_SLAB_INPUTS = 1 << 16
 #: Output terms of ``dL/dp`` are summed in blocks of this many, each block's sum then added in order.
 SUM_BLOCK = 256
+#: The alignment of each array of a slab's workspace, in bytes.
+WORKSPACE_ALIGNMENT = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Slab:
     """Units ``[start, stop)`` of a backward problem (``_units``: planes channels-first, samples
     channels-last, each a contiguous run of input and output memory), the offset of its first
-    input in the input's memory, and the backward problem of those units alone, whose grid the
-    input-gradient kernel runs on the slab."""
+    input in the input's memory, the backward problem of those units alone, whose grid the
+    input-gradient kernel runs on the slab, and whether the slab's workspace lies in the
+    gradient's memory past the slab (``in_place``: not written yet) or is allocated."""
     start: int
     stop: int
     first_input: int
     problem: Problem
+    in_place: bool
 
 
 def slabs(problem: Problem) -> tuple:
-    """The slabs the host backward of ``problem`` runs in (``Slab``s, in memory order): as many
-    units as keep the slab's temporaries within ``SLAB_SHARE_OF_INPUT`` of the input's bytes, but
-    at least ``MIN_SLAB_INPUTS`` inputs, a multiple of the units that end on a boundary of both a
-    work-group of the kernel and a ``SUM_BLOCK`` of output terms (so each slab's sums are the
-    unslabbed pass's, in order).  One slab where the input is small."""
+    """The slabs the host backward of ``problem`` runs in (``Slab``s, in memory order).
+
+    A slab needs a workspace of about four arrays of its outputs in the accumulation dtype
+    (``_workspace_layout``), 1.5 times a float16 input of 7x7 planes pooled to 3x3.  The
+    gradient's memory past a slab is not written until later slabs run, so while it holds the
+    workspace, a slab takes as many units as fit there (``in_place``: a large share of the
+    remaining units each time, so few launches); the rest run in allocated workspaces within
+    ``SLAB_SHARE_OF_INPUT`` of the input.  Every slab but the last covers a multiple of the units
+    that end on a boundary of both a work-group of the kernel and a ``SUM_BLOCK`` of output
+    terms, so each slab's sums are those of one pass over the whole, in order.  One allocated
+    slab where the input is small (``MIN_SLAB_INPUTS``) or its whole workspace within the share."""
     return _slabs(problem, SLAB_SHARE_OF_INPUT, MIN_SLAB_INPUTS)
 
 
 @functools.lru_cache(maxsize=64)
 def _slabs(problem: Problem, share: float, min_inputs: int) -> tuple:
     units, unit_inputs, unit_outputs = _units(problem)
-    acc_bytes = np.dtype(accumulation_dtype(problem)).itemsize
+    unit_bytes = unit_inputs * ITEMSIZE[problem.dtype]
+    budget = share * units * unit_bytes
+    if units * unit_inputs <= min_inputs or _workspace_bytes(problem, units) <= budget:
+        return (Slab(0, units, 0, problem, False),)
     per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
-    # a slab's widened y and dL/dy and its coefficients (or output terms), their block sums, and the
-    # work-groups' terms, each with the float64 copy that _add_in_order makes
-    unit_bytes = (unit_outputs * (3 * acc_bytes + (acc_bytes + 8) / SUM_BLOCK)
-                  + unit_inputs * (acc_bytes + 8) / per_group)
     step = math.lcm(per_group // math.gcd(per_group, unit_inputs), SUM_BLOCK // math.gcd(SUM_BLOCK, unit_outputs))
-    input_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
-    within_share = int(share * input_bytes / unit_bytes) // step * step
-    worthwhile = -(-min_inputs // (unit_inputs * step)) * step
-    size = max(within_share, worthwhile)
-    if size >= units:
-        return (Slab(0, units, 0, problem),)
-    return tuple(Slab(start, min(start + size, units), start * unit_inputs,
-                      _slab_problem(problem, min(size, units - start))) for start in range(0, units, size))
+    found, start = [], 0
+    while True:
+        remaining = units - start
+        per_unit = _workspace_bytes(problem, remaining) / remaining
+        count = int(remaining * unit_bytes / (per_unit + unit_bytes)) // step * step
+        while count >= step and _workspace_bytes(problem, count) > (remaining - count) * unit_bytes:
+            count -= step
+        if count < step:
+            break
+        found.append(Slab(start, start + count, start * unit_inputs, _slab_problem(problem, count, step), True))
+        start += count
+    size = max(step, int(budget * step / _workspace_bytes(problem, step)) // step * step)
+    while size > step and _workspace_bytes(problem, size) > budget:
+        size -= step
+    found += [Slab(first, min(first + size, units), first * unit_inputs,
+                   _slab_problem(problem, min(size, units - first), step), False) for first in range(start, units, size)]
+    return tuple(found)
+
+
+def _workspace_layout(problem: Problem, count: int) -> tuple:
+    """``(dtype, shape)`` of each array of the workspace of a slab of ``count`` units of
+    ``problem``: its outputs' ``y`` and ``dL/dy`` widened to the accumulation dtype, their
+    coefficients (first dL/dp's output terms), the windows' areas, all in memory order; the
+    kernel's work-group terms; the output terms' block sums; a float64 array for
+    ``_add_in_order``."""
+    acc = accumulation_dtype(problem)
+    _, unit_inputs, unit_outputs = _units(problem)
+    out_shape = problem.memory_shape(problem.output_shape)
+    unit_shape = tuple(out_shape[len(out_shape) - problem.ndim - int(problem.channels_last):])
+    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
+    groups = -(-count * unit_inputs // per_group)
+    blocks = -(-count * unit_outputs // SUM_BLOCK)
+    outputs = (acc, (count,) + unit_shape)
+    return (outputs, outputs, outputs, outputs, (acc, (groups,)), (acc, (blocks,)),
+            (np.float64, (max(groups, blocks) + 1,)))
+
+
+def _workspace_bytes(problem: Problem, count: int) -> int:
+    """The bytes a slab of ``count`` units needs for its workspace, aligned from any address."""
+    aligned = 0
+    for dtype, shape in _workspace_layout(problem, count):
+        aligned += -(-math.prod(shape) * np.dtype(dtype).itemsize // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+    return aligned + WORKSPACE_ALIGNMENT
+
+
+def _carve(address: int, layout: tuple) -> list:
+    """The arrays of ``layout`` (``_workspace_layout``) over the memory at ``address``, each at
+    the next ``WORKSPACE_ALIGNMENT``-aligned address."""
+    arrays = []
+    for dtype, shape in layout:
+        address = -(-address // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        memory = (ctypes.c_char * max(nbytes, 1)).from_address(address)
+        arrays.append(np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape))
+        address += nbytes
+    return arrays
 
 
 def _units(problem: Problem) -> tuple:
@@ -174,11 +232,16 @@ def _units(problem: Problem) -> tuple:
     return problem.planes // per_unit, in_plane * per_unit, out_plane * per_unit
 
 
-def _slab_problem(problem: Problem, units: int) -> Problem:
-    """The backward problem of ``units`` units of ``problem``: channels-first, that many planes of
-    one channel each (so every slab shares one build); channels-last, that many samples."""
-    channels = problem.channels if problem.channels_last else 1
-    return Problem.create(problem.op, (units, channels) + tuple(problem.input_shape[-problem.ndim:]),
+def _slab_problem(problem: Problem, units: int, step: int) -> Problem:
+    """The backward problem of ``units`` units of ``problem``: channels-last, that many samples;
+    channels-first, that many planes, as samples of ``step`` channels where they divide (whole
+    work-groups per sample, so the kernel is built without a bounds check, and every such slab
+    shares one build), else one sample of them all."""
+    if problem.channels_last:
+        batch = (units, problem.channels)
+    else:
+        batch = (units // step, step) if units % step == 0 else (1, units)
+    return Problem.create(problem.op, batch + tuple(problem.input_shape[-problem.ndim:]),
                           tuple(problem.output_shape[-problem.ndim:]), problem.dtype, problem.layout,
                           direction="backward")
 
@@ -198,11 +261,13 @@ def _unit_view(array: np.ndarray, problem: Problem) -> np.ndarray:
 def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output, x_address: int,
                      grad_address: int) -> float:
     """GeM's backward over host memory, slab by slab (``slabs``): writes the input's gradient at
-    ``grad_address`` from the input at ``x_address`` (each in ``problem``'s memory order) and
-    returns ``dL/dp``.  ``grad_out`` and ``output``: numpy arrays with logical axes, in any float
-    dtype and strides.  Each slab's ``y`` and ``dL/dy`` are copied, widened to the accumulation
-    dtype, into contiguous buffers of the largest slab's outputs, and its output terms, then its
-    coefficients made in a third: every ufunc then runs on same-shaped contiguous operands of one
+    ``grad_address`` from the input at ``x_address`` (each in ``problem``'s memory order, the
+    gradient's memory ours to use until it is written) and returns ``dL/dp``.  ``grad_out`` and
+    ``output``: numpy arrays with logical axes, in any float dtype and strides.
+
+    Each slab's ``y`` and ``dL/dy`` are copied, widened to the accumulation dtype, into its
+    workspace (in the gradient's memory past the slab, or allocated), where its output terms, then
+    its coefficients are made: every ufunc then runs on same-shaped contiguous operands of one
     dtype, which numpy does without its iteration buffers (a cast, a broadcast or a strided
     operand would allocate 8192 elements' worth per call, 1% of a float16 32x2048x7x7 input).  The
     input terms and the output terms of ``dL/dp`` are each added in one order (``_add_in_order``),
@@ -210,59 +275,58 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
     p = arguments["p"]
     acc = accumulation_dtype(problem)
     found = slabs(problem)
+    _, unit_inputs, _ = _units(problem)
     grad_units, output_units = _unit_view(grad_out, problem), _unit_view(output, problem)
-    largest = max(s.stop - s.start for s in found)
-    widened_y, widened_g, values = (np.empty((largest,) + grad_units.shape[1:], acc) for _ in range(3))
-    areas = _slab_areas(problem, largest)
-    terms = np.empty(input_gradient_groups(found[0].problem), acc)
+    allocated = [_workspace_bytes(problem, s.stop - s.start) for s in found if not s.in_place]
+    workspace = np.empty(max(allocated), np.uint8) if allocated else None
+    areas = _unit_areas(problem)
     input_part = output_part = 0.0
     for slab in found:
         count = slab.stop - slab.start
-        y, g, v = widened_y[:count], widened_g[:count], values[:count]
+        past_slab = grad_address + (slab.first_input + count * unit_inputs) * ITEMSIZE[problem.dtype]
+        y, g, v, a, terms, sums, chained = _carve(past_slab if slab.in_place else workspace.ctypes.data,
+                                                  _workspace_layout(problem, count))
         np.copyto(y, output_units[slab.start:slab.stop])
         np.copyto(g, grad_units[slab.start:slab.stop])
+        np.copyto(a, areas)
         np.log(y, out=v)  # dL/dp's output terms ln(y) * y * dL/dy
         v *= y
         v *= g
-        output_part = _add_in_order(output_part, _block_sums(v.reshape(-1)))
+        output_part = _add_in_order(output_part, _block_sums(v.reshape(-1), sums), chained)
         np.power(y, acc(1 - p), out=v)  # the coefficients dL/dy * y**(1-p) / (p * area)
         v *= g
         v /= acc(p)
-        v /= areas[:count]
+        v /= a
         input_part = input_gradient(device, problem, slab, arguments, x_address, v.ctypes.data, grad_address, terms,
-                                    input_part)
+                                    chained, input_part)
     return input_part - output_part / p
 
 
-@functools.lru_cache(maxsize=16)
-def _slab_areas(problem: Problem, units: int) -> np.ndarray:
-    """The windows' areas of ``units`` units of ``problem`` in its memory order and accumulation
-    dtype, kept with the slabs (read-only): what each slab's coefficients are divided by, the
-    shape of the slab's outputs so the division needs no broadcast."""
+@functools.lru_cache(maxsize=64)
+def _unit_areas(problem: Problem) -> np.ndarray:
+    """The windows' areas of one unit's outputs (``_units``) in ``problem``'s memory order and
+    accumulation dtype, broadcastable to a slab's outputs (read-only)."""
     areas = window_areas(problem).astype(accumulation_dtype(problem))
-    if problem.channels_last:
-        areas = areas[..., np.newaxis]
-    unit_shape = areas.shape[:-1] + (problem.channels,) if problem.channels_last else areas.shape
-    tiled = np.ascontiguousarray(np.broadcast_to(areas, (units,) + unit_shape))
-    tiled.flags.writeable = False
-    return tiled
+    areas = areas[..., np.newaxis] if problem.channels_last else areas
+    areas.flags.writeable = False
+    return areas
 
 
-def _block_sums(terms: np.ndarray) -> np.ndarray:
-    """The sums of ``SUM_BLOCK`` consecutive ``terms`` (the last block may be shorter), each in
-    the terms' dtype (a block's sum depends on nothing but its terms)."""
+def _block_sums(terms: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """``sums``, set to the sums of ``SUM_BLOCK`` consecutive ``terms`` (the last block may be
+    shorter), each in the terms' dtype (a block's sum depends on nothing but its terms)."""
     whole = terms.size - terms.size % SUM_BLOCK
-    sums = np.empty(-(-terms.size // SUM_BLOCK), terms.dtype)
     np.sum(terms[:whole].reshape(-1, SUM_BLOCK), axis=1, out=sums[:whole // SUM_BLOCK])
     if whole < terms.size:
         sums[-1] = np.sum(terms[whole:])
     return sums
 
 
-def _add_in_order(running: float, values: np.ndarray) -> float:
-    """``running`` plus ``values``, added one after the other in float64 (a cumulative sum),
-    so a sum split into consecutive parts has the bits of the whole's."""
-    chained = np.empty(values.size + 1)
+def _add_in_order(running: float, values: np.ndarray, chained: np.ndarray) -> float:
+    """``running`` plus ``values``, added one after the other in float64 (a cumulative sum in
+    ``chained``, a float64 array longer than ``values``), so a sum split into consecutive parts
+    has the bits of the whole's."""
+    chained = chained[:values.size + 1]
     chained[0] = running
     chained[1:] = values
     return float(np.cumsum(chained, out=chained)[-1])
@@ -449,13 +513,13 @@ def input_gradient_kernel(device, problem: Problem):
 
 
 def input_gradient(device, problem: Problem, slab: Slab, arguments: dict, x_address: int, coefficients_address: int,
-                   grad_address: int, terms: np.ndarray, running: float) -> float:
+                   grad_address: int, terms: np.ndarray, chained: np.ndarray, running: float) -> float:
     """Run the input-gradient kernel on ``slab`` of ``problem`` over host memory on a device that
     shares it (the whole input and its gradient, and the slab's outputs' ``coefficients``, each in
     the problem's memory order): writes the slab's gradient, returns ``running`` plus the slab's
     input part of ``dL/dp``, its work-groups' terms (written into ``terms``, the accumulation
-    dtype, at least the slab's work-groups long) added one after the other in float64
-    (``_add_in_order``).  In a process where the device's kernels cannot run, ``host_fallback``'s
+    dtype, the slab's work-groups long) added one after the other in float64 (``_add_in_order``
+    in ``chained``).  In a process where the device's kernels cannot run, ``host_fallback``'s
     pass instead (its float64 sum added once)."""
     if device.info.host_fallback is not None:
         offset = slab.first_input * ITEMSIZE[problem.dtype]
@@ -463,7 +527,7 @@ def input_gradient(device, problem: Problem, slab: Slab, arguments: dict, x_addr
                                                           coefficients_address, grad_address + offset)
     input_gradient_on_device(device, problem, arguments, None, x_address, coefficients_address, grad_address,
                              terms.ctypes.data, slab)
-    return _add_in_order(running, terms[:input_gradient_groups(slab.problem)])
+    return _add_in_order(running, terms, chained)
 
 
 def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, x_address: int,
