@@ -19,10 +19,11 @@ temporary:
 
 Over host memory (numpy arrays, CPU tensors) both steps run slab by slab (``slabs``): the
 coefficients and ``dL/dp``'s output terms of a slab of planes, then the kernel over that slab's
-inputs, so the output-sized temporaries are a slab's, a fixed small share of the input
-(``SLAB_SHARE_OF_INPUT``), not the whole output's: a float32 coefficient per output is 37% of a
-float16 input of 7x7 planes pooled to 3x3.  ``dL/dp`` is added in one order whatever the slabs
-(``_add_in_order``): the same bits for any slab size.
+inputs, each slab's workspace in the gradient's memory that later slabs write, the last slabs'
+allocated within a small share of the input (``SLAB_SHARE_OF_INPUT``): no output-sized
+temporary (a float32 coefficient per output is 37% of a float16 input of 7x7 planes pooled to
+3x3).  ``dL/dp`` is added in one order whatever the slabs (``_add_in_order``): the same bits for
+any slab size.
 
 The functions below take numpy arrays and the device arrays of ``pool_tuner.adaptive_*`` (the
 backward's output-sized step on the host, its input pass on the arrays' device and stream);
@@ -209,16 +210,17 @@ def _workspace_bytes(problem: Problem, count: int) -> int:
     return aligned + WORKSPACE_ALIGNMENT
 
 
-def _carve(address: int, layout: tuple) -> list:
-    """The arrays of ``layout`` (``_workspace_layout``) over the memory at ``address``, each at
-    the next ``WORKSPACE_ALIGNMENT``-aligned address."""
+def _carve(memory: np.ndarray, layout: tuple) -> list:
+    """The arrays of ``layout`` (``_workspace_layout``) over ``memory`` (a flat uint8 array that
+    holds ``_workspace_bytes``), each at the next ``WORKSPACE_ALIGNMENT``-aligned address: views,
+    no allocation beyond their headers."""
     arrays = []
+    base = position = memory.__array_interface__["data"][0]
     for dtype, shape in layout:
-        address = -(-address // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+        position = -(-position // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        memory = (ctypes.c_char * max(nbytes, 1)).from_address(address)
-        arrays.append(np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape))
-        address += nbytes
+        arrays.append(memory[position - base:position - base + nbytes].view(dtype).reshape(shape))
+        position += nbytes
     return arrays
 
 
@@ -279,12 +281,14 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
     grad_units, output_units = _unit_view(grad_out, problem), _unit_view(output, problem)
     allocated = [_workspace_bytes(problem, s.stop - s.start) for s in found if not s.in_place]
     workspace = np.empty(max(allocated), np.uint8) if allocated else None
+    in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
+    gradient = np.frombuffer((ctypes.c_char * max(in_bytes, 1)).from_address(grad_address), np.uint8)
     areas = _unit_areas(problem)
     input_part = output_part = 0.0
     for slab in found:
         count = slab.stop - slab.start
-        past_slab = grad_address + (slab.first_input + count * unit_inputs) * ITEMSIZE[problem.dtype]
-        y, g, v, a, terms, sums, chained = _carve(past_slab if slab.in_place else workspace.ctypes.data,
+        past_slab = (slab.first_input + count * unit_inputs) * ITEMSIZE[problem.dtype]
+        y, g, v, a, terms, sums, chained = _carve(gradient[past_slab:] if slab.in_place else workspace,
                                                   _workspace_layout(problem, count))
         np.copyto(y, output_units[slab.start:slab.stop])
         np.copyto(g, grad_units[slab.start:slab.stop])

@@ -253,6 +253,32 @@ def test_the_backward_in_slabs_has_the_bits_of_one_pass(rng, monkeypatch, dtype,
     assert abs(sliced[1] - expected_p) <= TOL[dtype] * magnitude
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_host_fallback_runs_the_same_slabs(rng, monkeypatch, channels_last):
+    """Where the device's kernels cannot run (a forked child's PoCL), each slab's input gradient is
+    ``host_fallback``'s pass over the slab's memory and workspace: the reference's gradients."""
+    import types
+
+    x = _in_layout(_input(rng, (8, 128, 7, 7), "float32"), channels_last)
+    y = pt.adaptive_gem_pool2d(x, 3, p=2.5)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    monkeypatch.setattr(gem, "SLAB_SHARE_OF_INPUT", 0.0)
+    monkeypatch.setattr(gem, "MIN_SLAB_INPUTS", 1)
+    problem = Problem.create("adaptive_gem_pool2d", x.shape, 3, "float32", LAYOUT_NAMES[2][int(channels_last)],
+                             direction="backward")
+    assert len(gem.slabs(problem)) > 1
+    child = types.SimpleNamespace(info=types.SimpleNamespace(host_fallback="forked: the host's pass"),
+                                  prepare=lambda *a: pytest.fail("a kernel was prepared"))
+    x_memory = np.ascontiguousarray(gem.in_memory_order(x, problem))
+    grad = np.full(x_memory.shape, np.nan, np.float32)
+    grad_p = gem.backward_on_host(child, problem, {"p": 2.5, "eps": 1e-6}, g, y, x_memory.ctypes.data,
+                                  grad.ctypes.data)
+    grad_x = np.moveaxis(grad, -1, 1) if channels_last else grad
+    expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64), 3, 2, 2.5)
+    np.testing.assert_allclose(grad_x, expected_x, rtol=1e-4, atol=1e-4 * np.abs(expected_x).max())
+    assert grad_p == pytest.approx(expected_p, rel=1e-3)
+
+
 @pytest.mark.parametrize("shape,size,dtype,layout", [((32, 2048, 7, 7), 3, "float16", "NCHW"),
                                                      ((32, 2048, 7, 7), 1, "float32", "NHWC"),
                                                      ((8, 2048, 64, 64), 3, "float16", "NCHW"),
