@@ -696,8 +696,9 @@ def test_a_gem_training_step_on_cuda_launches_on_the_current_stream(gpu, gem_cud
     out.backward(grad)
     forward, gradient = gpu.launches
     assert forward["arguments"][0] == x.data_ptr()
-    x_address, coefficients, grad_address, terms, planes, p, eps = gradient["arguments"]
-    assert (x_address, grad_address, planes, p, eps) == (x.data_ptr(), x.grad.data_ptr(), 6, 2.5, _float32(1e-3))
+    x_address, coefficients, grad_address, terms, planes, p, eps, first_input = gradient["arguments"]
+    assert (x_address, grad_address, planes, p, eps, first_input) == (x.data_ptr(), x.grad.data_ptr(), 6, 2.5,
+                                                                      _float32(1e-3), 0)
     assert coefficients not in (x_address, grad_address, terms)
     assert {launch["stream"] for launch in gpu.launches} == {STREAM}
     assert x.grad.shape == x.shape and x.grad.stride() == x.stride() and module.p.grad.shape == (1,)
