@@ -52,6 +52,8 @@ from .windows import pooling_windows
 INPUT_GRADIENT_KERNEL = find("gem", 2).backward_kernel
 INPUT_GRADIENT_CONFIG = find("gem", 2).backward_kernel_config
 INPUT_GRADIENT_FILE = f"operators/{INPUT_GRADIENT_KERNEL}.c"
+#: The inputs one work-group of the input-gradient kernel takes.
+GROUP_INPUTS = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
 
 _KERNELS: dict = {}
 _KERNELS_LOCK = threading.Lock()
@@ -163,8 +165,7 @@ def _slabs(problem: Problem, share: float, min_inputs: int) -> tuple:
     budget = share * units * unit_bytes
     if units * unit_inputs <= min_inputs or _workspace_bytes(problem, units) <= budget:
         return (Slab(0, units, 0, problem, False),)
-    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
-    step = math.lcm(per_group // math.gcd(per_group, unit_inputs), SUM_BLOCK // math.gcd(SUM_BLOCK, unit_outputs))
+    step = math.lcm(GROUP_INPUTS // math.gcd(GROUP_INPUTS, unit_inputs), SUM_BLOCK // math.gcd(SUM_BLOCK, unit_outputs))
     found, start = [], 0
     while True:
         remaining = units - start
@@ -180,7 +181,8 @@ def _slabs(problem: Problem, share: float, min_inputs: int) -> tuple:
     while size > step and _workspace_bytes(problem, size) > budget:
         size -= step
     found += [Slab(first, min(first + size, units), first * unit_inputs,
-                   _slab_problem(problem, min(size, units - first), step), False) for first in range(start, units, size)]
+                   _slab_problem(problem, min(size, units - first), step), False)
+              for first in range(start, units, size)]
     return tuple(found)
 
 
@@ -194,8 +196,7 @@ def _workspace_layout(problem: Problem, count: int) -> tuple:
     _, unit_inputs, unit_outputs = _units(problem)
     out_shape = problem.memory_shape(problem.output_shape)
     unit_shape = tuple(out_shape[len(out_shape) - problem.ndim - int(problem.channels_last):])
-    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
-    groups = -(-count * unit_inputs // per_group)
+    groups = -(-count * unit_inputs // GROUP_INPUTS)
     blocks = -(-count * unit_outputs // SUM_BLOCK)
     outputs = (acc, (count,) + unit_shape)
     return (outputs, outputs, outputs, outputs, (acc, (groups,)), (acc, (blocks,)),
@@ -467,17 +468,15 @@ def output_term(grad_out, output, p) -> float:
 
 def input_gradient_groups(problem: Problem) -> int:
     """Work-groups of the input-gradient kernel for ``problem`` (GeM's backward problem)."""
-    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
-    return -(-math.prod(problem.input_shape) // per_group)
+    return -(-math.prod(problem.input_shape) // GROUP_INPUTS)
 
 
 def input_gradient_program(problem: Problem) -> str:
     """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
     files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
-    per_group = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
     plane_size = math.prod(problem.in_spatial)
-    partial = problem.channels * plane_size % per_group != 0
-    groups_per_plane = plane_size // per_group if plane_size % per_group == 0 and not problem.channels_last else 0
+    partial = problem.channels * plane_size % GROUP_INPUTS != 0
+    groups_per_plane = plane_size // GROUP_INPUTS if plane_size % GROUP_INPUTS == 0 and not problem.channels_last else 0
     return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG,
                                               "PARTIAL_LAST_GROUP": int(partial), "GROUPS_PER_PLANE": groups_per_plane})
 

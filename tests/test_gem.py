@@ -300,7 +300,8 @@ def test_slabs_tile_the_units_with_workspaces_where_they_fit(shape, size, dtype,
     unit_bytes = unit_inputs * np.dtype(dtype).itemsize
     for slab in found:
         count = slab.stop - slab.start
-        assert math.prod(slab.problem.input_shape) == count * unit_inputs and slab.first_input == slab.start * unit_inputs
+        assert math.prod(slab.problem.input_shape) == count * unit_inputs
+        assert slab.first_input == slab.start * unit_inputs
         if slab is not found[-1]:
             assert count * unit_inputs % 256 == 0 and count * unit_outputs % gem.SUM_BLOCK == 0
         if slab.in_place:
