@@ -146,8 +146,8 @@ class Slab:
 def slabs(problem: Problem) -> tuple:
     """The slabs the host backward of ``problem`` runs in (``Slab``s, in memory order).
 
-    A slab needs a workspace of about four arrays of its outputs in the accumulation dtype
-    (``_workspace_layout``), 1.5 times a float16 input of 7x7 planes pooled to 3x3.  The
+    A slab needs a workspace of about three arrays of its outputs in the accumulation dtype
+    (``_workspace_layout``), 1.1 times a float16 input of 7x7 planes pooled to 3x3.  The
     gradient's memory past a slab is not written until later slabs run, so while it holds the
     workspace, a slab takes as many units as fit there (``in_place``: a large share of the
     remaining units each time, so few launches); the rest run in allocated workspaces within
@@ -188,8 +188,8 @@ def _slabs(problem: Problem, share: float, min_inputs: int) -> tuple:
 
 def _workspace_layout(problem: Problem, count: int) -> tuple:
     """``(dtype, shape)`` of each array of the workspace of a slab of ``count`` units of
-    ``problem``: its outputs' ``y`` and ``dL/dy`` widened to the accumulation dtype, their
-    coefficients (first dL/dp's output terms), the windows' areas, all in memory order; the
+    ``problem``: its outputs' ``y`` and ``dL/dy`` (then the windows' areas) widened to the
+    accumulation dtype, their coefficients (first dL/dp's output terms), all in memory order; the
     kernel's work-group terms; the output terms' block sums; a float64 array for
     ``_add_in_order``."""
     acc = accumulation_dtype(problem)
@@ -199,8 +199,7 @@ def _workspace_layout(problem: Problem, count: int) -> tuple:
     groups = -(-count * unit_inputs // GROUP_INPUTS)
     blocks = -(-count * unit_outputs // SUM_BLOCK)
     outputs = (acc, (count,) + unit_shape)
-    return (outputs, outputs, outputs, outputs, (acc, (groups,)), (acc, (blocks,)),
-            (np.float64, (max(groups, blocks) + 1,)))
+    return (outputs, outputs, outputs, (acc, (groups,)), (acc, (blocks,)), (np.float64, (max(groups, blocks) + 1,)))
 
 
 def _workspace_bytes(problem: Problem, count: int) -> int:
@@ -289,11 +288,10 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
     for slab in found:
         count = slab.stop - slab.start
         past_slab = (slab.first_input + count * unit_inputs) * ITEMSIZE[problem.dtype]
-        y, g, v, a, terms, sums, chained = _carve(gradient[past_slab:] if slab.in_place else workspace,
-                                                  _workspace_layout(problem, count))
+        y, g, v, terms, sums, chained = _carve(gradient[past_slab:] if slab.in_place else workspace,
+                                               _workspace_layout(problem, count))
         np.copyto(y, output_units[slab.start:slab.stop])
         np.copyto(g, grad_units[slab.start:slab.stop])
-        np.copyto(a, areas)
         np.log(y, out=v)  # dL/dp's output terms ln(y) * y * dL/dy
         v *= y
         v *= g
@@ -301,7 +299,9 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
         np.power(y, acc(1 - p), out=v)  # the coefficients dL/dy * y**(1-p) / (p * area)
         v *= g
         v /= acc(p)
-        v /= a
+        areas_tiled = g  # dL/dy's last use is above: its array takes the windows' areas
+        np.copyto(areas_tiled, areas)
+        v /= areas_tiled
         input_part = input_gradient(device, problem, slab, arguments, x_address, v.ctypes.data, grad_address, terms,
                                     chained, input_part)
     return input_part - output_part / p
