@@ -273,7 +273,10 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
     dtype, which numpy does without its iteration buffers (a cast, a broadcast or a strided
     operand would allocate 8192 elements' worth per call, 1% of a float16 32x2048x7x7 input).  The
     input terms and the output terms of ``dL/dp`` are each added in one order (``_add_in_order``),
-    the same whatever the slabs."""
+    the same whatever the slabs.  An in-place slab's coefficients and terms lie inside the
+    gradient's buffer, outside the part the kernel writes: a device whose host buffers are the
+    memory itself (PoCL's) sees one memory; one that copies maps the gradient back before the
+    terms (``HostLaunch``'s order), so the terms it reads are the kernel's."""
     p = arguments["p"]
     acc = accumulation_dtype(problem)
     found = slabs(problem)
