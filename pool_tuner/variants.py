@@ -740,12 +740,29 @@ class ChannelsGather(Variant):
             return f"rows_per_item must not exceed the input's height ({height})"
         return super().illegal_reason(params, problem, limits)
 
+    #: The longest run of positions (rows) the default takes along an axis whose windows overlap.
+    SHARED_RUN = 16
+
     def default_for(self, problem):
-        """The widest channel run of at most the default's that divides the channels (no masked run)."""
+        """The widest channel run of at most the default's that divides the channels (no masked
+        run), and along W (H) a run of positions (rows) where the average's windows overlap there
+        (the output narrower than the input, not dividing it): each input then sums several
+        outputs' terms, and inputs between two overlaps share their windows, so a run sums each
+        set once.  Where windows do not overlap an input is one term, and a run only breaks the
+        contiguous store order of neighbouring work-items: one position (row)."""
         widest = max(n for n in self.search_space["channels_per_item"]
                      if n <= self.default["channels_per_item"]
                      and (n == 1 or (n <= problem.channels and problem.channels % n == 0)))
-        return {**self.default, "channels_per_item": widest}
+        (height, out_height), (width, out_width) = ((_height(problem), _height_out(problem)),
+                                                    (problem.in_spatial[-1], problem.out_spatial[-1]))
+        return {**self.default, "channels_per_item": widest,
+                "positions_per_item": self._shared_run("positions_per_item", width, out_width, problem),
+                "rows_per_item": self._shared_run("rows_per_item", height, out_height, problem)}
+
+    def _shared_run(self, parameter, extent, out_extent, problem):
+        if problem.operation.selects or not (out_extent < extent and extent % out_extent):
+            return 1
+        return max(n for n in self.search_space[parameter] if n <= min(self.SHARED_RUN, extent))
 
     def groups(self, params, problem):
         slices = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial[:-2])
@@ -757,6 +774,11 @@ class ChannelsGather(Variant):
 def _height(problem) -> int:
     """The input's extent along H: 1 for one spatial dimension (kernels/windows.h pads the axes)."""
     return problem.in_spatial[-2] if len(problem.in_spatial) >= 2 else 1
+
+
+def _height_out(problem) -> int:
+    """The output's extent along H (1 for one spatial dimension)."""
+    return problem.out_spatial[-2] if len(problem.out_spatial) >= 2 else 1
 
 
 class SmemTiledBackward(_Tiled):

@@ -114,6 +114,24 @@ def test_the_default_run_is_the_widest_that_divides_the_channels(channels, expec
     assert VARIANT.default_for(problem)["channels_per_item"] == expected
 
 
+@pytest.mark.parametrize("op,shape,size,runs", [
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), (16, 16)),  # overlapping windows: the longest runs
+    ("adaptive_avg_pool2d", (2, 64, 7, 7), (4, 4), (4, 4)),  # ... that fit
+    ("adaptive_avg_pool2d", (2, 64, 17, 12), (5, 12), (1, 16)),  # along H only (W keeps its width)
+    ("adaptive_avg_pool2d", (2, 64, 12, 17), (6, 5), (16, 1)),  # along W only (H's windows 2 apart)
+    ("adaptive_avg_pool2d", (4, 512, 60, 60), (6, 6), (1, 1)),  # windows that do not overlap
+    ("adaptive_avg_pool2d", (2, 32, 56, 56), (85, 85), (1, 1)),  # upsampling
+    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), (1, 1)),  # max: no two positions share a gradient
+    ("adaptive_avg_pool1d", (2, 64, 30), (7,), (16, 1)),
+    ("adaptive_avg_pool3d", (2, 64, 4, 9, 9), (2, 4, 4), (8, 8))])
+def test_the_default_runs_where_windows_overlap(op, shape, size, runs):
+    """The default takes runs of positions (rows) along W (H) where the average's windows overlap
+    there, and one position (row) elsewhere."""
+    problem = Problem.create(op, shape, size, layout=LAYOUT_NAMES[len(shape) - 2][1], direction="backward")
+    config = VARIANT.default_for(problem)
+    assert (config["positions_per_item"], config["rows_per_item"]) == runs
+
+
 def test_runs_wider_than_the_channels_are_refused():
     problem = Problem.create("adaptive_avg_pool2d", (2, 6, 9, 9), 4, layout="NHWC", direction="backward")
     limits = backends.default_device().info.limits
