@@ -146,11 +146,13 @@ def test_runs_wider_than_the_channels_are_refused():
     ("adaptive_avg_pool1d", (2, 64, 30), (7,), "NLC", True),
     ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NCHW", False),
     ("adaptive_avg_pool2d", (8, 768, 17, 17), (1, 1), "NHWC", False),  # global: broadcast
-    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", False),  # max: not ruled (design.md)
+    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", False),  # max, small outputs: plane_scatter's
+    ("adaptive_max_pool2d", (2, 64, 24, 24), (37, 37), "NHWC", True),  # max, 1369 outputs per plane
+    ("adaptive_max_pool2d", (2, 64, 24, 24), (37, 37), "NCHW", False),
 ])
 def test_the_cpu_rules_send_channels_last_average_backward_here(op, shape, size, layout, chosen, user_cache):
-    """With no record, a CPU dispatches every non-global channels-last avg backward to channels_gather,
-    and names the rule with its evidence."""
+    """With no record, a CPU dispatches every non-global channels-last avg backward, and max backward
+    of 1263 outputs per plane or more, to channels_gather, and names the rule with its evidence."""
     info = pt.explain(op, shape, size, layout=layout, direction="backward")
     if backends.default_device().info.limits.device_type != "cpu":
         pytest.skip("the rule is a CPU rule")
