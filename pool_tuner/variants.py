@@ -760,7 +760,7 @@ class ChannelsGather(Variant):
                 "rows_per_item": self._shared_run("rows_per_item", height, out_height, problem)}
 
     def _shared_run(self, parameter, extent, out_extent, problem):
-        if problem.operation.selects or not (out_extent < extent and extent % out_extent):
+        if problem.operation.selects or not (0 < out_extent < extent and extent % out_extent):
             return 1
         return max(n for n in self.search_space[parameter] if n <= min(self.SHARED_RUN, extent))
 

@@ -123,6 +123,7 @@ def test_the_default_run_is_the_widest_that_divides_the_channels(channels, expec
     ("adaptive_avg_pool2d", (2, 32, 56, 56), (85, 85), (1, 1)),  # upsampling
     ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), (1, 1)),  # max: no two positions share a gradient
     ("adaptive_avg_pool1d", (2, 64, 30), (7,), (16, 1)),
+    ("adaptive_avg_pool2d", (2, 64, 17, 17), (0, 5), (16, 1)),  # an empty output
     ("adaptive_avg_pool3d", (2, 64, 4, 9, 9), (2, 4, 4), (8, 8))])
 def test_the_default_runs_where_windows_overlap(op, shape, size, runs):
     """The default takes runs of positions (rows) along W (H) where the average's windows overlap
