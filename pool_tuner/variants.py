@@ -760,6 +760,7 @@ class ChannelsGather(Variant):
                 "rows_per_item": self._shared_run("rows_per_item", height, out_height, problem)}
 
     def _shared_run(self, parameter, extent, out_extent, problem):
+        """``default_for``'s run along one axis of ``extent`` inputs and ``out_extent`` outputs."""
         if problem.operation.selects or not (0 < out_extent < extent and extent % out_extent):
             return 1
         return max(n for n in self.search_space[parameter] if n <= min(self.SHARED_RUN, extent))
