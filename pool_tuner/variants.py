@@ -717,13 +717,13 @@ class ChannelsGather(Variant):
     name = "channels_gather"
     direction = "backward"
     layouts = ("channels_last",)
-    summary = ("gather, channels-last only: a work-item takes `channels_per_item` neighbouring channels of a run of "
-               "`positions_per_item` input positions along W, finds the row's covering outputs once for the run, "
-               "each position's along W and their areas once for all its channels, and sums each channel's terms "
-               "with the channels as the contiguous inner loop")
+    summary = ("gather, channels-last only: a work-item takes `channels_per_item` neighbouring channels of a tile of "
+               "`rows_per_item` rows by `positions_per_item` positions along W, finds each covering output's area "
+               "once for all its channels, sums each channel's terms with the channels as the contiguous inner "
+               "loop, and stores a position's (row's) sums again for the next one inside the same windows")
     search_space = {"block_size_x": [1, 4, 16, 64, 256], "channels_per_item": [1, 2, 4, 8, 16, 32, 64, 128, 256],
-                    "positions_per_item": [1, 2, 4, 8, 16, 32]}
-    default = {"block_size_x": 16, "channels_per_item": 64, "positions_per_item": 1}
+                    "positions_per_item": [1, 2, 4, 8, 16, 32], "rows_per_item": [1, 2, 4, 8, 16, 32]}
+    default = {"block_size_x": 16, "channels_per_item": 64, "positions_per_item": 1, "rows_per_item": 1}
 
     def illegal_reason(self, params, problem, limits):
         if is_global(problem):
@@ -735,19 +735,51 @@ class ChannelsGather(Variant):
         run = params["positions_per_item"]
         if run > 1 and run > problem.in_spatial[-1]:
             return f"positions_per_item must not exceed the input's width ({problem.in_spatial[-1]})"
+        rows, height = params["rows_per_item"], _height(problem)
+        if rows > 1 and rows > height:
+            return f"rows_per_item must not exceed the input's height ({height})"
         return super().illegal_reason(params, problem, limits)
 
+    #: The longest run of positions (rows) the default takes along an axis whose windows overlap.
+    SHARED_RUN = 16
+
     def default_for(self, problem):
-        """The widest channel run of at most the default's that divides the channels (no masked run)."""
+        """The widest channel run of at most the default's that divides the channels (no masked
+        run), and along W (H) a run of positions (rows) where the average's windows overlap there
+        (the output narrower than the input, not dividing it): each input then sums several
+        outputs' terms, and inputs between two overlaps share their windows, so a run sums each
+        set once.  Where windows do not overlap an input is one term, and a run only breaks the
+        contiguous store order of neighbouring work-items: one position (row)."""
         widest = max(n for n in self.search_space["channels_per_item"]
                      if n <= self.default["channels_per_item"]
                      and (n == 1 or (n <= problem.channels and problem.channels % n == 0)))
-        return {**self.default, "channels_per_item": widest}
+        (height, out_height), (width, out_width) = ((_height(problem), _height_out(problem)),
+                                                    (problem.in_spatial[-1], problem.out_spatial[-1]))
+        return {**self.default, "channels_per_item": widest,
+                "positions_per_item": self._shared_run("positions_per_item", width, out_width, problem),
+                "rows_per_item": self._shared_run("rows_per_item", height, out_height, problem)}
+
+    def _shared_run(self, parameter, extent, out_extent, problem):
+        """``default_for``'s run along one axis of ``extent`` inputs and ``out_extent`` outputs."""
+        if problem.operation.selects or not (0 < out_extent < extent and extent % out_extent):
+            return 1
+        return max(n for n in self.search_space[parameter] if n <= min(self.SHARED_RUN, extent))
 
     def groups(self, params, problem):
-        rows = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial[:-1])
-        runs = rows * _ceil_div(problem.in_spatial[-1], params["positions_per_item"])
-        return _ceil_div(runs * _ceil_div(problem.channels, params["channels_per_item"]), params["block_size_x"])
+        slices = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial[:-2])
+        tiles = (slices * _ceil_div(_height(problem), params["rows_per_item"])
+                 * _ceil_div(problem.in_spatial[-1], params["positions_per_item"]))
+        return _ceil_div(tiles * _ceil_div(problem.channels, params["channels_per_item"]), params["block_size_x"])
+
+
+def _height(problem) -> int:
+    """The input's extent along H: 1 for one spatial dimension (kernels/windows.h pads the axes)."""
+    return problem.in_spatial[-2] if len(problem.in_spatial) >= 2 else 1
+
+
+def _height_out(problem) -> int:
+    """The output's extent along H (1 for one spatial dimension)."""
+    return problem.out_spatial[-2] if len(problem.out_spatial) >= 2 else 1
 
 
 class SmemTiledBackward(_Tiled):

@@ -84,11 +84,12 @@ def test_matches_the_reference_and_thread_per_input_bit_for_bit(op, shape, size,
 
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("op", ["adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_avg_pool3d"])
-@pytest.mark.parametrize("channels_per_item", [None, 4])
-def test_every_dtype(op, dtype, channels_per_item, rng):
-    """Every storage dtype, with the default run and a masked one (4 does not divide 130 or 5)."""
+@pytest.mark.parametrize("config", [{}, {"channels_per_item": 4}, {"rows_per_item": 4, "positions_per_item": 4}],
+                         ids=["default", "masked", "tiles"])
+def test_every_dtype(op, dtype, config, rng):
+    """Every storage dtype, with the default run, a masked one (4 does not divide 130 or 5) and
+    tiles whose rows and positions take the stored sums of the ones before them."""
     shape, size = {2: ((2, 130, 6, 7), (4, 3)), 3: ((2, 5, 5, 6, 7), (3, 4, 2))}[int(op[-2])]
-    config = {} if channels_per_item is None else {"channels_per_item": channels_per_item}
     ours, gather, expected = gradients(op, shape, size, dtype, rng, config=config)
     got = as_float64(ours)
     assert not np.isnan(got).any(), "some input gradients were never written (poisoned NaN left)"
@@ -113,6 +114,25 @@ def test_the_default_run_is_the_widest_that_divides_the_channels(channels, expec
     assert VARIANT.default_for(problem)["channels_per_item"] == expected
 
 
+@pytest.mark.parametrize("op,shape,size,runs", [
+    ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), (16, 16)),  # overlapping windows: the longest runs
+    ("adaptive_avg_pool2d", (2, 64, 7, 7), (4, 4), (4, 4)),  # ... that fit
+    ("adaptive_avg_pool2d", (2, 64, 17, 12), (5, 12), (1, 16)),  # along H only (W keeps its width)
+    ("adaptive_avg_pool2d", (2, 64, 12, 17), (6, 5), (16, 1)),  # along W only (H's windows 2 apart)
+    ("adaptive_avg_pool2d", (4, 512, 60, 60), (6, 6), (1, 1)),  # windows that do not overlap
+    ("adaptive_avg_pool2d", (2, 32, 56, 56), (85, 85), (1, 1)),  # upsampling
+    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), (1, 1)),  # max: no two positions share a gradient
+    ("adaptive_avg_pool1d", (2, 64, 30), (7,), (16, 1)),
+    ("adaptive_avg_pool2d", (2, 64, 17, 17), (0, 5), (16, 1)),  # an empty output
+    ("adaptive_avg_pool3d", (2, 64, 4, 9, 9), (2, 4, 4), (8, 8))])
+def test_the_default_runs_where_windows_overlap(op, shape, size, runs):
+    """The default takes runs of positions (rows) along W (H) where the average's windows overlap
+    there, and one position (row) elsewhere."""
+    problem = Problem.create(op, shape, size, layout=LAYOUT_NAMES[len(shape) - 2][1], direction="backward")
+    config = VARIANT.default_for(problem)
+    assert (config["positions_per_item"], config["rows_per_item"]) == runs
+
+
 def test_runs_wider_than_the_channels_are_refused():
     problem = Problem.create("adaptive_avg_pool2d", (2, 6, 9, 9), 4, layout="NHWC", direction="backward")
     limits = backends.default_device().info.limits
@@ -127,11 +147,13 @@ def test_runs_wider_than_the_channels_are_refused():
     ("adaptive_avg_pool1d", (2, 64, 30), (7,), "NLC", True),
     ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NCHW", False),
     ("adaptive_avg_pool2d", (8, 768, 17, 17), (1, 1), "NHWC", False),  # global: broadcast
-    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", False),  # max: not ruled (design.md)
+    ("adaptive_max_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", False),  # max, small outputs: plane_scatter's
+    ("adaptive_max_pool2d", (2, 64, 24, 24), (37, 37), "NHWC", True),  # max, 1369 outputs per plane
+    ("adaptive_max_pool2d", (2, 64, 24, 24), (37, 37), "NCHW", False),
 ])
 def test_the_cpu_rules_send_channels_last_average_backward_here(op, shape, size, layout, chosen, user_cache):
-    """With no record, a CPU dispatches every non-global channels-last avg backward to channels_gather,
-    and names the rule with its evidence."""
+    """With no record, a CPU dispatches every non-global channels-last avg backward, and max backward
+    of 1263 outputs per plane or more, to channels_gather, and names the rule with its evidence."""
     info = pt.explain(op, shape, size, layout=layout, direction="backward")
     if backends.default_device().info.limits.device_type != "cpu":
         pytest.skip("the rule is a CPU rule")
@@ -173,3 +195,34 @@ def test_runs_wider_than_the_row_are_refused():
     assert VARIANT.is_legal({"positions_per_item": 2}, problem, limits)
     with pytest.raises(ValueError, match="positions_per_item must not exceed the input's width"):
         VARIANT.check_config({"positions_per_item": 4}, problem, limits)
+
+
+@pytest.mark.parametrize("op,shape,size", [
+    ("adaptive_avg_pool2d", (2, 48, 17, 17), (5, 5)), ("adaptive_max_pool2d", (2, 48, 17, 17), (5, 5)),
+    ("adaptive_avg_pool2d", (3, 20, 9, 6), (13, 4)), ("adaptive_avg_pool2d", (2, 8, 12, 10), (3, 1)),
+    ("adaptive_avg_pool3d", (2, 16, 3, 10, 5), (2, 4, 3)), ("adaptive_max_pool3d", (2, 16, 3, 10, 5), (2, 4, 3)),
+    ("adaptive_avg_pool1d", (2, 24, 30), (7,))])
+@pytest.mark.parametrize("rows_per_item,positions_per_item", [(2, 1), (4, 4), (8, 2), (16, 8)])
+def test_tiles_of_rows_whole_and_short(op, shape, size, rows_per_item, positions_per_item, rng):
+    """Tiles of rows by positions whose rows (positions) inside the same windows take the row's
+    (position's) sums before them, and that divide the height or leave a short last tile (17, 9,
+    10 and 12 high); downsampling, upsampling (no two rows share their windows) and windows of
+    the whole width; avg and max (whose positions never share): every input written once, in the
+    gathers' order."""
+    height = shape[-2] if int(op[-2]) >= 2 else 1
+    if rows_per_item > max(height, 1) and rows_per_item > 1 or positions_per_item > shape[-1]:
+        pytest.skip("taller (wider) than the input")
+    config = {"rows_per_item": rows_per_item, "positions_per_item": positions_per_item, "channels_per_item": 8,
+              "block_size_x": 4}
+    ndim = int(op[-2])
+    ours, gather, expected = gradients(op, shape, size, "float32", rng, config=config)
+    check_result(ours, expected, np.dtype(np.float32), LAYOUT_NAMES[ndim][1], ndim)
+    assert ours.tobytes() == gather.tobytes(), "the sums differ from the gathers' order"
+
+
+def test_tiles_taller_than_the_input_are_refused():
+    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 3, 9), 2, layout="NHWC", direction="backward")
+    limits = backends.default_device().info.limits
+    assert VARIANT.is_legal({"rows_per_item": 2}, problem, limits)
+    with pytest.raises(ValueError, match="rows_per_item must not exceed the input's height"):
+        VARIANT.check_config({"rows_per_item": 4}, problem, limits)
