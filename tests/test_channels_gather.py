@@ -189,12 +189,15 @@ def test_runs_along_w_whole_and_short(op, shape, size, positions_per_item, rng):
     assert ours.tobytes() == gather.tobytes(), "the sums differ from the gathers' order"
 
 
-def test_runs_wider_than_the_row_are_refused():
-    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 9, 3), 2, layout="NHWC", direction="backward")
+@pytest.mark.parametrize("shape,parameter,extent", [((2, 8, 9, 3), "positions_per_item", "width"),
+                                                     ((2, 8, 3, 9), "rows_per_item", "height")])
+def test_tiles_past_the_input_are_refused(shape, parameter, extent):
+    """Runs wider than the input's rows, and tiles taller than its planes, are refused by name."""
+    problem = Problem.create("adaptive_avg_pool2d", shape, 2, layout="NHWC", direction="backward")
     limits = backends.default_device().info.limits
-    assert VARIANT.is_legal({"positions_per_item": 2}, problem, limits)
-    with pytest.raises(ValueError, match="positions_per_item must not exceed the input's width"):
-        VARIANT.check_config({"positions_per_item": 4}, problem, limits)
+    assert VARIANT.is_legal({parameter: 2}, problem, limits)
+    with pytest.raises(ValueError, match=f"{parameter} must not exceed the input's {extent}"):
+        VARIANT.check_config({parameter: 4}, problem, limits)
 
 
 @pytest.mark.parametrize("op,shape,size", [
@@ -220,9 +223,3 @@ def test_tiles_of_rows_whole_and_short(op, shape, size, rows_per_item, positions
     assert ours.tobytes() == gather.tobytes(), "the sums differ from the gathers' order"
 
 
-def test_tiles_taller_than_the_input_are_refused():
-    problem = Problem.create("adaptive_avg_pool2d", (2, 8, 3, 9), 2, layout="NHWC", direction="backward")
-    limits = backends.default_device().info.limits
-    assert VARIANT.is_legal({"rows_per_item": 2}, problem, limits)
-    with pytest.raises(ValueError, match="rows_per_item must not exceed the input's height"):
-        VARIANT.check_config({"rows_per_item": 4}, problem, limits)
