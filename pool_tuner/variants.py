@@ -735,7 +735,7 @@ class ChannelsGather(Variant):
         run = params["positions_per_item"]
         if run > 1 and run > problem.in_spatial[-1]:
             return f"positions_per_item must not exceed the input's width ({problem.in_spatial[-1]})"
-        rows, height = params["rows_per_item"], _height(problem)
+        rows, height = params["rows_per_item"], _height(problem.in_spatial)
         if rows > 1 and rows > height:
             return f"rows_per_item must not exceed the input's height ({height})"
         return super().illegal_reason(params, problem, limits)
@@ -753,7 +753,7 @@ class ChannelsGather(Variant):
         widest = max(n for n in self.search_space["channels_per_item"]
                      if n <= self.default["channels_per_item"]
                      and (n == 1 or (n <= problem.channels and problem.channels % n == 0)))
-        (height, out_height), (width, out_width) = ((_height(problem), _height_out(problem)),
+        (height, out_height), (width, out_width) = ((_height(problem.in_spatial), _height(problem.out_spatial)),
                                                     (problem.in_spatial[-1], problem.out_spatial[-1]))
         return {**self.default, "channels_per_item": widest,
                 "positions_per_item": self._shared_run("positions_per_item", width, out_width, problem),
@@ -767,19 +767,15 @@ class ChannelsGather(Variant):
 
     def groups(self, params, problem):
         slices = (problem.planes // max(problem.channels, 1)) * math.prod(problem.in_spatial[:-2])
-        tiles = (slices * _ceil_div(_height(problem), params["rows_per_item"])
+        tiles = (slices * _ceil_div(_height(problem.in_spatial), params["rows_per_item"])
                  * _ceil_div(problem.in_spatial[-1], params["positions_per_item"]))
         return _ceil_div(tiles * _ceil_div(problem.channels, params["channels_per_item"]), params["block_size_x"])
 
 
-def _height(problem) -> int:
-    """The input's extent along H: 1 for one spatial dimension (kernels/windows.h pads the axes)."""
-    return problem.in_spatial[-2] if len(problem.in_spatial) >= 2 else 1
-
-
-def _height_out(problem) -> int:
-    """The output's extent along H (1 for one spatial dimension)."""
-    return problem.out_spatial[-2] if len(problem.out_spatial) >= 2 else 1
+def _height(spatial) -> int:
+    """The extent along H of an input's or output's spatial sizes: 1 for one spatial dimension
+    (kernels/windows.h pads the axes)."""
+    return spatial[-2] if len(spatial) >= 2 else 1
 
 
 class SmemTiledBackward(_Tiled):

@@ -37,11 +37,7 @@
 #define SMALL_INVERSE_WINDOW (INVERSE_BOX_T * INVERSE_BOX_H * INVERSE_BOX_W <= SMALL_BOX_LIMIT)
 #define MASKED_SHARE_LIMIT 16
 #define MASKED_SHARE (GROUPS_PER_PLANE > 0 && OUT_T * OUT_H * OUT_W <= MASKED_SHARE_LIMIT)
-#ifdef __OPENCL_VERSION__
-#define FIRST_INPUT_PARAM , const long first_input
-#else
-#define FIRST_INPUT_PARAM , const long long first_input
-#endif
+#define FIRST_INPUT_PARAM , const int64_t_ first_input
 
 #if MASKED_SHARE
 /* The sum of the coefficients of the outputs whose windows hold input (t, h, w) of `plane`: every
