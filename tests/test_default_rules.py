@@ -133,14 +133,19 @@ def test_the_cpu_multi_level_rules_keep_the_measured_order():
             (op, shape, out)
 
 
-def test_the_cpu_rules_send_coarse_avg_windows_to_thread_per_row_and_keep_the_rest():
-    """Channels-first avg forward problems with boxes of 9 to 191 elements into output rows of at
-    least 2 run thread_per_row (the fastest variant of every such grid problem on both CPU models);
-    max pooling, windows under 9 elements and outputs of one column keep thread_per_output."""
+def test_the_cpu_rules_send_coarse_avg_windows_to_thread_per_row_and_avg_global_pooling_to_global_planes():
+    """Channels-first avg forward problems with windows of at least 9 elements into output rows of
+    at least 2 run thread_per_row (the fastest variant of every such grid problem on both CPU
+    models), global ones global_planes whatever their window; max pooling, windows under 9
+    elements and outputs of one column keep thread_per_output."""
     cpu = default_rules.rules("cpu")
     cases = [
         ("adaptive_avg_pool2d", (8, 16, 17, 17), (5, 5), "thread_per_row"),
         ("adaptive_avg_pool2d", (4, 16, 60, 60), (6, 6), "thread_per_row"),
+        ("adaptive_avg_pool2d", (4, 16, 60, 60), (3, 3), "thread_per_row"),
+        ("adaptive_avg_pool2d", (8, 16, 7, 7), (1, 1), "global_planes"),
+        ("adaptive_avg_pool2d", (8, 16, 33, 33), (1, 1), "global_planes"),
+        ("adaptive_avg_pool3d", (8, 16, 4, 7, 7), (1, 1, 1), "global_planes"),
         ("adaptive_avg_pool3d", (2, 8, 8, 14, 14), (3, 5, 5), "thread_per_row"),
         ("adaptive_max_pool2d", (8, 16, 17, 17), (5, 5), "thread_per_output"),
         ("adaptive_avg_pool2d", (8, 16, 8, 8), (4, 4), "thread_per_output"),
