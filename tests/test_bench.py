@@ -409,3 +409,32 @@ def test_held_back_times_the_problem_its_calls_make(tmp_path):
     assert (row["layout"], row["call_layout"]) == ("NHWC", "NCHW")
     dispatched = pt.explain("adaptive_avg_pool2d", (32, 768, 7, 7), 1, layout="NCHW", direction="backward")
     assert row["choices"]["rules"] == {"variant": dispatched["variant"], "params": dispatched["params"]}
+
+
+def test_grid_race_races_a_forward_variant_on_the_grids_global_problems(tmp_path):
+    """grid_race.py times a forward variant (its input is the layer's input, not a gradient)
+    against each grid problem's winner, only global problems with ``--only-global``."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "grid_race.py"
+    if not script.exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+
+    def record(shape, output):
+        problem = {"op": "adaptive_avg_pool2d", "direction": "forward", "dtype": "float32", "layout": "NHWC",
+                   "input_shape": list(shape), "output_shape": list(shape[:2]) + list(output)}
+        return {"problem": problem, "best": {"variant": "thread_per_output", "params": {}, "time_ms": 1.0}}
+
+    grid = tmp_path / "records.json"
+    grid.write_text(json.dumps({"schema": 1, "records": {"global": record((2, 16, 5, 6), (1, 1)),
+                                                          "regional": record((2, 16, 5, 6), (2, 3))}}))
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(script), "--grid", str(grid), "--variant", "global_channels",
+                           "--direction", "forward", "--layout", "channels_last", "--only-global", "--rounds", "1",
+                           "--config", '{"channels_per_item": 4}', "--out", str(report)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(report.read_text())["problems"]
+    assert [(r["input"], r["output"]) for r in rows] == [([2, 16, 5, 6], [1, 1])]
+    assert rows[0]["ms"]["global_channels"] > 0
