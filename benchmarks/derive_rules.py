@@ -6,9 +6,10 @@ model.  A variant's *slowdown* on a problem is its time over the best time measu
 problem on that model (a variant that could not run a problem counts ``MISSING_SLOWDOWN``).  The
 grids of several models (``--grid a b``) are pooled: the same problem measured on two models is
 two samples, each against its own model's best, so one set of rules is fitted for all the models.
-A leaf takes the variant of least *worst-case* slowdown over its samples (ties: the least summed
-log-slowdown): rules that are never far from the best on any model measured are worth more on a
-model nobody measured than rules that are nearest the best on average on one.  A variant's time is
+A leaf takes the variant of least *worst-case* slowdown over its samples (worst cases within
+``WORST_CASE_TOLERANCE`` of the least count as equal; of those, the least summed log-slowdown):
+rules that are never far from the best on any model measured are worth more on a model nobody
+measured than rules that are nearest the best on average on one.  A variant's time is
 its time at its best configuration for the problem (the grids keep one configuration per variant
 per problem), so a leaf is judged as if its one configuration (below) were that best everywhere.
 
@@ -67,6 +68,8 @@ MISSING_SLOWDOWN = 4.0
 MIN_LEAF = 4
 MIN_GAIN = 1.0  # in summed log-slowdown: a split must save at least e-fold on one problem, or its equal
 MAX_DEPTH = 4
+#: Worst-case slowdowns within this factor of each other count as equal (``least_worst_case``).
+WORST_CASE_TOLERANCE = 1.1
 #: How the evidence of a rule written by hand starts; and of one written by hand with nothing
 #: measured behind it (replaced by the grid's rules).
 BY_HAND, UNMEASURED = "by hand", "by hand, not measured"
@@ -116,9 +119,13 @@ def least_score(samples: list) -> tuple[str, float]:
 
 
 def least_worst_case(samples: list) -> str:
-    """The variant of least worst-case slowdown over ``samples`` (ties: least score, then name):
-    what a leaf takes."""
-    return min(variants_of(samples), key=lambda v: (worst(samples, v), score(samples, v), v))
+    """What a leaf takes: of the variants whose worst-case slowdown over ``samples`` is within
+    ``WORST_CASE_TOLERANCE`` of the least, the one of least score (ties: the name).  Judged by the
+    worst case alone, a leaf of many problems would take a variant slower on nearly all of them
+    for a worst case a few percent lower."""
+    least = min(worst(samples, v) for v in variants_of(samples))
+    near = [v for v in variants_of(samples) if worst(samples, v) <= least * WORST_CASE_TOLERANCE]
+    return min(near, key=lambda v: (score(samples, v), v))
 
 
 def candidate_conditions(samples: list):

@@ -324,6 +324,26 @@ def test_rules_fitted_to_two_cpu_models_take_the_variant_of_least_worst_case_slo
     assert both[0]["evidence"] == "6 grid problems on 2 models, 1.24x their best, worst 1.30x"
 
 
+def test_a_leaf_takes_the_least_summed_slowdown_among_variants_of_nearly_the_least_worst_case():
+    """A worst case a few percent lower does not buy a variant that is slower on every other
+    problem: worst cases within WORST_CASE_TOLERANCE count as equal, and the summed log-slowdown
+    decides; a worst case clearly lower still wins."""
+    derive_rules = load_derive_rules()
+    shapes = [(2, 8, side, side) for side in (8, 12, 16, 20, 24)]
+
+    def samples(worst_of_b):
+        # thread_per_row: best on every problem but one, 10x there; plane_reduce 2x on all but that one;
+        # thread_per_output best on that one, far off elsewhere
+        records = [grid_record("model A", shape, (2, 1), {"thread_per_row": 1.0, "plane_reduce": 2.0,
+                                                          "thread_per_output": 50.0}) for shape in shapes[:-1]]
+        records.append(grid_record("model A", shapes[-1], (2, 1), {"thread_per_row": 10.0, "plane_reduce": worst_of_b,
+                                                                   "thread_per_output": 1.0}))
+        return [derive_rules.Sample(r) for r in records]
+
+    assert derive_rules.least_worst_case(samples(9.6)) == "thread_per_row"
+    assert derive_rules.least_worst_case(samples(5.0)) == "plane_reduce"
+
+
 def test_rules_fitted_to_two_grids_name_both_grids_and_both_models(tmp_path, capsys):
     derive_rules = load_derive_rules()
     a = write_grid(tmp_path / "model_a", MODEL_A)
