@@ -210,12 +210,14 @@ def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision
         if not rule.holds(values):
             continue
         variant = table.get(rule.variant)  # an op with variants of its own (GeM's forward) skips others'
-        if variant is None or not variant.is_legal({}, problem, device.info.limits):
+        if variant is None:
             continue
         config = dict(rule.config)
         try:
             return Decision(rule, variant, variant.check_config(config, problem, device.info.limits), None)
         except ValueError as refused:
+            if not variant.is_legal({}, problem, device.info.limits):
+                continue  # the variant cannot run the problem at all
             params = variant.check_config({}, problem, device.info.limits)
             return Decision(rule, variant, params, f"the rule's configuration {config} is not legal here ({refused}); "
                                                    f"the variant's default runs")
