@@ -72,12 +72,14 @@ def test_every_variant_and_layout(rng, variant, channels_last, ndim):
         np.testing.assert_allclose(got, reference.adaptive_gem_pool(x, size, ndim, 2.0), rtol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape,size", [((2, 6, 40), 5), ((3, 5, 7, 7), 3), ((2, 4, 6, 5), (4, 1)), ((1, 3, 8, 8), 2),
-                                        ((2, 3, 3, 4, 5), (2, 3, 2)), ((2, 70, 7, 7), (2, 3))])
+                                        ((2, 3, 3, 4, 5), (2, 3, 2)), ((2, 70, 7, 7), (2, 3)), ((2, 9, 2, 3), (2, 2)),
+                                        ((2, 5, 3, 5), (2, 3))])
 def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size, dtype):
     """gem_plane_windows (the default for small channels-first planes into few outputs) against
-    the reference, and bit for bit against gem_windows, which sums each window in the same order."""
+    the reference, and bit for bit against gem_windows, which sums each window in the same order.
+    Planes of 40 to 64 inputs (vector steps of eight, tails of 0 to 7) and of 6 (the tail only)."""
     ndim = len(shape) - 2
     op = find("gem", ndim)
     x = _input(rng, shape, dtype)
@@ -86,7 +88,7 @@ def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size
     for p in (3.0, 2.5):
         got = getattr(pt, op.name)(x, size, p=p)
         windows = getattr(pt, op.name)(x, size, p=p, variant="gem_windows")
-        np.testing.assert_array_equal(got, windows)
+        np.testing.assert_array_equal(got.astype(np.float64), windows.astype(np.float64))  # NaN where NaN
         want = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype] * 10)
 
@@ -472,3 +474,44 @@ __kernel void narrow(__global const float* f, __global half* h) { int i = get_gl
     queue.finish()
     same = (narrowed.view(np.uint16) == expected_halves.view(np.uint16)) | (np.isnan(narrowed) & np.isnan(expected_halves))
     assert same.all(), (values[~same][:5], narrowed[~same][:5], expected_halves[~same][:5])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_vector_map_of_gem_programs_has_the_scalar_maps_bits(dtype):
+    """gem_power8(load8(...)) (gem.h: eight contiguous elements in OpenCL's vector types) against the
+    scalar gem_power(LOAD(...)), bit for bit, over every float16/bfloat16 value or wide float32 ones
+    (negative, zero, subnormal, around eps, huge, infinite, NaN) and exponents whose powers under-
+    and overflow."""
+    cl = pytest.importorskip("pyopencl")
+    device = pt.devices()[0]
+    problem = Problem.create("adaptive_gem_pool1d", (1, 1, 8), 2, dtype)
+    source = kernel_source.render_files(("prelude.h", "windows.h", "operators/gem.h"), problem.defines()) + """
+__kernel void scalar_map(__global const scalar_t* x, __global float* y, float p, float eps)
+{ int i = get_global_id(0); y[i] = gem_power(LOAD(x, i), p, eps); }
+__kernel void vector_map(__global const scalar_t* x, __global float* y, float p, float eps)
+{ int i = get_global_id(0); vstore8(gem_power8(load8(x, 8 * (index_t)i), p, eps), i, y); }
+"""
+    context, queue = device.queue.context, device.queue
+    program = cl.Program(context, source).build()
+    scalar_map, vector_map = cl.Kernel(program, "scalar_map"), cl.Kernel(program, "vector_map")
+    if dtype == "float32":
+        rng = np.random.default_rng(1)
+        x = np.concatenate([(rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-40, 39, 1 << 16)).astype(np.float32),
+                            rng.random(1 << 12).astype(np.float32) * 3e-6,
+                            np.array([0.0, -0.0, 1e-6, -1e-6, 1e-45, 3.4e38, np.inf, -np.inf, np.nan, -np.nan],
+                                     np.float32)])
+        x = np.concatenate([x, np.zeros(-x.size % 8, np.float32)])
+    else:
+        x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(_dtype(dtype))
+    flags = cl.mem_flags
+    inputs = cl.Buffer(context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=x)
+    scalar, vector = np.full(x.size, np.nan, np.float32), np.full(x.size, -1.0, np.float32)
+    scalar_buffer, vector_buffer = (cl.Buffer(context, flags.WRITE_ONLY, x.size * 4) for _ in range(2))
+    for p, eps in [(3.0, 1e-6), (2.5, 1e-6), (1.0, 1e-6), (0.37, 1e-3), (7.9, 1e-6), (60.0, 1e-6), (3.0, 0.5)]:
+        scalar_map(queue, (x.size,), None, inputs, scalar_buffer, np.float32(p), np.float32(eps))
+        vector_map(queue, (x.size // 8,), None, inputs, vector_buffer, np.float32(p), np.float32(eps))
+        cl.enqueue_copy(queue, scalar, scalar_buffer)
+        cl.enqueue_copy(queue, vector, vector_buffer)
+        queue.finish()
+        differ = scalar.view(np.uint32) != vector.view(np.uint32)
+        assert not differ.any(), (p, eps, x[differ][:5], scalar[differ][:5], vector[differ][:5])

@@ -8,30 +8,55 @@
  * unrolled whole, so which windows hold each input is known at compile time (straight-line adds, no
  * masks), and the outputs of a plane come from one read of it.  Each window's sum takes its inputs
  * in ascending order, as gem_windows' box does, so the bits are the same.
+ *
+ * The plane is mapped first, into private memory: in OpenCL (but float64) eight contiguous inputs at
+ * a time in vector loads and arithmetic (gem.h's gem_power8, the scalar map's bits), the last
+ * IN_PLANE_SIZE % 8 one by one; the windows then sum the mapped values.
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
 #define PLANE_OUTPUTS (OUT_T * OUT_H * OUT_W)
+#define PLANE_INPUTS (IN_T * IN_H * IN_W)
+
+/* powers[i] = max(x_i, eps)^p for every input x_i of the plane at memory offset `base`. */
+DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t powers[PLANE_INPUTS], acc_t p, acc_t eps)
+{
+    int i = 0;
+#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64
+#pragma unroll
+    for (; i + 8 <= PLANE_INPUTS; i += 8)
+        vstore8(gem_power8(load8(in, base + i), p, eps), 0, powers + i);
+#endif
+#pragma unroll
+    for (; i < PLANE_INPUTS; ++i)
+        powers[i] = gem_power(LOAD(in, base + i), p, eps);
+}
 
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out PLANES_PARAM GEM_PARAMS)
 {
     const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
     if (PARTIAL_LAST_GROUP && plane >= N_PLANES)
         return;
+    const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    /* GeM's usual exponent 3 takes a copy of the map of its own, in which the power folds to two
+     * multiplications (p is the same for every work-item, so the branch is too). */
+    acc_t powers[PLANE_INPUTS];
+    if (p == (acc_t)3)
+        map_plane(in, base, powers, (acc_t)3, eps);
+    else
+        map_plane(in, base, powers, p, eps);
     acc_t sums[PLANE_OUTPUTS];
 #pragma unroll
     for (int o = 0; o < PLANE_OUTPUTS; ++o)
         sums[o] = (acc_t)0;
-    const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
 #pragma unroll
-    for (int i = 0; i < IN_T * IN_H * IN_W; ++i) {
+    for (int i = 0; i < PLANE_INPUTS; ++i) {
         const int t = i / (IN_H * IN_W), h = i / IN_W % IN_H, w = i % IN_W;
-        const acc_t power = gem_power(LOAD(in, base + i), p, eps);
 #pragma unroll
         for (int o = 0; o < PLANE_OUTPUTS; ++o) {
             const int ot = o / (OUT_H * OUT_W), oh = o / OUT_W % OUT_H, ow = o % OUT_W;
             if (WINDOW_HOLDS(t, ot, OUT_T, T_WINDOW_START, T_WINDOW_END)
                 && WINDOW_HOLDS(h, oh, OUT_H, H_WINDOW_START, H_WINDOW_END)
                 && WINDOW_HOLDS(w, ow, OUT_W, W_WINDOW_START, W_WINDOW_END))
-                sums[o] += power;
+                sums[o] += powers[i];
         }
     }
 #pragma unroll
