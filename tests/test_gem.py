@@ -477,11 +477,11 @@ __kernel void narrow(__global const float* f, __global half* h) { int i = get_gl
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_the_vector_map_of_gem_programs_has_the_scalar_maps_bits(dtype):
+def test_the_vector_map_and_roots_of_gem_programs_have_the_scalar_bits(dtype):
     """gem_power8(load8(...)) (gem.h: eight contiguous elements in OpenCL's vector types) against the
     scalar gem_power(LOAD(...)), bit for bit, over every float16/bfloat16 value or wide float32 ones
     (negative, zero, subnormal, around eps, huge, infinite, NaN) and exponents whose powers under-
-    and overflow."""
+    and overflow; gem_root8 against gem_root on those values as sums over areas of 1 to 64."""
     cl = pytest.importorskip("pyopencl")
     device = pt.devices()[0]
     problem = Problem.create("adaptive_gem_pool1d", (1, 1, 8), 2, dtype)
@@ -490,10 +490,18 @@ __kernel void scalar_map(__global const scalar_t* x, __global float* y, float p,
 { int i = get_global_id(0); y[i] = gem_power(LOAD(x, i), p, eps); }
 __kernel void vector_map(__global const scalar_t* x, __global float* y, float p, float eps)
 { int i = get_global_id(0); vstore8(gem_power8(load8(x, 8 * (index_t)i), p, eps), i, y); }
+__kernel void scalar_root(__global const scalar_t* x, __global float* y, float p, float eps)
+{ int i = get_global_id(0); y[i] = gem_root(LOAD(x, i), 1 + i % 64, p); }
+__kernel void vector_root(__global const scalar_t* x, __global float* y, float p, float eps)
+{
+    int i = get_global_id(0);
+    const float8 areas = 1.0f + convert_float8((8 * i + (int8)(0, 1, 2, 3, 4, 5, 6, 7)) % 64);
+    vstore8(gem_root8(load8(x, 8 * (index_t)i), areas, p), i, y);
+}
 """
     context, queue = device.queue.context, device.queue
     program = cl.Program(context, source).build()
-    scalar_map, vector_map = cl.Kernel(program, "scalar_map"), cl.Kernel(program, "vector_map")
+    pairs = [(cl.Kernel(program, f"scalar_{name}"), cl.Kernel(program, f"vector_{name}")) for name in ("map", "root")]
     if dtype == "float32":
         rng = np.random.default_rng(1)
         x = np.concatenate([(rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-40, 39, 1 << 16)).astype(np.float32),
@@ -508,10 +516,12 @@ __kernel void vector_map(__global const scalar_t* x, __global float* y, float p,
     scalar, vector = np.full(x.size, np.nan, np.float32), np.full(x.size, -1.0, np.float32)
     scalar_buffer, vector_buffer = (cl.Buffer(context, flags.WRITE_ONLY, x.size * 4) for _ in range(2))
     for p, eps in [(3.0, 1e-6), (2.5, 1e-6), (1.0, 1e-6), (0.37, 1e-3), (7.9, 1e-6), (60.0, 1e-6), (3.0, 0.5)]:
-        scalar_map(queue, (x.size,), None, inputs, scalar_buffer, np.float32(p), np.float32(eps))
-        vector_map(queue, (x.size // 8,), None, inputs, vector_buffer, np.float32(p), np.float32(eps))
-        cl.enqueue_copy(queue, scalar, scalar_buffer)
-        cl.enqueue_copy(queue, vector, vector_buffer)
-        queue.finish()
-        differ = scalar.view(np.uint32) != vector.view(np.uint32)
-        assert not differ.any(), (p, eps, x[differ][:5], scalar[differ][:5], vector[differ][:5])
+        for scalar_kernel, vector_kernel in pairs:
+            scalar_kernel(queue, (x.size,), None, inputs, scalar_buffer, np.float32(p), np.float32(eps))
+            vector_kernel(queue, (x.size // 8,), None, inputs, vector_buffer, np.float32(p), np.float32(eps))
+            cl.enqueue_copy(queue, scalar, scalar_buffer)
+            cl.enqueue_copy(queue, vector, vector_buffer)
+            queue.finish()
+            differ = scalar.view(np.uint32) != vector.view(np.uint32)
+            assert not differ.any(), (scalar_kernel.function_name, p, eps, x[differ][:5], scalar[differ][:5],
+                                      vector[differ][:5])

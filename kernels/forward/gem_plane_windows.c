@@ -9,18 +9,28 @@
  * masks), and the outputs of a plane come from one read of it.  Each window's sum takes its inputs
  * in ascending order, as gem_windows' box does, so the bits are the same.
  *
- * The plane is mapped first, into private memory: in OpenCL (but float64) eight contiguous inputs at
- * a time in vector loads and arithmetic (gem.h's gem_power8, the scalar map's bits), the last
- * IN_PLANE_SIZE % 8 one by one; the windows then sum the mapped values.
+ * The plane is mapped first, into private memory, and the windows then sum the mapped values.  In
+ * OpenCL (but float64) the map takes eight contiguous inputs at a time in vector loads and
+ * arithmetic, the last IN_PLANE_SIZE % 8 one by one, and the roots eight outputs at a time (gem.h's
+ * gem_power8 and gem_root8, the scalar helpers' bits): PoCL's work-group vectoriser turns a
+ * work-item's scalar loads of its contiguous plane into strided gathers, and its scalar roots stay
+ * scalar.
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
 #define PLANE_OUTPUTS (OUT_T * OUT_H * OUT_W)
 #define PLANE_INPUTS (IN_T * IN_H * IN_W)
+#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64
+#define VECTOR_STEPS 1
+#else
+#define VECTOR_STEPS 0
+#endif
+/* The window sums, past PLANE_OUTPUTS to a whole number of vector steps. */
+#define SUMS ((PLANE_OUTPUTS + 7) / 8 * 8)
 
 /* powers[i] = max(x_i, eps)^p for every input x_i of the plane at memory offset `base`. */
 DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t powers[PLANE_INPUTS], acc_t p, acc_t eps)
 {
     int i = 0;
-#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64
+#if VECTOR_STEPS
 #pragma unroll
     for (; i + 8 <= PLANE_INPUTS; i += 8)
         vstore8(gem_power8(load8(in, base + i), p, eps), 0, powers + i);
@@ -28,6 +38,33 @@ DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t
 #pragma unroll
     for (; i < PLANE_INPUTS; ++i)
         powers[i] = gem_power(LOAD(in, base + i), p, eps);
+}
+
+/* out[o] = the p-th root of the mean of window o, from its sum, for every output o of the plane
+ * whose outputs start at memory offset `base`. */
+DEVICE_FN void store_roots(GLOBAL scalar_t* RESTRICT out, index_t base, const acc_t sums[SUMS], acc_t p)
+{
+#if VECTOR_STEPS
+#pragma unroll
+    for (int o = 0; o < PLANE_OUTPUTS; o += 8) {
+        acc_t areas[8], roots[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int ok = o + k, ot = ok / (OUT_H * OUT_W), oh = ok / OUT_W % OUT_H, ow = ok % OUT_W;
+            areas[k] = ok < PLANE_OUTPUTS ? (acc_t)window_area(ot, oh, ow) : (acc_t)1;
+        }
+        vstore8(gem_root8(vload8(0, sums + o), vload8(0, areas), p), 0, roots);
+#pragma unroll
+        for (int k = 0; k < 8 && o + k < PLANE_OUTPUTS; ++k)
+            STORE(out, base + o + k, roots[k]);
+    }
+#else
+#pragma unroll
+    for (int o = 0; o < PLANE_OUTPUTS; ++o) {
+        const int ot = o / (OUT_H * OUT_W), oh = o / OUT_W % OUT_H, ow = o % OUT_W;
+        STORE(out, base + o, gem_root(sums[o], window_area(ot, oh, ow), p));
+    }
+#endif
 }
 
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out PLANES_PARAM GEM_PARAMS)
@@ -43,9 +80,9 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         map_plane(in, base, powers, (acc_t)3, eps);
     else
         map_plane(in, base, powers, p, eps);
-    acc_t sums[PLANE_OUTPUTS];
+    acc_t sums[SUMS];
 #pragma unroll
-    for (int o = 0; o < PLANE_OUTPUTS; ++o)
+    for (int o = 0; o < SUMS; ++o)
         sums[o] = (acc_t)0;
 #pragma unroll
     for (int i = 0; i < PLANE_INPUTS; ++i) {
@@ -59,9 +96,5 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
                 sums[o] += powers[i];
         }
     }
-#pragma unroll
-    for (int o = 0; o < PLANE_OUTPUTS; ++o) {
-        const int ot = o / (OUT_H * OUT_W), oh = o / OUT_W % OUT_H, ow = o % OUT_W;
-        STORE(out, PLANE_BASE(plane, OUT_PLANE_SIZE) + o, gem_root(sums[o], window_area(ot, oh, ow), p));
-    }
+    store_roots(out, PLANE_BASE(plane, OUT_PLANE_SIZE), sums, p);
 }

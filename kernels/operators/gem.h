@@ -154,6 +154,14 @@ DEVICE_FN float8 gem_power8(float8 x, float p, float eps)
         return c * c * c;
     return IS_NAN(c) ? c : exp2_arithmetic8(p * log2_arithmetic8(c));
 }
+
+/* gem_root of eight windows at once, every lane's root taken and then kept or not. */
+DEVICE_FN float8 gem_root8(float8 sums, float8 areas, float p)
+{
+    const float8 mean = sums / areas;
+    const float8 root = exp2_arithmetic8(log2_arithmetic8(mean) / p);
+    return (IS_NAN(mean) | (mean == INFINITY)) ? mean : root;
+}
 #endif
 
 /* ln(c) of a clamped element c (> 0, or NaN): the gradient of p needs it. */
