@@ -11,7 +11,7 @@
  *
  * The plane is mapped first, into private memory, and the windows then sum the mapped values.  In
  * OpenCL (but float64) the map takes eight contiguous inputs at a time in vector loads and
- * arithmetic, the last IN_PLANE_SIZE % 8 one by one, and the roots eight outputs at a time (gem.h's
+ * arithmetic (planes of fewer than eight inputs one by one), and the roots eight outputs at a time (gem.h's
  * gem_power8 and gem_root8, the scalar helpers' bits): PoCL's work-group vectoriser turns a
  * work-item's scalar loads of its contiguous plane into strided gathers, and its scalar roots stay
  * scalar.
@@ -26,18 +26,22 @@
 /* The window sums, past PLANE_OUTPUTS to a whole number of vector steps. */
 #define SUMS ((PLANE_OUTPUTS + 7) / 8 * 8)
 
-/* powers[i] = max(x_i, eps)^p for every input x_i of the plane at memory offset `base`. */
+/* powers[i] = max(x_i, eps)^p for every input x_i of the plane at memory offset `base`.  In vector
+ * steps, a last step that would run past the plane's end ends at its end instead: it maps some
+ * inputs of the step before it again, to the same values. */
 DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t powers[PLANE_INPUTS], acc_t p, acc_t eps)
 {
-    int i = 0;
-#if VECTOR_STEPS
+#if VECTOR_STEPS && PLANE_INPUTS >= 8
 #pragma unroll
-    for (; i + 8 <= PLANE_INPUTS; i += 8)
+    for (int step = 0; step < (PLANE_INPUTS + 7) / 8; ++step) {
+        const int i = min(8 * step, PLANE_INPUTS - 8);
         vstore8(gem_power8(load8(in, base + i), p, eps), 0, powers + i);
-#endif
+    }
+#else
 #pragma unroll
-    for (; i < PLANE_INPUTS; ++i)
+    for (int i = 0; i < PLANE_INPUTS; ++i)
         powers[i] = gem_power(LOAD(in, base + i), p, eps);
+#endif
 }
 
 /* out[o] = the p-th root of the mean of window o, from its sum, for every output o of the plane
