@@ -437,13 +437,16 @@ def test_a_new_p_every_call_reuses_the_prepared_launches(rng, monkeypatch):
 def test_float16_conversions_of_gem_programs_match_numpy():
     """GeM's OpenCL programs widen and narrow float16 in integer arithmetic (gem.h), not
     vload_half/vstore_half_rte: every float16 value widens exactly; floats narrow to numpy's bits
-    (round to nearest even: halfway cases, subnormals, overflow to infinity, NaN)."""
+    (round to nearest even: halfway cases, subnormals, overflow to infinity, NaN), one at a time
+    (STORE) and eight at a time (stored8)."""
     cl = pytest.importorskip("pyopencl")
     device = pt.devices()[0]
     problem = Problem.create("adaptive_gem_pool1d", (1, 1, 4), 2, "float16")
     source = kernel_source.render_files(("prelude.h", "windows.h", "operators/gem.h"), problem.defines()) + """
 __kernel void widen(__global const half* h, __global float* f) { int i = get_global_id(0); f[i] = LOAD(h, i); }
 __kernel void narrow(__global const float* f, __global half* h) { int i = get_global_id(0); STORE(h, i, f[i]); }
+__kernel void narrow8(__global const float* f, __global half* h)
+{ int i = get_global_id(0); vstore8(stored8(vload8(i, f)), i, (__global stored_t*)h); }
 """
     context, queue = device.queue.context, device.queue
     program = cl.Program(context, source).build()
@@ -466,14 +469,20 @@ __kernel void narrow(__global const float* f, __global half* h) { int i = get_gl
                                  np.array([65519.99, 65520.0, 1e10, -1e10, np.inf, -np.inf, np.nan, -0.0, 2.98e-8],
                                           np.float32)])
         expected_halves = values.astype(np.float16)
-    narrowed = np.empty(values.size, np.float16)
+    padding = np.zeros(-values.size % 8, np.float32)  # stored8 takes eight at a time
+    values = np.concatenate([values, padding])
+    expected_halves = np.concatenate([expected_halves, padding.astype(np.float16)])
     source_floats = cl.Buffer(context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=values)
-    target = cl.Buffer(context, flags.WRITE_ONLY, narrowed.nbytes)
-    program.narrow(queue, (values.size,), None, source_floats, target)
-    cl.enqueue_copy(queue, narrowed, target)
-    queue.finish()
-    same = (narrowed.view(np.uint16) == expected_halves.view(np.uint16)) | (np.isnan(narrowed) & np.isnan(expected_halves))
-    assert same.all(), (values[~same][:5], narrowed[~same][:5], expected_halves[~same][:5])
+    for name, items in (("narrow", values.size), ("narrow8", values.size // 8)):
+        kernel = cl.Kernel(program, name)
+        narrowed = np.empty(values.size, np.float16)
+        target = cl.Buffer(context, flags.WRITE_ONLY, narrowed.nbytes)
+        kernel(queue, (items,), None, source_floats, target)
+        cl.enqueue_copy(queue, narrowed, target)
+        queue.finish()
+        same = ((narrowed.view(np.uint16) == expected_halves.view(np.uint16))
+                | (np.isnan(narrowed) & np.isnan(expected_halves)))
+        assert same.all(), (name, values[~same][:5], narrowed[~same][:5], expected_halves[~same][:5])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -11,10 +11,10 @@
  *
  * The plane is mapped first, into private memory, and the windows then sum the mapped values.  In
  * OpenCL (but float64) the map takes eight contiguous inputs at a time in vector loads and
- * arithmetic (planes of fewer than eight inputs one by one), and the roots eight outputs at a time (gem.h's
- * gem_power8 and gem_root8, the scalar helpers' bits): PoCL's work-group vectoriser turns a
- * work-item's scalar loads of its contiguous plane into strided gathers, and its scalar roots stay
- * scalar.
+ * arithmetic (planes of fewer than eight inputs one by one), and the roots, narrowed to the storage
+ * type, eight outputs at a time (gem.h's gem_power8, gem_root8 and stored8, the scalar helpers'
+ * bits): PoCL's work-group vectoriser turns a work-item's scalar loads of its contiguous plane into
+ * strided gathers, and its scalar roots stay scalar.
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
 #define PLANE_OUTPUTS (OUT_T * OUT_H * OUT_W)
 #define PLANE_INPUTS (IN_T * IN_H * IN_W)
@@ -29,7 +29,8 @@
 /* powers[i] = max(x_i, eps)^p for every input x_i of the plane at memory offset `base`.  In vector
  * steps, a last step that would run past the plane's end ends at its end instead: it maps some
  * inputs of the step before it again, to the same values. */
-DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t powers[PLANE_INPUTS], acc_t p, acc_t eps)
+DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t powers[PLANE_INPUTS], acc_t p,
+                         acc_t eps)
 {
 #if VECTOR_STEPS && PLANE_INPUTS >= 8
 #pragma unroll
@@ -51,16 +52,17 @@ DEVICE_FN void store_roots(GLOBAL scalar_t* RESTRICT out, index_t base, const ac
 #if VECTOR_STEPS
 #pragma unroll
     for (int o = 0; o < PLANE_OUTPUTS; o += 8) {
-        acc_t areas[8], roots[8];
+        acc_t areas[8];
+        stored_t roots[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int ok = o + k, ot = ok / (OUT_H * OUT_W), oh = ok / OUT_W % OUT_H, ow = ok % OUT_W;
             areas[k] = ok < PLANE_OUTPUTS ? (acc_t)window_area(ot, oh, ow) : (acc_t)1;
         }
-        vstore8(gem_root8(vload8(0, sums + o), vload8(0, areas), p), 0, roots);
+        vstore8(stored8(gem_root8(vload8(0, sums + o), vload8(0, areas), p)), 0, roots);
 #pragma unroll
         for (int k = 0; k < 8 && o + k < PLANE_OUTPUTS; ++k)
-            STORE(out, base + o + k, roots[k]);
+            ((GLOBAL stored_t*)out)[base + o + k] = roots[k];
     }
 #else
 #pragma unroll

@@ -155,6 +155,34 @@ DEVICE_FN float8 gem_power8(float8 x, float p, float eps)
     return IS_NAN(c) ? c : exp2_arithmetic8(p * log2_arithmetic8(c));
 }
 
+/* Eight results in the storage's bits, each as STORE narrows one (float16: half_bits_from_float;
+ * bfloat16: prelude.h's bfloat16_from_float), to be stored as stored_t. */
+#if DTYPE_FLOAT16
+typedef ushort stored_t;
+DEVICE_FN ushort8 stored8(float8 value)
+{
+    const uint8 bits = as_uint8(value), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
+    const uint8 large = magnitude > 0x7F800000u ? (uint8)0x7E00u : (uint8)0x7C00u;
+    const uint8 small = as_uint8(as_float8(magnitude) + 0.5f) - 0x3F000000u;
+    const uint8 normal = (magnitude - 0x38000000u + 0x0FFFu + ((magnitude >> 13) & 1u)) >> 13;
+    const uint8 result = magnitude >= 0x47800000u ? large : magnitude < 0x38800000u ? small : normal;
+    return convert_ushort8(sign | result);
+}
+#elif DTYPE_BFLOAT16
+typedef ushort stored_t;
+DEVICE_FN ushort8 stored8(float8 value)
+{
+    const uint8 bits = as_uint8(value);
+    return convert_ushort8(IS_NAN(value) ? (bits >> 16) | 0x0040u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+#else
+typedef float stored_t;
+DEVICE_FN float8 stored8(float8 value)
+{
+    return value;
+}
+#endif
+
 /* gem_root of eight windows at once, every lane's root taken and then kept or not. */
 DEVICE_FN float8 gem_root8(float8 sums, float8 areas, float p)
 {
