@@ -72,12 +72,14 @@ def test_every_variant_and_layout(rng, variant, channels_last, ndim):
         np.testing.assert_allclose(got, reference.adaptive_gem_pool(x, size, ndim, 2.0), rtol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape,size", [((2, 6, 40), 5), ((3, 5, 7, 7), 3), ((2, 4, 6, 5), (4, 1)), ((1, 3, 8, 8), 2),
-                                        ((2, 3, 3, 4, 5), (2, 3, 2)), ((2, 70, 7, 7), (2, 3))])
+                                        ((2, 3, 3, 4, 5), (2, 3, 2)), ((2, 70, 7, 7), (2, 3)), ((2, 9, 2, 3), (2, 2)),
+                                        ((2, 5, 3, 5), (2, 3))])
 def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size, dtype):
     """gem_plane_windows (the default for small channels-first planes into few outputs) against
-    the reference, and bit for bit against gem_windows, which sums each window in the same order."""
+    the reference, and bit for bit against gem_windows, which sums each window in the same order.
+    Planes of 40 to 64 inputs (vector steps of eight, tails of 0 to 7) and of 6 (the tail only)."""
     ndim = len(shape) - 2
     op = find("gem", ndim)
     x = _input(rng, shape, dtype)
@@ -86,7 +88,7 @@ def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size
     for p in (3.0, 2.5):
         got = getattr(pt, op.name)(x, size, p=p)
         windows = getattr(pt, op.name)(x, size, p=p, variant="gem_windows")
-        np.testing.assert_array_equal(got, windows)
+        np.testing.assert_array_equal(got.astype(np.float64), windows.astype(np.float64))  # NaN where NaN
         want = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype] * 10)
 
@@ -435,13 +437,16 @@ def test_a_new_p_every_call_reuses_the_prepared_launches(rng, monkeypatch):
 def test_float16_conversions_of_gem_programs_match_numpy():
     """GeM's OpenCL programs widen and narrow float16 in integer arithmetic (gem.h), not
     vload_half/vstore_half_rte: every float16 value widens exactly; floats narrow to numpy's bits
-    (round to nearest even: halfway cases, subnormals, overflow to infinity, NaN)."""
+    (round to nearest even: halfway cases, subnormals, overflow to infinity, NaN), one at a time
+    (STORE) and eight at a time (stored8)."""
     cl = pytest.importorskip("pyopencl")
     device = pt.devices()[0]
     problem = Problem.create("adaptive_gem_pool1d", (1, 1, 4), 2, "float16")
     source = kernel_source.render_files(("prelude.h", "windows.h", "operators/gem.h"), problem.defines()) + """
 __kernel void widen(__global const half* h, __global float* f) { int i = get_global_id(0); f[i] = LOAD(h, i); }
 __kernel void narrow(__global const float* f, __global half* h) { int i = get_global_id(0); STORE(h, i, f[i]); }
+__kernel void narrow8(__global const float* f, __global half* h)
+{ int i = get_global_id(0); vstore8(stored8(vload8(i, f)), i, (__global stored_t*)h); }
 """
     context, queue = device.queue.context, device.queue
     program = cl.Program(context, source).build()
@@ -464,11 +469,68 @@ __kernel void narrow(__global const float* f, __global half* h) { int i = get_gl
                                  np.array([65519.99, 65520.0, 1e10, -1e10, np.inf, -np.inf, np.nan, -0.0, 2.98e-8],
                                           np.float32)])
         expected_halves = values.astype(np.float16)
-    narrowed = np.empty(values.size, np.float16)
+    padding = np.zeros(-values.size % 8, np.float32)  # stored8 takes eight at a time
+    values = np.concatenate([values, padding])
+    expected_halves = np.concatenate([expected_halves, padding.astype(np.float16)])
     source_floats = cl.Buffer(context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=values)
-    target = cl.Buffer(context, flags.WRITE_ONLY, narrowed.nbytes)
-    program.narrow(queue, (values.size,), None, source_floats, target)
-    cl.enqueue_copy(queue, narrowed, target)
-    queue.finish()
-    same = (narrowed.view(np.uint16) == expected_halves.view(np.uint16)) | (np.isnan(narrowed) & np.isnan(expected_halves))
-    assert same.all(), (values[~same][:5], narrowed[~same][:5], expected_halves[~same][:5])
+    for name, items in (("narrow", values.size), ("narrow8", values.size // 8)):
+        kernel = cl.Kernel(program, name)
+        narrowed = np.empty(values.size, np.float16)
+        target = cl.Buffer(context, flags.WRITE_ONLY, narrowed.nbytes)
+        kernel(queue, (items,), None, source_floats, target)
+        cl.enqueue_copy(queue, narrowed, target)
+        queue.finish()
+        same = ((narrowed.view(np.uint16) == expected_halves.view(np.uint16))
+                | (np.isnan(narrowed) & np.isnan(expected_halves)))
+        assert same.all(), (name, values[~same][:5], narrowed[~same][:5], expected_halves[~same][:5])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_vector_map_and_roots_of_gem_programs_have_the_scalar_bits(dtype):
+    """gem_power8(load8(...)) (gem.h: eight contiguous elements in OpenCL's vector types) against the
+    scalar gem_power(LOAD(...)), bit for bit, over every float16/bfloat16 value or wide float32 ones
+    (negative, zero, subnormal, around eps, huge, infinite, NaN) and exponents whose powers under-
+    and overflow; gem_root8 against gem_root on those values as sums over areas of 1 to 64."""
+    cl = pytest.importorskip("pyopencl")
+    device = pt.devices()[0]
+    problem = Problem.create("adaptive_gem_pool1d", (1, 1, 8), 2, dtype)
+    source = kernel_source.render_files(("prelude.h", "windows.h", "operators/gem.h"), problem.defines()) + """
+__kernel void scalar_map(__global const scalar_t* x, __global float* y, float p, float eps)
+{ int i = get_global_id(0); y[i] = gem_power(LOAD(x, i), p, eps); }
+__kernel void vector_map(__global const scalar_t* x, __global float* y, float p, float eps)
+{ int i = get_global_id(0); vstore8(gem_power8(load8(x, 8 * (index_t)i), p, eps), i, y); }
+__kernel void scalar_root(__global const scalar_t* x, __global float* y, float p, float eps)
+{ int i = get_global_id(0); y[i] = gem_root(LOAD(x, i), 1 + i % 64, p); }
+__kernel void vector_root(__global const scalar_t* x, __global float* y, float p, float eps)
+{
+    int i = get_global_id(0);
+    const float8 areas = 1.0f + convert_float8((8 * i + (int8)(0, 1, 2, 3, 4, 5, 6, 7)) % 64);
+    vstore8(gem_root8(load8(x, 8 * (index_t)i), areas, p), i, y);
+}
+"""
+    context, queue = device.queue.context, device.queue
+    program = cl.Program(context, source).build()
+    pairs = [(cl.Kernel(program, f"scalar_{name}"), cl.Kernel(program, f"vector_{name}")) for name in ("map", "root")]
+    if dtype == "float32":
+        rng = np.random.default_rng(1)
+        x = np.concatenate([(rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-40, 39, 1 << 16)).astype(np.float32),
+                            rng.random(1 << 12).astype(np.float32) * 3e-6,
+                            np.array([0.0, -0.0, 1e-6, -1e-6, 1e-45, 3.4e38, np.inf, -np.inf, np.nan, -np.nan],
+                                     np.float32)])
+        x = np.concatenate([x, np.zeros(-x.size % 8, np.float32)])
+    else:
+        x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(_dtype(dtype))
+    flags = cl.mem_flags
+    inputs = cl.Buffer(context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=x)
+    scalar, vector = np.full(x.size, np.nan, np.float32), np.full(x.size, -1.0, np.float32)
+    scalar_buffer, vector_buffer = (cl.Buffer(context, flags.WRITE_ONLY, x.size * 4) for _ in range(2))
+    for p, eps in [(3.0, 1e-6), (2.5, 1e-6), (1.0, 1e-6), (0.37, 1e-3), (7.9, 1e-6), (60.0, 1e-6), (3.0, 0.5)]:
+        for scalar_kernel, vector_kernel in pairs:
+            scalar_kernel(queue, (x.size,), None, inputs, scalar_buffer, np.float32(p), np.float32(eps))
+            vector_kernel(queue, (x.size // 8,), None, inputs, vector_buffer, np.float32(p), np.float32(eps))
+            cl.enqueue_copy(queue, scalar, scalar_buffer)
+            cl.enqueue_copy(queue, vector, vector_buffer)
+            queue.finish()
+            differ = scalar.view(np.uint32) != vector.view(np.uint32)
+            assert not differ.any(), (scalar_kernel.function_name, p, eps, x[differ][:5], scalar[differ][:5],
+                                      vector[differ][:5])

@@ -102,6 +102,96 @@ DEVICE_FN acc_t gem_power(acc_t x, acc_t p, acc_t eps)
 #endif
 }
 
+#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64
+/* GeM's map on eight contiguous elements at once, in OpenCL's vector types: a work-item that maps a
+ * contiguous run (a small plane) does it in vector loads and arithmetic, where PoCL's work-group
+ * vectoriser would turn the same scalar code into strided gathers across work-items.  Each helper is
+ * its scalar namesake above, expression for expression (compilers contract a * b + c to a fused
+ * multiply-add alike in scalar and vector code), so the bits are the scalar map's. */
+DEVICE_FN float8 load8(const GLOBAL scalar_t* RESTRICT in, index_t offset)
+{
+#if DTYPE_FLOAT16
+    const uint8 h = convert_uint8(vload8(0, (const GLOBAL ushort*)in + offset));
+    const uint8 sign = (h & 0x8000u) << 16, magnitude = h & 0x7FFFu;
+    const float8 normal = as_float8((magnitude << 13) + 0x38000000u);
+    const float8 subnormal = convert_float8(magnitude) * 0x1p-24f;
+    const uint8 special = 0x7F800000u | ((magnitude & 0x03FFu) << 13);
+    const uint8 bits = magnitude >= 0x7C00u ? special : magnitude < 0x0400u ? as_uint8(subnormal) : as_uint8(normal);
+    return as_float8(sign | bits);
+#elif DTYPE_BFLOAT16
+    return as_float8(convert_uint8(vload8(0, in + offset)) << 16);
+#else
+    return vload8(0, in + offset);
+#endif
+}
+
+DEVICE_FN float8 log2_arithmetic8(float8 x)
+{
+    const uint8 bits = as_uint8(x);
+    float8 exponent = convert_float8(as_int8(bits >> 23) - 127);
+    float8 m = as_float8((bits & 0x007FFFFFu) | 0x3F800000u);
+    const int8 high = m > 1.41421356f;
+    m = high ? 0.5f * m : m;
+    exponent += high ? (float8)1.0f : (float8)0.0f;
+    const float8 t = (m - 1.0f) / (m + 1.0f), t2 = t * t;
+    const float8 series = t * (2.0f + t2 * (0.666666667f + t2 * (0.4f + t2 * (0.285714286f + t2 * 0.222222222f))));
+    return exponent + series * 1.44269504f;
+}
+
+DEVICE_FN float8 exp2_arithmetic8(float8 z)
+{
+    z = z < -126.0f ? (float8)-126.0f : (z > 128.0f ? (float8)128.0f : z);
+    const float8 k = convert_float8(convert_int8(z + 128.5f) - 128), f = (z - k) * 0.693147181f;
+    const float8 e = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f
+                     + f * (0.00138888889f + f * 0.000198412698f))))));
+    return e * as_float8(as_uint8(convert_int8(k) + 127) << 23);
+}
+
+DEVICE_FN float8 gem_power8(float8 x, float p, float eps)
+{
+    const float8 c = x < eps ? (float8)eps : x;
+    if (p == 3.0f)
+        return c * c * c;
+    return IS_NAN(c) ? c : exp2_arithmetic8(p * log2_arithmetic8(c));
+}
+
+/* Eight results in the storage's bits, each as STORE narrows one (float16: half_bits_from_float;
+ * bfloat16: prelude.h's bfloat16_from_float), to be stored as stored_t. */
+#if DTYPE_FLOAT16
+typedef ushort stored_t;
+DEVICE_FN ushort8 stored8(float8 value)
+{
+    const uint8 bits = as_uint8(value), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
+    const uint8 large = magnitude > 0x7F800000u ? (uint8)0x7E00u : (uint8)0x7C00u;
+    const uint8 small = as_uint8(as_float8(magnitude) + 0.5f) - 0x3F000000u;
+    const uint8 normal = (magnitude - 0x38000000u + 0x0FFFu + ((magnitude >> 13) & 1u)) >> 13;
+    const uint8 result = magnitude >= 0x47800000u ? large : magnitude < 0x38800000u ? small : normal;
+    return convert_ushort8(sign | result);
+}
+#elif DTYPE_BFLOAT16
+typedef ushort stored_t;
+DEVICE_FN ushort8 stored8(float8 value)
+{
+    const uint8 bits = as_uint8(value);
+    return convert_ushort8(IS_NAN(value) ? (bits >> 16) | 0x0040u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+#else
+typedef float stored_t;
+DEVICE_FN float8 stored8(float8 value)
+{
+    return value;
+}
+#endif
+
+/* gem_root of eight windows at once, every lane's root taken and then kept or not. */
+DEVICE_FN float8 gem_root8(float8 sums, float8 areas, float p)
+{
+    const float8 mean = sums / areas;
+    const float8 root = exp2_arithmetic8(log2_arithmetic8(mean) / p);
+    return (IS_NAN(mean) | (mean == INFINITY)) ? mean : root;
+}
+#endif
+
 /* ln(c) of a clamped element c (> 0, or NaN): the gradient of p needs it. */
 DEVICE_FN acc_t gem_log(acc_t c)
 {
