@@ -867,9 +867,9 @@ class GemWindows(Variant):
 
 class GemPlaneWindows(Variant):
     name = "gem_plane_windows"
-    summary = ("GeM, small channels-first planes into few outputs: a work-item maps each input of one plane once "
-               "(the plane unrolled) into the sums of the windows that hold it, neighbouring work-items on "
-               "neighbouring planes")
+    summary = ("GeM, small channels-first planes into few outputs: a work-item maps one whole plane (OpenCL: eight "
+               "inputs at a time in vector code) and adds each input's power into the sums of the windows that hold "
+               "it, neighbouring work-items on neighbouring planes")
     search_space = {"block_size_x": [16, 64, 256]}
     default = {"block_size_x": 64}
     layouts = ("channels_first",)
