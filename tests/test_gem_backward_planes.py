@@ -80,58 +80,57 @@ def test_planes_past_the_limits_run_the_element_form(shape, size):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
-@pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("shape,size", PLANE_CASES)
-def test_the_plane_form_has_the_element_forms_bits_for_x(rng, shape, size, p, dtype):
+def test_the_plane_form_has_the_element_forms_bits_for_x(rng, shape, size, dtype):
     """The gradient of x, NaN, negative, zero, below-eps and eps inputs included, to the bit: each
     input's share summed in ascending output order as the element form sums it (channels-last
     memory runs the element form); dL/dp close to the element form's (its terms grouped by plane)."""
     ndim = len(shape) - 2
     forward, backward = FUNCTIONS[ndim]
-    x = _edge_input(rng, shape, dtype)
-    y = forward(x, size, p=p)
-    g = rng.standard_normal(y.shape).astype(x.dtype)
-    planes, planes_p = backward(g, x, size, p=p, output=y)
-    elements, elements_p = backward(g, _channels_last(x), size, p=p, output=y)
-    assert planes.dtype == x.dtype and planes.shape == x.shape
-    assert np.array_equal(_bits(planes), _bits(np.ascontiguousarray(elements)))
-    assert np.isnan(planes_p) and np.isnan(elements_p)  # NaN inputs make NaN outputs, which make dL/dp NaN
-    finite = _finite_input(rng, shape, dtype)
-    y = forward(finite, size, p=p)
-    planes, planes_p = backward(g, finite, size, p=p, output=y)
-    elements, elements_p = backward(g, _channels_last(finite), size, p=p, output=y)
-    assert np.array_equal(_bits(planes), _bits(np.ascontiguousarray(elements)))
-    y64 = reference.adaptive_gem_pool(finite.astype(np.float64), size, ndim, p)
-    magnitude = np.abs(g * y64 * np.log(y64)).sum() / p
-    assert abs(planes_p - elements_p) <= TOL[dtype] * magnitude
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
-@pytest.mark.parametrize("p", P_VALUES)
-@pytest.mark.parametrize("shape,size", PLANE_CASES)
-def test_the_plane_form_matches_the_reference(rng, shape, size, p, dtype):
-    ndim = len(shape) - 2
-    forward, backward = FUNCTIONS[ndim]
-    x = _finite_input(rng, shape, dtype)
-    x.flat[::11] = -1.0  # below eps: no gradient
-    y = forward(x, size, p=p)
-    g = rng.standard_normal(y.shape).astype(x.dtype)
-    grad_x, grad_p = backward(g, x, size, p=p)
-    expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64), size,
-                                                                  ndim, p)
-    scale = np.abs(expected_x).max()
-    np.testing.assert_allclose(grad_x.astype(np.float64), expected_x, rtol=TOL[dtype] * 10,
-                               atol=TOL[dtype] * 10 * scale)
-    assert (grad_x.astype(np.float64).flat[::11] == 0).all()
-    # dL/dp sums terms of both signs: its error is relative to their magnitude, not to the sum
-    y64 = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
-    magnitude = np.abs(g * y64 * np.log(y64)).sum() / p
-    assert abs(grad_p - expected_p) <= TOL[dtype] * 10 * magnitude
+    for p in P_VALUES:
+        x = _edge_input(rng, shape, dtype)
+        y = forward(x, size, p=p)
+        g = rng.standard_normal(y.shape).astype(x.dtype)
+        planes, planes_p = backward(g, x, size, p=p, output=y)
+        elements, elements_p = backward(g, _channels_last(x), size, p=p, output=y)
+        assert planes.dtype == x.dtype and planes.shape == x.shape
+        assert np.array_equal(_bits(planes), _bits(np.ascontiguousarray(elements))), p
+        assert np.isnan(planes_p) and np.isnan(elements_p)  # NaN inputs make NaN outputs, which make dL/dp NaN
+        finite = _finite_input(rng, shape, dtype)
+        y = forward(finite, size, p=p)
+        planes, planes_p = backward(g, finite, size, p=p, output=y)
+        elements, elements_p = backward(g, _channels_last(finite), size, p=p, output=y)
+        assert np.array_equal(_bits(planes), _bits(np.ascontiguousarray(elements))), p
+        y64 = reference.adaptive_gem_pool(finite.astype(np.float64), size, ndim, p)
+        magnitude = np.abs(g * y64 * np.log(y64)).sum() / p
+        assert abs(planes_p - elements_p) <= TOL[dtype] * magnitude, p
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("p", P_VALUES)
-@pytest.mark.parametrize("shape,size", [((8, 100, 7, 7), 2), ((6, 128, 5, 5), 3), ((8, 64, 2, 3), 2)])
+@pytest.mark.parametrize("shape,size", PLANE_CASES)
+def test_the_plane_form_matches_the_reference(rng, shape, size, dtype):
+    ndim = len(shape) - 2
+    forward, backward = FUNCTIONS[ndim]
+    for p in P_VALUES:
+        x = _finite_input(rng, shape, dtype)
+        x.flat[::11] = -1.0  # below eps: no gradient
+        y = forward(x, size, p=p)
+        g = rng.standard_normal(y.shape).astype(x.dtype)
+        grad_x, grad_p = backward(g, x, size, p=p)
+        expected_x, expected_p = reference.adaptive_gem_pool_backward(g.astype(np.float64), x.astype(np.float64),
+                                                                      size, ndim, p)
+        scale = np.abs(expected_x).max()
+        np.testing.assert_allclose(grad_x.astype(np.float64), expected_x, rtol=TOL[dtype] * 10,
+                                   atol=TOL[dtype] * 10 * scale)
+        assert (grad_x.astype(np.float64).flat[::11] == 0).all()
+        # dL/dp sums terms of both signs: its error is relative to their magnitude, not to the sum
+        y64 = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
+        magnitude = np.abs(g * y64 * np.log(y64)).sum() / p
+        assert abs(grad_p - expected_p) <= TOL[dtype] * 10 * magnitude, p
+
+
+@pytest.mark.parametrize("dtype,p", [("float32", 3.0), ("float16", 2.2)])
+@pytest.mark.parametrize("shape,size", [((8, 100, 7, 7), 2), ((8, 64, 2, 3), 2)])
 def test_the_plane_form_in_slabs_has_the_bits_of_one_pass(rng, monkeypatch, shape, size, p, dtype):
     """The host backward's smallest slabs and one pass over the whole: the same gradient and dL/dp
     to the bit (one term per plane, added by the host in plane order whatever the slabs)."""
@@ -156,8 +155,7 @@ def test_the_plane_form_in_slabs_has_the_bits_of_one_pass(rng, monkeypatch, shap
     assert abs(sliced[1] - expected_p) <= TOL[dtype] * 10 * magnitude
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("dtype,size", [("float32", 2), ("float16", 3)])
 def test_torch_backward_with_a_learnt_p_matches_the_composition(rng, dtype, size):
     """Through pool_tuner.torch with p an nn.Parameter (issue 37's case, smaller): the gradients of x
     and p against PyTorch's composition in float64."""
