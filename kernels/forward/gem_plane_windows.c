@@ -1,7 +1,7 @@
 /* gem_plane_windows -- forward, GeM pooling (kernels/operators/gem.h) of small channels-first planes
- * into few outputs: each work-item maps every input of one plane once, in order, and adds it to the
- * sums of the outputs whose windows hold it, then takes each output's p-th root; neighbouring
- * work-items take neighbouring planes.
+ * into few outputs: each work-item maps every input of one plane once (below: a few twice, to the
+ * same value), and adds it to the sums of the outputs whose windows hold it, in order, then takes
+ * each output's p-th root; neighbouring work-items take neighbouring planes.
  *
  * gem_windows maps an input once for every window that holds it (overlapping windows: up to four
  * times in 2d) and reads each window's taps from per-work-item window starts.  Here the plane is
