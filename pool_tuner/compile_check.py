@@ -277,9 +277,9 @@ def helper_programs(archs=ARCHS, ops=None, dtypes=None, variants=None, direction
         found += [HelperProgram("avgmax_join", dtype, arch, avgmax.KERNELS, avgmax.program(dtype, avgmax.JOIN_BLOCK))
                   for dtype in chosen for arch in archs]
     if directions is None or BACKWARD.name in directions:
-        for label, problem in gem.helper_problems(ops, chosen):
-            found += [HelperProgram(label, problem.dtype, arch, (gem.INPUT_GRADIENT_KERNEL,),
-                                    gem.input_gradient_program(problem)) for arch in archs]
+        for label, problem, form in gem.helper_problems(ops, chosen):
+            found += [HelperProgram(label, problem.dtype, arch, (form.kernel,), gem.input_gradient_program(problem, form))
+                      for arch in archs]
     return found
 
 

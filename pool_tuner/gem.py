@@ -15,7 +15,9 @@ temporary:
 2. ``kernels/operators/gem_input_gradient.c``, one pass over the input: each input gathers the
    coefficients of the outputs whose windows hold it (its inverse windows), and from that share,
    its value, ``p`` and ``eps`` writes its gradient; per work-group it adds up the input terms of the
-   gradient of ``p``, which the host adds in a fixed order.
+   gradient of ``p``, which the host adds in a fixed order.  On CPU devices, small channels-first
+   planes run ``kernels/operators/gem_plane_gradient.c`` instead (``input_gradient_form``): the same
+   pass with a work-item per plane, the same gradient bits, one term of ``p`` per plane.
 
 Over host memory (numpy arrays, CPU tensors) both steps run slab by slab (``slabs``): the
 coefficients and ``dL/dp``'s output terms of a slab of planes, then the kernel over that slab's
@@ -51,9 +53,45 @@ from .windows import pooling_windows
 #: configuration (neighbouring work-items on neighbouring inputs).
 INPUT_GRADIENT_KERNEL = find("gem", 2).backward_kernel
 INPUT_GRADIENT_CONFIG = find("gem", 2).backward_kernel_config
-INPUT_GRADIENT_FILE = f"operators/{INPUT_GRADIENT_KERNEL}.c"
 #: The inputs one work-group of the input-gradient kernel takes.
 GROUP_INPUTS = INPUT_GRADIENT_CONFIG["block_size_x"] * INPUT_GRADIENT_CONFIG["items_per_thread"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientForm:
+    """A form of GeM's input-gradient pass: its kernel (``kernels/operators/<kernel>.c``), its one
+    configuration, and whether a work-item takes a whole plane (one term of ``dL/dp`` per plane)
+    or an input (one term per work-group of ``GROUP_INPUTS`` inputs)."""
+    kernel: str
+    config: dict = dataclasses.field(hash=False, compare=False)
+    per_plane: bool
+
+    @property
+    def file(self) -> str:
+        return f"operators/{self.kernel}.c"
+
+
+#: A work-item per input: any problem, any device.
+ELEMENT_FORM = GradientForm(INPUT_GRADIENT_KERNEL, INPUT_GRADIENT_CONFIG, False)
+#: A work-item per plane (its inputs in vector steps in OpenCL), neighbouring work-items on neighbouring
+#: planes: small channels-first planes on CPU devices, where the element form's work-items each load
+#: their plane's coefficients and reduce the terms of p in local memory, which cost several times the
+#: plane form's time on PoCL.  On GPUs the element form's neighbouring work-items read neighbouring
+#: inputs; the plane form's would read a plane apart (not measured on a GPU).
+PLANE_FORM = GradientForm("gem_plane_gradient", {"block_size_x": 64}, True)
+#: The largest planes the plane form takes, inputs and outputs (gem_plane_windows' limits): it unrolls
+#: the plane's inputs times its outputs.
+PLANE_FORM_MAX_INPUTS = 64
+PLANE_FORM_MAX_OUTPUTS = 16
+
+
+def input_gradient_form(device, problem: Problem) -> GradientForm:
+    """The form of the input-gradient pass that GeM's backward ``problem`` runs on ``device``: the
+    plane form for channels-first planes of at most ``PLANE_FORM_MAX_INPUTS`` inputs into at most
+    ``PLANE_FORM_MAX_OUTPUTS`` outputs on a CPU device, else the element form."""
+    small = (math.prod(problem.in_spatial) <= PLANE_FORM_MAX_INPUTS
+             and math.prod(problem.out_spatial) <= PLANE_FORM_MAX_OUTPUTS)
+    return PLANE_FORM if small and not problem.channels_last and device.info.is_cpu else ELEMENT_FORM
 
 _KERNELS: dict = {}
 _KERNELS_LOCK = threading.Lock()
@@ -190,13 +228,13 @@ def _workspace_layout(problem: Problem, count: int) -> tuple:
     """``(dtype, shape)`` of each array of the workspace of a slab of ``count`` units of
     ``problem``: its outputs' ``y`` and ``dL/dy`` (then the windows' areas) widened to the
     accumulation dtype, their coefficients (first dL/dp's output terms), all in memory order; the
-    kernel's work-group terms; the output terms' block sums; a float64 array for
+    kernel's terms (its work-groups' or, the plane form, its planes': room for either); the output terms' block sums; a float64 array for
     ``_add_in_order``."""
     acc = accumulation_dtype(problem)
     _, unit_inputs, unit_outputs = _units(problem)
     out_shape = problem.memory_shape(problem.output_shape)
     unit_shape = tuple(out_shape[len(out_shape) - problem.ndim - int(problem.channels_last):])
-    groups = -(-count * unit_inputs // GROUP_INPUTS)
+    groups = max(-(-count * unit_inputs // GROUP_INPUTS), count)  # work-groups' terms, or planes'
     blocks = -(-count * unit_outputs // SUM_BLOCK)
     outputs = (acc, (count,) + unit_shape)
     return (outputs, outputs, outputs, (acc, (groups,)), (acc, (blocks,)), (np.float64, (max(groups, blocks) + 1,)))
@@ -385,7 +423,7 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
     g, y = (_logical(a, problem).astype(acc) for a in host)
     outputs_coefficients = owner.to_device(coefficients(g, y, arguments["p"], problem), queue)
     grad = owner.empty(problem.memory_shape(x.shape), dtype, queue)
-    terms = owner.empty((input_gradient_groups(problem),), acc, queue)
+    terms = owner.empty((input_gradient_terms(owner, problem),), acc, queue)
     input_gradient_on_device(owner, problem, arguments, queue.stream,
                              *map(_address, (x_in, outputs_coefficients, grad, terms)))
     owner.synchronize(queue)
@@ -469,15 +507,28 @@ def output_term(grad_out, output, p) -> float:
     return float(-np.sum(terms, dtype=np.float64) / p)
 
 
-def input_gradient_groups(problem: Problem) -> int:
-    """Work-groups of the input-gradient kernel for ``problem`` (GeM's backward problem)."""
+def input_gradient_groups(problem: Problem, form: GradientForm = ELEMENT_FORM) -> int:
+    """Work-groups of ``form``'s input-gradient kernel for ``problem`` (GeM's backward problem)."""
+    if form.per_plane:
+        return -(-problem.planes // form.config["block_size_x"])
     return -(-math.prod(problem.input_shape) // GROUP_INPUTS)
 
 
-def input_gradient_program(problem: Problem) -> str:
-    """The input-gradient kernel's program for ``problem`` (GeM's backward problem)."""
-    files = ("prelude.h", "windows.h", problem.operation.operator_header, INPUT_GRADIENT_FILE)
+def input_gradient_terms(device, problem: Problem) -> int:
+    """The terms of ``dL/dp`` that the input-gradient pass of ``problem`` on ``device`` writes
+    (``input_gradient_form``): one per work-group, or per plane."""
+    form = input_gradient_form(device, problem)
+    return problem.planes if form.per_plane else input_gradient_groups(problem, form)
+
+
+def input_gradient_program(problem: Problem, form: GradientForm = ELEMENT_FORM) -> str:
+    """``form``'s input-gradient program for ``problem`` (GeM's backward problem)."""
+    files = ("prelude.h", "windows.h", problem.operation.operator_header, form.file)
     plane_size = math.prod(problem.in_spatial)
+    if form.per_plane:
+        partial = problem.channels % form.config["block_size_x"] != 0  # per sample: one build for any batch
+        return kernel_source.render_files(files, {**problem.defines(), **form.config,
+                                                  "PARTIAL_LAST_GROUP": int(partial)})
     partial = problem.channels * plane_size % GROUP_INPUTS != 0
     groups_per_plane = plane_size // GROUP_INPUTS if plane_size % GROUP_INPUTS == 0 and not problem.channels_last else 0
     return kernel_source.render_files(files, {**problem.defines(), **INPUT_GRADIENT_CONFIG,
@@ -485,9 +536,9 @@ def input_gradient_program(problem: Problem) -> str:
 
 
 def helper_problems(ops=None, dtypes=("float32",)) -> list:
-    """``(label, problem)``: a global and a windowed backward problem of each GeM op in ``ops``
-    (None: every rank) and dtype, whose input-gradient programs ``pool-tuner compile-check``
-    compiles beside the variants'."""
+    """``(label, problem, form)``: a global and a windowed backward problem of each GeM op in ``ops``
+    (None: every rank) and dtype, and a problem of small planes, whose input-gradient programs
+    (``form``'s) ``pool-tuner compile-check`` compiles beside the variants'."""
     found = []
     for ndim in (1, 2, 3):
         op = find("gem", ndim).name
@@ -500,21 +551,26 @@ def helper_problems(ops=None, dtypes=("float32",)) -> list:
                                      {1: 3, 2: 3, 3: (2, 2, 3)}[ndim])):
             for dtype in dtypes:
                 found.append((f"{INPUT_GRADIENT_KERNEL}_{ndim}d_{kind}",
-                              Problem.create(op, (2, 3) + spatial, size, dtype, direction="backward")))
+                              Problem.create(op, (2, 3) + spatial, size, dtype, direction="backward"), ELEMENT_FORM))
+        # a plane in vector steps and a last step that ends at its end
+        spatial, size = {1: ((13,), 3), 2: ((7, 7), 2), 3: ((3, 4, 4), (1, 2, 2))}[ndim]
+        for dtype in dtypes:
+            found.append((f"{PLANE_FORM.kernel}_{ndim}d", Problem.create(op, (2, 3) + spatial, size, dtype,
+                                                                           direction="backward"), PLANE_FORM))
     return found
 
 
-def input_gradient_kernel(device, problem: Problem):
-    """The built input-gradient kernel of ``problem``'s per-sample shape on ``device``'s default
-    context (built once per ``Problem.kernel_key``)."""
+def input_gradient_kernel(device, problem: Problem, form: GradientForm = ELEMENT_FORM):
+    """``form``'s built input-gradient kernel of ``problem``'s per-sample shape on ``device``'s
+    default context (built once per form and ``Problem.kernel_key``)."""
     context = device.queue.context
-    key = (context, problem.kernel_key)
+    key = (context, form.kernel, problem.kernel_key)
     kernel = _KERNELS.get(key)
     if kernel is None:
         with _KERNELS_LOCK:
             kernel = _KERNELS.get(key)
             if kernel is None:
-                kernel = _KERNELS[key] = device.build(context, input_gradient_program(problem), INPUT_GRADIENT_KERNEL)
+                kernel = _KERNELS[key] = device.build(context, input_gradient_program(problem, form), form.kernel)
     return kernel
 
 
@@ -523,8 +579,9 @@ def input_gradient(device, problem: Problem, slab: Slab, arguments: dict, x_addr
     """Run the input-gradient kernel on ``slab`` of ``problem`` over host memory on a device that
     shares it (the whole input and its gradient, and the slab's outputs' ``coefficients``, each in
     the problem's memory order): writes the slab's gradient, returns ``running`` plus the slab's
-    input part of ``dL/dp``, its work-groups' terms (written into ``terms``, the accumulation
-    dtype, the slab's work-groups long) added one after the other in float64 (``_add_in_order``
+    input part of ``dL/dp``, the kernel's terms (``input_gradient_terms``: its work-groups' or its
+    planes', written into the start of ``terms``, the accumulation dtype) added one after the other
+    in float64 (``_add_in_order``
     in ``chained``).  In a process where the device's kernels cannot run, ``host_fallback``'s
     pass instead (its float64 sum added once)."""
     if device.info.host_fallback is not None:
@@ -533,14 +590,14 @@ def input_gradient(device, problem: Problem, slab: Slab, arguments: dict, x_addr
                                                           coefficients_address, grad_address + offset)
     input_gradient_on_device(device, problem, arguments, None, x_address, coefficients_address, grad_address,
                              terms.ctypes.data, slab)
-    return _add_in_order(running, terms, chained)
+    return _add_in_order(running, terms[:input_gradient_terms(device, slab.problem)], chained)
 
 
 def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, x_address: int,
                              coefficients_address: int, grad_address: int, terms_address: int,
                              slab: Slab | None = None) -> None:
     """Launch the input-gradient kernel on memory given by address (as ``input_gradient``, the
-    work-groups' terms written to ``input_gradient_groups`` acc-dtype elements at
+    terms of ``dL/dp`` written to ``input_gradient_terms`` acc-dtype elements at
     ``terms_address``), on ``slab`` of ``problem`` (None: the whole): over host memory where the
     device shares it (``stream`` None, written when this returns), else over device memory on the
     raw stream handle ``stream`` (CUDA: PyTorch's current stream), without waiting.  The launch is
@@ -560,14 +617,16 @@ def _prepared_input_gradient(device, problem: Problem, part: Problem):
     """The input-gradient kernel of ``part`` (``problem`` or one of its slabs' problems) on
     ``device`` with its grid fixed (``prepare``) over the whole input and gradient of ``problem``
     and ``part``'s coefficients and terms, its scalars the defaults until a call passes its own."""
-    groups = input_gradient_groups(part)
+    form = input_gradient_form(device, part)
+    groups = input_gradient_groups(part, form)
     acc = accumulation_dtype(problem)
     in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
     coefficient_bytes = math.prod(part.output_shape) * np.dtype(acc).itemsize
+    terms_bytes = input_gradient_terms(device, part) * np.dtype(acc).itemsize
     defaults = dict(problem.operation.arguments)
-    launch = dispatch.Launch(input_gradient_kernel(device, part), groups, (INPUT_GRADIENT_CONFIG["block_size_x"], 1),
+    launch = dispatch.Launch(input_gradient_kernel(device, part, form), groups, (form.config["block_size_x"], 1),
                              (np.int64(part.planes), acc(defaults["p"]), acc(defaults["eps"]), np.int64(0)))
-    return device.prepare(launch, (in_bytes, coefficient_bytes, in_bytes, groups * np.dtype(acc).itemsize), 2)
+    return device.prepare(launch, (in_bytes, coefficient_bytes, in_bytes, terms_bytes), 2)
 
 
 def _make(ndim: int):

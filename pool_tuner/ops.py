@@ -308,11 +308,15 @@ adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 
 def _explain_own_backward(problem: Problem, device) -> dict:
     """``explain`` of a backward ``problem`` whose op runs a kernel of its own (GeM's input
-    gradient, ``Operation.backward_kernel``) in its one configuration: source ``own`` (no variant,
-    rule, record or measurement decides it), explain's other fields empty."""
+    gradient, ``Operation.backward_kernel``, in the form ``gem.input_gradient_form`` chooses for
+    the problem and device) in its one configuration: source ``own`` (no variant, rule, record or
+    measurement decides it), explain's other fields empty."""
+    from . import gem
+
+    form = gem.input_gradient_form(device, problem)
     return {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
             "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
-            "variant": problem.operation.backward_kernel, "params": problem.operation.backward_kernel_config,
+            "variant": form.kernel, "params": dict(form.config),
             "source": "own", "device": device.info.describe(), "cache_key": None, "record_key": None, "tier": None,
             "record_origin": None, "problem_class": problem.problem_class, "distance": None,
             "nearest_beyond_bound": None, "rule": None, "rule_config": None, "rule_evidence": None, "measured": None,

@@ -139,11 +139,12 @@ def test_bad_filters_are_rejected_before_compiling():
 
 def test_helper_programs_cover_every_dtype_and_leave_with_the_filters():
     found = compile_check.helper_programs(archs=("sm_80", "sm_90"))
-    gem = {f"gem_input_gradient_{ndim}d_{kind}" for ndim in (1, 2, 3) for kind in ("global", "windows", "group_planes")}
+    gem = ({f"gem_input_gradient_{ndim}d_{kind}" for ndim in (1, 2, 3) for kind in ("global", "windows", "group_planes")}
+           | {f"gem_plane_gradient_{ndim}d" for ndim in (1, 2, 3)})
     assert {(h.program, h.dtype, h.arch) for h in found} == {
         (program, dtype, arch) for program in {"avgmax_join"} | gem for dtype in DTYPES for arch in ("sm_80", "sm_90")}
     assert all(f"KERNEL void {name}(" in h.source for h in found for name in h.kernel_names)
-    assert len(compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_gem_pool2d"], dtypes=["float16"])) == 3
+    assert len(compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_gem_pool2d"], dtypes=["float16"])) == 4
     assert compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_gem_pool2d"], directions=["forward"]) == []
     assert compile_check.helper_programs(archs=("sm_80",), variants=["thread_per_output"]) == []
     assert compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avg_pool2d"]) == []
