@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from . import backends, dispatch, measured, plans, tuner
+from . import backends, dispatch, gem_forms, measured, plans, tuner
 from .operations import BACKWARD
 from .problem import OPS, Problem
 from .variants import variants_for
@@ -308,12 +308,10 @@ adaptive_max_pool3d_backward = _make_backward("adaptive_max_pool3d")
 
 def _explain_own_backward(problem: Problem, device) -> dict:
     """``explain`` of a backward ``problem`` whose op runs a kernel of its own (GeM's input
-    gradient, ``Operation.backward_kernel``, in the form ``gem.input_gradient_form`` chooses for
+    gradient, ``Operation.backward_kernel``, in the form ``gem_forms.input_gradient_form`` chooses for
     the problem and device) in its one configuration: source ``own`` (no variant, rule, record or
     measurement decides it), explain's other fields empty."""
-    from . import gem
-
-    form = gem.input_gradient_form(device, problem)
+    form = gem_forms.input_gradient_form(device, problem)
     return {"op": problem.op, "direction": problem.direction, "dtype": problem.dtype, "layout": problem.layout,
             "input_shape": list(problem.input_shape), "output_shape": list(problem.output_shape),
             "variant": form.kernel, "params": dict(form.config),

@@ -24,6 +24,18 @@
  * always along an axis pooled whole. */
 #define WINDOW_HOLDS(x, o, O, START, END) ((O) == 1 || (((x) >= START(o)) & ((x) < END(o))))
 
+/* Whether the window of output o of a plane holds its input i, each numbered in memory order within
+ * its plane: the kernels that unroll a whole plane (gem_plane_windows, gem_plane_gradient) ask it of
+ * compile-time constants, so it folds away. */
+DEVICE_FN int plane_window_holds(int i, int o)
+{
+    const int t = i / (IN_H * IN_W), h = i / IN_W % IN_H, w = i % IN_W;
+    const int ot = o / (OUT_H * OUT_W), oh = o / OUT_W % OUT_H, ow = o % OUT_W;
+    return WINDOW_HOLDS(t, ot, OUT_T, T_WINDOW_START, T_WINDOW_END)
+           && WINDOW_HOLDS(h, oh, OUT_H, H_WINDOW_START, H_WINDOW_END)
+           && WINDOW_HOLDS(w, ow, OUT_W, W_WINDOW_START, W_WINDOW_END);
+}
+
 /* GeM's forward kernels take p and eps after the plane count. */
 #define GEM_PARAMS , const acc_t p, const acc_t eps
 

@@ -41,16 +41,11 @@ DEVICE_FN void gather_shares(const GLOBAL acc_t* RESTRICT coefficients, index_t 
         coefficient[o] = coefficients[base + o];
 #pragma unroll
     for (int i = 0; i < PLANE_INPUTS; ++i) {
-        const int t = i / (IN_H * IN_W), h = i / IN_W % IN_H, w = i % IN_W;
         acc_t share = (acc_t)0;
 #pragma unroll
-        for (int o = 0; o < PLANE_OUTPUTS; ++o) {
-            const int ot = o / (OUT_H * OUT_W), oh = o / OUT_W % OUT_H, ow = o % OUT_W;
-            if (WINDOW_HOLDS(t, ot, OUT_T, T_WINDOW_START, T_WINDOW_END)
-                && WINDOW_HOLDS(h, oh, OUT_H, H_WINDOW_START, H_WINDOW_END)
-                && WINDOW_HOLDS(w, ow, OUT_W, W_WINDOW_START, W_WINDOW_END))
+        for (int o = 0; o < PLANE_OUTPUTS; ++o)
+            if (plane_window_holds(i, o))
                 share += coefficient[o];
-        }
         shares[i] = share;
     }
 }
