@@ -11,6 +11,7 @@ import math
 
 from .operations import find
 from .problem import Problem
+from .variants import GemPlaneWindows
 
 #: The input-gradient kernel, as GeM's op object names it (``Operation.backward_kernel``), and its one
 #: configuration (neighbouring work-items on neighbouring inputs).
@@ -42,16 +43,13 @@ ELEMENT_FORM = GradientForm(INPUT_GRADIENT_KERNEL, INPUT_GRADIENT_CONFIG, False)
 #: plane form's time on PoCL.  On GPUs the element form's neighbouring work-items read neighbouring
 #: inputs; the plane form's would read a plane apart (not measured on a GPU).
 PLANE_FORM = GradientForm("gem_plane_gradient", {"block_size_x": 64}, True)
-#: The largest planes the plane form takes, inputs and outputs (gem_plane_windows' limits): it unrolls
-#: the plane's inputs times its outputs.
-PLANE_FORM_MAX_INPUTS = 64
-PLANE_FORM_MAX_OUTPUTS = 16
 
 
 def input_gradient_form(device, problem: Problem) -> GradientForm:
     """The form of the input-gradient pass that GeM's backward ``problem`` runs on ``device``: the
-    plane form for channels-first planes of at most ``PLANE_FORM_MAX_INPUTS`` inputs into at most
-    ``PLANE_FORM_MAX_OUTPUTS`` outputs on a CPU device, else the element form."""
-    small = (math.prod(problem.in_spatial) <= PLANE_FORM_MAX_INPUTS
-             and math.prod(problem.out_spatial) <= PLANE_FORM_MAX_OUTPUTS)
+    plane form for channels-first planes of at most ``GemPlaneWindows.PLANE_LIMIT`` inputs into at
+    most ``GemPlaneWindows.OUTPUTS_LIMIT`` outputs on a CPU device (the forward's limits: both
+    kernels unroll the plane's inputs times its outputs), else the element form."""
+    small = (math.prod(problem.in_spatial) <= GemPlaneWindows.PLANE_LIMIT
+             and math.prod(problem.out_spatial) <= GemPlaneWindows.OUTPUTS_LIMIT)
     return PLANE_FORM if small and not problem.channels_last and device.info.is_cpu else ELEMENT_FORM

@@ -16,13 +16,6 @@
  * bits): PoCL's work-group vectoriser turns a work-item's scalar loads of its contiguous plane into
  * strided gathers, and its scalar roots stay scalar.
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
-#define PLANE_OUTPUTS (OUT_T * OUT_H * OUT_W)
-#define PLANE_INPUTS (IN_T * IN_H * IN_W)
-#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64
-#define VECTOR_STEPS 1
-#else
-#define VECTOR_STEPS 0
-#endif
 /* The window sums, past PLANE_OUTPUTS to a whole number of vector steps. */
 #define SUMS ((PLANE_OUTPUTS + 7) / 8 * 8)
 
@@ -32,7 +25,7 @@
 DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t powers[PLANE_INPUTS], acc_t p,
                          acc_t eps)
 {
-#if VECTOR_STEPS && PLANE_INPUTS >= 8
+#if GEM_VECTORS && PLANE_INPUTS >= 8
 #pragma unroll
     for (int step = 0; step < (PLANE_INPUTS + 7) / 8; ++step) {
         const int i = min(8 * step, PLANE_INPUTS - 8);
@@ -49,7 +42,7 @@ DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t
  * whose outputs start at memory offset `base`. */
 DEVICE_FN void store_roots(GLOBAL scalar_t* RESTRICT out, index_t base, const acc_t sums[SUMS], acc_t p)
 {
-#if VECTOR_STEPS
+#if GEM_VECTORS
 #pragma unroll
     for (int o = 0; o < PLANE_OUTPUTS; o += 8) {
         acc_t areas[8];

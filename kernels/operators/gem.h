@@ -24,6 +24,10 @@
  * always along an axis pooled whole. */
 #define WINDOW_HOLDS(x, o, O, START, END) ((O) == 1 || (((x) >= START(o)) & ((x) < END(o))))
 
+/* The inputs and outputs of one plane (the kernels that unroll a whole plane). */
+#define PLANE_INPUTS (IN_T * IN_H * IN_W)
+#define PLANE_OUTPUTS (OUT_T * OUT_H * OUT_W)
+
 /* Whether the window of output o of a plane holds its input i, each numbered in memory order within
  * its plane: the kernels that unroll a whole plane (gem_plane_windows, gem_plane_gradient) ask it of
  * compile-time constants, so it folds away. */
@@ -202,15 +206,16 @@ DEVICE_FN float8 gem_root8(float8 sums, float8 areas, float p)
     const float8 root = exp2_arithmetic8(log2_arithmetic8(mean) / p);
     return (IS_NAN(mean) | (mean == INFINITY)) ? mean : root;
 }
-#endif
 
-#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64
 /* gem_log of eight clamped elements at once, its bits: the backward's terms of p over a plane in
  * vector steps (kernels/operators/gem_plane_gradient.c). */
 DEVICE_FN float8 gem_log8(float8 c)
 {
     return IS_NAN(c) ? c : 0.693147181f * log2_arithmetic8(c);
 }
+#define GEM_VECTORS 1 /* the eight-wide helpers above exist */
+#else
+#define GEM_VECTORS 0
 #endif
 
 /* ln(c) of a clamped element c (> 0, or NaN): the gradient of p needs it. */

@@ -22,13 +22,6 @@
  * memory, n_planes the slab's planes, coefficients and p_terms the slab's own; in and grad_in stay
  * the whole arrays.
  * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
-#define PLANE_OUTPUTS (OUT_T * OUT_H * OUT_W)
-#define PLANE_INPUTS (IN_T * IN_H * IN_W)
-#if defined(__OPENCL_VERSION__) && !DTYPE_FLOAT64 && PLANE_INPUTS >= 8
-#define VECTOR_STEPS 1
-#else
-#define VECTOR_STEPS 0
-#endif
 #define FIRST_INPUT_PARAM , const int64_t_ first_input
 
 /* shares[i] = the sum of the coefficients of the windows that hold input i of the plane whose
@@ -55,7 +48,7 @@ DEVICE_FN void gather_shares(const GLOBAL acc_t* RESTRICT coefficients, index_t 
 DEVICE_FN acc_t plane_gradient(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT grad_in, index_t base,
                                const acc_t shares[PLANE_INPUTS], acc_t p, acc_t eps)
 {
-#if VECTOR_STEPS
+#if GEM_VECTORS && PLANE_INPUTS >= 8
     float8 terms = (float8)0.0f;
 #pragma unroll
     for (int step = 0; step < (PLANE_INPUTS + 7) / 8; ++step) {
