@@ -131,8 +131,16 @@ def _f64(a):
 
 
 def _compare(name, got, expected, rtol, atol, equal_nan=False) -> str | None:
+    """None if ``got`` matches ``expected`` within ``rtol`` and ``atol``, with ``atol`` at least
+    the spacing of ``got``'s subnormals: a half result of about 1e-6 is a float16 subnormal, whose
+    one rounding is an absolute 2**-25, many times ``rtol`` of it."""
     import numpy as np
 
+    got = np.asarray(got)
+    if got.dtype.kind == "f" or got.dtype.name == "bfloat16":
+        import ml_dtypes
+
+        atol = max(atol, float(ml_dtypes.finfo(got.dtype).smallest_subnormal))
     got = _f64(got)
     if got.shape != expected.shape:
         return f"{name}: shape {got.shape}, expected {expected.shape}"
