@@ -123,17 +123,14 @@ DEVICE_FN acc_t gem_power(acc_t x, acc_t p, acc_t eps)
  * contiguous run (a small plane) does it in vector loads and arithmetic, where PoCL's work-group
  * vectoriser would turn the same scalar code into strided gathers across work-items.  Each helper is
  * its scalar namesake above, expression for expression (compilers contract a * b + c to a fused
- * multiply-add alike in scalar and vector code), so the bits are the scalar map's. */
+ * multiply-add alike in scalar and vector code), so the bits are the scalar map's.  float16 goes
+ * through OpenCL's eight-wide conversions (vload_half8, vstore_half8_rte): unlike the one-element
+ * forms they are vector code on CPU devices (x86's F16C where it has it), with the same bits as the
+ * integer conversions above. */
 DEVICE_FN float8 load8(const GLOBAL scalar_t* RESTRICT in, index_t offset)
 {
 #if DTYPE_FLOAT16
-    const uint8 h = convert_uint8(vload8(0, (const GLOBAL ushort*)in + offset));
-    const uint8 sign = (h & 0x8000u) << 16, magnitude = h & 0x7FFFu;
-    const float8 normal = as_float8((magnitude << 13) + 0x38000000u);
-    const float8 subnormal = convert_float8(magnitude) * 0x1p-24f;
-    const uint8 special = 0x7F800000u | ((magnitude & 0x03FFu) << 13);
-    const uint8 bits = magnitude >= 0x7C00u ? special : magnitude < 0x0400u ? as_uint8(subnormal) : as_uint8(normal);
-    return as_float8(sign | bits);
+    return vload_half8(0, (const GLOBAL half*)in + offset);
 #elif DTYPE_BFLOAT16
     return as_float8(convert_uint8(vload8(0, in + offset)) << 16);
 #else
@@ -177,12 +174,9 @@ DEVICE_FN float8 gem_power8(float8 x, float p, float eps)
 typedef ushort stored_t;
 DEVICE_FN ushort8 stored8(float8 value)
 {
-    const uint8 bits = as_uint8(value), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
-    const uint8 large = magnitude > 0x7F800000u ? (uint8)0x7E00u : (uint8)0x7C00u;
-    const uint8 small = as_uint8(as_float8(magnitude) + 0.5f) - 0x3F000000u;
-    const uint8 normal = (magnitude - 0x38000000u + 0x0FFFu + ((magnitude >> 13) & 1u)) >> 13;
-    const uint8 result = magnitude >= 0x47800000u ? large : magnitude < 0x38800000u ? small : normal;
-    return convert_ushort8(sign | result);
+    ushort8 bits;
+    vstore_half8_rte(value, 0, (__private half*)&bits);
+    return bits;
 }
 #elif DTYPE_BFLOAT16
 typedef ushort stored_t;
@@ -198,6 +192,16 @@ DEVICE_FN float8 stored8(float8 value)
     return value;
 }
 #endif
+
+/* value[k], narrowed to the storage type, into memory offset offset + k of out, k = 0..7. */
+DEVICE_FN void store8(GLOBAL scalar_t* RESTRICT out, index_t offset, float8 value)
+{
+#if DTYPE_FLOAT16
+    vstore_half8_rte(value, 0, (GLOBAL half*)out + offset);
+#else
+    vstore8(stored8(value), 0, (GLOBAL stored_t*)out + offset);
+#endif
+}
 
 /* gem_root of eight windows at once, every lane's root taken and then kept or not. */
 DEVICE_FN float8 gem_root8(float8 sums, float8 areas, float p)

@@ -14,7 +14,7 @@
  *   p_terms[plane] = sum over the plane's inputs of share_i * xc_i^p * ln(xc_i)
  *
  * one term per plane, for the host to add up in plane order.  In OpenCL (but float64) planes of at
- * least eight inputs go in eight-input vector steps (gem.h's load8, gem_power8, gem_log8 and stored8,
+ * least eight inputs go in eight-input vector steps (gem.h's load8, gem_power8, gem_log8 and store8,
  * the scalar helpers' bits): PoCL's work-group vectoriser would turn a work-item's scalar loads of its
  * contiguous plane into strided gathers.  A last step that would run past the plane's end ends at its
  * end instead: it writes the same gradients again and adds the terms of its new inputs alone.
@@ -55,7 +55,7 @@ DEVICE_FN acc_t plane_gradient(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar
         const int i = min(8 * step, PLANE_INPUTS - 8);
         const float8 x = load8(in, base + i), share = vload8(0, shares + i);
         const float8 c = x < eps ? (float8)eps : x, power = gem_power8(x, p, eps);
-        vstore8(stored8(x >= eps ? share * p * power / c : (float8)0.0f), 0, (GLOBAL stored_t*)grad_in + base + i);
+        store8(grad_in, base + i, x >= eps ? share * p * power / c : (float8)0.0f);
         const int8 new_input = (int8)(0, 1, 2, 3, 4, 5, 6, 7) + i >= 8 * step;
         terms += new_input ? share * power * gem_log8(c) : (float8)0.0f;
     }
