@@ -28,8 +28,8 @@ DEVICE_FN void map_plane(const GLOBAL scalar_t* RESTRICT in, index_t base, acc_t
 #if GEM_VECTORS && PLANE_INPUTS >= 8
 #pragma unroll
     for (int step = 0; step < (PLANE_INPUTS + 7) / 8; ++step) {
-        const int i = min(8 * step, PLANE_INPUTS - 8);
-        vstore8(gem_power8(load8(in, base + i), p, eps), 0, powers + i);
+        const int i = plane_step_start(step);
+        private_store8(gem_power8(load8(in, base + i), p, eps), powers + i);
     }
 #else
 #pragma unroll
@@ -46,13 +46,12 @@ DEVICE_FN void store_roots(GLOBAL scalar_t* RESTRICT out, index_t base, const ac
 #pragma unroll
     for (int o = 0; o < PLANE_OUTPUTS; o += 8) {
         acc_t areas[8];
-        stored_t roots[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int ok = o + k, ot = ok / (OUT_H * OUT_W), oh = ok / OUT_W % OUT_H, ow = ok % OUT_W;
             areas[k] = ok < PLANE_OUTPUTS ? (acc_t)window_area(ot, oh, ow) : (acc_t)1;
         }
-        vstore8(stored8(gem_root8(vload8(0, sums + o), vload8(0, areas), p)), 0, roots);
+        const stored8_t roots = stored8(gem_root8(private_load8(sums + o), private_load8(areas), p));
 #pragma unroll
         for (int k = 0; k < 8 && o + k < PLANE_OUTPUTS; ++k)
             ((GLOBAL stored_t*)out)[base + o + k] = roots[k];

@@ -123,19 +123,91 @@ DEVICE_FN acc_t gem_power(acc_t x, acc_t p, acc_t eps)
  * contiguous run (a small plane) does it in vector loads and arithmetic, where PoCL's work-group
  * vectoriser would turn the same scalar code into strided gathers across work-items.  Each helper is
  * its scalar namesake above, expression for expression (compilers contract a * b + c to a fused
- * multiply-add alike in scalar and vector code), so the bits are the scalar map's.  float16 goes
- * through OpenCL's eight-wide conversions (vload_half8, vstore_half8_rte): unlike the one-element
- * forms they are vector code on CPU devices (x86's F16C where it has it), with the same bits as the
- * integer conversions above. */
+ * multiply-add alike in scalar and vector code), so the bits are the scalar map's.  They load and
+ * store element by element and never call OpenCL's vload8/vstore8, vload_half8/vstore_half8_rte or
+ * min: PoCL does not inline those library calls, and a private array whose address a call takes stays
+ * in memory, so a plane kernel that called them ran at half speed.  Eight adjacent loads or stores
+ * become one vector access all the same. */
+#if DTYPE_FLOAT16 && defined(__F16C__)
+/* x86's F16C converts eight float16 values each way in one instruction, with the bits of the integer
+ * conversions (round to nearest even; a signalling NaN quieted).  Its builtins take GCC vectors. */
+typedef short f16c_halves __attribute__((__vector_size__(16)));
+typedef float f16c_floats __attribute__((__vector_size__(32)));
+
+DEVICE_FN float8 widen_half8(ushort8 bits)
+{
+    union { ushort8 bits; f16c_halves halves; } from;
+    union { f16c_floats floats; float8 value; } to;
+    from.bits = bits;
+    to.floats = __builtin_ia32_vcvtph2ps256(from.halves);
+    return to.value;
+}
+
+DEVICE_FN ushort8 narrow_half8(float8 value)
+{
+    union { float8 value; f16c_floats floats; } from;
+    union { f16c_halves halves; ushort8 bits; } to;
+    from.value = value;
+    to.halves = __builtin_ia32_vcvtps2ph256(from.floats, 0); /* 0: round to nearest even */
+    return to.bits;
+}
+#elif DTYPE_FLOAT16
+/* The integer conversions, eight at a time. */
+DEVICE_FN float8 widen_half8(ushort8 h16)
+{
+    const uint8 h = convert_uint8(h16);
+    const uint8 sign = (h & 0x8000u) << 16, magnitude = h & 0x7FFFu;
+    const float8 normal = as_float8((magnitude << 13) + 0x38000000u);
+    const float8 subnormal = convert_float8(magnitude) * 0x1p-24f;
+    const uint8 special = 0x7F800000u | ((magnitude & 0x03FFu) << 13);
+    const uint8 bits = magnitude >= 0x7C00u ? special : magnitude < 0x0400u ? as_uint8(subnormal) : as_uint8(normal);
+    return as_float8(sign | bits);
+}
+
+DEVICE_FN ushort8 narrow_half8(float8 value)
+{
+    const uint8 bits = as_uint8(value), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
+    const uint8 large = magnitude > 0x7F800000u ? (uint8)0x7E00u : (uint8)0x7C00u;
+    const uint8 small = as_uint8(as_float8(magnitude) + 0.5f) - 0x3F000000u;
+    const uint8 normal = (magnitude - 0x38000000u + 0x0FFFu + ((magnitude >> 13) & 1u)) >> 13;
+    const uint8 result = magnitude >= 0x47800000u ? large : magnitude < 0x38800000u ? small : normal;
+    return convert_ushort8(sign | result);
+}
+#endif
+
 DEVICE_FN float8 load8(const GLOBAL scalar_t* RESTRICT in, index_t offset)
 {
 #if DTYPE_FLOAT16
-    return vload_half8(0, (const GLOBAL half*)in + offset);
+    const GLOBAL ushort* at = (const GLOBAL ushort*)in + offset;
+    return widen_half8((ushort8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]));
 #elif DTYPE_BFLOAT16
-    return as_float8(convert_uint8(vload8(0, in + offset)) << 16);
+    const GLOBAL ushort* at = (const GLOBAL ushort*)in + offset;
+    return as_float8((uint8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]) << 16);
 #else
-    return vload8(0, in + offset);
+    const GLOBAL float* at = in + offset;
+    return (float8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]);
 #endif
+}
+
+/* The first input of eight-input step `step` over a plane (the kernels that unroll one): 8 * step,
+ * but a last step that would run past the plane's end ends at its end instead (a ternary: min is a
+ * call). */
+DEVICE_FN int plane_step_start(int step)
+{
+    return 8 * step < PLANE_INPUTS - 8 ? 8 * step : PLANE_INPUTS - 8;
+}
+
+/* Eight floats from private memory, and into it: vload8 and vstore8 of private memory are calls
+ * on PoCL, which keep the arrays they touch in memory. */
+DEVICE_FN float8 private_load8(const __private float* from)
+{
+    return (float8)(from[0], from[1], from[2], from[3], from[4], from[5], from[6], from[7]);
+}
+
+DEVICE_FN void private_store8(float8 value, __private float* to)
+{
+    to[0] = value.s0, to[1] = value.s1, to[2] = value.s2, to[3] = value.s3;
+    to[4] = value.s4, to[5] = value.s5, to[6] = value.s6, to[7] = value.s7;
 }
 
 DEVICE_FN float8 log2_arithmetic8(float8 x)
@@ -172,14 +244,14 @@ DEVICE_FN float8 gem_power8(float8 x, float p, float eps)
  * bfloat16: prelude.h's bfloat16_from_float), to be stored as stored_t. */
 #if DTYPE_FLOAT16
 typedef ushort stored_t;
+typedef ushort8 stored8_t;
 DEVICE_FN ushort8 stored8(float8 value)
 {
-    ushort8 bits;
-    vstore_half8_rte(value, 0, (__private half*)&bits);
-    return bits;
+    return narrow_half8(value);
 }
 #elif DTYPE_BFLOAT16
 typedef ushort stored_t;
+typedef ushort8 stored8_t;
 DEVICE_FN ushort8 stored8(float8 value)
 {
     const uint8 bits = as_uint8(value);
@@ -187,20 +259,21 @@ DEVICE_FN ushort8 stored8(float8 value)
 }
 #else
 typedef float stored_t;
+typedef float8 stored8_t;
 DEVICE_FN float8 stored8(float8 value)
 {
     return value;
 }
 #endif
 
-/* value[k], narrowed to the storage type, into memory offset offset + k of out, k = 0..7. */
+/* value[k], narrowed to the storage type, into memory offset offset + k of out, k = 0..7 (element by
+ * element: vstore8 is a call on PoCL). */
 DEVICE_FN void store8(GLOBAL scalar_t* RESTRICT out, index_t offset, float8 value)
 {
-#if DTYPE_FLOAT16
-    vstore_half8_rte(value, 0, (GLOBAL half*)out + offset);
-#else
-    vstore8(stored8(value), 0, (GLOBAL stored_t*)out + offset);
-#endif
+    const stored8_t narrowed = stored8(value);
+    GLOBAL stored_t* at = (GLOBAL stored_t*)out + offset;
+    at[0] = narrowed.s0, at[1] = narrowed.s1, at[2] = narrowed.s2, at[3] = narrowed.s3;
+    at[4] = narrowed.s4, at[5] = narrowed.s5, at[6] = narrowed.s6, at[7] = narrowed.s7;
 }
 
 /* gem_root of eight windows at once, every lane's root taken and then kept or not. */

@@ -52,8 +52,8 @@ DEVICE_FN acc_t plane_gradient(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar
     float8 terms = (float8)0.0f;
 #pragma unroll
     for (int step = 0; step < (PLANE_INPUTS + 7) / 8; ++step) {
-        const int i = min(8 * step, PLANE_INPUTS - 8);
-        const float8 x = load8(in, base + i), share = vload8(0, shares + i);
+        const int i = plane_step_start(step);
+        const float8 x = load8(in, base + i), share = private_load8(shares + i);
         const float8 c = x < eps ? (float8)eps : x, power = gem_power8(x, p, eps);
         store8(grad_in, base + i, x >= eps ? share * p * power / c : (float8)0.0f);
         const int8 new_input = (int8)(0, 1, 2, 3, 4, 5, 6, 7) + i >= 8 * step;
