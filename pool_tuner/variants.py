@@ -887,11 +887,33 @@ class GemPlaneWindows(Variant):
         if problem.channels_last:
             return "needs channels-first memory (contiguous planes)"
         if is_global(problem):
-            return "not for global pooling (a plane's one window: global_planes reduces it in contiguous lanes)"
+            return "not for global pooling (a plane's one window: gem_planes reduces it in contiguous lanes)"
         if math.prod(problem.in_spatial) > self.PLANE_LIMIT or math.prod(problem.out_spatial) > self.OUTPUTS_LIMIT:
             return (f"only for planes of at most {self.PLANE_LIMIT} inputs into at most {self.OUTPUTS_LIMIT} outputs "
                     f"(the kernel unrolls the plane)")
         return super().illegal_reason(params, problem, limits)
+
+    def groups(self, params, problem):
+        return _ceil_div(problem.planes, params["block_size_x"])
+
+    def extra_defines(self, params, problem):
+        return _partial_last_group(1, problem, params["block_size_x"])
+
+
+class GemPlanes(_Global):
+    """GeM's own global variant.  global_planes does the same reduction, but on PoCL its programs
+    for GeM's map ran 2.3x (p = 3) and 3.3x (another p) slower at 32x2048x7x7 (docs/benchmarks.md):
+    its helpers' map sits under per-work-item conditions (plane bounds, parts), where this kernel's
+    straight loop lets the work-group vectoriser map across work-items."""
+
+    name = "gem_planes"
+    takes_arguments = True
+    operator_headers = ("operators/gem.h",)
+    summary = ("GeM, global pooling, channels-first: a work-item maps and sums one whole plane in `run_lanes` "
+               "independent lanes, neighbouring work-items on neighbouring planes")
+    channels_last = False
+    search_space = {"block_size_x": [16, 64, 256, 1024], "run_lanes": [4, 8, 16, 32]}
+    default = {"block_size_x": 16, "run_lanes": 8}
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes, params["block_size_x"])
@@ -1121,7 +1143,7 @@ class PyramidCellsBackward(_CellVariant):
 
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
-            GlobalPlanes(), GlobalChannels(), GlobalBlocks(), GemPlaneWindows())
+            GlobalPlanes(), GlobalChannels(), GlobalBlocks(), GemPlanes(), GemPlaneWindows())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast(),
              ChannelsGather())
 _SINGLE_LEVEL = {"forward": _FORWARD, "backward": _BACKWARD}

@@ -94,12 +94,12 @@ def test_every_variant_rank_and_layout(rng, variant, channels_last, ndim, dtype)
 
 def test_the_shared_variants_take_gem_through_its_operator():
     """GeM's forward registry is every single-level forward variant whose kernel passes the
-    operator's arguments, plus its own (gem_plane_windows, which calls gem.h's helpers); avg and max
-    do not get GeM's own; the backward has none (GeM runs its own input-gradient kernel)."""
+    operator's arguments, plus its own (gem_planes, gem_plane_windows: they call gem.h's helpers); avg
+    and max do not get GeM's own; the backward has none (GeM runs its own input-gradient kernel)."""
     shared = ["thread_per_output", "thread_per_row", "block_per_row", "plane_reduce", "smem_tiled", "channels_vector",
               "global_planes", "global_channels", "global_blocks"]
     for op in ("adaptive_gem_pool1d", "adaptive_gem_pool2d", "adaptive_gem_pool3d"):
-        assert list(variants_for(op)) == shared + ["gem_plane_windows"]
+        assert list(variants_for(op)) == shared + ["gem_planes", "gem_plane_windows"]
         assert not variants_for(op, "backward")
     for op in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
         assert list(variants_for(op)) == shared
@@ -403,7 +403,8 @@ def test_the_op_is_one_object_with_its_own_operator_header():
     avg = OPERATIONS["adaptive_avg_pool2d"]
     for variant in variants_for(avg.name, "forward").values():
         assert "operators/gem.h" not in kernel_source.program_files(variant.template, avg.operator_header)
-    assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "global_planes"  # avg's rule (RULES_KIND)
+    assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"  # its own, before avg's rules
+    assert pt.explain(op.name, (32, 2048, 7, 7), 1, layout="NHWC")["variant"] == "global_channels"  # avg's rule
 
 
 @pytest.mark.parametrize("ndim", [1, 2, 3])

@@ -807,7 +807,8 @@ def test_every_gem_kernel_is_covered():
             layouts = {s["layout"] for s in mine if s["variant"] == name}
             expected = {"channels_vector": {channels_last}, "plane_reduce": {channels_first},
                         "thread_per_row": {channels_first}, "global_planes": {channels_first},
-                        "global_channels": {channels_last}, "gem_plane_windows": {channels_first}}.get(
+                        "global_channels": {channels_last}, "gem_planes": {channels_first},
+                        "gem_plane_windows": {channels_first}}.get(
                 name, {channels_first, channels_last})
             assert layouts == expected, (name, layouts)
             assert {s["p"] for s in mine if s["variant"] == name} == {2.5, 3.0}, name

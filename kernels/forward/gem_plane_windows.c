@@ -8,7 +8,7 @@
  * Here the plane is unrolled whole, so which windows hold each input is known at compile time
  * (straight-line adds, no masks), and the outputs of a plane come from one read of it.  Each
  * window's sum takes its inputs in ascending order, as thread_per_output's small box does (one row
- * lane), so the bits are the same.  Not for global pooling, where global_planes' contiguous lanes
+ * lane), so the bits are the same.  Not for global pooling, where gem_planes' contiguous lanes
  * do better.
  *
  * The plane is mapped first, into private memory, and the windows then sum the mapped values.  In

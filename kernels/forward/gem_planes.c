@@ -1,0 +1,27 @@
+/* gem_planes -- forward, GeM pooling (kernels/operators/gem.h), global pooling (every output size 1)
+ * in channels-first memory: a work-item maps and sums one whole contiguous plane in run_lanes
+ * independent partial sums (lane k takes elements k, k + run_lanes, ...: one contiguous load of
+ * run_lanes elements per step, which CPU compilers turn into vector operations), neighbouring
+ * work-items taking neighbouring planes.  Work-items are branch-free (CPU compilers vectorise across
+ * them) except where the grid can run past the last plane (host define PARTIAL_LAST_GROUP).
+ * Launch: ceil(N_PLANES / block_size_x) groups of block_size_x. */
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out PLANES_PARAM GEM_PARAMS)
+{
+    const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
+    if (PARTIAL_LAST_GROUP && plane >= N_PLANES)
+        return;
+    const index_t base = PLANE_BASE(plane, IN_PLANE_SIZE);
+    acc_t lanes[run_lanes];
+    for (int k = 0; k < run_lanes; ++k)
+        lanes[k] = (acc_t)0;
+    index_t j = 0;
+    for (; j + run_lanes <= IN_PLANE_SIZE; j += run_lanes)
+        for (int k = 0; k < run_lanes; ++k)
+            lanes[k] += gem_power(LOAD(in, base + j + k), p, eps);
+    acc_t sum = (acc_t)0;
+    for (int k = 0; k < run_lanes; ++k)
+        sum += lanes[k];
+    for (; j < IN_PLANE_SIZE; ++j)
+        sum += gem_power(LOAD(in, base + j), p, eps);
+    STORE(out, plane, gem_root(sum, IN_PLANE_SIZE, p));
+}
