@@ -23,6 +23,11 @@
  *                             position (equal for tied values)
  *   OP_GRADIENT_SHARE(grad, area)  what each input that an output's gradient reaches receives, for
  *                             a window of `area` elements
+ *   OP_PARAMS, OP_ARGS        the op's run-time arguments (none for avg and max): a parameter list,
+ *                             after PLANES_PARAM in the forward kernels' signatures and last in those
+ *                             of reduction.h's helpers, and the matching argument list, last in the
+ *                             helpers' calls.  Each is empty or starts with a comma, as INDICES_OUT;
+ *                             OP_MAP and OP_FINISH may name the parameters
  * `area` is evaluated only by the ops that use it.
  */
 
@@ -65,6 +70,10 @@ DEVICE_FN acc_t max_or_nan(acc_t a, acc_t b)
 #else
 #error "pool_tuner: no POOL_* define given"
 #endif
+
+/* avg and max take no run-time argument. */
+#define OP_PARAMS
+#define OP_ARGS
 
 /* Code that only selecting ops have: the positions they keep, the indices they write and read.
  * Variadic, so that it may hold commas. */

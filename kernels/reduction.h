@@ -7,6 +7,10 @@
  * A reduction is a running value and, for selecting ops, the plane position of the element it
  * holds (-1 while empty).  Elements are added one at a time (reduce_step) in increasing position
  * order; partial results of disjoint parts are combined in any order (reduce_merge).
+ *
+ * The helpers that map elements or call those that do take the op's run-time arguments last
+ * (OP_PARAMS, passed on as OP_ARGS: operators.h), as do the kernels after the plane count; the
+ * macros that map or finish (STEP_PARTIAL, STORE_RESULT) name them where they are expanded.
  */
 
 typedef struct {
@@ -23,7 +27,7 @@ DEVICE_FN reduction_t reduce_init(void)
 }
 
 /* The reduction of the one element `value` at plane position `position`. */
-DEVICE_FN reduction_t reduce_first(acc_t value, index_t position)
+DEVICE_FN reduction_t reduce_first(acc_t value, index_t position OP_PARAMS)
 {
     reduction_t r;
     r.value = OP_MAP(value);
@@ -40,7 +44,7 @@ DEVICE_FN reduction_t reduce_first(acc_t value, index_t position)
 /* Add one element.  Every caller visits a window in increasing position order, so for a selecting
  * op the position rule needs no comparison of positions: a branch-free test that CPU compilers
  * vectorise across work-items. */
-DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
+DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position OP_PARAMS)
 {
 #if OP_SELECTS
     const acc_t x = OP_MAP(value);
@@ -57,7 +61,7 @@ DEVICE_FN void reduce_step(reduction_t* r, acc_t value, index_t position)
  * from a repeat of the window's last element past its end.  A selecting op skips the repeat -- it
  * comes after later positions of the window, where a tie going to the later position would take
  * it back; an accumulating op combines the identity instead. */
-DEVICE_FN void reduce_box_tap(reduction_t* r, acc_t value, index_t position, int inside)
+DEVICE_FN void reduce_box_tap(reduction_t* r, acc_t value, index_t position, int inside OP_PARAMS)
 {
 #if OP_SELECTS
     const acc_t x = OP_MAP(value);
@@ -156,7 +160,7 @@ DEVICE_FN reduction_t partial_of(acc_t value, index_t position)
  * last, where ties go to the later position) -- the position rule without tracking positions in the
  * hot loop. */
 DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
-                                         index_t oh, index_t ow, index_t first_row, index_t row_step)
+                                         index_t oh, index_t ow, index_t first_row, index_t row_step OP_PARAMS)
 {
     WINDOW_RUNS;
     reduction_t r = reduce_init();
@@ -174,7 +178,7 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
                 lanes[k] = OP_COMBINE(lanes[k], OP_MAP(RUN_ELEMENT(position, j + k)));
 #endif
         for (; j < run_length; ++j)
-            reduce_step(&r, RUN_ELEMENT(position, j), position + j);
+            reduce_step(&r, RUN_ELEMENT(position, j), position + j OP_ARGS);
     }
 #if row_lanes > 1
     acc_t combined = r.value;
@@ -211,14 +215,14 @@ DEVICE_FN reduction_t reduce_window_rows(const GLOBAL scalar_t* RESTRICT in, ind
 #define SMALL_WINDOW (MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W <= SMALL_BOX_LIMIT)
 #if SMALL_WINDOW
 DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, index_t plane, index_t ot,
-                                          index_t oh, index_t ow)
+                                          index_t oh, index_t ow OP_PARAMS)
 {
     const index_t t_start = T_WINDOW_START(ot), t_end = T_WINDOW_END(ot);
     const index_t h_start = H_WINDOW_START(oh), h_end = H_WINDOW_END(oh);
     const index_t w_start = W_WINDOW_START(ow), w_end = W_WINDOW_END(ow);
     const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
     const index_t corner = PLANE_POSITION(t_start, h_start, w_start, IN_H, IN_W);
-    reduction_t r = reduce_first(LOAD(in, plane_base + corner * ELEMENT_STEP), corner);
+    reduction_t r = reduce_first(LOAD(in, plane_base + corner * ELEMENT_STEP), corner OP_ARGS);
 #pragma unroll
     for (int k = 1; k < MAX_WINDOW_T * MAX_WINDOW_H * MAX_WINDOW_W; ++k) {
         const int kt = k / (MAX_WINDOW_H * MAX_WINDOW_W), kh = k / MAX_WINDOW_W % MAX_WINDOW_H, kw = k % MAX_WINDOW_W;
@@ -226,7 +230,7 @@ DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, in
                                          BOX_TAP(w_start, w_end, kw, UNIFORM_W), IN_H, IN_W);
         const int inside = IN_WINDOW(t_start, t_end, kt, UNIFORM_T) & IN_WINDOW(h_start, h_end, kh, UNIFORM_H)
                          & IN_WINDOW(w_start, w_end, kw, UNIFORM_W);
-        reduce_box_tap(&r, LOAD(in, plane_base + p * ELEMENT_STEP), p, inside);
+        reduce_box_tap(&r, LOAD(in, plane_base + p * ELEMENT_STEP), p, inside OP_ARGS);
     }
     return r;
 }
@@ -242,7 +246,7 @@ DEVICE_FN reduction_t reduce_small_window(const GLOBAL scalar_t* RESTRICT in, in
  * fill no whole step are added one at a time. */
 #if run_lanes > 0
 DEVICE_FN reduction_t reduce_run(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t position,
-                                 index_t length)
+                                 index_t length OP_PARAMS)
 {
     reduction_t r = reduce_init();
     index_t j = 0;
@@ -251,7 +255,7 @@ DEVICE_FN reduction_t reduce_run(const GLOBAL scalar_t* RESTRICT in, index_t pla
         IF_SELECTING(index_t lane_position[run_lanes];)
 #pragma unroll
         for (int k = 0; k < run_lanes; ++k)
-            STORE_PARTIAL(lane_value[k], lane_position[k], reduce_first(LOAD(in, plane_base + position + k), position + k));
+            STORE_PARTIAL(lane_value[k], lane_position[k], reduce_first(LOAD(in, plane_base + position + k), position + k OP_ARGS));
         for (j = run_lanes; j + run_lanes <= length; j += run_lanes)
 #pragma unroll
             for (int k = 0; k < run_lanes; ++k)
@@ -261,7 +265,7 @@ DEVICE_FN reduction_t reduce_run(const GLOBAL scalar_t* RESTRICT in, index_t pla
             r = reduce_merge(r, PARTIAL(lane_value[k], lane_position[k]));
     }
     for (; j < length; ++j)
-        reduce_step(&r, LOAD(in, plane_base + position + j), position + j);
+        reduce_step(&r, LOAD(in, plane_base + position + j), position + j OP_ARGS);
     return r;
 }
 #endif

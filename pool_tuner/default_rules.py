@@ -202,29 +202,33 @@ def device_type(device) -> str:
 
 
 def decide(problem: Problem, device, rule_list: tuple | None = None) -> Decision:
-    """The first rule of ``rule_list`` (default: the shipped rules of ``device``'s type) that holds
-    for ``problem`` and whose variant is legal for it on ``device``."""
+    """The op's own variant (``Variant.operator_headers``: written for its operator alone, such as
+    GeM's ``gem_plane_windows``) where one runs ``problem``, in registry order; else the first rule
+    of ``rule_list`` (default: the shipped rules of ``device``'s type) that holds for ``problem``
+    and whose variant is the op's and legal for it on ``device``.  The rules are derived over the
+    shared variants, which know nothing of an op's own, so an op that has one tries it first."""
     values = features(problem)
     table = variants_mod.variants_for(problem.op, problem.direction)
+    limits = device.info.limits
+    own = [v for v in table.values() if v.operator_headers is not None and v.is_legal({}, problem, limits)]
+    if own:
+        rule = Rule("own variant", (), own[0].name, (), "the op's own variant, before the shared rules")
+        return Decision(rule, own[0], own[0].check_config({}, problem, limits), None)
     for rule in rules(device_type(device)) if rule_list is None else rule_list:
         if not rule.holds(values):
             continue
-        variant = table.get(rule.variant)  # an op with variants of its own (GeM's forward) skips others'
+        variant = table.get(rule.variant)  # a variant that does not fit the op (Variant.fits) is not its
         if variant is None:
             continue
         config = dict(rule.config)
         try:
-            return Decision(rule, variant, variant.check_config(config, problem, device.info.limits), None)
+            return Decision(rule, variant, variant.check_config(config, problem, limits), None)
         except ValueError as refused:
-            if not variant.is_legal({}, problem, device.info.limits):
+            if not variant.is_legal({}, problem, limits):
                 continue  # the variant cannot run the problem at all
-            params = variant.check_config({}, problem, device.info.limits)
+            params = variant.check_config({}, problem, limits)
             return Decision(rule, variant, params, f"the rule's configuration {config} is not legal here ({refused}); "
                                                    f"the variant's default runs")
-    own = [v for v in table.values() if v.is_legal({}, problem, device.info.limits)]
-    if own:  # no rule names a variant of the op's own: the first of them that runs it, in registry order
-        rule = Rule("own variants", (), own[0].name, (), "the op's own variants, in registry order")
-        return Decision(rule, own[0], own[0].check_config({}, problem, device.info.limits), None)
     raise AssertionError(f"no default rule holds for {problem}, though parse() checks each direction's last rule")
 
 

@@ -99,6 +99,22 @@ class Variant:
     #: records of problems in those layouts have its template in their kernel hash
     #: (``cache.kernel_hash``), so a variant for one layout leaves the other layout's records alone.
     layouts = LAYOUTS
+    #: Whether the kernel takes its operator's run-time arguments after the plane count and passes
+    #: them to the operator (``OP_PARAMS``, kernels/operators.h): only such variants are variants of an
+    #: op whose operator has arguments (``Operation.arguments``, GeM's ``p`` and ``eps``).
+    takes_arguments = False
+    #: The operator headers (``Operation.operator_header``) whose own helpers the kernel calls, or None:
+    #: it reaches its op through the ``OP_*`` definitions alone, which every operator gives.  A variant
+    #: that names headers is a variant of their ops alone, and their default choice tries it first
+    #: (``default_rules.decide``).
+    operator_headers: tuple | None = None
+
+    def fits(self, operation) -> bool:
+        """Whether the kernel can run ``operation`` (an ``Operation``): it passes the operator's
+        run-time arguments where there are any, and calls no other operator's helpers."""
+        if operation.arguments and not self.takes_arguments:
+            return False
+        return self.operator_headers is None or operation.operator_header in self.operator_headers
 
     def block(self, params: dict) -> tuple[int, int]:
         """Work-group shape ``(x, y)``."""
@@ -339,6 +355,7 @@ class _Tiled(Variant):
 
 class ThreadPerOutput(Variant):
     name = "thread_per_output"
+    takes_arguments = True
     runs_every_problem = True
     summary = ("each work-item reduces `outputs_per_thread` whole windows, neighbouring work-items writing "
                "neighbouring outputs; `row_lanes` keeps independent partials along each window run")
@@ -370,6 +387,7 @@ class ThreadPerOutput(Variant):
 
 class ThreadPerRow(Variant):
     name = "thread_per_row"
+    takes_arguments = True
     summary = ("channels-first, separable: each work-item sums its output row's input rows column by column into "
                "a private row of partials, then reduces each output's window of columns")
     #: unrolled_columns = 1 sums each window's column partials in straight-line code over the widest
@@ -410,6 +428,7 @@ class ThreadPerRow(Variant):
 
 class BlockPerRow(Variant):
     name = "block_per_row"
+    takes_arguments = True
     summary = ("a work-group per output row; `threads_per_output` work-items split each window and tree-reduce it "
                "in local memory")
     search_space = {
@@ -456,6 +475,7 @@ class _Global(Variant):
 
 class PlaneReduce(_Global):
     name = "plane_reduce"
+    takes_arguments = True
     summary = ("global pooling, channels-first: a work-group per plane, work-item j takes every `block_size_x`-th "
                "element from j, then one work-item merges the partials in order")
     search_space = {"block_size_x": [8, 16, 32, 64, 128, 256]}
@@ -485,6 +505,7 @@ class PlaneReduce(_Global):
 
 class GlobalPlanes(_Global):
     name = "global_planes"
+    takes_arguments = True
     summary = ("global pooling, channels-first: `split` work-items per plane each reduce a contiguous part of it "
                "in `run_lanes` independent lanes, neighbouring work-items on neighbouring planes")
     channels_last = False
@@ -528,6 +549,7 @@ class GlobalPlanes(_Global):
 
 class GlobalChannels(_Global):
     name = "global_channels"
+    takes_arguments = True
     summary = ("global pooling, channels-last: a work-item takes `channels_per_item` neighbouring channels of one "
                "batch entry, loaded as one contiguous run at each position, with `accumulators` partials per channel")
     channels_last = True
@@ -553,6 +575,7 @@ class GlobalChannels(_Global):
 
 class GlobalBlocks(_Global):
     name = "global_blocks"
+    takes_arguments = True
     summary = ("global pooling, either layout, GPUs only: a team of `threads_per_plane` work-items per plane reads "
                "neighbouring positions (channels-first: `vector_width` at a time) at each step with `accumulators` "
                "loads in flight each, teams side by side in a work-group, merged by a tree in local memory, its "
@@ -666,6 +689,7 @@ class GlobalBroadcast(_Global):
 
 class SmemTiled(_Tiled):
     name = "smem_tiled"
+    takes_arguments = True
     summary = ("a work-group stages the input under a tile of outputs in local memory (overlapping windows read "
                "once), then reduces the tile")
 
@@ -675,6 +699,7 @@ class SmemTiled(_Tiled):
 
 class ChannelsVector(Variant):
     name = "channels_vector"
+    takes_arguments = True
     summary = ("channels-last only: a work-item reduces `vector_width` neighbouring channels of one output "
                "position")
     search_space = {
@@ -832,41 +857,22 @@ class PlaneScatter(Variant):
         return _ceil_div(problem.planes, params["block_size_x"])
 
 
-# ---------------------------------------------------------------------------- GeM's own forward variants
-# GeM's operator takes run-time arguments (p, eps: kernels/operators/gem.h), which the shared
-# reduction helpers (reduction.h) cannot pass on, so its forward kernels are its own.  Its backward
-# runs no variant: one pass of its own input-gradient kernel (Operation.backward_kernel,
-# pool_tuner/gem.py) in a fixed configuration, so there is nothing to dispatch or tune.
-
-
-class GemWindows(Variant):
-    name = "gem_windows"
-    summary = ("GeM, any problem and layout: each work-item maps and sums one whole window (small windows "
-               "unrolled over their box, others row by row in `row_lanes` masked lanes), then takes the mean's p-th root")
-    search_space = {"block_size_x": [32, 64, 128, 256, 512, 1024], "row_lanes": [1, 4, 8, 16]}
-    default = {"block_size_x": 64, "row_lanes": 1}
-    runs_every_problem = True
-    #: Windows past the small box (SMALL_BOX_LIMIT) whose rows have at least this many elements
-    #: default to LONG_ROW_LANES lanes: the lanes' steps are vector code, the scalar loop is not.
-    LONG_ROW = 16
-    LONG_ROW_LANES = 8
-
-    def default_for(self, problem):
-        """``default``, with ``LONG_ROW_LANES`` lanes for windows past the small box with long rows."""
-        widest = _max_windows(problem)
-        if math.prod(widest) > SMALL_BOX_LIMIT and widest[2] >= self.LONG_ROW:
-            return {**self.default, "row_lanes": self.LONG_ROW_LANES}
-        return self.default
-
-    def groups(self, params, problem):
-        return _grid(math.prod(problem.out_spatial), problem, params["block_size_x"])
-
-    def extra_defines(self, params, problem):
-        return _partial_last_group(math.prod(problem.out_spatial), problem, params["block_size_x"])
+# ---------------------------------------------------------------------------- GeM's own forward variant
+# GeM (kernels/operators/gem.h) runs the shared forward variants through its operator, whose
+# run-time arguments (p, eps) they pass on (``takes_arguments``).  Its backward runs no variant: one
+# pass of its own input-gradient kernel (Operation.backward_kernel, pool_tuner/gem.py) in a fixed
+# configuration, so there is nothing to dispatch or tune.
 
 
 class GemPlaneWindows(Variant):
+    """GeM's own variant: no shared variant maps each input of a plane once for all the windows that
+    hold it -- thread_per_output maps an input once per window, smem_tiled stages raw inputs and maps
+    them per window -- nor maps a plane in vector code (gem.h's eight-wide helpers, which only GeM's
+    operator has)."""
+
     name = "gem_plane_windows"
+    takes_arguments = True
+    operator_headers = ("operators/gem.h",)
     summary = ("GeM, small channels-first planes into few outputs: a work-item maps one whole plane (OpenCL: eight "
                "inputs at a time in vector code) and adds each input's power into the sums of the windows that hold "
                "it, neighbouring work-items on neighbouring planes")
@@ -880,6 +886,8 @@ class GemPlaneWindows(Variant):
     def illegal_reason(self, params, problem, limits):
         if problem.channels_last:
             return "needs channels-first memory (contiguous planes)"
+        if is_global(problem):
+            return "not for global pooling (a plane's one window: gem_planes reduces it in contiguous lanes)"
         if math.prod(problem.in_spatial) > self.PLANE_LIMIT or math.prod(problem.out_spatial) > self.OUTPUTS_LIMIT:
             return (f"only for planes of at most {self.PLANE_LIMIT} inputs into at most {self.OUTPUTS_LIMIT} outputs "
                     f"(the kernel unrolls the plane)")
@@ -893,7 +901,14 @@ class GemPlaneWindows(Variant):
 
 
 class GemPlanes(_Global):
+    """GeM's own global variant.  global_planes does the same reduction, but on PoCL its programs
+    for GeM's map ran 2.3x (p = 3) and 3.3x (another p) slower at 32x2048x7x7 (docs/benchmarks.md):
+    its helpers' map sits under per-work-item conditions (plane bounds, parts), where this kernel's
+    straight loop lets the work-group vectoriser map across work-items."""
+
     name = "gem_planes"
+    takes_arguments = True
+    operator_headers = ("operators/gem.h",)
     summary = ("GeM, global pooling, channels-first: a work-item maps and sums one whole plane in `run_lanes` "
                "independent lanes, neighbouring work-items on neighbouring planes")
     channels_last = False
@@ -1128,7 +1143,7 @@ class PyramidCellsBackward(_CellVariant):
 
 
 _FORWARD = (ThreadPerOutput(), ThreadPerRow(), BlockPerRow(), PlaneReduce(), SmemTiled(), ChannelsVector(),
-            GlobalPlanes(), GlobalChannels(), GlobalBlocks())
+            GlobalPlanes(), GlobalChannels(), GlobalBlocks(), GemPlanes(), GemPlaneWindows())
 _BACKWARD = (ThreadPerInput(), SmemTiledBackward(), PlaneScatter(), ThreadPerRowBackward(), GlobalBroadcast(),
              ChannelsGather())
 _SINGLE_LEVEL = {"forward": _FORWARD, "backward": _BACKWARD}
@@ -1138,18 +1153,12 @@ _MULTI_LEVEL = {"forward": (PyramidCells(), PyramidColumns(), PyramidStream(), P
                              PyramidChannelsBackward(), PyramidGather())}
 
 
-#: GeM's forward variants in the order the default choice tries them where no rule names one
-#: (default_rules.decide): the global variant first, then the small planes', where they are legal;
-#: none in its backward.
-_GEM = {"forward": (GemPlanes(), GemPlaneWindows(), GemWindows()), "backward": ()}
-
-
 def _variants_of(op: str, direction: str) -> tuple:
+    """The variants of ``op``'s ``direction``: the multi-level ones for multi-level ops, else the
+    single-level ones that fit its operator (``Variant.fits``)."""
     if OPS[op].multi_level:
         return _MULTI_LEVEL[direction]
-    if OPS[op].arguments:
-        return _GEM[direction]
-    return _SINGLE_LEVEL[direction]
+    return tuple(v for v in _SINGLE_LEVEL[direction] if v.fits(OPS[op]))
 
 
 #: (op, direction) -> {variant name: Variant}, for every op and direction.
@@ -1182,7 +1191,7 @@ def markdown_table() -> str:
     table that docs/design.md prints ("The variant table"; ``tests/test_readme.py`` keeps that copy
     true).  A variant whose default adapts to the problem (``default_for``) says so; design.md says how."""
     lines = ["| direction | variant | idea | tuning parameters: values (default) |", "|---|---|---|---|"]
-    for direction, table in (("forward", _FORWARD + _GEM["forward"]), ("backward", _BACKWARD)):
+    for direction, table in (("forward", _FORWARD), ("backward", _BACKWARD)):
         for variant in table:
             parameters = "; ".join(f"`{name}` {_values(values)} ({variant.default[name]})"
                                    for name, values in variant.search_space.items())

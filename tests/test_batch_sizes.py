@@ -153,9 +153,9 @@ def test_programs_depend_on_the_per_sample_shape_only(key):
 
 def _units_per_plane(variant, problem) -> int:
     """Work-items' units of one plane in the variants with a bounds-check define."""
-    if variant.name in ("thread_per_output", "gem_windows"):  # a work-item per output
+    if variant.name == "thread_per_output":  # a work-item per output
         return math.prod(problem.out_spatial)
-    if variant.name == "gem_planes":  # a work-item per plane
+    if variant.name in ("gem_planes", "gem_plane_windows"):  # a work-item per plane
         return 1
     if variant.name == "thread_per_input":
         return math.prod(problem.in_spatial)

@@ -65,7 +65,7 @@ def test_nvcc_fails_and_compiles_the_same_gem_programs(user_cache):
 def test_render_has_no_default_operator_header():
     """Every program names its op's operator header: ``Variant.program`` passes the problem's."""
     with pytest.raises(TypeError, match="operator_header"):
-        kernel_source.render("forward/gem_windows.c", {"POOL_GEM": 1})
+        kernel_source.render("forward/thread_per_output.c", {"POOL_GEM": 1})
     for (op, direction), table in REGISTRY.items():
         for variant in table.values():
             assert variant.template in kernel_source.program_files(variant.template, OPS[op].operator_header)

@@ -11,7 +11,7 @@ import pool_tuner as pt
 from pool_tuner import gem, kernel_source, reference
 from pool_tuner.operations import OPERATIONS, find
 from pool_tuner.problem import LAYOUT_NAMES, Problem
-from pool_tuner.variants import variants_for
+from pool_tuner.variants import _Global, variants_for
 
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 SHAPES = [((2, 3, 10, 9), (4, 7)), ((2, 5, 7, 7), 1), ((1, 4, 23, 37), (5, 7)), ((2, 3, 5, 6), (7, 9)),
@@ -45,31 +45,64 @@ def test_forward_matches_the_reference(rng, shape, size, dtype):
     np.testing.assert_allclose(got.astype(np.float64), expected, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("variant", ["gem_windows", "gem_planes"])
+#: GeM's forward variants: the shared ones that take its operator's arguments, and its own.
+GEM_VARIANTS = list(variants_for("adaptive_gem_pool2d"))
+
+
+def _configs(variant, problem, limits):
+    """The default and the first and last configurations that run ``problem`` (a variant shaped for
+    another kind of device forced, as ``variant=`` does)."""
+    legal = [c for c in variant.configurations()
+             if variant.refusal({**variant.default_for(problem), **c}, problem, limits, forced=True) is None]
+    picks = [c for c in (variant.default_for(problem), *legal[:1], *legal[-1:])
+             if variant.refusal({**variant.default_for(problem), **c}, problem, limits, forced=True) is None]
+    return [dict(c) for c in {tuple(sorted(c.items())): c for c in picks}.values()]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("variant", GEM_VARIANTS)
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
-def test_every_variant_and_layout(rng, variant, channels_last, ndim):
+def test_every_variant_rank_and_layout(rng, variant, channels_last, ndim, dtype):
+    """Every forward variant of GeM -- the shared ones through gem.h's operator, and its own --
+    against the reference, at every rank and layout it fits (the others refused before a kernel
+    runs), at its default and its first and last legal configurations (float64; the default in the
+    narrower types), p = 3 (the folded power) and another."""
     op = find("gem", ndim)
-    shape = (2, 6) + (5, 6, 40)[3 - ndim:]
-    x = _input(rng, shape)
+    table = variants_for(op.name)
+    shape = (2, 8) + (5, 6, 7)[3 - ndim:]
+    size = 1 if isinstance(table[variant], _Global) else (3, 4, 2)[3 - ndim:]  # the global variants' problems
+    layout = LAYOUT_NAMES[ndim][int(channels_last)]
+    problem = Problem.create(op.name, shape, size, dtype, layout)
+    x = _input(rng, shape, dtype)
     if channels_last:
         x = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
-    size = 1 if variant == "gem_planes" else (3, 4, 2)[3 - ndim:]
-    kwargs = {"variant": variant}
-    if variant == "gem_planes" and channels_last:
-        with pytest.raises(ValueError, match="channels-first"):
-            getattr(pt, op.name)(x, size, p=2.0, **kwargs)
+    limits = pt.devices()[0].info.limits
+    configs = _configs(table[variant], problem, limits)
+    if not configs:
+        with pytest.raises(ValueError, match=variant):
+            getattr(pt, op.name)(x, size, p=2.0, variant=variant)
         return
-    layout = LAYOUT_NAMES[ndim][int(channels_last)]
-    problem = Problem.create(op.name, shape, size, "float64", layout)
-    configs = variants_for(op.name)[variant].legal_configurations(problem, pt.devices()[0].info.limits)
-    lanes = "run_lanes" if variant == "gem_planes" else "row_lanes"
-    assert {4, 8, 16} <= {c[lanes] for c in configs}
-    for config in configs:
-        if config["block_size_x"] != 64:
-            continue
-        got = getattr(pt, op.name)(x, size, p=2.0, **kwargs, config=config)
-        np.testing.assert_allclose(got, reference.adaptive_gem_pool(x, size, ndim, 2.0), rtol=1e-12)
+    for config in configs if dtype == "float64" else configs[:1]:
+        for p in (3.0, 2.5):
+            got = getattr(pt, op.name)(x, size, p=p, variant=variant, config=config)
+            assert got.dtype == x.dtype
+            want = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype],
+                                       err_msg=f"{variant} {config} p={p}")
+
+
+def test_the_shared_variants_take_gem_through_its_operator():
+    """GeM's forward registry is every single-level forward variant whose kernel passes the
+    operator's arguments, plus its own (gem_planes, gem_plane_windows: they call gem.h's helpers); avg
+    and max do not get GeM's own; the backward has none (GeM runs its own input-gradient kernel)."""
+    shared = ["thread_per_output", "thread_per_row", "block_per_row", "plane_reduce", "smem_tiled", "channels_vector",
+              "global_planes", "global_channels", "global_blocks"]
+    for op in ("adaptive_gem_pool1d", "adaptive_gem_pool2d", "adaptive_gem_pool3d"):
+        assert list(variants_for(op)) == shared + ["gem_planes", "gem_plane_windows"]
+        assert not variants_for(op, "backward")
+    for op in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
+        assert list(variants_for(op)) == shared
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
@@ -78,7 +111,8 @@ def test_every_variant_and_layout(rng, variant, channels_last, ndim):
                                         ((2, 5, 3, 5), (2, 3))])
 def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size, dtype):
     """gem_plane_windows (the default for small channels-first planes into few outputs) against
-    the reference, and bit for bit against gem_windows, which sums each window in the same order.
+    the reference, and bit for bit against thread_per_output with one row lane, which sums each
+    window over its box in the same order.
     Planes of 40 to 64 inputs (vector steps of eight, tails of 0 to 7) and of 6 (the tail only)."""
     ndim = len(shape) - 2
     op = find("gem", ndim)
@@ -87,7 +121,8 @@ def test_small_planes_map_each_input_once_with_the_windows_bits(rng, shape, size
     assert pt.explain(op.name, shape, size, dtype)["variant"] == "gem_plane_windows"
     for p in (3.0, 2.5):
         got = getattr(pt, op.name)(x, size, p=p)
-        windows = getattr(pt, op.name)(x, size, p=p, variant="gem_windows")
+        windows = getattr(pt, op.name)(x, size, p=p, variant="thread_per_output",
+                                       config={"row_lanes": 1, "outputs_per_thread": 1})
         np.testing.assert_array_equal(got.astype(np.float64), windows.astype(np.float64))  # NaN where NaN
         want = reference.adaptive_gem_pool(x.astype(np.float64), size, ndim, p)
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype] * 10)
@@ -102,7 +137,10 @@ def test_small_planes_variant_is_refused_where_it_does_not_fit(rng):
     channels_last = np.moveaxis(np.ascontiguousarray(np.moveaxis(x[..., :7, :7], 1, -1)), -1, 1)
     with pytest.raises(ValueError, match="channels-first"):
         pt.adaptive_gem_pool2d(channels_last, 3, variant="gem_plane_windows")
-    assert pt.explain("adaptive_gem_pool2d", (2, 3, 9, 9), 3)["variant"] == "gem_windows"
+    with pytest.raises(ValueError, match="not for global pooling"):
+        pt.adaptive_gem_pool2d(x[..., :7, :7], 1, variant="gem_plane_windows")
+    explained = pt.explain("adaptive_gem_pool2d", (2, 3, 9, 9), 3)
+    assert explained["source"] == "default" and explained["variant"] != "gem_plane_windows"
 
 
 def test_p_changes_without_a_new_build(rng):
@@ -111,8 +149,9 @@ def test_p_changes_without_a_new_build(rng):
     for p in (1.0, 2.0, 3.0, 4.5, 3.0):
         np.testing.assert_allclose(pt.adaptive_gem_pool2d(x, (2, 3), p=p),
                                    reference.adaptive_gem_pool(x, (2, 3), 2, p), rtol=1e-12)
-    source = kernel_source.render("forward/gem_windows.c", {"POOL_GEM": 1}, OPERATIONS["adaptive_gem_pool2d"].operator_header)
-    assert "const acc_t p" in source and "#define p " not in source
+    source = kernel_source.render("forward/thread_per_output.c", {"POOL_GEM": 1},
+                                  OPERATIONS["adaptive_gem_pool2d"].operator_header)
+    assert "OP_PARAMS , const acc_t gem_p, const acc_t gem_eps" in source and "#define gem_p " not in source
 
 
 def test_p_one_is_average_pooling_and_large_p_tends_to_max(rng):
@@ -364,7 +403,8 @@ def test_the_op_is_one_object_with_its_own_operator_header():
     avg = OPERATIONS["adaptive_avg_pool2d"]
     for variant in variants_for(avg.name, "forward").values():
         assert "operators/gem.h" not in kernel_source.program_files(variant.template, avg.operator_header)
-    assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"
+    assert pt.explain(op.name, (32, 2048, 7, 7), 1)["variant"] == "gem_planes"  # its own, before avg's rules
+    assert pt.explain(op.name, (32, 2048, 7, 7), 1, layout="NHWC")["variant"] == "global_channels"  # avg's rule
 
 
 @pytest.mark.parametrize("ndim", [1, 2, 3])

@@ -590,6 +590,8 @@ def _cases() -> list:
         })
 
     for (op, direction), table in REGISTRY.items():
+        if OPS[op].arguments:
+            continue  # GeM's: _gem_cases, with its arguments
         ndim = OPS[op][1]
         for name, variant in table.items():
             for layout in LAYOUT_NAMES[ndim]:
@@ -682,8 +684,8 @@ GEM_WHOLE_PLANE_GROUPS = {2: ((1, 2, 16, 16), (3, 3)), 3: ((1, 2, 4, 8, 8), (2, 
 
 
 def _gem_cases() -> list:
-    """GeM's kernels: each forward variant in each layout it takes (its representative
-    configurations, p = 2.5: the general power, and its default at p = 3: the cube), and the
+    """GeM's kernels: each forward variant in each layout it takes (its default and largest
+    configurations at p = 2.5, the general power, and its default at p = 3, the cube), and the
     backward's input-gradient kernel on a windowed and a global problem in both layouts, every
     rank, float32; float16 at the default on the first 2d problem."""
     if OCLGRIND is None:
@@ -704,7 +706,7 @@ def _gem_cases() -> list:
                 for shape, size in SHAPES[ndim][:1] + GLOBAL_SHAPES[ndim] + [GEM_SMALL_PLANES[ndim]]:
                     problem = Problem.create(op, shape, size, "float32", layout)
                     configs = variant.representative_configurations(problem, OCLGRIND.info.limits)
-                    for label, config in configs.items():
+                    for label, config in list(configs.items())[:1] + [(l, c) for l, c in configs.items() if l == "largest"]:
                         add("forward", name, label, config, shape, size, layout, "float32", 2.5)
                     if configs:
                         label, config = next(iter(configs.items()))
@@ -717,8 +719,8 @@ def _gem_cases() -> list:
                     add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, layout, dtype, 2.5)
         if ndim == 2:  # grids of whole work-groups: the kernels without their end checks (PARTIAL_LAST_GROUP 0)
             shape, size = GEM_WHOLE_GROUPS
-            add("forward", "gem_windows", "smallest", {"block_size_x": 32, "row_lanes": 1}, shape, size,
-                LAYOUT_NAMES[2][0], "float32", 2.5)
+            add("forward", "thread_per_output", "smallest", {"block_size_x": 32, "outputs_per_thread": 1, "row_lanes": 1},
+                shape, size, LAYOUT_NAMES[2][0], "float32", 2.5)
             add("backward", gem.INPUT_GRADIENT_KERNEL, "default", None, shape, size, LAYOUT_NAMES[2][0], "float32", 2.5)
         if ndim in GEM_WHOLE_PLANE_GROUPS:
             shape, size = GEM_WHOLE_PLANE_GROUPS[ndim]
@@ -772,6 +774,8 @@ def test_every_variant_is_covered():
     """Every (op, direction) x variant x layout it supports has float32 instantiations, and each
     direction has float16 and bfloat16 ones."""
     for (op, direction), table in REGISTRY.items():
+        if OPS[op].arguments:
+            continue  # GeM's: test_every_gem_kernel_is_covered
         for name in table:
             mine = [s for s in CASES.values() if (s["op"], s["direction"], s["variant"]) == (op, direction, name)]
             layouts = {s["layout"] for s in mine if s["dtype"] == "float32"}
@@ -793,7 +797,7 @@ def test_every_variant_is_covered():
 
 
 def test_every_gem_kernel_is_covered():
-    """Every GeM op has its forward variants (in each layout they take) and its input-gradient
+    """Every GeM op has its forward variants, shared and its own (in each layout they take), and its input-gradient
     kernel (both layouts, windowed and global) under Oclgrind, at p = 3 and another p."""
     for ndim in (1, 2, 3):
         op = find("gem", ndim).name
@@ -801,8 +805,12 @@ def test_every_gem_kernel_is_covered():
         channels_first, channels_last = LAYOUT_NAMES[ndim]
         for name in variants_for(op, "forward"):
             layouts = {s["layout"] for s in mine if s["variant"] == name}
-            channels_first_only = name in ("gem_planes", "gem_plane_windows")
-            assert layouts == ({channels_first} if channels_first_only else {channels_first, channels_last}), name
+            expected = {"channels_vector": {channels_last}, "plane_reduce": {channels_first},
+                        "thread_per_row": {channels_first}, "global_planes": {channels_first},
+                        "global_channels": {channels_last}, "gem_planes": {channels_first},
+                        "gem_plane_windows": {channels_first}}.get(
+                name, {channels_first, channels_last})
+            assert layouts == expected, (name, layouts)
             assert {s["p"] for s in mine if s["variant"] == name} == {2.5, 3.0}, name
         backward = [s for s in mine if s["direction"] == "backward"]
         assert {(s["layout"], set(s["output_size"]) == {1}) for s in backward} == {

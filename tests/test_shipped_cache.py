@@ -1,7 +1,10 @@
 """The database shipped in tuning_cache/: well-formed, current with the kernel sources, and used."""
 
+import importlib.util
 import json
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +109,58 @@ def test_the_h100_global_pooling_record_decides_only_its_neighbourhood(monkeypat
         assert far["nearest_beyond_bound"]["distance"] > dispatch.NEAREST_MAX_DISTANCE["gpu"]
     finally:
         dispatch.forget()
+
+
+# ---------------------------------------------------------------------------- the programs the records measured
+PROGRAM_IDENTITY = Path(__file__).resolve().parent.parent / "benchmarks" / "program_identity.py"
+needs_identity = pytest.mark.skipif(not PROGRAM_IDENTITY.exists(), reason="benchmarks/ is not beside the tests")
+
+
+def program_identity():
+    """benchmarks/program_identity.py as a module."""
+    if "program_identity" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("program_identity", PROGRAM_IDENTITY)
+        sys.modules["program_identity"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["program_identity"])
+    module = sys.modules["program_identity"]
+    if module.preprocessor() is None:
+        pytest.skip("no C preprocessor (cpp, gcc or clang) on PATH")
+    return module
+
+
+@needs_identity
+def test_the_shipped_records_programs_are_the_ones_they_measured():
+    """A shipped record stands for the programs it measured: its kernel hash may be re-stamped after
+    an edit of the kernel files only where every program it covers is the same token for token
+    (benchmarks/program_identity.py, tuning_cache/README.md).  Fails where such a program changed
+    while its record still claims the current kernel code."""
+    identity = program_identity()
+    shipped = shipped_records()
+    expected = json.loads(identity.SHIPPED_PROGRAMS.read_text())
+    assert sorted(expected) == sorted(shipped), "shipped records without fingerprints (or fingerprints without records)"
+    changed = identity.differences(expected, identity.fingerprint(shipped))
+    assert not changed, f"programs changed under current-looking shipped records: {changed}"
+
+
+@needs_identity
+def test_the_fingerprint_sees_a_changed_program_and_not_a_changed_comment(monkeypatch):
+    """The check above can fail: one more statement in thread_per_output's kernel changes the
+    fingerprint of an avg record that covers it; a comment or blank line does not."""
+    identity = program_identity()
+    (key, record), = [(k, r) for k, r in shipped_records().items()
+                      if r["problem"]["op"] == "adaptive_avg_pool2d" and r["problem"]["direction"] == "forward"
+                      and r["problem"]["input_shape"] == [32, 512, 8, 8] and cache.device_type(r["device"]) == "gpu"]
+    expected = json.loads(identity.SHIPPED_PROGRAMS.read_text())[key]
+    read = cache.kernel_source.read
+
+    def edited(body):
+        def read_edited(name):
+            text = read(name)
+            return text.replace("{", "{" + body, 1) if name == "forward/thread_per_output.c" else text
+        return read_edited
+
+    monkeypatch.setattr(cache.kernel_source, "read", edited("\n/* a comment */\n\n"))
+    assert identity.fingerprint({key: record})[key] == expected
+    monkeypatch.setattr(cache.kernel_source, "read", edited(" (void)0;"))
+    changed = identity.differences({key: expected}, identity.fingerprint({key: record}))[key]
+    assert changed and all(label.startswith("thread_per_output ") for label in changed)

@@ -813,3 +813,22 @@ def test_autotune_speaks_in_one_format_through_a_call(user_cache, monkeypatch, r
     lines = [line for line in capsys.readouterr().err.splitlines() if "adaptive_avg_pool2d forward" in line]
     assert [line.split()[:2] for line in lines] == [["pool_tuner:", "POOL_TUNER_AUTOTUNE=yes"], ["pool_tuner:", "tuned"]]
     assert heard == []
+
+
+def test_gem_is_tuned_over_the_shared_variants_and_dispatched_from_its_record(user_cache, rng):
+    """GeM takes the shared forward variants through its operator: Kernel Tuner tunes them (with
+    the default p and eps as the kernels' run-time arguments, verified against the reference), the
+    record stores the winner and dispatch then runs it, at any p."""
+    op, shape, out = "adaptive_gem_pool2d", (2, 8, 9, 9), (2, 3)
+    assert pt.explain(op, shape, out)["source"] == "default"
+    result = pt.tune(op, shape, out, variants=["thread_per_output", "smem_tiled"], strategy="random_sample",
+                     max_fevals=3)
+    assert result.stored and result.best_variant in ("thread_per_output", "smem_tiled")
+    assert {v.variant for v in result.variants} == {"thread_per_output", "smem_tiled"}
+    assert all(not v.failures and v.evaluated for v in result.variants)
+    info = pt.explain(op, shape, out)
+    assert (info["source"], info["variant"], info["params"]) == ("cache", result.best_variant, result.best_params)
+    x = rng.random(shape).astype(np.float32)
+    for p in (3.0, 1.5):
+        np.testing.assert_allclose(pt.adaptive_gem_pool2d(x, out, p=p),
+                                   reference.adaptive_gem_pool(x.astype(np.float64), out, 2, p), rtol=2e-5)

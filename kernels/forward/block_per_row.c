@@ -6,7 +6,7 @@
  * small ones get threads_per_output = 1.
  * Launch: N_PLANES * OUT_T * OUT_H groups of block_size_x. */
 #define LANE_GROUPS (block_size_x / threads_per_output)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     const index_t row = GROUP_ID;
     const index_t oh = row % OUT_H;
@@ -22,7 +22,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         const index_t ow = ow0 + lane_group;
         reduction_t r = reduce_init();
         if (ow < OUT_W)
-            r = reduce_window_rows(in, plane, ot, oh, ow, lane, threads_per_output);
+            r = reduce_window_rows(in, plane, ot, oh, ow, lane, threads_per_output OP_ARGS);
 #if threads_per_output > 1
         partial[LOCAL_ID_X] = r;
         BARRIER();

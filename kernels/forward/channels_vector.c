@@ -3,7 +3,7 @@
  * contiguous elements (vectorised on CPUs, coalesced on GPUs).
  * Launch: ceil(N * OUT_PLANE_SIZE * CHANNEL_BLOCKS / block_size_x) groups of block_size_x. */
 #define CHANNEL_BLOCKS ((N_CHANNELS + vector_width - 1) / vector_width)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     const index_t item = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
     if (item >= (index_t)(N_PLANES / N_CHANNELS) * OUT_PLANE_SIZE * CHANNEL_BLOCKS)
@@ -24,7 +24,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
                 const index_t pos = PLANE_POSITION(t, h, w, IN_H, IN_W);
                 for (int k = 0; k < vector_width; ++k)
                     if (N_CHANNELS % vector_width == 0 || c0 + k < N_CHANNELS)
-                        reduce_step(&r[k], LOAD(in, in_base + pos * N_CHANNELS + k), pos);
+                        reduce_step(&r[k], LOAD(in, in_base + pos * N_CHANNELS + k), pos OP_ARGS);
             }
     for (int k = 0; k < vector_width; ++k)
         if (N_CHANNELS % vector_width == 0 || c0 + k < N_CHANNELS)

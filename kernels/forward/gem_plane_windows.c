@@ -3,11 +3,13 @@
  * same value), and adds it to the sums of the outputs whose windows hold it, in order, then takes
  * each output's p-th root; neighbouring work-items take neighbouring planes.
  *
- * gem_windows maps an input once for every window that holds it (overlapping windows: up to four
- * times in 2d) and reads each window's taps from per-work-item window starts.  Here the plane is
- * unrolled whole, so which windows hold each input is known at compile time (straight-line adds, no
- * masks), and the outputs of a plane come from one read of it.  Each window's sum takes its inputs
- * in ascending order, as gem_windows' box does, so the bits are the same.
+ * The shared thread_per_output maps an input once for every window that holds it (overlapping
+ * windows: up to four times in 2d) and reads each window's taps from per-work-item window starts.
+ * Here the plane is unrolled whole, so which windows hold each input is known at compile time
+ * (straight-line adds, no masks), and the outputs of a plane come from one read of it.  Each
+ * window's sum takes its inputs in ascending order, as thread_per_output's small box does (one row
+ * lane), so the bits are the same.  Not for global pooling, where gem_planes' contiguous lanes
+ * do better.
  *
  * The plane is mapped first, into private memory, and the windows then sum the mapped values.  In
  * OpenCL (but float64) the map takes eight contiguous inputs at a time in vector loads and

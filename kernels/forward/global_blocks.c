@@ -59,7 +59,7 @@
 /* Add unit `unit` of a plane (its positions unit * unit_size ...) to `partial`: a vector of
  * vector_width positions, or where unit_size is 1 one position. */
 DEVICE_FN void reduce_unit(reduction_t* partial, const GLOBAL scalar_t* RESTRICT in, index_t plane_base,
-                           index_t unit, int unit_size)
+                           index_t unit, int unit_size OP_PARAMS)
 {
 #if vector_width > 1
     if (unit_size > 1) {
@@ -67,18 +67,18 @@ DEVICE_FN void reduce_unit(reduction_t* partial, const GLOBAL scalar_t* RESTRICT
         load_vector(in, plane_base / vector_width + unit, x);
 #pragma unroll
         for (int k = 0; k < vector_width; ++k)
-            reduce_step(partial, x[k], unit * vector_width + k);
+            reduce_step(partial, x[k], unit * vector_width + k OP_ARGS);
         return;
     }
 #endif
-    reduce_step(partial, LOAD(in, plane_base + unit * ELEMENT_STEP), unit);
+    reduce_step(partial, LOAD(in, plane_base + unit * ELEMENT_STEP), unit OP_ARGS);
 }
 
 /* One member's share of part `part` of a plane read in units of unit_size positions: of the part's
  * units first, first + 1, ... (the plane's units cut into `split` runs of equal length, the last
  * shorter), the units first + member, first + member + threads_per_plane, ... */
 DEVICE_FN reduction_t reduce_member(const GLOBAL scalar_t* RESTRICT in, index_t plane_base, index_t part,
-                                    index_t member, int unit_size)
+                                    index_t member, int unit_size OP_PARAMS)
 {
     const index_t plane_units = IN_PLANE_SIZE / unit_size;
     const index_t part_units = (plane_units + split - 1) / split;
@@ -92,13 +92,13 @@ DEVICE_FN reduction_t reduce_member(const GLOBAL scalar_t* RESTRICT in, index_t 
     for (; unit + (accumulators - 1) * (index_t)threads_per_plane < units; unit += MEMBER_STEP)
 #pragma unroll
         for (int a = 0; a < accumulators; ++a)
-            reduce_unit(&partial[a], in, plane_base, unit + (index_t)a * threads_per_plane, unit_size);
+            reduce_unit(&partial[a], in, plane_base, unit + (index_t)a * threads_per_plane, unit_size OP_ARGS);
     /* The last units, fewer than a whole step: partial a takes the a-th, after all its others. */
 #pragma unroll
     for (int a = 0; a < accumulators - 1; ++a) {
         const index_t u = unit + (index_t)a * threads_per_plane;
         if (u < units)
-            reduce_unit(&partial[a], in, plane_base, u, unit_size);
+            reduce_unit(&partial[a], in, plane_base, u, unit_size OP_ARGS);
     }
     reduction_t r = partial[0];
 #pragma unroll
@@ -110,7 +110,7 @@ DEVICE_FN reduction_t reduce_member(const GLOBAL scalar_t* RESTRICT in, index_t 
 #if COMBINE_PASS
 /* The second pass: each plane's result from its parts' slots, merged in part order. */
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT SCRATCH_PARAM
-                         PLANES_PARAM)
+                         PLANES_PARAM OP_PARAMS)
 {
     const index_t plane = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
     if (plane >= N_PLANES)
@@ -124,7 +124,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 }
 #else
 KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT SCRATCH_PARAM
-                         PLANES_PARAM)
+                         PLANES_PARAM OP_PARAMS)
 {
 #if threads_per_plane > 1
     LOCAL_MEM acc_t partial_value[block_size_x];
@@ -137,10 +137,10 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     if (plane < N_PLANES) {
         const index_t plane_base = PLANE_BASE(plane, IN_PLANE_SIZE);
 #if vector_width > 1
-        r = vectors_aligned(in) ? reduce_member(in, plane_base, part, member, vector_width)
-                                : reduce_member(in, plane_base, part, member, 1);
+        r = vectors_aligned(in) ? reduce_member(in, plane_base, part, member, vector_width OP_ARGS)
+                                : reduce_member(in, plane_base, part, member, 1 OP_ARGS);
 #else
-        r = reduce_member(in, plane_base, part, member, 1);
+        r = reduce_member(in, plane_base, part, member, 1 OP_ARGS);
 #endif
     }
 #if threads_per_plane > 1

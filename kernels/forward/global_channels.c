@@ -13,7 +13,7 @@
  * reduce the last one again (every work-item must reach the barriers) and store nothing.
  * Launch: ceil(N_PLANES / channels_per_item / block_size_x) groups of block_size_x. */
 #define PARTIALS (accumulators < IN_PLANE_SIZE ? accumulators : IN_PLANE_SIZE)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     const index_t items = N_PLANES / channels_per_item;
     const index_t item = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
@@ -26,7 +26,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 #pragma unroll
         for (int c = 0; c < channels_per_item; ++c)
             STORE_PARTIAL(partial_value[c][a], partial_position[c][a],
-                          reduce_first(LOAD(in, base + a * ELEMENT_STEP + c), a));
+                          reduce_first(LOAD(in, base + a * ELEMENT_STEP + c), a OP_ARGS));
     for (index_t p = PARTIALS; p < IN_PLANE_SIZE; p += PARTIALS) {
 #pragma unroll
         for (int a = 0; a < PARTIALS; ++a)

@@ -11,7 +11,7 @@
 #define PLANES_PER_GROUP (block_size_x / split)
 /* The elements of each part: the plane's share per work-item, rounded up to whole lane steps. */
 #define PART_SIZE ((IN_PLANE_SIZE + split * run_lanes - 1) / (split * run_lanes) * run_lanes)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
 #if split > 1
     LOCAL_MEM acc_t partial_value[block_size_x];
@@ -24,7 +24,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         const index_t plane = ((index_t)GROUP_ID * planes_per_item + k) * PLANES_PER_GROUP + LOCAL_ID_X / split;
         reduction_t r = reduce_init();
         if (plane < N_PLANES && part_start < part_end)
-            r = reduce_run(in, PLANE_BASE(plane, IN_PLANE_SIZE), part_start, part_end - part_start);
+            r = reduce_run(in, PLANE_BASE(plane, IN_PLANE_SIZE), part_start, part_end - part_start OP_ARGS);
 #if split > 1
         STORE_PARTIAL(partial_value[LOCAL_ID_X], partial_position[LOCAL_ID_X], r);
         BARRIER();

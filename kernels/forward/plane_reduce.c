@@ -9,7 +9,7 @@
  * Launch: N_PLANES groups of block_size_x. */
 #define FULL_CHUNKS (IN_PLANE_SIZE / block_size_x)
 #define TAIL_ELEMENTS (IN_PLANE_SIZE % block_size_x)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     LOCAL_MEM acc_t partial_value[block_size_x];
     IF_SELECTING(LOCAL_MEM index_t partial_position[block_size_x];)
@@ -19,11 +19,11 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
 #pragma unroll
     for (int chunk = 0; chunk < FULL_CHUNKS; ++chunk) {
         const index_t position = (index_t)chunk * block_size_x + LOCAL_ID_X;
-        reduce_step(&r, LOAD(in, plane_base + position), position);
+        reduce_step(&r, LOAD(in, plane_base + position), position OP_ARGS);
     }
     if (TAIL_ELEMENTS != 0 && LOCAL_ID_X < TAIL_ELEMENTS) {
         const index_t position = (index_t)FULL_CHUNKS * block_size_x + LOCAL_ID_X;
-        reduce_step(&r, LOAD(in, plane_base + position), position);
+        reduce_step(&r, LOAD(in, plane_base + position), position OP_ARGS);
     }
     STORE_PARTIAL(partial_value[LOCAL_ID_X], partial_position[LOCAL_ID_X], r);
     BARRIER();

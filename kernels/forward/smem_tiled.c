@@ -2,7 +2,7 @@
  *
  * The stage holds the input box under the tile's windows, so overlapping windows read global
  * memory once; each work-item then reduces its outputs' windows from it. */
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     LOCAL_MEM acc_t stage[STAGE_SIZE];
     const tile_t tile = tile_of_group(GROUP_ID);
@@ -30,7 +30,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
                 for (index_t h = window.h_start; h < window.h_end; ++h)
                     for (index_t w = window.w_start; w < window.w_end; ++w)
                         reduce_step(&r, stage[STAGE_SLOT(t - t_start, h - h_start, w - w_start)],
-                                    PLANE_POSITION(t, h, w, IN_H, IN_W));
+                                    PLANE_POSITION(t, h, w, IN_H, IN_W) OP_ARGS);
             STORE_RESULT(OUT_OFFSET(plane, ot, oh, ow), r, ot, oh, ow);
         }
     }

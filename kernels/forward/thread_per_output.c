@@ -10,7 +10,7 @@
  * last work-group: the condition is the same for a whole group, so compilers keep the other
  * groups' code branch-free.
  * Launch: ceil(OUT_NUMEL / (block_size_x * outputs_per_thread)) groups of block_size_x. */
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     const index_t first = (index_t)GROUP_ID * (block_size_x * outputs_per_thread) + LOCAL_ID_X;
     const int whole_group = !PARTIAL_LAST_GROUP || (GROUP_ID + 1) * (block_size_x * outputs_per_thread) <= OUT_NUMEL;
@@ -21,9 +21,9 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
         index_t plane, ot, oh, ow;
         OUT_COORDS(o, plane, ot, oh, ow);
 #if SMALL_WINDOW && row_lanes == 1
-        const reduction_t r = reduce_small_window(in, plane, ot, oh, ow);
+        const reduction_t r = reduce_small_window(in, plane, ot, oh, ow OP_ARGS);
 #else
-        const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1);
+        const reduction_t r = reduce_window_rows(in, plane, ot, oh, ow, 0, 1 OP_ARGS);
 #endif
         STORE_RESULT(o, r, ot, oh, ow);
     }

@@ -14,7 +14,7 @@
 #error "unrolled_columns is for accumulating ops (the host refuses it for max pooling)"
 #endif
 #define OUT_ROWS ((index_t)N_PLANES * OUT_T * OUT_H)
-KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM)
+KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RESTRICT out INDICES_OUT PLANES_PARAM OP_PARAMS)
 {
     const index_t row = (index_t)GROUP_ID * block_size_x + LOCAL_ID_X;
 #if PARTIAL_LAST_GROUP
@@ -31,7 +31,7 @@ KERNEL void pool_forward(const GLOBAL scalar_t* RESTRICT in, GLOBAL scalar_t* RE
     const index_t first_row = PLANE_POSITION(t_start, h_start, 0, IN_H, IN_W);
 #pragma unroll 1
     for (int w = 0; w < IN_W; ++w)
-        STORE_PARTIAL(column_value[w], column_position[w], reduce_first(LOAD(in, plane_base + first_row + w), first_row + w));
+        STORE_PARTIAL(column_value[w], column_position[w], reduce_first(LOAD(in, plane_base + first_row + w), first_row + w OP_ARGS));
     for (index_t k = 1; k < window_rows; ++k) {
         const index_t input_row = PLANE_POSITION(t_start + k / window_h, h_start + k % window_h, 0, IN_H, IN_W);
 #pragma unroll 1

@@ -5,19 +5,22 @@
  * Only GeM's programs include this header (pool_tuner.operations.OPERATOR_HEADERS), so the programs of
  * the other ops, and the kernel hashes of their tuning records, do not change when GeM does.
  *
- * The OP_* definitions are those of the inner mean -- an accumulating op over the mapped elements
- * max(x, eps)^p -- which is what the backward gather routes (gradients.h): the gradient of a window's
- * mean reaches each of its inputs divided by the window's area.  p and eps are run-time kernel
- * arguments (a learnt exponent changes every training step, so it must not cost a build); the
- * shared reduction helpers (reduction.h) take no run-time argument, so GeM's forward variants
- * (kernels/forward/gem_*.c) map and finish through gem_power and gem_root themselves.
+ * GeM is an accumulating op: each element enters as max(x, eps)^p (gem_power), the sum of a window
+ * is finished as the p-th root of its mean (gem_root), and the gradient of a window's mean reaches
+ * each of its inputs divided by the window's area.  p and eps are run-time kernel arguments (a learnt
+ * exponent changes every training step, so it must not cost a build): the shared forward kernels and
+ * reduction.h's helpers take them as OP_PARAMS and pass them on as OP_ARGS (operators.h), named
+ * gem_p and gem_eps there, names that no shared kernel gives a variable of its own.  GeM's own
+ * kernels (gem_plane_windows, the input gradient) take them as GEM_PARAMS, named p and eps.
  */
 #define OP_SELECTS 0
 #define OP_IDENTITY ((acc_t)0)
-#define OP_MAP(x) (x)
+#define OP_MAP(x) gem_power(x, gem_p, gem_eps)
 #define OP_COMBINE(a, b) ((a) + (b))
-#define OP_FINISH(value, area) ((value) / (acc_t)(area))
+#define OP_FINISH(value, area) gem_root(value, area, gem_p)
 #define OP_GRADIENT_SHARE(grad, area) ((grad) / (acc_t)(area))
+#define OP_PARAMS , const acc_t gem_p, const acc_t gem_eps
+#define OP_ARGS , gem_p, gem_eps
 #define IF_SELECTING(...)
 
 /* Whether output o of an axis of O outputs holds input coordinate x (its forward window, windows.h):
