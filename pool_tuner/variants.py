@@ -902,9 +902,10 @@ class GemPlaneWindows(Variant):
 
 class GemPlanes(_Global):
     """GeM's own global variant.  global_planes does the same reduction, but on PoCL its programs
-    for GeM's map ran 2.3x (p = 3) and 3.3x (another p) slower at 32x2048x7x7 (docs/benchmarks.md):
-    its helpers' map sits under per-work-item conditions (plane bounds, parts), where this kernel's
-    straight loop lets the work-group vectoriser map across work-items."""
+    for GeM's map ran several times slower (docs/benchmarks.md): its helpers' map sits under
+    per-work-item conditions (plane bounds, parts), where this kernel's straight loop maps in vector
+    code (in OpenCL, eight elements at a time: gem.h's load8, which converts float16 in one
+    instruction per eight values on x86)."""
 
     name = "gem_planes"
     takes_arguments = True

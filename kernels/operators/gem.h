@@ -192,6 +192,13 @@ DEVICE_FN float8 load8(const GLOBAL scalar_t* RESTRICT in, index_t offset)
 #endif
 }
 
+/* sum + v.s0 + v.s1 + ... + v.s7, added one after the other: eight scalar lanes' partial sums in
+ * their order. */
+DEVICE_FN float add_in_order8(float sum, float8 v)
+{
+    return sum + v.s0 + v.s1 + v.s2 + v.s3 + v.s4 + v.s5 + v.s6 + v.s7;
+}
+
 /* The first input of eight-input step `step` over a plane (the kernels that unroll one): 8 * step,
  * but a last step that would run past the plane's end ends at its end instead (a ternary: min is a
  * call). */
