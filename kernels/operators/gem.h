@@ -180,12 +180,14 @@ DEVICE_FN ushort8 narrow_half8(float8 value)
 
 DEVICE_FN float8 load8(const GLOBAL scalar_t* RESTRICT in, index_t offset)
 {
+#if DTYPE_FLOAT16 || DTYPE_BFLOAT16
+    const GLOBAL ushort* at = (const GLOBAL ushort*)in + offset;
+    const ushort8 bits = (ushort8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]);
 #if DTYPE_FLOAT16
-    const GLOBAL ushort* at = (const GLOBAL ushort*)in + offset;
-    return widen_half8((ushort8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]));
-#elif DTYPE_BFLOAT16
-    const GLOBAL ushort* at = (const GLOBAL ushort*)in + offset;
-    return as_float8((uint8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]) << 16);
+    return widen_half8(bits);
+#else
+    return as_float8(convert_uint8(bits) << 16);
+#endif
 #else
     const GLOBAL float* at = in + offset;
     return (float8)(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]);
