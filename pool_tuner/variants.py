@@ -232,8 +232,11 @@ class Variant:
         return True
 
     def legal_configurations(self, problem: Problem, limits: DeviceLimits) -> list:
-        """Every legal point of the search space for ``problem``, complete, in search-space order."""
-        return [self.check_config(c, problem, limits) for c in self.configurations() if self.is_legal(c, problem, limits)]
+        """Every legal point of the search space for ``problem``, complete, in search-space order.
+        Each point already names every parameter with a value of its space, so only ``refusal``
+        is asked (``check_config``'s other checks are for configurations from users and caches)."""
+        return [{k: int(v) for k, v in c.items()} for c in self.configurations()
+                if self.refusal(c, problem, limits) is None]
 
     def representative_configurations(self, problem: Problem, limits: DeviceLimits) -> dict:
         """``{"default", "smallest", "largest", "two-pass": config}``: the default, the first and last
