@@ -165,7 +165,8 @@ def test_windows_past_the_unrolled_limit_are_finished_from_the_tables(kind, rng)
 @pytest.mark.parametrize("layout", [None, "NHWC"])
 @pytest.mark.parametrize("kind", ["avg", "max"])
 def test_pyramid_dtypes(kind, dtype, layout, rng):
-    op, shape, sizes = f"adaptive_{kind}_pool_pyramid2d", (2, 5, 13, 11), [1, 2, 3, 6]
+    # CASES_2D[1]'s problem: its float32 programs are built once for both tests
+    op, shape, sizes = f"adaptive_{kind}_pool_pyramid2d", (2, 3, 13, 11), [1, 2, 3, 6]
     x = random_input(rng, shape).astype(_dtype(dtype))
     values, indices = reference.forward(op, _as64(x), sizes)
     arg = _channels_last(x, 2) if layout else x
