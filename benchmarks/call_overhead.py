@@ -20,7 +20,9 @@ of calls back to back, interleaved, medians: ``pool_tuner.bench``'s timing):
 * ``device arrays: library`` and ``device arrays: bare launch``: the avg kernel on data already on
   the device (``pyopencl.array.Array``), calls back to back and one wait per loop, through the
   library and as bare launches of the same kernel: their difference is what dispatch adds to a
-  launch when nothing is waited for or copied.
+  launch when nothing is waited for or copied;
+* ``device arrays, channels-last: library``: the same call on a channels-last device array (its own
+  kernel, and a channels-last view of its result).
 
 Each is printed in microseconds per call (median and quartiles over the rounds) and as a multiple
 of the floor measured in the same rounds.
@@ -137,8 +139,17 @@ def candidates_for(shape, out_size, device, rng) -> dict:
     candidates["device arrays: library"] = common.Candidate(
         functools.partial(pt.adaptive_avg_pool2d, x_dev, out_size), finish)
     candidates["device arrays: bare launch"] = common.Candidate(functools.partial(bare, False), finish)
+    candidates["device arrays, channels-last: library"] = common.Candidate(
+        functools.partial(pt.adaptive_avg_pool2d, _channels_last(queue, x), out_size), finish)
     check(x, t, x_dev, out_size, candidates, modules)
     return candidates
+
+
+def _channels_last(queue, x: np.ndarray):
+    """``x`` (N, C, H, W) as a device array of the same logical shape in channels-last memory."""
+    memory = cl_array.to_device(queue, np.ascontiguousarray(np.moveaxis(x, 1, -1)))
+    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
+    return cl_array.Array(queue, x.shape, x.dtype, data=memory.data, strides=strides)
 
 
 def _dispatched(op: str, problem: Problem) -> dict:
@@ -158,6 +169,11 @@ def check(x, t, x_dev, out_size, candidates, modules) -> None:
         "numpy API max": (pt.adaptive_max_pool2d(x, out_size), expected_max),
         "device arrays: library": (pt.adaptive_avg_pool2d(x_dev, out_size).get(), expected_avg),
     }
+    channels_last = candidates["device arrays, channels-last: library"].call.args[0]
+    got = pt.adaptive_avg_pool2d(channels_last, out_size)  # channels-last too: its memory is (N, h, w, C)
+    results["device arrays, channels-last: library"] = (
+        np.moveaxis(cl_array.Array(got.queue, (got.shape[0], *got.shape[2:], got.shape[1]), got.dtype,
+                                   data=got.base_data).get(), -1, 1), expected_avg)
     for name, module in modules.items():
         results[name] = (module(t).numpy(), expected_max if " Max" in name else expected_avg)
     for name, (got, expected) in results.items():

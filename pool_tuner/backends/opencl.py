@@ -250,11 +250,7 @@ class OpenCLDevice(Conveniences):
                 data = self._pool.allocate(size * dtype.itemsize)
         else:
             data = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, size * dtype.itemsize)
-        try:
-            return cl_array.Array(queue, shape, dtype, data=data, strides=strides, _fast=True, _size=size,
-                                  _context=queue.context, _queue=queue)
-        except TypeError:  # the fast path changed: the checked constructor
-            return cl_array.Array(queue, shape, dtype, data=data)
+        return _array(queue, shape, dtype, data, strides, size)
 
     def release_memory(self) -> int:
         """Free the memory the pool holds for reuse; returns the number of blocks freed."""
@@ -365,8 +361,21 @@ class OpenCLCallerArrays:
     def strided_view(array, shape, strides):
         """``array``'s memory seen with another shape and strides (channels-last results), from
         its first element: a pyramid's levels are parts of one buffer, each at its own offset."""
-        return cl_array.Array(array.queue, tuple(shape), array.dtype, data=array.base_data, offset=array.offset,
-                              strides=tuple(strides), events=array.events)
+        shape = tuple(shape)
+        return _array(array.queue, shape, array.dtype, array.base_data, tuple(strides), math.prod(shape),
+                      array.offset, array.events)
+
+
+def _array(queue, shape: tuple, dtype: np.dtype, data, strides: tuple, size: int, offset: int = 0, events=None):
+    """A device array over ``data`` through PyOpenCL's fast constructor path, which takes the
+    shape, strides and size as given: its checked path costs several times a small kernel's launch
+    (numpy checks of the shape), and every call makes an array (``empty``), channels-last ones two
+    (``strided_view``)."""
+    try:
+        return cl_array.Array(None, shape, dtype, data=data, offset=offset, strides=strides, events=events,
+                              _fast=True, _size=size, _context=queue.context, _queue=queue)
+    except TypeError:  # the fast path changed: the checked constructor
+        return cl_array.Array(queue, shape, dtype, data=data, offset=offset, strides=strides, events=events)
 
 
 @functools.lru_cache(maxsize=1024)
