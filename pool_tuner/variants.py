@@ -557,20 +557,55 @@ class GlobalChannels(_Global):
                "batch entry, loaded as one contiguous run at each position, with `accumulators` partials per channel")
     channels_last = True
     search_space = {"block_size_x": [16, 64, 256, 1024], "accumulators": [1, 2, 4, 8],
-                    "channels_per_item": [1, 4, 8, 16]}
+                    "channels_per_item": [1, 4, 8, 16, 32, 64]}
     default = {"block_size_x": 16, "accumulators": 1, "channels_per_item": 8}
+    #: The most 32-bit words of partial results a work-item keeps (``partial_words``): they live in
+    #: registers, and past this CUDA's compiler spills them to local memory.
+    REGISTER_WORDS = 64
+    #: Accumulating ops default to channel runs of up to WIDEST_RUN channels -- wider runs are more
+    #: vector loads per position and fewer work-items to schedule, which PoCL runs faster ...
+    WIDEST_RUN = 64
+    #: ... as long as the launch keeps at least MIN_WORK_ITEMS work-items, so that a CPU's threads
+    #: all get work-groups ...
+    MIN_WORK_ITEMS = 32
+    #: ... and with at least CHAINS partials per work-item (accumulators x channels), so that a long
+    #: plane's additions are not one chain of dependent vector adds.
+    CHAINS = 32
+
+    @staticmethod
+    def partial_words(channels_per_item: int, accumulators: int, problem: Problem) -> int:
+        """32-bit words of a work-item's partials: a value in the accumulation type per channel and
+        accumulator, and for selecting ops its position (an ``index_t``) too."""
+        value = 2 if problem.dtype == "float64" else 1
+        position = (2 if problem.index_64 else 1) if problem.operation.selects else 0
+        return channels_per_item * accumulators * (value + position)
 
     def illegal_reason(self, params, problem, limits):
         reason = super().illegal_reason(params, problem, limits)
         if reason is None and problem.channels % params["channels_per_item"]:
             return "channels_per_item must divide the number of channels"
+        if reason is None and self.partial_words(params["channels_per_item"], params["accumulators"],
+                                                 problem) > self.REGISTER_WORDS:
+            return (f"channels_per_item x accumulators must keep the partials within {self.REGISTER_WORDS} "
+                    f"32-bit words (registers) for this op and dtype")
         return reason
 
     def default_for(self, problem):
-        """The widest channel run of at most the default's that divides the channels."""
-        widest = max(n for n in self.search_space["channels_per_item"]
-                     if n <= self.default["channels_per_item"] and problem.channels % n == 0)
-        return {**self.default, "channels_per_item": widest}
+        """Selecting ops (max): the widest channel run of at most the default's that divides the
+        channels.  Accumulating ops: the widest run of at most ``WIDEST_RUN`` that divides the
+        channels, leaves ``MIN_WORK_ITEMS`` work-items and fits ``REGISTER_WORDS`` (else the
+        selecting ops' run), with accumulators for ``CHAINS`` partials as far as the words allow."""
+        dividing = [n for n in self.search_space["channels_per_item"] if problem.channels % n == 0]
+        run = max(n for n in dividing if n <= self.default["channels_per_item"])
+        if problem.operation.selects:
+            return {**self.default, "channels_per_item": run}
+        roomy = [n for n in dividing if n <= self.WIDEST_RUN and problem.planes // n >= self.MIN_WORK_ITEMS
+                 and self.partial_words(n, 1, problem) <= self.REGISTER_WORDS]
+        run = max(roomy, default=run)
+        accumulators = max(n for n in self.search_space["accumulators"]
+                           if n == 1 or (n * run <= self.CHAINS
+                                         and self.partial_words(run, n, problem) <= self.REGISTER_WORDS))
+        return {**self.default, "channels_per_item": run, "accumulators": accumulators}
 
     def groups(self, params, problem):
         return _ceil_div(problem.planes // params["channels_per_item"], params["block_size_x"])

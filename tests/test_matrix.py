@@ -632,6 +632,70 @@ def test_global_variants_max_keep_the_first_position(op, layout, variant, config
     np.testing.assert_array_equal(indices, ref_indices)
 
 
+#: global_channels' runs of neighbouring channels (channels_per_item > 1 needs channels it divides):
+#: 2x128 channels over non-square planes, runs of every width with the most accumulators their
+#: partials' registers allow (GlobalChannels.REGISTER_WORDS), the widest with the fewest work-items
+#: per work-group too.
+CHANNEL_RUN_SHAPE = (2, 128, 5, 7)
+CHANNEL_RUNS = [{"channels_per_item": 4, "accumulators": 8}, {"channels_per_item": 16, "accumulators": 2},
+                {"channels_per_item": 32, "accumulators": 1}, {"channels_per_item": 64, "accumulators": 1},
+                {"channels_per_item": 64, "accumulators": 1, "block_size_x": 64}]
+
+
+@pytest.mark.parametrize("config", CHANNEL_RUNS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("op,dtype", [("adaptive_avg_pool2d", "float32"), ("adaptive_avg_pool2d", "float64"),
+                                      ("adaptive_max_pool2d", "float32")])
+def test_global_channels_runs_of_channels_match_the_reference(op, dtype, config, rng):
+    """Each work-item's run of neighbouring channels, loaded together at every position: the
+    reference's means, and exactly its maxima with their first positions (ties, NaNs and -inf in
+    the input).  Runs whose partials would not fit the registers are refused, never run."""
+    variant = variants_for(op)["global_channels"]
+    problem = Problem.create(op, CHANNEL_RUN_SHAPE, (1, 1), dtype, "NHWC")
+    limits = backends.default_device().info.limits
+    if not variant.is_legal(config, problem, limits):
+        assert variant.partial_words(config["channels_per_item"], config["accumulators"],
+                                     problem) > variant.REGISTER_WORDS
+        with pytest.raises(ValueError, match="registers"):
+            forward(op, in_layout(random_input(rng, CHANNEL_RUN_SHAPE, np.float64).astype(dtype), 2, "NHWC"), 1,
+                    variant="global_channels", config=config)
+        return
+    if OPS[op][0] == "max":
+        for fill in ("ties", "nans", "minus_inf"):
+            x = special_max_input(rng, CHANNEL_RUN_SHAPE, fill)
+            values, indices = forward(op, in_layout(x, 2, "NHWC"), 1, variant="global_channels", config=config)
+            ref_values, ref_indices = reference.forward(op, x, (1, 1))
+            np.testing.assert_array_equal(as_float64(values), ref_values)
+            np.testing.assert_array_equal(indices, ref_indices)
+        return
+    x = random_input(rng, CHANNEL_RUN_SHAPE, np.float64).astype(dtype)
+    check_forward(op, forward(op, in_layout(x, 2, "NHWC"), 1, variant="global_channels", config=config), x, (1, 1),
+                  "NCHW")
+
+
+@pytest.mark.parametrize("shape", [(32, 2048, 7, 7), (8, 128, 56, 56), (16, 72, 56, 56), (2, 64, 7, 7),
+                                   (1, 960, 7, 7), (3, 3, 9, 9)])
+@pytest.mark.parametrize("op,dtype", [("adaptive_avg_pool2d", "float32"), ("adaptive_avg_pool2d", "float64"),
+                                      ("adaptive_max_pool2d", "float32"), ("adaptive_gem_pool2d", "float16")])
+def test_global_channels_default_runs_fit_the_launch_and_the_registers(op, dtype, shape):
+    """The default (GlobalChannels.default_for) is legal wherever the variant is; for accumulating
+    ops its run is the widest of at most WIDEST_RUN channels that divides the channels, fits the
+    registers and leaves MIN_WORK_ITEMS work-items where one does; max keeps the default's run."""
+    variant = variants_for(op)["global_channels"]
+    problem = Problem.create(op, shape, (1, 1), dtype, "NHWC")
+    params = variant.default_for(problem)
+    assert variant.is_legal(params, problem, backends.default_device().info.limits)
+    run = params["channels_per_item"]
+    runs = variant.search_space["channels_per_item"]
+    if problem.operation.selects:
+        assert run == max(n for n in runs if n <= variant.default["channels_per_item"] and shape[1] % n == 0)
+        return
+    fitting = [n for n in runs if n <= variant.WIDEST_RUN and shape[1] % n == 0
+               and problem.planes // n >= variant.MIN_WORK_ITEMS
+               and variant.partial_words(n, 1, problem) <= variant.REGISTER_WORDS]
+    assert run == (max(fitting) if fitting else max(n for n in runs if n <= 8 and shape[1] % n == 0))
+    assert variant.partial_words(run, params["accumulators"], problem) <= variant.REGISTER_WORDS
+
+
 @pytest.mark.parametrize("op,direction,layout,variant", [
     pytest.param(op, direction, layout, variant, id=f"{op}-{direction}-{layout}-{variant}")
     for op, (kind, ndim) in OPS.items() for direction in ("forward", "backward")
