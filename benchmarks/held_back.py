@@ -19,7 +19,12 @@ every round), medians:
   temporary directory unless set): what a user of the mode gets;
 * ``tuned`` -- the winner of ``pool_tuner.tune`` with the shipped records' budget (``--max-fevals``
   8, ``--time-limit`` 4, random sampling) in a scratch cache (``--tuned-dir``, kept: a second run
-  reuses its tunings), forced.
+  reuses its tunings), forced;
+* ``read`` (forward) -- ``bench.read_kernel``: a kernel that only reads as many bytes as the
+  layer's input (``kernels/bandwidth.cl``'s read), called the same way.  Where the input is larger
+  than the caches this is the memory's floor, and its "speed-up" the most any kernel could reach
+  over PyTorch on that layer; on PoCL, on inputs that fit the caches, it runs slower than the
+  pooling kernels themselves and bounds nothing.
 
 ``rules``, ``measured`` and ``tuned`` are those of the problem the calls make: the layout the call
 reads its input (backward: grad_out) in, ``call_layout``, which for a channels-last global layer's
@@ -190,6 +195,8 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
         got = np.asarray(host_copy(candidate.call()) if key != "torch" else candidate.call())
         if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
             raise AssertionError(f"{name}: {key} disagrees with PyTorch")
+    if direction == "forward":
+        candidates["read"] = bench.read_kernel(device, problem.bytes_read_written()[0])
     timings = common.interleave(candidates, rounds, 0.2, rng)
     return {
         "layer": name, "op": op, "direction": direction, "input": list(shape), "output_size": list(size),
@@ -218,7 +225,7 @@ def summary(rows: list) -> dict:
 
 
 def table(rows: list) -> str:
-    keys = [k for k in ("rules", "old rules", "measured", "tuned") if k in rows[0]["speedup"]]
+    keys = [k for k in ("rules", "old rules", "measured", "tuned", "read") if any(k in r["speedup"] for r in rows)]
     headers = ["layer", "torch ms"] + [f"{k} ms (x)" for k in keys] + ["rules variant", "measured variant"]
     lines = []
     for r in rows:

@@ -175,6 +175,31 @@ def _stream_elements(device, nbytes: int, unit: int) -> int:
     return max(nbytes // (4 * unit), 1) * unit
 
 
+def _bandwidth_kernels(device, queue) -> dict:
+    """The kernels of ``kernels/bandwidth.cl`` (``.cu``) by name, built for ``device``."""
+    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.info.source_suffix)
+    return {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
+
+
+def read_kernel(device, nbytes: int) -> Candidate:
+    """A call that reads ``nbytes`` (rounded up to whole work-groups of the bandwidth kernels' read
+    kernel) on ``device``'s queue, timed as a library call is, launch included.  For more bytes than
+    the caches hold this is the memory's floor: no pooling of an input of that size can be faster.
+    On PoCL, for fewer, it runs slower than the pooling kernels and bounds nothing."""
+    queue = device.queue
+    read = _bandwidth_kernels(device, queue)["read"]
+    block = (min(256, read.max_work_group_size),)
+    sums = -(-max(nbytes // 4, 1) // (READ_RUN * block[0])) * block[0]
+    src = device.to_device(np.ones(sums * READ_RUN, np.float32), queue)
+    dst = device.empty((sums,), np.float32, queue, fill=0.0)
+    candidate = Candidate(lambda: device.launch(queue, read, sums // block[0], block, (src, dst)),
+                          lambda: device.synchronize(queue))
+    candidate.call()  # proof that it reads every element: a read that did not would time nothing
+    if not (device.to_host(dst) == READ_RUN).all():
+        raise RuntimeError(f"the benchmark's read kernel did not read its input on {device.info.describe()}")
+    return candidate
+
+
 def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_REPEAT) -> dict:
     """``{stream: GB/s}`` for each of ``STREAMS``, on two buffers of about ``nbytes`` (see
     ``_stream_elements``), interleaved, medians of ``repeat`` rounds.  A copy counts bytes read
@@ -185,8 +210,7 @@ def memory_bandwidth(device, nbytes: int = STREAM_BYTES, repeat: int = STREAM_RE
     ``write_kernel`` fills one.  Every stream is first checked to do its work: a stream that did not
     would time nothing."""
     queue = device.queue
-    source = f"#define READ_RUN {READ_RUN}\n" + kernel_source.read("bandwidth" + device.info.source_suffix)
-    kernels = {name: device.build(queue.context, source, name) for name in ("copy", "copy_streaming", "read", "write")}
+    kernels = _bandwidth_kernels(device, queue)
     # Work-groups of a power of two that every kernel can run (256 at most).
     limit = min([256] + [k.max_work_group_size for k in kernels.values()])
     block = (1 << (limit.bit_length() - 1),)

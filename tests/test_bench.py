@@ -388,6 +388,16 @@ def dispatch_tables_hold_no_record(problem, device, cache) -> bool:
     return dispatch.tuning_cache().lookup(cache.cache_key(problem, device)) is None
 
 
+def test_read_kernel_reads_at_least_the_bytes_asked_for():
+    """held_back.py's ``read`` column: a call that reads every element of a buffer of at least the
+    given size (``read_kernel`` checks the sums when it makes it: a read that did not read would
+    raise), and runs again as a timed candidate."""
+    device = backends.default_device()
+    candidate = bench.read_kernel(device, 100_000)
+    candidate.call()
+    candidate.wait()
+
+
 def test_held_back_times_the_problem_its_calls_make(tmp_path):
     """A channels-last global layer's backward call reads its grad_out (one value per plane,
     contiguous either way) as channels-first: held_back.py's ``rules`` must be what dispatch decides
