@@ -21,10 +21,10 @@ every round), medians:
   8, ``--time-limit`` 4, random sampling) in a scratch cache (``--tuned-dir``, kept: a second run
   reuses its tunings), forced;
 * ``read`` (forward) -- ``bench.read_kernel``: a kernel that only reads as many bytes as the
-  layer's input (``kernels/bandwidth.cl``'s read), called the same way.  Where the input is larger
-  than the caches this is the memory's floor, and its "speed-up" the most any kernel could reach
-  over PyTorch on that layer; on PoCL, on inputs that fit the caches, it runs slower than the
-  pooling kernels themselves and bounds nothing.
+  layer's input (``kernels/bandwidth.cl``'s read), called the same way: how fast a plain kernel on
+  the device reads that input.  It is no floor -- on PoCL, PyTorch's loops and the pooling kernels
+  can read faster -- but where a pooling kernel matches it, the kernel runs at the device's plain
+  read speed.
 
 ``rules``, ``measured`` and ``tuned`` are those of the problem the calls make: the layout the call
 reads its input (backward: grad_out) in, ``call_layout``, which for a channels-last global layer's

@@ -183,9 +183,9 @@ def _bandwidth_kernels(device, queue) -> dict:
 
 def read_kernel(device, nbytes: int) -> Candidate:
     """A call that reads ``nbytes`` (rounded up to whole work-groups of the bandwidth kernels' read
-    kernel) on ``device``'s queue, timed as a library call is, launch included.  For more bytes than
-    the caches hold this is the memory's floor: no pooling of an input of that size can be faster.
-    On PoCL, for fewer, it runs slower than the pooling kernels and bounds nothing."""
+    kernel) on ``device``'s queue, timed as a library call is, launch included: how fast a plain
+    kernel reads an input of that size.  It is no floor: on PoCL the pooling kernels' loops, and
+    PyTorch's, can read faster than it."""
     queue = device.queue
     read = _bandwidth_kernels(device, queue)["read"]
     block = (min(256, read.max_work_group_size),)
