@@ -110,6 +110,21 @@ DEVICE_FN reduction_t reduce_merge(reduction_t a, reduction_t b)
     ((value_slot) = OP_COMBINE(value_slot, OP_MAP(value)))
 #endif
 
+/* The position rule after the fact.  Partials that combine values only (OP_COMBINE) are the vector
+ * code CPU compilers make best, and leave a selecting op's reduction `r` without its position.  A
+ * second visit of the elements in increasing position order, POSITION_STEP(r, element, at) at each,
+ * finds it: the first element that r's value does not beat, or the last where ties go to the later
+ * position.  Accumulating ops have no position: their visit is of no elements (POSITION_PASS_LENGTH). */
+#define POSITION_PASS_LENGTH(n) (OP_SELECTS ? (n) : 0)
+#if OP_SELECTS
+#define POSITION_STEP(r, element, at)                                                                        \
+    ((r).position = (!OP_BEATS((r).value, OP_MAP(element)) & (((r).position < 0) | OP_TIE_TO_LATER((r).value))) \
+                        ? (at)                                                                               \
+                        : (r).position)
+#else
+#define POSITION_STEP(r, element, at) ((void)0)
+#endif
+
 DEVICE_FN reduction_t partial_of(acc_t value, index_t position)
 {
     reduction_t r;

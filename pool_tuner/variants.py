@@ -562,23 +562,26 @@ class GlobalChannels(_Global):
     #: The most 32-bit words of partial results a work-item keeps (``partial_words``): they live in
     #: registers, and past this CUDA's compiler spills them to local memory.
     REGISTER_WORDS = 64
-    #: Accumulating ops default to channel runs of up to WIDEST_RUN channels -- wider runs are more
-    #: vector loads per position and fewer work-items to schedule, which PoCL runs faster ...
+    #: The default takes the widest channel run that divides the channels, of at most WIDEST_RUN
+    #: channels for accumulating ops and WIDEST_SELECTING_RUN for selecting ones (whose second pass
+    #: over the plane finds each channel's position) -- wider runs are more vector loads per position
+    #: and fewer work-items to schedule, which PoCL runs faster ...
     WIDEST_RUN = 64
+    WIDEST_SELECTING_RUN = 16
     #: ... as long as the launch keeps at least MIN_WORK_ITEMS work-items, so that a CPU's threads
     #: all get work-groups ...
     MIN_WORK_ITEMS = 32
-    #: ... and with at least CHAINS partials per work-item (accumulators x channels), so that a long
-    #: plane's additions are not one chain of dependent vector adds.
+    #: ... and, for accumulating ops, with at least CHAINS partials per work-item (accumulators x
+    #: channels), so that a long plane's additions are not one chain of dependent vector adds.
     CHAINS = 32
 
     @staticmethod
     def partial_words(channels_per_item: int, accumulators: int, problem: Problem) -> int:
         """32-bit words of a work-item's partials: a value in the accumulation type per channel and
-        accumulator, and for selecting ops its position (an ``index_t``) too."""
+        accumulator, and for selecting ops a position (an ``index_t``) per channel."""
         value = 2 if problem.dtype == "float64" else 1
         position = (2 if problem.index_64 else 1) if problem.operation.selects else 0
-        return channels_per_item * accumulators * (value + position)
+        return channels_per_item * (accumulators * value + position)
 
     def illegal_reason(self, params, problem, limits):
         reason = super().illegal_reason(params, problem, limits)
@@ -591,20 +594,19 @@ class GlobalChannels(_Global):
         return reason
 
     def default_for(self, problem):
-        """Selecting ops (max): the widest channel run of at most the default's that divides the
-        channels.  Accumulating ops: the widest run of at most ``WIDEST_RUN`` that divides the
-        channels, leaves ``MIN_WORK_ITEMS`` work-items and fits ``REGISTER_WORDS`` (else the
-        selecting ops' run), with accumulators for ``CHAINS`` partials as far as the words allow."""
+        """The widest channel run of at most ``WIDEST_RUN`` (selecting ops: ``WIDEST_SELECTING_RUN``)
+        channels that divides the channels, leaves ``MIN_WORK_ITEMS`` work-items and fits
+        ``REGISTER_WORDS`` (else the widest of at most the default's that divides them); accumulating
+        ops with accumulators for ``CHAINS`` partials as far as the words allow, selecting ops one."""
+        selects = problem.operation.selects
+        widest = self.WIDEST_SELECTING_RUN if selects else self.WIDEST_RUN
         dividing = [n for n in self.search_space["channels_per_item"] if problem.channels % n == 0]
-        run = max(n for n in dividing if n <= self.default["channels_per_item"])
-        if problem.operation.selects:
-            return {**self.default, "channels_per_item": run}
-        roomy = [n for n in dividing if n <= self.WIDEST_RUN and problem.planes // n >= self.MIN_WORK_ITEMS
+        roomy = [n for n in dividing if n <= widest and problem.planes // n >= self.MIN_WORK_ITEMS
                  and self.partial_words(n, 1, problem) <= self.REGISTER_WORDS]
-        run = max(roomy, default=run)
-        accumulators = max(n for n in self.search_space["accumulators"]
-                           if n == 1 or (n * run <= self.CHAINS
-                                         and self.partial_words(run, n, problem) <= self.REGISTER_WORDS))
+        run = max(roomy, default=max(n for n in dividing if n <= self.default["channels_per_item"]))
+        accumulators = 1 if selects else max(
+            n for n in self.search_space["accumulators"]
+            if n == 1 or (n * run <= self.CHAINS and self.partial_words(run, n, problem) <= self.REGISTER_WORDS))
         return {**self.default, "channels_per_item": run, "accumulators": accumulators}
 
     def groups(self, params, problem):

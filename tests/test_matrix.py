@@ -677,19 +677,17 @@ def test_global_channels_runs_of_channels_match_the_reference(op, dtype, config,
 @pytest.mark.parametrize("op,dtype", [("adaptive_avg_pool2d", "float32"), ("adaptive_avg_pool2d", "float64"),
                                       ("adaptive_max_pool2d", "float32"), ("adaptive_gem_pool2d", "float16")])
 def test_global_channels_default_runs_fit_the_launch_and_the_registers(op, dtype, shape):
-    """The default (GlobalChannels.default_for) is legal wherever the variant is; for accumulating
-    ops its run is the widest of at most WIDEST_RUN channels that divides the channels, fits the
-    registers and leaves MIN_WORK_ITEMS work-items where one does; max keeps the default's run."""
+    """The default (GlobalChannels.default_for) is legal wherever the variant is; its run is the
+    widest of at most WIDEST_RUN channels (max: WIDEST_SELECTING_RUN) that divides the channels,
+    fits the registers and leaves MIN_WORK_ITEMS work-items where one does."""
     variant = variants_for(op)["global_channels"]
     problem = Problem.create(op, shape, (1, 1), dtype, "NHWC")
     params = variant.default_for(problem)
     assert variant.is_legal(params, problem, backends.default_device().info.limits)
     run = params["channels_per_item"]
     runs = variant.search_space["channels_per_item"]
-    if problem.operation.selects:
-        assert run == max(n for n in runs if n <= variant.default["channels_per_item"] and shape[1] % n == 0)
-        return
-    fitting = [n for n in runs if n <= variant.WIDEST_RUN and shape[1] % n == 0
+    widest = variant.WIDEST_SELECTING_RUN if problem.operation.selects else variant.WIDEST_RUN
+    fitting = [n for n in runs if n <= widest and shape[1] % n == 0
                and problem.planes // n >= variant.MIN_WORK_ITEMS
                and variant.partial_words(n, 1, problem) <= variant.REGISTER_WORDS]
     assert run == (max(fitting) if fitting else max(n for n in runs if n <= 8 and shape[1] % n == 0))
