@@ -67,6 +67,7 @@ from pool_tuner import backends, dispatch
 from pool_tuner.problem import Problem
 
 import common
+import held_back
 
 DEFAULT_SHAPES = "1x8x4x4:1,1x64x7x7:1,1x8x9x9:4x4"
 TRIVIAL_KERNEL = "__kernel void touch(__global float *x) { x[get_global_id(0)] += 1.0f; }"
@@ -140,16 +141,9 @@ def candidates_for(shape, out_size, device, rng) -> dict:
         functools.partial(pt.adaptive_avg_pool2d, x_dev, out_size), finish)
     candidates["device arrays: bare launch"] = common.Candidate(functools.partial(bare, False), finish)
     candidates["device arrays, channels-last: library"] = common.Candidate(
-        functools.partial(pt.adaptive_avg_pool2d, _channels_last(queue, x), out_size), finish)
+        functools.partial(pt.adaptive_avg_pool2d, held_back.device_input(device, x, "NHWC"), out_size), finish)
     check(x, t, x_dev, out_size, candidates, modules)
     return candidates
-
-
-def _channels_last(queue, x: np.ndarray):
-    """``x`` (N, C, H, W) as a device array of the same logical shape in channels-last memory."""
-    memory = cl_array.to_device(queue, np.ascontiguousarray(np.moveaxis(x, 1, -1)))
-    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
-    return cl_array.Array(queue, x.shape, x.dtype, data=memory.data, strides=strides)
 
 
 def _dispatched(op: str, problem: Problem) -> dict:
@@ -170,10 +164,8 @@ def check(x, t, x_dev, out_size, candidates, modules) -> None:
         "device arrays: library": (pt.adaptive_avg_pool2d(x_dev, out_size).get(), expected_avg),
     }
     channels_last = candidates["device arrays, channels-last: library"].call.args[0]
-    got = pt.adaptive_avg_pool2d(channels_last, out_size)  # channels-last too: its memory is (N, h, w, C)
     results["device arrays, channels-last: library"] = (
-        np.moveaxis(cl_array.Array(got.queue, (got.shape[0], *got.shape[2:], got.shape[1]), got.dtype,
-                                   data=got.base_data).get(), -1, 1), expected_avg)
+        held_back.host_copy(pt.adaptive_avg_pool2d(channels_last, out_size)), expected_avg)
     for name, module in modules.items():
         results[name] = (module(t).numpy(), expected_max if " Max" in name else expected_avg)
     for name, (got, expected) in results.items():
