@@ -244,14 +244,17 @@ class Problem:
     def defines(self) -> dict:
         """The per-sample shape, dtype and index-width ``#define``s every template receives.  The
         plane count is not one of them (``scalars``): sizes are defines so that divisions by them
-        become multiply-shifts, and the planes, the outermost extent, are never a divisor."""
+        become multiply-shifts, and the planes, the outermost extent, are never a divisor.  The
+        channel count is one only in channels-last memory, the one layout whose addressing divides
+        by it (``kernels/windows.h``): channels-first problems that differ only in their channels
+        (a model's squeeze-excitation blocks at one resolution) share one program."""
         (it, ih, iw), (ot, oh, ow) = self.in_spatial, self.out_spatial
         common = {
             DTYPES[self.dtype]: 1,
             "INDEX_64": int(self.index_64),
             **self.operation.kernel_defines(),
             "CHANNELS_LAST": int(self.channels_last),
-            "N_CHANNELS": self.channels,
+            **({"N_CHANNELS": self.channels} if self.channels_last else {}),
             "IN_T": it, "IN_H": ih, "IN_W": iw,
         }
         uniform = {}

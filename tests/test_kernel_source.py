@@ -172,3 +172,23 @@ def test_a_channels_first_records_hash_ignores_the_channels_last_variant_and_a_c
     for (key, kind), hashed in before.items():
         channels_last = problems[key].channels_last
         assert (cache.kernel_hash(problems[key], kind) != hashed) == channels_last, (key, kind)
+
+
+@pytest.mark.parametrize("op,direction,name,spatial,size", [
+    ("adaptive_avg_pool2d", "forward", "thread_per_output", (14, 14), 1),
+    ("adaptive_max_pool2d", "forward", "thread_per_output", (17, 13), (4, 4)),
+    ("adaptive_avg_pool2d", "backward", "thread_per_input", (9, 9), (4, 4)),
+    ("adaptive_avg_pool_pyramid2d", "forward", "pyramid_cells", (12, 12), [1, 2, 3])])
+def test_channels_first_problems_that_differ_only_in_channels_share_one_program(op, direction, name, spatial, size):
+    """Channels-first addressing never divides by the channel count, so it is no define there and
+    a model's squeeze-excitation blocks at one resolution (72 and 120 channels at 28x28) build one
+    program; channels-last addressing divides by it, so there it is one."""
+    variant = REGISTRY[(op, direction)][name]
+    programs = {}
+    for layout in ("NCHW", "NHWC"):
+        problems = [Problem.create(op, (2, channels) + spatial, size, "float32", layout, direction)
+                    for channels in (72, 120)]
+        params = variant.check_config({}, problems[0], backends.default_device().info.limits, forced=True)
+        programs[layout] = {variant.program(params, problem) for problem in problems}
+    assert len(programs["NCHW"]) == 1
+    assert len(programs["NHWC"]) == 2
