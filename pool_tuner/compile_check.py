@@ -19,7 +19,9 @@ directions, dtypes, layouts and variants are covered as soon as they are registe
   64-bit indexing (nothing is allocated: it is only compiled).  Both have windows at least 8 wide
   along W, so that the largest ``row_lanes`` is legal and compiled.  A variant with no legal
   configuration on either (global pooling only) gets global pooling in both widths instead
-  (``GLOBAL_PROBLEMS``).
+  (``GLOBAL_PROBLEMS``).  A single-level variant that takes runs of neighbouring channels
+  (``channels_per_item``) also gets the channels-last problems again with ``WIDE_CHANNELS``
+  channels, where its widest runs are legal.
 
 And the helper programs outside the variant tables (``helper_programs``: avgmax's join kernels),
 whole, per dtype and architecture; they count as instantiations in the summary.
@@ -93,6 +95,12 @@ PYRAMID_PROBLEMS = {
         ("pyramid-idx64", (2, 3, 6, 8, 64), [1, 2, 4], True)),
 }
 AVGMAX_PROBLEMS = {2: (("avgmax-idx32", (2, 3, 7, 9), (2, 3), False), ("avgmax-idx64", (2, 3, 7, 7), (1, 1), True))}
+#: The channels of the wide-channel problems: a single-level variant that takes runs of neighbouring
+#: channels in channels-last memory (a ``channels_per_item`` parameter) is compiled on ``PROBLEMS``
+#: again with this many channels (``with_channels``), so that every run width of its search space is
+#: legal and its registers are compiled; the three channels above keep the grids that end inside a
+#: work-group.
+WIDE_CHANNELS = 256
 #: nvcc flags of every compilation (the architecture and file names are added per job).
 NVCC_FLAGS = ("-cubin", "--Werror", "all-warnings", "-Xptxas", "-v")
 #: Instantiations per nvcc run (1: every instantiation compiled alone, from its plain source).
@@ -179,6 +187,13 @@ def problems_for(op: str, direction: str, dtype: str, layout: str, table=PROBLEM
     return found
 
 
+def with_channels(table: dict, channels: int) -> dict:
+    """``table``'s problems with ``channels`` channels, labelled ``wide-<label>``."""
+    return {rank: tuple((f"wide-{label}", (shape[0], channels) + tuple(shape[2:]), output_size, wide)
+                        for label, shape, output_size, wide in problems)
+            for rank, problems in table.items()}
+
+
 def representative_configs(variant, problem: Problem, limits: DeviceLimits = CUDA_LIMITS) -> list:
     """``[(label, params)]``: the default, the first and the last legal configuration, and the last
     of two passes (``Variant.second_pass``) where there is one, merged when they coincide (labels
@@ -221,6 +236,12 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                     if not any(configs for _, _, configs in picks):
                         picks = [(label, problem, representative_configs(variant, problem))
                                  for label, problem in problems_for(op, direction, dtype, layout, GLOBAL_PROBLEMS)]
+                    if own is PROBLEMS and "channels_per_item" in variant.search_space:
+                        wide = [(label, problem, representative_configs(variant, problem))
+                                for label, problem in problems_for(op, direction, dtype, layout,
+                                                                   with_channels(PROBLEMS, WIDE_CHANNELS))
+                                if problem.channels_last]
+                        picks += [pick for pick in wide if pick[2]]
                     for problem_label, problem, configs in picks:
                         if not configs:
                             try:

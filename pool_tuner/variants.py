@@ -789,6 +789,9 @@ class ChannelsGather(Variant):
     search_space = {"block_size_x": [1, 4, 16, 64, 256], "channels_per_item": [1, 2, 4, 8, 16, 32, 64, 128, 256],
                     "positions_per_item": [1, 2, 4, 8, 16, 32], "rows_per_item": [1, 2, 4, 8, 16, 32]}
     default = {"block_size_x": 16, "channels_per_item": 64, "positions_per_item": 1, "rows_per_item": 1}
+    #: The most 32-bit words of sums a work-item keeps, one accumulation-type value per channel: they
+    #: live in registers, and past this CUDA's compiler spills them to local memory.
+    REGISTER_WORDS = 128
 
     def illegal_reason(self, params, problem, limits):
         if is_global(problem):
@@ -797,6 +800,10 @@ class ChannelsGather(Variant):
         per_item = params["channels_per_item"]
         if per_item > 1 and per_item > problem.channels:
             return f"channels_per_item must not exceed the number of channels ({problem.channels})"
+        words = 2 if problem.dtype == "float64" else 1
+        if per_item * words > self.REGISTER_WORDS:
+            return (f"channels_per_item must keep the sums within {self.REGISTER_WORDS} 32-bit words (registers): "
+                    f"at most {self.REGISTER_WORDS // words} channels for {problem.dtype}")
         run = params["positions_per_item"]
         if run > 1 and run > problem.in_spatial[-1]:
             return f"positions_per_item must not exceed the input's width ({problem.in_spatial[-1]})"

@@ -141,6 +141,23 @@ def test_runs_wider_than_the_channels_are_refused():
         VARIANT.check_config({"channels_per_item": 8}, problem, limits)
 
 
+@pytest.mark.parametrize("dtype,widest", [("float32", 128), ("float16", 128), ("float64", 64)])
+def test_runs_past_the_register_budget_are_refused(dtype, widest, rng):
+    """A work-item's sums are one accumulation-type value per channel, kept in registers: runs past
+    ``REGISTER_WORDS`` 32-bit words spill on CUDA (256 channels of float32 and 128 of float64 did in
+    ``compile-check cuda``), so they are refused, on every device, naming the parameter and the
+    widest run allowed; the widest allowed run still gives the reference's result and the gathers'
+    bits."""
+    shape, size = (1, 256, 5, 6), (3, 4)
+    grad_out = np.zeros((1, 3, 4, 256), np_dtype(dtype)).transpose(0, 3, 1, 2)
+    with pytest.raises(ValueError, match=f"channels_per_item must keep the sums within 128 .*at most {widest} "):
+        pt.adaptive_avg_pool2d_backward(grad_out, shape, variant=NAME, config={"channels_per_item": widest * 2})
+    ours, gather, expected = gradients("adaptive_avg_pool2d", shape, size, dtype, rng,
+                                       config={"channels_per_item": widest})
+    np.testing.assert_allclose(as_float64(ours), expected, **TOLERANCES[dtype])
+    assert ours.tobytes() == gather.tobytes()
+
+
 @pytest.mark.parametrize("op,shape,size,layout,chosen", [
     ("adaptive_avg_pool2d", (8, 768, 17, 17), (5, 5), "NHWC", True),
     ("adaptive_avg_pool3d", (2, 64, 4, 9, 9), (2, 4, 4), "NDHWC", True),

@@ -75,6 +75,21 @@ def test_both_index_widths_and_uniform_windows_are_compiled():
     assert any(dict(inst.params).get("row_lanes", 1) > 1 for inst in found)
 
 
+def test_channel_runs_are_compiled_at_their_widest_legal_width():
+    """The variants that take runs of neighbouring channels are compiled where their widest runs
+    are legal (``WIDE_CHANNELS``): the three channels of ``PROBLEMS`` allow channels_gather runs of
+    1 and 2 only, which left its 64-to-256-channel runs uncompiled (and spilling) until then."""
+    found, _ = compile_check.instantiations(archs=("sm_80",), ops=["adaptive_avg_pool2d"], directions=["backward"],
+                                            variants=["channels_gather"])
+    widest = {}
+    for inst in found:
+        widest[inst.dtype] = max(widest.get(inst.dtype, 0), dict(inst.params)["channels_per_item"])
+    assert widest == {"float32": 128, "float16": 128, "bfloat16": 128, "float64": 64}
+    wide = [inst for inst in found if inst.problem_label.startswith("wide-")]
+    assert {inst.layout for inst in wide} == {"NHWC"}
+    assert all(f"#define N_CHANNELS {compile_check.WIDE_CHANNELS}" in inst.source for inst in wide)
+
+
 def test_representative_configs_are_default_first_and_last_legal():
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
     problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 61), (4, 7))
