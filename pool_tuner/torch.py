@@ -380,6 +380,7 @@ _signature, _describe, _tensor_signature = _plans.signature, _plans.describe_ten
 _Tensor = torch.Tensor
 #: The races' winners (``torch_cpu.WINNERS``, a memo table) and PyTorch's kernels, by op.
 _winner_of, _PYTORCH, _PYTORCH_KERNELS = _torch_cpu.WINNERS.get, _torch_cpu.PYTORCH, _torch_cpu.PYTORCH_KERNELS
+_mark_winner_used = _torch_cpu.WINNERS.mark_used
 _FORWARD, _BACKWARD = FORWARD.name, BACKWARD.name
 
 
@@ -418,7 +419,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
 
     This runs on every call of a layer, inside models whose other layers leave the caches cold:
     each object it touches costs, so a warm call is its signature and one lookup, which gives
-    either PyTorch's kernel or the plan."""
+    either PyTorch's kernel or the plan (whose entry the call then marks used)."""
     op = operation.name
     key = _tensor_signature(op, _FORWARD, output_size, options, env_device_setting(), input)
     if not _deterministic():
@@ -436,6 +437,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
                 return result if not selects or return_indices else result[0]
             form = _torch_cpu.PYTORCH_FORMS[op]
             return form(input, output_size, True) if return_indices else form(input, output_size)
+        _mark_winner_used(key)
     else:
         found = _torch_cpu.plan_of(key)
         if found is None:

@@ -69,8 +69,12 @@ class Winners:
     decided once, by the first thread to meet the signature while the others wait for it.  A
     ``memo`` table, each winner filed under its plan's problem: bounded by the one memo limit,
     leaving with the signature's plan and built kernel, and emptied when dispatch forgets its
-    decisions (which may change pool_tuner's kernel).  ``get`` is the table's own, so that a warm
-    eager call asks it once and needs nothing else (and keeps its problem recent).
+    decisions (which may change pool_tuner's kernel).  ``get`` is the table's ``peek``, a plain
+    dictionary lookup, so that a warm eager call that PyTorch's kernel runs asks it once and
+    needs nothing else; a call that runs the plan then marks the entry used (``mark_used``), which
+    keeps the problem of a plan in use -- and its built kernel -- recent.  A PyTorch-run entry is not
+    marked: its plan and kernel are not used, and evicting it costs its next call a new plan, never
+    another race.
 
     Which side won is kept apart from the table (``_pytorch_won``, a flag per signature the
     process met, emptied only by ``forget``): a signature evicted by the memo limit and met again
@@ -83,7 +87,9 @@ class Winners:
         self._pytorch_won: dict = {}
         dispatch.register_dependent_memo(self._pytorch_won)
         #: ``get(key)``: the winner for ``key``, or None (``TypeError`` for an unhashable key).
-        self.get = self._table.get
+        self.get = self._table.peek
+        #: ``mark_used(key)``: mark ``key``'s entry as used (the memo's recency).
+        self.mark_used = self._table.get
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # a forked child starts with the lock free
             os.register_at_fork(after_in_child=self._after_fork_in_child)
