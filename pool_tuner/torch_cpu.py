@@ -49,8 +49,12 @@ from .operations import DIRECTIONS, OPERATIONS, SINGLE_LEVEL
 #: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
 CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
 pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
-#: Forward problems moving at most this many bytes race PyTorch's kernel on their first call.
-RACE_BYTES = 1 << 22
+#: Forward problems moving at most this many bytes race PyTorch's kernel on their first call: not
+#: only those where a launch's fixed cost decides, but the layers a CPU's caches hold, where
+#: PyTorch's vectorised loops can be faster than any kernel on the device (a model's
+#: squeeze-excitation poolings at batch 16); the race's dozen calls of such a layer cost its
+#: first call milliseconds.
+RACE_BYTES = 1 << 25
 #: Timed calls of each candidate in the race (each after one untimed call: first-touch costs).
 RACE_CALLS = 5
 #: How much faster than PyTorch's kernel pool_tuner's must be in the race (see ``race``).

@@ -237,13 +237,13 @@ def test_forced_and_large_problems_never_race(monkeypatch, rng):
         ptt.adaptive_avg_pool2d(t, 2, variant="thread_per_output")
     assert len(used) == MANY_CALLS
     assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
-    big = torch.from_numpy(random_input(rng, (4, 64, 64, 65)))
-    assert 4 * 64 * 64 * 65 * 4 > torch_cpu.RACE_BYTES
+    big = torch.from_numpy(random_input(rng, (8, 64, 128, 130)))
+    assert 8 * 64 * 128 * 130 * 4 > torch_cpu.RACE_BYTES
     used.clear()
     for _ in range(MANY_CALLS):
         ptt.adaptive_avg_pool2d(big, 3)
     assert len(used) == MANY_CALLS
-    assert pt.explain("adaptive_avg_pool2d", (4, 64, 64, 65), 3)["measured_candidate"] is None
+    assert pt.explain("adaptive_avg_pool2d", (8, 64, 128, 130), 3)["measured_candidate"] is None
 
 
 @pytest.mark.usefixtures("candidate_on")
