@@ -7,8 +7,9 @@ Decision order (each step is reported by ``explain`` as ``source``):
    shapes) and kernel code;
 3. ``nearest`` -- a record of another shape of the same problem class (``Problem.problem_class``),
    op, direction, dtype, layout and rank, and the same kernel code, no farther than
-   ``NEAREST_MAX_DISTANCE`` (``shape_distance``); ``explain`` names the nearest record beyond it
-   (``nearest_beyond_bound``) when the default rules decide;
+   ``NEAREST_MAX_DISTANCE`` (``shape_distance``; ``nearest_bound``: a class of
+   ``EXACT_SHAPE_ONLY``, CPU global pooling, takes no other shape's record); ``explain`` names the
+   nearest record beyond it (``nearest_beyond_bound``) when the default rules decide;
 4. ``measured`` -- a measured dispatch of exactly this problem on this very device
    (``cache.is_measured``: the variants' rule configurations and their neighbourhood timed on the
    problem, ``POOL_TUNER_BENCHMARK``, see ``pool_tuner.measured``); ranked below every tuned
@@ -159,6 +160,29 @@ def _choice_from_record(match: cache_mod.Match, problem: Problem, device, distan
 #: and 3.3 times slower than a record at 4.72 and 6.23, and no slower than it beyond 6.5 (on grid
 #: problems, which the rules were fitted to); docs/benchmarks.md, "A bound on nearest-shape dispatch".
 NEAREST_MAX_DISTANCE = types.MappingProxyType({"cpu": 6.5, "gpu": 4.0})
+#: Problem classes whose records decide only their own shape, by device type.  CPU global pooling:
+#: timed on the shipped AMD EPYC records (``benchmarks/nearest_bound.py``), the rules' kernel ran
+#: faster than the nearest record's on all 9 global forward problems within the bound, 1.03 to 10
+#: times (median 2), from 0.42 away (32x2048x8x8 from 32x2048x7x7: 2 times) to 3.79: a global
+#: window is the whole plane, so what a tuning found for one plane size says little about another
+#: (docs/benchmarks.md, "Nearest records for global pooling on a CPU").
+EXACT_SHAPE_ONLY = types.MappingProxyType({"cpu": frozenset({"global"}), "gpu": frozenset()})
+
+
+def nearest_bound(problem: Problem, device) -> float:
+    """How far (``shape_distance``) a record of another shape may be and still decide ``problem``
+    on ``device``: ``NEAREST_MAX_DISTANCE`` of the device's type, 0 for ``EXACT_SHAPE_ONLY``."""
+    kind = default_rules.device_type(device)
+    return 0.0 if problem.problem_class in EXACT_SHAPE_ONLY[kind] else NEAREST_MAX_DISTANCE[kind]
+
+
+def _beyond_bound_reason(problem: Problem, device) -> str:
+    """``explain``'s word on why a record beyond ``nearest_bound`` did not decide."""
+    kind = default_rules.device_type(device)
+    if problem.problem_class in EXACT_SHAPE_ONLY[kind]:
+        return (f"{problem.problem_class} records decide only their own shape on a {kind} "
+                f"(dispatch.EXACT_SHAPE_ONLY[{kind!r}]): the default rules decide")
+    return f"farther than dispatch.NEAREST_MAX_DISTANCE[{kind!r}] ({NEAREST_MAX_DISTANCE[kind]}): the default rules decide"
 
 
 def shape_distance(a: Problem, b: Problem) -> float:
@@ -317,7 +341,7 @@ class Dispatcher:
         return choice
 
     def _from_cache(self, problem: Problem, device) -> Choice:
-        beyond_bound, bound = None, NEAREST_MAX_DISTANCE[default_rules.device_type(device)]
+        beyond_bound, bound = None, nearest_bound(problem, device)
         for match, distance in _neighbours(problem, device, self.tuning_cache()):
             if distance > bound:
                 if (beyond_bound is None or distance < beyond_bound[1]) and _legal_winner(match.record, problem, device):
@@ -472,8 +496,7 @@ def describe(problem: Problem, device, choice: Choice) -> dict:
         "distance": None if choice.distance is None else round(choice.distance, 3),
         "nearest_beyond_bound": None if choice.beyond_bound is None else {
             "record_key": choice.beyond_bound[0], "distance": round(choice.beyond_bound[1], 3),
-            "why": f"farther than dispatch.NEAREST_MAX_DISTANCE[{default_rules.device_type(device)!r}] "
-                   f"({NEAREST_MAX_DISTANCE[default_rules.device_type(device)]}): the default rules decide"},
+            "why": _beyond_bound_reason(problem, device)},
         "rule": choice.rule,
         "rule_config": choice.rule_config,
         "rule_evidence": choice.rule_evidence,

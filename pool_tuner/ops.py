@@ -329,7 +329,7 @@ def explain(op, input_shape, output_size, dtype="float32", layout=None, device=N
     op's own kernel, ``Operation.backward_kernel``: its name and one configuration), device, cache key; ``measured``: for a
     measured dispatch, its candidates and their times (``pool_tuner.measured``), else None;
     ``nearest_beyond_bound``: where the default rules decide though a record of another shape
-    applies, that record, its distance and why it did not decide (``dispatch.NEAREST_MAX_DISTANCE``),
+    applies, that record, its distance and why it did not decide (``dispatch.nearest_bound``),
     else None; ``autotune_on_miss`` / ``benchmark_on_miss``: whether a call's first use of an untuned problem
     would tune or measure it; ``partial``: for a
     decision from an interrupted tuning's record, what that tuning covered (else None);

@@ -222,46 +222,82 @@ def test_speed_features_are_windows_planes_and_bytes():
     assert dispatch.shape_distance(problem, other) == dispatch.shape_distance(other, problem) > 0
 
 
-def test_a_global_problem_never_takes_an_upsampling_record(shipped):
-    """The shipped database's upsampling record (16x64x5x5 -> 7x7) once decided global pooling."""
-    upsampling = record_of(HERE, shape=(16, 64, 5, 5), out=(7, 7), block_size_x=32)
-    uniform = record_of(HERE, shape=(8, 64, 14, 14), out=(2, 2), block_size_x=32)  # same input, other class
-    shipped(upsampling, uniform)
-    here, shape = Elsewhere(HERE), (8, 64, 14, 14)
-    assert explain(here, shape, 1)["source"] == "default"
+#: A GPU reporting itself: the device type whose nearest-shape search takes global pooling.
+GPU_HERE = dict(HERE, type="gpu", name="Radeon (synthetic)")
 
-    near = record_of(HERE, shape=(16, 64, 14, 14), out=(1, 1), block_size_x=128)
+
+def gpu_elsewhere():
+    gpu = Elsewhere(GPU_HERE, limits=DeviceLimits(max_work_group_size=1024, local_mem_size=64 * 1024,
+                                                  device_type="gpu"))
+    gpu.info = dataclasses.replace(gpu.info, is_cpu=False)
+    return gpu
+
+
+def test_a_global_problem_never_takes_an_upsampling_record(shipped):
+    """The shipped database's upsampling record (16x64x5x5 -> 7x7) once decided global pooling;
+    a global record of another shape does, on a GPU."""
+    upsampling = record_of(GPU_HERE, shape=(16, 64, 5, 5), out=(7, 7), block_size_x=32)
+    uniform = record_of(GPU_HERE, shape=(8, 64, 14, 14), out=(2, 2), block_size_x=32)  # same input, other class
+    shipped(upsampling, uniform)
+    shape = (8, 64, 14, 14)
+    assert explain(gpu_elsewhere(), shape, 1)["source"] == "default"
+
+    near = record_of(GPU_HERE, shape=(16, 64, 14, 14), out=(1, 1), block_size_x=128)
     shipped(upsampling, uniform, near)
-    info = explain(here, shape, 1)
+    info = explain(gpu_elsewhere(), shape, 1)
     assert (info["source"], info["record_key"], info["problem_class"]) == ("nearest", near["key"], "global")
     expected = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, (16, 64, 14, 14), 1))
     assert info["distance"] == round(expected, 3) > 0
     assert info["nearest_beyond_bound"] is None
 
 
+def test_on_a_cpu_a_global_record_decides_only_its_own_shape_and_explain_says_why(shipped):
+    """CPU global pooling is ``EXACT_SHAPE_ONLY``: a record of 16x64x14x14 decides that shape
+    (any tier) and no other, however near; the rules decide 8x64x14x14, and explain names the record
+    passed over and the rule that passed it."""
+    near = record_of(HERE, shape=(16, 64, 14, 14), out=(1, 1), block_size_x=128)
+    shipped(near)
+    exact = explain(Elsewhere(HERE), (16, 64, 14, 14), 1)
+    assert (exact["source"], exact["record_key"]) == ("cache", near["key"])
+    assert explain(Elsewhere(dict(HERE, driver="5.0")), (16, 64, 14, 14), 1)["source"] == "cache"  # model tier
+    shape = (8, 64, 14, 14)
+    info = explain(Elsewhere(HERE), shape, 1)
+    rules = dispatch.default_choice(Problem.create(OP, shape, 1), Elsewhere(HERE))
+    assert (info["source"], info["variant"], info["params"]) == ("default", rules.variant.name, rules.config)
+    beyond = info["nearest_beyond_bound"]
+    distance = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, (16, 64, 14, 14), 1))
+    assert (beyond["record_key"], beyond["distance"]) == (near["key"], round(distance, 3))
+    assert distance < dispatch.NEAREST_MAX_DISTANCE["cpu"]
+    assert "EXACT_SHAPE_ONLY['cpu']" in beyond["why"]
+
+
+#: Non-uniform downsampling to 6x6: the class the nearest-shape tests below search in.
+NEAR_OUT = (6, 6)
+
+
 def test_nearest_is_searched_on_the_best_tier_then_by_distance(shipped):
     shape = (8, 64, 14, 14)
-    far_here = record_of(HERE, shape=(8, 256, 14, 14), out=(1, 1), block_size_x=128)
-    near_here = record_of(HERE, shape=(8, 64, 16, 16), out=(1, 1), block_size_x=64)
-    nearer_elsewhere = record_of(dict(HERE, driver="5.0"), shape=(8, 64, 15, 15), out=(1, 1), block_size_x=32)
+    far_here = record_of(HERE, shape=(8, 256, 14, 14), out=NEAR_OUT, block_size_x=128)
+    near_here = record_of(HERE, shape=(8, 64, 16, 16), out=NEAR_OUT, block_size_x=64)
+    nearer_elsewhere = record_of(dict(HERE, driver="5.0"), shape=(8, 64, 15, 15), out=NEAR_OUT, block_size_x=32)
     shipped(far_here, nearer_elsewhere)
-    assert explain(Elsewhere(HERE), shape, 1)["record_key"] == far_here["key"]  # exact tier before model
+    assert explain(Elsewhere(HERE), shape, NEAR_OUT)["record_key"] == far_here["key"]  # exact tier before model
     shipped(far_here, near_here, nearer_elsewhere)
-    info = explain(Elsewhere(HERE), shape, 1)
+    info = explain(Elsewhere(HERE), shape, NEAR_OUT)
     assert (info["record_key"], info["tier"], info["params"]) == (near_here["key"], "exact", config(64))
 
 
 def test_a_record_beyond_the_bound_leaves_the_problem_to_the_rules_and_explain_names_it(shipped):
-    """Once the one 32x2048x7x7 record of a class decided every problem of it, however far: 2x64x14x14
-    (512 times fewer planes, planes 4 times larger) lies beyond the CPU's ``NEAREST_MAX_DISTANCE``."""
-    shape, far_shape = (2, 64, 14, 14), (32, 2048, 7, 7)
-    distance = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, far_shape, 1))
+    """Once the one record of a class decided every problem of it, however far: 2x64x14x14 (256
+    times fewer planes) lies beyond the CPU's ``NEAREST_MAX_DISTANCE`` from 32x2048x14x14."""
+    shape, far_shape = (2, 64, 14, 14), (32, 2048, 14, 14)
+    distance = dispatch.shape_distance(Problem.create(OP, shape, NEAR_OUT), Problem.create(OP, far_shape, NEAR_OUT))
     assert distance > dispatch.NEAREST_MAX_DISTANCE["cpu"]
-    far = record_of(HERE, shape=far_shape, out=(1, 1), block_size_x=128)
-    farther = record_of(HERE, shape=(64, 2048, 7, 7), out=(1, 1), block_size_x=32)
+    far = record_of(HERE, shape=far_shape, out=NEAR_OUT, block_size_x=128)
+    farther = record_of(HERE, shape=(64, 2048, 14, 14), out=NEAR_OUT, block_size_x=32)
     shipped(far, farther)
-    info = explain(Elsewhere(HERE), shape, 1)
-    rules = dispatch.default_choice(Problem.create(OP, shape, 1), Elsewhere(HERE))
+    info = explain(Elsewhere(HERE), shape, NEAR_OUT)
+    rules = dispatch.default_choice(Problem.create(OP, shape, NEAR_OUT), Elsewhere(HERE))
     assert (info["source"], info["variant"], info["params"]) == ("default", rules.variant.name, rules.config)
     assert (info["record_key"], info["distance"]) == (None, None)
     beyond = info["nearest_beyond_bound"]
@@ -271,27 +307,23 @@ def test_a_record_beyond_the_bound_leaves_the_problem_to_the_rules_and_explain_n
 
 def test_the_bound_is_the_device_types(shipped):
     """The same record and problem: beyond the GPU's bound, within the CPU's."""
-    shape, record_shape = (8, 64, 14, 14), (32, 2048, 7, 7)
-    distance = dispatch.shape_distance(Problem.create(OP, shape, 1), Problem.create(OP, record_shape, 1))
+    shape, record_shape = (8, 64, 14, 14), (32, 512, 14, 14)
+    distance = dispatch.shape_distance(Problem.create(OP, shape, NEAR_OUT), Problem.create(OP, record_shape, NEAR_OUT))
     assert dispatch.NEAREST_MAX_DISTANCE["gpu"] < distance <= dispatch.NEAREST_MAX_DISTANCE["cpu"]
-    record = record_of(HERE, shape=record_shape, out=(1, 1), block_size_x=128)
-    gpu_fingerprint = dict(HERE, type="gpu", name="Radeon (synthetic)")
-    gpu_record = record_of(gpu_fingerprint, shape=record_shape, out=(1, 1), block_size_x=128)
+    record = record_of(HERE, shape=record_shape, out=NEAR_OUT, block_size_x=128)
+    gpu_record = record_of(GPU_HERE, shape=record_shape, out=NEAR_OUT, block_size_x=128)
     shipped(record, gpu_record)
-    assert explain(Elsewhere(HERE), shape, 1)["record_key"] == record["key"]
-    gpu = Elsewhere(gpu_fingerprint, limits=DeviceLimits(max_work_group_size=1024, local_mem_size=64 * 1024,
-                                                         device_type="gpu"))
-    gpu.info = dataclasses.replace(gpu.info, is_cpu=False)
-    info = explain(gpu, shape, 1)
+    assert explain(Elsewhere(HERE), shape, NEAR_OUT)["record_key"] == record["key"]
+    info = explain(gpu_elsewhere(), shape, NEAR_OUT)
     assert (info["source"], info["nearest_beyond_bound"]["record_key"]) == ("default", gpu_record["key"])
 
 
 def test_a_record_within_the_bound_on_a_lower_tier_beats_one_beyond_it_on_this_device(shipped):
     shape = (2, 64, 14, 14)
-    far_here = record_of(HERE, shape=(32, 2048, 7, 7), out=(1, 1), block_size_x=128)
-    near_elsewhere = record_of(dict(HERE, driver="5.0"), shape=(2, 64, 15, 15), out=(1, 1), block_size_x=32)
+    far_here = record_of(HERE, shape=(32, 2048, 14, 14), out=NEAR_OUT, block_size_x=128)
+    near_elsewhere = record_of(dict(HERE, driver="5.0"), shape=(2, 64, 15, 15), out=NEAR_OUT, block_size_x=32)
     shipped(far_here, near_elsewhere)
-    info = explain(Elsewhere(HERE), shape, 1)
+    info = explain(Elsewhere(HERE), shape, NEAR_OUT)
     assert (info["source"], info["record_key"], info["tier"]) == ("nearest", near_elsewhere["key"], "model")
     assert info["nearest_beyond_bound"] is None
 
