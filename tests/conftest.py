@@ -52,6 +52,14 @@ def rng(request):
     return np.random.default_rng([RUN_SEED, zlib.crc32(request.node.nodeid.encode())])
 
 
+def gem_p_term_magnitude(grad, output, p) -> float:
+    """The summed magnitude of dL/dp's terms (``grad * y * log(y) / p`` per output, up to the eps
+    clamp): dL/dp sums terms of both signs, so its error is relative to their magnitude, not to the
+    sum, which cancellation can bring near zero."""
+    output = np.asarray(output, np.float64)
+    return float(np.abs(np.asarray(grad, np.float64) * output * np.log(output)).sum() / p)
+
+
 def random_input(rng, shape, dtype=np.float32):
     """Random values in [-2, 2) away from zero, never all zeros."""
     x = rng.uniform(-2.0, 2.0, size=shape)
