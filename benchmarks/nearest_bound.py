@@ -2,7 +2,7 @@
 whose nearest shipped or user record lies beyond the bound (so the default rules decide them now),
 and for those whose decision differs, the kernel time of the record's choice against the rules'
 choice.  A problem of a class that takes only its own shape's records (``dispatch.nearest_bound``
-0) counts every other shape's record as beyond.
+0) is decided by the rules, with every other shape's record beyond its bound.
 
 Shapes (float32): the suite's presets and untuned shapes (both directions where the op has a
 backward), the layers of ``held_back.py`` and the problems of a dispatch grid (``--grid``, a
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         seen.add(problem)
         rules = dispatch.default_choice(problem, device)
         now = dispatch.DISPATCHER._from_cache(problem, device)
-        if now.source == "nearest" and now.distance > min(bound, dispatch.nearest_bound(problem, device)):
+        if now.source == "nearest" and now.distance > bound:
             record_key, distance = now.record_key, now.distance
         elif now.source == "default" and now.beyond_bound is not None:
             record_key, distance = now.beyond_bound
