@@ -141,7 +141,7 @@ def candidates_for(shape, out_size, device, rng) -> dict:
         functools.partial(pt.adaptive_avg_pool2d, x_dev, out_size), finish)
     candidates["device arrays: bare launch"] = common.Candidate(functools.partial(bare, False), finish)
     candidates["device arrays, channels-last: library"] = common.Candidate(
-        functools.partial(pt.adaptive_avg_pool2d, held_back.device_input(device, x, "NHWC"), out_size), finish)
+        functools.partial(pt.adaptive_avg_pool2d, common.device_input(device, x, "NHWC"), out_size), finish)
     check(x, t, x_dev, out_size, candidates, modules)
     return candidates
 

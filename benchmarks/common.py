@@ -26,6 +26,7 @@ import numpy as np
 import pool_tuner
 from pool_tuner import bench
 from pool_tuner.bench import Candidate
+from pool_tuner.problem import LAYOUT_NAMES
 
 @dataclasses.dataclass
 class Timings:
@@ -48,6 +49,17 @@ class Timings:
         round-by-round ratios (both loops of a round ran within moments of each other)."""
         paired = [a / b for a, b in zip(self.ms[numerator], self.ms[denominator])]
         return dict(spread(paired), of_medians=self.median(numerator) / self.median(denominator))
+
+
+def device_input(device, x: np.ndarray, layout: str):
+    """``x`` (logical channels-first) as an array of ``device`` in ``layout``'s memory order: for a
+    channels-last layout, the channels-last memory seen with channels-first byte strides (the
+    backend's ``strided_view``), as a library would hand pool_tuner such an array."""
+    if layout == LAYOUT_NAMES[x.ndim - 2][0]:
+        return device.to_device(x, device.queue)
+    memory = device.to_device(np.ascontiguousarray(np.moveaxis(x, 1, -1)), device.queue)
+    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
+    return device.arrays.strided_view(memory, x.shape, strides)
 
 
 def spread(values) -> dict:

@@ -33,6 +33,8 @@ from pool_tuner import backends, bench, dispatch, tuner
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
 
+import common
+
 #: (input shape, layout): every layer pools to 1 along each axis.
 LAYERS = [
     ((32, 2048, 7, 7), "NCHW"), ((32, 256, 56, 56), "NCHW"), ((32, 1280, 7, 7), "NCHW"),
@@ -59,17 +61,6 @@ BEFORE = {("forward", False): "thread_per_output", ("forward", True): "channels_
           ("backward", False): "plane_scatter", ("backward", True): "plane_scatter"}
 
 
-def device_input(device, x, layout, ndim):
-    """``x`` (logical channels-first) on the device in ``layout``."""
-    if layout == LAYOUT_NAMES[ndim][0]:
-        return device.to_device(x, device.queue)
-    import pyopencl.array as cl_array
-
-    memory = cl_array.to_device(device.queue, np.ascontiguousarray(np.moveaxis(x, 1, -1)))
-    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
-    return cl_array.Array(device.queue, x.shape, x.dtype, data=memory.data, strides=strides)
-
-
 def measure(device, op, shape, layout, direction, repeat, rng):
     ndim = len(shape) - 2
     problem = Problem.create(op, shape, 1, layout=layout, direction=direction)
@@ -87,7 +78,7 @@ def measure(device, op, shape, layout, direction, repeat, rng):
     wait = functools.partial(device.synchronize, device.queue)
     size = (1,) * ndim
     if direction == "forward":
-        fn, args = getattr(pt, op), (device_input(device, x, layout, ndim), size)
+        fn, args = getattr(pt, op), (common.device_input(device, x, layout), size)
         module = getattr(ptt, f"Adaptive{'Avg' if 'avg' in op else 'Max'}Pool{ndim}d")(1)
         reference = getattr(torch.nn.functional, op)
         candidates = {"torch": bench.Candidate(functools.partial(reference, xt, size), lambda: None),

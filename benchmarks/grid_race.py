@@ -59,13 +59,13 @@ def race(problem: Problem, winner: tuple, variant: str, device, rounds: int, rng
     size = problem.output_shape[-ndim:]
     x = rng.uniform(-2, 2, problem.input_shape).astype(np.float32)
     if problem.direction == "forward":
-        function, args, last = getattr(pt, problem.op), (held_back.device_input(device, x, layout),), size
+        function, args, last = getattr(pt, problem.op), (common.device_input(device, x, layout),), size
     else:  # a random upstream gradient (and, for max, the indices of x's maxima)
         grad = rng.uniform(-2, 2, problem.output_shape).astype(np.float32)
-        args = (held_back.device_input(device, grad, layout),)
+        args = (common.device_input(device, grad, layout),)
         if problem.operation.selects:
             _, indices = reference.forward(problem.op, x, size)
-            args += (held_back.device_input(device, indices, layout),)
+            args += (common.device_input(device, indices, layout),)
         function, last = getattr(pt, f"{problem.op}_backward"), problem.input_shape
 
     def call(name, config):

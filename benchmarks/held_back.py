@@ -90,17 +90,6 @@ BACKWARD_LAYERS = {
 TUNE_BUDGET = {"strategy": "random_sample", "max_fevals": 8, "time_limit": 4}
 
 
-def device_input(device, x: np.ndarray, layout: str):
-    """``x`` (logical channels-first) as a device array in ``layout``'s memory order."""
-    import pyopencl.array as cl_array
-
-    if layout == LAYOUT_NAMES[x.ndim - 2][0]:
-        return cl_array.to_device(device.queue, x)
-    memory = cl_array.to_device(device.queue, np.ascontiguousarray(np.moveaxis(x, 1, -1)))
-    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
-    return cl_array.Array(device.queue, x.shape, x.dtype, data=memory.data, strides=strides)
-
-
 def host_copy(array) -> np.ndarray:
     """A device array's values on the host, logical channels-first (channels-last memory too)."""
     import pyopencl.array as cl_array
@@ -151,7 +140,7 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
     op, shape, size, layout, direction = layer(name)
     output_shape = Problem.create(op, shape, size, "float32", layout, direction=direction).output_shape
     x_host = rng.uniform(-2, 2, shape).astype(np.float32)
-    x, t = device_input(device, x_host, layout), torch_input(x_host, layout)
+    x, t = common.device_input(device, x_host, layout), torch_input(x_host, layout)
     if direction == "forward":
         function, torch_function = getattr(pt, op), getattr(F, op)
 
@@ -162,7 +151,7 @@ def compare(name: str, device, old_rules, table, allow_tuning: bool, rounds: int
             return torch_function(t, size)
     else:  # the gradient of a random upstream gradient, in the layer's memory format
         g_host = rng.uniform(-2, 2, output_shape).astype(np.float32)
-        g, g_t = device_input(device, g_host, layout), torch_input(g_host, layout)
+        g, g_t = common.device_input(device, g_host, layout), torch_input(g_host, layout)
         function = getattr(pt, f"{op}_backward")
         torch_function = getattr(torch.ops.aten, f"_{op}_backward")
 

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import common  # noqa: E402
 import pool_tuner as pt  # noqa: E402
 from pool_tuner import backends, bench, dispatch, measured, tuner  # noqa: E402
-from pool_tuner.problem import LAYOUT_NAMES, Problem  # noqa: E402
+from pool_tuner.problem import Problem  # noqa: E402
 
 #: name -> (op, input shape, output size, layout): forward passes of real model layers.
 LAYERS = {
@@ -50,21 +50,9 @@ LAYERS = {
 }
 
 
-def device_input(device, x: np.ndarray, layout: str, ndim: int):
-    """``x`` (logical channels-first) as a device array in ``layout``'s memory order."""
-    import pyopencl.array as cl_array
-
-    if layout == LAYOUT_NAMES[ndim][0]:
-        return cl_array.to_device(device.queue, x)
-    memory = cl_array.to_device(device.queue, np.ascontiguousarray(np.moveaxis(x, 1, -1)))
-    strides = np.moveaxis(np.empty(memory.shape, x.dtype), -1, 1).strides
-    return cl_array.Array(device.queue, x.shape, x.dtype, data=memory.data, strides=strides)
-
-
 def _layer_input(device, name: str, rng):
     op, shape, size, layout = LAYERS[name]
-    ndim = len(shape) - 2
-    return op, size, device_input(device, rng.uniform(-2, 2, shape).astype(np.float32), layout, ndim), layout
+    return op, size, common.device_input(device, rng.uniform(-2, 2, shape).astype(np.float32), layout), layout
 
 
 def child(name: str) -> dict:
