@@ -13,15 +13,18 @@ directions, dtypes, layouts and variants are covered as soon as they are registe
 * every variant of the op,
 * its default configuration and the smallest and largest point of its search space (the first and
   the last configuration of ``variant.configurations()`` that ``check_config`` accepts under CUDA's
-  limits, ``CUDA_LIMITS``),
+  limits, ``CUDA_LIMITS``: ``Variant.representative_configurations``) -- for a variant shaped for
+  CPUs alone too, as a call naming it can run it on a GPU,
 * on two problems per rank (``PROBLEMS``): one with non-divisible, overlapping windows and 32-bit
   indexing, and one with uniform windows (the ``UNIFORM_*`` path) and so many planes that it needs
   64-bit indexing (nothing is allocated: it is only compiled).  Both have windows at least 8 wide
   along W, so that the largest ``row_lanes`` is legal and compiled.  A variant with no legal
   configuration on either (global pooling only) gets global pooling in both widths instead
-  (``GLOBAL_PROBLEMS``).  A single-level variant that takes runs of neighbouring channels
-  (``channels_per_item``) also gets the channels-last problems again with ``WIDE_CHANNELS``
-  channels, where its widest runs are legal.
+  (``GLOBAL_PROBLEMS``).  A variant that takes runs of neighbouring channels
+  (``channels_per_item``) and that dispatch may choose on a GPU (``Variant.device_types``) also
+  gets its channels-last problems again with ``WIDE_CHANNELS`` channels, where its widest runs are
+  legal: the registers a GPU would really give them.  ``pyramid_channels``, shaped for CPUs, keeps
+  its lanes in private memory and spills there in float64; a GPU runs it only when a call names it.
 
 And the helper programs outside the variant tables (``helper_programs``: avgmax's join kernels),
 whole, per dtype and architecture; they count as instantiations in the summary.
@@ -194,22 +197,10 @@ def with_channels(table: dict, channels: int) -> dict:
             for rank, problems in table.items()}
 
 
-def representative_configs(variant, problem: Problem, limits: DeviceLimits = CUDA_LIMITS) -> list:
-    """``[(label, params)]``: the default, the first and the last legal configuration, and the last
-    of two passes (``Variant.second_pass``) where there is one, merged when they coincide (labels
-    joined by ``+``)."""
-    legal = variant.legal_configurations(problem, limits)
-    picks = [("default", variant.check_config({}, problem, limits))] if variant.is_legal({}, problem, limits) else []
-    if legal:
-        picks += [("smallest", legal[0]), ("largest", legal[-1])]
-    two_pass = [params for params in legal if variant.second_pass(params, problem) is not None]
-    if two_pass:
-        picks.append(("two-pass", two_pass[-1]))
-    merged: dict = {}
-    for label, params in picks:
-        key = tuple(sorted(params.items()))
-        merged[key] = f"{merged[key]}+{label}" if key in merged else label
-    return [(label, dict(key)) for key, label in merged.items()]
+def _configurations(variant, problem: Problem) -> list:
+    """``[(label, params)]``: the variant's representative configurations under CUDA's limits
+    (``Variant.representative_configurations``: as a call naming it could run them)."""
+    return list(variant.representative_configurations(problem, CUDA_LIMITS).items())
 
 
 def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions=None):
@@ -232,20 +223,20 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
                 for name, variant in table.items():
                     if variants is not None and name not in variants:
                         continue
-                    picks = [(label, problem, representative_configs(variant, problem)) for label, problem in problems]
+                    picks = [(label, problem, _configurations(variant, problem)) for label, problem in problems]
                     if not any(configs for _, _, configs in picks):
-                        picks = [(label, problem, representative_configs(variant, problem))
+                        picks = [(label, problem, _configurations(variant, problem))
                                  for label, problem in problems_for(op, direction, dtype, layout, GLOBAL_PROBLEMS)]
-                    if own is PROBLEMS and "channels_per_item" in variant.search_space:
-                        wide = [(label, problem, representative_configs(variant, problem))
+                    if "channels_per_item" in variant.search_space and "gpu" in variant.device_types:
+                        wide = [(label, problem, _configurations(variant, problem))
                                 for label, problem in problems_for(op, direction, dtype, layout,
-                                                                   with_channels(PROBLEMS, WIDE_CHANNELS))
+                                                                   with_channels(own, WIDE_CHANNELS))
                                 if problem.channels_last]
                         picks += [pick for pick in wide if pick[2]]
                     for problem_label, problem, configs in picks:
                         if not configs:
                             try:
-                                variant.check_config({}, problem, CUDA_LIMITS)
+                                variant.check_config({}, problem, CUDA_LIMITS, forced=True)
                                 reason = "no legal point in the search space"
                             except ValueError as exc:
                                 reason = str(exc)

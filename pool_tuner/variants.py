@@ -224,36 +224,44 @@ class Variant:
         """Relations between parameters that the search space alone does not express."""
         return None
 
-    def is_legal(self, config: dict, problem: Problem, limits: DeviceLimits) -> bool:
+    def is_legal(self, config: dict, problem: Problem, limits: DeviceLimits, forced: bool = False) -> bool:
         try:
-            self.check_config(config, problem, limits)
+            self.check_config(config, problem, limits, forced=forced)
         except ValueError:
             return False
         return True
 
-    def legal_configurations(self, problem: Problem, limits: DeviceLimits) -> list:
-        """Every legal point of the search space for ``problem``, complete, in search-space order.
-        Each point already names every parameter with a value of its space, so only ``refusal``
-        is asked (``check_config``'s other checks are for configurations from users and caches)."""
+    def legal_configurations(self, problem: Problem, limits: DeviceLimits, forced: bool = False) -> list:
+        """Every legal point of the search space for ``problem``, complete, in search-space order
+        (``forced``: as a call naming the variant, the device-kind rule lifted).  Each point already
+        names every parameter with a value of its space, so only ``refusal`` is asked
+        (``check_config``'s other checks are for configurations from users and caches)."""
         return [{k: int(v) for k, v in c.items()} for c in self.configurations()
-                if self.refusal(c, problem, limits) is None]
+                if self.refusal(c, problem, limits, forced) is None]
 
     def representative_configurations(self, problem: Problem, limits: DeviceLimits) -> dict:
-        """``{"default", "smallest", "largest", "two-pass": config}``: the default, the first and last
-        legal points of the space and the last of two passes (``second_pass``) -- those that are
-        legal, duplicates dropped (the first label kept)."""
-        legal = self.legal_configurations(problem, limits)
-        picks = {"default": self.check_config({}, problem, limits)} if self.is_legal({}, problem, limits) else {}
+        """``{label: config}``: the default, the first and the last legal point of the space and
+        the last of two passes (``second_pass``), those that are legal, labelled ``default``,
+        ``smallest``, ``largest`` and ``two-pass`` -- joined by ``+`` where they coincide
+        (``default+smallest``).  What the checks of a variant's kernels compile and run (the CUDA
+        compile check, Oclgrind, the device matrix).
+
+        Legal as for a call naming the variant: the device-kind rule (``device_types``) is lifted,
+        since such a call runs a variant on any device, so a variant shaped for one kind of device
+        is checked on the others too."""
+        legal = self.legal_configurations(problem, limits, forced=True)
+        picks = ([("default", self.check_config({}, problem, limits, forced=True))]
+                 if self.is_legal({}, problem, limits, forced=True) else [])
         if legal:
-            picks.update(smallest=legal[0], largest=legal[-1])
+            picks += [("smallest", legal[0]), ("largest", legal[-1])]
         two_pass = [params for params in legal if self.second_pass(params, problem) is not None]
         if two_pass:
-            picks["two-pass"] = two_pass[-1]
-        unique: dict = {}
-        for label, config in picks.items():
-            if config not in unique.values():
-                unique[label] = config
-        return unique
+            picks.append(("two-pass", two_pass[-1]))
+        merged: dict = {}
+        for label, params in picks:
+            key = tuple(sorted(params.items()))
+            merged[key] = f"{merged[key]}+{label}" if key in merged else label
+        return {label: dict(key) for key, label in merged.items()}
 
     def defines(self, params: dict, problem: Problem) -> dict:
         """Every ``#define`` of this variant's kernel for ``problem``, tuning parameters last."""
@@ -1059,6 +1067,10 @@ class PyramidChannels(_CellVariant):
                "then finishes every level's outputs of each")
     search_space = {"block_size_x": [1, 4, 16, 64], "channels_per_item": [1, 2, 4, 8, 16, 32]}
     default = {"block_size_x": 16, "channels_per_item": 32}
+    #: Shaped for CPUs: a work-item keeps up to ``LANES_LIMIT`` lanes in private memory, which a
+    #: CPU's caches hold and a GPU's registers do not (nvcc spills its wider runs in float64); on a
+    #: GPU it runs only when a call names it.
+    device_types = ("cpu",)
     #: Cells times channels_per_item: the lanes a work-item keeps in private memory.
     LANES_LIMIT = 4096
 

@@ -63,10 +63,11 @@ def problem_of(op, direction, shape, size, dtype="float32", layout=None) -> Prob
 
 
 def has_legal_config(op, direction, name, shape, size, dtype="float32", layout=None) -> bool:
-    """Whether the variant can run the problem at all on a GPU (the compile check's
-    representative configurations, from CUDA's limits); cases without are not generated."""
-    return bool(compile_check.representative_configs(REGISTRY[(op, direction)][name],
-                                                     problem_of(op, direction, shape, size, dtype, layout)))
+    """Whether a call naming the variant can run the problem at all on a GPU (its representative
+    configurations under CUDA's limits, as the compile check compiles them); cases without are not
+    generated."""
+    return bool(REGISTRY[(op, direction)][name].representative_configurations(
+        problem_of(op, direction, shape, size, dtype, layout), compile_check.CUDA_LIMITS))
 
 
 def layout_for(name: str, ndim: int) -> str:
@@ -108,15 +109,11 @@ def dtype_layout_cases() -> list:
 
 
 def configurations(device, variant_name, problem, which) -> list:
-    """The configurations of ``which`` (``default``, ``smallest``, ``largest``) legal on ``device``,
-    without repeats."""
+    """The configurations of ``which`` (``default``, ``smallest``, ``largest``) that a call naming
+    the variant can run on ``device`` (``Variant.representative_configurations``), without repeats."""
     picks = REGISTRY[(problem.op, problem.direction)][variant_name].representative_configurations(
         problem, device.info.limits)
-    unique = []
-    for name in which:
-        if name in picks and picks[name] not in unique:
-            unique.append(picks[name])
-    return unique
+    return [config for label, config in picks.items() if set(label.split("+")) & set(which)]
 
 
 # ---------------------------------------------------------------------- arrays on the device

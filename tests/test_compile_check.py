@@ -93,10 +93,36 @@ def test_channel_runs_are_compiled_at_their_widest_legal_width():
 def test_representative_configs_are_default_first_and_last_legal():
     variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
     problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 61), (4, 7))
-    configs = dict(compile_check.representative_configs(variant, problem))
+    configs = variant.representative_configurations(problem, compile_check.CUDA_LIMITS)
     assert configs["default"] == variant.check_config({}, problem, compile_check.CUDA_LIMITS)
     legal = variant.legal_configurations(problem, compile_check.CUDA_LIMITS)
     assert configs["smallest"] == legal[0] and configs["largest"] == legal[-1]
+
+
+def test_coinciding_configs_are_one_with_their_labels_joined():
+    variant = REGISTRY[("adaptive_avg_pool2d", "forward")]["thread_per_output"]
+    problem = Problem.create("adaptive_avg_pool2d", (2, 3, 10, 61), (4, 7))
+    smallest = variant.legal_configurations(problem, compile_check.CUDA_LIMITS)[0]
+    shaped = type("SmallestByDefault", (type(variant),), {"default": smallest})()
+    configs = shaped.representative_configurations(problem, compile_check.CUDA_LIMITS)
+    assert configs["default+smallest"] == smallest and "default" not in configs and "smallest" not in configs
+    assert len({tuple(sorted(c.items())) for c in configs.values()}) == len(configs)
+
+
+def test_a_variant_shaped_for_cpus_is_compiled_for_gpus_but_never_chosen_there():
+    """pyramid_channels keeps its lanes in private memory (a CPU's caches, a GPU's spilled
+    registers): on a GPU neither tuning nor dispatch considers it, and a call naming it still
+    runs, so the compile check compiles it -- on the ordinary problems, not the wide ones."""
+    variant = REGISTRY[("adaptive_avg_pool_pyramid2d", "forward")]["pyramid_channels"]
+    problem = Problem.create("adaptive_avg_pool_pyramid2d", (2, 32, 9, 9), [1, 3], layout="NHWC")
+    assert variant.legal_configurations(problem, compile_check.CUDA_LIMITS) == []
+    assert variant.representative_configurations(problem, compile_check.CUDA_LIMITS)
+    found, _ = compile_check.instantiations(archs=("sm_80",), ops=("adaptive_avg_pool_pyramid1d",),
+                                            variants=("pyramid_channels",))
+    assert found and not any(inst.problem_label.startswith("wide-") for inst in found)
+    found, _ = compile_check.instantiations(archs=("sm_80",), ops=("adaptive_avg_pool1d",), directions=("backward",),
+                                            variants=("channels_gather",))
+    assert any(inst.problem_label.startswith("wide-") for inst in found)
 
 
 def test_ptxas_report_is_parsed_per_function():

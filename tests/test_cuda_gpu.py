@@ -176,7 +176,7 @@ def _variant_params():
         shape, size = HUGE[OPS[op][1]]
         problem = Problem.create(op, shape, size, "float16", direction=direction)
         for name, variant in table.items():
-            if compile_check.representative_configs(variant, problem):
+            if variant.representative_configurations(problem, compile_check.CUDA_LIMITS):
                 cases.append(pytest.param(op, direction, name, id=f"{op}-{direction}-{name}"))
     return cases
 
@@ -373,7 +373,8 @@ def _multi_level_variant_params():
             shape, size = HUGE[OPS[op].ndim]
             problem = Problem.create(op, shape, _huge_levels(op, size), "float16", direction=direction)
             cases += [pytest.param(op, direction, name, id=f"{op}-{direction}-{name}")
-                      for name, variant in table.items() if compile_check.representative_configs(variant, problem)]
+                      for name, variant in table.items()
+                      if variant.representative_configurations(problem, compile_check.CUDA_LIMITS)]
     return cases
 
 
