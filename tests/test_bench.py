@@ -448,3 +448,40 @@ def test_grid_race_races_a_forward_variant_on_the_grids_global_problems(tmp_path
     rows = json.loads(report.read_text())["problems"]
     assert [(r["input"], r["output"]) for r in rows] == [([2, 16, 5, 6], [1, 1])]
     assert rows[0]["ms"]["global_channels"] > 0
+
+
+def test_record_race_races_two_tunings_choices_and_lists_the_same_choice(tmp_path, capsys):
+    """benchmarks/record_race.py: a problem whose two records choose different kernels is raced
+    (both kernels timed, the ratio printed); one whose records agree is listed, not raced."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from pool_tuner import cache
+
+    scripts = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not (scripts / "record_race.py").exists():
+        pytest.skip("benchmarks/ is not beside the tests (installed package)")
+    sys.path.insert(0, str(scripts))
+    try:
+        import record_race
+    finally:
+        sys.path.remove(str(scripts))
+    files = {}
+    for name, variant in (("old", "thread_per_output"), ("new", "thread_per_row")):
+        table = cache.TuningCache(tmp_path / "no_shipped", tmp_path / name)
+        pt.tune("adaptive_avg_pool2d", (2, 3, 10, 9), (4, 7), variants=[variant], strategy="random_sample",
+                max_fevals=2, tuning_cache=table)
+        files[name] = table.path()
+    winners = tmp_path / "winners.json"
+    assert record_race.main([str(files["old"]), str(files["new"]), "--rounds", "2", "--repetitions", "2",
+                             "--winners", str(winners)]) == 0
+    out = capsys.readouterr().out
+    (kept,) = json.loads(winners.read_text())["records"].values()
+    assert kept in [json.loads(files[name].read_text())["records"][kept["key"]] for name in files]
+    assert re.search(r"^  old thread_per_output .* [\d.]+ ms$", out, re.M), out
+    assert re.search(r"^  new thread_per_row .* [\d.]+ ms$", out, re.M), out
+    assert "raced 1 problems" in out
+    assert record_race.main([str(files["new"]), str(files["new"])]) == 0
+    out = capsys.readouterr().out
+    assert "the same choice, thread_per_row" in out and "raced" not in out
