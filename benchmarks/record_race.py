@@ -23,7 +23,6 @@ so an old record the file holds again stays as it is).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -33,8 +32,11 @@ from pool_tuner import backends, cache, dispatch, tuner
 
 
 def own_records(path: Path, device) -> dict:
-    """The records of ``path`` (a tuning-cache file) whose key names ``device``."""
-    records = json.loads(path.read_text())["records"]
+    """The well-formed records of ``path`` (a tuning-cache file, read as the cache reads one) whose
+    key names ``device``; what is wrong with the others is printed."""
+    records, problems = cache._read(path)
+    if problems:
+        print(f"{path}: not raced: {'; '.join(problems)}")
     return {key: record for key, record in records.items() if key == cache.cache_key(cache.problem_of(record), device)}
 
 
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
         print(f"raced {len(ratios)} problems: geomean old / new {float(np.exp(np.mean(np.log(ratios)))):.2f}x, "
               f"range {min(ratios):.2f}-{max(ratios):.2f}x")
     if args.winners:
-        args.winners.write_text(json.dumps({"schema": cache.SCHEMA_VERSION, "records": winners}, indent=1))
+        cache._write_atomic(args.winners, winners)
         kept_new = sum(winners[key] is new[key] for key in winners)
         print(f"wrote {args.winners}: {kept_new} new records, {len(winners) - kept_new} old")
     print(f"load average after {os.getloadavg()}")

@@ -454,19 +454,11 @@ def test_record_race_races_two_tunings_choices_and_lists_the_same_choice(tmp_pat
     """benchmarks/record_race.py: a problem whose two records choose different kernels is raced
     (both kernels timed, the ratio printed); one whose records agree is listed, not raced."""
     import re
-    import sys
-    from pathlib import Path
 
+    from conftest import load_benchmark
     from pool_tuner import cache
 
-    scripts = Path(__file__).resolve().parent.parent / "benchmarks"
-    if not (scripts / "record_race.py").exists():
-        pytest.skip("benchmarks/ is not beside the tests (installed package)")
-    sys.path.insert(0, str(scripts))
-    try:
-        import record_race
-    finally:
-        sys.path.remove(str(scripts))
+    record_race = load_benchmark("record_race")
     files = {}
     for name, variant in (("old", "thread_per_output"), ("new", "thread_per_row")):
         table = cache.TuningCache(tmp_path / "no_shipped", tmp_path / name)
