@@ -158,24 +158,37 @@ def test_on_a_gpu_each_problem_is_one_program_of_every_configuration_timed_by_ev
 
 
 def test_the_next_problems_programs_are_compiled_ahead_into_the_compilers_cache(fake_gpu, tmp_path, monkeypatch):
-    """Compiled in other threads while a problem is timed: each problem's build then finds its one
-    program in the compiler's cache (the program compiled ahead is the one the build asks for), so
-    nvcc runs once per problem, and the ahead threads ran them."""
+    """The programs compiled ahead, in other threads, are the ones the problems' builds ask for: a
+    measuring run after them finds every program in the compiler's cache and runs nvcc no more.
+    Compiling ahead while measuring runs nvcc once per problem, in whichever thread reaches a
+    program first (a build that gets there before the ahead thread compiles it itself, and the
+    ahead thread then waits on the program's lock and finds it built)."""
     from pool_tuner.backends import cuda, cuda_compile
 
     monkeypatch.setattr(cuda, "_compile", COMPILE)  # the real cache in front of a counting "nvcc"
     runs = []
     monkeypatch.setattr(cuda_compile, "compile_source", lambda source, arch, nvcc, options=None: runs.append(
-        threading.current_thread().name) or source.encode())
+        (threading.current_thread().name, source)) or source.encode())
     monkeypatch.setattr(cuda, "find_nvcc", lambda nvcc=None: shutil.which("true") or "/bin/true")
     dispatch_grid = load_dispatch_grid()
     grid_file = tiny_grid(tmp_path / "grid.json", directions=("forward", "backward"), regimes=("global", "uniform"),
                           shapes=((2, 4, 8, 8),))
-    assert dispatch_grid.main(["--device", "cuda:0", "--measure", "--grid-file", str(grid_file),
-                               "--data-root", str(tmp_path / "data"), "--compile-ahead", "2"]) == 0
-    records = json.loads((tmp_path / "data" / "cuda_fake_gpu" / "records.json").read_text())["records"]
-    assert len(records) == 4 and len(runs) == 4
-    assert all(name.startswith("compile_ahead") for name in runs), runs
+
+    def measure(name: str, threads: int) -> None:
+        monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(tmp_path / name))  # the cubins under it: a cold cache
+        assert dispatch_grid.main(["--device", "cuda:0", "--measure", "--grid-file", str(grid_file),
+                                   "--data-root", str(tmp_path / name / "data"), "--compile-ahead", str(threads)]) == 0
+        assert len(json.loads((tmp_path / name / "data" / "cuda_fake_gpu" / "records.json").read_text())["records"]) == 4
+
+    measure("while_measuring", threads=2)
+    assert len(runs) == 4 and len({source for _, source in runs}) == 4, "nvcc once per problem"
+
+    runs.clear()
+    monkeypatch.setenv("POOL_TUNER_CACHE_DIR", str(tmp_path / "ahead_first"))
+    dispatch_grid.compile_ahead(fake_gpu[0], dispatch_grid.grid_from_file(grid_file), None, 2).shutdown(wait=True)
+    assert len(runs) == 4 and all(name.startswith("compile_ahead") for name, _ in runs), runs
+    measure("ahead_first", threads=0)
+    assert len(runs) == 4, "every problem's build found its program compiled ahead"
 
 
 def test_a_neighbourhood_larger_than_the_memo_is_refused_before_anything_is_built(fake_gpu):
