@@ -92,6 +92,27 @@ def candidate_on(monkeypatch):
     dispatch.forget()
 
 
+#: The exhaustive tier (setup.cfg's ``exhaustive`` marker; docs/design.md, "Test tiers"): cases
+#: that the README's test command deselects and the CI's second pytest run (``.ci/run``) runs.
+EXHAUSTIVE = pytest.mark.exhaustive
+
+
+def tiered(cases, core=lambda values: False, group=None) -> list:
+    """``cases`` (``pytest.param`` each) with those outside the core tier marked ``exhaustive``: a
+    case is core where ``core(case.values)`` holds, or where it is the first of its
+    ``group(case.values)`` (so every group keeps one case in the suite a developer runs)."""
+    seen, result = set(), []
+    for case in cases:
+        key = group(case.values) if group is not None else None
+        first = group is not None and key not in seen
+        seen.add(key)
+        if core(case.values) or first:
+            result.append(case)
+        else:
+            result.append(pytest.param(*case.values, id=case.id, marks=[*case.marks, EXHAUSTIVE]))
+    return result
+
+
 @pytest.fixture
 def user_cache(tmp_path, monkeypatch):
     """A private, empty user tuning cache; no autotuning; dispatch state forgotten before and

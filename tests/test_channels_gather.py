@@ -17,7 +17,7 @@ from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
 
-from conftest import random_input
+from conftest import random_input, tiered
 from test_matrix import TOLERANCES, as_float64, backward, check_result, in_layout, np_dtype
 
 NAME = "channels_gather"
@@ -54,7 +54,7 @@ def _cases():
                 for config in configs_for(problem):
                     label = "-".join(str(v) for v in config.values())
                     cases.append(pytest.param(op, shape, size, config, id=f"{op}-{shape}->{size}-{label}"))
-    return cases
+    return tiered(cases, group=lambda values: values[:3])  # core: every problem's first configuration
 
 
 def gradients(op, shape, size, dtype, rng, **kwargs):

@@ -10,6 +10,7 @@ import pytest
 from pool_tuner import backends
 from pool_tuner.problem import OPS
 
+from conftest import tiered
 from device_matrix import REPRESENTATIVE, check_case, check_gem_backward, check_round_trip, gem_backward_cases, dtype_layout_cases, layout_for, variant_cases
 
 
@@ -23,7 +24,7 @@ def _newer_ops_in_half_precision():
         if (dtype in ("float16", "bfloat16") and (operation.multi_level or operation.arguments)
                 and layout == layout_for(variant, operation.ndim)):
             cases.append(case)
-    return cases
+    return tiered(cases, group=lambda values: values[:3])  # core: one variant of each op, direction and dtype
 
 
 @pytest.fixture(scope="module")

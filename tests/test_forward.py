@@ -14,7 +14,7 @@ from pool_tuner.ops import memory_layout
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
 
-from conftest import GLOBAL_ONLY, random_input
+from conftest import GLOBAL_ONLY, random_input, tiered
 from poisoning import INDEX_POISON
 
 torch = pytest.importorskip("torch")
@@ -164,9 +164,10 @@ def _runs_somewhere(op, variant, shape, output_size) -> bool:
 
 
 def _sampled_cases(op, shapes):
-    return [pytest.param(op, variant, shape, output_size, id=f"{op}-{variant}-{shape}->{output_size}")
-            for shape, output_size in shapes for variant in pt.variants(op)
-            if _runs_somewhere(op, variant, shape, output_size)]
+    """Core (conftest.tiered): each variant's first shape."""
+    return tiered([pytest.param(op, variant, shape, output_size, id=f"{op}-{variant}-{shape}->{output_size}")
+                   for shape, output_size in shapes for variant in pt.variants(op)
+                   if _runs_somewhere(op, variant, shape, output_size)], group=lambda values: values[:2])
 
 
 @pytest.mark.parametrize("op,variant,shape,output_size",

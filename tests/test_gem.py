@@ -13,7 +13,7 @@ from pool_tuner.operations import OPERATIONS, find
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import _Global, variants_for
 
-from conftest import gem_p_term_magnitude
+from conftest import gem_p_term_magnitude, tiered
 
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 SHAPES = [((2, 3, 10, 9), (4, 7)), ((2, 5, 7, 7), 1), ((1, 4, 23, 37), (5, 7)), ((2, 3, 5, 6), (7, 9)),
@@ -61,10 +61,17 @@ def _configs(variant, problem, limits):
     return [dict(c) for c in {tuple(sorted(c.items())): c for c in picks}.values()]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
-@pytest.mark.parametrize("variant", GEM_VARIANTS)
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("ndim", [1, 2, 3])
+def _variant_cases() -> list:
+    """Core (conftest.tiered): float32 everywhere, float64's configurations at rank 2, and one
+    variant of every other rank, layout and dtype."""
+    cases = [pytest.param(ndim, channels_last, variant, dtype, id=f"{ndim}-{channels_last}-{variant}-{dtype}")
+             for ndim in (1, 2, 3) for channels_last in (False, True) for variant in GEM_VARIANTS
+             for dtype in ("float64", "float32", "float16")]
+    return tiered(cases, core=lambda values: values[3] == "float32" or values[3] == "float64" and values[0] == 2,
+                  group=lambda values: (values[0], values[1], values[3]))
+
+
+@pytest.mark.parametrize("ndim,channels_last,variant,dtype", _variant_cases())
 def test_every_variant_rank_and_layout(rng, variant, channels_last, ndim, dtype):
     """Every forward variant of GeM -- the shared ones through gem.h's operator, and its own --
     against the reference, at every rank and layout it fits (the others refused before a kernel

@@ -12,7 +12,7 @@ import pool_tuner as pt
 from pool_tuner import gem, reference
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 
-from conftest import gem_p_term_magnitude
+from conftest import EXHAUSTIVE, gem_p_term_magnitude
 
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 FUNCTIONS = {1: (pt.adaptive_gem_pool1d, pt.adaptive_gem_pool1d_backward),
@@ -81,7 +81,8 @@ def test_planes_past_the_limits_run_the_element_form(shape, size):
     assert (info["variant"], info["params"]) == (gem.INPUT_GRADIENT_KERNEL, gem.INPUT_GRADIENT_CONFIG)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", *(pytest.param(d, marks=EXHAUSTIVE) for d in ("float16", "bfloat16")),
+                                   "float64"])
 @pytest.mark.parametrize("shape,size", PLANE_CASES)
 def test_the_plane_form_has_the_element_forms_bits_for_x(rng, shape, size, dtype):
     """The gradient of x, NaN, negative, zero, below-eps and eps inputs included, to the bit: each

@@ -16,7 +16,7 @@ from pool_tuner import backends, reference
 from pool_tuner.problem import LAYOUT_NAMES, Problem
 from pool_tuner.variants import variants_for
 
-from conftest import RUN_SEED, random_input
+from conftest import EXHAUSTIVE, RUN_SEED, random_input, tiered
 from test_matrix import as_float64, check_result, in_layout, np_dtype
 
 torch = pytest.importorskip("torch")
@@ -60,7 +60,8 @@ def _cases():
                 for config in forced_configs(problem):
                     label = "-".join(f"{v}" for v in config.values())
                     cases.append(pytest.param(op, shape, layout, config, id=f"{op}-{shape}-{layout}-{label}"))
-    return cases
+    # core: the default of every shape and layout, and every configuration of the odd-sized planes
+    return tiered(cases, core=lambda values: values[1] == (2, 3, 13, 17), group=lambda values: values[:3])
 
 
 def check_forward(op, out, x):
@@ -241,7 +242,7 @@ def offset_view(x, elements):
 
 
 @pytest.mark.parametrize("offset", [0, 1, 2], ids=lambda o: f"offset{o}")
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", *(pytest.param(d, marks=EXHAUSTIVE) for d in ("float64", "float16", "bfloat16"))])
 @pytest.mark.parametrize("vector_width", [2, 4])
 @pytest.mark.parametrize("op", OPS[2])
 def test_vector_loads_on_aligned_and_offset_inputs(op, vector_width, dtype, offset, rng):

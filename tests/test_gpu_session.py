@@ -138,7 +138,7 @@ def test_the_deadline_kills_what_still_runs(tmp_path):
         def test_after_the_hang():
             pass
     '''))
-    results = isolated_tests.run_files([str(test_file)], tmp_path / "out", jobs=1, timeout_s=20)
+    results = isolated_tests.run_files([str(test_file)], tmp_path / "out", jobs=1, timeout_s=14)
     assert _outcomes(results[str(test_file)]) == {"test_quick": "passed", "test_hangs": "timed out",
                                                   "test_after_the_hang": "not run"}
 
@@ -166,7 +166,7 @@ def test_every_files_quick_cases_run_before_the_cases_of_their_own(tmp_path):
     '''))
     quick_file = tmp_path / "test_quick.py"
     quick_file.write_text("def test_quick_1():\n    pass\n\n\ndef test_quick_2():\n    pass\n")
-    results = isolated_tests.run_files([str(long_file), str(quick_file)], tmp_path / "out", jobs=2, timeout_s=25,
+    results = isolated_tests.run_files([str(long_file), str(quick_file)], tmp_path / "out", jobs=2, timeout_s=16,
                                        alone_jobs=1)
     assert _outcomes(results[str(quick_file)]) == {"test_quick_1": "passed", "test_quick_2": "passed"}
     assert _outcomes(results[str(long_file)]) == {"test_long[0]": "timed out", "test_long[1]": "not run",

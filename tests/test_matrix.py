@@ -24,7 +24,7 @@ from pool_tuner.shapes import resolve_output_size
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import EXACT_MAX_WINDOW_LIMIT, max_window
 
-from conftest import GLOBAL_ONLY, legal_variants, random_input
+from conftest import GLOBAL_ONLY, legal_variants, random_input, tiered
 
 torch = pytest.importorskip("torch")
 try:
@@ -95,7 +95,8 @@ def _matrix():
                     for variant in legal_variants(op, direction, shape, size, dtype, layout):
                         cases.append(pytest.param(op, direction, dtype, layout, variant,
                                                   id=f"{op}-{direction}-{dtype}-{layout}-{variant}"))
-    return cases
+    # core: every variant in float32, and one variant of every other dtype and layout
+    return tiered(cases, core=lambda values: values[2] == "float32", group=lambda values: values[:4])
 
 
 def check_result(out, expected, dtype, layout, ndim, exact=False):
@@ -582,7 +583,8 @@ def _global_cases(extra=True):
                     for label, dtype, config in configs:
                         cases.append(pytest.param(op, direction, dtype, layout, variant, config,
                                                   id=f"{op}-{direction}-{dtype}-{layout}-{variant}-{label}"))
-    return cases
+    # core: every variant and configuration in float32, one variant of every other dtype and layout
+    return tiered(cases, core=lambda values: values[2] == "float32", group=lambda values: values[:4])
 
 
 @pytest.mark.parametrize("op,direction,dtype,layout,variant,config", _global_cases())

@@ -535,6 +535,18 @@ def run_cases(specs: list, workers: int = 2, timeout: float = 900) -> tuple[dict
         t.start()
     for t in threads:
         t.join()
+    # The buffers a worker does not make itself (those of numpy arrays, made and released inside a
+    # call) still meet Oclgrind's bug of _keep_buffers_alive: a case flagged for uninitialised
+    # values alone is run again in a fresh worker, where no buffer was released before it, and
+    # that run's report stands.
+    suspect = [spec for spec in specs if spec["id"] in diagnostics
+               and all(line.startswith("Uninitialized value") for line in headlines(diagnostics[spec["id"]]))]
+    for spec in suspect:
+        res, diag, _ = _run_worker([spec], timeout)
+        results.update(res)
+        diagnostics.pop(spec["id"])
+        if spec["id"] in diag:
+            diagnostics[spec["id"]] = diag[spec["id"]]
     return results, diagnostics
 
 
@@ -562,7 +574,7 @@ MULTI_LEVEL = {key: table for key, table in REGISTRY.items() if OPS[key[0]].mult
 OPS = {op: operation for op, operation in OPS.items() if not operation.multi_level and not operation.arguments}
 REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
-from conftest import RUN_SEED  # noqa: E402
+from conftest import RUN_SEED, tiered  # noqa: E402
 
 _SIMULATORS = [d for d in pt.devices() if d.info.is_simulator]
 OCLGRIND = _SIMULATORS[0] if _SIMULATORS else None
@@ -769,7 +781,14 @@ def oclgrind_run(request):
     return results, diagnostics
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+def _core(case_id: str) -> bool:
+    """The core tier's instantiations (conftest.tiered): float32 at the default configuration; the
+    smallest and largest configurations and the half-precision dtypes are the exhaustive tier's."""
+    labels = {label for part in case_id.split("-") for label in part.split("+")}
+    return case_id.endswith("-float32") and ("default" in labels or not labels & {"smallest", "largest"})
+
+
+@pytest.mark.parametrize("case_id", tiered([pytest.param(i, id=i) for i in CASES], core=lambda values: _core(values[0])))
 def test_instantiation_is_clean(case_id, oclgrind_run):
     results, diagnostics = oclgrind_run
     report = diagnostics.get(case_id)

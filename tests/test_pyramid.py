@@ -19,7 +19,7 @@ from pool_tuner.tuner import TOLERANCES
 from pool_tuner.variants import variants_for
 from pool_tuner.windows import pooling_windows
 
-from conftest import random_input
+from conftest import EXHAUSTIVE, random_input
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
 CHANNELS_LAST = {1: "NLC", 2: "NHWC", 3: "NDHWC"}
@@ -73,10 +73,13 @@ def _layouts(ndim):
 
 
 def _cases():
+    """Core (conftest.tiered): every 2d case, the first 1d and the second (smaller) 3d one."""
+    core = {(1, 0), (3, 1)}
     for ndim, cases in ((1, CASES_1D), (2, CASES_2D), (3, CASES_3D)):
-        for shape, sizes in cases:
+        for position, (shape, sizes) in enumerate(cases):
             for layout in _layouts(ndim):
-                yield ndim, shape, sizes, layout
+                yield pytest.param(ndim, shape, sizes, layout,
+                                   marks=() if ndim == 2 or (ndim, position) in core else EXHAUSTIVE)
 
 
 # --------------------------------------------------------------------------------- the cells
@@ -162,7 +165,7 @@ def test_windows_past_the_unrolled_limit_are_finished_from_the_tables(kind, rng)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", [None, "NHWC"])
+@pytest.mark.parametrize("layout", [None, pytest.param("NHWC", marks=EXHAUSTIVE)])
 @pytest.mark.parametrize("kind", ["avg", "max"])
 def test_pyramid_dtypes(kind, dtype, layout, rng):
     # CASES_2D[1]'s problem: its float32 programs are built once for both tests
@@ -260,7 +263,7 @@ def test_pyramid_backward_every_variant_matches_reference(kind, ndim, shape, siz
         _close(got, expected, "float32")
 
 
-@pytest.mark.parametrize("ndim,shape,sizes,layout", [c for c in _cases() if c[0] != 3])
+@pytest.mark.parametrize("ndim,shape,sizes,layout", [c for c in _cases() if c.values[0] != 3])
 @pytest.mark.parametrize("kind", ["avg", "max"])
 def test_pyramid_backward_on_device_arrays(kind, ndim, shape, sizes, layout, rng):
     """Device gradients and indices in, the input gradient out on the device, in their layout,
@@ -363,7 +366,7 @@ def _avgmax_from_device(device, a):
     return np.moveaxis(memory, -1, -3)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=EXHAUSTIVE), "float16"])
 @pytest.mark.parametrize("layout", [None, "NHWC"])
 @pytest.mark.parametrize("mode", ["avg+max", "cat"])
 def test_avgmax_on_device_arrays(mode, layout, dtype, rng):
