@@ -37,7 +37,7 @@ OPS = {op: operation for op, operation in OPS.items() if not operation.multi_lev
 from pool_tuner.variants import REGISTRY
 REGISTRY = {key: table for key, table in REGISTRY.items() if key[0] in OPS}
 
-from conftest import GLOBAL_ONLY, random_input
+from conftest import GLOBAL_ONLY, random_input, tiered
 
 LIMIT = INT32_LIMIT - OVERSHOOT_MARGIN  # 2147418111 = 3 * 6673 * 107269
 assert LIMIT == 3 * 6673 * 107269
@@ -317,7 +317,7 @@ def _forced_cases():
                 continue
             for layout in layouts:
                 cases.append(pytest.param(op, direction, name, layout, id=f"{op}-{direction}-{name}-{layout}"))
-    return cases
+    return tiered(cases, group=lambda values: values[:3])  # core: each variant's first layout
 
 
 FORCED_SHAPES = {1: ((2, 3, 11), (4,)), 2: ((2, 3, 7, 5), (3, 4)), 3: ((1, 2, 5, 4, 3), (2, 3, 2))}
@@ -475,7 +475,7 @@ def _multi_level_forced_cases():
                 legal = variants_legal_for(Problem.create(op, shape, sizes, layout=layout, direction=direction))
                 cases += [pytest.param(op, direction, name, layout, id=f"{op}-{direction}-{name}-{layout}")
                           for name in table if name in legal]
-    return cases
+    return tiered(cases, group=lambda values: values[:3])  # core: each variant's first layout
 
 
 def _multi_level_run(op, direction, x_or_shape, sizes, grads=None, indices=None, layout=None, **forced):
