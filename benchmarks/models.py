@@ -211,6 +211,9 @@ def main():
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     parser.add_argument("--head", action="store_true",
                         help="time timm models' pooling layer (global_pool) alone, on the features it pools")
+    parser.add_argument("--control", action="store_true",
+                        help="also time a copy of the stock model (copy.deepcopy) in the same rounds: stock/copy is "
+                             "how far the same model moves at other addresses, the floor under stock/pt's noise")
     parser.add_argument("--profile", type=int, metavar="N", default=0,
                         help="after timing, profile one call of each side and print its N heaviest events")
     common.add_output_argument(parser)
@@ -262,6 +265,8 @@ def main():
             else:
                 make = functools.partial(inference, images=images, case=spec, device=args.device)
             sides = {"stock": make(stock_part), "pool_tuner": make(swapped_part)}
+            if args.control:
+                sides["stock_copy"] = make(copy.deepcopy(stock_part))
             timings = common.interleave(sides, args.rounds, args.loop_s, rng)
             ratio = timings.ratio("stock", "pool_tuner")
             entry["cases"][case] = {"stock_ms": timings.summary("stock"), "pool_tuner_ms": timings.summary("pool_tuner"),
@@ -269,6 +274,9 @@ def main():
             rows.append([f"{name} {case}", len(swapped_names), common.fmt_spread(timings.summary("stock")),
                          common.fmt_spread(timings.summary("pool_tuner")), f"{ratio['of_medians']:.2f}x",
                          f"{ratio['q1']:.2f}-{ratio['q3']:.2f}", "yes" if agree["allclose"] else "NO"])
+            if args.control:
+                control = entry["cases"][case]["ratio_stock_over_stock_copy"] = timings.ratio("stock", "stock_copy")
+                rows[-1].insert(6, f"{control['of_medians']:.2f}x ({control['q1']:.2f}-{control['q3']:.2f})")
             print(f"{name} {case}: stock {timings.median('stock'):.1f} ms, pool_tuner {timings.median('pool_tuner'):.1f} ms",
                   file=sys.stderr, flush=True)
             if args.profile:
@@ -278,10 +286,11 @@ def main():
                     _print_profile(f"{name} {case}, {side}", side_profile)
         results.append(entry)
     print(common.format_table(["model case", "swapped", "stock ms (q1-q3)", "pool_tuner ms (q1-q3)", "stock/pt",
-                               "paired q1-q3", "agree"], rows))
+                               "paired q1-q3", *(["stock/copy (q1-q3)"] if args.control else []), "agree"], rows))
     print("\nms: time per call, median over the rounds of loops of calls back to back (q1-q3: quartiles);"
           "\nstock/pt: stock median / pool_tuner median (below 1: pool_tuner's model is slower); paired q1-q3: the"
-          "\nquartiles of the per-round ratios; swapped: pooling layers replace_pooling swapped; agree: outputs"
+          "\nquartiles of the per-round ratios; swapped: pooling layers replace_pooling swapped; stock/copy"
+          "\n(--control): stock median / a deepcopy's, the same model at other addresses; agree: outputs"
           "\nallclose (rtol 1e-4, atol 1e-4 x the outputs' largest magnitude) before timing")
     for name in disagreed:
         print(f"WARNING: {name}'s outputs with pool_tuner differ from the stock model's (see the JSON)")

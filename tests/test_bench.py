@@ -128,7 +128,7 @@ CALL_PATH_SCRIPTS = {
     "memory_growth.py": (["--shapes", "4", "--every", "2"], (0,), "results"),
     # a checker: exit 1 reports failures found, which is its job, not the script's failure
     "threads_fork.py": (["--runs", "1", "--threads", "2", "--calls", "8", "--fork-timeout", "10"], (0, 1), "failed"),
-    "models.py": (["--models", "resnet50", "--cases", "infer_b1", "--rounds", "1", "--loop-s", "0.01"], (0,),
+    "models.py": (["--models", "resnet50", "--cases", "infer_b1", "--rounds", "1", "--loop-s", "0.01", "--control"], (0,),
                   "models"),
 }
 
