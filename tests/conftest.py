@@ -92,7 +92,7 @@ def candidate_on(monkeypatch):
     dispatch.forget()
 
 
-#: The exhaustive tier (setup.cfg's ``exhaustive`` marker; docs/design.md, "Test tiers"): cases
+#: The exhaustive tier (setup.cfg's ``exhaustive`` marker; docs/design.md, Quality bars): cases
 #: that the README's test command deselects and the CI's second pytest run (``.ci/run``) runs.
 EXHAUSTIVE = pytest.mark.exhaustive
 
