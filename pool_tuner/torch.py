@@ -197,9 +197,15 @@ def _cpu_plan(op: str, direction: str, tensors: list, size, options: str, descri
 # carries them as a constant argument of the op.
 
 
-@torch.compiler.assume_constant_result  # a constant of the graph: torch.compile does not trace json
 def _encode_options(device=None, variant=None, config=None) -> str:
     return _plans.options_text(device, variant, config)
+
+
+# A constant of the graph: torch.compile does not trace json.  This is what
+# ``torch.compiler.assume_constant_result`` does, without the import of ``torch._dynamo`` that the
+# decorator makes at once and that would take longer than the rest of ``import pool_tuner.torch``
+# (tests/test_torch_toolchain.py compiles a functional form with options under fullgraph=True).
+_encode_options._dynamo_marked_constant = True
 
 
 @functools.lru_cache(maxsize=256)

@@ -171,6 +171,26 @@ def test_compile_with_channels_last_input(rng):
                                **FLOAT32_TOL)
 
 
+def test_compile_fullgraph_of_the_functional_form_with_options(rng):
+    """The options of a functional call are encoded into the op's schema string as a constant of
+    the graph: fullgraph=True does not break on it, and the forced variant runs."""
+    import pool_tuner as pt
+    variant = pt.variants("adaptive_avg_pool2d")[0]
+    x = tensor(rng, (2, 3, 11, 13))
+    compiled = torch.compile(lambda t: ptt.adaptive_avg_pool2d(t, (5, 7), variant=variant) * 2, fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(x), F.adaptive_avg_pool2d(x, (5, 7)) * 2, **FLOAT32_TOL)
+
+
+def test_importing_the_torch_front_end_leaves_the_compiler_unimported():
+    """``import pool_tuner.torch`` does not import ``torch._dynamo`` (which takes longer than the
+    rest of the import): a user who never compiles never pays for it."""
+    code = "import sys, pool_tuner.torch; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
 def test_inductor_training_runs_pool_tuner_backward(rng):
     """The real compiler: a compiled training step follows eager PyTorch's, and the profiler shows
     that the backward kernels that ran are pool_tuner's ops, not ATen's adaptive pooling."""
