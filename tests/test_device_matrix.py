@@ -1,7 +1,9 @@
 """The variant matrix's harness (tests/device_matrix.py) proven on the default device (PoCL): every
 variant of every op and direction, through the public functions on device arrays, against the
 float64 reference -- the check tests/test_cuda.py runs on a GPU, here on OpenCL, so that a GPU lease
-never spends its minutes on a harness that was never run.  The dtype cases run the ops with several
+never spends its minutes on a harness that was never run.  The core tier runs one variant of each
+op and direction (every variant's kernel is test_matrix.py's on numpy arrays); the exhaustive tier
+runs them all.  The dtype cases run the ops with several
 results or run-time arguments (pyramids, avgmax, GeM) in the half-precision dtypes; the single-level
 ops' dtypes on numpy arrays are test_matrix.py's."""
 
@@ -32,7 +34,8 @@ def device():
     return backends.default_device()
 
 
-@pytest.mark.parametrize("op,direction,variant,layout,shape,size", variant_cases(with_shapes=False))
+@pytest.mark.parametrize("op,direction,variant,layout,shape,size",
+                         tiered(variant_cases(with_shapes=False), group=lambda values: values[:2]))
 def test_every_variant_on_device_arrays(device, op, direction, variant, layout, shape, size, rng):
     check_case(device, op, direction, "float32", layout, variant, shape, size, rng)
 
