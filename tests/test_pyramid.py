@@ -73,13 +73,14 @@ def _layouts(ndim):
 
 
 def _cases():
-    """Core (conftest.tiered): every 2d case contiguous and the first two channels-last, the first
-    1d and the second (smaller) 3d one."""
+    """Core: every 2d case contiguous but the first (PSPNet's levels on a plane they divide; the
+    second case has them on one they do not), the second 2d case channels-last, the first 1d and
+    the second (smaller) 3d one."""
     core = {(1, 0), (3, 1)}
     for ndim, cases in ((1, CASES_1D), (2, CASES_2D), (3, CASES_3D)):
         for position, (shape, sizes) in enumerate(cases):
             for layout in _layouts(ndim):
-                is_core = (ndim, position) in core or ndim == 2 and (layout is None or position < 2)
+                is_core = (ndim, position) in core or ndim == 2 and (position > 0 if layout is None else position == 1)
                 yield pytest.param(ndim, shape, sizes, layout, marks=() if is_core else EXHAUSTIVE)
 
 
