@@ -3,9 +3,9 @@ variant of every op and direction, through the public functions on device arrays
 float64 reference -- the check tests/test_cuda.py runs on a GPU, here on OpenCL, so that a GPU lease
 never spends its minutes on a harness that was never run.  The core tier runs one variant of each
 op and direction (every variant's kernel is test_matrix.py's on numpy arrays); the exhaustive tier
-runs them all.  The dtype cases run the ops with several
-results or run-time arguments (pyramids, avgmax, GeM) in the half-precision dtypes; the single-level
-ops' dtypes on numpy arrays are test_matrix.py's."""
+runs them all.  The dtype cases run the ops with several results or run-time arguments (pyramids,
+avgmax, GeM) in the half-precision dtypes; the single-level ops' dtypes on numpy arrays are
+test_matrix.py's."""
 
 import pytest
 

@@ -19,6 +19,7 @@ pytest.importorskip("ml_dtypes")
 
 import torch.nn.functional as F  # noqa: E402
 
+import pool_tuner as pt  # noqa: E402
 import pool_tuner.torch as ptt  # noqa: E402
 from pool_tuner import decomposition  # noqa: E402
 from pool_tuner import onnx as pto  # noqa: E402
@@ -173,8 +174,7 @@ def test_compile_with_channels_last_input(rng):
 
 def test_compile_fullgraph_of_the_functional_form_with_options(rng):
     """The options of a functional call are encoded into the op's schema string as a constant of
-    the graph: fullgraph=True does not break on it, and the forced variant runs."""
-    import pool_tuner as pt
+    the graph: fullgraph=True does not break on it, and the compiled call gives PyTorch's result."""
     variant = pt.variants("adaptive_avg_pool2d")[0]
     x = tensor(rng, (2, 3, 11, 13))
     compiled = torch.compile(lambda t: ptt.adaptive_avg_pool2d(t, (5, 7), variant=variant) * 2, fullgraph=True,
