@@ -303,7 +303,7 @@ class Plan:
     * ``results``: the arrays the call returns (``Result``), in order: values (and, for a max
       forward, indices), or the input gradient;
     * ``launch``: the built kernel and grid (``dispatch.Launch``), None when there is nothing to
-      compute -- built by ``make_plan``;
+      compute -- built by ``make_plan``, or at the first launch where it says so;
       ``zero_fill``: whether the result is all zeros instead (a backward pass with no
       outputs);
     * ``fills``: per result, what it is filled with when allocated, or None (``result_fill``);
@@ -422,7 +422,7 @@ class Passes:
 
 
 def make_plan(op: str, direction: str, specs: list, size, device, variant=None, config=None, *,
-              on_miss=None, names=None, context=None, build_target=None, before_build=None) -> Plan:
+              on_miss=None, names=None, context=None, build_target=None, before_build=None, build=True) -> Plan:
     """Validate a call and plan it (see the module docstring).
 
     ``specs``: ``[x]`` (forward), ``[grad_out]`` or ``[grad_out, indices]`` (backward), as
@@ -433,8 +433,11 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     wrote them, for error messages; ``context``: the context the kernel is built in (default: the
     device's default queue's); ``build_target``: what builds it, when not the device itself
     (``torch_cuda``'s driver-API target, which is its own context); ``before_build(problem)``: a
-    last check of the caller's, once the problem is known and before anything is built.  Raises
-    ``TypeError`` / ``ValueError`` naming the argument before anything is built."""
+    last check of the caller's, once the problem is known and before anything is built;
+    ``build``: whether the kernel is built now, so that a configuration that cannot launch fails
+    here (False: at the plan's first launch, for a plan that may never launch one --
+    ``torch_cpu``'s race).  Raises ``TypeError`` / ``ValueError`` naming the argument before
+    anything is built."""
     operation, flow = OPS[op], DIRECTIONS[direction]
     ndim = operation.ndim
     first = specs[0]
@@ -443,7 +446,7 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     check_float64(device, dtype, name)
     if operation.multi_level and not flow.reads_input:
         return _make_plan(*multi_level_backward(op, specs, size, dtype, name), device, variant, config, on_miss,
-                          context, build_target, before_build)
+                          context, build_target, before_build, build)
     layout = strides_layout(first.shape, first.strides, ndim)
     reorder = [layout is None]
     layout = layout or LAYOUT_NAMES[ndim][0]
@@ -452,7 +455,7 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
         results = [problem.output_shape] + ([problem.output_shape] if operation.selects else [])
         if operation.multi_level:
             return _make_plan(problem, tuple(reorder), flat_results(problem), device, variant, config, on_miss,
-                              context, build_target, before_build)
+                              context, build_target, before_build, build)
     else:
         if isinstance(size, (str, bytes)) or not hasattr(size, "__len__") or type(size).__module__ == "numpy":
             raise TypeError(f"input_shape must be a tuple of ints, got {type(size).__name__}")
@@ -463,10 +466,11 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     results = tuple(Result(shape, element_strides(problem, shape), problem.memory_shape(shape), d)
                     for shape, d in zip(results, flow.result_dtypes(dtype)))
     return _make_plan(problem, tuple(reorder), results, device, variant, config, on_miss, context, build_target,
-                      before_build)
+                      before_build, build)
 
 
-def _make_plan(problem, reorder, results, device, variant, config, on_miss, context, build_target, before_build) -> Plan:
+def _make_plan(problem, reorder, results, device, variant, config, on_miss, context, build_target, before_build,
+               build) -> Plan:
     """``make_plan`` once the problem, the inputs' reordering and the results are known."""
     if before_build is not None:
         before_build(problem)
@@ -476,7 +480,8 @@ def _make_plan(problem, reorder, results, device, variant, config, on_miss, cont
         build_target = device
         context = device.queue.context if context is None else context
     plan = Plan(problem, device, choice, reorder, results, build_target, context)
-    plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
+    if build:
+        plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
     return plan
 
 

@@ -467,18 +467,14 @@ def _pytorch_runs(operation, input, output_size, options: str, form=None) -> boo
     if not (_plain_eager(input) and input.is_cpu) or _deterministic():
         return False
     key = _tensor_signature(operation.name, _FORWARD, output_size, options, env_device_setting(), input)
-    if form is not None:
-        key = (key, form)
     try:
-        winner = _winner_of(key)
+        winner = _winner_of(key if form is None else (key, form))
     except TypeError:  # an unhashable output size: the custom op's path validates it
         return False
     if winner is None:
         levels = _levels_of(operation, input, output_size, "output_size")
         size = levels if operation.pyramid else levels[0]
-        found = _cpu_plan(operation.name, _FORWARD, [input], size, options)
-        winner = _torch_cpu.WINNERS.decide(
-            key, found, lambda: _torch_cpu.races(found) and _torch_cpu.race_pytorch(found, input, size, form))
+        winner = _torch_cpu.winner(operation.name, input, size, options, key, form)
     return winner is _PYTORCH
 
 

@@ -12,7 +12,9 @@ numpy views of the tensors through ``ops``, which copies them to the device and 
 launch-and-wait) that PyTorch's CPU kernels, plain function calls, do not pay: below it no
 pool_tuner kernel can win.  So a small forward problem (``RACE_BYTES``) called eagerly on CPU
 tensors with no forced variant or configuration races the two on its first call (``race_pytorch``: a
-block of calls of each on the caller's input, the fastest call of each compared), and the layer
+block of calls of each on the caller's input, the fastest call of each compared; pool_tuner's
+kernel is neither built nor timed where PyTorch's is faster than the device's launch floor,
+``launch_floor_ms``, by the margin below), and the layer
 keeps the faster one -- pool_tuner's only by a margin, for the cost its launches put on the
 PyTorch operations around them -- for its forward and (through PyTorch's autograd) its backward
 pass.  ``pool_tuner.explain(..., caller="torch")`` shows the measurement.  ``pool_tuner.torch``'s
@@ -57,8 +59,11 @@ pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
 RACE_BYTES = 1 << 25
 #: Timed calls of each candidate in the race (each after one untimed call: first-touch costs).
 RACE_CALLS = 5
-#: How much faster than PyTorch's kernel pool_tuner's must be in the race (see ``race``).
+#: How much faster than PyTorch's kernel pool_tuner's must be in the race (``race_pytorch``).
 RACE_MARGIN = 1.25
+#: Timed calls of the smallest problem that measure a device's launch floor (``launch_floor_ms``):
+#: more than a race's, since the floor is a minimum that every later race leans on.
+FLOOR_CALLS = 20
 
 _PLANS = plans.PlanTable("torch_cpu.plans")
 
@@ -154,27 +159,31 @@ def _levels_form(operation):
 PYTORCH_FORMS.update({op: _levels_form(operation) for op, operation in OPERATIONS.items() if operation.multi_level})
 
 
-def plan(op: str, direction: str, tensors: list, size, options: str, key) -> plans.Plan:
+def plan(op: str, direction: str, tensors: list, size, options: str, key, build: bool = True) -> plans.Plan:
     """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
     its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
-    string (``plans.options_text``)."""
+    string (``plans.options_text``); ``build``: whether a new plan's kernel is built now, else at
+    its first launch (``plans.make_plan``)."""
     found = _PLANS.get(key)
     if found is None:
         given = dict(plans.options_of(options))
         device = backends.resolve_device(given.get("device"))
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss,
-                                names=(DIRECTIONS[direction].torch_argument,))
+                                names=(DIRECTIONS[direction].torch_argument,), build=build)
         _PLANS.put(key, found)
     return found
 
 
-def winner(op: str, x: torch.Tensor, size, options: str, key):
+def winner(op: str, x: torch.Tensor, size, options: str, key, form=None):
     """What runs the eager forward of signature ``key``: ``PYTORCH`` or the signature's plan, as
     the race decided (``WINNERS``), raced now on input ``x`` if it was not (``race_pytorch``),
-    before the signature's first result."""
-    found = plan(op, "forward", [x], size, options, key)
-    return WINNERS.decide(key, found, lambda: races(found) and race_pytorch(found, x, size))
+    before the signature's first result.  The plan's kernel is built only where it runs or is
+    timed: a race PyTorch's kernel wins below the launch floor builds nothing.  ``form``: as
+    ``race_pytorch``'s, the race kept under ``(key, form)``."""
+    found = plan(op, "forward", [x], size, options, key, build=False)
+    return WINNERS.decide(key if form is None else (key, form), found,
+                          lambda: races(found) and race_pytorch(found, x, size, form))
 
 
 def plan_of(key) -> plans.Plan | None:
@@ -276,31 +285,64 @@ def race_pytorch(found: plans.Plan, x: torch.Tensor, output_size, form=None) -> 
     would be charged for it.  That cost falls on the PyTorch operations around a pool_tuner
     kernel, which the race cannot see: pool_tuner's kernel must win by ``RACE_MARGIN``.  The
     fastest call, not the median: what ran just before a call (another library's threads still
-    spinning, say) can slow any few of them, and the race is about the kernels."""
+    spinning, say) can slow any few of them, and the race is about the kernels.
+
+    PyTorch's side is timed first; where it is already faster than the device's launch floor
+    (``launch_floor_ms``) by ``RACE_MARGIN``, no kernel of pool_tuner's can win, and pool_tuner's
+    side is neither built nor timed -- most of a new shape's first call, in a model whose
+    layers PyTorch's kernels run."""
     form = form or PYTORCH_FORMS[found.problem.op]
     with torch.no_grad():
         pytorch_ms = _fastest_call_ms(lambda: form(x, output_size))
-        pool_tuner_ms = _fastest_call_ms(lambda: run(found, [x]))
-    use_pytorch = pool_tuner_ms * RACE_MARGIN > pytorch_ms
+        floor_ms = launch_floor_ms(found.device)
+        below_floor = floor_ms * RACE_MARGIN > pytorch_ms
+        pool_tuner_ms = None if below_floor else _fastest_call_ms(lambda: run(found, [x]))
+    use_pytorch = below_floor or pool_tuner_ms * RACE_MARGIN > pytorch_ms
     dispatch.note_measured_candidate(found.problem, found.device, {
         "candidate": "pytorch",
         "winner": "pytorch" if use_pytorch else "pool_tuner",
         "pytorch_ms": pytorch_ms,
         "pool_tuner_ms": pool_tuner_ms,
+        "floor_ms": floor_ms,
         "rule": f"forward problems of at most {RACE_BYTES} bytes called eagerly on CPU tensors time PyTorch's kernel "
                 f"on {RACE_CALLS + 1} calls, then pool_tuner's on as many, on their first call (the first of each "
                 f"left out); pool_tuner's runs every call if its fastest call is {RACE_MARGIN}x faster, else "
-                f"PyTorch's; under torch.use_deterministic_algorithms(True) pool_tuner's, untimed",
+                f"PyTorch's; pool_tuner's is not built or timed (pool_tuner_ms None) where PyTorch's fastest call is "
+                f"{RACE_MARGIN}x faster than the device's launch floor (floor_ms: the fastest of {FLOOR_CALLS} calls of "
+                f"a one-element problem); under torch.use_deterministic_algorithms(True) pool_tuner's, untimed",
     })
     return use_pytorch
 
 
-def _fastest_call_ms(call) -> float:
-    """The fastest of ``RACE_CALLS`` timed calls of ``call`` after one untimed (first-touch costs),
-    in milliseconds."""
+#: device id -> its launch floor in milliseconds (``launch_floor_ms``); a forked child starts it
+#: empty.
+_FLOORS: dict = {}
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_FLOORS.clear)
+
+
+def launch_floor_ms(device) -> float:
+    """What any call of pool_tuner's on ``device`` costs at least, in milliseconds: the fastest of
+    ``FLOOR_CALLS`` calls of the smallest problem there is (one float pooled to one, by the
+    simplest variant) through the path every call takes (``run``: results allocated, the
+    prepared launch and its wait).  Measured once per device in a process -- by the first race
+    on it, under the races' lock -- and again in a forked child, where the host fallback runs
+    the kernels (``plans.Plan.prepared_launch``)."""
+    found = _FLOORS.get(device.info.id)
+    if found is None:
+        x = torch.rand(1, 1, 1) + 0.5
+        smallest = plans.make_plan("adaptive_avg_pool1d", "forward", [plans.tensor_spec(x)], (1,), device,
+                                   variant="thread_per_output")
+        found = _FLOORS[device.info.id] = _fastest_call_ms(lambda: run(smallest, [x]), FLOOR_CALLS)
+    return found
+
+
+def _fastest_call_ms(call, calls: int = RACE_CALLS) -> float:
+    """The fastest of ``calls`` timed calls of ``call`` after one untimed (first-touch costs), in
+    milliseconds."""
     call()
     times = []
-    for _ in range(RACE_CALLS):
+    for _ in range(calls):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)

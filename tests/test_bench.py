@@ -130,7 +130,10 @@ CALL_PATH_SCRIPTS = {
     "threads_fork.py": (["--runs", "1", "--threads", "2", "--calls", "8", "--fork-timeout", "10"], (0, 1), "failed"),
     "models.py": (["--models", "resnet50", "--cases", "infer_b1", "--rounds", "1", "--loop-s", "0.01", "--control"], (0,),
                   "models"),
+    "first_call.py --model": (["--model", "mobilenet_v3_small", "--new", "1", "--pocl-cache", "off"], (0,), "results"),
 }
+#: The scripts that time torchvision models.
+NEED_TORCHVISION = ("models.py", "first_call.py --model")
 
 
 @pytest.mark.parametrize("name", sorted(CALL_PATH_SCRIPTS))
@@ -141,10 +144,10 @@ def test_call_path_scripts_run(tmp_path, name):
     import subprocess
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name.split()[0]
     if not script.exists():
         pytest.skip("benchmarks/ is not beside the tests (installed package)")
-    if name == "models.py":
+    if name in NEED_TORCHVISION:
         pytest.importorskip("torchvision")
     arguments, statuses, key = CALL_PATH_SCRIPTS[name]
     report = tmp_path / "report.json"

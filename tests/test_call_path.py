@@ -149,8 +149,8 @@ def _race_winner(monkeypatch, winner):
     """Make every race end with ``winner`` running the layer."""
     real = torch_cpu.race_pytorch
 
-    def rigged(found, x, output_size):
-        real(found, x, output_size)
+    def rigged(found, x, output_size, form=None):
+        real(found, x, output_size, form)
         return winner == "pytorch"
 
     monkeypatch.setattr(torch_cpu, "race_pytorch", rigged)
@@ -207,26 +207,64 @@ def test_a_signature_evicted_by_the_memo_limit_keeps_its_race_s_winner_when_met_
     assert torch.equal(first, again)
 
 
+def _for_shape(calls: list, shape: tuple, problem_of) -> list:
+    """The counted calls (``_count``) whose problem's input is of ``shape``."""
+    return [args for args in calls if problem_of(args).input_shape == shape]
+
+
 @pytest.mark.usefixtures("candidate_on")
 def test_small_problems_race_pytorch_on_their_first_call_and_explain_says_who_won(monkeypatch, rng):
+    """Where PyTorch's kernel is not faster than the device's launch floor (here: a margin of 0,
+    which also hands the race to pool_tuner), both kernels are timed on the first call, the
+    winner runs every later call, and ``explain`` gives both times."""
+    monkeypatch.setattr(torch_cpu, "RACE_MARGIN", 0.0)
+    shape = (1, 8, 4, 4)
     used = _count(monkeypatch, torch_cpu, "run")
     prepared = _count(monkeypatch, dispatch, "prepare")
     module = ptt.AdaptiveAvgPool2d(2)
-    assert pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"] is None
-    t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+    assert pt.explain("adaptive_avg_pool2d", shape, 2)["measured_candidate"] is None
+    t = torch.from_numpy(random_input(rng, shape))
     torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
-    race = pt.explain("adaptive_avg_pool2d", (1, 8, 4, 4), 2)["measured_candidate"]
+    race = pt.explain("adaptive_avg_pool2d", shape, 2)["measured_candidate"]
     assert race["candidate"] == "pytorch" and race["pytorch_ms"] > 0 and race["pool_tuner_ms"] > 0
-    assert race["winner"] == ("pytorch" if race["pool_tuner_ms"] * torch_cpu.RACE_MARGIN > race["pytorch_ms"]
-                              else "pool_tuner")
-    ran_pool_tuner = race["winner"] == "pool_tuner"
-    assert len(used) == torch_cpu.RACE_CALLS + 1 + ran_pool_tuner, "the race's calls, then the winner's"
-    assert len(prepared) == 1
-    used.clear()
+    assert race["floor_ms"] > 0 and race["winner"] == "pool_tuner"
+    runs = lambda: _for_shape(used, shape, lambda args: args[0].problem)  # noqa: E731
+    builds = lambda: _for_shape(prepared, shape, lambda args: args[2])  # noqa: E731
+    assert len(runs()) == torch_cpu.RACE_CALLS + 1 + 1, "the race's calls, then the winner's"
+    assert len(builds()) == 1
     for _ in range(MANY_CALLS):
-        t = torch.from_numpy(random_input(rng, (1, 8, 4, 4)))
+        t = torch.from_numpy(random_input(rng, shape))
         torch.testing.assert_close(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2), rtol=1e-5, atol=1e-6)
-    assert len(used) == MANY_CALLS * ran_pool_tuner and len(prepared) == 1
+    assert len(runs()) == torch_cpu.RACE_CALLS + 2 + MANY_CALLS and len(builds()) == 1
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_a_race_pytorch_wins_below_the_launch_floor_builds_no_kernel(monkeypatch, rng):
+    """A first call whose PyTorch kernel is already faster than the device's launch floor by the
+    race's margin neither builds nor times pool_tuner's kernel (a new shape's first call in a model
+    costs about what PyTorch's does); ``explain`` says so.  The plan is still there: a call under
+    ``torch.use_deterministic_algorithms(True)`` builds and runs pool_tuner's kernel."""
+    shape = (1, 2, 3, 2)  # the smallest layers: a few floats, which PyTorch pools in microseconds
+    used = _count(monkeypatch, torch_cpu, "run")
+    prepared = _count(monkeypatch, dispatch, "prepare")
+    module = ptt.AdaptiveAvgPool2d(2)
+    for _ in range(MANY_CALLS):
+        t = torch.from_numpy(random_input(rng, shape))
+        assert torch.equal(module(t), torch.nn.functional.adaptive_avg_pool2d(t, 2))
+    race = pt.explain("adaptive_avg_pool2d", shape, 2)["measured_candidate"]
+    assert race["pool_tuner_ms"] is None and race["winner"] == "pytorch"
+    assert 0 < race["pytorch_ms"] < race["floor_ms"] * torch_cpu.RACE_MARGIN
+    assert _for_shape(prepared, shape, lambda args: args[2]) == [], "pool_tuner's kernel was built"
+    assert _for_shape(used, shape, lambda args: args[0].problem) == [], "pool_tuner's kernel ran"
+    t = torch.from_numpy(random_input(rng, shape))
+    torch.use_deterministic_algorithms(True)
+    try:
+        result = module(t)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(_for_shape(prepared, shape, lambda args: args[2])) == 1
+    np.testing.assert_allclose(result.numpy(), reference.adaptive_avg_pool(t.numpy(), (2, 2), 2),
+                               **FLOAT32_TOL)
 
 
 @pytest.mark.usefixtures("candidate_on")
