@@ -66,6 +66,10 @@ def _extra_peak_bytes(call) -> int:
     (profiler memory events, in time order) plus numpy's and Python's (tracemalloc)."""
     import tracemalloc
 
+    # the profiler's first use in a process imports and sets up what tracemalloc would count as
+    # the call's (tens of MB of Python objects): done before measuring
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        pass
     tracemalloc.start()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
         call()
