@@ -323,16 +323,15 @@ if hasattr(os, "register_at_fork"):
 
 def launch_floor_ms(device) -> float:
     """What any call of pool_tuner's on ``device`` costs at least, in milliseconds: the fastest of
-    ``FLOOR_CALLS`` calls of the smallest problem there is (one float pooled to one, by the
-    simplest variant) through the path every call takes (``run``: results allocated, the
+    ``FLOOR_CALLS`` calls of the smallest problem there is (one float pooled to one, by the kernel
+    dispatch chooses for it on the device) through the path every call takes (``run``: results allocated, the
     prepared launch and its wait).  Measured once per device in a process -- by the first race
     on it, under the races' lock -- and again in a forked child, where the host fallback runs
     the kernels (``plans.Plan.prepared_launch``)."""
     found = _FLOORS.get(device.info.id)
     if found is None:
         x = torch.rand(1, 1, 1) + 0.5
-        smallest = plans.make_plan("adaptive_avg_pool1d", "forward", [plans.tensor_spec(x)], (1,), device,
-                                   variant="thread_per_output")
+        smallest = plans.make_plan("adaptive_avg_pool1d", "forward", [plans.tensor_spec(x)], (1,), device)
         found = _FLOORS[device.info.id] = _fastest_call_ms(lambda: run(smallest, [x]), FLOOR_CALLS)
     return found
 

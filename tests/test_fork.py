@@ -233,3 +233,27 @@ def test_a_forked_child_pools_gem_with_its_own_p_on_the_host(rng, layout, size):
         return ok and _close(got_x, grad_x) and abs(got_p - grad_p) <= p_tolerance
 
     assert _wait(_in_child(child)) == 0
+
+
+@pytest.mark.usefixtures("candidate_on")
+def test_a_forked_child_races_against_its_own_launch_floor(rng):
+    """The race of PyTorch's kernel against pool_tuner's skips pool_tuner's side below the device's
+    launch floor; in a forked child pool_tuner's side is the host fallback, so the child measures
+    its own floor instead of leaning on the parent's, and its layers give PyTorch's results."""
+    torch = pytest.importorskip("torch")
+    import pool_tuner.torch as ptt
+
+    layer = ptt.AdaptiveAvgPool2d(OUT)
+    x = torch.from_numpy(random_input(rng, (1, 3, 11, 9)))
+    layer(x)
+    parent_floor = pt.explain("adaptive_avg_pool2d", (1, 3, 11, 9), OUT)["measured_candidate"]["floor_ms"]
+    y = torch.from_numpy(random_input(rng, (1, 3, 12, 9)))
+
+    def check():
+        torch.set_num_threads(1)  # as DataLoader's workers do: PyTorch's own thread pool hangs a forked child
+        result = layer(y)
+        race = pt.explain("adaptive_avg_pool2d", (1, 3, 12, 9), OUT)["measured_candidate"]
+        return (race["floor_ms"] != parent_floor and race["floor_ms"] > 0
+                and torch.allclose(result, torch.nn.functional.adaptive_avg_pool2d(y, OUT), rtol=1e-5, atol=1e-6))
+
+    assert _wait(_in_child(check)) == 0
