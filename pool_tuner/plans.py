@@ -345,9 +345,9 @@ class Plan:
     def launch(self):
         """The built kernel and grid (``dispatch.Launch``), built on first use; None when there is
         nothing to compute."""
-        if self._build is not None:
-            build_target, context = self._build
-            self._launch = dispatch.prepare(build_target, context, self.problem, self.choice)
+        build = self._build  # read once: another thread may finish the build meanwhile
+        if build is not None:
+            self._launch = dispatch.prepare(*build, self.problem, self.choice)
             self._build = None
         return self._launch
 
@@ -435,8 +435,8 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     (``torch_cuda``'s driver-API target, which is its own context); ``before_build(problem)``: a
     last check of the caller's, once the problem is known and before anything is built;
     ``build``: whether the kernel is built now, so that a configuration that cannot launch fails
-    here (False: at the plan's first launch, for a plan that may never launch one --
-    ``torch_cpu``'s race).  Raises ``TypeError`` / ``ValueError`` naming the argument before
+    here (False: at the plan's first launch, for a plan that may never launch one -- a forward
+    that ``torch_cpu`` races against PyTorch's kernel).  Raises ``TypeError`` / ``ValueError`` naming the argument before
     anything is built."""
     operation, flow = OPS[op], DIRECTIONS[direction]
     ndim = operation.ndim

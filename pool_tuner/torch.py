@@ -474,7 +474,11 @@ def _pytorch_runs(operation, input, output_size, options: str, form=None) -> boo
     if winner is None:
         levels = _levels_of(operation, input, output_size, "output_size")
         size = levels if operation.pyramid else levels[0]
-        winner = _torch_cpu.winner(operation.name, input, size, options, key, form)
+        # the plan under the key of the path that runs it where pool_tuner's side wins: a single-level
+        # op's eager path (_eager_cpu_pool) keys it as this call, a multi-level op's custom op by _cpu_plan
+        plan_key = key if not operation.multi_level else _signature(operation.name, _FORWARD, size, options,
+                                                                      env_device_setting(), (_describe(input),))
+        winner = _torch_cpu.winner(operation.name, input, size, options, key, form, plan_key)
     return winner is _PYTORCH
 
 

@@ -28,8 +28,9 @@ kept with the signature's plan, bounded as plans are by the one memo limit (``po
 which side won is also kept apart, one flag per signature the process met, so a signature that
 the limit dropped gets the same kernel when it comes back, not a new race: every call of a
 signature returns the same bits for the life of the process.  Deciding first costs the first call a
-dozen small calls, against the alternative of returning one candidate's bits while timing the
-other, which would have to keep the first candidate even where the other wins.  A close race can
+dozen small calls (and the first race on a device in a process the launch floor's measurement:
+one small kernel built and 21 calls of it), against the alternative of returning one candidate's
+bits while timing the other, which would have to keep the first candidate even where the other wins.  A close race can
 still go either way from one process to the next: under ``torch.use_deterministic_algorithms(True)``
 nothing is timed and pool_tuner's dispatched kernel runs (the same bits in every process with the
 same tuning records), and ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) does that always.
@@ -159,29 +160,35 @@ def _levels_form(operation):
 PYTORCH_FORMS.update({op: _levels_form(operation) for op, operation in OPERATIONS.items() if operation.multi_level})
 
 
-def plan(op: str, direction: str, tensors: list, size, options: str, key, build: bool = True) -> plans.Plan:
+def plan(op: str, direction: str, tensors: list, size, options: str, key, racing: bool = False) -> plans.Plan:
     """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
     its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
-    string (``plans.options_text``); ``build``: whether a new plan's kernel is built now, else at
-    its first launch (``plans.make_plan``)."""
+    string (``plans.options_text``).  Its kernel is built before the plan is kept (a
+    configuration that cannot launch fails here), except for an eager forward (``racing``) that
+    races PyTorch's kernel (``races``): that one is built at its first launch -- the race's,
+    where pool_tuner's side is timed, or never, where PyTorch's kernel wins below the launch
+    floor (``race_pytorch``)."""
     found = _PLANS.get(key)
     if found is None:
         given = dict(plans.options_of(options))
         device = backends.resolve_device(given.get("device"))
         found = plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, given.get("variant"),
                                 given.get("config"), on_miss=tuner.tune_on_miss,
-                                names=(DIRECTIONS[direction].torch_argument,), build=build)
+                                names=(DIRECTIONS[direction].torch_argument,), build=False)
+        if not (racing and races(found)):
+            found.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
         _PLANS.put(key, found)
     return found
 
 
-def winner(op: str, x: torch.Tensor, size, options: str, key, form=None):
+def winner(op: str, x: torch.Tensor, size, options: str, key, form=None, plan_key=None):
     """What runs the eager forward of signature ``key``: ``PYTORCH`` or the signature's plan, as
     the race decided (``WINNERS``), raced now on input ``x`` if it was not (``race_pytorch``),
-    before the signature's first result.  The plan's kernel is built only where it runs or is
-    timed: a race PyTorch's kernel wins below the launch floor builds nothing.  ``form``: as
-    ``race_pytorch``'s, the race kept under ``(key, form)``."""
-    found = plan(op, "forward", [x], size, options, key, build=False)
+    before the signature's first result; a race that PyTorch's kernel wins below the launch
+    floor builds no kernel of the signature's (``plan``).  ``form``: as ``race_pytorch``'s, the
+    race kept under ``(key, form)``; ``plan_key``: the key the plan is kept under, where not
+    ``key`` (the one the front end that runs it looks it up by)."""
+    found = plan(op, "forward", [x], size, options, key if plan_key is None else plan_key, racing=True)
     return WINNERS.decide(key if form is None else (key, form), found,
                           lambda: races(found) and race_pytorch(found, x, size, form))
 
@@ -288,15 +295,18 @@ def race_pytorch(found: plans.Plan, x: torch.Tensor, output_size, form=None) -> 
     spinning, say) can slow any few of them, and the race is about the kernels.
 
     PyTorch's side is timed first; where it is already faster than the device's launch floor
-    (``launch_floor_ms``) by ``RACE_MARGIN``, no kernel of pool_tuner's can win, and pool_tuner's
-    side is neither built nor timed -- most of a new shape's first call, in a model whose
-    layers PyTorch's kernels run."""
+    (``launch_floor_ms``) by ``RACE_MARGIN``, pool_tuner's kernel could win only by running
+    faster than the floor's one-element call, and its side is neither built nor timed -- most of
+    a new shape's first call, in a model whose layers PyTorch's kernels run.  A timed race whose
+    pool_tuner call was faster than the floor lowers the floor to it."""
     form = form or PYTORCH_FORMS[found.problem.op]
     with torch.no_grad():
         pytorch_ms = _fastest_call_ms(lambda: form(x, output_size))
         floor_ms = launch_floor_ms(found.device)
         below_floor = floor_ms * RACE_MARGIN > pytorch_ms
         pool_tuner_ms = None if below_floor else _fastest_call_ms(lambda: run(found, [x]))
+    if not below_floor and pool_tuner_ms < floor_ms:  # the floor was measured high: a kernel ran faster
+        _FLOORS[found.device.info.id] = pool_tuner_ms
     use_pytorch = below_floor or pool_tuner_ms * RACE_MARGIN > pytorch_ms
     dispatch.note_measured_candidate(found.problem, found.device, {
         "candidate": "pytorch",
@@ -322,16 +332,22 @@ if hasattr(os, "register_at_fork"):
 
 
 def launch_floor_ms(device) -> float:
-    """What any call of pool_tuner's on ``device`` costs at least, in milliseconds: the fastest of
-    ``FLOOR_CALLS`` calls of the smallest problem there is (one float pooled to one, by the kernel
-    dispatch chooses for it on the device) through the path every call takes (``run``: results allocated, the
-    prepared launch and its wait).  Measured once per device in a process -- by the first race
-    on it, under the races' lock -- and again in a forked child, where the host fallback runs
-    the kernels (``plans.Plan.prepared_launch``)."""
+    """About the least any call of pool_tuner's on ``device`` costs, in milliseconds: the fastest
+    of ``FLOOR_CALLS`` calls of the smallest problem there is (one float pooled to one, by the
+    kernel dispatch chooses for it on the device) through the path every call takes (``run``:
+    results allocated, the prepared launch and its wait).  A measured estimate, not a proof: a
+    reading taken while the machine was busy errs high, which hands a race PyTorch's kernel
+    could have lost to it, and every timed race that saw a faster pool_tuner call lowers it.
+    Measured once per device in a process -- by the first race on it, under the races' lock --
+    and again in a forked child, where the host fallback runs the kernels
+    (``plans.Plan.prepared_launch``; the one-element plan is built at its first launch, which
+    the fallback never makes).  The input is made without PyTorch's random generator or default
+    device, which are the caller's."""
     found = _FLOORS.get(device.info.id)
     if found is None:
-        x = torch.rand(1, 1, 1) + 0.5
-        smallest = plans.make_plan("adaptive_avg_pool1d", "forward", [plans.tensor_spec(x)], (1,), device)
+        x = torch.full((1, 1, 1), 0.5, dtype=torch.float32, device="cpu")
+        smallest = plans.make_plan("adaptive_avg_pool1d", "forward", [plans.tensor_spec(x)], (1,), device,
+                                   build=False)
         found = _FLOORS[device.info.id] = _fastest_call_ms(lambda: run(smallest, [x]), FLOOR_CALLS)
     return found
 

@@ -1,6 +1,8 @@
 """The lean call path (pool_tuner.plans): a signature is validated, dispatched and built once;
 later calls only launch, on the caller's own memory."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -265,6 +267,35 @@ def test_a_race_pytorch_wins_below_the_launch_floor_builds_no_kernel(monkeypatch
     assert len(_for_shape(prepared, shape, lambda args: args[2])) == 1
     np.testing.assert_allclose(result.numpy(), reference.adaptive_avg_pool(t.numpy(), (2, 2), 2),
                                **FLOAT32_TOL)
+
+
+#: What a fresh process runs before its first race, and checks after it (see below).
+_CALLERS_STATE = {
+    "random generator": ("torch.manual_seed(0); expected = torch.rand(3); torch.manual_seed(0)",
+                         "assert torch.equal(torch.rand(3), expected), 'the race drew from the global generator'"),
+    "default device": ("torch.set_default_device('meta')",
+                       "assert pooled.is_cpu; torch.set_default_device(None)"),
+}
+
+
+@pytest.mark.parametrize("state", _CALLERS_STATE)
+def test_a_process_s_first_race_leaves_the_callers_torch_state_alone(state):
+    """A fresh process's first race, which also measures the launch floor, draws nothing from
+    PyTorch's global random generator and makes its tensors on the CPU whatever the caller's
+    default device: a drop-in layer does not move a seeded model's dropout or initialisation, and
+    works under ``torch.set_default_device``."""
+    import subprocess
+    import sys
+
+    before, after = _CALLERS_STATE[state]
+    script = "\n".join([
+        "import torch", "import pool_tuner.torch as ptt",
+        "x = torch.arange(2 * 8 * 5 * 7, dtype=torch.float32, device='cpu').reshape(2, 8, 5, 7) / 7",
+        before, "pooled = ptt.AdaptiveAvgPool2d(2)(x)", after,
+        "torch.testing.assert_close(pooled, torch.nn.functional.adaptive_avg_pool2d(x, 2))"])
+    env = dict(os.environ, POOL_TUNER_PYTORCH_CANDIDATE="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.usefixtures("candidate_on")

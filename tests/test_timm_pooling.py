@@ -256,7 +256,8 @@ def test_the_report_names_pytorch_layers_swapped_kept_and_modules_fused(rng):
 
 
 def _rig_race(monkeypatch, winner):
-    """Every race is still run and noted, and ends with ``winner`` running the layer."""
+    """Every race is still run and noted (pool_tuner's side timed where ``winner`` is pool_tuner,
+    skipped below the launch floor where it is PyTorch), and ends with ``winner`` running the layer."""
     monkeypatch.setattr(torch_cpu, "RACE_MARGIN", 1e12 if winner == "pytorch" else 0.0)
 
 
@@ -304,6 +305,21 @@ def test_avgmax_and_global_layers_race_pytorch_on_cpu_and_explain_says_who_won(n
     else:
         assert race["winner"] == ("pytorch" if race["pool_tuner_ms"] * torch_cpu.RACE_MARGIN > race["pytorch_ms"]
                                   else "pool_tuner")
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("name", RACED_LAYERS)
+def test_a_raced_layer_that_pool_tuner_wins_keeps_one_plan_per_signature(monkeypatch, name, rng):
+    """The race's plan is the one the layer then runs: a new signature adds one plan, however the
+    layer's output size is written (an int size used to file the race's plan under one key and
+    the run's under another)."""
+    make, timms, _, _ = RACED_LAYERS[name]
+    _rig_race(monkeypatch, "pool_tuner")
+    layer, x = make(), tensor(rng, (2, 16, 9, 8))
+    before = len(torch_cpu._PLANS)
+    for _ in range(3):
+        torch.testing.assert_close(layer(x), timms(x), rtol=1e-5, atol=1e-6)
+    assert len(torch_cpu._PLANS) - before == 1
 
 
 @pytest.mark.usefixtures("candidate_on")
