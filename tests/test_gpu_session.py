@@ -217,6 +217,7 @@ def test_a_stopped_runner_leaves_no_test_process_behind(tmp_path):
     assert _outcomes(results[str(test_file)]) == {"test_hangs": "timed out"}
 
 
+@pytest.mark.exhaustive  # about a minute of the core's time: the CI runs it in the exhaustive tier
 def test_the_dry_run_runs_every_step_and_reports_each(tmp_path):
     """``gpu_session.py --dry-run``: every step runs here (the GPU test files skip, the steps that
     need a GPU fail and are reported so without stopping the others), records and rules are
