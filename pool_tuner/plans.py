@@ -436,8 +436,8 @@ def make_plan(op: str, direction: str, specs: list, size, device, variant=None, 
     last check of the caller's, once the problem is known and before anything is built;
     ``build``: whether the kernel is built now, so that a configuration that cannot launch fails
     here (False: at the plan's first launch, for a plan that may never launch one -- a forward
-    that ``torch_cpu`` races against PyTorch's kernel).  Raises ``TypeError`` / ``ValueError`` naming the argument before
-    anything is built."""
+    that ``torch_cpu`` races against PyTorch's kernel).  Raises ``TypeError`` / ``ValueError``
+    naming the argument before anything is built."""
     operation, flow = OPS[op], DIRECTIONS[direction]
     ndim = operation.ndim
     first = specs[0]

@@ -30,10 +30,11 @@ the limit dropped gets the same kernel when it comes back, not a new race: every
 signature returns the same bits for the life of the process.  Deciding first costs the first call a
 dozen small calls (and the first race on a device in a process the launch floor's measurement:
 one small kernel built and 21 calls of it), against the alternative of returning one candidate's
-bits while timing the other, which would have to keep the first candidate even where the other wins.  A close race can
-still go either way from one process to the next: under ``torch.use_deterministic_algorithms(True)``
-nothing is timed and pool_tuner's dispatched kernel runs (the same bits in every process with the
-same tuning records), and ``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) does that always.
+bits while timing the other, which would have to keep the first candidate even where the other
+wins.  A close race can still go either way from one process to the next: under
+``torch.use_deterministic_algorithms(True)`` nothing is timed and pool_tuner's dispatched kernel
+runs (the same bits in every process with the same tuning records), and
+``POOL_TUNER_PYTORCH_CANDIDATE=0`` (read at import) does that always.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def _levels_form(operation):
 PYTORCH_FORMS.update({op: _levels_form(operation) for op, operation in OPERATIONS.items() if operation.multi_level})
 
 
-def plan(op: str, direction: str, tensors: list, size, options: str, key, racing: bool = False) -> plans.Plan:
+def plan(op: str, direction: str, tensors: list, size, options: str, key,
+         racing: bool = False) -> plans.Plan:
     """The plan of the call whose signature is ``key`` (``plans.signature``), made and memoised on
     its first use; ``options`` are pool_tuner's keyword options as ``pool_tuner.torch``'s schema
     string (``plans.options_text``).  Its kernel is built before the plan is kept (a
