@@ -123,10 +123,9 @@ def pool_forward(op: str, x, output_size, return_indices=False, *, device=None, 
 def pool_backward(op: str, grad_out, input_shape, indices=None, *, device=None, variant=None, config=None):
     """Shared body of every backward op."""
     arrays = [grad_out, indices] if OPS[op].selects else [grad_out]
-    check_data = None
-    if isinstance(indices, np.ndarray) and indices.size:
-        def check_data(problem):
-            _check_indices_in_windows(indices, problem)
+    # numpy indices are checked against the problem's windows once it is known, before any launch
+    check_data = (functools.partial(_check_indices_in_windows, indices)
+                  if isinstance(indices, np.ndarray) and indices.size else None)
     plan = _plan(op, "backward", arrays, input_shape, device, variant, config, ("grad_out",), check_data)
     return _delivered(plan, _run(plan, arrays, ("grad_out", "indices")), grad_out)[0]
 
