@@ -441,8 +441,8 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
                 kernel, selects = _PYTORCH_KERNELS[op]
                 result = kernel(input, output_size)
                 return result if not selects or return_indices else result[0]
-            form = _torch_cpu.PYTORCH_FORMS[op]
-            return form(input, output_size, True) if return_indices else form(input, output_size)
+            form, size = _torch_cpu.PYTORCH_FORMS[op], _pytorch_size(operation, input, output_size)
+            return form(input, size, True) if return_indices else form(input, size)
         _mark_winner_used(key)
     else:
         found = _torch_cpu.plan_of(key)
@@ -454,6 +454,17 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
         return _custom_op_pool(operation, input, output_size, return_indices, options)
     results = _torch_cpu.run(found, [input])
     return (results[0], results[1]) if return_indices else results[0]
+
+
+def _pytorch_size(operation, input, output_size):
+    """``output_size`` as PyTorch's functional forms take it, for a call whose race PyTorch's
+    kernel won: as given where it is an int or a sequence of ints, which they take unchanged, else
+    resolved as pool_tuner's validation resolves it (``None`` entries, which PyTorch's 1d forms
+    refuse; numpy integers, which its 2d and 3d forms refuse), so that a call is accepted or refused
+    the same whichever side won its race."""
+    if type(output_size) is int or (type(output_size) in (tuple, list) and all(type(v) is int for v in output_size)):
+        return output_size
+    return _check_input(input, operation.ndim, output_size)
 
 
 def _pytorch_runs(operation, input, output_size, options: str, form=None) -> bool:
@@ -966,7 +977,7 @@ def adaptive_avgmax_pool2d(input, output_size=1, mode="avg+max", *, device=None,
     _avgmax.check_mode(mode)
     options = _encode_options(device, variant, config)
     if _pytorch_runs(_AVGMAX, input, output_size, options):  # the race's winner on this CPU input
-        avg, mx = _torch_cpu.PYTORCH_FORMS[_AVGMAX.name](input, output_size)
+        avg, mx = _torch_cpu.PYTORCH_FORMS[_AVGMAX.name](input, _pytorch_size(_AVGMAX, input, output_size))
     else:
         (avg, mx), _ = _multi_level(_AVGMAX.name, input, output_size, options, "output_size")
     return _join_avgmax(avg, mx, mode)

@@ -209,6 +209,41 @@ def test_a_signature_evicted_by_the_memo_limit_keeps_its_race_s_winner_when_met_
     assert torch.equal(first, again)
 
 
+#: Output sizes that pool_tuner's validation takes and PyTorch's functional forms do not all take as
+#: written: (op, input shape, the size as given, the size it means).
+UNUSUAL_SIZES = [
+    ("adaptive_avg_pool1d", (2, 3, 7), (None,), (7,)),
+    ("adaptive_max_pool1d", (3, 9), (None,), (9,)),
+    ("adaptive_avg_pool2d", (1, 2, 7, 6), np.int64(3), (3, 3)),
+    ("adaptive_max_pool2d", (1, 2, 7, 6), (np.int32(2), None), (2, 6)),
+    ("adaptive_avg_pool3d", (1, 2, 3, 5, 4), [np.int64(2), 3, None], (2, 3, 4)),
+    ("adaptive_avgmax_pool2d", (1, 2, 7, 6), np.int64(2), (2, 2)),
+]
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("winner", ["pytorch", "pool_tuner"])
+@pytest.mark.parametrize("op, shape, given, meant", UNUSUAL_SIZES, ids=[case[0] for case in UNUSUAL_SIZES])
+def test_an_output_size_is_taken_alike_whichever_kernel_won_the_race(monkeypatch, rng, winner, op, shape, given,
+                                                                      meant):
+    """A call's output size means the same whoever runs it: ``None`` entries (which PyTorch's 1d
+    forms refuse) and numpy integers (which its 2d forms refuse) were passed to PyTorch's kernel
+    as written where it won the race, so the same call raised or not by the race's timing."""
+    _race_winner(monkeypatch, winner)
+    function = getattr(ptt, op)
+    ndim = len(meant)
+    for _ in range(2):  # the race's call, then a warm one
+        x = random_input(rng, shape)
+        got = function(torch.from_numpy(x), given)
+        if op.startswith("adaptive_avgmax"):
+            expected = 0.5 * (reference.adaptive_avg_pool(x, meant, ndim) + reference.adaptive_max_pool(x, meant, ndim)[0])
+        elif "max" in op:
+            expected = reference.adaptive_max_pool(x, meant, ndim)[0]
+        else:
+            expected = reference.adaptive_avg_pool(x, meant, ndim)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
 def _for_shape(calls: list, shape: tuple, problem_of) -> list:
     """The counted calls (``_count``) whose problem's input is of ``shape``."""
     return [args for args in calls if problem_of(args).input_shape == shape]
