@@ -273,6 +273,10 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
     gradient's buffer, outside the part the kernel writes: a device whose host buffers are the
     memory itself (PoCL's) sees one memory; one that copies maps the gradient back before the
     terms (``HostLaunch``'s order), so the terms it reads are the kernel's."""
+    in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
+    if problem.is_empty:  # no output, so no output depends on any input: zeros, and nothing to launch
+        ctypes.memset(grad_address, 0, in_bytes)
+        return 0.0
     p = arguments["p"]
     acc = accumulation_dtype(problem)
     found = slabs(problem)
@@ -280,7 +284,6 @@ def backward_on_host(device, problem: Problem, arguments: dict, grad_out, output
     grad_units, output_units = _unit_view(grad_out, problem), _unit_view(output, problem)
     allocated = [_workspace_bytes(problem, s.stop - s.start) for s in found if not s.in_place]
     workspace = np.empty(max(allocated), np.uint8) if allocated else None
-    in_bytes = math.prod(problem.input_shape) * ITEMSIZE[problem.dtype]
     gradient = np.frombuffer((ctypes.c_char * max(in_bytes, 1)).from_address(grad_address), np.uint8)
     areas = _unit_areas(problem)
     input_part = output_part = 0.0
@@ -362,6 +365,11 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
     dtype = plans.numpy_spec(x).dtype
     problem = Problem.create(operation.name, tuple(x.shape), out_spatial, _dtype_name(dtype), layout,
                              direction="backward")
+    if problem.is_empty:  # as backward_on_host: zeros, nothing to copy or launch
+        grad = owner.empty(problem.memory_shape(x.shape), dtype, queue, fill=0)
+        if problem.channels_last:
+            grad = owner.arrays.strided_view(grad, tuple(x.shape), _byte_strides(problem, x.shape, dtype))
+        return owner.arrays.deliver(grad, queue), 0.0
     x_in, grad_in, output_in = (owner.arrays.wrap_input(a, name) for a, name in
                                 ((x, "x"), (grad_out, "grad_out"), (output, "output")))
     owner.synchronize(queue)  # grad_out's and output's producers, before they are read on the host

@@ -1619,6 +1619,9 @@ def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, option
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim),
                                  direction="backward")
         _GEM_BACKWARD_PROBLEMS.put(problem, key, problem)
+    if problem.is_empty:  # no output, so no output depends on any input: zeros, and nothing to launch
+        return (_empty(list(input.shape), input, input.dtype, problem.channels_last, ndim).zero_(),
+                torch.zeros_like(p))
     if not problem.channels_last and not input.is_contiguous():  # read in place in either layout, else copied
         input = input.contiguous()
     return _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)

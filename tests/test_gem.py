@@ -607,3 +607,25 @@ __kernel void vector_root(__global const scalar_t* x, __global float* y, float p
             differ = ~_same_bits_or_nan(scalar, vector, each=True)
             assert not differ.any(), (scalar_kernel.function_name, p, eps, x[differ][:5], scalar[differ][:5],
                                       vector[differ][:5])
+
+
+#: (input shape, output size) of GeM problems with no input or no output.
+EMPTY_PROBLEMS = [((0, 3, 8, 8), 2), ((2, 0, 8, 8), 2), ((2, 3, 8, 8), (0, 2))]
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "device arrays"])
+@pytest.mark.parametrize("shape, size", EMPTY_PROBLEMS)
+def test_the_backward_of_a_problem_with_no_input_or_no_output_is_zeros(rng, arrays, shape, size):
+    """No output depends on any input: ``grad_x`` is zeros of x's shape and ``grad_p`` 0, with
+    nothing launched (the launch's empty buffers were refused by OpenCL: INVALID_BUFFER_SIZE)."""
+    x = rng.random(shape).astype(np.float32) + 0.5
+    grad = rng.random(pt.adaptive_gem_pool2d(x, size).shape).astype(np.float32)
+    if arrays == "device arrays":
+        cla = pytest.importorskip("pyopencl.array")
+        from pool_tuner import backends
+
+        queue = backends.resolve_device(None).queue
+        grad, x = cla.to_device(queue, grad), cla.to_device(queue, x)
+    got_x, got_p = pt.adaptive_gem_pool2d_backward(grad, x, size, 2.5)
+    assert type(got_x) is type(x) and got_x.shape == shape
+    assert not np.any(got_x.get() if arrays == "device arrays" else got_x) and got_p == 0.0

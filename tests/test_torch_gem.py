@@ -321,3 +321,16 @@ def test_pool_tuner_onnx_export_exports_the_composition(rng):
     (result,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     np.testing.assert_allclose(result, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
     assert isinstance(model[2], ptt.AdaptiveGeMPool2d)  # the model itself is untouched
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape, size", [((0, 3, 8, 8), 2), ((2, 0, 8, 8), 2), ((2, 3, 8, 8), (0, 2))])
+def test_the_backward_of_a_problem_with_no_input_or_no_output_is_zeros(rng, shape, size, channels_last):
+    """As the composition's: no output depends on any input, so both gradients are zeros (the
+    backward launched an empty kernel, which OpenCL refused: INVALID_BUFFER_SIZE)."""
+    x = _input(rng, shape, torch.float32, channels_last).requires_grad_()
+    p = torch.tensor([2.0 + rng.random()], requires_grad=True)
+    y = ptt.adaptive_gem_pool2d(x, size, p)
+    grad_x, grad_p = torch.autograd.grad(y, (x, p), torch.rand_like(y))
+    assert grad_x.shape == shape and not grad_x.any()
+    assert grad_p.shape == p.shape and not grad_p.any()
