@@ -1259,7 +1259,8 @@ def _pool_call(gm, node):
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         pool = next((cls for cls in REPLACEMENTS if isinstance(module, cls)), None)
-        if pool is None or getattr(module, "return_indices", False) or len(node.args) != 1 or node.kwargs:
+        if (pool is None or getattr(module, "return_indices", False) or len(node.args) != 1 or node.kwargs
+                or _has_hooks(module)):  # a layer with hooks stays a layer, so that they still run
             return None
         ours = REPLACEMENTS[pool]
         return node.args[0], ours.kind, ours.ndim, module.output_size
@@ -1329,6 +1330,38 @@ def _trace(module: torch.nn.Module):
     return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
+def _traced_differently_in_the_other_mode(module: torch.nn.Module, fused_gm) -> bool:
+    """Whether ``module``'s forward traces to another graph with every submodule's mode flipped
+    (training and eval): torch.fx runs the Python of ``if self.training:`` once, so a rewrite
+    would keep the branch of the mode it was traced in.  ``fused_gm``: its trace in its own mode,
+    fused (``_fuse_graph``), which the other mode's trace is fused as well to be compared with."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        for m in modes:
+            m.training = not modes[m]
+        other = _trace(module)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if other is None:
+        return True
+    _fuse_graph(other)
+    return other.code != fused_gm.code
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Whether hooks are registered on ``module`` itself (forward, backward or state-dict hooks)."""
+    return any(hooks for name, hooks in vars(module).items() if name.endswith("hooks"))
+
+
+def _carry_hooks(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """The hooks registered on a module that ``replace_pooling`` replaces, on its replacement: the
+    same dictionaries, so that the handles their registration returned still remove them."""
+    for name, value in vars(old).items():
+        if "hook" in name:
+            new.__dict__[name] = value
+
+
 def _no_record(name, module, replacement, reason):
     """What replace_pooling does with its decisions when nobody asked for them."""
 
@@ -1353,7 +1386,13 @@ def fuse_sibling_pools(model: torch.nn.Module, record=_no_record) -> torch.nn.Mo
         fused = _fuse_graph(gm) if gm is not None else []
         if not fused:
             return module
+        if _traced_differently_in_the_other_mode(module, gm):
+            record(name, module, None, "its forward pools one tensor more than once, but differs between training "
+                                       "and eval mode, which a torch.fx rewrite would fix at the mode it was "
+                                       "traced in: left as it is")
+            return module
         gm.train(module.training)
+        _carry_hooks(module, gm)
         groups = "; ".join(", ".join(f"{kind} {size}" for kind, size in levels) for levels in fused)
         record(name, module, gm, f"its forward pools one tensor more than once ({groups}): torch.fx rewrote "
                                  f"each group as one fused_adaptive_pools call, one read of the tensor")
@@ -1366,12 +1405,18 @@ def swap_layers(model: torch.nn.Module, swap) -> torch.nn.Module:
     """Replace, in place, every submodule ``m`` of ``model`` (``model`` itself included) by
     ``swap(qualified_name, m)``; returns the (new) root.  Shared by ``replace_pooling`` and
     ``pool_tuner.onnx``."""
+    def swapped(name, module):
+        replacement = swap(name, module)
+        if replacement is not module:  # a swapped layer keeps its hooks
+            _carry_hooks(module, replacement)
+        return replacement
+
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            replacement = swap(f"{parent_name}.{name}" if parent_name else name, child)
+            replacement = swapped(f"{parent_name}.{name}" if parent_name else name, child)
             if replacement is not child:
                 setattr(parent, name, replacement)
-    return swap("", model)
+    return swapped("", model)
 
 
 def _timm_swap(fuse: bool, options: dict, record):

@@ -251,6 +251,57 @@ def test_replace_pooling_fuses_sibling_pools_of_one_tensor(rng):
     _assert_same(stock, fused, tensor(rng, (2, 3, 13, 11)), TOL)
 
 
+class ModeDependentHead(torch.nn.Module):
+    """Sibling pools of one tensor, and a branch on ``self.training`` after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.pools = torch.nn.ModuleList(torch.nn.AdaptiveAvgPool2d(s) for s in (1, 2, 3))
+
+    def forward(self, x):
+        y = torch.cat([F.interpolate(pool(x), size=x.shape[-2:]) for pool in self.pools], 1)
+        return y * 0.5 if self.training else y
+
+
+@pytest.mark.parametrize("traced_in", ["train", "eval"])
+def test_a_module_whose_forward_differs_by_mode_is_not_rewritten(rng, traced_in):
+    """torch.fx runs ``if self.training:`` once, at the rewrite: the rewritten module kept that
+    mode's branch for good (a model swapped in training mode scaled its outputs in eval too).  Such
+    a module stays as it is, its pools swapped one by one, and the report says why."""
+    stock = ModeDependentHead().train(traced_in == "train")
+    report = []
+    swapped = ptt.replace_pooling(copy.deepcopy(stock), fuse=True, report=report)
+    assert type(swapped) is ModeDependentHead and _fused_calls(swapped) == 0
+    assert all(type(pool) is ptt.AdaptiveAvgPool2d for pool in swapped.pools)
+    assert any("training and eval" in entry["reason"] for entry in report)
+    x = tensor(rng, (2, 3, 7, 9))
+    for mode in (True, False):
+        stock.train(mode)
+        swapped.train(mode)
+        torch.testing.assert_close(swapped(x), stock(x), **TOL)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_swapped_layer_keeps_its_hooks(rng, fuse):
+    """Hooks on a replaced layer run on its replacement, and their handles still remove them (they
+    were dropped with the layer); a layer with hooks is not fused away, so that they still run."""
+    stock = Pyramid()
+    calls = []
+    handles = [stock.pools[0].register_forward_pre_hook(lambda module, args: calls.append("pre")),
+               stock.pools[0].register_forward_hook(lambda module, args, output: calls.append("forward")),
+               stock.register_forward_hook(lambda module, args, output: calls.append("root"))]
+    swapped = ptt.replace_pooling(stock, fuse=fuse)
+    x = tensor(rng, (2, 4, 13, 11))
+    swapped(x)
+    assert calls == ["pre", "forward", "root"]
+    if fuse:
+        assert _fused_calls(swapped) == 1, "the pools without hooks are still fused"
+    for handle in handles:
+        handle.remove()
+    swapped(x)
+    assert calls == ["pre", "forward", "root"]
+
+
 def test_replace_pooling_without_fuse_leaves_the_graph(rng):
     model = ptt.replace_pooling(Net())
     assert _fused_calls(model) == 0 and isinstance(model.ppm.pools[0], ptt.AdaptiveAvgPool2d)
