@@ -160,6 +160,18 @@ def _empty(shape, like: torch.Tensor, dtype, channels_last: bool, ndim: int) -> 
     return torch.empty(memory, dtype=dtype, device=like.device).movedim(-1, c)
 
 
+def _in_input_layout(grad_out: torch.Tensor, output_strides) -> torch.Tensor:
+    """``grad_out`` in the layout of the forward's input, which is its result's (strides
+    ``output_strides``), copied where it is not: the backward writes the input's gradient in the
+    layout it reads ``grad_out`` in, and PyTorch's pooling backwards give the input's gradient the
+    input's memory format whatever ``grad_out``'s (a channels-last network's gradients stay
+    channels-last)."""
+    if grad_out.stride() == output_strides:
+        return grad_out
+    return torch.empty_strided(grad_out.shape, output_strides, dtype=grad_out.dtype,
+                               device=grad_out.device).copy_(grad_out)
+
+
 def _in_layout(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
     """``t`` in the memory format its fake implementation promised.  Both paths already write
     results in the layout pool_tuner read the input in (``ops.strides_layout``, which agrees with
@@ -286,12 +298,13 @@ def _register(operation):
 
     def forward_setup(ctx, inputs, output):
         input, _, ctx.options = inputs
-        ctx.input_shape = list(input.shape)
+        ctx.input_shape, ctx.output_strides = list(input.shape), (output[0] if selects else output).stride()
         if selects:
             ctx.save_for_backward(output[1])
 
     if not selects:
         def forward_grad(ctx, grad_out):
+            grad_out = _in_input_layout(grad_out, ctx.output_strides)
             return backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options)), None, None
 
         def backward_setup(ctx, inputs, output):
@@ -304,6 +317,7 @@ def _register(operation):
     else:
         def forward_grad(ctx, grad_out, _grad_indices):
             (indices,) = ctx.saved_tensors
+            grad_out = _in_input_layout(grad_out, ctx.output_strides)
             return backward_op(grad_out, indices, ctx.input_shape, _backward_options(ctx.options)), None, None
 
         def backward_setup(ctx, inputs, output):
@@ -519,6 +533,7 @@ class _EagerPooling(torch.autograd.Function):
     def forward(ctx, input, found, options: str):
         results = _torch_cuda.run(found, [input])
         ctx.operation, ctx.input_shape = found.problem.operation, tuple(input.shape)
+        ctx.output_strides = results[0].stride()
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
             ctx.mark_non_differentiable(results[1])
@@ -527,7 +542,7 @@ class _EagerPooling(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_grad_indices):
-        tensors = [grad_out, *ctx.saved_tensors]
+        tensors = [_in_input_layout(grad_out, ctx.output_strides), *ctx.saved_tensors]
         operation = ctx.operation
         if _grad_enabled():
             grad_in = _OPS[operation.kind, operation.ndim, True](*tensors, list(ctx.input_shape), ctx.options)

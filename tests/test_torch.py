@@ -391,6 +391,26 @@ def test_functional_passes_pool_tuner_options_through(rng):
     assert_close(module(x), y)
 
 
+@pytest.mark.parametrize("grad_channels_last", [False, True])
+@pytest.mark.parametrize("input_channels_last", [False, True])
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_the_input_s_gradient_has_the_input_s_memory_format(rng, kind, input_channels_last, grad_channels_last):
+    """As PyTorch's pooling backwards: the gradient in the input's memory format whatever
+    ``grad_out``'s (it followed ``grad_out``'s: a channels-last layer given a contiguous gradient,
+    as a flatten gives, returned a contiguous one).  Values as PyTorch's."""
+    layout = lambda t, channels_last: t.to(memory_format=torch.channels_last) if channels_last else t  # noqa: E731
+    x = layout(tensor(rng, (2, 8, 9, 7), requires_grad=False), input_channels_last).requires_grad_()
+    y = getattr(ptt, f"adaptive_{kind}_pool2d")(x, (3, 4))
+    g = layout(torch.from_numpy(random_input(rng, tuple(y.shape))), grad_channels_last)
+    (grad,) = torch.autograd.grad(y, x, g)
+    x_ = x.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(getattr(F, f"adaptive_{kind}_pool2d")(x_, (3, 4)), x_, g)
+    assert grad.is_contiguous(memory_format=torch.channels_last) == input_channels_last
+    assert grad.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
+        memory_format=torch.channels_last)
+    assert_close(grad, expected)
+
+
 def test_replace_pooling_swaps_every_torch_layer(rng):
     model = torch.nn.Sequential(
         torch.nn.Sequential(torch.nn.AdaptiveMaxPool2d((5, 7)), torch.nn.Identity()),

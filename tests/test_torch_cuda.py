@@ -464,6 +464,25 @@ def test_an_eager_cuda_training_step_launches_forward_and_backward_without_the_c
     assert not eager_cuda and x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_an_eager_cuda_backward_gives_the_gradient_the_input_s_memory_format(gpu, eager_cuda, kind):
+    """As PyTorch's: a channels-last input's gradient is channels-last when ``grad_out`` is
+    contiguous (the backward reads a channels-last copy of it), and a warm step with ``grad_out``
+    in the result's layout reads it in place."""
+    from pool_tuner import torch as ptt
+
+    module = ptt.AdaptiveAvgPool2d((4, 7)) if kind == "avg" else ptt.AdaptiveMaxPool2d((4, 7))
+    for grad_layout in (torch.contiguous_format, torch.channels_last):
+        x = _x((2, 3, 10, 9)).to(memory_format=torch.channels_last).requires_grad_()
+        out = module(x)
+        grad = _x(tuple(out.shape)).to(memory_format=grad_layout)
+        out.backward(grad)
+        assert x.grad.is_contiguous(memory_format=torch.channels_last)
+        read_in_place = gpu.launches[-1]["arguments"][0] == grad.data_ptr()
+        assert read_in_place == (grad_layout == torch.channels_last)
+    assert not eager_cuda
+
+
 def _forbid_synchronisation(monkeypatch):
     """Make every way a call could wait for the GPU on the host fail: PyTorch's synchronisations
     and reads of a tensor's values into Python (the driver's own are in the fake driver's
