@@ -299,6 +299,8 @@ class Dispatcher:
         """A forked child: fresh locks, nothing memoised (``memo`` empties its own tables)."""
         self._lock, self._build_lock = threading.Lock(), threading.RLock()
         for table in self._dependent_memos:
+            if isinstance(table, dict):  # a memo table's entries are kept alive by memo's own fork handler
+                memo.keep_alive(dict(table))
             table.clear()
         self._tuning_cache = None
 

@@ -36,7 +36,8 @@ owner's recency is its most recently used entry's, worked out when one must be e
 threads that miss the same key at once both compute it and the second ``put`` wins, which is
 harmless for memos.  After ``os.fork`` the child starts with every table empty and a fresh lock
 (entries may hold objects of the parent's OpenCL or CUDA runtime, and another thread of the parent
-may have held the lock when it forked).
+may have held the lock when it forked); the entries it forgets are kept alive, never released
+(``keep_alive``).
 
 The limit is ``POOL_TUNER_MEMO_LIMIT`` (read at import, default ``DEFAULT_LIMIT``) or
 ``set_limit``.
@@ -193,9 +194,23 @@ class Memos:
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         for table in self._tables:
+            keep_alive(dict(table._entries))
             table._entries.clear()
             table._values.clear()
         self._filed.clear()
+
+
+#: What a forked child inherited from its parent and must never release (``keep_alive``).
+_INHERITED: list = []
+
+
+def keep_alive(*objects) -> None:
+    """Keep ``objects`` -- a forked child's copies of its parent's built programs, kernels, queues
+    and memory pools -- referenced for the life of the process, so that the child, which forgets
+    them, never releases them: releasing an OpenCL object runs the driver's code, which can wait
+    forever on a lock that another thread of the parent held when it forked (PoCL's compiler
+    lock), inside ``os.fork`` itself.  The memory stays the child's copy of the parent's."""
+    _INHERITED.extend(objects)
 
 
 _MISSING = object()

@@ -351,6 +351,13 @@ class Plan:
             self._build = None
         return self._launch
 
+    def build(self) -> None:
+        """Build the kernel now, so that a configuration that cannot launch fails here -- where the
+        device's kernels run in this process: the host fallback's plans build nothing (a forked
+        child's build could wait forever on a lock of the driver held in its parent)."""
+        if self.device.info.host_fallback is None:
+            self.launch  # noqa: B018
+
     def prepared_launch(self):
         """The device's ``prepare``d launch of ``launch`` (``run(stream, *addresses, scalars=)``), made on
         first use: where the device's kernels cannot run in this process (a forked child of a PoCL
@@ -478,10 +485,11 @@ def _make_plan(problem, reorder, results, device, variant, config, on_miss, cont
     choice = dispatch.choose(problem, device, variant, config, on_miss=on_miss)
     if build_target is None:
         build_target = device
-        context = device.queue.context if context is None else context
+        if context is None and device.info.host_fallback is None:  # the host fallback's plans touch no queue
+            context = device.queue.context
     plan = Plan(problem, device, choice, reorder, results, build_target, context)
     if build:
-        plan.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
+        plan.build()
     return plan
 
 

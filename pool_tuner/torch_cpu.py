@@ -178,7 +178,7 @@ def plan(op: str, direction: str, tensors: list, size, options: str, key,
                                 given.get("config"), on_miss=tuner.tune_on_miss,
                                 names=(DIRECTIONS[direction].torch_argument,), build=False)
         if not (racing and races(found)):
-            found.launch  # noqa: B018 -- built now, so that a configuration that cannot launch fails here
+            found.build()
         _PLANS.put(key, found)
     return found
 

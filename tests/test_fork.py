@@ -257,3 +257,56 @@ def test_a_forked_child_races_against_its_own_launch_floor(rng):
                 and torch.allclose(result, torch.nn.functional.adaptive_avg_pool2d(y, OUT), rtol=1e-5, atol=1e-6))
 
     assert _wait(_in_child(check)) == 0
+
+
+def test_a_child_forked_while_another_thread_builds_kernels_neither_hangs_nor_builds(rng):
+    """Another thread of the parent builds kernels while the main thread forks: the child used to
+    hang inside ``os.fork`` itself (clearing its memos released the parent's kernels, whose release
+    waits on PoCL's compiler lock, held by that thread at the fork; 3 of 10 children here), or at its
+    first call, which built a kernel the host fallback does not run.  Each child pools a new shape
+    and checks it against the reference; about one fork in three met the lock held."""
+    import threading
+
+    x = random_input(rng, (2, 3, 10, 9))
+    pt.adaptive_avg_pool2d(x, OUT)
+    stop = threading.Event()
+
+    def build_new_shapes():
+        for i in range(10_000):
+            if stop.is_set():
+                return
+            pt.adaptive_max_pool2d(x, (3 + i % 7, 4 + i % 5))
+            pt.adaptive_avg_pool2d(x, (1 + i % 9, 2 + i % 7))
+
+    builder = threading.Thread(target=build_new_shapes, daemon=True)
+    builder.start()
+    try:
+        for child in range(8):
+            time.sleep(0.15)
+            size = (5, 3 + child)
+            pid = _in_child(lambda: _close(pt.adaptive_avg_pool2d(x, size), reference.adaptive_avg_pool(x, size, 2)))
+            assert _wait(pid, timeout=30) == 0
+    finally:
+        stop.set()
+        builder.join()
+
+
+def test_a_forked_child_keeps_what_its_parent_memoised_alive():
+    """What the child forgets of its parent's memos is never released there (``memo.keep_alive``):
+    releasing a parent's OpenCL object in the child can wait forever on the driver's locks."""
+    from pool_tuner import memo
+
+    released = []
+
+    class Held:
+        def __del__(self):
+            released.append(True)
+
+    table = memo.table("test_fork.kept")
+    owner = object()
+    table.put(owner, "key", Held())
+    try:
+        pid = _in_child(lambda: table.peek("key") is None and not released)
+        assert _wait(pid) == 0, "the child forgot the entry and kept it alive"
+    finally:
+        table.clear()

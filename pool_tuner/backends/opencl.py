@@ -22,8 +22,9 @@ Fork and PoCL's environment: pool_tuner never sets a variable of PoCL's (``pocl_
 user's OpenCL code and child processes see the devices and settings they would without it.  PoCL's
 threaded CPU driver runs kernels on worker threads started when PoCL is first listed; a forked
 child has none of them, so every command it enqueues there waits forever, in a new context as much
-as in the parent's.  After ``os.fork`` the child drops every queue, memory pool and built kernel of
-the parent, and such a device gets a ``host_fallback``: calls on host memory (numpy arrays, CPU
+as in the parent's.  After ``os.fork`` the child forgets every queue, memory pool and built kernel
+of the parent (keeping them alive: releasing them could wait forever on a lock of the driver that
+another thread of the parent held, ``memo.keep_alive``), and such a device gets a ``host_fallback``: calls on host memory (numpy arrays, CPU
 tensors) are computed on the host (``pool_tuner.host_fallback``), device arrays are refused with
 what to do (docs/design.md, "The user's process").
 """
@@ -154,8 +155,10 @@ class OpenCLDevice(Conveniences):
         return f"<{self.info.describe()}>"
 
     def _after_fork_in_child(self) -> None:
-        """Forget the parent's queue, pool and lock (see the module docstring)."""
+        """Forget the parent's queue, pool and lock (see the module docstring); the queue and the
+        pool's buffers are kept alive, never released (``memo.keep_alive``)."""
         self._lock = threading.Lock()
+        memo.keep_alive(self._default_queue, self._pool, self._host_memory_aliases, self._host_buffers)
         self._default_queue = self._pool = None
         self._host_memory_aliases = self._host_buffers = None
         if _pocl_started_before_fork:
