@@ -11,6 +11,7 @@ The tuner searches the space; dispatch validates whatever it is about to launch 
 from __future__ import annotations
 
 import itertools
+import numbers
 import math
 from typing import TYPE_CHECKING
 
@@ -186,7 +187,9 @@ class Variant:
             )
         params = {**self.default_for(problem), **config}
         for key, value in params.items():
-            if isinstance(value, bool) or value not in self.search_space[key]:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name}[{key!r}] must be an int, got {type(value).__name__} {value!r}")
+            if value not in self.search_space[key]:
                 raise ValueError(
                     f"{name}[{key!r}] must be one of {list(self.search_space[key])} for variant "
                     f"{self.name!r}, got {value!r}"

@@ -139,7 +139,7 @@ def test_a_validated_forced_config_does_not_vouch_for_an_equal_bool():
     """Forced choices are memoised after validation; True == 1, but True is still refused."""
     problem, device = Problem.create(OP2, GOOD.shape, (2, 2)), backends.default_device()
     dispatch.choose(problem, device, "thread_per_output", {"row_lanes": 1})
-    with pytest.raises(ValueError, match=r"config\['row_lanes'\] must be one of"):
+    with pytest.raises(TypeError, match=r"config\['row_lanes'\] must be an int, got bool"):
         dispatch.choose(problem, device, "thread_per_output", {"row_lanes": True})
 
 
@@ -275,8 +275,11 @@ README_ERRORS = {
         (ValueError, _unknown_device_in_the_environment),
         (ValueError, _array_on_another_device),
     ],
-    "`config` not a dict": [
+    "`config` not a dict, or a value of it not an int (a float, a bool)": [
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config=[64])),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_row", config={"block_size_x": 16.0})),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="smem_tiled", config={"tile_x": 2.0})),
+        (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"row_lanes": True})),
     ],
     "`config` with unknown parameters, values outside the search space, or illegal for the shape/device; `config` without `variant`": [
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config={"tile": 2})),
