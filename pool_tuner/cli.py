@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import backends, cache, dispatch, fleet, kernel_source, presets
 from .ops import explain
-from .tuner import DEFAULT_TIME_LIMIT, check_search_options, tune
+from .tuner import DEFAULT_TIME_LIMIT, check_search_options, check_tunable, tune
 from .problem import DIRECTIONS, OPS, Problem
 from .variants import get_variant, variants_for
 from .version import __version__
@@ -107,7 +107,7 @@ def _shapes_from_args(args) -> list:
     if args.shapes:
         try:
             entries = json.loads(Path(args.shapes).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"--shapes {args.shapes}: {exc}") from None
         if not isinstance(entries, list) or not entries:
             raise ValueError(f'--shapes file {args.shapes} must hold a non-empty JSON list of '
@@ -190,6 +190,7 @@ def cmd_tune(args) -> int:
                 continue
             jobs.append((op, shape, out, direction))
     variant_names = args.variants.split(",") if args.variants else None
+    shape_option = next(f"--{name}" for name in ("input", "preset", "shapes") if getattr(args, name) is not None)
     problems = set()
     unique_jobs = []
     for op, shape, out, direction in jobs:  # every argument checked before any tuning starts
@@ -199,6 +200,10 @@ def cmd_tune(args) -> int:
                              f"{'x'.join(map(str, shape))}: nothing to tune")
         for name in variant_names or ():
             get_variant(op, name, direction, argument="--variants")
+        if device is not None:  # on Ray each worker's own device checks it
+            table = variants_for(op, direction)
+            check_tunable(problem, device, [table[name] for name in variant_names or table],
+                          names=(shape_option, "--output" if args.input else shape_option, "--variants"))
         if problem not in problems:  # e.g. coord_attention's 56xNone and Nonex56 on 56x56 inputs
             problems.add(problem)
             unique_jobs.append((op, shape, out, direction))

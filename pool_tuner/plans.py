@@ -243,18 +243,19 @@ def check_device_option(owner, device, name: str) -> None:
         )
 
 
-def check_fits(problem: Problem, device) -> None:
+def check_fits(problem: Problem, device, names=("output_size", "input_shape")) -> None:
     """The results of ``problem`` must fit ``device``: each in one allocation, all in its memory.
     Checked before anything is sized by the output (window tables, buffers), so that a mistyped
     size (``output_size=(2**31 - 1, 1)``) is a ``ValueError`` naming the argument instead of an
-    allocation failure deep inside numpy or the driver."""
+    allocation failure deep inside numpy or the driver.  ``names``: the argument that sizes a
+    forward's results and a backward's, as the caller spells them."""
     itemsize = ELEMENT_BYTES[problem.dtype]
     if problem.flow.reads_input:
         values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
-        parts, name = [values * itemsize, positions * ELEMENT_BYTES["int64"]], "output_size"
+        parts, name = [values * itemsize, positions * ELEMENT_BYTES["int64"]], names[0]
         what = f"an output of shape {problem.output_shape}"
     else:
-        parts, name = [math.prod(problem.input_shape) * itemsize], "input_shape"
+        parts, name = [math.prod(problem.input_shape) * itemsize], names[1]
         what = f"an input gradient of shape {problem.input_shape}"
     info = device.info
     if max(parts) > info.max_allocation_bytes or sum(parts) > info.memory_bytes:

@@ -54,7 +54,7 @@ import warnings
 
 import numpy as np
 
-from . import backends, device_tuning, dispatch, measured, pyramid, reference
+from . import backends, device_tuning, dispatch, measured, plans, pyramid, reference
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
 from .problem import Problem
@@ -305,6 +305,30 @@ def check_search_options(strategy=None, max_fevals=None, time_limit=None,
                          f"brute_force evaluates every configuration")
 
 
+def check_tunable(problem: Problem, device, variants: list, names=("input_shape", "output_size", "variants")) -> None:
+    """Refuse, before anything is built, a problem that ``device`` cannot tune: one whose
+    buffers (its inputs and results, which a tuning run holds together) do not fit the device
+    (``plans.check_fits`` for the results), or that none of ``variants`` (the variant objects to
+    search, at least one) can run there, each with its reason.  ``names``: the problem's input
+    shape, its output size and the variants as the caller spells them (the command line's
+    ``--input``, ``--output``, ``--variants``)."""
+    shape_name, size_name, variants_name = names
+    if not variants:
+        raise ValueError(f"{variants_name} must name at least one variant to tune")
+    plans.check_fits(problem, device, (size_name, shape_name))
+    info = device.info
+    values, _ = problem.operation.output_counts(problem.input_shape, problem.output_shape)
+    read = (math.prod(problem.input_shape) if problem.flow.reads_input else values) * plans.ELEMENT_BYTES[problem.dtype]
+    if read > info.max_allocation_bytes:
+        raise ValueError(f"{shape_name} {problem.input_shape}: the problem's input ({read / 2**30:.3g} GiB) is more than "
+                         f"{info.describe()} can hold in one buffer ({info.max_allocation_bytes / 2**30:.3g} GiB)")
+    limits = info.limits
+    if not any(variant.legal_configurations(problem, limits) for variant in variants):
+        reasons = "; ".join(f"{v.name}: {_refusal(v, problem, limits)}" for v in variants)
+        what = f"{problem.op} {problem.direction} {problem.input_shape} -> {problem.output_shape} {problem.layout}"
+        raise ValueError(f"{variants_name}: no variant can run {what} on {info.describe()} ({reasons})")
+
+
 def tune_variant(variant, problem: Problem, device, *, strategy=None, max_fevals=None, time_limit=None,
                  iterations=ITERATIONS, rng=None, quiet=True) -> tuple[dict | None, float | None, int, list]:
     """Search one variant's space with Kernel Tuner, where the device tunes (``device_tuning.run``).
@@ -463,6 +487,8 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
           time_limit, iterations, store, tuning_cache, quiet, progress) -> TuneResult:
     started = time.perf_counter()
     check_search_options(strategy, max_fevals, time_limit)
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be a positive integer (timed runs per configuration), got {iterations!r}")
     dev = backends.resolve_device(device)
     problem = Problem.create(op, input_shape, output_size, dtype, layout, direction=direction)
     if problem.is_empty:
@@ -475,6 +501,7 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
     for name in names:
         if name not in table:
             raise ValueError(f"variants must name variants of {op} {direction}, one of {sorted(table)}; got {name!r}")
+    check_tunable(problem, dev, [table[name] for name in names])
     rng = np.random.default_rng()
     tc = tuning_cache or dispatch.tuning_cache()
     default = dispatch.default_choice(problem, dev)

@@ -539,6 +539,24 @@ def test_bad_shapes_files_are_one_line_and_exit_2(capsys, user_cache, tmp_path, 
     assert mentions in assert_one_error_line(code, err)
 
 
+def test_a_shapes_file_that_is_not_utf8_is_named(capsys, user_cache, tmp_path):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_bytes(b"\xff\xfe[]")
+    code, _, err = run(capsys, "tune", "--op", "adaptive_avg_pool1d", "--shapes", str(shapes))
+    assert f"--shapes {shapes}: 'utf-8' codec can't decode" in assert_one_error_line(code, err)
+
+
+@pytest.mark.parametrize("options, mentions", [
+    (["--input", "100000x100000x5x5", "--output", "3"], "--output gives an output of shape"),
+    (["--input", "1x2x5x5", "--output", "3", "--direction", "forward", "--variants", "plane_reduce"],
+     "--variants: no variant can run adaptive_avg_pool2d forward"),
+], ids=["too-large", "no-variant-runs-it"])
+def test_a_problem_the_device_cannot_tune_is_refused_before_tuning(capsys, user_cache, options, mentions):
+    code, _, err = run(capsys, "tune", "--op", "adaptive_avg_pool2d", *options)
+    assert mentions in assert_one_error_line(code, err)
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
 def test_shapes_entries_take_what_the_options_take(tmp_path):
     """An output number (as --output 7) and the options' text ("2x4x30", "7xNone") are entries too."""
     shapes = tmp_path / "shapes.json"
