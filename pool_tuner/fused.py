@@ -114,9 +114,10 @@ def adaptive_avgmax_pool2d(x, output_size, mode="avg+max", return_indices=False,
 # ------------------------------------------------------------------------------------- backward
 
 
-def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False) -> list:
+def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False, like=None) -> list:
     """A list of arrays, one per level, all numpy arrays or all device arrays of one device (the
-    first one's, or ``owner``'s when given: None for numpy)."""
+    first one's, or ``owner``'s when given: None for numpy) and one context (``like``'s, the
+    call's first array, when given; else the first one's)."""
     if isinstance(grad_outs, np.ndarray) or not isinstance(grad_outs, (list, tuple)):
         raise TypeError(f"{name} must be a list of arrays, one per level, got {type(grad_outs).__name__}")
     if expected is not None and len(grad_outs) != expected:
@@ -129,6 +130,9 @@ def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False)
         if owner is not None and plans.device_of(grad) is not owner:
             raise TypeError(f"{name}[{level}] must be a device array on {owner.info.describe()} like grad_outs[0], got "
                             f"{type(grad).__name__}")
+        if owner is not None and (level or like is not None):
+            plans.check_same_context(owner, grad, f"{name}[{level}]", *((grad_outs[0], f"{name}[0]") if like is None
+                                                                       else (like, "grad_outs[0]")))
     return list(grad_outs)
 
 
@@ -170,18 +174,19 @@ def _run_backward(problem: Problem, flat_grads, indices, owner, device, variant,
     result is the kind of array ``like`` (the caller's gradient) is."""
     arrays = [flat_grads]
     if problem.operation.selects:
-        arrays.append(_pack_indices(problem, indices, owner))
+        arrays.append(_pack_indices(problem, indices, owner, like))
     plan = ops._plan(problem.op, "backward", arrays, (problem.input_shape, problem.output_size, problem.layout), device,
                      variant, config, ("grad_outs",))
     return ops._delivered(plan, ops._run(plan, arrays, ("grad_outs", "indices")), like)[0]
 
 
-def _pack_indices(problem: Problem, indices, owner):
-    """The max levels' indices, checked (int64, shaped as their gradients; numpy ones inside their
-    windows, device arrays are not read back) and packed."""
+def _pack_indices(problem: Problem, indices, owner, like):
+    """The max levels' indices, checked (int64, shaped as their gradients, in the context of
+    ``like``, the first gradient; numpy ones inside their windows, device arrays are not read
+    back) and packed."""
     lay = pyramid.layout(problem)
     max_sizes = [tuple(size) for size, selects in zip(lay.spatial, lay.selects) if selects]
-    indices = _check_grads(indices, len(max_sizes), "indices", owner)
+    indices = _check_grads(indices, len(max_sizes), "indices", owner, like)
     single = problem.operation.selecting_level.name
     for level, (array, size) in enumerate(zip(indices, max_sizes)):
         if plans.numpy_spec(array).dtype != np.int64:

@@ -104,6 +104,7 @@ def _indices_spec(indices, grad_out, owner):
     if owner is not None:
         if indices_owner is not owner:
             raise ValueError("indices must be on the same device as grad_out")
+        plans.check_same_context(owner, indices, "indices", grad_out, "grad_out")
         owner.arrays.wrap_input(indices, "indices")
     return plans.numpy_spec(indices)
 

@@ -127,6 +127,17 @@ def describe(array) -> tuple:
     return rule.describe(array)
 
 
+def check_same_context(owner, array, name: str, first, first_name: str) -> None:
+    """Device array ``array`` of a call must live in the context of the call's ``first`` (both on
+    ``owner``): a kernel reads buffers of its own context only, and an array of another (the same
+    device, a second context) would be left waiting on an event of a foreign context, which OpenCL
+    refuses at the array's next read.  A ``ValueError`` naming both, before any launch."""
+    context, first_context = owner.arrays.queue_of(array).context, owner.arrays.queue_of(first).context
+    if context != first_context:
+        raise ValueError(f"{name} must be in the context of {first_name} on {owner.info.describe()}; it is in "
+                         f"another context of that device ({context} against {first_context})")
+
+
 def device_of(array):
     """The device that holds ``array`` (a device array of any backend, ``Backend.device_of_array``),
     or None for host memory (numpy arrays, CPU tensors) and what is no array."""

@@ -179,6 +179,15 @@ def _array_on_another_device():
     pt.adaptive_avg_pool2d(x, 2, device=others[0].info.id if others else "opencl:99:0")  # no other: an unknown id
 
 
+def _arrays_in_two_contexts():
+    import pyopencl as cl
+    import pyopencl.array as cl_array
+
+    device = backends.default_device()
+    other = cl.CommandQueue(cl.Context([device.cl_device]))
+    pt.adaptive_max_pool2d_backward(cl_array.to_device(other, G), cl_array.to_device(device.queue, IDX), G_SHAPE)
+
+
 def _device_array_at_an_offset():
     import pyopencl.array as cl_array
 
@@ -274,13 +283,14 @@ README_ERRORS = {
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, return_indices=True)),
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, True)),
     ],
-    "unknown op, layout, variant or device id (`device=` or `POOL_TUNER_DEVICE`); an array on another device than `device=`": [
+    "unknown op, layout, variant or device id (`device=` or `POOL_TUNER_DEVICE`); an array on another device than `device=`; device arrays of one call in two contexts of their device": [
         (ValueError, lambda: pt.explain("adaptive_mean_pool2d", G_SHAPE, 2)),
         (ValueError, lambda: pt.explain(OP2, G_SHAPE, 2, layout="NWHC")),
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="fastest")),
         (ValueError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, device="opencl:99:0")),
         (ValueError, _unknown_device_in_the_environment),
         (ValueError, _array_on_another_device),
+        (ValueError, _arrays_in_two_contexts),
     ],
     "`config` not a dict, or a value of it not an int (a float, a bool)": [
         (TypeError, lambda: pt.adaptive_avg_pool2d(GOOD, 2, variant="thread_per_output", config=[64])),

@@ -120,3 +120,40 @@ def test_a_user_context_on_the_served_device_is_accepted(rng):
     x = random_input(rng, (2, 3, 9, 7))
     y = pt.adaptive_avg_pool2d(cl_array.to_device(queue, x), (4, 3)).get()
     np.testing.assert_allclose(y, reference.forward("adaptive_avg_pool2d", x, (4, 3)), rtol=1e-5, atol=1e-6)
+
+
+def _two_contexts_of_the_served_device():
+    pocl = [d for d in opencl.list_devices() if d.is_pocl and d.info.is_cpu]
+    if not pocl:
+        pytest.skip("no PoCL CPU device")
+    return pocl[0].queue, cl.CommandQueue(cl.Context([pocl[0].cl_device]))
+
+
+@pytest.mark.parametrize("call", ["max backward", "GeM backward", "pyramid backward"])
+def test_arrays_of_one_call_in_two_contexts_are_refused_by_name(rng, call):
+    """Arrays of one device in two contexts: a kernel reads buffers of one context only (PoCL's
+    ran it anyway), and the first array was left waiting on the other context's event, so that
+    OpenCL refused its next read (INVALID_CONTEXT).  Refused naming the array, and both arrays
+    stay readable."""
+    queue, other = _two_contexts_of_the_served_device()
+    x = random_input(rng, (2, 3, 9, 7))
+    if call == "max backward":
+        _, indices = pt.adaptive_max_pool2d(cl_array.to_device(queue, x), (4, 3), return_indices=True)
+        grad = cl_array.to_device(other, random_input(rng, (2, 3, 4, 3)))
+        with pytest.raises(ValueError, match="indices must be in the context of grad_out"):
+            pt.adaptive_max_pool2d_backward(grad, indices, x.shape)
+        kept = indices
+    elif call == "GeM backward":
+        x_dev = cl_array.to_device(queue, x + 2.0)
+        grad = cl_array.to_device(other, random_input(rng, (2, 3, 4, 3)))
+        with pytest.raises(ValueError, match="grad_out must be in the context of x"):
+            pt.adaptive_gem_pool2d_backward(grad, x_dev, (4, 3))
+        kept = x_dev
+    else:
+        grads = [cl_array.to_device(queue, random_input(rng, (2, 3, 1, 1))),
+                 cl_array.to_device(other, random_input(rng, (2, 3, 2, 2)))]
+        with pytest.raises(ValueError, match=r"grad_outs\[1\] must be in the context of grad_outs\[0\]"):
+            pt.adaptive_avg_pool_pyramid_backward(grads, x.shape)
+        kept, grad = grads
+    kept.get()
+    grad.get()
