@@ -401,7 +401,12 @@ def _load_file(path: Path) -> dict:
 
 
 def _lock(path: Path) -> filelock.FileLock:
-    return filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
+    """The lock of cache file ``path`` (a file beside it).  Raises ``OSError`` at once where the
+    lock file cannot be made at all (a read-only or another user's directory): filelock would try
+    again for the whole ``LOCK_TIMEOUT_S``, as if another process held the lock."""
+    lock_path = path.with_name(path.name + ".lock")
+    os.close(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644))
+    return filelock.FileLock(lock_path, timeout=LOCK_TIMEOUT_S)
 
 
 def is_partial(record: dict) -> bool:

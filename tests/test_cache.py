@@ -275,6 +275,22 @@ def test_unwritable_directory_keeps_record_in_memory(tmp_path):
     assert not (user_dir / "records.json").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, a directory nobody can write in")
+def test_a_directory_where_no_file_can_be_made_warns_at_once(tmp_path):
+    """A cache directory that exists but takes no new file (read-only, another user's; /proc/self
+    here, which root cannot write either) is a warning now, not after filelock's whole timeout of
+    trying to make its lock file as if another process held the lock (60 s per store)."""
+    import time
+
+    rec = record()
+    c = TuningCache(tmp_path / "shipped", Path("/proc/self"))
+    started = time.monotonic()
+    with pytest.warns(CacheWarning, match="in memory only"):
+        c.store(rec)
+    assert time.monotonic() - started < cache.LOCK_TIMEOUT_S / 4
+    assert c.lookup(rec["key"])["best"] == rec["best"]
+
+
 # ---------------------------------------------------------------- atomic and concurrent writes
 
 CHILD_PRELUDE = """
