@@ -125,6 +125,10 @@ def _shapes_entry(entry, i: int, op: str) -> tuple:
     name = f"--shapes entry {i}"
     if not isinstance(entry, dict) or "input" not in entry or "output" not in entry:
         raise ValueError(f'{name} must be an object with "input" and "output" (and optionally "op"), got {entry!r}')
+    unknown = sorted(set(entry) - {"op", "input", "output"})
+    if unknown:  # a "dtype" or "layout" here would otherwise be dropped and float32 tuned in silence
+        raise ValueError(f'{name} has unknown keys {unknown}: an entry takes "input", "output" and "op" (--dtype and '
+                         f'--layout apply to every entry)')
     sizes = []
     for field, output in (("input", False), ("output", True)):
         value = entry[field]

@@ -531,7 +531,8 @@ def test_shapes_file_outputs_follow_the_output_rule(tmp_path):
     ([{"input": [2, 4, 30]}], '--shapes entry 0 must be an object with "input" and "output"'),
     ([{"input": [2, 4, 30], "output": -7}], "--shapes entry 0 output sizes must be integers >= 0"),
     ([{"input": 30, "output": 7}], "--shapes entry 0 input must be a list of sizes"),
-], ids=["empty", "bad-text", "no-output", "negative-output", "number-input"])
+    ([{"input": [2, 4, 30], "output": 7, "dtype": "float16"}], "--shapes entry 0 has unknown keys ['dtype']"),
+], ids=["empty", "bad-text", "no-output", "negative-output", "number-input", "unknown-key"])
 def test_bad_shapes_files_are_one_line_and_exit_2(capsys, user_cache, tmp_path, entries, mentions):
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps(entries))
