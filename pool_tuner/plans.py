@@ -27,10 +27,9 @@ import numpy as np
 from . import backends, dispatch, host_fallback, memo, shapes
 from .backends import cuda_arrays
 from .operations import DIRECTIONS
-from .problem import ITEMSIZE, LAYOUT_NAMES, OPS, Problem, check_dtype
+from .problem import ELEMENT_BYTES, LAYOUT_NAMES, OPS, Problem, check_dtype, check_fits
 
 #: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
-ELEMENT_BYTES = {**ITEMSIZE, "int64": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,31 +251,6 @@ def check_device_option(owner, device, name: str) -> None:
             f"device={device!r} does not hold {name}: {name} is an array on "
             f"{owner.info.describe()}; pass device=None or that device"
         )
-
-
-def check_fits(problem: Problem, device, names=("output_size", "input_shape")) -> None:
-    """The results of ``problem`` must fit ``device``: each in one allocation, all in its memory.
-    Checked before anything is sized by the output (window tables, buffers), so that a mistyped
-    size (``output_size=(2**31 - 1, 1)``) is a ``ValueError`` naming the argument instead of an
-    allocation failure deep inside numpy or the driver.  ``names``: the argument that sizes a
-    forward's results and a backward's, as the caller spells them."""
-    itemsize = ELEMENT_BYTES[problem.dtype]
-    if problem.flow.reads_input:
-        values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
-        parts, name = [values * itemsize, positions * ELEMENT_BYTES["int64"]], names[0]
-        what = f"an output of shape {problem.output_shape}"
-    else:
-        parts, name = [math.prod(problem.input_shape) * itemsize], names[1]
-        what = f"an input gradient of shape {problem.input_shape}"
-    info = device.info
-    if max(parts) > info.max_allocation_bytes or sum(parts) > info.memory_bytes:
-        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {info.describe()} can hold "
-                         f"({_gib(info.max_allocation_bytes)} in one buffer, {_gib(info.memory_bytes)} in all); "
-                         f"check {name}")
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.3g} GiB"
 
 
 def check_float64(device, dtype: str, name: str) -> None:

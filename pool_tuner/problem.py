@@ -31,6 +31,8 @@ DTYPES = {
     "bfloat16": "DTYPE_BFLOAT16",
 }
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+#: Bytes per element of every array a call holds: the dtypes, and int64 indices.
+ELEMENT_BYTES = {**ITEMSIZE, "int64": 8}
 #: Memory layouts by rank: contiguous channels-first, and channels-last.
 LAYOUT_NAMES = {1: ("NCL", "NLC"), 2: ("NCHW", "NHWC"), 3: ("NCDHW", "NDHWC")}
 INT32_LIMIT = 2**31 - 1
@@ -287,3 +289,28 @@ class Problem:
     def bytes_moved(self) -> int:
         """Bytes read plus bytes written by an ideal kernel: the bandwidth floor's numerator."""
         return sum(self.bytes_read_written())
+
+
+def check_fits(problem: Problem, device, names=("output_size", "input_shape")) -> None:
+    """The results of ``problem`` must fit ``device``: each in one allocation, all in its memory.
+    Checked before anything is sized by the output (window tables, buffers), so that a mistyped
+    size (``output_size=(2**31 - 1, 1)``) is a ``ValueError`` naming the argument instead of an
+    allocation failure deep inside numpy or the driver.  ``names``: the argument that sizes a
+    forward's results and a backward's, as the caller spells them."""
+    itemsize = ELEMENT_BYTES[problem.dtype]
+    if problem.flow.reads_input:
+        values, positions = problem.operation.output_counts(problem.input_shape, problem.output_shape)
+        parts, name = [values * itemsize, positions * ELEMENT_BYTES["int64"]], names[0]
+        what = f"an output of shape {problem.output_shape}"
+    else:
+        parts, name = [math.prod(problem.input_shape) * itemsize], names[1]
+        what = f"an input gradient of shape {problem.input_shape}"
+    info = device.info
+    if max(parts) > info.max_allocation_bytes or sum(parts) > info.memory_bytes:
+        raise ValueError(f"{name} gives {what} ({_gib(sum(parts))}), more than {info.describe()} can hold "
+                         f"({_gib(info.max_allocation_bytes)} in one buffer, {_gib(info.memory_bytes)} in all); "
+                         f"check {name}")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"

@@ -54,10 +54,10 @@ import warnings
 
 import numpy as np
 
-from . import backends, device_tuning, dispatch, measured, plans, pyramid, reference
+from . import backends, device_tuning, dispatch, measured, pyramid, reference
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
-from .problem import Problem
+from .problem import ELEMENT_BYTES, Problem, check_fits
 from .variants import variants_for
 
 #: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
@@ -308,17 +308,17 @@ def check_search_options(strategy=None, max_fevals=None, time_limit=None,
 def check_tunable(problem: Problem, device, variants: list, names=("input_shape", "output_size", "variants")) -> None:
     """Refuse, before anything is built, a problem that ``device`` cannot tune: one whose
     buffers (its inputs and results, which a tuning run holds together) do not fit the device
-    (``plans.check_fits`` for the results), or that none of ``variants`` (the variant objects to
+    (``problem.check_fits`` for the results), or that none of ``variants`` (the variant objects to
     search, at least one) can run there, each with its reason.  ``names``: the problem's input
     shape, its output size and the variants as the caller spells them (the command line's
     ``--input``, ``--output``, ``--variants``)."""
     shape_name, size_name, variants_name = names
     if not variants:
         raise ValueError(f"{variants_name} must name at least one variant to tune")
-    plans.check_fits(problem, device, (size_name, shape_name))
+    check_fits(problem, device, (size_name, shape_name))
     info = device.info
     values, _ = problem.operation.output_counts(problem.input_shape, problem.output_shape)
-    read = (math.prod(problem.input_shape) if problem.flow.reads_input else values) * plans.ELEMENT_BYTES[problem.dtype]
+    read = (math.prod(problem.input_shape) if problem.flow.reads_input else values) * ELEMENT_BYTES[problem.dtype]
     if read > info.max_allocation_bytes:
         raise ValueError(f"{shape_name} {problem.input_shape}: the problem's input ({read / 2**30:.3g} GiB) is more than "
                          f"{info.describe()} can hold in one buffer ({info.max_allocation_bytes / 2**30:.3g} GiB)")

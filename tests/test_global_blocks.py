@@ -170,8 +170,8 @@ def test_default_team_leaves_each_member_enough_elements(plane, team, channels_l
         assert VARIANT.default_for(problem)["threads_per_plane"] == expected, layout
 
 
-def test_tuning_it_alone_on_a_cpu_device_says_why_nothing_ran(user_cache):
-    with pytest.raises(RuntimeError, match="not applicable here: .*global_blocks.*shaped for gpu devices"):
+def test_tuning_it_alone_on_a_cpu_device_says_why_before_tuning(user_cache):
+    with pytest.raises(ValueError, match="variants: no variant can run .*global_blocks: .*shaped for gpu devices"):
         pt.tune("adaptive_avg_pool2d", (2, 8, 7, 7), 1, variants=[NAME], store=False, max_fevals=2)
 
 
