@@ -132,7 +132,7 @@ def _check_grads(grad_outs, expected: int, name: str = "grad_outs", owner=False,
                             f"{type(grad).__name__}")
         if owner is not None and (level or like is not None):
             plans.check_same_context(owner, grad, f"{name}[{level}]", *((grad_outs[0], f"{name}[0]") if like is None
-                                                                       else (like, "grad_outs[0]")))
+                                                                       else (like, "the call's gradient")))
     return list(grad_outs)
 
 

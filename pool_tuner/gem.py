@@ -86,6 +86,8 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
             raise TypeError(f"grad_out must be a device array on x's device ({owner.info.describe()}), got "
                             f"{type(grad_out).__name__}")
         plans.check_same_context(owner, grad_out, "grad_out", x, "x")
+        if output is not None:
+            plans.check_same_context(owner, output, "output", x, "x")
         plans.check_device_option(owner, device, "x")
         if output is None:
             output = forward(ndim, x, output_size, p, eps)

@@ -29,8 +29,6 @@ from .backends import cuda_arrays
 from .operations import DIRECTIONS
 from .problem import ELEMENT_BYTES, LAYOUT_NAMES, OPS, Problem, check_dtype, check_fits
 
-#: Bytes per element of every array a plan handles: the data dtypes and int64 indices.
-
 
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:

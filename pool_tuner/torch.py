@@ -165,8 +165,9 @@ def _in_input_layout(grad_out: torch.Tensor, output_strides) -> torch.Tensor:
     ``output_strides``), copied where it is not: the backward writes the input's gradient in the
     layout it reads ``grad_out`` in, and PyTorch's pooling backwards give the input's gradient the
     input's memory format whatever ``grad_out``'s (a channels-last network's gradients stay
-    channels-last)."""
-    if grad_out.stride() == output_strides:
+    channels-last).  Strides of axes of size 1 do not count: a 1x1 result's two layouts are the
+    same memory, so its ``grad_out`` is read as it is (and the gradient comes contiguous)."""
+    if _plans.same_strides(grad_out.shape, grad_out.stride(), output_strides):
         return grad_out
     return torch.empty_strided(grad_out.shape, output_strides, dtype=grad_out.dtype,
                                device=grad_out.device).copy_(grad_out)
@@ -1324,14 +1325,15 @@ def _count_pools(module) -> int:
 
 
 class _Tracer(torch.fx.Tracer):
-    """torch.fx's tracer with pool_tuner's fused calls kept as single calls and pool_tuner's
-    modules as leaves (their forward is not PyTorch code to trace)."""
+    """torch.fx's tracer with pool_tuner's fused calls kept as single calls, and as leaves
+    pool_tuner's modules (their forward is not PyTorch code to trace) and every module with hooks
+    of its own (traced through, its hooks would run once on placeholders and be lost)."""
 
     def __init__(self):
         super().__init__(autowrap_functions=(fused_adaptive_pools,))
 
     def is_leaf_module(self, m, module_qualified_name) -> bool:
-        return isinstance(m, _OwnModule) or super().is_leaf_module(m, module_qualified_name)
+        return isinstance(m, _OwnModule) or _has_hooks(m) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _trace(module: torch.nn.Module):

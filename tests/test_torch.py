@@ -411,6 +411,19 @@ def test_the_input_s_gradient_has_the_input_s_memory_format(rng, kind, input_cha
     assert_close(grad, expected)
 
 
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_a_1x1_result_s_gradient_of_either_layout_is_pytorch_s(rng, kind):
+    """A channels-last input pooled to 1x1 with a contiguous gradient, whose strides differ from
+    the result's only on axes of size 1 (the same memory): read as it is, the values PyTorch's."""
+    x = tensor(rng, (2, 8, 5, 5), requires_grad=False).to(memory_format=torch.channels_last).requires_grad_()
+    y = getattr(ptt, f"adaptive_{kind}_pool2d")(x, 1)
+    g = torch.from_numpy(random_input(rng, tuple(y.shape)))
+    (grad,) = torch.autograd.grad(y, x, g)
+    x_ = x.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(getattr(F, f"adaptive_{kind}_pool2d")(x_, 1), x_, g)
+    assert_close(grad, expected)
+
+
 def test_replace_pooling_swaps_every_torch_layer(rng):
     model = torch.nn.Sequential(
         torch.nn.Sequential(torch.nn.AdaptiveMaxPool2d((5, 7)), torch.nn.Identity()),

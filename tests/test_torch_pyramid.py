@@ -302,6 +302,36 @@ def test_a_swapped_layer_keeps_its_hooks(rng, fuse):
     assert calls == ["pre", "forward", "root"]
 
 
+class HookedHead(torch.nn.Module):
+    """Sibling pools of one tensor after a submodule that has a hook of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.ReLU())
+        self.pools = torch.nn.ModuleList(torch.nn.AdaptiveAvgPool2d(s) for s in (1, 2))
+
+    def forward(self, x):
+        x = self.inner(x)
+        return torch.cat([pool(x).flatten(1) for pool in self.pools], 1)
+
+
+def test_a_submodule_with_hooks_stays_a_module_of_the_rewritten_graph(rng):
+    """torch.fx traces through a submodule that is not a leaf: its hooks ran once, on placeholders,
+    during ``replace_pooling``, and never after.  A module with hooks is a leaf of the trace, so
+    they run on every call, and their handle still removes them."""
+    head, calls = HookedHead(), []
+    handle = head.inner.register_forward_hook(lambda module, args, output: calls.append("inner"))
+    stock = copy.deepcopy(head)
+    fused = ptt.replace_pooling(head, fuse=True)
+    assert calls == [] and _fused_calls(fused) == 1
+    x = tensor(rng, (2, 4, 7, 9))
+    torch.testing.assert_close(fused(x), stock(x), **TOL)
+    assert calls == ["inner", "inner"], "the hook ran on the rewritten module's call, as on the stock copy's"
+    handle.remove()
+    fused(x)
+    assert calls == ["inner", "inner"]
+
+
 def test_replace_pooling_without_fuse_leaves_the_graph(rng):
     model = ptt.replace_pooling(Net())
     assert _fused_calls(model) == 0 and isinstance(model.ppm.pools[0], ptt.AdaptiveAvgPool2d)

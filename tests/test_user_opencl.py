@@ -129,7 +129,7 @@ def _two_contexts_of_the_served_device():
     return pocl[0].queue, cl.CommandQueue(cl.Context([pocl[0].cl_device]))
 
 
-@pytest.mark.parametrize("call", ["max backward", "GeM backward", "pyramid backward"])
+@pytest.mark.parametrize("call", ["max backward", "GeM backward", "GeM backward's output", "pyramid backward"])
 def test_arrays_of_one_call_in_two_contexts_are_refused_by_name(rng, call):
     """Arrays of one device in two contexts: a kernel reads buffers of one context only (PoCL's
     ran it anyway), and the first array was left waiting on the other context's event, so that
@@ -149,6 +149,13 @@ def test_arrays_of_one_call_in_two_contexts_are_refused_by_name(rng, call):
         with pytest.raises(ValueError, match="grad_out must be in the context of x"):
             pt.adaptive_gem_pool2d_backward(grad, x_dev, (4, 3))
         kept = x_dev
+    elif call == "GeM backward's output":
+        x_dev = cl_array.to_device(queue, x + 2.0)
+        grad = cl_array.to_device(queue, random_input(rng, (2, 3, 4, 3)))
+        output = cl_array.to_device(other, pt.adaptive_gem_pool2d(x + 2.0, (4, 3)))
+        with pytest.raises(ValueError, match="output must be in the context of x"):
+            pt.adaptive_gem_pool2d_backward(grad, x_dev, (4, 3), output=output)
+        kept = output
     else:
         grads = [cl_array.to_device(queue, random_input(rng, (2, 3, 1, 1))),
                  cl_array.to_device(other, random_input(rng, (2, 3, 2, 2)))]
