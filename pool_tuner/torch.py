@@ -1366,17 +1366,21 @@ def _traced_differently_in_the_other_mode(module: torch.nn.Module, fused_gm) -> 
     return other.code != fused_gm.code
 
 
+def _hook_state(module: torch.nn.Module) -> dict:
+    """``module``'s own hook attributes by name: the dictionaries of its forward, backward and
+    state-dict hooks, and the flag of which kind of backward hook it has."""
+    return {name: value for name, value in vars(module).items() if "hook" in name}
+
+
 def _has_hooks(module: torch.nn.Module) -> bool:
     """Whether hooks are registered on ``module`` itself (forward, backward or state-dict hooks)."""
-    return any(hooks for name, hooks in vars(module).items() if name.endswith("hooks"))
+    return any(isinstance(value, dict) and value for value in _hook_state(module).values())
 
 
 def _carry_hooks(old: torch.nn.Module, new: torch.nn.Module) -> None:
     """The hooks registered on a module that ``replace_pooling`` replaces, on its replacement: the
     same dictionaries, so that the handles their registration returned still remove them."""
-    for name, value in vars(old).items():
-        if "hook" in name:
-            new.__dict__[name] = value
+    new.__dict__.update(_hook_state(old))
 
 
 def _no_record(name, module, replacement, reason):
