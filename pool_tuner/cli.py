@@ -32,14 +32,26 @@ FLEET_NAMES = {"device_filter": "--device-filter", "max_retries": "--max-retries
 DIRECTION_OPTION = {**{direction: (direction,) for direction in DIRECTIONS}, "both": DIRECTIONS}
 
 
-def _problem(op, shape, out, dtype, layout, direction) -> Problem:
+def _problem(op, shape, out, dtype, layout, direction, names=LIBRARY_NAMES) -> Problem:
     """``Problem.create`` with its errors in the terms of the command line: a message that begins
-    with a library argument (``output_size[1] must be ...``) names the option instead."""
+    with a library argument (``output_size[1] must be ...``) names the option instead (``names``:
+    the library's argument names and the options that set them, ``shape_names`` for a shape of
+    ``--shapes`` or ``--preset``)."""
     try:
         return Problem.create(op, shape, out, dtype, layout, direction=direction)
     except (TypeError, ValueError) as exc:
-        pattern = r"^(" + "|".join(map(re.escape, LIBRARY_NAMES)) + r")\b"
-        raise type(exc)(re.sub(pattern, lambda m: LIBRARY_NAMES[m.group(1)], str(exc))) from None
+        pattern = r"^(" + "|".join(map(re.escape, names)) + r")\b"
+        raise type(exc)(re.sub(pattern, lambda m: names[m.group(1)], str(exc))) from None
+
+
+def shape_names(args, i: int) -> dict:
+    """``LIBRARY_NAMES`` for the ``i``-th shape that ``_shapes_from_args`` read: its input and
+    output come from ``--input``/``--output``, from ``--shapes`` entry ``i`` or from ``--preset``."""
+    if args.shapes is not None:
+        return {**LIBRARY_NAMES, "input_shape": f"--shapes entry {i} input", "output_size": f"--shapes entry {i} output"}
+    if args.preset is not None:
+        return {**LIBRARY_NAMES, "input_shape": f"--preset {args.preset}", "output_size": f"--preset {args.preset}"}
+    return LIBRARY_NAMES
 
 
 def _check_positive(value, name: str) -> None:
@@ -184,7 +196,7 @@ def cmd_tune(args) -> int:
     device = None if args.ray is not None else backends.resolve_device(args.device, "--device")
     directions = DIRECTION_OPTION[args.direction]
     jobs = []
-    for op, shape, out in shapes:
+    for i, (op, shape, out) in enumerate(shapes):
         for direction in directions:
             if not variants_for(op, direction):  # a pass that runs its op's own kernel (GeM's backward)
                 what = f"{op} {direction} runs its own kernel ({OPS[op].backward_kernel}) in one configuration"
@@ -192,29 +204,25 @@ def cmd_tune(args) -> int:
                     raise ValueError(f"--direction {args.direction}: {what}: nothing to tune")
                 print(f"{what}: nothing to tune there, skipped", file=sys.stderr)
                 continue
-            jobs.append((op, shape, out, direction))
+            jobs.append((op, shape, out, direction, shape_names(args, i)))
     variant_names = args.variants.split(",") if args.variants else None
-    shape_option = next(f"--{name}" for name in ("input", "preset", "shapes") if getattr(args, name) is not None)
-    problems = set()
-    unique_jobs = []
-    for op, shape, out, direction in jobs:  # every argument checked before any tuning starts
-        problem = _problem(op, shape, out, args.dtype, args.layout, direction)
+    problems = {}  # every argument checked before any tuning starts
+    for op, shape, out, direction, names in jobs:
+        problem = _problem(op, shape, out, args.dtype, args.layout, direction, names)
         if problem.is_empty:
-            raise ValueError(f"--output {out!r} gives an empty output {problem.output_shape} for --input "
-                             f"{'x'.join(map(str, shape))}: nothing to tune")
+            raise ValueError(f"{names['output_size']} {out!r} gives an empty output {problem.output_shape} for "
+                             f"{names['input_shape']} {'x'.join(map(str, shape))}: nothing to tune")
         for name in variant_names or ():
             get_variant(op, name, direction, argument="--variants")
         if device is not None:  # on Ray each worker's own device checks it
             table = variants_for(op, direction)
             check_tunable(problem, device, [table[name] for name in variant_names or table],
-                          names=(shape_option, "--output" if args.input else shape_option, "--variants"))
-        if problem not in problems:  # e.g. coord_attention's 56xNone and Nonex56 on 56x56 inputs
-            problems.add(problem)
-            unique_jobs.append((op, shape, out, direction))
-    jobs = unique_jobs
+                          names=(names["input_shape"], names["output_size"], "--variants"))
+        # one job per problem: e.g. coord_attention's 56xNone and Nonex56 on 56x56 inputs
+        problems.setdefault(problem, (op, shape, out, direction))
+    jobs = list(problems.values())
     if args.ray is not None:
-        return _tune_on_ray(args, [_problem(op, shape, out, args.dtype, args.layout, direction)
-                                   for op, shape, out, direction in jobs], variant_names)
+        return _tune_on_ray(args, list(problems), variant_names)
     steps = sum(len(variant_names or variants_for(op, d)) for op, _, _, d in jobs)
     failed = finished = cut_short = 0
     try:

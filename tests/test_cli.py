@@ -540,6 +540,23 @@ def test_bad_shapes_files_are_one_line_and_exit_2(capsys, user_cache, tmp_path, 
     assert mentions in assert_one_error_line(code, err)
 
 
+@pytest.mark.parametrize("second, mentions", [
+    ({"input": [30], "output": 7}, "--shapes entry 1 input"),
+    ({"input": [2, 4, 30], "output": [7, 7]}, "--shapes entry 1 output"),
+    ({"input": [2, 4, 30], "output": 0}, "--shapes entry 1 output 0 gives an empty output"),
+    ({"input": [100000, 100000, 30], "output": 7}, "--shapes entry 1 output gives an output of shape"),
+], ids=["input-rank", "output-rank", "empty-output", "too-large"])
+def test_a_shapes_entry_the_library_refuses_is_named_by_its_index(capsys, user_cache, tmp_path, second, mentions):
+    """Errors that the library raises for one entry of a --shapes file (the problem's rank, an
+    empty output, a problem too large for the device) name that entry, not --input/--output."""
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"input": [2, 4, 30], "output": 7}, second]))
+    code, _, err = run(capsys, "tune", "--op", "adaptive_avg_pool1d", "--shapes", str(shapes))
+    line = assert_one_error_line(code, err)
+    assert mentions in line and "--input" not in line
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
 def test_a_shapes_file_that_is_not_utf8_is_named(capsys, user_cache, tmp_path):
     shapes = tmp_path / "shapes.json"
     shapes.write_bytes(b"\xff\xfe[]")
