@@ -101,3 +101,13 @@ def test_pool_switch_is_read_from_the_environment_at_import(value, enabled):
     code = "from pool_tuner.backends import opencl; print(opencl.memory_pool_enabled)"
     printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert printed.stdout.strip() == str(enabled)
+
+
+@pytest.mark.parametrize("value", ["abc", "yes", "2", ""])
+def test_a_pool_switch_that_is_neither_0_nor_1_is_refused_at_import(value):
+    """An unreadable switch names the variable and what it takes, rather than pooling in silence."""
+    env = {**os.environ, opencl.MEMORY_POOL_ENV: value}
+    code = "import pool_tuner"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert f"ValueError: {opencl.MEMORY_POOL_ENV} must be 0 (allocate every result afresh) or 1" in proc.stderr

@@ -61,10 +61,20 @@ SIMULATOR_PLATFORMS = ("Oclgrind",)
 POCL_PLATFORM = "Portable Computing Language"
 #: Platform slugs that are not the slugified platform name (see ``platform_slug``).
 PLATFORM_SLUGS = {POCL_PLATFORM: "pocl"}
-#: Set to 0 (before importing pool_tuner) to allocate every result afresh.
+#: Set to 0 (before importing pool_tuner) to allocate every result afresh; 1 (the default) pools.
 MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
-memory_pool_enabled = os.environ.get(MEMORY_POOL_ENV, "1") != "0"
 
+
+def _memory_pool_from_environment() -> bool:
+    """``POOL_TUNER_MEMORY_POOL`` as a switch: ``0`` or ``1`` (unset: ``1``); any other value is
+    refused, as ``POOL_TUNER_MEMO_LIMIT``'s are, rather than read as one of them in silence."""
+    text = os.environ.get(MEMORY_POOL_ENV, "1")
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"{MEMORY_POOL_ENV} must be 0 (allocate every result afresh) or 1 (pool them), got {text!r}")
+    return text.strip() == "1"
+
+
+memory_pool_enabled = _memory_pool_from_environment()
 
 
 def pocl_affinity() -> str:
