@@ -99,6 +99,7 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
         output = forward(ndim, x, output_size, p, eps, device=device)
     if grad_out.shape != output.shape:
         raise ValueError(f"grad_out must have the shape of the output {output.shape}, got {grad_out.shape}")
+    _check_dtype_of_x(x.dtype, (("grad_out", grad_out.dtype), ("output", output.dtype)))
     dev = backends.resolve_device(device)
     if not dev.info.shares_host_memory:  # through copies on the device, as pool_tuner.ops does
         queue = dev.queue
@@ -114,6 +115,15 @@ def backward(ndim: int, grad_out, x, output_size, p=3.0, eps=1e-6, *, output=Non
                               grad_memory.ctypes.data)
     grad_x = np.moveaxis(grad_memory, -1, x.ndim - ndim - 1) if channels_last else grad_memory
     return grad_x, grad_p
+
+
+def _check_dtype_of_x(x_dtype, named_dtypes) -> None:
+    """GeM's backward reads ``grad_out`` and ``output`` as arrays of ``x``'s dtype (as PyTorch's
+    autograd gives them): another dtype is a mistake of the caller's, refused by name rather than
+    converted."""
+    for name, dtype in named_dtypes:
+        if np.dtype(dtype) != np.dtype(x_dtype):
+            raise ValueError(f"{name} must have x's dtype ({np.dtype(x_dtype)}), got {np.dtype(dtype)}")
 
 
 #: The share of the input's bytes that the host backward may allocate for a slab's workspace (the
@@ -362,6 +372,8 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
                              f"got {tuple(array.shape)}")
         if ops.memory_layout(array, ndim) not in layouts:
             raise ValueError(f"{name} must be in x's memory layout ({layout}) on a device")
+    _check_dtype_of_x(plans.numpy_spec(x).dtype, (("grad_out", plans.numpy_spec(grad_out).dtype),
+                                                  ("output", plans.numpy_spec(output).dtype)))
     if layout is None:
         raise ValueError(f"x must be contiguous or channels-last on a device (GeM's backward reads it in place), got "
                          f"strides {plans.numpy_spec(x).strides}")

@@ -409,6 +409,24 @@ def test_bad_arguments_are_refused_by_name(p, eps, error):
         pt.adaptive_gem_pool2d_backward(np.ones((1, 2, 2, 2)), x, 2, p=p, eps=eps)
 
 
+@pytest.mark.parametrize("arrays", ["numpy", "device arrays"])
+@pytest.mark.parametrize("name", ["grad_out", "output"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, np.int64])
+def test_a_grad_out_or_output_not_of_xs_dtype_is_refused_by_name(rng, arrays, name, dtype):
+    """GeM's backward reads grad_out and output as x's dtype: another is refused, not converted."""
+    x = rng.random((2, 3, 8, 8)).astype(np.float32) + 0.5
+    given = {"grad_out": rng.standard_normal((2, 3, 2, 2)).astype(np.float32), "output": pt.adaptive_gem_pool2d(x, 2)}
+    given[name] = (given[name] * 4).astype(dtype)
+    if arrays == "device arrays":
+        cla = pytest.importorskip("pyopencl.array")
+        from pool_tuner import backends
+
+        queue = backends.resolve_device(None).queue
+        x, given = cla.to_device(queue, x), {key: cla.to_device(queue, value) for key, value in given.items()}
+    with pytest.raises(ValueError, match=f"{name} must have x's dtype \\(float32\\), got {np.dtype(dtype)}"):
+        pt.adaptive_gem_pool2d_backward(given["grad_out"], x, 2, output=given["output"])
+
+
 def test_the_op_is_one_object_with_its_own_operator_header():
     op = OPERATIONS["adaptive_gem_pool2d"]
     assert op.operator_header == "operators/gem.h" and not op.selects and op.rules_kind == "avg"
