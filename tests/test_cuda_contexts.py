@@ -447,6 +447,30 @@ def test_gem_backward_on_arrays_of_a_side_stream_launches_there_and_waits_for_it
     _forget_gem()
 
 
+@pytest.mark.parametrize("first", ["autoinit", "primary"])
+def test_gem_backward_of_one_problem_in_two_contexts_runs_in_each(gpu, first):
+    """GeM's prepared backward is per context: the same problem on arrays of ``pycuda.autoinit``'s
+    context, then of the primary one (or the reverse), launches each context's own kernel (it was
+    prepared per device and problem only, and the second context's call was refused)."""
+    _forget_gem()
+    _, _, driver = gpu
+    own = driver.create_context(0)
+    contexts = [own, PRIMARY_CONTEXT] if first == "autoinit" else [PRIMARY_CONTEXT, own]
+
+    def in_context(context, host):
+        address = driver.allocate_in(context, host.nbytes)
+        driver.memory[address][1][:] = host.tobytes()
+        return ForeignArray(host.shape, address)
+
+    for context in contexts:
+        driver.set_current(context)
+        grad_x, grad_p = pt.adaptive_gem_pool2d_backward(in_context(context, _host(OUT)), in_context(context, _host() + 0.5),
+                                                         SIZE, output=in_context(context, _host(OUT) + 0.25))
+        assert driver._allocation(grad_x.ptr)[1] == context and np.isfinite(grad_p)
+    assert [launch["context"] for launch in driver.launches] == contexts
+    _forget_gem()
+
+
 def test_two_devices_with_the_same_shapes_each_run_their_own_plan(gpu, monkeypatch):
     """A plan holds its device: a call on device 1's array whose shapes match an earlier call on
     device 0's must not reuse device 0's plan (on 0511fb1 it did, and was refused for device 1's
