@@ -118,7 +118,7 @@ def _make(op, direction, tensors, size, options: dict) -> plans.Plan:
     index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
     device = cuda.device_by_ordinal(0 if index is None else index, name)
     plans.check_device_option(device, options.get("device"), name)
-    #ITEM4 check_context(device, first, name)
+    check_context(device, first, name)
     if len(tensors) > 1:
         _check_indices_tensor(tensors[1], first)
     return plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),

@@ -6,7 +6,8 @@ defines them; a fresh thread has none current); memory belongs to the context th
 (``cuMemAlloc``) and holds bytes that copies move; copies, fills, frees, module loads and launches
 fail with ``CUDA_ERROR_INVALID_CONTEXT`` (201) when no context is current or when the memory or
 the kernel's module belongs to another context; ``cuPointerGetAttribute`` answers for its own
-allocations (context, device) and not for made-up addresses.  Launches are recorded with their
+allocations (context, device) and for memory ``adopt`` registers (CPU tensors standing in for
+CUDA ones, owned by the primary context as PyTorch's are), not for made-up addresses.  Launches are recorded with their
 arguments read back from the ctypes argument array as the driver would: where the module's image
 is pool_tuner's kernel source (the tests' stand-in compiler returns it), by the parameter list the
 kernel declares there -- each argument read at its declared size and type (a float32 ``p`` as a
@@ -67,6 +68,7 @@ class FakeDriver:
         self.function_modules = {}  # function handle -> its module's handle
         self.parameters = {}  # function handle -> its declared parameters' ctypes types (None: unknown)
         self.memory = {}  # device address -> (context, bytearray)
+        self.adopted = []  # (address, bytes, context) of memory not the fake's own (``adopt``)
         self._next_address = 0x7_0000_0000
         self.max_threads = MAX_THREADS
         self._local = threading.local()
@@ -177,13 +179,33 @@ class FakeDriver:
                 return base, context, data
         return None
 
+    def _owner(self, pointer):
+        """The context owning ``pointer``: of a fake allocation, or of memory ``adopt`` registered;
+        None for a made-up address."""
+        found = self._allocation(pointer)
+        if found is not None:
+            return found[1]
+        for base, nbytes, context in self.adopted:
+            if base <= pointer < base + max(nbytes, 1):
+                return context
+        return None
+
+    def adopt(self, address, nbytes, context=PRIMARY_CONTEXT):
+        """Register memory that is not the fake's own -- the host memory of a CPU tensor standing
+        in for a CUDA tensor -- as owned by ``context`` (PyTorch's allocator allocates in the
+        primary context): ``cuPointerGetAttribute`` names that context for it, and a launch or
+        copy under another context is refused, as the real driver refuses another context's
+        memory (a kernel launched there reads illegal addresses).  Its bytes are not the fake's to
+        move: copies and fills leave them alone."""
+        self.adopted.append((address, nbytes, context))
+
     def _check_memory(self, *pointers):
         """201 when no context is current or a known pointer belongs to another context."""
         if self.current() is None:
             return INVALID_CONTEXT
         for pointer in pointers:
-            found = self._allocation(_value(pointer))
-            if found is not None and found[1] != self.current():
+            owner = self._owner(_value(pointer))
+            if owner is not None and owner != self.current():
                 return INVALID_CONTEXT
         return 0
 
@@ -270,10 +292,9 @@ class FakeDriver:
         return 0
 
     def cuPointerGetAttribute(self, data, attribute, pointer):
-        found = self._allocation(_value(pointer))
-        if found is None:
+        context = self._owner(_value(pointer))
+        if context is None:
             return INVALID_VALUE  # not a pointer the driver knows (its device is taken to be 0)
-        context = found[1]
         _target(data).value = {1: context, 9: self.contexts[context]}[_value(attribute)]  # CONTEXT, DEVICE_ORDINAL
         return 0
 
