@@ -347,6 +347,31 @@ def test_a_pyramid_of_a_pycuda_autoinit_gpuarray_gives_gpuarrays_read_in_its_con
     assert pycuda.fatal == []
 
 
+def test_results_on_the_per_thread_default_stream_of_two_threads_never_share_a_block(gpu):
+    """Handle 2 (``CU_STREAM_PER_THREAD``) names each thread's own stream: a block dropped by one
+    thread, whose stream may still be writing it, must not be handed to another thread's launch
+    on its own stream, which does not wait for the first (one pool served both)."""
+    _, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    x = ForeignArray(SHAPE, driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE))), 2)
+    addresses = []
+
+    def call():
+        driver.set_current(PRIMARY_CONTEXT)
+        addresses.append(pt.adaptive_avg_pool2d(x, SIZE).ptr)  # dropped at once: its block back to a pool
+
+    for _ in range(2):
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    gc.collect()
+    call()  # a thread's own dropped block is reused on its own stream
+    call()
+    assert addresses[0] != addresses[1], "a block dropped on thread A's stream went to thread B's launch"
+    assert addresses[2] == addresses[3]
+    assert {launch["stream"] for launch in driver.launches} == {2}
+
+
 def test_release_memory_frees_each_context_s_blocks_in_that_context(gpu):
     """Blocks of a context that is not current are freed with it pushed for the frees and popped:
     the thread's current context is as it was."""

@@ -61,6 +61,8 @@ MAX_GRID_X = 2**31 - 1
 #: The legacy default stream, as ``__cuda_array_interface__`` names it and as a stream handle of the
 #: driver API (``CU_STREAM_LEGACY``): where work goes when no stream is named.
 LEGACY_STREAM = 1
+#: The per-thread default stream (``CU_STREAM_PER_THREAD``): one handle naming each thread's own stream.
+PER_THREAD_STREAM = 2
 
 #: Results of calls on numpy arrays, and of the tuner and the benchmark: pool_tuner's ``CudaArray``.
 _OWN_KIND = ResultKind(None)
@@ -174,7 +176,7 @@ class CudaDevice(Conveniences):
                 "driver": properties.driver_version,
             },
         )
-        self._pools = {}  # (context, stream handle) -> MemoryPool (``memory_pool``)
+        self._pools = {}  # (context, stream handle[, thread]) -> MemoryPool (``memory_pool``)
         self._joins = {}  # context -> cuda_driver.StreamJoin (``launch``)
         self._lock = threading.Lock()  # making the pools and joins
         self.arrays = CudaCallerArrays(self)
@@ -231,8 +233,10 @@ class CudaDevice(Conveniences):
         that size on that stream reuses it (``release_memory`` frees what the pools hold).  One
         pool per stream: a block whose last user was queued on one stream could otherwise be handed
         to a launch on another while that work still reads it; on one stream, later work runs
-        after earlier work."""
-        key = (context, stream)
+        after earlier work.  The per-thread default stream (handle 2) is another stream on every
+        thread, so its pools are per thread too: a block dropped by one thread with work still
+        queued on that thread's stream must not go to another thread's launch on its own."""
+        key = (context, stream, threading.get_ident()) if stream == PER_THREAD_STREAM else (context, stream)
         pool = self._pools.get(key)
         if pool is None:
             with self._lock:
