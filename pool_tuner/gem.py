@@ -375,7 +375,9 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
         return owner.arrays.deliver(grad, queue), 0.0
     x_in, grad_in, output_in = (owner.arrays.wrap_input(a, name) for a, name in
                                 ((x, "x"), (grad_out, "grad_out"), (output, "output")))
-    owner.synchronize(queue)  # grad_out's and output's producers, before they are read on the host
+    # grad_out's and output's producers, before they are read on the host: x's stream here, and on
+    # CUDA each array's own stream in the copies (they may name other, non-blocking, streams)
+    owner.synchronize(queue)
     host = [np.empty(problem.memory_shape(output.shape), dtype) for _ in range(2)]
     owner.copy(host[0], grad_in)
     owner.copy(host[1], output_in)

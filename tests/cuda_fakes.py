@@ -5,7 +5,11 @@ has its own context stack (``cuCtxGetCurrent``/``cuCtxSetCurrent``/push/pop as t
 defines them; a fresh thread has none current); memory belongs to the context that allocated it
 (``cuMemAlloc``) and holds bytes that copies move; copies, fills, frees, module loads and launches
 fail with ``CUDA_ERROR_INVALID_CONTEXT`` (201) when no context is current or when the memory or
-the kernel's module belongs to another context; ``cuPointerGetAttribute`` answers for its own
+the kernel's module belongs to another context; streams a test flags ``non_blocking`` keep the
+memory their launches, fills and copies touch ``pending`` until synchronised or joined to a
+blocking stream, and a synchronous copy (``cuMemcpyDtoH``/``HtoD``) of pending memory raises --
+the real driver orders such copies with the legacy default stream and the blocking streams only,
+so it would copy while that work still runs; ``cuPointerGetAttribute`` answers for its own
 allocations (context, device) and for memory ``adopt`` registers (CPU tensors standing in for
 CUDA ones, owned by the primary context as PyTorch's are), not for made-up addresses.  Launches are recorded with their
 arguments read back from the ctypes argument array as the driver would: where the module's image
@@ -75,6 +79,9 @@ class FakeDriver:
         self.on_get_current = None  # called inside cuCtxGetCurrent (tests use it to force thread switches)
         self.on_launch = None  # called inside cuLaunchKernel before it reads the arguments (the same)
         self.capturing = set()  # stream handles being captured into a graph
+        self.non_blocking = set()  # stream handles made with CU_STREAM_NON_BLOCKING (``pending``)
+        self.pending = {}  # non-blocking stream -> allocations (bases) its unfinished work touches
+        self._recorded = {}  # event -> (stream, allocations pending there when it was recorded)
         self.events = 0  # events made
 
     # contexts: a per-thread stack, as the driver keeps one
@@ -137,7 +144,10 @@ class FakeDriver:
         return 0
 
     def cuCtxSynchronize(self):
-        return INVALID_CONTEXT if self.current() is None else self._record("cuCtxSynchronize")
+        if self.current() is None:
+            return INVALID_CONTEXT
+        self.pending.clear()
+        return self._record("cuCtxSynchronize")
 
     def cuCtxPushCurrent_v2(self, context):
         self.calls.append(("push", _value(context)))
@@ -199,6 +209,28 @@ class FakeDriver:
         move: copies and fills leave them alone."""
         self.adopted.append((address, nbytes, context))
 
+    def _touch(self, stream, *pointers):
+        """Work queued on a non-blocking ``stream`` touches the allocations of ``pointers``: they
+        stay pending until the stream is synchronised (or the context is), or a blocking stream
+        waits for an event recorded after the work (``cuStreamWaitEvent``)."""
+        stream = _value(stream)
+        if stream in self.non_blocking:
+            bases = {found[0] for found in map(self._allocation, map(_value, pointers)) if found is not None}
+            self.pending.setdefault(stream, set()).update(bases)
+
+    def _check_synchronous_copy(self, pointer, call):
+        """The driver's rule for synchronous copies (``cuMemcpyDtoH``/``HtoD``): they are ordered
+        with the legacy default stream, hence with every blocking stream, but never with a
+        non-blocking stream -- a copy of memory whose writer is still queued there races it.  The
+        real driver copies whatever the memory holds; the fake refuses, so that a test fails."""
+        found = self._allocation(_value(pointer))
+        if found is None:
+            return
+        for stream, bases in self.pending.items():
+            if found[0] in bases:
+                raise AssertionError(f"{call} of memory {found[0]:#x} that work still queued on non-blocking stream "
+                                     f"{stream:#x} touches: a synchronous copy does not wait for that stream")
+
     def _check_memory(self, *pointers):
         """201 when no context is current or a known pointer belongs to another context."""
         if self.current() is None:
@@ -238,6 +270,7 @@ class FakeDriver:
         status = self._check_memory(destination)
         if status:
             return status
+        self._check_synchronous_copy(destination, "cuMemcpyHtoD")
         found = self._allocation(destination)
         if found is not None:
             base, _, data = found
@@ -249,6 +282,7 @@ class FakeDriver:
         status = self._check_memory(source)
         if status:
             return status
+        self._check_synchronous_copy(source, "cuMemcpyDtoH")
         found = self._allocation(source)
         if found is not None:
             base, _, data = found
@@ -279,6 +313,7 @@ class FakeDriver:
             return INVALID_CONTEXT  # no context, or a kernel of another context's module
         if self._check_memory(*arguments):
             return INVALID_CONTEXT  # memory of another context
+        self._touch(stream, *arguments)
         self.launches.append({
             "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "shared": shared,
             "stream": stream, "extra": extra, "params_address": ctypes.addressof(params),
@@ -299,7 +334,10 @@ class FakeDriver:
         return 0
 
     def cuStreamSynchronize(self, stream):
-        return INVALID_CONTEXT if self.current() is None else self._record("cuStreamSynchronize", stream)
+        if self.current() is None:
+            return INVALID_CONTEXT
+        self.pending.pop(_value(stream), None)
+        return self._record("cuStreamSynchronize", stream)
 
     def cuStreamIsCapturing(self, stream, status):
         _target(status).value = 1 if _value(stream) in self.capturing else 0  # ACTIVE or NONE
@@ -313,9 +351,18 @@ class FakeDriver:
         return self._record("cuEventCreate", flags)
 
     def cuEventRecord(self, event, stream):
+        self._recorded[_value(event)] = (_value(stream), set(self.pending.get(_value(stream), ())))
         return self._record("cuEventRecord", event, stream)
 
     def cuStreamWaitEvent(self, stream, event, flags):
+        """A non-blocking stream that waits takes over the recorded work as pending too; a
+        blocking one orders every later synchronous copy after it, so that work is no longer
+        pending for them."""
+        producer, bases = self._recorded.get(_value(event), (None, set()))
+        if _value(stream) in self.non_blocking:
+            self.pending.setdefault(_value(stream), set()).update(bases)
+        elif producer in self.pending:
+            self.pending[producer] -= bases
         return self._record("cuStreamWaitEvent", stream, event)
 
     def cuEventSynchronize(self, event):
@@ -342,6 +389,8 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, 1, bytes([value]), count)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD8Async", pointer, value, count, stream)
 
     def cuMemsetD16Async(self, pointer, value, count, stream):
@@ -349,6 +398,8 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, 2, value.to_bytes(2, "little"), count)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD16Async", pointer, value, count, stream)
 
     def cuMemsetD32Async(self, pointer, value, count, stream):
@@ -356,6 +407,8 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, 4, value.to_bytes(4, "little"), count)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD32Async", pointer, value, count, stream)
 
     def cuMemsetD2D32Async(self, pointer, pitch, value, width, height, stream):
@@ -363,9 +416,13 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, pitch, value.to_bytes(4, "little") * width, height)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD2D32Async", pointer, pitch, value, width, height, stream)
 
     def cuMemcpyDtoDAsync_v2(self, destination, source, nbytes, stream):
+        if not self._check_memory(destination, source):
+            self._touch(stream, destination, source)
         return self._check_memory(destination, source) or self._record("cuMemcpyDtoDAsync", destination, source,
                                                                        nbytes, stream)
 

@@ -496,6 +496,49 @@ def test_gem_backward_of_one_problem_in_two_contexts_runs_in_each(gpu, first):
     _forget_gem()
 
 
+NON_BLOCKING = 0x5AFE0  # a stream made with CU_STREAM_NON_BLOCKING (PyTorch's side streams, CuPy's)
+
+
+def _on_stream(driver, host, stream=...):
+    address = driver.allocate_in(PRIMARY_CONTEXT, host.nbytes)
+    driver.memory[address][1][:] = host.tobytes()
+    return ForeignArray(host.shape, address, stream)
+
+
+def test_results_on_a_non_blocking_stream_are_read_to_the_host_after_that_stream(gpu):
+    """A synchronous copy to the host waits for the legacy default stream and the blocking streams
+    only: ``CudaArray.get()`` and ``device.copy(numpy, array)`` read a result naming a
+    non-blocking stream while its kernel could still be writing it (the fake raises)."""
+    device, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    driver.non_blocking.add(NON_BLOCKING)
+    x = _on_stream(driver, _host(), NON_BLOCKING)
+    y = pt.adaptive_avg_pool2d(x, SIZE)
+    assert y.stream == NON_BLOCKING and y.get().shape == OUT
+    z = pt.adaptive_max_pool2d(x, SIZE)
+    host = np.empty(OUT, np.float32)
+    device.copy(host, z)
+    waits = [i for i, c in enumerate(driver.calls) if c == ("cuStreamSynchronize", NON_BLOCKING)]
+    reads = [i for i, c in enumerate(driver.calls) if c[0] == "cuMemcpyDtoH"]
+    assert len(waits) == len(reads) == 2 and all(w < r for w, r in zip(waits, reads))
+
+
+def test_gem_backward_reads_grad_out_and_output_after_their_own_streams(gpu):
+    """GeM's backward read grad_out and output on the host after waiting for x's stream only;
+    theirs may be non-blocking streams whose kernels are still writing them (the fake raises)."""
+    _forget_gem()
+    _, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    driver.non_blocking.add(NON_BLOCKING)
+    x = _on_stream(driver, _host() + 0.5)  # names no stream
+    on_side = _on_stream(driver, _host() + 0.5, NON_BLOCKING)
+    output = pt.adaptive_gem_pool2d(on_side, SIZE)  # written on the non-blocking stream, not yet waited for
+    grad_out = pt.adaptive_avg_pool2d(on_side, SIZE)
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(grad_out, x, SIZE, output=output)
+    assert grad_x.shape == SHAPE and ("cuStreamSynchronize", NON_BLOCKING) in driver.calls
+    _forget_gem()
+
+
 def test_two_devices_with_the_same_shapes_each_run_their_own_plan(gpu, monkeypatch):
     """A plan holds its device: a call on device 1's array whose shapes match an earlier call on
     device 0's must not reuse device 0's plan (on 0511fb1 it did, and was refused for device 1's

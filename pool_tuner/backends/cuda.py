@@ -52,7 +52,7 @@ import threading
 import numpy as np
 
 from . import cuda_compile, cuda_driver
-from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface
+from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface, wait_for
 from .base import Conveniences, DeviceInfo, DeviceLimits
 
 BACKEND = __name__.rsplit(".", 1)[-1]  #: the ids' prefix: the module's name (base.Backend)
@@ -245,13 +245,19 @@ class CudaDevice(Conveniences):
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """Copy ``source`` into ``destination``: between device arrays on the queue's stream, from
-        or to a C-contiguous numpy array synchronously (in the current context)."""
+        or to a C-contiguous numpy array synchronously (in the current context), after the work
+        queued on the stream the device array names (``cuda_arrays.wait_for``: a synchronous copy
+        waits for the legacy default stream and the blocking streams only)."""
         if isinstance(destination, np.ndarray):
             self.current_context()
-            cuda_driver.copy_to_host(destination, as_cuda_array(source).ptr)
+            source = as_cuda_array(source)
+            wait_for(source.stream)
+            cuda_driver.copy_to_host(destination, source.ptr)
         elif isinstance(source, np.ndarray):
             self.current_context()
-            cuda_driver.copy_to_device(as_cuda_array(destination).ptr, np.ascontiguousarray(source))
+            destination = as_cuda_array(destination)
+            wait_for(destination.stream)
+            cuda_driver.copy_to_device(destination.ptr, np.ascontiguousarray(source))
         else:
             source = as_cuda_array(source)
             cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, (queue or self.queue).stream)
