@@ -42,6 +42,7 @@ OTHER_CONTEXT = 0xD0  # a context of another device (device 1)
 MAX_THREADS = 1024
 INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
+CAPTURE_UNSUPPORTED = 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
 
 
 def _target(argument):
@@ -249,8 +250,12 @@ class FakeDriver:
         return address
 
     def cuMemAlloc_v2(self, pointer, nbytes):
+        """Fails while any stream captures: under the global capture mode (PyTorch's and the
+        runtime's default) ``cuMemAlloc`` during a capture is refused and invalidates the capture."""
         if self.current() is None:
             return INVALID_CONTEXT
+        if self.capturing:
+            return CAPTURE_UNSUPPORTED
         address = self.allocate_in(self.current(), _value(nbytes))
         _target(pointer).value = address
         self.calls.append(("cuMemAlloc", address, _value(nbytes)))

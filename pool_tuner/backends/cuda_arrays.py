@@ -211,12 +211,22 @@ class MemoryPool:
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> _Block:
+        """A block of ``nbytes``: a held one, else fresh memory (``cuMemAlloc``) -- except while the
+        pool's stream is being captured into a CUDA graph, where ``cuMemAlloc`` is refused and
+        invalidates the capture: such a miss is a ``ValueError`` that says what to do."""
         with self._lock:
             free = self.held.get(nbytes)
             ptr = free.pop() if free else None
-        if ptr is None:
-            ptr = cuda_driver.allocate(nbytes) if nbytes else 0
-        return _Block(ptr, nbytes, self)
+        if ptr is None and nbytes:
+            if cuda_driver.is_capturing(self.stream):
+                raise ValueError(
+                    f"pool_tuner needs {nbytes} bytes of new device memory for a result while stream {self.stream:#x} "
+                    "is being captured into a CUDA graph, and allocating then would invalidate the capture: its "
+                    "pool has no free block of that size (the warm-up ran on another stream, or its result is still "
+                    "alive). Warm up each call on the capturing stream itself and release (drop) its results before "
+                    "capture begins")
+            ptr = cuda_driver.allocate(nbytes)
+        return _Block(ptr or 0, nbytes, self)
 
     @property
     def held_blocks(self) -> int:
