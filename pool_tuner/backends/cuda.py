@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import itertools
 import math
 import os
 import shutil
@@ -236,7 +237,7 @@ class CudaDevice(Conveniences):
         after earlier work.  The per-thread default stream (handle 2) is another stream on every
         thread, so its pools are per thread too: a block dropped by one thread with work still
         queued on that thread's stream must not go to another thread's launch on its own."""
-        key = (context, stream, threading.get_ident()) if stream == PER_THREAD_STREAM else (context, stream)
+        key = (context, stream, _thread_number()) if stream == PER_THREAD_STREAM else (context, stream)
         pool = self._pools.get(key)
         if pool is None:
             with self._lock:
@@ -326,6 +327,19 @@ class CudaDevice(Conveniences):
             join(queue.stream, producer)
         cuda_driver.launch(kernel, groups, block, queue.stream, values)
         return CudaLaunch(self, queue)
+
+_THREADS = threading.local()
+_THREAD_NUMBERS = itertools.count()
+
+
+def _thread_number() -> int:
+    """A number of the calling thread, never reused (``threading.get_ident`` is reused once a
+    thread ends, and a new thread's per-thread default stream is not the ended one's)."""
+    number = getattr(_THREADS, "number", None)
+    if number is None:
+        number = _THREADS.number = next(_THREAD_NUMBERS)
+    return number
+
 
 class CudaCallerArrays:
     """The caller's CUDA arrays on one device (``base.CallerArrays``): any object with
