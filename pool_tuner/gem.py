@@ -387,7 +387,9 @@ def _backward_on_device(owner, ndim: int, grad_out, x, output, arguments: dict) 
         return owner.arrays.deliver(grad, queue), 0.0
     x_in, grad_in, output_in = (owner.arrays.wrap_input(a, name) for a, name in
                                 ((x, "x"), (grad_out, "grad_out"), (output, "output")))
-    owner.synchronize(queue)  # grad_out's and output's producers, before they are read on the host
+    # grad_out's and output's producers, before they are read on the host: x's stream here, and on
+    # CUDA each array's own stream in the copies (they may name other, non-blocking, streams)
+    owner.synchronize(queue)
     host = [np.empty(problem.memory_shape(output.shape), dtype) for _ in range(2)]
     owner.copy(host[0], grad_in)
     owner.copy(host[1], output_in)
@@ -582,22 +584,25 @@ def input_gradient_on_device(device, problem: Problem, arguments: dict, stream, 
     ``terms_address``), on ``slab`` of ``problem`` (None: the whole): over host memory where the
     device shares it (``stream`` None, written when this returns), else over device memory on the
     raw stream handle ``stream`` (CUDA: PyTorch's current stream), without waiting.  The launch is
-    prepared once per device, problem and slab shape, its kernel built in the context current then
-    (CUDA: the primary one, where PyTorch's tensors live; a later call under another context is
-    refused by the launch, naming both); ``p``, ``eps`` and the slab's first input reach it as
+    prepared once per device, context, problem and slab shape, its kernel built in the context
+    current then (CUDA: the calling thread's; ``pool_tuner.torch`` checks first that it is the one
+    owning the tensors); ``p``, ``eps`` and the slab's first input reach it as
     this call's scalars."""
     acc = accumulation_dtype(problem)
     part, first_input = (problem, 0) if slab is None else (slab.problem, slab.first_input)
     scalars = (np.int64(part.planes), acc(arguments["p"]), acc(arguments["eps"]), np.int64(first_input))
-    _prepared_input_gradient(device, problem, part)(stream, x_address, coefficients_address, grad_address,
-                                                    terms_address, scalars=scalars)
+    _prepared_input_gradient(device, problem, part, device.queue.context)(
+        stream, x_address, coefficients_address, grad_address, terms_address, scalars=scalars)
 
 
 @functools.lru_cache(maxsize=64)
-def _prepared_input_gradient(device, problem: Problem, part: Problem):
+def _prepared_input_gradient(device, problem: Problem, part: Problem, context):
     """The input-gradient kernel of ``part`` (``problem`` or one of its slabs' problems) on
     ``device`` with its grid fixed (``prepare``) over the whole input and gradient of ``problem``
-    and ``part``'s coefficients and terms, its scalars the defaults until a call passes its own."""
+    and ``part``'s coefficients and terms, its scalars the defaults until a call passes its own.
+    Prepared per ``context`` (the device's queue's: on CUDA the calling thread's current one), as
+    its kernel is loaded into that context: arrays of ``pycuda.autoinit``'s context and of the
+    primary one each get a launch of their own context's kernel."""
     form = input_gradient_form(device, part)
     groups = input_gradient_groups(part, form)
     acc = accumulation_dtype(problem)

@@ -1631,6 +1631,7 @@ def _gem_backward_cuda(problem, grad_out, input, output, p, arguments: dict, opt
     index = input.device.index
     device = _cuda_backend.device_by_ordinal(0 if index is None else index, "input")
     _plans.check_device_option(device, dict(_plans.options_of(options)).get("device"), "input")
+    _torch_cuda.check_context(device, input, "input")  # the input-gradient kernel is prepared per context
     grad_input = _empty(list(input.shape), input, input.dtype, channels_last, ndim)
     terms = torch.empty(_gem.input_gradient_terms(device, problem), dtype=acc, device=input.device)
     _gem.input_gradient_on_device(device, problem, arguments, _torch_cuda.current_raw_stream(input.device.index),

@@ -112,15 +112,44 @@ def _capturing(index) -> bool:
 
 def _make(op, direction, tensors, size, options: dict) -> plans.Plan:
     """A new signature's plan (``plans.make_plan``) on the device that holds the tensors, built
-    in the current context -- PyTorch's, the primary one (the launch refuses any other)."""
+    in the current context once ``check_context`` has found it to be the one owning the tensors'
+    memory -- PyTorch's, the primary one (a warm call under any other is refused by the launch)."""
     first, name = tensors[0], DIRECTIONS[direction].argument
     index = first.device.index  # set on every CUDA tensor; None reads as device 0, as in backends.cuda
     device = cuda.device_by_ordinal(0 if index is None else index, name)
     plans.check_device_option(device, options.get("device"), name)
+    check_context(device, first, name)
     if len(tensors) > 1:
         _check_indices_tensor(tensors[1], first)
     return plans.make_plan(op, direction, [plans.tensor_spec(t) for t in tensors], size, device, options.get("variant"),
                            options.get("config"), on_miss=tuner.tune_on_miss, names=(name,))
+
+
+def check_context(device, tensor, name: str) -> int:
+    """The calling thread's current context (``device.current_context``: the primary one bound
+    where none is current), which must own ``tensor``'s memory: the context
+    ``cuPointerGetAttribute(CONTEXT)`` names for its data pointer, or, where the driver names none
+    (PyTorch's stream-ordered ``cudaMallocAsync`` memory), the device's primary context, where
+    PyTorch allocates.  Another current context -- ``pycuda.autoinit``'s -- is refused with a
+    ``ContextError`` naming both, before any kernel is built into it.
+
+    Why refuse rather than build and launch in the owning context: pool_tuner's one rule is to
+    load, allocate and launch in the caller's current context, never pushing another around a
+    call (docs/design.md, "CUDA contexts"); a kernel built into the current context and launched
+    there on another context's memory reads and writes illegal addresses, which poison the context
+    for good on a GPU.  Made once per plan (and per GeM backward), never on a warm call: a warm
+    launch under another context is refused by the driver, as the kernel's module is the plan's
+    context's (``cuda_driver.PreparedLaunch``)."""
+    current = device.current_context()
+    owner = cuda.cuda_driver.pointer_context(tensor.data_ptr()) or cuda.cuda_driver.primary_context(device.ordinal)
+    if owner != current:
+        raise cuda.cuda_driver.ContextError(
+            f"{name} is memory of CUDA context {owner:#x} (cuda:{device.ordinal}'s "
+            f"{'primary' if owner == cuda.cuda_driver.primary_context(device.ordinal) else 'own'} context, where "
+            f"PyTorch allocated it), but the calling thread's current CUDA context is {current:#x}; pool_tuner "
+            f"runs in the current context: pop the other context (PyCUDA: context.pop(), or import "
+            f"pycuda.autoprimaryctx instead of pycuda.autoinit) or make {name}'s context current before calling")
+    return current
 
 
 def run(found: plans.Plan, tensors: list, scalars: tuple | None = None) -> list:

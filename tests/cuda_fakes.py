@@ -5,8 +5,13 @@ has its own context stack (``cuCtxGetCurrent``/``cuCtxSetCurrent``/push/pop as t
 defines them; a fresh thread has none current); memory belongs to the context that allocated it
 (``cuMemAlloc``) and holds bytes that copies move; copies, fills, frees, module loads and launches
 fail with ``CUDA_ERROR_INVALID_CONTEXT`` (201) when no context is current or when the memory or
-the kernel's module belongs to another context; ``cuPointerGetAttribute`` answers for its own
-allocations (context, device) and not for made-up addresses.  Launches are recorded with their
+the kernel's module belongs to another context; streams a test flags ``non_blocking`` keep the
+memory their launches, fills and copies touch ``pending`` until synchronised or joined to a
+blocking stream, and a synchronous copy (``cuMemcpyDtoH``/``HtoD``) of pending memory raises --
+the real driver orders such copies with the legacy default stream and the blocking streams only,
+so it would copy while that work still runs; ``cuPointerGetAttribute`` answers for its own
+allocations (context, device) and for memory ``adopt`` registers (CPU tensors standing in for
+CUDA ones, owned by the primary context as PyTorch's are), not for made-up addresses.  Launches are recorded with their
 arguments read back from the ctypes argument array as the driver would: where the module's image
 is pool_tuner's kernel source (the tests' stand-in compiler returns it), by the parameter list the
 kernel declares there -- each argument read at its declared size and type (a float32 ``p`` as a
@@ -37,6 +42,7 @@ OTHER_CONTEXT = 0xD0  # a context of another device (device 1)
 MAX_THREADS = 1024
 INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
+CAPTURE_UNSUPPORTED = 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
 
 
 def _target(argument):
@@ -67,12 +73,16 @@ class FakeDriver:
         self.function_modules = {}  # function handle -> its module's handle
         self.parameters = {}  # function handle -> its declared parameters' ctypes types (None: unknown)
         self.memory = {}  # device address -> (context, bytearray)
+        self.adopted = []  # (address, bytes, context) of memory not the fake's own (``adopt``)
         self._next_address = 0x7_0000_0000
         self.max_threads = MAX_THREADS
         self._local = threading.local()
         self.on_get_current = None  # called inside cuCtxGetCurrent (tests use it to force thread switches)
         self.on_launch = None  # called inside cuLaunchKernel before it reads the arguments (the same)
         self.capturing = set()  # stream handles being captured into a graph
+        self.non_blocking = set()  # stream handles made with CU_STREAM_NON_BLOCKING (``pending``)
+        self.pending = {}  # non-blocking stream -> allocations (bases) its unfinished work touches
+        self._recorded = {}  # event -> (stream, allocations pending there when it was recorded)
         self.events = 0  # events made
 
     # contexts: a per-thread stack, as the driver keeps one
@@ -135,7 +145,10 @@ class FakeDriver:
         return 0
 
     def cuCtxSynchronize(self):
-        return INVALID_CONTEXT if self.current() is None else self._record("cuCtxSynchronize")
+        if self.current() is None:
+            return INVALID_CONTEXT
+        self.pending.clear()
+        return self._record("cuCtxSynchronize")
 
     def cuCtxPushCurrent_v2(self, context):
         self.calls.append(("push", _value(context)))
@@ -177,13 +190,55 @@ class FakeDriver:
                 return base, context, data
         return None
 
+    def _owner(self, pointer):
+        """The context owning ``pointer``: of a fake allocation, or of memory ``adopt`` registered;
+        None for a made-up address."""
+        found = self._allocation(pointer)
+        if found is not None:
+            return found[1]
+        for base, nbytes, context in self.adopted:
+            if base <= pointer < base + max(nbytes, 1):
+                return context
+        return None
+
+    def adopt(self, address, nbytes, context=PRIMARY_CONTEXT):
+        """Register memory that is not the fake's own -- the host memory of a CPU tensor standing
+        in for a CUDA tensor -- as owned by ``context`` (PyTorch's allocator allocates in the
+        primary context): ``cuPointerGetAttribute`` names that context for it, and a launch or
+        copy under another context is refused, as the real driver refuses another context's
+        memory (a kernel launched there reads illegal addresses).  Its bytes are not the fake's to
+        move: copies and fills leave them alone."""
+        self.adopted.append((address, nbytes, context))
+
+    def _touch(self, stream, *pointers):
+        """Work queued on a non-blocking ``stream`` touches the allocations of ``pointers``: they
+        stay pending until the stream is synchronised (or the context is), or a blocking stream
+        waits for an event recorded after the work (``cuStreamWaitEvent``)."""
+        stream = _value(stream)
+        if stream in self.non_blocking:
+            bases = {found[0] for found in map(self._allocation, map(_value, pointers)) if found is not None}
+            self.pending.setdefault(stream, set()).update(bases)
+
+    def _check_synchronous_copy(self, pointer, call):
+        """The driver's rule for synchronous copies (``cuMemcpyDtoH``/``HtoD``): they are ordered
+        with the legacy default stream, hence with every blocking stream, but never with a
+        non-blocking stream -- a copy of memory whose writer is still queued there races it.  The
+        real driver copies whatever the memory holds; the fake refuses, so that a test fails."""
+        found = self._allocation(_value(pointer))
+        if found is None:
+            return
+        for stream, bases in self.pending.items():
+            if found[0] in bases:
+                raise AssertionError(f"{call} of memory {found[0]:#x} that work still queued on non-blocking stream "
+                                     f"{stream:#x} touches: a synchronous copy does not wait for that stream")
+
     def _check_memory(self, *pointers):
         """201 when no context is current or a known pointer belongs to another context."""
         if self.current() is None:
             return INVALID_CONTEXT
         for pointer in pointers:
-            found = self._allocation(_value(pointer))
-            if found is not None and found[1] != self.current():
+            owner = self._owner(_value(pointer))
+            if owner is not None and owner != self.current():
                 return INVALID_CONTEXT
         return 0
 
@@ -195,8 +250,12 @@ class FakeDriver:
         return address
 
     def cuMemAlloc_v2(self, pointer, nbytes):
+        """Fails while any stream captures: under the global capture mode (PyTorch's and the
+        runtime's default) ``cuMemAlloc`` during a capture is refused and invalidates the capture."""
         if self.current() is None:
             return INVALID_CONTEXT
+        if self.capturing:
+            return CAPTURE_UNSUPPORTED
         address = self.allocate_in(self.current(), _value(nbytes))
         _target(pointer).value = address
         self.calls.append(("cuMemAlloc", address, _value(nbytes)))
@@ -216,6 +275,7 @@ class FakeDriver:
         status = self._check_memory(destination)
         if status:
             return status
+        self._check_synchronous_copy(destination, "cuMemcpyHtoD")
         found = self._allocation(destination)
         if found is not None:
             base, _, data = found
@@ -227,6 +287,7 @@ class FakeDriver:
         status = self._check_memory(source)
         if status:
             return status
+        self._check_synchronous_copy(source, "cuMemcpyDtoH")
         found = self._allocation(source)
         if found is not None:
             base, _, data = found
@@ -257,6 +318,7 @@ class FakeDriver:
             return INVALID_CONTEXT  # no context, or a kernel of another context's module
         if self._check_memory(*arguments):
             return INVALID_CONTEXT  # memory of another context
+        self._touch(stream, *arguments)
         self.launches.append({
             "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "shared": shared,
             "stream": stream, "extra": extra, "params_address": ctypes.addressof(params),
@@ -270,15 +332,17 @@ class FakeDriver:
         return 0
 
     def cuPointerGetAttribute(self, data, attribute, pointer):
-        found = self._allocation(_value(pointer))
-        if found is None:
+        context = self._owner(_value(pointer))
+        if context is None:
             return INVALID_VALUE  # not a pointer the driver knows (its device is taken to be 0)
-        context = found[1]
         _target(data).value = {1: context, 9: self.contexts[context]}[_value(attribute)]  # CONTEXT, DEVICE_ORDINAL
         return 0
 
     def cuStreamSynchronize(self, stream):
-        return INVALID_CONTEXT if self.current() is None else self._record("cuStreamSynchronize", stream)
+        if self.current() is None:
+            return INVALID_CONTEXT
+        self.pending.pop(_value(stream), None)
+        return self._record("cuStreamSynchronize", stream)
 
     def cuStreamIsCapturing(self, stream, status):
         _target(status).value = 1 if _value(stream) in self.capturing else 0  # ACTIVE or NONE
@@ -292,9 +356,18 @@ class FakeDriver:
         return self._record("cuEventCreate", flags)
 
     def cuEventRecord(self, event, stream):
+        self._recorded[_value(event)] = (_value(stream), set(self.pending.get(_value(stream), ())))
         return self._record("cuEventRecord", event, stream)
 
     def cuStreamWaitEvent(self, stream, event, flags):
+        """A non-blocking stream that waits takes over the recorded work as pending too; a
+        blocking one orders every later synchronous copy after it, so that work is no longer
+        pending for them."""
+        producer, bases = self._recorded.get(_value(event), (None, set()))
+        if _value(stream) in self.non_blocking:
+            self.pending.setdefault(_value(stream), set()).update(bases)
+        elif producer in self.pending:
+            self.pending[producer] -= bases
         return self._record("cuStreamWaitEvent", stream, event)
 
     def cuEventSynchronize(self, event):
@@ -321,6 +394,8 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, 1, bytes([value]), count)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD8Async", pointer, value, count, stream)
 
     def cuMemsetD16Async(self, pointer, value, count, stream):
@@ -328,6 +403,8 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, 2, value.to_bytes(2, "little"), count)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD16Async", pointer, value, count, stream)
 
     def cuMemsetD32Async(self, pointer, value, count, stream):
@@ -335,6 +412,8 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, 4, value.to_bytes(4, "little"), count)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD32Async", pointer, value, count, stream)
 
     def cuMemsetD2D32Async(self, pointer, pitch, value, width, height, stream):
@@ -342,9 +421,13 @@ class FakeDriver:
         status = self._check_memory(pointer)
         if not status:
             self._fill(pointer, pitch, value.to_bytes(4, "little") * width, height)
+        if not status:
+            self._touch(stream, pointer)
         return status or self._record("cuMemsetD2D32Async", pointer, pitch, value, width, height, stream)
 
     def cuMemcpyDtoDAsync_v2(self, destination, source, nbytes, stream):
+        if not self._check_memory(destination, source):
+            self._touch(stream, destination, source)
         return self._check_memory(destination, source) or self._record("cuMemcpyDtoDAsync", destination, source,
                                                                        nbytes, stream)
 

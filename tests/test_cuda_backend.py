@@ -157,6 +157,23 @@ def test_a_first_call_during_capture_is_refused_and_a_warm_one_is_captured(backe
     assert [launch["stream"] for launch in driver.launches] == [SIDE, SIDE]
 
 
+def test_a_warm_call_during_capture_whose_pool_is_empty_is_refused_with_what_to_do(backend):
+    """A warm call allocates its result from the pool of its stream; where that pool has no free
+    block (the warm-up ran on another stream, or its result is alive) it called cuMemAlloc during
+    capture, which the driver refuses and which invalidates the capture."""
+    _, _, driver = backend
+    warm_up = pt.adaptive_avg_pool2d(ForeignArray((2, 3, 10, 9), 0xA0000, OTHER), (4, 7))  # another stream
+    kept = pt.adaptive_avg_pool2d(ForeignArray((2, 3, 10, 9), 0xA0000, SIDE), (4, 7))  # alive during capture
+    allocations = len(_named(driver, "cuMemAlloc"))
+    driver.capturing.add(SIDE)
+    with pytest.raises(ValueError, match="being captured.*Warm up each call on the capturing stream"):
+        pt.adaptive_avg_pool2d(ForeignArray((2, 3, 10, 9), 0xA0000, SIDE), (4, 7))
+    assert len(_named(driver, "cuMemAlloc")) == allocations and len(driver.launches) == 2
+    del kept  # released before capture: its block serves the captured call
+    pt.adaptive_avg_pool2d(ForeignArray((2, 3, 10, 9), 0xA0000, SIDE), (4, 7))
+    assert len(driver.launches) == 3 and warm_up.stream == OTHER
+
+
 def test_numpy_calls_launch_on_the_legacy_default_stream(backend, monkeypatch):
     """numpy in, numpy out: copied in, launched on the default queue, copied back, in the primary
     context made current."""

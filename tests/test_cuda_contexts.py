@@ -347,6 +347,31 @@ def test_a_pyramid_of_a_pycuda_autoinit_gpuarray_gives_gpuarrays_read_in_its_con
     assert pycuda.fatal == []
 
 
+def test_results_on_the_per_thread_default_stream_of_two_threads_never_share_a_block(gpu):
+    """Handle 2 (``CU_STREAM_PER_THREAD``) names each thread's own stream: a block dropped by one
+    thread, whose stream may still be writing it, must not be handed to another thread's launch
+    on its own stream, which does not wait for the first (one pool served both)."""
+    _, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    x = ForeignArray(SHAPE, driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE))), 2)
+    addresses = []
+
+    def call():
+        driver.set_current(PRIMARY_CONTEXT)
+        addresses.append(pt.adaptive_avg_pool2d(x, SIZE).ptr)  # dropped at once: its block back to a pool
+
+    for _ in range(2):
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    gc.collect()
+    call()  # a thread's own dropped block is reused on its own stream
+    call()
+    assert addresses[0] != addresses[1], "a block dropped on thread A's stream went to thread B's launch"
+    assert addresses[2] == addresses[3]
+    assert {launch["stream"] for launch in driver.launches} == {2}
+
+
 def test_release_memory_frees_each_context_s_blocks_in_that_context(gpu):
     """Blocks of a context that is not current are freed with it pushed for the frees and popped:
     the thread's current context is as it was."""
@@ -444,6 +469,73 @@ def test_gem_backward_on_arrays_of_a_side_stream_launches_there_and_waits_for_it
     reads = [i for i, c in enumerate(driver.calls) if isinstance(c, tuple) and c[0] == "cuMemcpyDtoH"]
     waits = [i for i, c in enumerate(driver.calls) if c == ("cuStreamSynchronize", side)]
     assert waits and reads and waits[0] < reads[0], "grad_out was read before its stream was waited for"
+    _forget_gem()
+
+
+@pytest.mark.parametrize("first", ["autoinit", "primary"])
+def test_gem_backward_of_one_problem_in_two_contexts_runs_in_each(gpu, first):
+    """GeM's prepared backward is per context: the same problem on arrays of ``pycuda.autoinit``'s
+    context, then of the primary one (or the reverse), launches each context's own kernel (it was
+    prepared per device and problem only, and the second context's call was refused)."""
+    _forget_gem()
+    _, _, driver = gpu
+    own = driver.create_context(0)
+    contexts = [own, PRIMARY_CONTEXT] if first == "autoinit" else [PRIMARY_CONTEXT, own]
+
+    def in_context(context, host):
+        address = driver.allocate_in(context, host.nbytes)
+        driver.memory[address][1][:] = host.tobytes()
+        return ForeignArray(host.shape, address)
+
+    for context in contexts:
+        driver.set_current(context)
+        grad_x, grad_p = pt.adaptive_gem_pool2d_backward(in_context(context, _host(OUT)), in_context(context, _host() + 0.5),
+                                                         SIZE, output=in_context(context, _host(OUT) + 0.25))
+        assert driver._allocation(grad_x.ptr)[1] == context and np.isfinite(grad_p)
+    assert [launch["context"] for launch in driver.launches] == contexts
+    _forget_gem()
+
+
+NON_BLOCKING = 0x5AFE0  # a stream made with CU_STREAM_NON_BLOCKING (PyTorch's side streams, CuPy's)
+
+
+def _on_stream(driver, host, stream=...):
+    address = driver.allocate_in(PRIMARY_CONTEXT, host.nbytes)
+    driver.memory[address][1][:] = host.tobytes()
+    return ForeignArray(host.shape, address, stream)
+
+
+def test_results_on_a_non_blocking_stream_are_read_to_the_host_after_that_stream(gpu):
+    """A synchronous copy to the host waits for the legacy default stream and the blocking streams
+    only: ``CudaArray.get()`` and ``device.copy(numpy, array)`` read a result naming a
+    non-blocking stream while its kernel could still be writing it (the fake raises)."""
+    device, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    driver.non_blocking.add(NON_BLOCKING)
+    x = _on_stream(driver, _host(), NON_BLOCKING)
+    y = pt.adaptive_avg_pool2d(x, SIZE)
+    assert y.stream == NON_BLOCKING and y.get().shape == OUT
+    z = pt.adaptive_max_pool2d(x, SIZE)
+    host = np.empty(OUT, np.float32)
+    device.copy(host, z)
+    waits = [i for i, c in enumerate(driver.calls) if c == ("cuStreamSynchronize", NON_BLOCKING)]
+    reads = [i for i, c in enumerate(driver.calls) if c[0] == "cuMemcpyDtoH"]
+    assert len(waits) == len(reads) == 2 and all(w < r for w, r in zip(waits, reads))
+
+
+def test_gem_backward_reads_grad_out_and_output_after_their_own_streams(gpu):
+    """GeM's backward read grad_out and output on the host after waiting for x's stream only;
+    theirs may be non-blocking streams whose kernels are still writing them (the fake raises)."""
+    _forget_gem()
+    _, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    driver.non_blocking.add(NON_BLOCKING)
+    x = _on_stream(driver, _host() + 0.5)  # names no stream
+    on_side = _on_stream(driver, _host() + 0.5, NON_BLOCKING)
+    output = pt.adaptive_gem_pool2d(on_side, SIZE)  # written on the non-blocking stream, not yet waited for
+    grad_out = pt.adaptive_avg_pool2d(on_side, SIZE)
+    grad_x, grad_p = pt.adaptive_gem_pool2d_backward(grad_out, x, SIZE, output=output)
+    assert grad_x.shape == SHAPE and ("cuStreamSynchronize", NON_BLOCKING) in driver.calls
     _forget_gem()
 
 

@@ -105,7 +105,25 @@ def test_a_launch_under_another_current_context_is_refused_naming_both(driver):
     launch = cuda_driver.PreparedLaunch(KERNEL, 1, (32,), 2, (), lib=driver)
     with pytest.raises(cuda_driver.ContextError, match=r"current CUDA context \(0xd0, device 1\).*0xc0, cuda:0"):
         launch(0, 1, 2)
-    assert not driver.launches and driver.current() == OTHER_CONTEXT and not driver.calls
+    assert not driver.launches and driver.current() == OTHER_CONTEXT
+    assert [c for c in driver.calls if c != "cuInit" and c[0] != "cuDevicePrimaryCtxRetain"] == [], \
+        "nothing made current, pushed or popped (the message asks which context is the primary one)"
+
+
+def test_a_refused_launch_of_a_kernel_of_a_non_primary_context_does_not_call_it_the_primary_one(driver):
+    """A kernel loaded into ``pycuda.autoinit``'s context, launched under the primary one: the
+    message named the autoinit context "cuda:0's primary context, where PyTorch's tensors live"."""
+    own = driver.create_context(0)
+    kernel = cuda_driver.DriverKernel(ordinal=0, context=own, function=0xF00D, name="pool_forward",
+                                      max_threads_per_block=MAX_THREADS)
+    driver.functions[kernel.function] = own  # its module loaded there: the driver refuses it elsewhere
+    driver.set_current(PRIMARY_CONTEXT)
+    launch = cuda_driver.PreparedLaunch(kernel, 1, (32,), 2, (), lib=driver)
+    with pytest.raises(cuda_driver.ContextError) as refused:
+        launch(0, 0x1000, 0x1100)
+    message = str(refused.value)
+    assert f"{PRIMARY_CONTEXT:#x}" in message and f"{own:#x}" in message
+    assert "primary context, where PyTorch" not in message and "other than its primary one" in message
 
 
 def test_failed_launch_raises(driver):

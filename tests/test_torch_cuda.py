@@ -296,6 +296,26 @@ def test_a_call_under_another_current_context_is_refused_naming_both(gpu):
     assert len(gpu.launches) == 1 and gpu.current() == own
 
 
+@pytest.mark.parametrize("owner", ["primary", "stream-ordered"])
+def test_a_first_call_under_pycuda_autoinits_context_is_refused_naming_both(gpu, owner):
+    """With ``pycuda.autoinit``'s context current, the first call on a tensor of PyTorch's (the
+    primary context's memory) built its kernel into autoinit's context and launched it there on
+    the tensor's memory: illegal addresses on a GPU, which poison the context.  The plan is refused
+    before anything is built, naming both contexts; memory the driver names no context for
+    (PyTorch's cudaMallocAsync) is taken to be the primary context's."""
+    x = _x((2, 3, 10, 9))
+    if owner == "primary":
+        gpu.adopt(x.data_ptr(), x.numel() * x.element_size(), PRIMARY_CONTEXT)
+    own = gpu.create_context(0)
+    gpu.set_current(own)
+    with pytest.raises(cuda_driver.ContextError, match=f"{PRIMARY_CONTEXT:#x}.*current CUDA context is {own:#x}"):
+        torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    assert not gpu.launches and not gpu.modules and not torch_cuda._PLANS and gpu.current() == own
+    gpu.set_current(PRIMARY_CONTEXT)
+    torch_cuda.call(ops.adaptive_avg_pool2d, [x], (4, 7), NONE)
+    assert [launch["context"] for launch in gpu.launches] == [PRIMARY_CONTEXT]
+
+
 def test_float_dtypes_reach_the_problem(gpu):
     for dtype in (torch.float64, torch.float16, torch.bfloat16):
         torch_cuda.call(ops.adaptive_avg_pool2d, [_x((2, 3, 10, 9), dtype)], (4, 7), NONE)

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import itertools
 import math
 import os
 import shutil
@@ -52,7 +53,7 @@ import threading
 import numpy as np
 
 from . import cuda_compile, cuda_driver
-from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface
+from .cuda_arrays import CudaArray, MemoryPool, ResultKind, as_cuda_array, cuda_array_interface, wait_for
 from .base import Conveniences, DeviceInfo, DeviceLimits
 
 BACKEND = __name__.rsplit(".", 1)[-1]  #: the ids' prefix: the module's name (base.Backend)
@@ -61,6 +62,8 @@ MAX_GRID_X = 2**31 - 1
 #: The legacy default stream, as ``__cuda_array_interface__`` names it and as a stream handle of the
 #: driver API (``CU_STREAM_LEGACY``): where work goes when no stream is named.
 LEGACY_STREAM = 1
+#: The per-thread default stream (``CU_STREAM_PER_THREAD``): one handle naming each thread's own stream.
+PER_THREAD_STREAM = 2
 
 #: Results of calls on numpy arrays, and of the tuner and the benchmark: pool_tuner's ``CudaArray``.
 _OWN_KIND = ResultKind(None)
@@ -174,7 +177,7 @@ class CudaDevice(Conveniences):
                 "driver": properties.driver_version,
             },
         )
-        self._pools = {}  # (context, stream handle) -> MemoryPool (``memory_pool``)
+        self._pools = {}  # (context, stream handle[, thread]) -> MemoryPool (``memory_pool``)
         self._joins = {}  # context -> cuda_driver.StreamJoin (``launch``)
         self._lock = threading.Lock()  # making the pools and joins
         self.arrays = CudaCallerArrays(self)
@@ -231,8 +234,10 @@ class CudaDevice(Conveniences):
         that size on that stream reuses it (``release_memory`` frees what the pools hold).  One
         pool per stream: a block whose last user was queued on one stream could otherwise be handed
         to a launch on another while that work still reads it; on one stream, later work runs
-        after earlier work."""
-        key = (context, stream)
+        after earlier work.  The per-thread default stream (handle 2) is another stream on every
+        thread, so its pools are per thread too: a block dropped by one thread with work still
+        queued on that thread's stream must not go to another thread's launch on its own."""
+        key = (context, stream, _thread_number()) if stream == PER_THREAD_STREAM else (context, stream)
         pool = self._pools.get(key)
         if pool is None:
             with self._lock:
@@ -241,13 +246,19 @@ class CudaDevice(Conveniences):
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """Copy ``source`` into ``destination``: between device arrays on the queue's stream, from
-        or to a C-contiguous numpy array synchronously (in the current context)."""
+        or to a C-contiguous numpy array synchronously (in the current context), after the work
+        queued on the stream the device array names (``cuda_arrays.wait_for``: a synchronous copy
+        waits for the legacy default stream and the blocking streams only)."""
         if isinstance(destination, np.ndarray):
             self.current_context()
-            cuda_driver.copy_to_host(destination, as_cuda_array(source).ptr)
+            source = as_cuda_array(source)
+            wait_for(source.stream)
+            cuda_driver.copy_to_host(destination, source.ptr)
         elif isinstance(source, np.ndarray):
             self.current_context()
-            cuda_driver.copy_to_device(as_cuda_array(destination).ptr, np.ascontiguousarray(source))
+            destination = as_cuda_array(destination)
+            wait_for(destination.stream)
+            cuda_driver.copy_to_device(destination.ptr, np.ascontiguousarray(source))
         else:
             source = as_cuda_array(source)
             cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, (queue or self.queue).stream)
@@ -316,6 +327,19 @@ class CudaDevice(Conveniences):
             join(queue.stream, producer)
         cuda_driver.launch(kernel, groups, block, queue.stream, values)
         return CudaLaunch(self, queue)
+
+_THREADS = threading.local()
+_THREAD_NUMBERS = itertools.count()
+
+
+def _thread_number() -> int:
+    """A number of the calling thread, never reused (``threading.get_ident`` is reused once a
+    thread ends, and a new thread's per-thread default stream is not the ended one's)."""
+    number = getattr(_THREADS, "number", None)
+    if number is None:
+        number = _THREADS.number = next(_THREAD_NUMBERS)
+    return number
+
 
 class CudaCallerArrays:
     """The caller's CUDA arrays on one device (``base.CallerArrays``): any object with

@@ -134,17 +134,29 @@ class CudaArray:
         cuda_driver.copy(self.ptr + start * self.dtype.itemsize, source.ptr, source.nbytes, self.stream or 1)
 
     def get(self) -> np.ndarray:
-        """A numpy copy, after the work queued on the legacy default stream (and every blocking
-        stream); the context that owns the memory must be current, as for any driver copy."""
+        """A numpy copy, after the work queued on the stream the array names (``wait_for``) and on
+        the legacy default stream (and every blocking stream); the context that owns the memory
+        must be current, as for any driver copy."""
         span = sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + self.dtype.itemsize if self.size else 0
         host = np.empty(span, np.uint8)
         if span:
+            wait_for(self.stream)
             cuda_driver.copy_to_host(host, self.ptr)
         return np.lib.stride_tricks.as_strided(host.view(self.dtype) if span else np.empty(0, self.dtype),
                                                self.shape, self.strides).copy()
 
     def __repr__(self):
         return f"CudaArray(shape={self.shape}, dtype={self.dtype}, ptr={self.ptr:#x}, stream={self.stream})"
+
+
+def wait_for(stream) -> None:
+    """Wait on the host for the work queued so far on ``stream``, a stream an array names, before a
+    synchronous copy of the array: such a copy is ordered with the legacy default stream (1) and
+    the blocking streams only, never with a non-blocking stream (as PyTorch's side streams and
+    CuPy's non-blocking ones are), which could still be writing the array.  None (no stream named:
+    the data is ready) and the legacy default stream need no wait."""
+    if stream and stream != 1:
+        cuda_driver.synchronize(int(stream))
 
 
 def interface_dtype(interface: dict, x) -> np.dtype:
@@ -199,12 +211,22 @@ class MemoryPool:
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> _Block:
+        """A block of ``nbytes``: a held one, else fresh memory (``cuMemAlloc``) -- except while the
+        pool's stream is being captured into a CUDA graph, where ``cuMemAlloc`` is refused and
+        invalidates the capture: such a miss is a ``ValueError`` that says what to do."""
         with self._lock:
             free = self.held.get(nbytes)
             ptr = free.pop() if free else None
-        if ptr is None:
-            ptr = cuda_driver.allocate(nbytes) if nbytes else 0
-        return _Block(ptr, nbytes, self)
+        if ptr is None and nbytes:
+            if cuda_driver.is_capturing(self.stream):
+                raise ValueError(
+                    f"pool_tuner needs {nbytes} bytes of new device memory for a result while stream {self.stream:#x} "
+                    "is being captured into a CUDA graph, and allocating then would invalidate the capture: its "
+                    "pool has no free block of that size (the warm-up ran on another stream, or its result is still "
+                    "alive). Warm up each call on the capturing stream itself and release (drop) its results before "
+                    "capture begins")
+            ptr = cuda_driver.allocate(nbytes)
+        return _Block(ptr or 0, nbytes, self)
 
     @property
     def held_blocks(self) -> int:

@@ -498,9 +498,11 @@ class PreparedLaunch:
         a ``ContextError`` naming both."""
         kernel = self.kernel
         if self._current.value:
+            primary = kernel.context == primary_context(kernel.ordinal)
+            which = (f"cuda:{kernel.ordinal}'s primary context, where PyTorch's tensors live" if primary else
+                     f"a context of cuda:{kernel.ordinal} other than its primary one, such as pycuda.autoinit's")
             raise ContextError(
                 f"the calling thread's current CUDA context ({self._current.value:#x}, device {context_device()}) "
-                f"is not the one {kernel.name} runs in ({kernel.context:#x}, cuda:{kernel.ordinal}'s primary "
-                f"context, where PyTorch's tensors live); pop the other context (PyCUDA: context.pop()) or make "
-                f"the primary one current before calling")
+                f"is not the one {kernel.name} runs in ({kernel.context:#x}, {which}); pop the other context "
+                f"(PyCUDA: context.pop()) or make {kernel.context:#x} current before calling")
         check(self._lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
