@@ -104,10 +104,26 @@ def test_a_result_dropped_on_a_thread_without_a_context_is_no_fatal_free(gpu):
 # ---------------------------------------------------------------------- other libraries
 
 
+@pytest.fixture
+def torch_streams(monkeypatch):
+    """PyTorch's current stream as ``torch.cuda.current_stream`` gives it (a CPU build has none):
+    ``streams.handle`` (0, the default stream, until a test sets it), the devices asked in
+    ``streams.devices``."""
+    torch = pytest.importorskip("torch")
+    streams = types.SimpleNamespace(handle=0, devices=[])
+
+    def current_stream(device=None):
+        streams.devices.append(device)
+        return types.SimpleNamespace(cuda_stream=streams.handle)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    return streams
+
+
 class _TensorStandIn:
     """Makes CPU tensors stand in for CUDA ones: a subclass exposing ``__cuda_array_interface__``
     as PyTorch writes it (version 2, no stream, strides None when contiguous) and, as a CUDA
-    tensor, no ``strides`` attribute."""
+    tensor, no ``strides`` attribute (with ``torch_streams`` for PyTorch's current stream)."""
 
     @staticmethod
     def make(tensor):
@@ -126,7 +142,7 @@ class _TensorStandIn:
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
-def test_a_torch_cuda_tensor_gives_a_torch_tensor_from_torch_allocator(gpu, channels_last):
+def test_a_torch_cuda_tensor_gives_a_torch_tensor_from_torch_allocator(gpu, torch_streams, channels_last):
     """On a GPU (main at a90e77d): ``AttributeError: 'Tensor' object has no attribute 'strides'``
     (the front end read ``.strides`` of the object instead of its interface)."""
     torch = pytest.importorskip("torch")
@@ -142,6 +158,21 @@ def test_a_torch_cuda_tensor_gives_a_torch_tensor_from_torch_allocator(gpu, chan
     assert launch["context"] == PRIMARY_CONTEXT and driver.current() == PRIMARY_CONTEXT
     grad = pt.adaptive_avg_pool2d_backward(_TensorStandIn.make(y), SHAPE)
     assert type(grad) is torch.Tensor and tuple(grad.shape) == SHAPE
+
+
+def test_a_torch_tensor_is_worked_on_on_pytorchs_current_stream(gpu, torch_streams):
+    """PyTorch's interface names no stream, and under ``with torch.cuda.stream(s)`` PyTorch's work
+    on a tensor -- its producer, the result's readers, the allocator's reuse of the result's
+    memory -- runs on ``s``, a non-blocking stream: pool_tuner's launches go there too (they went
+    to the legacy default stream, which orders with neither)."""
+    torch = pytest.importorskip("torch")
+    _, _, driver = gpu
+    torch_streams.handle = 0x51DE
+    x = torch.rand(SHAPE)
+    y = pt.adaptive_avg_pool2d(_TensorStandIn.make(x), SIZE)
+    pt.adaptive_avg_pool2d_backward(_TensorStandIn.make(y), SHAPE)
+    assert len(driver.launches) == 2 and {launch["stream"] for launch in driver.launches} == {0x51DE}
+    assert torch_streams.devices and set(torch_streams.devices) == {x.device}, "the stream of the tensor's device"
 
 
 def _fake_library(monkeypatch, driver, name: str, convert: str):
@@ -319,7 +350,7 @@ def test_a_process_that_tuned_on_cuda_exits_without_a_traceback(tmp_path):
 # ---------------------------------------------------------------------- the multi-level ops
 
 
-def test_multi_level_ops_on_torch_tensors_give_torch_tensors(gpu):
+def test_multi_level_ops_on_torch_tensors_give_torch_tensors(gpu, torch_streams):
     torch = pytest.importorskip("torch")
     x = _TensorStandIn.make(torch.rand(SHAPE))
     values, indices = pt.adaptive_max_pool_pyramid(x, [1, 2], return_indices=True)

@@ -20,8 +20,8 @@ over the same memory, and each result is handed back as the input's kind of arra
 
 Streams: kernels are loaded and launched through the driver API (``backends.cuda_driver``), never
 through PyCUDA, because only the driver API launches on another library's stream handle.  Work on
-a caller's CUDA array goes to the stream its ``__cuda_array_interface__`` names (``queue_of``,
-``launch_stream``), after the streams of the launch's other arrays (``launch``), with no host wait;
+a caller's CUDA array goes to the stream its ``__cuda_array_interface__`` names, a PyTorch
+tensor's to PyTorch's current stream (``queue_of``, ``launch_stream``), after the streams of the launch's other arrays (``launch``), with no host wait;
 results name that stream in their own interface.  docs/design.md, "CUDA contexts" and "CUDA arrays
 and streams", states the rules.  ``CudaDevice.prepare`` fixes a built kernel's launch for
 ``pool_tuner.torch``'s calls on PyTorch's current stream (``cuda_driver.PreparedLaunch``).  Cubins come from
@@ -48,6 +48,7 @@ import itertools
 import math
 import os
 import shutil
+import sys
 import threading
 
 import numpy as np
@@ -328,6 +329,7 @@ class CudaDevice(Conveniences):
         cuda_driver.launch(kernel, groups, block, queue.stream, values)
         return CudaLaunch(self, queue)
 
+
 _THREADS = threading.local()
 _THREAD_NUMBERS = itertools.count()
 
@@ -532,11 +534,28 @@ def is_device_array(x) -> bool:
 def launch_stream(x) -> int:
     """The stream that work on the CUDA array ``x`` goes to: the one its
     ``__cuda_array_interface__`` names (1: the legacy default stream, 2: the per-thread default
-    stream, else a ``CUstream`` handle), else the legacy default stream.  The interface forbids
-    0; it is read as the driver reads a null handle, the legacy default stream."""
+    stream, else a ``CUstream`` handle); for a PyTorch tensor, whose interface names none,
+    PyTorch's current stream on its device (``torch_current_stream``), where PyTorch's own work on
+    it runs; else the legacy default stream.  The interface forbids 0; it is read as the driver
+    reads a null handle, the legacy default stream."""
     interface = cuda_array_interface(x)
     stream = interface.get("stream") if interface is not None else None
+    if stream is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(x, torch.Tensor):
+            stream = torch_current_stream(x)
     return LEGACY_STREAM if not stream else int(stream)
+
+
+def torch_current_stream(tensor) -> int:
+    """The raw handle of PyTorch's current stream on ``tensor``'s device (0: its default stream,
+    the legacy one).  Under ``with torch.cuda.stream(s)`` that is ``s``, a non-blocking stream
+    that orders with nothing else: work on the legacy stream would run beside the producer of
+    ``tensor``, and beside the readers of the result, which PyTorch's allocator also hands out on
+    ``s``."""
+    import torch
+
+    return torch.cuda.current_stream(tensor.device).cuda_stream
 
 
 def array_device_ordinal(x) -> int | None:
