@@ -215,9 +215,22 @@ class FakeDriver:
         stay pending until the stream is synchronised (or the context is), or a blocking stream
         waits for an event recorded after the work (``cuStreamWaitEvent``)."""
         stream = _value(stream)
+        bases = {found[0] for found in map(self._allocation, map(_value, pointers)) if found is not None}
+        self._check_ordered(stream, bases)
         if stream in self.non_blocking:
-            bases = {found[0] for found in map(self._allocation, map(_value, pointers)) if found is not None}
             self.pending.setdefault(stream, set()).update(bases)
+
+    def _check_ordered(self, stream, bases):
+        """The driver's rule for work on two streams: work queued on ``stream`` runs beside what is
+        still queued on a non-blocking stream unless ``stream`` waited for it (an event recorded
+        there, then ``cuStreamWaitEvent``; a non-blocking waiter takes the work over as pending).
+        Work touching memory that another non-blocking stream's unfinished work touches, with no
+        such wait, races it: the real driver runs both; the fake refuses, so that a test fails."""
+        for other, touched in self.pending.items():
+            unordered = (touched & bases) - self.pending.get(stream, set()) if other != stream else set()
+            if unordered:
+                raise AssertionError(f"work on stream {stream:#x} touches memory {min(unordered):#x} that work still "
+                                     f"queued on non-blocking stream {other:#x} touches, with no wait for that stream")
 
     def _check_synchronous_copy(self, pointer, call):
         """The driver's rule for synchronous copies (``cuMemcpyDtoH``/``HtoD``): they are ordered

@@ -570,6 +570,22 @@ def test_gem_backward_reads_grad_out_and_output_after_their_own_streams(gpu):
     _forget_gem()
 
 
+def test_a_pyramid_backward_packs_each_level_after_its_own_stream(gpu):
+    """A multi-level backward copies every level's gradient into one flat buffer on the first
+    level's stream: a level written on another non-blocking stream must be waited for first (on
+    the device), or its copy races the kernel still writing it (the fake raises)."""
+    _, _, driver = gpu
+    driver.set_current(PRIMARY_CONTEXT)
+    first, second = NON_BLOCKING, NON_BLOCKING + 0x10
+    driver.non_blocking.update({first, second})
+    levels = [pt.adaptive_avg_pool2d(_on_stream(driver, _host(), stream), size)
+              for stream, size in ((first, 1), (second, 2))]  # each written on its own stream, not waited for
+    grad = pt.adaptive_avg_pool_pyramid_backward(levels, SHAPE)
+    assert grad.shape == SHAPE and grad.stream == first
+    copies = [c for c in driver.calls if c[0] == "cuMemcpyDtoDAsync"]
+    assert len(copies) == 2 and {c[4] for c in copies} == {first}
+
+
 def test_two_devices_with_the_same_shapes_each_run_their_own_plan(gpu, monkeypatch):
     """A plan holds its device: a call on device 1's array whose shapes match an earlier call on
     device 0's must not reuse device 0's plan (on 0511fb1 it did, and was refused for device 1's

@@ -246,7 +246,8 @@ class CudaDevice(Conveniences):
         return pool
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
-        """Copy ``source`` into ``destination``: between device arrays on the queue's stream, from
+        """Copy ``source`` into ``destination``: between device arrays on the queue's stream (after
+        the work queued on the stream ``source`` names, on the device, as ``launch`` waits), from
         or to a C-contiguous numpy array synchronously (in the current context), after the work
         queued on the stream the device array names (``cuda_arrays.wait_for``: a synchronous copy
         waits for the legacy default stream and the blocking streams only)."""
@@ -260,9 +261,11 @@ class CudaDevice(Conveniences):
             destination = as_cuda_array(destination)
             wait_for(destination.stream)
             cuda_driver.copy_to_device(destination.ptr, np.ascontiguousarray(source))
-        else:
-            source = as_cuda_array(source)
-            cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, (queue or self.queue).stream)
+        else:  # on the queue's stream, after the work queued on the stream the source names (as ``launch``)
+            source, queue = as_cuda_array(source), queue or self.queue
+            if source.stream is not None and source.stream != queue.stream:
+                self._join(queue.context)(queue.stream, source.stream)
+            cuda_driver.copy(as_cuda_array(destination).ptr, source.ptr, source.nbytes, queue.stream)
 
     @staticmethod
     def prepare(launch, nbytes: tuple, n_inputs: int) -> cuda_driver.PreparedLaunch:
