@@ -546,10 +546,13 @@ def _check_indices_spec(indices: ArraySpec | None, grad_out: ArraySpec, problem:
 
 
 def check_dtype_name(dtype) -> str:
-    """The name of a numpy or torch dtype (``torch.int64`` -> ``"int64"``)."""
+    """The name of a numpy or torch dtype (``torch.int64`` -> ``"int64"``), or of a dtype named as
+    ``tensor_spec`` names it (``"bfloat16"``, which numpy does not know)."""
     text = str(dtype)
     if text.startswith("torch."):
         return text[len("torch."):]
+    if isinstance(dtype, str) and dtype in ELEMENT_BYTES:
+        return dtype
     try:
         return np.dtype(dtype).name
     except TypeError:

@@ -50,6 +50,34 @@ def test_pyramids_match_pytorch_level_by_level(dtype, channels_last, rng):
         assert torch.equal(got_indices, expected_indices)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_half_precision_gradients_of_every_multi_level_op_match_pytorch(dtype, deterministic, rng):
+    """The backward of each multi-level op in 16-bit floats (bfloat16's once raised "unknown dtype
+    'bfloat16'": its flat gradient buffers were checked through numpy, which has no bfloat16);
+    deterministic algorithms make avg+max run pool_tuner's kernel rather than PyTorch's."""
+    x = tensor(rng, (2, 3, 9, 7), dtype)
+    sizes = [1, 2, (3, 4)]
+    cases = [(lambda t: ptt.adaptive_avg_pool_pyramid(t, sizes), lambda t: [F.adaptive_avg_pool2d(t, s) for s in sizes]),
+             (lambda t: ptt.adaptive_max_pool_pyramid(t, sizes), lambda t: [F.adaptive_max_pool2d(t, s) for s in sizes]),
+             (lambda t: [ptt.adaptive_avgmax_pool2d(t, 2)],
+              lambda t: [0.5 * (F.adaptive_avg_pool2d(t, 2) + F.adaptive_max_pool2d(t, 2))])]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for ours, theirs in cases:
+            weights = [tensor(rng, level.shape, torch.float64) for level in theirs(x.double())]
+            grads = []
+            for fn, t in ((ours, x.clone()), (theirs, x.double())):
+                t.requires_grad_()
+                sum((level.double() * w).sum() for level, w in zip(fn(t), weights)).backward()
+                grads.append(t.grad)
+            assert grads[0].dtype == dtype
+            _close(grads[0], grads[1], dtype)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 @pytest.mark.parametrize("ndim,shape,sizes", [(1, (2, 3, 17), [1, 5, 20]), (3, (1, 2, 5, 6, 7), [1, 2, (3, 4, 5)])])
 def test_pyramids_1d_3d(ndim, shape, sizes, rng):
     x = tensor(rng, shape)
