@@ -52,15 +52,13 @@ import warnings
 import numpy as np
 
 from . import cache as cache_mod
-from . import default_rules, dispatch, memo, pyramid
+from . import default_rules, dispatch, memo, pyramid, switches
 from .problem import Problem
 from .variants import variants_for
 from .windows import pooling_windows
 
 #: Set to "1" to measure, on a call's first use, a problem that no tuning covers.
 BENCHMARK_ENV = "POOL_TUNER_BENCHMARK"
-#: The values of BENCHMARK_ENV that turn the mode on and off (any case); others warn and leave it off.
-BENCHMARK_ON, BENCHMARK_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 #: Rounds of interleaved launches (one per candidate each) timed at least, and at most.
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
 #: Seconds of timing after which no further round starts (once MIN_ROUNDS are done).
@@ -88,16 +86,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def _from_environment() -> bool:
-    """Whether BENCHMARK_ENV asks for the mode; a value in neither BENCHMARK_ON nor BENCHMARK_OFF
-    is a ``RuntimeWarning`` (a misspelt switch must not pass in silence) and off."""
-    value = os.environ.get(BENCHMARK_ENV, "").strip().lower()
-    if value in BENCHMARK_ON:
-        return True
-    if value not in BENCHMARK_OFF:
-        warnings.warn(f"{BENCHMARK_ENV}={os.environ[BENCHMARK_ENV]!r} is neither on ({', '.join(BENCHMARK_ON)}) nor "
-                      f"off ({', '.join(repr(v) for v in BENCHMARK_OFF)}); measured dispatch stays off",
-                      RuntimeWarning, stacklevel=4)
-    return False
+    """Whether BENCHMARK_ENV asks for the mode (``switches.switch``: off by default)."""
+    return switches.switch(BENCHMARK_ENV, False, "measured dispatch", stacklevel=4)
 
 
 def enabled() -> bool:
@@ -120,6 +110,13 @@ class BenchmarkMode:
 
     def __bool__(self) -> bool:
         return self._current
+
+    def __eq__(self, other) -> bool:
+        """Equal to the bool it is (``benchmark_mode() == False`` where the mode is off)."""
+        return self._current == bool(other) if isinstance(other, (bool, BenchmarkMode)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._current)
 
     def __repr__(self) -> str:
         return f"benchmark_mode({self._current})"

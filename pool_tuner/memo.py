@@ -49,6 +49,7 @@ import functools
 import itertools
 import os
 import threading
+import warnings
 
 LIMIT_ENV = "POOL_TUNER_MEMO_LIMIT"
 #: Owners (problems, programs) held at most, and entries per table.
@@ -236,15 +237,20 @@ def per_owner(name: str):
 
 
 def _limit_from_environment() -> int:
+    """``LIMIT_ENV`` as an int >= 1 (unset or empty: ``DEFAULT_LIMIT``); any other value is a
+    ``RuntimeWarning`` naming it, and the default -- as a switch's (``switches``): a bad value
+    must not stop the user's program, or the command line, at import."""
     text = os.environ.get(LIMIT_ENV)
-    if text is None:
+    if text is None or not text.strip():
         return DEFAULT_LIMIT
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{LIMIT_ENV} must be an int >= 1, got {text!r}")
+        warnings.warn(f"{LIMIT_ENV}={text!r} is not an int >= 1; the limit stays {DEFAULT_LIMIT}", RuntimeWarning,
+                      stacklevel=2)
+        return DEFAULT_LIMIT
     return value
 
 

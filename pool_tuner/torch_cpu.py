@@ -47,12 +47,13 @@ import time
 import numpy as np
 import torch
 
-from . import backends, dispatch, memo, ops, plans, tuner
+from . import backends, dispatch, memo, ops, plans, switches, tuner
 from .operations import DIRECTIONS, OPERATIONS, SINGLE_LEVEL
 
-#: Set to "0" to never let PyTorch's own CPU kernel run a layer (see the module docstring).
+#: Set to 0 to never let PyTorch's own CPU kernel run a layer (see the module docstring; a switch:
+#: ``switches``).
 CANDIDATE_ENV = "POOL_TUNER_PYTORCH_CANDIDATE"
-pytorch_candidate = os.environ.get(CANDIDATE_ENV, "1") != "0"
+pytorch_candidate = switches.switch(CANDIDATE_ENV, True, "racing PyTorch's own kernel")
 #: Forward problems moving at most this many bytes race PyTorch's kernel on their first call: not
 #: only those where a launch's fixed cost decides, but the layers a CPU's caches hold, where
 #: PyTorch's vectorised loops can be faster than any kernel on the device (a model's

@@ -54,7 +54,7 @@ import warnings
 
 import numpy as np
 
-from . import backends, device_tuning, dispatch, measured, pyramid, reference
+from . import backends, device_tuning, dispatch, measured, pyramid, reference, switches
 from .backends.base import TuningUnavailable
 from . import cache as cache_mod
 from .problem import ELEMENT_BYTES, Problem, check_fits
@@ -62,8 +62,6 @@ from .variants import variants_for
 
 #: Set to "1" to tune, on a call's first use, a problem that has no exact record (``tune_on_miss``).
 AUTOTUNE_ENV = "POOL_TUNER_AUTOTUNE"
-#: The values of AUTOTUNE_ENV that turn autotuning on and off (any case); others warn and leave it off.
-AUTOTUNE_ON, AUTOTUNE_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 #: Search spaces with at most this many legal points are searched exhaustively by default.
 BRUTE_FORCE_LIMIT = 30
 #: Default budget for larger spaces: random sampling of this many configurations per variant.
@@ -673,15 +671,8 @@ def _speaker():
 
 
 def autotune_enabled() -> bool:
-    """Whether AUTOTUNE_ENV asks for autotuning: one of AUTOTUNE_ON; a value in neither AUTOTUNE_ON
-    nor AUTOTUNE_OFF is a ``RuntimeWarning`` (a misspelt switch must not pass in silence) and off."""
-    value = os.environ.get(AUTOTUNE_ENV, "").strip().lower()
-    if value in AUTOTUNE_ON:
-        return True
-    if value not in AUTOTUNE_OFF:
-        warnings.warn(f"{AUTOTUNE_ENV}={os.environ[AUTOTUNE_ENV]!r} is neither on ({', '.join(AUTOTUNE_ON)}) nor off "
-                      f"({', '.join(repr(v) for v in AUTOTUNE_OFF)}); autotuning stays off", RuntimeWarning, stacklevel=3)
-    return False
+    """Whether AUTOTUNE_ENV asks for autotuning (``switches.switch``: off by default)."""
+    return switches.switch(AUTOTUNE_ENV, False, "autotuning", stacklevel=3)
 
 
 def tune_on_miss(problem: Problem, device) -> bool:

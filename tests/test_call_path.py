@@ -2,6 +2,8 @@
 later calls only launch, on the caller's own memory."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -549,3 +551,15 @@ def test_a_layer_s_options_set_after_it_was_made_apply_to_its_next_call(rng):
         assert torch_cpu.plan_of(key).choice.source == "forced"
     with pytest.raises(TypeError, match="JSON"):
         layer.config = {"block": object()}
+
+
+@pytest.mark.parametrize("value, races", [("0", False), ("off", False), ("FALSE", False), ("1", True), ("yes", True)])
+def test_the_pytorch_candidate_switch_takes_a_switchs_words(value, races):
+    """POOL_TUNER_PYTORCH_CANDIDATE turned off only with exactly "0": "off" or "false" left the race
+    on in silence.  Read in a fresh process, as at import."""
+    code = ("import torch, pool_tuner as pt, pool_tuner.torch as ptt; x = torch.rand(2, 3, 10, 9); "
+            "ptt.adaptive_avg_pool2d(x, (4, 7)); "
+            "print(pt.explain('adaptive_avg_pool2d', (2, 3, 10, 9), (4, 7))['measured_candidate'] is not None)")
+    env = {**os.environ, torch_cpu.CANDIDATE_ENV: value}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == str(races), proc.stderr

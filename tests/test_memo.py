@@ -84,9 +84,10 @@ def test_concurrent_puts_and_gets_keep_the_tables_and_the_owners_consistent():
 def test_the_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(memo.LIMIT_ENV, "7")
     assert memo._limit_from_environment() == 7
-    monkeypatch.setenv(memo.LIMIT_ENV, "none")
-    with pytest.raises(ValueError, match=memo.LIMIT_ENV):
-        memo._limit_from_environment()
+    for bad in ("none", "0", "-3"):
+        monkeypatch.setenv(memo.LIMIT_ENV, bad)
+        with pytest.warns(RuntimeWarning, match=f"{memo.LIMIT_ENV}={bad!r} is not an int >= 1"):
+            assert memo._limit_from_environment() == memo.DEFAULT_LIMIT
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ import threading
 
 import numpy as np
 
-from .. import memo
+from .. import memo, switches
 from ..shapes import c_strides
 from . import pocl_env
 from .base import Conveniences, DeviceInfo, DeviceLimits
@@ -61,20 +61,9 @@ SIMULATOR_PLATFORMS = ("Oclgrind",)
 POCL_PLATFORM = "Portable Computing Language"
 #: Platform slugs that are not the slugified platform name (see ``platform_slug``).
 PLATFORM_SLUGS = {POCL_PLATFORM: "pocl"}
-#: Set to 0 (before importing pool_tuner) to allocate every result afresh; 1 (the default) pools.
+#: Set to 0 (before importing pool_tuner) to allocate every result afresh (a switch: ``switches``).
 MEMORY_POOL_ENV = "POOL_TUNER_MEMORY_POOL"
-
-
-def _memory_pool_from_environment() -> bool:
-    """``POOL_TUNER_MEMORY_POOL`` as a switch: ``0`` or ``1`` (unset: ``1``); any other value is
-    refused, as ``POOL_TUNER_MEMO_LIMIT``'s are, rather than read as one of them in silence."""
-    text = os.environ.get(MEMORY_POOL_ENV, "1")
-    if text.strip() not in ("0", "1"):
-        raise ValueError(f"{MEMORY_POOL_ENV} must be 0 (allocate every result afresh) or 1 (pool them), got {text!r}")
-    return text.strip() == "1"
-
-
-memory_pool_enabled = _memory_pool_from_environment()
+memory_pool_enabled = switches.switch(MEMORY_POOL_ENV, True, "the memory pool")
 
 
 def pocl_affinity() -> str:
