@@ -268,18 +268,18 @@ def require_torch():
     return torch
 
 
-def suite(names=None) -> list:
+def suite(names=None, argument: str = "preset") -> list:
     """``(name, op, input_shape, output_size)`` of the suite: every preset and the untuned shapes
     (``presets.UNTUNED``, named ``"untuned"``), or only the presets in ``names`` (``"untuned"``
-    among them for those)."""
-    chosen = names or list(presets.PRESETS) + [presets.UNTUNED_NAME]
+    among them for those; ``argument``: the names' argument, or option, in errors)."""
+    chosen = list(presets.PRESETS) + [presets.UNTUNED_NAME] if names is None else names
     for name in chosen:
         if name in presets.FUSED_PRESETS:
-            raise ValueError(f"preset {name!r} is a fused (multi-level) preset: bench times single-level ops against "
+            raise ValueError(f"{argument} {name!r} is a fused (multi-level) preset: bench times single-level ops against "
                              f"PyTorch's one-to-one, which has no fused equivalent; benchmarks/pyramid.py times the "
                              f"fused presets against pool_tuner's and PyTorch's separate calls")
         if name not in presets.PRESETS and name not in ("all", presets.UNTUNED_NAME):
-            raise ValueError(f"preset must be one of {sorted(presets.PRESETS) + ['all', presets.UNTUNED_NAME]}, "
+            raise ValueError(f"{argument} must be one of {sorted(presets.PRESETS) + ['all', presets.UNTUNED_NAME]}, "
                              f"got {name!r}")
     return [(name, op, shape, out) for name in chosen
             for op, shape, out in (presets.UNTUNED if name == presets.UNTUNED_NAME else presets.preset_shapes(name))]

@@ -6,6 +6,7 @@ Every subcommand has ``--help``; any error is one line on stderr and exit status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,8 @@ EXIT_ERROR = 2
 #: Exit status after Ctrl-C, as shells report a process ended by SIGINT (128 + 2).
 EXIT_INTERRUPTED = 130
 OP_NAMES = sorted(OPS)
+#: ``tune``'s and ``explain``'s op where ``--op`` is not given.
+DEFAULT_OP = "adaptive_avg_pool2d"
 #: The library's names of the arguments that options set, as messages from below the CLI begin with them.
 LIBRARY_NAMES = {"input_shape": "--input", "output_size": "--output", "dtype": "--dtype", "layout": "--layout"}
 #: The same for ``fleet.tune_many``'s arguments (``tune --ray``).
@@ -32,16 +35,24 @@ FLEET_NAMES = {"device_filter": "--device-filter", "max_retries": "--max-retries
 DIRECTION_OPTION = {**{direction: (direction,) for direction in DIRECTIONS}, "both": DIRECTIONS}
 
 
-def _problem(op, shape, out, dtype, layout, direction, names=LIBRARY_NAMES) -> Problem:
-    """``Problem.create`` with its errors in the terms of the command line: a message that begins
-    with a library argument (``output_size[1] must be ...``) names the option instead (``names``:
-    the library's argument names and the options that set them, ``shape_names`` for a shape of
-    ``--shapes`` or ``--preset``)."""
+@contextlib.contextmanager
+def _in_option_terms(names=LIBRARY_NAMES):
+    """A ``TypeError``/``ValueError`` of the library raised in the block, in the terms of the
+    command line: the library's argument names in ``names`` (``output_size`` -> ``--output``)
+    wherever they stand in its message, and a message that begins with another argument that an
+    option of the same name sets (``device must be ...``) naming the option."""
     try:
-        return Problem.create(op, shape, out, dtype, layout, direction=direction)
+        yield
     except (TypeError, ValueError) as exc:
-        pattern = r"^(" + "|".join(map(re.escape, names)) + r")\b"
-        raise type(exc)(re.sub(pattern, lambda m: names[m.group(1)], str(exc))) from None
+        text = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], str(exc))
+        raise type(exc)(re.sub(r"^(device|variant|config)\b", r"--\1", text)) from None
+
+
+def _problem(op, shape, out, dtype, layout, direction, names=LIBRARY_NAMES) -> Problem:
+    """``Problem.create`` with its errors in the terms of the command line (``_in_option_terms``;
+    ``names``: ``shape_names`` for a shape of ``--shapes`` or ``--preset``)."""
+    with _in_option_terms(names):
+        return Problem.create(op, shape, out, dtype, layout, direction=direction)
 
 
 def shape_names(args, i: int) -> dict:
@@ -110,24 +121,51 @@ def check_sizes(entries, name: str, given, output: bool) -> None:
         raise ValueError(f"{name} sizes must be integers >= 0 (e.g. 32x2048x7x7), got {given!r}")
 
 
+#: The largest ``--shapes`` file read: far more entries than anyone tunes in one run.
+MAX_SHAPES_FILE_BYTES = 16 * 2**20
+
+
 def _shapes_from_args(args) -> list:
+    """``tune``'s shapes: ``(op, input shape, output size)`` of ``--input``/``--output`` (with
+    ``--op``), of a ``--preset`` (whose layers name their ops) or of a ``--shapes`` file."""
     chosen = [a for a in ("input", "preset", "shapes") if getattr(args, a) is not None]
     if len(chosen) != 1:
         raise ValueError("give exactly one of --input/--output, --preset or --shapes")
-    if args.preset:
-        return presets.preset_shapes(args.preset)
-    if args.shapes:
-        try:
-            entries = json.loads(Path(args.shapes).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--shapes {args.shapes}: {exc}") from None
+    if args.output is not None and args.input is None:
+        raise ValueError(f"--output goes with --input; --{chosen[0]} gives the output sizes")
+    if args.preset is not None:
+        if args.op is not None:
+            raise ValueError("--op goes with --input/--output or --shapes; a --preset's layers name their own ops")
+        return presets.preset_shapes(args.preset, "--preset")
+    if args.shapes is not None:
+        entries = json.loads(_read_shapes_file(args.shapes))
         if not isinstance(entries, list) or not entries:
             raise ValueError(f'--shapes file {args.shapes} must hold a non-empty JSON list of '
                              f'{{"op": ..., "input": [...], "output": [...]}}')
-        return [_shapes_entry(entry, i, args.op) for i, entry in enumerate(entries)]
+        return [_shapes_entry(entry, i, args.op or DEFAULT_OP) for i, entry in enumerate(entries)]
     if args.output is None:
         raise ValueError("--input needs --output (e.g. --output 1x1)")
-    return [(args.op, parse_shape(args.input, "--input"), parse_output(args.output, args.op))]
+    op = args.op or DEFAULT_OP
+    return [(op, parse_shape(args.input, "--input"), parse_output(args.output, op))]
+
+
+def _read_shapes_file(name: str) -> str:
+    """The text of ``--shapes`` file ``name``, refused by name where it is no regular file (a FIFO
+    would block the command for good, a device such as /dev/zero never end), is larger than
+    ``MAX_SHAPES_FILE_BYTES``, unreadable, not UTF-8 or not JSON (checked by a parse here)."""
+    path = Path(name)
+    try:
+        if not path.is_file():
+            raise ValueError(f"--shapes {name}: {'not a regular file' if path.exists() else 'no such file'}")
+        size = path.stat().st_size
+        if size > MAX_SHAPES_FILE_BYTES:
+            raise ValueError(f"--shapes {name}: {size} bytes, more than a shapes file holds "
+                             f"(at most {MAX_SHAPES_FILE_BYTES} bytes)")
+        text = path.read_text()
+        json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--shapes {name}: {exc}") from None
+    return text
 
 
 def _shapes_entry(entry, i: int, op: str) -> tuple:
@@ -366,7 +404,8 @@ def _partial_note(record) -> str:
 def cmd_explain(args) -> int:
     shape, out = parse_shape(args.input, "--input"), parse_output(args.output, args.op)
     _problem(args.op, shape, out, args.dtype, args.layout, args.direction)
-    info = explain(args.op, shape, out, args.dtype, args.layout, args.device, direction=args.direction)
+    with _in_option_terms():
+        info = explain(args.op, shape, out, args.dtype, args.layout, args.device, direction=args.direction)
     print(json.dumps(info, indent=2))
     return 0
 
@@ -374,8 +413,8 @@ def cmd_explain(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
-    names = args.preset.split(",") if args.preset else None
-    bench.suite(names)  # validates the names before any work
+    names = args.preset.split(",") if args.preset is not None else None
+    bench.suite(names, "--preset")  # validates the names before any work
     _check_positive(args.repeat, "--repeat")
     _check_positive(args.torch_threads, "--torch-threads")
     _check_positive(args.stream_mib, "--stream-mib")
@@ -387,10 +426,11 @@ def cmd_bench(args) -> int:
     if not os.access(out, os.W_OK):
         raise ValueError(f"--out {args.out}: the directory is not writable")
     directions = DIRECTION_OPTION[args.direction]
-    report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
-                       progress=None if args.quiet else _print_bench_row, tune_untuned=args.tune_untuned,
-                       dtype=args.dtype, rows_path=out / bench.ROWS_FILE,
-                       **({} if args.stream_mib is None else {"stream_bytes": args.stream_mib * 2**20}))
+    with _in_option_terms():
+        report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
+                           progress=None if args.quiet else _print_bench_row, tune_untuned=args.tune_untuned,
+                           dtype=args.dtype, rows_path=out / bench.ROWS_FILE,
+                           **({} if args.stream_mib is None else {"stream_bytes": args.stream_mib * 2**20}))
     print(bench.format_table(report))
     if bench.load_warning(report):
         warnings.warn(bench.load_warning(report))
@@ -441,8 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_devices)
 
     p = sub.add_parser("tune", help="tune shapes on a device and store the winners in the cache")
-    p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
-                   help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
+    p.add_argument("--op", choices=OP_NAMES, metavar="OP",
+                   help=f"the op of --input/--output, or of --shapes entries that name none: {', '.join(OP_NAMES)} "
+                        f"(default {DEFAULT_OP})")
     p.add_argument("--input", help="input shape, sizes joined by 'x', e.g. 32x2048x7x7 (batch and channels may be 0)")
     p.add_argument("--output", help=f"output size: {OUTPUT_FORM}")
     p.add_argument("--preset", help=f"model-layer preset: {', '.join(sorted(presets.PRESETS) + sorted(presets.FUSED_PRESETS))} "
@@ -505,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("explain", help="show which kernel a call would dispatch to, and why")
-    p.add_argument("--op", default="adaptive_avg_pool2d", choices=OP_NAMES, metavar="OP",
+    p.add_argument("--op", default=DEFAULT_OP, choices=OP_NAMES, metavar="OP",
                    help=f"the op: {', '.join(OP_NAMES)} (default adaptive_avg_pool2d)")
     p.add_argument("--input", required=True, help="input shape, sizes joined by 'x', e.g. 32x2048x7x7 (batch and channels may be 0)")
     p.add_argument("--output", required=True, help=f"output size: {OUTPUT_FORM}")

@@ -33,14 +33,15 @@ FUSED_PRESETS = {
 }
 
 
-def preset_shapes(name: str) -> list:
-    """The shapes of a preset, or of every (single-level) preset for ``"all"``."""
+def preset_shapes(name: str, argument: str = "preset") -> list:
+    """The shapes of a preset, or of every (single-level) preset for ``"all"`` (``argument``: the
+    name's argument, or option, in errors)."""
     if name == "all":
         return [shape for shapes in PRESETS.values() for shape in shapes]
     if name in FUSED_PRESETS:
         return list(FUSED_PRESETS[name])
     if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS) + sorted(FUSED_PRESETS) + ['all']}, got {name!r}")
+        raise ValueError(f"{argument} must be one of {sorted(PRESETS) + sorted(FUSED_PRESETS) + ['all']}, got {name!r}")
     return list(PRESETS[name])
 
 

@@ -4,6 +4,7 @@ process and through real ``python -m pool_tuner.cli`` subprocesses.  Tuning budg
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -517,7 +518,8 @@ def test_shapes_file_outputs_follow_the_output_rule(tmp_path):
     sizes stay >= 0 (output entries were once checked by the input rule)."""
     (tmp_path / "shapes.json").write_text('[{"input": [2, 3, 5, 7], "output": [3, null]}, '
                                          '{"input": [2, 3, 5, 7], "output": [0, 1]}]')
-    args = argparse.Namespace(input=None, preset=None, shapes=str(tmp_path / "shapes.json"), op="adaptive_avg_pool2d")
+    args = argparse.Namespace(input=None, output=None, preset=None, shapes=str(tmp_path / "shapes.json"),
+                              op="adaptive_avg_pool2d")
     assert cli._shapes_from_args(args) == [("adaptive_avg_pool2d", (2, 3, 5, 7), (3, None)),
                                            ("adaptive_avg_pool2d", (2, 3, 5, 7), (0, 1))]
     (tmp_path / "shapes.json").write_text('[{"input": [2, 3, -1, 7], "output": [1, 1]}]')
@@ -591,3 +593,43 @@ def test_merging_a_file_with_nothing_to_merge_is_an_error(capsys, user_cache, tm
     code, _, err = run(capsys, "cache", "merge", str(bad))
     assert str(bad) in assert_one_error_line(code, err)
     assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+@pytest.mark.parametrize("argv, mentions", [
+    (["tune", "--preset", "se_block", "--op", "adaptive_max_pool3d"], "--op goes with --input/--output or --shapes"),
+    (["tune", "--preset", "se_block", "--output", "3"], "--output goes with --input; --preset gives the output sizes"),
+    (["tune", "--preset", ""], "--preset must be one of"),
+    (["bench", "--preset", ""], "--preset must be one of"),
+    (["bench", "--preset", "nope"], "--preset must be one of"),
+    (["bench", "--dtype", "foo"], "--dtype must be one of"),
+    (["bench", "--device", "nope"], "--device must be one of"),
+    (["explain", "--input", "1x1x30x30", "--output", "40000x40000"], "check --output"),
+    (["explain", "--input", "1x1x30x30", "--output", "3", "--device", "nope"], "--device must be one of"),
+], ids=["preset-op", "preset-output", "tune-empty-preset", "bench-empty-preset", "bench-unknown-preset",
+        "bench-dtype", "bench-device", "explain-too-large", "explain-device"])
+def test_options_that_are_dropped_or_named_by_the_library_are_refused_by_option(capsys, user_cache, argv, mentions):
+    """An option that the command would drop (--op or --output beside a preset), an empty preset
+    (tune read it as no preset, bench as the whole suite) and errors raised below the command
+    line name the option, in one line, before any work."""
+    code, _, err = run(capsys, *argv)
+    line = assert_one_error_line(code, err)
+    assert mentions in line
+    assert not re.search(r"\b(output_size|input_shape)\b|^(dtype|device) ", line.removeprefix("pool-tuner: error: "))
+
+
+@pytest.mark.parametrize("special", ["fifo", "device", "directory", "missing"])
+def test_a_shapes_file_that_is_no_regular_file_is_refused_without_reading_it(capsys, user_cache, tmp_path, special):
+    """A FIFO blocked the command for good, /dev/zero read until memory ran out."""
+    path = {"fifo": tmp_path / "fifo.json", "device": Path("/dev/zero"), "directory": tmp_path,
+            "missing": tmp_path / "missing.json"}[special]
+    if special == "fifo":
+        os.mkfifo(path)
+    code, _, err = run(capsys, "tune", "--shapes", path)
+    assert f"--shapes {path}: " in assert_one_error_line(code, err)
+
+
+def test_a_shapes_file_larger_than_any_list_of_shapes_is_refused(capsys, user_cache, tmp_path):
+    path = tmp_path / "shapes.json"
+    path.write_text("[" + " " * cli.MAX_SHAPES_FILE_BYTES + "]")
+    code, _, err = run(capsys, "tune", "--shapes", path)
+    assert "bytes, more than a shapes file holds" in assert_one_error_line(code, err)
