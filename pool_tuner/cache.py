@@ -323,6 +323,24 @@ def _record_problem(key, record) -> str | None:
     for failure in record.get("failures", []):
         if not isinstance(failure, dict) or not isinstance(failure.get("error"), str):
             return f"has a 'failures' entry without an 'error' string: {failure!r}"
+    return _non_finite_problem(record)
+
+
+def _non_finite_problem(record: dict) -> str | None:
+    """Where ``record`` holds a NaN or an infinity (which Python's JSON reads, ``NaN``, ``Infinity``,
+    ``1e999``, but the cache never writes: a record holding one would make every later write of its
+    file fail), or None.  Walked without recursion, so that no nesting the JSON reader took can
+    overflow the stack here."""
+    pending = [((field,), value) for field, value in record.items()]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            where = "".join(f"[{step!r}]" for step in path[1:])
+            return f"has a non-finite number {value!r} in its {path[0]!r} field{' at ' + where if where else ''}"
+        if isinstance(value, dict):
+            pending += [(path + (k,), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            pending += [(path + (i,), v) for i, v in enumerate(value)]
     return None
 
 
