@@ -301,6 +301,10 @@ def _record_problem(key, record) -> str | None:
             return f"has a 'problem' whose {field!r} is not a list of non-negative integers: {shape!r}"
     if record.get("verified", 0) < 0:
         return f"has a negative 'verified' count {record['verified']!r}"
+    if is_partial(record):
+        partial_problem = _partial_problem(record["partial"])
+        if partial_problem is not None:
+            return f"has a 'partial' field whose {partial_problem}"
     if "measured" in record and is_partial(record):
         return "is both a measured dispatch and a partial tuning"
     try:
@@ -341,6 +345,25 @@ def _non_finite_problem(record: dict) -> str | None:
             pending += [(path + (k,), v) for k, v in value.items()]
         elif isinstance(value, list):
             pending += [(path + (i,), v) for i, v in enumerate(value)]
+    return None
+
+
+def _is_strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _partial_problem(partial: dict) -> str | None:
+    """What is wrong with an interrupted tuning's ``"partial"`` field (``tuner._keep_partial``
+    writes it), or None: the variants it searched whole (required), those it did not search, the
+    one cut short (or null), and how it was timed."""
+    if not _is_strings(partial.get("variants_searched")):
+        return f"'variants_searched' is not a list of variant names: {partial.get('variants_searched')!r}"
+    if "variants_not_searched" in partial and not _is_strings(partial["variants_not_searched"]):
+        return f"'variants_not_searched' is not a list of variant names: {partial['variants_not_searched']!r}"
+    if not isinstance(partial.get("variant_interrupted"), (str, type(None))):
+        return f"'variant_interrupted' is neither a variant name nor null: {partial['variant_interrupted']!r}"
+    if not isinstance(partial.get("timing", ""), str):
+        return f"'timing' is not a string: {partial['timing']!r}"
     return None
 
 

@@ -540,6 +540,11 @@ def test_special_files_and_pathological_json_are_a_warning_and_a_miss(tmp_path, 
     ("verified", -1),
     ("verified", 2.5),
     ("tuning_seconds", float("nan")),
+    ("partial", {"variants_searched": 5, "variants_not_searched": 7}),
+    ("partial", {}),
+    ("partial", {"variants_searched": ["a"], "variants_not_searched": "b"}),
+    ("partial", {"variants_searched": ["a"], "variant_interrupted": 3}),
+    ("partial", {"variants_searched": ["a"], "timing": None}),
 ])
 def test_every_field_is_type_checked_on_load_and_merge(tmp_path, field, value):
     """e.g. an input_shape of strings made the key (int("2") == 2) and passed, and then every

@@ -591,3 +591,33 @@ def test_merging_a_file_with_nothing_to_merge_is_an_error(capsys, user_cache, tm
     code, _, err = run(capsys, "cache", "merge", str(bad))
     assert str(bad) in assert_one_error_line(code, err)
     assert not (user_cache / cache_mod.USER_FILE).exists()
+
+
+def write_user_records(user_cache, *records):
+    user_cache.mkdir(parents=True, exist_ok=True)
+    (user_cache / cache_mod.USER_FILE).write_text(
+        json.dumps({"schema": cache_mod.SCHEMA_VERSION, "records": {r["key"]: r for r in records}}))
+
+
+def test_a_partial_field_of_bad_contents_is_a_warning_and_a_miss_never_a_crash_of_cache_show(
+        capsys, user_cache, tmp_path):
+    """Only the field's type was checked: a merge took {"variants_searched": 5}, and then every
+    ``cache show`` ended in "object of type 'int' has no len()" and explain returned it."""
+    bad = dict(synthetic_record((2, 3, 5, 7)), partial={"variants_searched": 5, "variants_not_searched": 7})
+    good = synthetic_record((2, 3, 9, 4))
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"schema": cache_mod.SCHEMA_VERSION, "records": {bad["key"]: bad, good["key"]: good}}))
+    code, out, err = run(capsys, "cache", "merge", source)
+    assert code == 0 and "merged 1 records" in out
+    assert "'partial'" in err and "not merged" in err
+    assert set(user_records(user_cache)) == {good["key"]}
+
+    write_user_records(user_cache, bad, good)  # in the user cache itself
+    dispatch.forget()
+    code, out, err = run(capsys, "cache", "show")
+    assert code == 0 and "'partial'" in err and "ignored" in err
+    assert "2x3x9x4" in out and "2x3x5x7" not in out and "PARTIAL" not in out
+    dispatch.forget()
+    with pytest.warns(cache_mod.CacheWarning, match="'variants_searched'"):
+        info = pt.explain(OP, (2, 3, 5, 7), (3, 4))
+    assert info["partial"] is None and info["source"] != "cache"
