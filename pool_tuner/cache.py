@@ -305,8 +305,12 @@ def _record_problem(key, record) -> str | None:
         partial_problem = _partial_problem(record["partial"])
         if partial_problem is not None:
             return f"has a 'partial' field whose {partial_problem}"
-    if "measured" in record and is_partial(record):
-        return "is both a measured dispatch and a partial tuning"
+    if "measured" in record:
+        if is_partial(record):
+            return "is both a measured dispatch and a partial tuning"
+        measured_problem = _measured_problem(record["measured"])
+        if measured_problem is not None:
+            return f"has a 'measured' field whose {measured_problem}"
     try:
         own_key = make_key(types.SimpleNamespace(**record["problem"]), record["device"], record["kernel_hash"])
     except (TypeError, ValueError, AttributeError):
@@ -364,6 +368,23 @@ def _partial_problem(partial: dict) -> str | None:
         return f"'variant_interrupted' is neither a variant name nor null: {partial['variant_interrupted']!r}"
     if not isinstance(partial.get("timing", ""), str):
         return f"'timing' is not a string: {partial['timing']!r}"
+    return None
+
+
+def _is_seconds(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def _measured_problem(measured: dict) -> str | None:
+    """What is wrong with a measured dispatch's ``"measured"`` field (``measured._Stages.record``
+    writes it), or None: each stage's rounds (required), the seconds spent building and in all."""
+    rounds = measured.get("rounds")
+    if not isinstance(rounds, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in rounds):
+        return f"'rounds' is not a list of non-negative integers: {rounds!r}"
+    for field in ("build_seconds", "seconds"):
+        if field in measured and not _is_seconds(measured[field]):
+            return f"{field!r} is not a non-negative number of seconds: {measured[field]!r}"
     return None
 
 

@@ -545,6 +545,11 @@ def test_special_files_and_pathological_json_are_a_warning_and_a_miss(tmp_path, 
     ("partial", {"variants_searched": ["a"], "variants_not_searched": "b"}),
     ("partial", {"variants_searched": ["a"], "variant_interrupted": 3}),
     ("partial", {"variants_searched": ["a"], "timing": None}),
+    ("measured", {"rounds": "x", "seconds": None}),
+    ("measured", {"seconds": 1.0}),
+    ("measured", {"rounds": [3, True]}),
+    ("measured", {"rounds": [3], "seconds": None}),
+    ("measured", {"rounds": [3], "build_seconds": -1.0}),
 ])
 def test_every_field_is_type_checked_on_load_and_merge(tmp_path, field, value):
     """e.g. an input_shape of strings made the key (int("2") == 2) and passed, and then every

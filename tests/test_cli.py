@@ -621,3 +621,14 @@ def test_a_partial_field_of_bad_contents_is_a_warning_and_a_miss_never_a_crash_o
     with pytest.warns(cache_mod.CacheWarning, match="'variants_searched'"):
         info = pt.explain(OP, (2, 3, 5, 7), (3, 4))
     assert info["partial"] is None and info["source"] != "cache"
+
+
+def test_a_malformed_measured_field_is_a_warning_and_a_miss(capsys, user_cache):
+    """design.md (Measured dispatch): a record with a malformed ``measured`` field is a CacheWarning
+    and a miss.  Only its type was checked, so explain said source "measured", tier exact."""
+    bad = dict(synthetic_record((2, 3, 5, 7)), measured={"rounds": "x", "seconds": None})
+    write_user_records(user_cache, bad)
+    code, out, err = run(capsys, "explain", "--input", "2x3x5x7", "--output", "3x4")
+    assert code == 0 and "'measured'" in err and "'rounds'" in err
+    info = json.loads(out)
+    assert info["source"] not in ("measured", "cache") and info["measured"] is None
