@@ -437,10 +437,24 @@ def _read_regular_file(path: Path) -> bytes:
     block the first call for ever and a device such as ``/dev/zero`` never ends, so anything else
     raises ``OSError``.  Opened without blocking, so that a FIFO is refused rather than waited on."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:  # checked before os.fdopen, which refuses a directory naming the descriptor's number, not the path
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{path} is {_file_kind(mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
     with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
         return file.read()
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                        (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "a special file"
 
 
 def _describe(problems: list[str]) -> str:
@@ -521,7 +535,9 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
     nothing is destroyed; the fresh file keeps its readable records.  Raises ``OSError`` (including
     ``filelock.Timeout``) when the file cannot be locked, read or written.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_directory(path)
+    if os.path.isdir(path):  # said before a lock file is left beside it
+        raise IsADirectoryError(f"{path} is a directory, not a regular file")
     with _lock(path):
         _remove_stale_temporaries(path)
         try:
@@ -544,6 +560,21 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
                 changed += 1
         _write_atomic(path, records)
     return records, changed
+
+
+def _make_directory(path: Path) -> None:
+    """Make the directory of cache file ``path`` if it is missing.  Raises ``OSError`` naming the
+    path and what is wrong: where an existing file stands in the way, that file (``mkdir`` would
+    only say "File exists")."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocking = next((p for p in (path.parent, *path.parent.parents)
+                         if os.path.lexists(p) and not os.path.isdir(p)), None)
+        if blocking is not None:
+            raise NotADirectoryError(f"cannot make the directory of {path}: {blocking} is a file, not a directory") \
+                from None
+        raise OSError(f"cannot make the directory of {path} ({exc.strerror or exc})") from None
 
 
 def _write_atomic(path: Path, records: dict) -> None:

@@ -632,3 +632,26 @@ def test_a_malformed_measured_field_is_a_warning_and_a_miss(capsys, user_cache):
     assert code == 0 and "'measured'" in err and "'rounds'" in err
     info = json.loads(out)
     assert info["source"] not in ("measured", "cache") and info["measured"] is None
+
+
+def test_cache_merge_from_or_into_what_is_no_file_names_the_path(capsys, user_cache, tmp_path):
+    """A directory gave "[Errno 21] Is a directory: 3" (a file descriptor's number); a destination
+    under a plain file gave "File exists: 'afile'"."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"schema": cache_mod.SCHEMA_VERSION,
+                                "records": {synthetic_record((2, 3, 5, 7))["key"]: synthetic_record((2, 3, 5, 7))}}))
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    for argv, path, problem in [
+        (["cache", "merge", tmp_path / "adir"], tmp_path / "adir", "is a directory"),
+        (["cache", "merge", good, "--into", tmp_path / "adir"], tmp_path / "adir", "is a directory"),
+        (["cache", "merge", good, "--into", tmp_path / "afile" / "sub.json"], tmp_path / "afile", "is a file, not a directory"),
+        (["cache", "merge", good, "--into", tmp_path / "afile" / "x" / "sub.json"], tmp_path / "afile",
+         "is a file, not a directory"),
+    ]:
+        code, out, err = run(capsys, *argv)
+        line = assert_one_error_line(code, err)
+        assert f"{path} {problem}" in line, line
+        assert "Errno" not in line and "File exists" not in line, line
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("a")) == ["adir", "afile"], "no lock file left"
