@@ -278,7 +278,10 @@ def _versions() -> dict:
 def _record_problem(key, record) -> str | None:
     """What makes ``record`` (stored under ``key``) unusable, or None if it is well-formed.
 
-    Checked when loading, so that dispatch can rely on these fields without guarding every access.
+    The one check of a record's fields -- types, the contents of ``partial`` and ``measured``, no
+    NaN or infinity anywhere -- used when loading, merging and storing, so that dispatch and
+    ``cache show`` can rely on these fields without guarding every access and every record kept
+    can be written back.
     """
     if not isinstance(record, dict):
         return f"is a {type(record).__name__}, not an object"
