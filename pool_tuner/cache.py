@@ -278,7 +278,10 @@ def _versions() -> dict:
 def _record_problem(key, record) -> str | None:
     """What makes ``record`` (stored under ``key``) unusable, or None if it is well-formed.
 
-    Checked when loading, so that dispatch can rely on these fields without guarding every access.
+    The one check of a record's fields -- types, the contents of ``partial`` and ``measured``, no
+    NaN or infinity anywhere -- used when loading, merging and storing, so that dispatch and
+    ``cache show`` can rely on these fields without guarding every access and every record kept
+    can be written back.
     """
     if not isinstance(record, dict):
         return f"is a {type(record).__name__}, not an object"
@@ -301,8 +304,16 @@ def _record_problem(key, record) -> str | None:
             return f"has a 'problem' whose {field!r} is not a list of non-negative integers: {shape!r}"
     if record.get("verified", 0) < 0:
         return f"has a negative 'verified' count {record['verified']!r}"
-    if "measured" in record and is_partial(record):
-        return "is both a measured dispatch and a partial tuning"
+    if is_partial(record):
+        partial_problem = _partial_problem(record["partial"])
+        if partial_problem is not None:
+            return f"has a 'partial' field whose {partial_problem}"
+    if "measured" in record:
+        if is_partial(record):
+            return "is both a measured dispatch and a partial tuning"
+        measured_problem = _measured_problem(record["measured"])
+        if measured_problem is not None:
+            return f"has a 'measured' field whose {measured_problem}"
     try:
         own_key = make_key(types.SimpleNamespace(**record["problem"]), record["device"], record["kernel_hash"])
     except (TypeError, ValueError, AttributeError):
@@ -323,6 +334,60 @@ def _record_problem(key, record) -> str | None:
     for failure in record.get("failures", []):
         if not isinstance(failure, dict) or not isinstance(failure.get("error"), str):
             return f"has a 'failures' entry without an 'error' string: {failure!r}"
+    return _non_finite_problem(record)
+
+
+def _non_finite_problem(record: dict) -> str | None:
+    """Where ``record`` holds a NaN or an infinity (which Python's JSON reads, ``NaN``, ``Infinity``,
+    ``1e999``, but the cache never writes: a record holding one would make every later write of its
+    file fail), or None.  Walked without recursion, so that no nesting the JSON reader took can
+    overflow the stack here."""
+    pending = [((field,), value) for field, value in record.items()]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            where = "".join(f"[{step!r}]" for step in path[1:])
+            return f"has a non-finite number {value!r} in its {path[0]!r} field{' at ' + where if where else ''}"
+        if isinstance(value, dict):
+            pending += [(path + (k,), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            pending += [(path + (i,), v) for i, v in enumerate(value)]
+    return None
+
+
+def _is_strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _partial_problem(partial: dict) -> str | None:
+    """What is wrong with an interrupted tuning's ``"partial"`` field (``tuner._keep_partial``
+    writes it), or None: the variants it searched whole (required), those it did not search, the
+    one cut short (or null), and how it was timed."""
+    if not _is_strings(partial.get("variants_searched")):
+        return f"'variants_searched' is not a list of variant names: {partial.get('variants_searched')!r}"
+    if "variants_not_searched" in partial and not _is_strings(partial["variants_not_searched"]):
+        return f"'variants_not_searched' is not a list of variant names: {partial['variants_not_searched']!r}"
+    if not isinstance(partial.get("variant_interrupted"), (str, type(None))):
+        return f"'variant_interrupted' is neither a variant name nor null: {partial['variant_interrupted']!r}"
+    if not isinstance(partial.get("timing", ""), str):
+        return f"'timing' is not a string: {partial['timing']!r}"
+    return None
+
+
+def _is_seconds(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def _measured_problem(measured: dict) -> str | None:
+    """What is wrong with a measured dispatch's ``"measured"`` field (``measured._Stages.record``
+    writes it), or None: each stage's rounds (required), the seconds spent building and in all."""
+    rounds = measured.get("rounds")
+    if not isinstance(rounds, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in rounds):
+        return f"'rounds' is not a list of non-negative integers: {rounds!r}"
+    for field in ("build_seconds", "seconds"):
+        if field in measured and not _is_seconds(measured[field]):
+            return f"{field!r} is not a non-negative number of seconds: {measured[field]!r}"
     return None
 
 
@@ -375,10 +440,24 @@ def _read_regular_file(path: Path) -> bytes:
     block the first call for ever and a device such as ``/dev/zero`` never ends, so anything else
     raises ``OSError``.  Opened without blocking, so that a FIFO is refused rather than waited on."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:  # checked before os.fdopen, which refuses a directory naming the descriptor's number, not the path
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{path} is {_file_kind(mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
     with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
         return file.read()
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                        (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "a special file"
 
 
 def _describe(problems: list[str]) -> str:
@@ -459,7 +538,9 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
     nothing is destroyed; the fresh file keeps its readable records.  Raises ``OSError`` (including
     ``filelock.Timeout``) when the file cannot be locked, read or written.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_directory(path)
+    if os.path.isdir(path):  # said before a lock file is left beside it
+        raise IsADirectoryError(f"{path} is a directory, not a regular file")
     with _lock(path):
         _remove_stale_temporaries(path)
         try:
@@ -482,6 +563,21 @@ def _update_file(path: Path, incoming: dict, faster_only: bool) -> tuple[dict, i
                 changed += 1
         _write_atomic(path, records)
     return records, changed
+
+
+def _make_directory(path: Path) -> None:
+    """Make the directory of cache file ``path`` if it is missing.  Raises ``OSError`` naming the
+    path and what is wrong: where an existing file stands in the way, that file (``mkdir`` would
+    only say "File exists")."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocking = next((p for p in (path.parent, *path.parent.parents)
+                         if os.path.lexists(p) and not os.path.isdir(p)), None)
+        if blocking is not None:
+            raise NotADirectoryError(f"cannot make the directory of {path}: {blocking} is a file, not a directory") \
+                from None
+        raise OSError(f"cannot make the directory of {path} ({exc.strerror or exc})") from None
 
 
 def _write_atomic(path: Path, records: dict) -> None:

@@ -539,6 +539,17 @@ def test_special_files_and_pathological_json_are_a_warning_and_a_miss(tmp_path, 
     ("tuning_seconds", "a minute"),
     ("verified", -1),
     ("verified", 2.5),
+    ("tuning_seconds", float("nan")),
+    ("partial", {"variants_searched": 5, "variants_not_searched": 7}),
+    ("partial", {}),
+    ("partial", {"variants_searched": ["a"], "variants_not_searched": "b"}),
+    ("partial", {"variants_searched": ["a"], "variant_interrupted": 3}),
+    ("partial", {"variants_searched": ["a"], "timing": None}),
+    ("measured", {"rounds": "x", "seconds": None}),
+    ("measured", {"seconds": 1.0}),
+    ("measured", {"rounds": [3, True]}),
+    ("measured", {"rounds": [3], "seconds": None}),
+    ("measured", {"rounds": [3], "build_seconds": -1.0}),
 ])
 def test_every_field_is_type_checked_on_load_and_merge(tmp_path, field, value):
     """e.g. an input_shape of strings made the key (int("2") == 2) and passed, and then every
@@ -567,3 +578,53 @@ def test_stale_temporary_files_are_removed_by_the_next_writer(tmp_path):
     os.utime(stale, (old, old))
     c.store(record(width=9))
     assert not stale.exists() and young.exists()
+
+
+def strict_json(path):
+    """The JSON of ``path``, refusing the NaN and Infinity that Python's reader takes."""
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("where", ["tuning_seconds", "device", "versions", "runner-up", "extra field", "huge"])
+def test_a_non_finite_number_anywhere_in_a_record_is_a_miss_and_never_breaks_a_write(tmp_path, where):
+    """Python's JSON reader takes NaN and Infinity, which the cache never writes (its writer refuses
+    them): a record that held one was loaded, and every later store and merge of that file raised
+    ValueError instead of setting the record aside."""
+    bad, good = record(width=8), record(width=9)
+    if where == "tuning_seconds":
+        bad["tuning_seconds"] = float("nan")
+    elif where == "device":  # still its own key: the key hashes the whole fingerprint
+        bad["device"] = dict(FP, clock=float("inf"))
+        bad["key"] = make_key(problem(), bad["device"], KERNEL_HASH)
+    elif where == "versions":
+        bad["versions"] = dict(bad["versions"], pool_tuner=float("-inf"))
+    elif where == "runner-up":
+        bad["runners_up"][0]["spread"] = float("nan")
+    elif where == "extra field":
+        bad["notes"] = {"samples": [1.0, float("nan")]}
+    else:  # 1e999 in the file, which reads as infinity
+        bad["tuning_seconds"] = 12.5
+    path = tmp_path / "user" / cache.USER_FILE
+    write_file(path, [bad, good])
+    if where == "huge":
+        path.write_text(path.read_text().replace("12.5", "1e999"))
+    c = fresh(tmp_path)
+    with pytest.warns(CacheWarning, match="non-finite number"):
+        assert c.lookup(bad["key"]) is None
+    assert c.lookup(good["key"]) is not None
+    with pytest.warns(CacheWarning, match="moved it to"):
+        assert c.store(record(width=10))
+    assert set(strict_json(path)["records"]) == {good["key"], record(width=10)["key"]}
+    with no_warnings():
+        assert c.store(record(width=11))
+
+    source = tmp_path / "source.json"
+    write_file(source, [bad, good])
+    if where == "huge":
+        source.write_text(source.read_text().replace("12.5", "1e999"))
+    with pytest.warns(CacheWarning, match="non-finite number.*not merged"):
+        assert merge_files([source], tmp_path / "merged.json") == 1
+    assert set(strict_json(tmp_path / "merged.json")["records"]) == {good["key"]}

@@ -633,3 +633,66 @@ def test_a_shapes_file_larger_than_any_list_of_shapes_is_refused(capsys, user_ca
     path.write_text("[" + " " * cli.MAX_SHAPES_FILE_BYTES + "]")
     code, _, err = run(capsys, "tune", "--shapes", path)
     assert "bytes, more than a shapes file holds" in assert_one_error_line(code, err)
+
+def write_user_records(user_cache, *records):
+    user_cache.mkdir(parents=True, exist_ok=True)
+    (user_cache / cache_mod.USER_FILE).write_text(
+        json.dumps({"schema": cache_mod.SCHEMA_VERSION, "records": {r["key"]: r for r in records}}))
+
+
+def test_a_partial_field_of_bad_contents_is_a_warning_and_a_miss_never_a_crash_of_cache_show(
+        capsys, user_cache, tmp_path):
+    """Only the field's type was checked: a merge took {"variants_searched": 5}, and then every
+    ``cache show`` ended in "object of type 'int' has no len()" and explain returned it."""
+    bad = dict(synthetic_record((2, 3, 5, 7)), partial={"variants_searched": 5, "variants_not_searched": 7})
+    good = synthetic_record((2, 3, 9, 4))
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"schema": cache_mod.SCHEMA_VERSION, "records": {bad["key"]: bad, good["key"]: good}}))
+    code, out, err = run(capsys, "cache", "merge", source)
+    assert code == 0 and "merged 1 records" in out
+    assert "'partial'" in err and "not merged" in err
+    assert set(user_records(user_cache)) == {good["key"]}
+
+    write_user_records(user_cache, bad, good)  # in the user cache itself
+    dispatch.forget()
+    code, out, err = run(capsys, "cache", "show")
+    assert code == 0 and "'partial'" in err and "ignored" in err
+    assert "2x3x9x4" in out and "2x3x5x7" not in out and "PARTIAL" not in out
+    dispatch.forget()
+    with pytest.warns(cache_mod.CacheWarning, match="'variants_searched'"):
+        info = pt.explain(OP, (2, 3, 5, 7), (3, 4))
+    assert info["partial"] is None and info["source"] != "cache"
+
+
+def test_a_malformed_measured_field_is_a_warning_and_a_miss(capsys, user_cache):
+    """design.md (Measured dispatch): a record with a malformed ``measured`` field is a CacheWarning
+    and a miss.  Only its type was checked, so explain said source "measured", tier exact."""
+    bad = dict(synthetic_record((2, 3, 5, 7)), measured={"rounds": "x", "seconds": None})
+    write_user_records(user_cache, bad)
+    code, out, err = run(capsys, "explain", "--input", "2x3x5x7", "--output", "3x4")
+    assert code == 0 and "'measured'" in err and "'rounds'" in err
+    info = json.loads(out)
+    assert info["source"] not in ("measured", "cache") and info["measured"] is None
+
+
+def test_cache_merge_from_or_into_what_is_no_file_names_the_path(capsys, user_cache, tmp_path):
+    """A directory gave "[Errno 21] Is a directory: 3" (a file descriptor's number); a destination
+    under a plain file gave "File exists: 'afile'"."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"schema": cache_mod.SCHEMA_VERSION,
+                                "records": {synthetic_record((2, 3, 5, 7))["key"]: synthetic_record((2, 3, 5, 7))}}))
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    for argv, path, problem in [
+        (["cache", "merge", tmp_path / "adir"], tmp_path / "adir", "is a directory"),
+        (["cache", "merge", good, "--into", tmp_path / "adir"], tmp_path / "adir", "is a directory"),
+        (["cache", "merge", good, "--into", tmp_path / "afile" / "sub.json"], tmp_path / "afile", "is a file, not a directory"),
+        (["cache", "merge", good, "--into", tmp_path / "afile" / "x" / "sub.json"], tmp_path / "afile",
+         "is a file, not a directory"),
+    ]:
+        code, out, err = run(capsys, *argv)
+        line = assert_one_error_line(code, err)
+        assert f"{path} {problem}" in line, line
+        assert "Errno" not in line and "File exists" not in line, line
+    assert not (user_cache / cache_mod.USER_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("a")) == ["adir", "afile"], "no lock file left"
