@@ -1085,9 +1085,12 @@ def _avg_and_max_levels(input, options: dict) -> list:
 
 
 def _mean_gradient(grad, level, input, shape, dims):
-    """``x.mean(dims, keepdim=True)``'s gradient, as PyTorch computes it: spread, then divided."""
+    """``x.mean(dims, keepdim=True)``'s gradient, as PyTorch computes it: spread, then divided. The
+    area is read off the spread gradient, not multiplied from the saved ``shape``: under
+    ``torch.compile`` with symbolic sizes dynamo cannot do arithmetic on sizes saved on ``ctx``."""
     height, width = dims
-    return grad.expand(shape) / (shape[height] * shape[width])
+    spread = grad.expand(shape)
+    return spread / (spread.shape[height] * spread.shape[width])
 
 
 def _amax_gradient(grad, level, input, shape, dims):
