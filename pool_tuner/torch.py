@@ -357,7 +357,8 @@ def _pooled_sizes(input, ndim: int) -> tuple:
     """The sizes of ``input``'s ``ndim`` pooled axes, once ``input`` is checked to be a tensor
     of a rank ``ndim``-d pooling takes, with no pooled axis empty."""
     _check_tensor(input, "input")
-    if input.dim() not in (ndim + 1, ndim + 2):
+    rank = input.dim()
+    if rank != ndim + 1 and rank != ndim + 2:
         raise ValueError(f"input must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
                          f"got shape {tuple(input.shape)}")
     spatial = tuple(input.shape[input.dim() - ndim:])
