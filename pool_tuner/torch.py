@@ -430,7 +430,63 @@ def _pool(operation, input, output_size, return_indices: bool, options: str):
             raise ValueError(f"{operation.name} with return_indices=True cannot be exported to ONNX "
                              f"(pool_tuner.onnx exports values only)")
         return decompose(operation.kind, operation.ndim, input, output_size, f"pool_tuner.torch.{operation.name}")
+    if _tracing_state() is not None and any(isinstance(size, _Tensor) for size in output_size):
+        return _traced_keeping_axes(operation, input, output_size, return_indices, options)
     return _custom_op_pool(operation, input, output_size, return_indices, options)
+
+
+def _traced_keeping_axes(operation, input, output_size: list, return_indices: bool, options: str):
+    """A forward under ``torch.jit.trace`` whose output size keeps axes (``None`` entries): those
+    resolve to the traced input's sizes, which are tensors there, and the custom op's ``SymInt[]``
+    argument cannot take them (PyTorch's tracer asserts). Adaptive pooling to an axis's own size is
+    the identity along it, so the kept axes are folded into the batch and the others pooled by the
+    custom op of their rank; the trace follows the input's sizes along the kept axes, as PyTorch's
+    own layers' traces do. Max indices are made indices into the whole pooled plane again."""
+    ndim = operation.ndim
+    lead = input.dim() - ndim
+    spatial = [input.shape[lead + axis] for axis in range(ndim)]
+    kept = [axis for axis, size in enumerate(output_size) if isinstance(size, _Tensor)]
+    pooled = [axis for axis in range(ndim) if axis not in kept]
+    # PyTorch's layout: channels-last where a batched 2d pooling's input is (fixed in the trace)
+    channels_last = ndim == 2 and lead == 2 and not input.is_contiguous() and input.is_contiguous(
+        memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    if not pooled:  # every axis kept: the identity (indices: each position its own)
+        values = input.clone(memory_format=layout)
+        if not return_indices:
+            return values
+        plane = functools.reduce(operator.mul, spatial)
+        return values, torch.arange(plane, device=input.device).reshape(spatial).expand(input.shape).contiguous(
+            memory_format=layout)
+    order = list(range(lead)) + [lead + axis for axis in kept + pooled]
+    folded = input.permute(order)
+    outer = folded.shape[:lead + len(kept)]
+    result = _custom_op_pool(find(operation.kind, len(pooled)), folded.flatten(0, lead + len(kept) - 1),
+                             [output_size[axis] for axis in pooled], return_indices, options)
+    inverse = [order.index(dim) for dim in range(input.dim())]
+
+    def unfolded(tensor):
+        return tensor.unflatten(0, outer).permute(inverse).contiguous(memory_format=layout)
+
+    if not return_indices:
+        return unfolded(result)
+    values, indices = result
+    # an index into the pooled axes' plane -> its coordinates -> an index into the whole plane
+    full = torch.zeros_like(indices)
+    for position, axis in enumerate(pooled):
+        inner = functools.reduce(operator.mul, [spatial[a] for a in pooled[position + 1:]], 1)
+        full = full + (indices // inner) % spatial[axis] * _plane_stride(spatial, axis)
+    full = unfolded(full)
+    for axis in kept:
+        shape = [1] * input.dim()
+        shape[lead + axis] = -1
+        full = full + torch.arange(spatial[axis], device=input.device).reshape(shape) * _plane_stride(spatial, axis)
+    return unfolded(values), full.contiguous(memory_format=layout)
+
+
+def _plane_stride(spatial: list, axis: int):
+    """The step of a row-major index into a plane of ``spatial`` sizes along ``axis``."""
+    return functools.reduce(operator.mul, spatial[axis + 1:], 1)
 
 
 def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options: str):

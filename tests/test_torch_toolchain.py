@@ -401,6 +401,30 @@ def test_torchscript_is_refused_with_what_to_use_instead():
         torch.jit.script(model)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ndim,shape,size", [(1, (2, 3, 10), (None,)), (2, (2, 3, 10, 9), (4, None)),
+                                             (2, (3, 10, 9), (None, None)), (3, (2, 3, 5, 6, 7), (2, None, 3)),
+                                             (3, (3, 5, 6, 7), (None, 4, None))])
+def test_jit_trace_of_an_output_size_with_none_follows_the_input_size(kind, ndim, shape, size, rng):
+    """torch.jit.trace resolves None against the traced input's sizes, which are tensors there:
+    the trace runs, gives PyTorch's values, indices and strides and, like PyTorch's own layer's
+    trace, follows the input's size along the kept axes; gradients flow through it."""
+    kwargs = {"return_indices": True} if kind == "max" else {}
+    traced = torch.jit.trace(getattr(ptt, f"Adaptive{kind.capitalize()}Pool{ndim}d")(size, **kwargs),
+                             (tensor(rng, shape),), check_trace=False)
+    for x in (tensor(rng, shape), tensor(rng, shape[:-1] + (shape[-1] + 3,))):
+        x_stock, x_traced = x.clone().requires_grad_(), x.clone().requires_grad_()
+        resolved = tuple(x.shape[x.dim() - ndim + axis] if s is None else s for axis, s in enumerate(size))
+        expected, got = torch_pool(kind, ndim)(x_stock, resolved, **kwargs), traced(x_traced)
+        for e, g in zip(*((expected, got) if kind == "max" else ((expected,), (got,)))):
+            torch.testing.assert_close(g, e, **(FLOAT32_TOL if kind == "avg" else dict(rtol=0, atol=0)))
+            assert g.stride() == e.stride()
+        values = (expected[0], got[0]) if kind == "max" else (expected, got)
+        grad = torch.from_numpy(rng.standard_normal(values[0].shape).astype(np.float32))
+        values[0].backward(grad), values[1].backward(grad)
+        torch.testing.assert_close(x_traced.grad, x_stock.grad, **FLOAT32_TOL)
+
+
 def test_import_without_torch_says_what_to_install():
     code = ("import sys; sys.modules['torch'] = None\n"
             "try:\n    import pool_tuner.torch\nexcept ImportError as e:\n"
