@@ -66,7 +66,9 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
     """Adaptive ``kind`` pooling of ``x`` (batched or batch-less, ``ndim`` pooled axes) to the
     resolved ``output_size``, in operators that export to standard ONNX.  ``layer`` names the
     layer (or function) in errors."""
-    spatial = tuple(x.shape[x.dim() - ndim:])
+    # the TorchScript exporter (dynamo=False) traces sizes as tensors: their values at export fix
+    # the windows, as its own translation of PyTorch's adaptive pooling fixes its kernel sizes
+    spatial = tuple(int(size) if isinstance(size, torch.Tensor) else size for size in x.shape[x.dim() - ndim:])
     for axis, size in enumerate(spatial):
         if not isinstance(size, numbers.Integral):  # a SymInt: a dynamic size under torch.export
             raise ValueError(

@@ -6,8 +6,10 @@ Compilations are the cost here (each inductor compile takes tens of seconds on t
 broad matrix runs on the "aot_eager" backend, and one test compiles with inductor."""
 
 import copy
+import io
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -367,6 +369,33 @@ def test_plain_torch_onnx_export_of_pool_tuner_layers_and_functions(rng):
     assert "pool_tuner" not in {node.domain for node in program.model.graph}
     for result, expected in zip(run_onnx(program, x), model(x), strict=True):
         np.testing.assert_allclose(result, expected.numpy(), **FLOAT32_TOL)
+
+
+def test_torchscript_onnx_exporter_decomposes_pool_tuner_layers(rng):
+    """torch.onnx.export(dynamo=False), PyTorch's TorchScript exporter, traces sizes as tensors:
+    pool_tuner's layers decompose at the sizes of the example input, as PyTorch's own layers do."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.avg, self.max = ptt.AdaptiveAvgPool2d((4, None)), ptt.AdaptiveMaxPool3d((2, None, 3))
+            self.gem, self.cat = ptt.AdaptiveGeMPool2d(1), ptt.AdaptiveAvgMaxPool2d(2, "cat")
+
+        def forward(self, x):
+            return (self.avg(x), self.max(x.unsqueeze(1)), ptt.adaptive_max_pool1d(x.flatten(2), 7), self.gem(x.abs()),
+                    self.cat(x))
+
+    model = Model().eval()
+    x = tensor(rng, (2, 3, 10, 9))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
+        torch.onnx.export(model, (x,), buffer, dynamo=False)
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    results = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    for result, expected in zip(results, model(x), strict=True):
+        np.testing.assert_allclose(result, expected.detach().numpy(), **FLOAT32_TOL)
 
 
 def test_onnx_export_errors_name_the_layer():
