@@ -1562,12 +1562,18 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
 
     ``report``, a list, gets one entry per layer swapped, module rewritten, or pooling layer left
     as it is, with the reason (``explain_pooling`` says what the entries hold)."""
+    _check_model(model)
     options = dict(device=device, variant=variant, config=config)
     record = _no_record if report is None else functools.partial(_report_entry, report)
     model = swap_layers(model, _timm_swap(fuse, options, record))
     if fuse:
         model = fuse_sibling_pools(model, record)
     return swap_layers(model, _pytorch_swap(options, record))
+
+
+def _check_model(model):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def _report_entry(report: list, name, module, replacement, reason):
@@ -1589,6 +1595,7 @@ def explain_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
     meets them -- ``module`` (its qualified name, ``""`` for ``model``), ``type`` (its class),
     ``action`` (``"swapped"``: a pool_tuner layer takes its place; ``"fused"``: torch.fx rewrote
     its forward; ``"kept"``), ``replacement`` (what takes its place, or None) and ``reason``."""
+    _check_model(model)
     report = []
     replace_pooling(copy.deepcopy(model), fuse=fuse, device=device, variant=variant, config=config, report=report)
     return report
