@@ -398,6 +398,17 @@ def test_torchscript_onnx_exporter_decomposes_pool_tuner_layers(rng):
         np.testing.assert_allclose(result, expected.detach().numpy(), **FLOAT32_TOL)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ndim,shape,size", [(1, (2, 3, 10), 0), (2, (2, 3, 10, 9), (0, 2)), (3, (3, 5, 6, 7), (2, 0, 9))])
+def test_onnx_export_of_an_output_size_zero_is_an_empty_result(kind, ndim, shape, size, rng):
+    """PyTorch pools to an output size of 0 as an empty result; so does the exported model."""
+    pytest.importorskip("onnxruntime")
+    model = torch.nn.Sequential(torch.nn.Identity(), layer(kind, ndim, size, ours=False)).eval()
+    x = tensor(rng, shape)
+    (result,) = run_onnx(pto.export(model, (x,), verbose=False), x)
+    assert result.shape == tuple(model(x).shape) and result.size == 0
+
+
 def test_onnx_export_errors_name_the_layer():
     class Unknown(torch.nn.AdaptiveAvgPool2d):
         pass
