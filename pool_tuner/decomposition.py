@@ -62,11 +62,23 @@ def _fixed_pool(operation, x: torch.Tensor, kernel, stride) -> torch.Tensor:
     return pool(x, kernel_size=tuple(kernel), stride=tuple(stride))
 
 
+def _empty(x: torch.Tensor, ndim: int, output_size: list) -> torch.Tensor:
+    """The empty result of pooling ``x`` to ``output_size`` (an entry 0): a slice of ``x`` with no
+    elements, expanded to the output's shape (``Slice``, ``Expand``)."""
+    lead = x.dim() - ndim
+    x = x.narrow(lead + output_size.index(0), 0, 0)
+    for axis, size in enumerate(output_size):
+        x = x.narrow(lead + axis, 0, 1) if size else x
+    return x.expand(*x.shape[:lead], *output_size)
+
+
 def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) -> torch.Tensor:
     """Adaptive ``kind`` pooling of ``x`` (batched or batch-less, ``ndim`` pooled axes) to the
     resolved ``output_size``, in operators that export to standard ONNX.  ``layer`` names the
     layer (or function) in errors."""
-    spatial = tuple(x.shape[x.dim() - ndim:])
+    # the TorchScript exporter (dynamo=False) traces sizes as tensors: their values at export fix
+    # the windows, as its own translation of PyTorch's adaptive pooling fixes its kernel sizes
+    spatial = tuple(int(size) if isinstance(size, torch.Tensor) else size for size in x.shape[x.dim() - ndim:])
     for axis, size in enumerate(spatial):
         if not isinstance(size, numbers.Integral):  # a SymInt: a dynamic size under torch.export
             raise ValueError(
@@ -75,6 +87,8 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
                 f"batch and channel dimensions dynamic"
             )
     output_size = [int(size) for size in output_size]
+    if 0 in output_size:  # PyTorch's result is empty: no windows, only its shape
+        return _empty(x, ndim, output_size)
     source = x
     batchless = x.dim() == ndim + 1
     if batchless:  # ONNX pooling operators take (N, C, ...)

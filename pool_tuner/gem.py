@@ -61,7 +61,8 @@ def check_arguments(p, eps, p_name: str = "p") -> dict:
     for name, value in ((p_name, p), ("eps", eps)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-        if not math.isfinite(value) or value <= 0:
+        # finite as a comparison (not math.isfinite), which torch.compile traces on a symbolic float
+        if not -math.inf < value < math.inf or value <= 0:
             raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         values[name] = float(value)
     return {"p": values[p_name], "eps": values["eps"]}

@@ -357,7 +357,8 @@ def _pooled_sizes(input, ndim: int) -> tuple:
     """The sizes of ``input``'s ``ndim`` pooled axes, once ``input`` is checked to be a tensor
     of a rank ``ndim``-d pooling takes, with no pooled axis empty."""
     _check_tensor(input, "input")
-    if input.dim() not in (ndim + 1, ndim + 2):
+    rank = input.dim()
+    if rank != ndim + 1 and rank != ndim + 2:
         raise ValueError(f"input must be {ndim + 1}-d or {ndim + 2}-d {RANK_NAMES[ndim]} for {ndim}d pooling, "
                          f"got shape {tuple(input.shape)}")
     spatial = tuple(input.shape[input.dim() - ndim:])
@@ -429,7 +430,63 @@ def _pool(operation, input, output_size, return_indices: bool, options: str):
             raise ValueError(f"{operation.name} with return_indices=True cannot be exported to ONNX "
                              f"(pool_tuner.onnx exports values only)")
         return decompose(operation.kind, operation.ndim, input, output_size, f"pool_tuner.torch.{operation.name}")
+    if _tracing_state() is not None and any(isinstance(size, _Tensor) for size in output_size):
+        return _traced_keeping_axes(operation, input, output_size, return_indices, options)
     return _custom_op_pool(operation, input, output_size, return_indices, options)
+
+
+def _traced_keeping_axes(operation, input, output_size: list, return_indices: bool, options: str):
+    """A forward under ``torch.jit.trace`` whose output size keeps axes (``None`` entries): those
+    resolve to the traced input's sizes, which are tensors there, and the custom op's ``SymInt[]``
+    argument cannot take them (PyTorch's tracer asserts). Adaptive pooling to an axis's own size is
+    the identity along it, so the kept axes are folded into the batch and the others pooled by the
+    custom op of their rank; the trace follows the input's sizes along the kept axes, as PyTorch's
+    own layers' traces do. Max indices are made indices into the whole pooled plane again."""
+    ndim = operation.ndim
+    lead = input.dim() - ndim
+    spatial = [input.shape[lead + axis] for axis in range(ndim)]
+    kept = [axis for axis, size in enumerate(output_size) if isinstance(size, _Tensor)]
+    pooled = [axis for axis in range(ndim) if axis not in kept]
+    # PyTorch's layout: channels-last where a batched 2d pooling's input is (fixed in the trace)
+    channels_last = ndim == 2 and lead == 2 and not input.is_contiguous() and input.is_contiguous(
+        memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    if not pooled:  # every axis kept: the identity (indices: each position its own)
+        values = input.clone(memory_format=layout)
+        if not return_indices:
+            return values
+        plane = functools.reduce(operator.mul, spatial)
+        return values, torch.arange(plane, device=input.device).reshape(spatial).expand(input.shape).contiguous(
+            memory_format=layout)
+    order = list(range(lead)) + [lead + axis for axis in kept + pooled]
+    folded = input.permute(order)
+    outer = folded.shape[:lead + len(kept)]
+    result = _custom_op_pool(find(operation.kind, len(pooled)), folded.flatten(0, lead + len(kept) - 1),
+                             [output_size[axis] for axis in pooled], return_indices, options)
+    inverse = [order.index(dim) for dim in range(input.dim())]
+
+    def unfolded(tensor):
+        return tensor.unflatten(0, outer).permute(inverse).contiguous(memory_format=layout)
+
+    if not return_indices:
+        return unfolded(result)
+    values, indices = result
+    # an index into the pooled axes' plane -> its coordinates -> an index into the whole plane
+    full = torch.zeros_like(indices)
+    for position, axis in enumerate(pooled):
+        inner = functools.reduce(operator.mul, [spatial[a] for a in pooled[position + 1:]], 1)
+        full = full + (indices // inner) % spatial[axis] * _plane_stride(spatial, axis)
+    full = unfolded(full)
+    for axis in kept:
+        shape = [1] * input.dim()
+        shape[lead + axis] = -1
+        full = full + torch.arange(spatial[axis], device=input.device).reshape(shape) * _plane_stride(spatial, axis)
+    return unfolded(values), full.contiguous(memory_format=layout)
+
+
+def _plane_stride(spatial: list, axis: int):
+    """The step of a row-major index into a plane of ``spatial`` sizes along ``axis``."""
+    return functools.reduce(operator.mul, spatial[axis + 1:], 1)
 
 
 def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options: str):
@@ -1085,9 +1142,12 @@ def _avg_and_max_levels(input, options: dict) -> list:
 
 
 def _mean_gradient(grad, level, input, shape, dims):
-    """``x.mean(dims, keepdim=True)``'s gradient, as PyTorch computes it: spread, then divided."""
+    """``x.mean(dims, keepdim=True)``'s gradient, as PyTorch computes it: spread, then divided. The
+    area is read off the spread gradient, not multiplied from the saved ``shape``: under
+    ``torch.compile`` with symbolic sizes dynamo cannot do arithmetic on sizes saved on ``ctx``."""
     height, width = dims
-    return grad.expand(shape) / (shape[height] * shape[width])
+    spread = grad.expand(shape)
+    return spread / (spread.shape[height] * spread.shape[width])
 
 
 def _amax_gradient(grad, level, input, shape, dims):
@@ -1502,12 +1562,18 @@ def replace_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
 
     ``report``, a list, gets one entry per layer swapped, module rewritten, or pooling layer left
     as it is, with the reason (``explain_pooling`` says what the entries hold)."""
+    _check_model(model)
     options = dict(device=device, variant=variant, config=config)
     record = _no_record if report is None else functools.partial(_report_entry, report)
     model = swap_layers(model, _timm_swap(fuse, options, record))
     if fuse:
         model = fuse_sibling_pools(model, record)
     return swap_layers(model, _pytorch_swap(options, record))
+
+
+def _check_model(model):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def _report_entry(report: list, name, module, replacement, reason):
@@ -1529,6 +1595,7 @@ def explain_pooling(model: torch.nn.Module, *, fuse=False, device=None, variant=
     meets them -- ``module`` (its qualified name, ``""`` for ``model``), ``type`` (its class),
     ``action`` (``"swapped"``: a pool_tuner layer takes its place; ``"fused"``: torch.fx rewrote
     its forward; ``"kept"``), ``replacement`` (what takes its place, or None) and ``reason``."""
+    _check_model(model)
     report = []
     replace_pooling(copy.deepcopy(model), fuse=fuse, device=device, variant=variant, config=config, report=report)
     return report

@@ -208,6 +208,25 @@ def test_global_pool2d_compiles_and_exports(mode, rng):
     torch.testing.assert_close(program.module()(x), expected.detach())
 
 
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "default"])
+@pytest.mark.parametrize("mode", ["avg", "max", "avg+max", "cat"])
+def test_global_pool2d_compiles_with_dynamic_spatial_sizes(mode, dynamic, rng):
+    """torch.compile with symbolic sizes (dynamic=True, or by default once H x W changes between
+    calls), backward included: timm's values and gradients at every size."""
+    torch._dynamo.reset()
+    layer = ptt.GlobalPool2d(mode, input_fmt="NHWC")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+    for shape in [(2, 8, 9, 3), (2, 5, 6, 3), (2, 7, 4, 3)]:
+        x = torch.from_numpy(rng.integers(-3, 4, shape).astype(np.float32))
+        x_stock, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = _timm_fast(x_stock, mode, False, "NHWC"), compiled(x_compiled)
+        torch.testing.assert_close(got, expected)
+        grad = torch.from_numpy(rng.standard_normal(expected.shape).astype(np.float32))
+        expected.backward(grad), got.backward(grad)
+        torch.testing.assert_close(x_compiled.grad, x_stock.grad)
+    torch._dynamo.reset()
+
+
 def test_global_pool2d_exports_to_onnx_as_timms_reductions(rng):
     onnxruntime = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")

@@ -262,6 +262,25 @@ def test_compile_fullgraph_forward_and_backward(rng):
     torch.testing.assert_close(got, model[1].p.grad)
 
 
+@pytest.mark.parametrize("form", ["module", "functional", "functional p and eps"])
+def test_compile_dynamic_forward_and_backward(rng, form):
+    """torch.compile(dynamic=True) makes float arguments and attributes (eps, a number p) symbolic:
+    valid inputs run, fullgraph, at every size and argument, with the eager values and gradients."""
+    torch._dynamo.reset()
+    module = ptt.AdaptiveGeMPool2d((2, 3))
+    forms = {"module": lambda x, p, eps: module(x), "functional": lambda x, p, eps: ptt.adaptive_gem_pool2d(x, (2, 3)),
+             "functional p and eps": lambda x, p, eps: ptt.adaptive_gem_pool2d(x, 1, p, eps)}
+    compiled = torch.compile(forms[form], fullgraph=True, dynamic=True, backend="aot_eager")
+    for shape, p, eps in [((2, 4, 7, 9), 3.0, 1e-6), ((3, 4, 8, 6), 2.0, 0.5)]:
+        x = _input(rng, shape, torch.float32)
+        x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = forms[form](x_eager, p, eps), compiled(x_compiled, p, eps)
+        torch.testing.assert_close(got, expected)
+        expected.sum().backward(), got.sum().backward()
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad)
+    torch._dynamo.reset()
+
+
 def test_export_runs_and_matches_eager(rng, tmp_path):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), ptt.AdaptiveGeMPool2d(1))
     x = torch.from_numpy(rng.random((2, 3, 9, 9))).float()

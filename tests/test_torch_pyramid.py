@@ -360,6 +360,14 @@ def test_a_submodule_with_hooks_stays_a_module_of_the_rewritten_graph(rng):
     assert calls == ["inner", "inner"]
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("function", ["replace_pooling", "explain_pooling"])
+def test_replace_and_explain_pooling_refuse_a_model_that_is_not_a_module(function, fuse):
+    for model in ("not a model", None, torch.nn.AdaptiveAvgPool2d):
+        with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got "):
+            getattr(ptt, function)(model, fuse=fuse)
+
+
 def test_replace_pooling_without_fuse_leaves_the_graph(rng):
     model = ptt.replace_pooling(Net())
     assert _fused_calls(model) == 0 and isinstance(model.ppm.pools[0], ptt.AdaptiveAvgPool2d)

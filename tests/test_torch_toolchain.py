@@ -6,8 +6,10 @@ Compilations are the cost here (each inductor compile takes tens of seconds on t
 broad matrix runs on the "aot_eager" backend, and one test compiles with inductor."""
 
 import copy
+import io
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -369,6 +371,44 @@ def test_plain_torch_onnx_export_of_pool_tuner_layers_and_functions(rng):
         np.testing.assert_allclose(result, expected.numpy(), **FLOAT32_TOL)
 
 
+def test_torchscript_onnx_exporter_decomposes_pool_tuner_layers(rng):
+    """torch.onnx.export(dynamo=False), PyTorch's TorchScript exporter, traces sizes as tensors:
+    pool_tuner's layers decompose at the sizes of the example input, as PyTorch's own layers do."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.avg, self.max = ptt.AdaptiveAvgPool2d((4, None)), ptt.AdaptiveMaxPool3d((2, None, 3))
+            self.gem, self.cat = ptt.AdaptiveGeMPool2d(1), ptt.AdaptiveAvgMaxPool2d(2, "cat")
+
+        def forward(self, x):
+            return (self.avg(x), self.max(x.unsqueeze(1)), ptt.adaptive_max_pool1d(x.flatten(2), 7), self.gem(x.abs()),
+                    self.cat(x))
+
+    model = Model().eval()
+    x = tensor(rng, (2, 3, 10, 9))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
+        torch.onnx.export(model, (x,), buffer, dynamo=False)
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    results = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    for result, expected in zip(results, model(x), strict=True):
+        np.testing.assert_allclose(result, expected.detach().numpy(), **FLOAT32_TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ndim,shape,size", [(1, (2, 3, 10), 0), (2, (2, 3, 10, 9), (0, 2)), (3, (3, 5, 6, 7), (2, 0, 9))])
+def test_onnx_export_of_an_output_size_zero_is_an_empty_result(kind, ndim, shape, size, rng):
+    """PyTorch pools to an output size of 0 as an empty result; so does the exported model."""
+    pytest.importorskip("onnxruntime")
+    model = torch.nn.Sequential(torch.nn.Identity(), layer(kind, ndim, size, ours=False)).eval()
+    x = tensor(rng, shape)
+    (result,) = run_onnx(pto.export(model, (x,), verbose=False), x)
+    assert result.shape == tuple(model(x).shape) and result.size == 0
+
+
 def test_onnx_export_errors_name_the_layer():
     class Unknown(torch.nn.AdaptiveAvgPool2d):
         pass
@@ -399,6 +439,30 @@ def test_torchscript_is_refused_with_what_to_use_instead():
     model = ptt.replace_pooling(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.AdaptiveAvgPool2d(2)))
     with pytest.raises(RuntimeError, match=r"torch\.jit\.script.*use torch\.compile.*torch\.export\.export"):
         torch.jit.script(model)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ndim,shape,size", [(1, (2, 3, 10), (None,)), (2, (2, 3, 10, 9), (4, None)),
+                                             (2, (3, 10, 9), (None, None)), (3, (2, 3, 5, 6, 7), (2, None, 3)),
+                                             (3, (3, 5, 6, 7), (None, 4, None))])
+def test_jit_trace_of_an_output_size_with_none_follows_the_input_size(kind, ndim, shape, size, rng):
+    """torch.jit.trace resolves None against the traced input's sizes, which are tensors there:
+    the trace runs, gives PyTorch's values, indices and strides and, like PyTorch's own layer's
+    trace, follows the input's size along the kept axes; gradients flow through it."""
+    kwargs = {"return_indices": True} if kind == "max" else {}
+    traced = torch.jit.trace(getattr(ptt, f"Adaptive{kind.capitalize()}Pool{ndim}d")(size, **kwargs),
+                             (tensor(rng, shape),), check_trace=False)
+    for x in (tensor(rng, shape), tensor(rng, shape[:-1] + (shape[-1] + 3,))):
+        x_stock, x_traced = x.clone().requires_grad_(), x.clone().requires_grad_()
+        resolved = tuple(x.shape[x.dim() - ndim + axis] if s is None else s for axis, s in enumerate(size))
+        expected, got = torch_pool(kind, ndim)(x_stock, resolved, **kwargs), traced(x_traced)
+        for e, g in zip(*((expected, got) if kind == "max" else ((expected,), (got,)))):
+            torch.testing.assert_close(g, e, **(FLOAT32_TOL if kind == "avg" else dict(rtol=0, atol=0)))
+            assert g.stride() == e.stride()
+        values = (expected[0], got[0]) if kind == "max" else (expected, got)
+        grad = torch.from_numpy(rng.standard_normal(values[0].shape).astype(np.float32))
+        values[0].backward(grad), values[1].backward(grad)
+        torch.testing.assert_close(x_traced.grad, x_stock.grad, **FLOAT32_TOL)
 
 
 def test_import_without_torch_says_what_to_install():
