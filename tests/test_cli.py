@@ -634,6 +634,7 @@ def test_a_shapes_file_larger_than_any_list_of_shapes_is_refused(capsys, user_ca
     code, _, err = run(capsys, "tune", "--shapes", path)
     assert "bytes, more than a shapes file holds" in assert_one_error_line(code, err)
 
+
 def write_user_records(user_cache, *records):
     user_cache.mkdir(parents=True, exist_ok=True)
     (user_cache / cache_mod.USER_FILE).write_text(
