@@ -41,6 +41,8 @@ def main():
                         choices=sorted(PRESETS) + sorted(FUSED_PRESETS) + ["all"])
     parser.add_argument("--repeat", type=int, default=5, help="timed loops of calls per shape (median reported)")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
 
     device = backends.default_device()
     rng = np.random.default_rng()

@@ -495,6 +495,8 @@ def _tune(op, input_shape, output_size, dtype, layout, device, *, direction, var
     if not table:
         raise ValueError(f"{op} {direction} runs no variant but its own kernel ({problem.operation.backward_kernel}) in "
                          f"one configuration: nothing to tune")
+    if isinstance(variants, str):  # list("smem_tiled") would be its letters
+        raise TypeError(f"variants must be a list of variant names, got the str {variants!r} (write [{variants!r}])")
     names = list(table) if variants is None else list(variants)
     for name in names:
         if name not in table:

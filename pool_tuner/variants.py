@@ -1239,7 +1239,10 @@ def variants_for(op: str, direction: str = "forward") -> dict:
 
 def get_variant(op: str, name, direction: str = "forward", argument: str = "variant") -> Variant:
     table = variants_for(op, direction)
-    if not isinstance(name, str) or name not in table:
+    if not isinstance(name, str):
+        raise TypeError(f"{argument} must be a variant's name (a str), one of {sorted(table)} for {op} {direction}, "
+                        f"got {type(name).__name__} {name!r}")
+    if name not in table:
         raise ValueError(f"{argument} must be one of {sorted(table)} for {op} {direction}, got {name!r}")
     return table[name]
 

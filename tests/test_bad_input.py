@@ -348,3 +348,15 @@ def test_a_misspelt_variant_is_refused_when_the_module_is_made():
         ptt.AdaptiveMaxPool2d(2, variant="thread_per_outptu")
     with pytest.raises(ValueError, match="got 'fastest'"):
         ptt.replace_pooling(torch.nn.Sequential(torch.nn.AdaptiveAvgPool1d(3)), variant="fastest")
+
+
+@pytest.mark.parametrize("variant", [3, b"smem_tiled", ["smem_tiled"]], ids=["int", "bytes", "list"])
+def test_a_variant_that_is_no_str_is_a_type_error_naming_it(variant):
+    with pytest.raises(TypeError, match=r"variant must be a variant's name \(a str\), one of .* got "):
+        pt.adaptive_avg_pool2d(GOOD, 2, variant=variant)
+
+
+def test_tune_refuses_one_variant_name_given_as_a_str(user_cache):
+    """``variants="smem_tiled"`` was read letter by letter ("got 's'")."""
+    with pytest.raises(TypeError, match=r"variants must be a list of variant names, got the str 'smem_tiled'"):
+        pt.tune("adaptive_avg_pool2d", GOOD.shape, 2, variants="smem_tiled")
