@@ -380,11 +380,12 @@ def _is_seconds(value) -> bool:
 
 def _measured_problem(measured: dict) -> str | None:
     """What is wrong with a measured dispatch's ``"measured"`` field (``measured._Stages.record``
-    writes it), or None: each stage's rounds (required), the seconds spent building and in all."""
+    writes it), or None: each stage's rounds (required; a single count in records of the first
+    measured dispatch, which had one stage), the seconds spent building and in all."""
     rounds = measured.get("rounds")
-    if not isinstance(rounds, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                               for n in rounds):
-        return f"'rounds' is not a list of non-negative integers: {rounds!r}"
+    counts = rounds if isinstance(rounds, list) else [rounds]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return f"'rounds' is not a list of non-negative integers (or one): {rounds!r}"
     for field in ("build_seconds", "seconds"):
         if field in measured and not _is_seconds(measured[field]):
             return f"{field!r} is not a non-negative number of seconds: {measured[field]!r}"

@@ -35,17 +35,24 @@ FLEET_NAMES = {"device_filter": "--device-filter", "max_retries": "--max-retries
 DIRECTION_OPTION = {**{direction: (direction,) for direction in DIRECTIONS}, "both": DIRECTIONS}
 
 
+#: The library's argument names that are no English words: named as options wherever they stand.
+_IDENTIFIERS = ("input_shape", "output_size")
+
+
 @contextlib.contextmanager
 def _in_option_terms(names=LIBRARY_NAMES):
     """A ``TypeError``/``ValueError`` of the library raised in the block, in the terms of the
-    command line: the library's argument names in ``names`` (``output_size`` -> ``--output``)
-    wherever they stand in its message, and a message that begins with another argument that an
-    option of the same name sets (``device must be ...``) naming the option."""
+    command line (``names``: the library's argument names and the options that set them): the
+    argument a message begins with (``dtype must be ...``, ``device must be ...``) and the names
+    that are no words (``check output_size``) wherever they stand, named as the options."""
     try:
         yield
     except (TypeError, ValueError) as exc:
-        text = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], str(exc))
-        raise type(exc)(re.sub(r"^(device|variant|config)\b", r"--\1", text)) from None
+        names = {**names, "device": "--device"}
+        text = re.sub(r"^(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], str(exc))
+        text = re.sub(r"\b(" + "|".join(n for n in _IDENTIFIERS if n in names) + r")\b", lambda m: names[m.group(1)],
+                      text)
+        raise (ValueError if isinstance(exc, ValueError) else TypeError)(text) from None
 
 
 def _problem(op, shape, out, dtype, layout, direction, names=LIBRARY_NAMES) -> Problem:
@@ -426,7 +433,7 @@ def cmd_bench(args) -> int:
     if not os.access(out, os.W_OK):
         raise ValueError(f"--out {args.out}: the directory is not writable")
     directions = DIRECTION_OPTION[args.direction]
-    with _in_option_terms():
+    with _in_option_terms({**LIBRARY_NAMES, "input_shape": "--preset", "output_size": "--preset"}):
         report = bench.run(names, directions, args.device, args.repeat, args.torch_threads,
                            progress=None if args.quiet else _print_bench_row, tune_untuned=args.tune_untuned,
                            dtype=args.dtype, rows_path=out / bench.ROWS_FILE,

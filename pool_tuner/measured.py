@@ -44,6 +44,7 @@ waited for another's measurement of the same problem uses it.
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
@@ -112,8 +113,8 @@ class BenchmarkMode:
         return self._current
 
     def __eq__(self, other) -> bool:
-        """Equal to the bool it is (``benchmark_mode() == False`` where the mode is off)."""
-        return self._current == bool(other) if isinstance(other, (bool, BenchmarkMode)) else NotImplemented
+        """Equal to the bool it is (``benchmark_mode() == False``, ``== 0`` where the mode is off)."""
+        return self._current == other if isinstance(other, (numbers.Integral, BenchmarkMode)) else NotImplemented
 
     def __hash__(self) -> int:
         return hash(self._current)

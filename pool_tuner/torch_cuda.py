@@ -137,9 +137,10 @@ def check_context(device, tensor, name: str) -> int:
     load, allocate and launch in the caller's current context, never pushing another around a
     call (docs/design.md, "CUDA contexts"); a kernel built into the current context and launched
     there on another context's memory reads and writes illegal addresses, which poison the context
-    for good on a GPU.  Made once per plan (and per GeM backward), never on a warm call: a warm
-    launch under another context is refused by the driver, as the kernel's module is the plan's
-    context's (``cuda_driver.PreparedLaunch``)."""
+    for good on a GPU.  Made once per plan, not on a plan's warm calls: a warm launch under another
+    context is refused by the driver, as the kernel's module is the plan's context's
+    (``cuda_driver.PreparedLaunch``).  GeM's backward, whose launch is prepared per context and
+    not per plan, makes it on every call (two driver calls)."""
     current = device.current_context()
     owner = cuda.cuda_driver.pointer_context(tensor.data_ptr()) or cuda.cuda_driver.primary_context(device.ordinal)
     if owner != current:

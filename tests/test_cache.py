@@ -566,6 +566,17 @@ def test_every_field_is_type_checked_on_load_and_merge(tmp_path, field, value):
         assert merge_files([source], tmp_path / "merged.json") == 1
 
 
+@pytest.mark.parametrize("rounds", [[3, 0], 5], ids=["per-stage", "one-count"])
+def test_a_measured_field_of_either_form_loads_without_warning(tmp_path, rounds):
+    """A measured dispatch's record counts its rounds per stage; records of the first measured
+    dispatch, which had one stage, hold a single count -- user caches that must still load."""
+    good = dict(record(), measured={"rounds": rounds, "build_seconds": 0.5, "seconds": 1.5})
+    write_file(tmp_path / "user" / cache.USER_FILE, [good])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        assert fresh(tmp_path).lookup(good["key"]) is not None
+
+
 def test_stale_temporary_files_are_removed_by_the_next_writer(tmp_path):
     """A writer killed mid-write leaves records.json.*.tmp; the next writer removes those older than
     the lock timeout, and leaves younger ones."""

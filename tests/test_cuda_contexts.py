@@ -380,26 +380,38 @@ def test_a_pyramid_of_a_pycuda_autoinit_gpuarray_gives_gpuarrays_read_in_its_con
 
 def test_results_on_the_per_thread_default_stream_of_two_threads_never_share_a_block(gpu):
     """Handle 2 (``CU_STREAM_PER_THREAD``) names each thread's own stream: a block dropped by one
-    thread, whose stream may still be writing it, must not be handed to another thread's launch
-    on its own stream, which does not wait for the first (one pool served both)."""
+    thread, whose stream may still be writing it, must not be handed to another live thread's
+    launch on its own stream, which does not wait for the first (one pool served both).  A thread
+    that has ended leaves its pool to the next new thread, taken over after the context's work
+    has finished (a pool per thread ever made held its blocks for good)."""
     _, _, driver = gpu
     driver.set_current(PRIMARY_CONTEXT)
     x = ForeignArray(SHAPE, driver.allocate_in(PRIMARY_CONTEXT, 4 * int(np.prod(SHAPE))), 2)
-    addresses = []
+    addresses, both_called = [], threading.Barrier(2)
 
-    def call():
+    def call(wait=None):
         driver.set_current(PRIMARY_CONTEXT)
         addresses.append(pt.adaptive_avg_pool2d(x, SIZE).ptr)  # dropped at once: its block back to a pool
+        if wait is not None:
+            wait.wait()  # both threads alive until both have called
 
-    for _ in range(2):
-        thread = threading.Thread(target=call)
+    threads = [threading.Thread(target=call, args=(both_called,)) for _ in range(2)]
+    for thread in threads:
         thread.start()
+    for thread in threads:
         thread.join()
     gc.collect()
+    assert addresses[0] != addresses[1], "a block dropped on thread A's stream went to live thread B's launch"
+    synchronized = len([c for c in driver.calls if c[0] == "cuCtxSynchronize"])
+    later = threading.Thread(target=call)
+    later.start()
+    later.join()
+    assert addresses[2] in addresses[:2], "a new thread takes over an ended thread's pool"
+    assert len([c for c in driver.calls if c[0] == "cuCtxSynchronize"]) == synchronized + 1, \
+        "after the context's work (the ended thread's stream) has finished"
     call()  # a thread's own dropped block is reused on its own stream
     call()
-    assert addresses[0] != addresses[1], "a block dropped on thread A's stream went to thread B's launch"
-    assert addresses[2] == addresses[3]
+    assert addresses[3] == addresses[4]
     assert {launch["stream"] for launch in driver.launches} == {2}
 
 

@@ -242,8 +242,22 @@ class CudaDevice(Conveniences):
         pool = self._pools.get(key)
         if pool is None:
             with self._lock:
-                pool = self._pools.setdefault(key, MemoryPool(context, stream))
+                pool = self._pools.get(key) or self._ended_threads_pool(context, key) or MemoryPool(context, stream)
+                self._pools[key] = pool
         return pool
+
+    def _ended_threads_pool(self, context: int, key) -> MemoryPool | None:
+        """For a thread's first per-thread-stream pool in ``context`` (under the lock): the pool of a
+        thread that has ended, taken over once the context's work has finished (its stream's
+        included) -- so that threads that come and go reuse their predecessors' blocks instead of
+        leaving them held for good."""
+        if len(key) != 3:
+            return None
+        for ended in [k for k in self._pools if len(k) == 3 and k[0] == context and k[2] in _ENDED_THREADS]:
+            cuda_driver.synchronize(None)
+            _ENDED_THREADS.discard(ended[2])
+            return self._pools.pop(ended)
+        return None
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """Copy ``source`` into ``destination``: between device arrays on the queue's stream (after
@@ -335,15 +349,29 @@ class CudaDevice(Conveniences):
 
 _THREADS = threading.local()
 _THREAD_NUMBERS = itertools.count()
+#: The numbers of threads that have ended (``_ThreadMark``), whose pools a new thread may take over.
+_ENDED_THREADS: set = set()
+
+
+class _ThreadMark:
+    """A thread's number, kept in its thread-local data, which is dropped when the thread ends."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, number: int):
+        self.number = number
+
+    def __del__(self):
+        _ENDED_THREADS.add(self.number)  # set.add: atomic under the GIL
 
 
 def _thread_number() -> int:
     """A number of the calling thread, never reused (``threading.get_ident`` is reused once a
     thread ends, and a new thread's per-thread default stream is not the ended one's)."""
-    number = getattr(_THREADS, "number", None)
-    if number is None:
-        number = _THREADS.number = next(_THREAD_NUMBERS)
-    return number
+    mark = getattr(_THREADS, "mark", None)
+    if mark is None:
+        mark = _THREADS.mark = _ThreadMark(next(_THREAD_NUMBERS))
+    return mark.number
 
 
 class CudaCallerArrays:

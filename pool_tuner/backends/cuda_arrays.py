@@ -123,16 +123,6 @@ class CudaArray:
             raise ValueError("a CudaArray slice must be contiguous (step 1)")
         return start, max(start, stop), step
 
-    def __setitem__(self, index: slice, value) -> None:
-        """``flat[start:stop] = other``: copy a C-contiguous device array into a slice of a flat
-        one, on this array's stream (``pool_tuner.fused`` packs levels so)."""
-        start, stop, _ = self._flat_slice(index)
-        source = as_cuda_array(value)
-        if source.size != stop - start or source.dtype != self.dtype:
-            raise ValueError(f"a slice of {stop - start} {self.dtype} elements cannot be assigned {source.size} "
-                             f"{source.dtype} elements")
-        cuda_driver.copy(self.ptr + start * self.dtype.itemsize, source.ptr, source.nbytes, self.stream or 1)
-
     def get(self) -> np.ndarray:
         """A numpy copy, after the work queued on the stream the array names (``wait_for``) and on
         the legacy default stream (and every blocking stream); the context that owns the memory
