@@ -12,10 +12,21 @@ size is known:
   for the whole layer when every axis is like that;
 * otherwise, average pooling along an axis is a product with a constant ``O x I`` pooling matrix
   (row ``o`` holds ``1/len`` over window ``o``): ``P_H · X · P_Wᵀ`` in 2d (``MatMul``);
-* and max pooling along an axis is one ``Slice`` + ``ReduceMax`` per window, ``Concat``-ed;
+* and max pooling along an axis is one ``Slice`` + ``ReduceMax`` per window, ``Concat``-ed.
+
+NaN and infinities come out as PyTorch's, window by window.  The windows holding them are found
+apart, by average pooling of 0/1 masks of where they are (``IsNaN``, ``Equal`` to ±inf; a window
+holds one where its average is above 0):
+
+* a pooling matrix has zeros outside each window, and ``0 * NaN`` and ``0 * inf`` are NaN, so one
+  NaN or infinity would spread along a whole row of the product: when some axis is a matrix
+  product, average pooling averages the input with its NaNs and infinities replaced by 0 (``Where``,
+  which does not carry the unselected NaN), then sets the windows holding NaN, or both +inf and
+  -inf, to NaN, and the other windows holding +inf (-inf) to +inf (-inf), as PyTorch's sum does.
+  ``AveragePool`` sums each window itself and already gives that, so a layer whose axes are all
+  fixed (or kept) pools its input as it is;
 * ONNX leaves what ``MaxPool`` and ``ReduceMax`` make of NaN open (onnxruntime skips NaNs), so a max
-  window holding NaN is found apart -- average pooling of where the NaNs are -- and set to NaN, as
-  PyTorch's is.
+  window holding NaN is set to NaN, as PyTorch's is.
 """
 
 from __future__ import annotations
@@ -74,8 +85,8 @@ def _empty(x: torch.Tensor, ndim: int, output_size: list) -> torch.Tensor:
 
 def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) -> torch.Tensor:
     """Adaptive ``kind`` pooling of ``x`` (batched or batch-less, ``ndim`` pooled axes) to the
-    resolved ``output_size``, in operators that export to standard ONNX.  ``layer`` names the
-    layer (or function) in errors."""
+    resolved ``output_size``, in operators that export to standard ONNX, NaN and infinities
+    included.  ``layer`` names the layer (or function) in errors."""
     # the TorchScript exporter (dynamo=False) traces sizes as tensors: their values at export fix
     # the windows, as its own translation of PyTorch's adaptive pooling fixes its kernel sizes
     spatial = tuple(int(size) if isinstance(size, torch.Tensor) else size for size in x.shape[x.dim() - ndim:])
@@ -89,12 +100,43 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
     output_size = [int(size) for size in output_size]
     if 0 in output_size:  # PyTorch's result is empty: no windows, only its shape
         return _empty(x, ndim, output_size)
-    source = x
+    operation = find(kind, ndim)
+    fixed = [fixed_pool_equivalent(i, o) for i, o in zip(spatial, output_size)]
+    if operation.selects:
+        pooled = _pooled(operation, x, ndim, spatial, output_size, fixed)
+        return torch.where(_windows_holding(torch.isnan(x), ndim, spatial, output_size, fixed), _NAN, pooled)
+    if all(equivalent is not None or i == o for i, o, equivalent in zip(spatial, output_size, fixed)):
+        return _pooled(operation, x, ndim, spatial, output_size, fixed)  # AveragePool sums NaN and inf as PyTorch
+    # a pooling matrix would spread a NaN or an infinity along a row (0 * NaN, 0 * inf): average the
+    # finite values, then set the windows holding NaN or infinities as PyTorch's sum does
+    nan, positive, negative = torch.isnan(x), x == _INF, x == -_INF
+    finite = torch.where(nan | positive | negative, torch.zeros_like(x), x)
+    pooled = _pooled(operation, finite, ndim, spatial, output_size, fixed)
+    nan, positive, negative = (_windows_holding(mask, ndim, spatial, output_size, fixed)
+                               for mask in (nan, positive, negative))
+    pooled = torch.where(positive, _INF, pooled)
+    pooled = torch.where(negative, -_INF, pooled)
+    return torch.where(nan | (positive & negative), _NAN, pooled)
+
+
+_NAN, _INF = float("nan"), float("inf")
+_AVG = {ndim: find("avg", ndim) for ndim in (1, 2, 3)}
+
+
+def _windows_holding(mask: torch.Tensor, ndim: int, spatial: tuple, output_size: list, fixed: list) -> torch.Tensor:
+    """Which windows hold a true entry of the boolean ``mask``: average pooling of it as 0/1 (finite,
+    so exact on every path), above 0."""
+    # float32 whatever the input's dtype: 1 / len of a long window underflows in float16
+    return _pooled(_AVG[ndim], mask.to(torch.float32), ndim, spatial, output_size, fixed) > 0
+
+
+def _pooled(operation, x: torch.Tensor, ndim: int, spatial: tuple, output_size: list, fixed: list) -> torch.Tensor:
+    """Adaptive pooling of ``x`` by ``operation``, as fixed pooling, pooling matrices or window
+    slices per axis (``fixed``: each axis's fixed equivalent or None); NaN and infinities as the
+    operators make them."""
     batchless = x.dim() == ndim + 1
     if batchless:  # ONNX pooling operators take (N, C, ...)
         x = x.unsqueeze(0)
-    operation = find(kind, ndim)
-    fixed = [fixed_pool_equivalent(i, o) for i, o in zip(spatial, output_size)]
     if all(fixed):
         x = _fixed_pool(operation, x, [f[0] for f in fixed], [f[1] for f in fixed])
     else:
@@ -108,8 +150,4 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
                 x = _fixed_pool(operation, x, kernel, stride)
             else:
                 x = (_max_along if operation.selects else _average_along)(x, dim, in_size, out_size)
-    x = x.squeeze(0) if batchless else x
-    if operation.selects:
-        nans = decompose("avg", ndim, torch.isnan(source).to(source.dtype), output_size, layer)
-        x = torch.where(nans > 0, torch.full_like(x, float("nan")), x)
-    return x
+    return x.squeeze(0) if batchless else x

@@ -1157,17 +1157,30 @@ def _amax_gradient(grad, level, input, shape, dims):
     return (grad / mask.sum(dims, keepdim=True)) * mask
 
 
+def _amax_keeping_nans(input, dims):
+    """``x.amax(dims, keepdim=True)`` in operators whose ONNX form keeps PyTorch's NaN: ONNX leaves
+    what ``ReduceMax`` makes of NaN open (onnxruntime skips NaNs), so a plane holding NaN is found
+    apart (``IsNaN``, ``ReduceSum``) and set to NaN, as the decomposition's max windows are."""
+    nans = torch.isnan(input).to(torch.float32).sum(dims, keepdim=True) > 0
+    return torch.where(nans, float("nan"), input.amax(dims, keepdim=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Reduction:
-    """One level of a global pooling as timm computes it: the PyTorch reduction (what ONNX export
-    traces) and its gradient."""
+    """One level of a global pooling as timm computes it: the PyTorch reduction, its gradient, and
+    the reduction in operators whose ONNX form gives PyTorch's results (what ONNX export traces)."""
 
     reduce: object
     gradient: object
+    exported: object
 
 
-_MEAN = _Reduction(lambda input, dims: input.mean(dims, keepdim=True), _mean_gradient)
-_AMAX = _Reduction(lambda input, dims: input.amax(dims, keepdim=True), _amax_gradient)
+def _mean(input, dims):
+    return input.mean(dims, keepdim=True)  # ReduceMean sums: NaN and infinities come out as PyTorch's
+
+
+_MEAN = _Reduction(_mean, _mean_gradient, _mean)
+_AMAX = _Reduction(lambda input, dims: input.amax(dims, keepdim=True), _amax_gradient, _amax_keeping_nans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1234,9 +1247,9 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
     avg and max come from one read of ``input``; the gradient is timm's (amax's splits among ties).
 
     timm's own reductions run instead -- with PyTorch's autograd -- under ONNX export (``ReduceMean``,
-    ``ReduceMax``), and on a CPU tensor whose signature they won the race against pool_tuner's
-    kernel (``_pytorch_runs``: ``pool_tuner.explain`` of the mode's op on the channels-first
-    input, output size 1, says which won and the times)."""
+    ``ReduceMax``, a plane holding NaN set to NaN apart), and on a CPU tensor whose signature they
+    won the race against pool_tuner's kernel (``_pytorch_runs``: ``pool_tuner.explain`` of the
+    mode's op on the channels-first input, output size 1, says which won and the times)."""
     _check_global_pool_arguments(mode, input_fmt)
     _check_tensor(input, "input")
     if input.dim() != 4:
@@ -1246,17 +1259,21 @@ def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=
     channels_first = input if channel == 1 else input.movedim(channel, 1)
     options = _encode_options(device, variant, config)
     # a plain eager call (the one _pytorch_runs may say yes to) is never an export: asked first
-    if _pytorch_runs(spec.operation, channels_first, 1, options, _TIMMS_LEVELS[mode]) or _exported_to_onnx():
+    if _pytorch_runs(spec.operation, channels_first, 1, options, _TIMMS_LEVELS[mode]):
         return _composed_global(input, mode, flatten, input_fmt)
+    if _exported_to_onnx():
+        return _composed_global(input, mode, flatten, input_fmt, exported=True)
     levels = _GlobalPooling.apply(input, mode, input_fmt, dict(device=device, variant=variant, config=config))
     return _joined_globally(spec, levels, flatten, channel)
 
 
-def _composed_global(input, mode: str, flatten: bool, input_fmt: str):
-    """``global_pool2d`` as timm computes it, in PyTorch's reductions."""
+def _composed_global(input, mode: str, flatten: bool, input_fmt: str, exported: bool = False):
+    """``global_pool2d`` as timm computes it, in PyTorch's reductions; ``exported``: in their forms
+    for ONNX export (``_Reduction.exported``)."""
     spec = GLOBAL_POOL_MODES[mode]
     dims, channel = _INPUT_FORMATS[input_fmt]
-    return _joined_globally(spec, [reduction.reduce(input, dims) for reduction in spec.reductions], flatten, channel)
+    levels = [(reduction.exported if exported else reduction.reduce)(input, dims) for reduction in spec.reductions]
+    return _joined_globally(spec, levels, flatten, channel)
 
 
 def _joined_globally(spec: _GlobalMode, levels: list, flatten: bool, channel: int):
@@ -1292,7 +1309,8 @@ class GlobalPool2d(_OwnModule, torch.nn.Module):
 
     def composed(self) -> torch.nn.Module:
         """This layer in timm's own reductions (what ``pool_tuner.onnx.export`` exports)."""
-        return _Composition(_composed_global, mode=self.mode, flatten=self.flatten, input_fmt=self.input_fmt)
+        return _Composition(_composed_global, mode=self.mode, flatten=self.flatten, input_fmt=self.input_fmt,
+                            exported=True)
 
 
 # --------------------------------------------------------------------------------------------

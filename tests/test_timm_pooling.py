@@ -239,6 +239,52 @@ def test_global_pool2d_exports_to_onnx_as_timms_reductions(rng):
     torch.testing.assert_close(torch.from_numpy(got), model(x), rtol=1e-5, atol=1e-6)
 
 
+GLOBAL_MODES = ("avg", "max", "avg+max", "cat")
+
+
+class _GlobalPoolings(torch.nn.Module):
+    """Every global pooling mode in both layouts, and avg+max pooling (its levels decomposed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.formats = [input_fmt for mode in GLOBAL_MODES for input_fmt in ("NCHW", "NHWC")]
+        self.pools = torch.nn.ModuleList(ptt.GlobalPool2d(mode, input_fmt=input_fmt) for mode in GLOBAL_MODES
+                                         for input_fmt in ("NCHW", "NHWC"))
+        self.avgmax = ptt.AdaptiveAvgMaxPool2d((3, 4), "cat")
+
+    def forward(self, x):
+        return (*[pool(x if input_fmt == "NCHW" else x.permute(0, 2, 3, 1))
+                  for pool, input_fmt in zip(self.pools, self.formats)], self.avgmax(x))
+
+
+@pytest.mark.parametrize("exporter", ["pool_tuner.onnx.export", "torch.onnx.export"])
+def test_global_pooling_exported_to_onnx_keeps_pytorchs_nan_and_infinities(exporter, rng):
+    """A plane holding NaN, +inf, -inf or both infinities pools in onnxruntime as in PyTorch (timm's
+    x.mean / x.amax): onnxruntime's ReduceMax skips NaNs, PyTorch's amax gives NaN."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from pool_tuner import onnx as pto
+
+    x = tensor(rng, (2, 5, 7, 6))
+    for channel, values in enumerate([(float("nan"),), (float("inf"),), (-float("inf"),), (float("inf"), -float("inf"))]):
+        for position, value in enumerate(values):
+            x[0, channel, 3, position] = value  # one window of avgmax's (3, 4) holds them all
+    model = _GlobalPoolings().eval()
+    expected = [_timm_fast(x if input_fmt == "NCHW" else x.permute(0, 2, 3, 1), mode, False, input_fmt)
+                for mode in GLOBAL_MODES for input_fmt in ("NCHW", "NHWC")]
+    expected.append(torch.cat((F.adaptive_avg_pool2d(x, (3, 4)), F.adaptive_max_pool2d(x, (3, 4))), 1))
+    export = pto.export if exporter == "pool_tuner.onnx.export" else torch.onnx.export
+    program = export(model, (x,), verbose=False)
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    results = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    for result, want in zip(results, expected, strict=True):
+        want = want.numpy()
+        assert np.isnan(want).any() and np.isinf(want).any()
+        for special in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(special(result), special(want))
+        np.testing.assert_allclose(result, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def test_global_pool2d_refuses_bad_arguments(rng):
     with pytest.raises(ValueError, match="mode"):
         ptt.GlobalPool2d("sum")

@@ -350,6 +350,80 @@ def test_onnx_export_of_max_pooling_keeps_nans_in_onnxruntime(ndim, rng):
         np.testing.assert_array_equal(result, expected.numpy())  # NaN where PyTorch has NaN, values exact
 
 
+#: What each channel of ``with_special_values``' input holds in one window: PyTorch's average of
+#: that window is NaN, +inf, -inf, NaN, finite; its max NaN, +inf, finite (or -inf), +inf, finite.
+SPECIAL_VALUES = ((float("nan"),), (float("inf"),), (-float("inf"),), (float("inf"), -float("inf")), ())
+
+#: Per rank: input shape (5 channels, one per entry of SPECIAL_VALUES; 1d batch-less) and output
+#: sizes -- non-uniform windows on every axis (pooling matrices / window slices), fixed windows on
+#: every axis (one AveragePool / MaxPool), and both mixed; upsampling in 1d.
+SPECIAL_CASES = {1: ((5, 14), [5, 7, 17]), 2: ((2, 5, 10, 9), [(4, 7), (5, 3), (5, 7)]),
+                 3: ((1, 5, 6, 7, 9), [(4, 5, 2), (3, 7, 3), (3, 5, 3)])}
+
+
+def with_special_values(x, ndim):
+    """``x`` with channel ``c`` of its first sample holding ``SPECIAL_VALUES[c]`` at the first
+    positions along the last axis (one window of every case holds them all), row 3 of the others;
+    the rest finite."""
+    x = x.clone()
+    sample = x[0] if x.dim() == ndim + 2 else x
+    for channel, values in enumerate(SPECIAL_VALUES):
+        for position, value in enumerate(values):
+            sample[(channel,) + (3,) * (ndim - 1) + (position,)] = value
+    return x
+
+
+def assert_same_with_special_values(results, expected):
+    """onnxruntime's results are PyTorch's: NaN, +inf and -inf exactly where PyTorch has them, the
+    finite values close."""
+    for result, want in zip(results, expected, strict=True):
+        want = want.detach().numpy()
+        assert np.isnan(want).any() and np.isinf(want).any()  # the input's special values reached it
+        np.testing.assert_array_equal(np.isnan(result), np.isnan(want))
+        np.testing.assert_array_equal(np.isposinf(result), np.isposinf(want))
+        np.testing.assert_array_equal(np.isneginf(result), np.isneginf(want))
+        np.testing.assert_allclose(result, want, equal_nan=True, **FLOAT32_TOL)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_onnx_export_keeps_pytorchs_nan_and_infinities_in_onnxruntime(ndim, rng):
+    """A window holding NaN, +inf, -inf or both infinities gives in onnxruntime what it gives in
+    PyTorch, and the other windows stay finite, on every path of the decomposition (a pooling
+    matrix's zeros times NaN or inf are NaN: one special value spread along a whole row)."""
+    pytest.importorskip("onnxruntime")
+    shape, sizes = SPECIAL_CASES[ndim]
+    ours, pytorchs = (Branches(*[layer(kind, ndim, size, mine) for kind in KINDS for size in sizes]).eval()
+                      for mine in (True, False))
+    x = with_special_values(tensor(rng, shape), ndim)
+    assert_same_with_special_values(run_onnx(pto.export(ours, (x,), verbose=False), x), pytorchs(x))
+    assert_same_with_special_values(run_onnx(pto.export(pytorchs, (x,), verbose=False), x), pytorchs(x))
+
+
+def test_plain_torch_onnx_exports_keep_pytorchs_nan_and_infinities(rng):
+    """pool_tuner's layers and functional forms under torch.onnx.export, both exporters, keep NaN and
+    infinities as PyTorch does."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.avg, self.max = ptt.AdaptiveAvgPool2d((4, 7)), ptt.AdaptiveMaxPool2d((4, 7))
+
+        def forward(self, x):
+            return self.avg(x), self.max(x), ptt.adaptive_avg_pool1d(x.flatten(2), 7)
+
+    model = Model().eval()
+    x = with_special_values(tensor(rng, (2, 5, 10, 9)), 2)
+    expected = F.adaptive_avg_pool2d(x, (4, 7)), F.adaptive_max_pool2d(x, (4, 7)), F.adaptive_avg_pool1d(x.flatten(2), 7)
+    assert_same_with_special_values(run_onnx(torch.onnx.export(model, (x,), verbose=False), x), expected)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
+        torch.onnx.export(model, (x,), buffer, dynamo=False)
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    assert_same_with_special_values(session.run(None, {session.get_inputs()[0].name: x.numpy()}), expected)
+
+
 def test_plain_torch_onnx_export_of_pool_tuner_layers_and_functions(rng):
     """No helper: pool_tuner's modules and functional forms decompose themselves under
     torch.onnx.export."""
