@@ -77,9 +77,8 @@ def _empty(x: torch.Tensor, ndim: int, output_size: list) -> torch.Tensor:
     """The empty result of pooling ``x`` to ``output_size`` (an entry 0): a slice of ``x`` with no
     elements, expanded to the output's shape (``Slice``, ``Expand``)."""
     lead = x.dim() - ndim
-    x = x.narrow(lead + output_size.index(0), 0, 0)
-    for axis, size in enumerate(output_size):
-        x = x.narrow(lead + axis, 0, 1) if size else x
+    for axis, size in enumerate(output_size):  # every empty axis of length 0, the others of length 1
+        x = x.narrow(lead + axis, 0, 1 if size else 0)
     return x.expand(*x.shape[:lead], *output_size)
 
 
@@ -88,8 +87,15 @@ def decompose(kind: str, ndim: int, x: torch.Tensor, output_size, layer: str) ->
     resolved ``output_size``, in operators that export to standard ONNX, NaN and infinities
     included.  ``layer`` names the layer (or function) in errors."""
     # the TorchScript exporter (dynamo=False) traces sizes as tensors: their values at export fix
-    # the windows, as its own translation of PyTorch's adaptive pooling fixes its kernel sizes
+    # the windows, as its own translation of PyTorch's adaptive pooling fixes its kernel sizes;
+    # the exported model refuses other pooled sizes (dynamic_axes naming a pooled axis), for which
+    # its windows would be wrong, at run time: x reshaped to the sizes (which fails unless their
+    # product is x's) times ones of the sizes expanded to x's shape (which fails unless each of x's
+    # is the size or 1) passes those sizes alone, and changes no bit of x
+    traced = any(isinstance(size, torch.Tensor) for size in x.shape[x.dim() - ndim:])
     spatial = tuple(int(size) if isinstance(size, torch.Tensor) else size for size in x.shape[x.dim() - ndim:])
+    if traced:
+        x = x.reshape(*x.shape[:x.dim() - ndim], *spatial) * torch.ones(spatial, dtype=x.dtype).expand(x.shape)
     for axis, size in enumerate(spatial):
         if not isinstance(size, numbers.Integral):  # a SymInt: a dynamic size under torch.export
             raise ValueError(

@@ -472,8 +472,30 @@ def test_torchscript_onnx_exporter_decomposes_pool_tuner_layers(rng):
         np.testing.assert_allclose(result, expected.detach().numpy(), **FLOAT32_TOL)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 12, 12), (1, 3, 4, 16), (1, 3, 1, 64), (1, 3, 8, 1), (2, 3, 8, 8)])
+def test_a_torchscript_export_refuses_other_pooled_sizes_at_run_time(shape, rng):
+    """The TorchScript exporter fixes the windows at the example's pooled sizes (8x8); a model
+    exported with dynamic_axes naming a pooled axis ran on 12x12 and gave 3x3 windows of the wrong
+    sizes. Other pooled sizes are now refused by onnxruntime; other batch sizes run."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = torch.nn.Sequential(ptt.AdaptiveAvgPool2d((2, 3)), torch.nn.Flatten()).eval()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
+        torch.onnx.export(model, (tensor(rng, (1, 3, 8, 8)),), buffer, dynamo=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}})
+    session = onnxruntime.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    x = tensor(rng, shape)
+    if shape[2:] == (8, 8):
+        np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], model(x).numpy(), **FLOAT32_TOL)
+    else:
+        with pytest.raises(Exception, match="Expand|Reshape|broadcast|reshape"):
+            session.run(None, {"x": x.numpy()})
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("ndim,shape,size", [(1, (2, 3, 10), 0), (2, (2, 3, 10, 9), (0, 2)), (3, (3, 5, 6, 7), (2, 0, 9))])
+@pytest.mark.parametrize("ndim,shape,size", [(1, (2, 3, 10), 0), (2, (2, 3, 10, 9), (0, 2)), (3, (3, 5, 6, 7), (2, 0, 9)),
+                                             (2, (2, 3, 10, 9), (0, 0)), (3, (2, 3, 5, 6, 7), (0, 3, 0))])
 def test_onnx_export_of_an_output_size_zero_is_an_empty_result(kind, ndim, shape, size, rng):
     """PyTorch pools to an output size of 0 as an empty result; so does the exported model."""
     pytest.importorskip("onnxruntime")
