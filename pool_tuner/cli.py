@@ -472,7 +472,7 @@ def cmd_compile_check(args) -> int:
     from . import compile_check
 
     return compile_check.run(args.arch or compile_check.ARCHS, ops=args.op, directions=args.direction,
-                             dtypes=args.dtype, variants=args.variant, jobs=args.jobs,
+                             dtypes=args.dtype, variants=args.variant, tier=args.tier, jobs=args.jobs,
                              batch_size=args.batch_size, nvcc=args.nvcc)
 
 
@@ -573,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", action="append", help="only this direction (forward/backward), repeatable")
     p.add_argument("--dtype", action="append", help="only this dtype, repeatable (default every dtype)")
     p.add_argument("--variant", action="append", help="only this variant, repeatable (default every variant)")
+    p.add_argument("--tier", choices=["exhaustive", "core"], default="exhaustive",
+                   help="exhaustive (default): every instantiation for every architecture; core (the CI's): "
+                        "each op/direction/layout/variant/configuration/problem once, in a rotating dtype and "
+                        "architecture, float64 at the largest configurations, and the helper programs")
     p.add_argument("--jobs", type=int, default=2, help="parallel nvcc runs (default 2)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="instantiations per nvcc run (default 32; 1 compiles each alone)")

@@ -38,6 +38,12 @@ others are compiled again as a batch; diagnostics that point at no single instan
 braces spilling into what follows, say) split the batch in halves instead, down to instantiations
 compiled alone from their plain source.  Identical sources (per architecture) are compiled once.
 
+Tiers, as the test suite's: the ``exhaustive`` tier (the default) compiles all of the above; the
+``core`` tier, which the CI runs, compiles each op/direction/layout/variant/configuration/problem
+once, in one dtype for one architecture, both rotating from one to the next, float64 besides at
+every largest configuration, and every helper program: about a ninth of the instantiations, with
+every dtype and architecture compiling a share of every variant (``core_selection``).
+
 The last line printed is exactly ``compiled N instantiations, F failed, S with spills``; ``run``
 returns 0 only when F and S are 0.
 """
@@ -113,6 +119,10 @@ NVCC_TIMEOUT_S = 600
 #: Lines of compiler output shown per failure.
 ERROR_LINES = 12
 SUMMARY = "compiled {n} instantiations, {failed} failed, {spills} with spills"
+#: The check's tiers, as the test suite's: ``exhaustive`` compiles every instantiation for every
+#: architecture; ``core`` (the CI's) a rotating share of them (``core_selection``) and every helper
+#: program.
+TIERS = ("exhaustive", "core")
 
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _FUNCTION = re.compile(r"Function properties for (\S+)")
@@ -258,6 +268,31 @@ def instantiations(archs=ARCHS, ops=None, dtypes=None, variants=None, directions
         notes.append(f"skipped {direction} {name} on {layout} ({count} op/dtype/problem combinations): "
                      f"no legal configuration ({reason})")
     return found, notes
+
+
+def core_selection(found: list) -> list:
+    """The core tier's share of ``found`` (``instantiations``' list, every architecture): each
+    op/direction/layout/variant/configuration/problem once, in one of its dtypes on one of the
+    architectures, the dtype and the architecture rotating from one of a variant's cells to the
+    next (at once: three architectures and four dtypes meet in every pairing within twelve cells),
+    so that every dtype and every architecture compiles a share of every variant; and besides, float64 at
+    every ``largest`` configuration, on the cell's architecture: the most registers a variant asks
+    for, where spills show first."""
+    archs = list(dict.fromkeys(inst.arch for inst in found))
+    cells: dict = {}
+    for inst in found:
+        cell = (inst.op, inst.direction, inst.layout, inst.variant, inst.config_label, inst.problem_label)
+        cells.setdefault(cell, []).append(inst)
+    chosen, seen_of_variant = [], {}
+    for (_, _, _, variant, _, _), members in cells.items():
+        k = seen_of_variant[variant] = seen_of_variant.get(variant, -1) + 1  # the variant's k-th cell
+        dtypes = [dtype for dtype in DTYPES if any(inst.dtype == dtype for inst in members)]
+        arch = archs[(k + k // len(archs)) % len(archs)]  # skewed: not always the same for a variant's k-th configuration
+        keep = {dtypes[k % len(dtypes)]}
+        if "largest" in members[0].config_label.split("+") and "float64" in dtypes:
+            keep.add("float64")
+        chosen += [inst for inst in members if inst.dtype in keep and inst.arch == arch]
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,11 +479,12 @@ def compile_jobs(nvcc: str, jobs: list) -> list:
     return compile_jobs(nvcc, jobs[:half]) + compile_jobs(nvcc, jobs[half:])
 
 
-def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, jobs: int = 2,
-        batch_size: int = BATCH_SIZE, nvcc: str | None = None, out=None) -> int:
-    """Compile every instantiation (see the module docstring); print failures and spills by name and
-    the summary line.  Returns 0 when nothing failed or spilled, else 1; raises ``NvccNotFoundError``
-    (a ``RuntimeError``) when no nvcc can be found and ``ValueError``/``TypeError`` for bad filters."""
+def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, tier: str = "exhaustive",
+        jobs: int = 2, batch_size: int = BATCH_SIZE, nvcc: str | None = None, out=None) -> int:
+    """Compile every instantiation of ``tier`` (see the module docstring); print failures and spills
+    by name and the summary line.  Returns 0 when nothing failed or spilled, else 1; raises
+    ``NvccNotFoundError`` (a ``RuntimeError``) when no nvcc can be found and
+    ``ValueError``/``TypeError`` for bad filters."""
     out = out or sys.stdout
     archs = (archs,) if isinstance(archs, str) else tuple(archs)
     for arch in archs:
@@ -458,6 +494,8 @@ def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, j
     _check_filter("directions", directions, sorted({d for _, d in REGISTRY}))
     _check_filter("dtypes", dtypes, sorted(DTYPES))
     _check_filter("variants", variants, sorted({n for t in REGISTRY.values() for n in t}))
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {list(TIERS)}, got {tier!r}")
     for name, value in (("jobs", jobs), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -465,9 +503,11 @@ def run(archs=ARCHS, *, ops=None, directions=None, dtypes=None, variants=None, j
     start = time.perf_counter()
     cpu_start = _children_cpu_s()
     todo, notes = instantiations(archs, ops, dtypes, variants, directions)
+    if tier == "core":
+        todo = core_selection(todo)
     distinct = list(dict.fromkeys(Job(i.arch, i.source, i.kernel_name) for i in todo))
     helpers = helper_programs(archs, ops, dtypes, variants, directions)
-    print(f"compile-check cuda: {len(todo)} instantiations ({len(distinct)} distinct sources) and "
+    print(f"compile-check cuda ({tier} tier): {len(todo)} instantiations ({len(distinct)} distinct sources) and "
           f"{len(helpers)} helper programs for "
           f"{', '.join(archs)} with {nvcc} ({nvcc_version(nvcc)}); {jobs} jobs, batches of {batch_size}",
           file=out, flush=True)

@@ -1,6 +1,6 @@
 """``pool-tuner compile-check cuda``: what it enumerates, how it reports, and that it catches a
-broken kernel.  The compiling tests need nvcc (no GPU) and skip with a reason without it; the full
-check over every op runs in CI as its own step (.ci/run)."""
+broken kernel.  The compiling tests need nvcc (no GPU) and skip with a reason without it; the
+check's core tier runs in CI as its own step (.ci/run)."""
 
 import io
 import itertools
@@ -191,6 +191,40 @@ def test_helper_programs_cover_every_dtype_and_leave_with_the_filters():
     assert compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avg_pool2d"]) == []
     assert len(compile_check.helper_programs(archs=("sm_80",), ops=["adaptive_avgmax_pool2d"],
                                              dtypes=["float16"])) == 1
+
+
+def test_core_tier_compiles_every_cell_once_and_every_dtype_and_arch_a_share():
+    """The CI's tier: each op/direction/layout/variant/configuration/problem in one dtype on one
+    architecture, rotating, so that every variant still meets every dtype and every architecture;
+    float64 besides at every largest configuration."""
+    found, _ = compile_check.instantiations(ops=[op for op in OPS if OPS[op].ndim == 1])  # every variant has a 1d op
+    core = compile_check.core_selection(found)
+    assert set(core) <= set(found) and len(core) < len(found) // 5
+    assert {inst.variant for inst in found} == {name for table in REGISTRY.values() for name in table}
+
+    def cell(inst):
+        return inst.op, inst.direction, inst.layout, inst.variant, inst.config_label, inst.problem_label
+
+    chosen, offered = {}, {}
+    for inst in core:
+        chosen.setdefault(cell(inst), []).append(inst)
+    for inst in found:
+        offered.setdefault(cell(inst), set()).add(inst.dtype)
+    assert set(chosen) == set(offered)
+    for key, members in chosen.items():
+        assert len({inst.arch for inst in members}) == 1, key
+        assert len([inst for inst in members if inst.dtype != "float64"]) <= 1, key
+        if "largest" in key[4].split("+") and "float64" in offered[key]:
+            assert "float64" in {inst.dtype for inst in members}, key
+    for name in {inst.variant for inst in found}:
+        mine = [inst for inst in core if inst.variant == name]
+        assert {inst.dtype for inst in mine} == {inst.dtype for inst in found if inst.variant == name}, name
+        assert {inst.arch for inst in mine} == set(compile_check.ARCHS), name
+
+
+def test_an_unknown_tier_is_rejected_before_compiling():
+    with pytest.raises(ValueError, match="tier must be one of"):
+        compile_check.run(tier="quick", nvcc="/nonexistent/bin/nvcc")
 
 
 # ---------------------------------------------------------------------- compiling (nvcc)
