@@ -415,7 +415,7 @@ def _read(path: Path) -> tuple[dict, list[str]]:
     file) propagates.
     """
     try:
-        data = json.loads(_read_regular_file(path))
+        data = json.loads(read_regular_file(path))
     except ValueError as exc:  # also UnicodeDecodeError
         return {}, [f"not valid JSON ({exc})"]
     except RecursionError:
@@ -436,15 +436,19 @@ def _read(path: Path) -> tuple[dict, list[str]]:
     return records, problems
 
 
-def _read_regular_file(path: Path) -> bytes:
-    """The bytes of ``path``, which must be a regular file (a link to one is followed): a FIFO would
-    block the first call for ever and a device such as ``/dev/zero`` never ends, so anything else
-    raises ``OSError``.  Opened without blocking, so that a FIFO is refused rather than waited on."""
+def read_regular_file(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of ``path``, which must be a regular file (a link to one is followed) of at most
+    ``max_bytes`` bytes: a FIFO would block the first call for ever and a device such as
+    ``/dev/zero`` never ends, so anything else raises ``OSError``.  Opened without blocking, so that
+    a FIFO is refused rather than waited on, and checked on the opened file, so that what is read
+    is what was checked.  The cache's files and the CLI's ``--shapes`` file are read here."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:  # checked before os.fdopen, which refuses a directory naming the descriptor's number, not the path
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OSError(f"{path} is {_file_kind(mode)}, not a regular file")
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(f"{path} is {_file_kind(status.st_mode)}, not a regular file")
+        if max_bytes is not None and status.st_size > max_bytes:
+            raise OSError(f"{path} is {status.st_size} bytes, more than the {max_bytes} such a file may hold")
     except BaseException:
         os.close(fd)
         raise

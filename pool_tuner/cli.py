@@ -145,7 +145,7 @@ def _shapes_from_args(args) -> list:
             raise ValueError("--op goes with --input/--output or --shapes; a --preset's layers name their own ops")
         return presets.preset_shapes(args.preset, "--preset")
     if args.shapes is not None:
-        entries = json.loads(_read_shapes_file(args.shapes))
+        entries = _read_shapes_file(args.shapes)
         if not isinstance(entries, list) or not entries:
             raise ValueError(f'--shapes file {args.shapes} must hold a non-empty JSON list of '
                              f'{{"op": ..., "input": [...], "output": [...]}}')
@@ -156,23 +156,15 @@ def _shapes_from_args(args) -> list:
     return [(op, parse_shape(args.input, "--input"), parse_output(args.output, op))]
 
 
-def _read_shapes_file(name: str) -> str:
-    """The text of ``--shapes`` file ``name``, refused by name where it is no regular file (a FIFO
+def _read_shapes_file(name: str):
+    """The JSON of ``--shapes`` file ``name``, refused by name where it is no regular file (a FIFO
     would block the command for good, a device such as /dev/zero never end), is larger than
-    ``MAX_SHAPES_FILE_BYTES``, unreadable, not UTF-8 or not JSON (checked by a parse here)."""
-    path = Path(name)
+    ``MAX_SHAPES_FILE_BYTES``, unreadable, not UTF-8 or not JSON (``cache.read_regular_file``, as
+    the cache's own files are read)."""
     try:
-        if not path.is_file():
-            raise ValueError(f"--shapes {name}: {'not a regular file' if path.exists() else 'no such file'}")
-        size = path.stat().st_size
-        if size > MAX_SHAPES_FILE_BYTES:
-            raise ValueError(f"--shapes {name}: {size} bytes, more than a shapes file holds "
-                             f"(at most {MAX_SHAPES_FILE_BYTES} bytes)")
-        text = path.read_text()
-        json.loads(text)
+        return json.loads(cache.read_regular_file(Path(name), MAX_SHAPES_FILE_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"--shapes {name}: {exc}") from None
-    return text
 
 
 def _shapes_entry(entry, i: int, op: str) -> tuple:

@@ -632,7 +632,7 @@ def test_a_shapes_file_larger_than_any_list_of_shapes_is_refused(capsys, user_ca
     path = tmp_path / "shapes.json"
     path.write_text("[" + " " * cli.MAX_SHAPES_FILE_BYTES + "]")
     code, _, err = run(capsys, "tune", "--shapes", path)
-    assert "bytes, more than a shapes file holds" in assert_one_error_line(code, err)
+    assert f"bytes, more than the {cli.MAX_SHAPES_FILE_BYTES} such a file may hold" in assert_one_error_line(code, err)
 
 
 def write_user_records(user_cache, *records):
