@@ -253,11 +253,12 @@ class CudaDevice(Conveniences):
         leaving them held for good."""
         if len(key) != 3:
             return None
-        for ended in [k for k in self._pools if len(k) == 3 and k[0] == context and k[2] in _ENDED_THREADS]:
-            cuda_driver.synchronize(None)
-            _ENDED_THREADS.discard(ended[2])
-            return self._pools.pop(ended)
-        return None
+        ended = next((k for k in self._pools if len(k) == 3 and k[0] == context and k[2] in _ENDED_THREADS), None)
+        if ended is None:
+            return None
+        cuda_driver.synchronize(None)
+        _ENDED_THREADS.discard(ended[2])
+        return self._pools.pop(ended)
 
     def copy(self, destination, source, queue: CudaQueue | None = None) -> None:
         """Copy ``source`` into ``destination``: between device arrays on the queue's stream (after
