@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import random_input
+from conftest import random_input, tiered
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("ml_dtypes")
@@ -58,6 +58,10 @@ def tensor(rng, shape, dtype=torch.float32, channels_last=False, ndim=None):
 
 def torch_pool(kind, ndim):
     return getattr(F, f"adaptive_{kind}_pool{ndim}d")
+
+#: The ranks of the ONNX export tests: 2d in the core tier, 1d and 3d in the exhaustive one (each
+#: export takes seconds; the decomposition is one code path for every rank).
+ONNX_RANKS = tiered([pytest.param(ndim, id=str(ndim)) for ndim in (1, 2, 3)], core=lambda values: values[0] == 2)
 
 
 def layer(kind, ndim, size, ours=True):
@@ -317,7 +321,7 @@ ONNX_CASES = {1: ((2, 3, 14), [7, 6, 5, 17]), 2: ((2, 3, 10, 9), [(5, 3), (4, 4)
               3: ((1, 2, 6, 7, 9), [(3, 7, 3), (3, 3, 4), (4, 5, 2), (7, 3, 2)])}
 
 
-@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("ndim", ONNX_RANKS)
 def test_onnx_export_of_torch_layers_runs_in_onnxruntime(ndim, rng):
     pytest.importorskip("onnxruntime")
     shape, sizes = ONNX_CASES[ndim]
@@ -335,7 +339,7 @@ def test_onnx_export_of_torch_layers_runs_in_onnxruntime(ndim, rng):
             np.testing.assert_allclose(result, expected.numpy(), **FLOAT32_TOL)
 
 
-@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("ndim", ONNX_RANKS)
 def test_onnx_export_of_max_pooling_keeps_nans_in_onnxruntime(ndim, rng):
     """A max window holding NaN gives NaN in onnxruntime as in PyTorch, on every path of the
     decomposition (onnxruntime's MaxPool and ReduceMax skip NaNs)."""
@@ -385,7 +389,7 @@ def assert_same_with_special_values(results, expected):
         np.testing.assert_allclose(result, want, equal_nan=True, **FLOAT32_TOL)
 
 
-@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("ndim", ONNX_RANKS)
 def test_onnx_export_keeps_pytorchs_nan_and_infinities_in_onnxruntime(ndim, rng):
     """A window holding NaN, +inf, -inf or both infinities gives in onnxruntime what it gives in
     PyTorch, and the other windows stay finite, on every path of the decomposition (a pooling
