@@ -25,8 +25,10 @@ backward::
   by index.  ``gradcheck`` and ``gradgradcheck`` pass for all six ops (max: on tie-free inputs).
 * CPU tensors cross to numpy without copies (bfloat16 through its int16 bits and
   ``ml_dtypes.bfloat16``); channels-last inputs (``torch.channels_last``/``channels_last_3d``,
-  and likewise channel-innermost 1d and batch-less tensors) give channels-last results; other
-  strides are copied to contiguous by pool_tuner.  CUDA tensors go through
+  and likewise channel-innermost 1d and batch-less tensors) are read in place, other strides
+  copied to contiguous first.  Results and gradients have PyTorch's memory format, which users
+  ``.view()`` on: channels-last only of a batched 1d or 2d pooling's channels-last input,
+  contiguous otherwise (``_pytorch_channels_last``).  CUDA tensors go through
   ``pool_tuner.torch_cuda``: results from PyTorch's caching allocator, kernels launched on
   PyTorch's current stream, from any thread and inside CUDA graph capture.
 * Indices are int64 positions within each pooled plane/volume, exactly as PyTorch's.
@@ -140,15 +142,55 @@ def _check_tensor(t, name: str):
 
 # --------------------------------------------------------------------------------------------
 # Memory format: the fake (meta) implementations and the real ones must agree on the strides of
-# every result, so both derive them from here.
+# every result, so both derive them from here.  Two rules: the layout pool_tuner's kernels read an
+# input in (``_is_channels_last``), and the layout of what pool_tuner.torch returns, which is
+# PyTorch's (``_pytorch_channels_last``) -- results are copied where the two part.
 
 
 def _is_channels_last(t: torch.Tensor, ndim: int) -> bool:
-    """Whether pool_tuner reads ``t`` as channels-last, and so writes results channels-last: the
-    channel axis innermost in memory, the others in order (``torch.channels_last`` for 4-d,
-    ``channels_last_3d`` for 5-d, and the same for 1d and batch-less inputs).  Contiguous wins
-    ties, as in ``pool_tuner.ops.memory_layout``; any other strides are copied to contiguous."""
+    """Whether pool_tuner's kernels read ``t`` as channels-last (in place, and write their results
+    so): the channel axis innermost in memory, the others in order (``torch.channels_last`` for
+    4-d, ``channels_last_3d`` for 5-d, and the same for 1d and batch-less inputs).  Contiguous
+    wins ties, as in ``pool_tuner.ops.memory_layout``; any other strides are copied to contiguous."""
     return not t.is_contiguous() and t.movedim(t.dim() - ndim - 1, -1).is_contiguous()
+
+
+def _pytorch_channels_last(rank: int, ndim: int, read_channels_last: bool) -> bool:
+    """PyTorch's rule for the layout of an adaptive pooling's results and input gradient, which
+    users ``.view()`` and so is part of its semantics: channels-last where the input of a batched
+    1d or 2d pooling (``rank`` ``ndim + 2``) is (``torch.channels_last``; in 1d, the channel axis
+    innermost), contiguous for every other input -- batch-less ones, and 3d pooling's
+    ``channels_last_3d`` -- whichever layout pool_tuner's kernel read it in
+    (``read_channels_last``, ``_is_channels_last``)."""
+    return read_channels_last and ndim < 3 and rank == ndim + 2
+
+
+def _channels_last_result(t: torch.Tensor, ndim: int) -> bool:
+    """Whether PyTorch gives an adaptive pooling of ``t`` channels-last results (``_pytorch_channels_last``)."""
+    return _pytorch_channels_last(t.dim(), ndim, _is_channels_last(t, ndim))
+
+
+def _channels_last_gradient(channels_last_result: bool, averages: bool, output_size) -> bool:
+    """Whether PyTorch gives the input of an adaptive pooling a channels-last gradient: where it
+    gives channels-last results (``channels_last_result``), but not for an average (``averages``:
+    every level of the pooling is one) to all-ones, which PyTorch computes as a mean, whose
+    gradient is contiguous."""
+    return channels_last_result and not (averages and all(n == 1 for n in output_size))
+
+
+def _problem_channels_last(problem: Problem) -> bool:
+    """``_pytorch_channels_last`` of a plan's problem: whether its results are returned as the
+    kernel writes them, read off the problem (a warm eager call looks at no strides)."""
+    return _pytorch_channels_last(len(problem.input_shape), problem.ndim, problem.channels_last)
+
+
+def _in_pytorch_layout(results: list, problem: Problem) -> list:
+    """A forward plan's results, written in the layout its kernel read the input in, in PyTorch's
+    (``_pytorch_channels_last``): copied to contiguous where the kernel read a channels-last input
+    whose results PyTorch gives contiguous."""
+    if problem.channels_last and not _problem_channels_last(problem):
+        return [result.contiguous() for result in results]
+    return results
 
 
 def _empty(shape, like: torch.Tensor, dtype, channels_last: bool, ndim: int) -> torch.Tensor:
@@ -174,14 +216,16 @@ def _in_input_layout(grad_out: torch.Tensor, output_strides) -> torch.Tensor:
 
 
 def _in_layout(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
-    """``t`` in the memory format its fake implementation promised.  Both paths already write
-    results in the layout pool_tuner read the input in (``ops.strides_layout``, which agrees with
-    ``_is_channels_last``), so this copies nothing unless the two rules ever part."""
+    """``t`` in the memory format its fake implementation promised: as it is where the kernel
+    wrote it so (the layout it read its input in, ``_is_channels_last``), else copied."""
     if _is_channels_last(t, ndim) == channels_last and (channels_last or t.is_contiguous()):
         return t
-    out = _empty(t.shape, t, t.dtype, channels_last, ndim)
-    out.copy_(t)
-    return out
+    return _copied(t, channels_last, ndim)
+
+
+def _copied(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
+    """A copy of ``t``, channels-last or contiguous."""
+    return _empty(t.shape, t, t.dtype, channels_last, ndim).copy_(t)
 
 
 def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
@@ -267,46 +311,56 @@ def _register(operation):
     if not selects:
         def forward(input, output_size, options):
             (result,) = _run(op, "forward", [input], tuple(output_size), options)
-            return _in_layout(result, _is_channels_last(input, ndim), ndim)
+            return _in_layout(result, _channels_last_result(input, ndim), ndim)
 
         def forward_fake(input, output_size, options):
-            return _empty(output_shape(input, output_size), input, input.dtype, _is_channels_last(input, ndim), ndim)
+            return _empty(output_shape(input, output_size), input, input.dtype, _channels_last_result(input, ndim),
+                          ndim)
 
         def backward(grad_out, input_shape, options):
             (result,) = _run(op, "backward", [grad_out], tuple(input_shape), options)
-            return _in_layout(result, _is_channels_last(grad_out, ndim), ndim)
+            return _in_layout(result, _channels_last_result(grad_out, ndim), ndim)
     else:
         def forward(input, output_size, options):
             values, indices = _run(op, "forward", [input], tuple(output_size), options)
-            channels_last = _is_channels_last(input, ndim)
+            channels_last = _channels_last_result(input, ndim)
             return _in_layout(values, channels_last, ndim), _in_layout(indices, channels_last, ndim)
 
         def forward_fake(input, output_size, options):
-            shape, channels_last = output_shape(input, output_size), _is_channels_last(input, ndim)
+            shape, channels_last = output_shape(input, output_size), _channels_last_result(input, ndim)
             return (_empty(shape, input, input.dtype, channels_last, ndim),
                     _empty(shape, input, torch.int64, channels_last, ndim))
 
         def backward(grad_out, indices, input_shape, options):
             (result,) = _run(op, "backward", [grad_out, indices], tuple(input_shape), options)
-            return _in_layout(result, _is_channels_last(grad_out, ndim), ndim)
+            return _in_layout(result, _channels_last_result(grad_out, ndim), ndim)
 
     def backward_fake(grad_out, *rest):
         input_shape = rest[-2]
-        return _empty(list(input_shape), grad_out, grad_out.dtype, _is_channels_last(grad_out, ndim), ndim)
+        return _empty(list(input_shape), grad_out, grad_out.dtype, _channels_last_result(grad_out, ndim), ndim)
 
     forward_op = _define(operation, False, forward, forward_fake)
     backward_op = _define(operation, True, backward, backward_fake)
 
     def forward_setup(ctx, inputs, output):
-        input, _, ctx.options = inputs
+        input, output_size, ctx.options = inputs
         ctx.input_shape, ctx.output_strides = list(input.shape), (output[0] if selects else output).stride()
+        ctx.channels_last_gradient = _channels_last_gradient(_channels_last_result(input, ndim), not selects,
+                                                             output_size)
         if selects:
             ctx.save_for_backward(output[1])
+
+    def in_gradient_layout(ctx, grad_in):
+        """The backward op's gradient, laid out as its ``grad_out`` (the result's layout), in
+        PyTorch's layout for the input's gradient: copied where a result whose pooled axes are all
+        1 -- both layouts, read as contiguous -- had a max pooling's gradient come contiguous."""
+        return _in_layout(grad_in, ctx.channels_last_gradient, ndim)
 
     if not selects:
         def forward_grad(ctx, grad_out):
             grad_out = _in_input_layout(grad_out, ctx.output_strides)
-            return backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options)), None, None
+            grad_in = backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options))
+            return in_gradient_layout(ctx, grad_in), None, None
 
         def backward_setup(ctx, inputs, output):
             grad_out, _, ctx.options = inputs
@@ -319,7 +373,8 @@ def _register(operation):
         def forward_grad(ctx, grad_out, _grad_indices):
             (indices,) = ctx.saved_tensors
             grad_out = _in_input_layout(grad_out, ctx.output_strides)
-            return backward_op(grad_out, indices, ctx.input_shape, _backward_options(ctx.options)), None, None
+            grad_in = backward_op(grad_out, indices, ctx.input_shape, _backward_options(ctx.options))
+            return in_gradient_layout(ctx, grad_in), None, None
 
         def backward_setup(ctx, inputs, output):
             _, indices, input_shape, _ = inputs
@@ -524,7 +579,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
     if input.requires_grad and _grad_enabled():
         output_size = list(found.problem.output_shape[-operation.ndim:])
         return _custom_op_pool(operation, input, output_size, return_indices, options)
-    results = _torch_cpu.run(found, [input])
+    results = _in_pytorch_layout(_torch_cpu.run(found, [input]), found.problem)
     return (results[0], results[1]) if return_indices else results[0]
 
 
@@ -577,7 +632,7 @@ def _eager_cuda_pool(operation, input, output_size, return_indices: bool, option
     if input.requires_grad and _grad_enabled():
         results = _apply_eager_pooling(_unwrap_if_dead(input), found, options)
     else:
-        results = _torch_cuda.run(found, [input])
+        results = _in_pytorch_layout(_torch_cuda.run(found, [input]), found.problem)
     return (results[0], results[1]) if return_indices else results[0]
 
 
@@ -589,9 +644,12 @@ class _EagerPooling(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, found, options: str):
-        results = _torch_cuda.run(found, [input])
-        ctx.operation, ctx.input_shape = found.problem.operation, tuple(input.shape)
+        problem = found.problem
+        results = _in_pytorch_layout(_torch_cuda.run(found, [input]), problem)
+        ctx.operation, ctx.input_shape = problem.operation, tuple(input.shape)
         ctx.output_strides = results[0].stride()
+        ctx.channels_last_gradient = problem.channels_last and _channels_last_gradient(
+            _problem_channels_last(problem), not problem.operation.selects, problem.output_shape[-problem.ndim:])
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
             ctx.mark_non_differentiable(results[1])
@@ -601,16 +659,18 @@ class _EagerPooling(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_grad_indices):
         tensors = [_in_input_layout(grad_out, ctx.output_strides), *ctx.saved_tensors]
-        operation = ctx.operation
+        operation, channels_last = ctx.operation, ctx.channels_last_gradient
         if _grad_enabled():
             grad_in = _OPS[operation.kind, operation.ndim, True](*tensors, list(ctx.input_shape), ctx.options)
-        else:
-            key = _signature(operation.name, _BACKWARD, ctx.input_shape, ctx.options, grad_out.device,
-                             tuple(map(_describe, tensors)))
-            found = _torch_cuda.plan_of(key)
-            if found is None:
-                found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
-            (grad_in,) = _torch_cuda.run(found, tensors)
+            return _in_layout(grad_in, channels_last, operation.ndim), None, None
+        key = _signature(operation.name, _BACKWARD, ctx.input_shape, ctx.options, grad_out.device,
+                         tuple(map(_describe, tensors)))
+        found = _torch_cuda.plan_of(key)
+        if found is None:
+            found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
+        (grad_in,) = _torch_cuda.run(found, tensors)
+        if found.problem.channels_last != channels_last:  # the kernel's layout: a warm call reads no strides
+            grad_in = _copied(grad_in, channels_last, operation.ndim)
         return grad_in, None, None
 
 
