@@ -1812,9 +1812,10 @@ def _gem_path(t: torch.Tensor):
 
 
 def _gem_forward(ndim: int, input, output_size, arguments: dict, options: str):
-    """GeM's forward on ``input``'s device, in the layout the fake implementation promises."""
+    """GeM's forward on ``input``'s device, in the layout the fake implementation promises:
+    PyTorch's average pooling's (``_channels_last_result``)."""
     result = _gem_path(input)[0](find("gem", ndim).name, input, tuple(output_size), arguments, options)
-    return _in_layout(result, _is_channels_last(input, ndim), ndim)
+    return _in_layout(result, _channels_last_result(input, ndim), ndim)
 
 
 #: (ndim, input's shape, strides and dtype, output's shape) -> GeM's backward problem
@@ -1823,7 +1824,11 @@ _GEM_BACKWARD_PROBLEMS = _memo.table("torch.gem_backward_problems")
 
 def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, options: str):
     """GeM's ``(grad_input, grad_p)`` on ``input``'s device, ``p`` and ``eps`` as ``arguments``;
-    the problem validated on the signature's first backward, looked up after."""
+    the problem validated on the signature's first backward, looked up after.  ``grad_input`` in
+    the result's layout (``_gem_forward``), copied where the kernel wrote it in another (the layout
+    it read the input in) -- also at output size 1, where PyTorch's average pooling, a mean there,
+    gives a contiguous gradient: PyTorch's GeM composition keeps the result's layout, and a copy
+    would double the memory GeM's backward takes."""
     key = (ndim, tuple(input.shape), input.stride(), input.dtype, tuple(output.shape))
     problem = _GEM_BACKWARD_PROBLEMS.get(key)
     if problem is None:
@@ -1831,21 +1836,30 @@ def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, option
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim),
                                  direction="backward")
         _GEM_BACKWARD_PROBLEMS.put(problem, key, problem)
+    channels_last = _problem_channels_last(problem)
     if problem.is_empty:  # no output, so no output depends on any input: zeros, and nothing to launch
-        return (_empty(list(input.shape), input, input.dtype, problem.channels_last, ndim).zero_(),
-                torch.zeros_like(p))
+        return _empty(list(input.shape), input, input.dtype, channels_last, ndim).zero_(), torch.zeros_like(p)
     if not problem.channels_last and not input.is_contiguous():  # read in place in either layout, else copied
         input = input.contiguous()
-    return _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
+    grad_input, grad_p = _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
+    if problem.channels_last != channels_last:
+        grad_input = _copied(grad_input, channels_last, ndim)
+    return grad_input, grad_p
 
 
 def _gem_composed_gradients(input, output_size, p, eps: float, grad_out):
     """``(grad_input, grad_p)`` through PyTorch's composition with its graph (None where the
-    tensor needs none): the backward of a backward that is itself differentiated."""
+    tensor needs none): the backward of a backward that is itself differentiated.  ``grad_input``
+    in the layout of GeM's other gradient (``_gem_backward``), where the composition's follows the
+    powers' (the input's)."""
     wanted = [t for t in (input, p) if t.requires_grad]
     found = iter(torch.autograd.grad(_gem_composition(input, output_size, p, eps), wanted, grad_out,
                                      create_graph=True) if wanted else ())
-    return tuple(next(found) if t.requires_grad else None for t in (input, p))
+    grad_input, grad_p = (next(found) if t.requires_grad else None for t in (input, p))
+    if grad_input is not None:
+        ndim = len(output_size)
+        grad_input = _in_layout(grad_input, _channels_last_result(input, ndim), ndim)
+    return grad_input, grad_p
 
 
 def _register_gem(ndim: int):
@@ -1857,13 +1871,13 @@ def _register_gem(ndim: int):
 
     def forward_fake(input, output_size, p, eps, options):
         shape = list(input.shape[: input.dim() - ndim]) + list(output_size)
-        return _empty(shape, input, input.dtype, _is_channels_last(input, ndim), ndim)
+        return _empty(shape, input, input.dtype, _channels_last_result(input, ndim), ndim)
 
     def backward(grad_out, input, output, p, eps, options):
         return _gem_backward(ndim, grad_out, input, output, p, _gem_arguments(p, eps), options)
 
     def backward_fake(grad_out, input, output, p, eps, options):
-        return (_empty(list(input.shape), input, input.dtype, _is_channels_last(input, ndim), ndim),
+        return (_empty(list(input.shape), input, input.dtype, _channels_last_result(input, ndim), ndim),
                 torch.empty_like(p))
 
     forward_op = torch.library.custom_op("pool_tuner::" + op, forward, mutates_args=(), device_types=("cpu", "cuda"),

@@ -188,3 +188,38 @@ def test_compiled_results_and_gradients_are_laid_out_as_eager_and_pytorchs(kind,
     for got_compiled, got_eager, expected in zip(*found):
         assert got_compiled.stride() == got_eager.stride() == expected.stride()
         torch.testing.assert_close(got_compiled, expected, **TOL)
+
+
+@pytest.mark.parametrize("size", [3, 1])
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "batchless"])
+@pytest.mark.parametrize("ndim", NDIMS)
+def test_gem_is_laid_out_as_pytorchs_average_pooling(ndim, batched, size, rng):
+    """GeM, an average of powers, has the layout of PyTorch's average pooling of the same input:
+    its result, its gradient (the kernel's, without a gradient's graph; the composition's, with
+    one), and what its custom op's fake implementations promise; values as PyTorch's composition's.
+    The gradient's layout is the average's at a size other than 1 also at size 1, where PyTorch
+    computes the average as a mean, whose gradient is contiguous (PyTorch's GeM composition keeps
+    a batched channels-last input's channels-last there too, and a copy would double GeM's
+    backward's memory)."""
+    x = channels_innermost(rng, ndim, batched).abs()
+    gem, average = getattr(ptt, f"adaptive_gem_pool{ndim}d"), pytorch_pool("avg", ndim)
+    got, expected = gem(x, size, 3.0), average(x, size)
+    assert_same_layout(got, expected)
+    assert flattens(got, batched) == flattens(expected, batched)
+    torch.testing.assert_close(got.double(), ptt._gem_composition(x.double(), [size] * ndim, 3.0, 1e-6), **TOL)
+    x_theirs = x.clone().requires_grad_()
+    averaged = average(x_theirs, 3)
+    expected_grad = gradient(averaged, x_theirs, random_like(rng, averaged))
+    for create_graph in (False, True):
+        x_ours, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+        ours = gem(x_ours, size, 3.0)
+        grad = random_like(rng, ours)
+        got_grad = gradient(ours, x_ours, grad, create_graph)
+        assert_same_layout(got_grad, expected_grad)
+        composed = gradient(ptt._gem_composition(x64, [size] * ndim, 3.0, 1e-6), x64, grad.double())
+        torch.testing.assert_close(got_grad.double(), composed, rtol=1e-4, atol=1e-5)
+    x_meta = x.to("meta").requires_grad_()
+    op = getattr(torch.ops.pool_tuner, f"adaptive_gem_pool{ndim}d")
+    fake = op(x_meta, [size] * ndim, torch.tensor([3.0], device="meta"), 1e-6, "")
+    assert_same_layout(fake, got)
+    assert_same_layout(gradient(fake, x_meta, grad.to("meta")), got_grad)
