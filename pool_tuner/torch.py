@@ -917,16 +917,23 @@ def _register_levels(op: str):
             return values
         return values, input.new_empty((n * layout.indices_per_plane,), dtype=torch.int64)
 
+    def gradient_channels_last(input_shape, sizes, channels_last: bool) -> bool:
+        """Whether the input's gradient is channels-last (``channels_last``: the kernels' layout, the
+        flat buffers'): as PyTorch's gradient of the levels pooled one by one."""
+        return _channels_last_gradient(_pytorch_channels_last(len(input_shape), ndim, channels_last),
+                                       not selects, sizes)
+
     def backward(grad_out, *rest):
         input_shape, sizes, channels_last, options = rest[-4:]
         layout = LAYOUT_NAMES[ndim][1 if channels_last else 0]
         tensors = [grad_out.contiguous()] + [t.contiguous() for t in rest[:-4]]
         (result,) = _run(op, "backward", tensors, (tuple(input_shape), _level_sizes(operation, sizes), layout), options)
-        return _in_layout(result, channels_last, ndim)
+        return _in_layout(result, gradient_channels_last(input_shape, sizes, channels_last), ndim)
 
     def backward_fake(grad_out, *rest):
-        input_shape, channels_last = rest[-4], rest[-2]
-        return _empty(list(input_shape), grad_out, grad_out.dtype, channels_last, ndim)
+        input_shape, sizes, channels_last = rest[-4:-1]
+        return _empty(list(input_shape), grad_out, grad_out.dtype,
+                      gradient_channels_last(input_shape, sizes, channels_last), ndim)
 
     ops = {}
     for backward_op, (real, fake) in ((False, (forward, forward_fake)), (True, (backward, backward_fake))):
@@ -1059,7 +1066,9 @@ class _Composition(torch.nn.Module):
 
 def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[list, list]:
     """``(values per level, indices per max level)`` of a multi-level op: through its custom op, or
-    under ``torch.onnx.export`` the exact per-level decompositions (values only)."""
+    under ``torch.onnx.export`` the exact per-level decompositions (values only).  Each level in
+    PyTorch's layout of its own adaptive pooling (``_pytorch_channels_last``): a view of the flat
+    buffers, which are in the layout the kernel read the input in, copied where that differs."""
     operation = OPS[op]
     if _exported_to_onnx():
         return _decomposed_levels(operation, input, output_size, name), []
@@ -1072,8 +1081,11 @@ def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[
     values, indices = out if operation.selects else (out, None)
     layout = _pyramid.level_layout(level_ops, tuple(tuple(int(n) for n in level) for level in levels))
     channels_last = _is_channels_last(input, ndim)
-    return (_level_views(values, input, layout, ndim, channels_last),
-            [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, positions=True))
+    views = (_level_views(values, input, layout, ndim, channels_last),
+             [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, positions=True))
+    if channels_last and not _pytorch_channels_last(input.dim(), ndim, channels_last):
+        return tuple([view.contiguous() for view in found] for found in views)
+    return views
 
 
 def _pyramid_op(kind: str, input, output_sizes, ndim) -> str:

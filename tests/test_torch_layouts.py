@@ -223,3 +223,53 @@ def test_gem_is_laid_out_as_pytorchs_average_pooling(ndim, batched, size, rng):
     fake = op(x_meta, [size] * ndim, torch.tensor([3.0], device="meta"), 1e-6, "")
     assert_same_layout(fake, got)
     assert_same_layout(gradient(fake, x_meta, grad.to("meta")), got_grad)
+
+
+@pytest.mark.parametrize("sizes", [[2, 3], [1]], ids=["2,3", "1"])
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "batchless"])
+@pytest.mark.parametrize("ndim", NDIMS)
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_pyramid_levels_are_laid_out_as_single_poolings(kind, ndim, batched, sizes, rng):
+    """Each level of a pyramid (one read of the input, flat buffers viewed level by level) has
+    the layout and values of PyTorch's adaptive pooling to its size, indices too; the gradient of
+    all levels, PyTorch's of the levels pooled one by one; the custom ops' fakes promise the same."""
+    x = channels_innermost(rng, ndim, batched)
+    pyramid = getattr(ptt, f"adaptive_{kind}_pool_pyramid")
+    extra = {"return_indices": True} if kind == "max" else {}
+    got = pyramid(x, sizes, ndim=ndim, **extra)
+    for position, size in enumerate(sizes):
+        expected = pytorch_pool(kind, ndim)(x, size, **extra)
+        for g, e in zip(*(([got[0][position], got[1][position]], expected) if kind == "max"
+                          else ([got[position]], [expected]))):
+            assert_same_layout(g, e)
+            torch.testing.assert_close(g, e, **TOL)
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    levels = pyramid(x_ours, sizes, ndim=ndim)
+    grads = [random_like(rng, level) for level in levels]
+    got_grad = gradient(levels, x_ours, grads)
+    expected_grad = gradient([pytorch_pool(kind, ndim)(x_theirs, size) for size in sizes], x_theirs, grads)
+    assert_same_layout(got_grad, expected_grad)
+    torch.testing.assert_close(got_grad, expected_grad, **TOL)
+    op = ptt._LEVEL_OPS[f"adaptive_{kind}_pool_pyramid{ndim}d", False]
+    found = []
+    for t in (x.clone(), x.to("meta")):
+        t.requires_grad_()
+        flat = op(t, [n for size in sizes for n in [size] * ndim], "")
+        flat = flat[0] if kind == "max" else flat
+        found.append(gradient(flat, t, torch.ones_like(flat)))
+    assert_same_layout(found[1], found[0])
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "batchless"])
+def test_fused_avg_and_max_levels_are_laid_out_as_single_poolings(batched, rng):
+    """An avg and a max pooling of one tensor fused into one read (``fused_adaptive_pools``, what
+    ``replace_pooling(fuse=True)`` runs; the avg+max op): each as PyTorch's, and the gradient."""
+    x = channels_innermost(rng, 2, batched)
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = ptt.fused_adaptive_pools(x_ours, (("avg", 3), ("max", 3)), 2)
+    expected = (F.adaptive_avg_pool2d(x_theirs, 3), F.adaptive_max_pool2d(x_theirs, 3))
+    for g, e in zip(got, expected):
+        assert_same_layout(g, e)
+        torch.testing.assert_close(g, e, **TOL)
+    grads = [random_like(rng, level) for level in got]
+    assert_same_layout(gradient(got, x_ours, grads), gradient(expected, x_theirs, grads))
