@@ -1305,10 +1305,14 @@ class _GlobalPooling(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        """The levels' gradients added as autograd adds them in timm's computation: the last
+        level's first (its reduction's node runs first), whose layout the sum keeps -- a
+        channels-last input's amax gradient is channels-last, the mean's contiguous -- so that the
+        gradient has the layout of timm's whichever side won the race (``_pytorch_runs``)."""
         input, *levels = ctx.saved_tensors
         parts = [reduction.gradient(grad, level, input, ctx.input_shape, ctx.dims)
                  for reduction, level, grad in zip(ctx.reductions, levels, grads)]
-        return functools.reduce(operator.add, parts), None, None, None
+        return functools.reduce(operator.add, reversed(parts)), None, None, None
 
 
 def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=None, variant=None, config=None):

@@ -273,3 +273,33 @@ def test_fused_avg_and_max_levels_are_laid_out_as_single_poolings(batched, rng):
         torch.testing.assert_close(g, e, **TOL)
     grads = [random_like(rng, level) for level in got]
     assert_same_layout(gradient(got, x_ours, grads), gradient(expected, x_theirs, grads))
+
+
+def _timms_global_pool(x, mode: str, input_fmt: str):
+    """timm's fast pooling layers' computation (``x.mean``/``x.amax`` over the spatial dims)."""
+    dims, channel = ((2, 3), 1) if input_fmt == "NCHW" else ((1, 2), 3)
+    avg, mx = x.mean(dims, keepdim=True), x.amax(dims, keepdim=True)
+    return 0.5 * avg + 0.5 * mx if mode == "avg+max" else torch.cat((avg, mx), channel)
+
+
+@pytest.mark.usefixtures("candidate_on")
+@pytest.mark.parametrize("winner", ["pytorch", "pool_tuner"])
+@pytest.mark.parametrize("mode", ["avg+max", "cat"])
+@pytest.mark.parametrize("input_fmt", ["NCHW", "NHWC"])
+def test_global_pool2d_is_laid_out_as_timms_whichever_side_won_the_race(monkeypatch, winner, mode, input_fmt, rng):
+    """timm's fast avg+max layers (``GlobalPool2d``) on a channels-last feature map (NCHW in
+    channels-last memory, or the NHWC tensor of that memory): the result and the gradient have the
+    layout of timm's computation, which runs where it won the race, also where pool_tuner's
+    kernels ran (a channels-last input's amax gradient is channels-last, the mean's contiguous:
+    their sum has the layout of the one autograd adds first)."""
+    _rig_race(monkeypatch, winner)
+    x = channels_innermost(rng, 2, batched=True)
+    x = x if input_fmt == "NCHW" else x.movedim(1, -1)
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, expected = ptt.global_pool2d(x_ours, mode, input_fmt=input_fmt), _timms_global_pool(x_theirs, mode, input_fmt)
+    assert_same_layout(got, expected)
+    torch.testing.assert_close(got, expected, **TOL)
+    grad = random_like(rng, got)
+    got_grad, expected_grad = gradient(got, x_ours, grad), gradient(expected, x_theirs, grad)
+    assert_same_layout(got_grad, expected_grad)
+    torch.testing.assert_close(got_grad, expected_grad, **TOL)
