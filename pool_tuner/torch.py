@@ -502,17 +502,20 @@ def _traced_keeping_axes(operation, input, output_size: list, return_indices: bo
     spatial = [input.shape[lead + axis] for axis in range(ndim)]
     kept = [axis for axis, size in enumerate(output_size) if isinstance(size, _Tensor)]
     pooled = [axis for axis in range(ndim) if axis not in kept]
-    # PyTorch's layout: channels-last where a batched 2d pooling's input is (fixed in the trace)
-    channels_last = ndim == 2 and lead == 2 and not input.is_contiguous() and input.is_contiguous(
-        memory_format=torch.channels_last)
-    layout = torch.channels_last if channels_last else torch.contiguous_format
+    channels_last = _channels_last_result(input, ndim)  # fixed in the trace
+
+    def in_layout(tensor):
+        """``tensor`` in PyTorch's layout, by operations the trace records with the input's sizes."""
+        if not channels_last:
+            return tensor.contiguous()
+        return tensor.movedim(lead - 1, -1).contiguous().movedim(-1, lead - 1)
+
     if not pooled:  # every axis kept: the identity (indices: each position its own)
-        values = input.clone(memory_format=layout)
+        values = in_layout(input.clone())
         if not return_indices:
             return values
         plane = functools.reduce(operator.mul, spatial)
-        return values, torch.arange(plane, device=input.device).reshape(spatial).expand(input.shape).contiguous(
-            memory_format=layout)
+        return values, in_layout(torch.arange(plane, device=input.device).reshape(spatial).expand(input.shape))
     order = list(range(lead)) + [lead + axis for axis in kept + pooled]
     folded = input.permute(order)
     outer = folded.shape[:lead + len(kept)]
@@ -521,7 +524,7 @@ def _traced_keeping_axes(operation, input, output_size: list, return_indices: bo
     inverse = [order.index(dim) for dim in range(input.dim())]
 
     def unfolded(tensor):
-        return tensor.unflatten(0, outer).permute(inverse).contiguous(memory_format=layout)
+        return in_layout(tensor.unflatten(0, outer).permute(inverse))
 
     if not return_indices:
         return unfolded(result)
@@ -536,7 +539,7 @@ def _traced_keeping_axes(operation, input, output_size: list, return_indices: bo
         shape = [1] * input.dim()
         shape[lead + axis] = -1
         full = full + torch.arange(spatial[axis], device=input.device).reshape(shape) * _plane_stride(spatial, axis)
-    return unfolded(values), full.contiguous(memory_format=layout)
+    return unfolded(values), in_layout(full)
 
 
 def _plane_stride(spatial: list, axis: int):

@@ -303,3 +303,28 @@ def test_global_pool2d_is_laid_out_as_timms_whichever_side_won_the_race(monkeypa
     got_grad, expected_grad = gradient(got, x_ours, grad), gradient(expected, x_theirs, grad)
     assert_same_layout(got_grad, expected_grad)
     torch.testing.assert_close(got_grad, expected_grad, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["avg", "max"])
+@pytest.mark.parametrize("ndim,batched,size", [(1, True, (None,)), (2, True, (4, None)), (2, False, (None, 3)),
+                                               (3, True, (2, None, 3))])
+def test_a_jit_trace_keeping_axes_lays_results_out_as_pytorch(kind, ndim, batched, size, rng):
+    """torch.jit.trace of a layer whose output size keeps axes (``None``), which folds them into the
+    batch and pools the others: its results have PyTorch's layout, on the traced input and on one
+    of another size along a kept axis."""
+    import warnings
+
+    extra = {"return_indices": True} if kind == "max" else {}
+    layer = getattr(ptt, f"Adaptive{kind.capitalize()}Pool{ndim}d")(size, **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's
+        traced = torch.jit.trace(layer, (channels_innermost(rng, ndim, batched),), check_trace=False)
+    for longer in (0, 2):
+        x = channels_innermost(rng, ndim, batched)
+        x = torch.cat([x] + [x.narrow(-1, 0, 1)] * longer, -1) if longer else x
+        x = x.movedim(x.dim() - ndim - 1, -1).contiguous().movedim(-1, x.dim() - ndim - 1)
+        resolved = tuple(x.shape[x.dim() - ndim + axis] if n is None else n for axis, n in enumerate(size))
+        got, expected = traced(x), pytorch_pool(kind, ndim)(x, resolved, **extra)
+        for g, e in zip(*((got, expected) if kind == "max" else ((got,), (expected,)))):
+            assert_same_layout(g, e)
+            torch.testing.assert_close(g, e, **TOL)
