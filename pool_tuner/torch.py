@@ -25,8 +25,10 @@ backward::
   by index.  ``gradcheck`` and ``gradgradcheck`` pass for all six ops (max: on tie-free inputs).
 * CPU tensors cross to numpy without copies (bfloat16 through its int16 bits and
   ``ml_dtypes.bfloat16``); channels-last inputs (``torch.channels_last``/``channels_last_3d``,
-  and likewise channel-innermost 1d and batch-less tensors) give channels-last results; other
-  strides are copied to contiguous by pool_tuner.  CUDA tensors go through
+  and likewise channel-innermost 1d and batch-less tensors) are read in place, other strides
+  copied to contiguous first.  Results and gradients have PyTorch's memory format, which users
+  ``.view()`` on: channels-last only of a batched 1d or 2d pooling's channels-last input,
+  contiguous otherwise (``_pytorch_channels_last``).  CUDA tensors go through
   ``pool_tuner.torch_cuda``: results from PyTorch's caching allocator, kernels launched on
   PyTorch's current stream, from any thread and inside CUDA graph capture.
 * Indices are int64 positions within each pooled plane/volume, exactly as PyTorch's.
@@ -140,15 +142,55 @@ def _check_tensor(t, name: str):
 
 # --------------------------------------------------------------------------------------------
 # Memory format: the fake (meta) implementations and the real ones must agree on the strides of
-# every result, so both derive them from here.
+# every result, so both derive them from here.  Two rules: the layout pool_tuner's kernels read an
+# input in (``_is_channels_last``), and the layout of what pool_tuner.torch returns, which is
+# PyTorch's (``_pytorch_channels_last``) -- results are copied where the two part.
 
 
 def _is_channels_last(t: torch.Tensor, ndim: int) -> bool:
-    """Whether pool_tuner reads ``t`` as channels-last, and so writes results channels-last: the
-    channel axis innermost in memory, the others in order (``torch.channels_last`` for 4-d,
-    ``channels_last_3d`` for 5-d, and the same for 1d and batch-less inputs).  Contiguous wins
-    ties, as in ``pool_tuner.ops.memory_layout``; any other strides are copied to contiguous."""
+    """Whether pool_tuner's kernels read ``t`` as channels-last (in place, and write their results
+    so): the channel axis innermost in memory, the others in order (``torch.channels_last`` for
+    4-d, ``channels_last_3d`` for 5-d, and the same for 1d and batch-less inputs).  Contiguous
+    wins ties, as in ``pool_tuner.ops.memory_layout``; any other strides are copied to contiguous."""
     return not t.is_contiguous() and t.movedim(t.dim() - ndim - 1, -1).is_contiguous()
+
+
+def _pytorch_channels_last(rank: int, ndim: int, read_channels_last: bool) -> bool:
+    """PyTorch's rule for the layout of an adaptive pooling's results and input gradient, which
+    users ``.view()`` and so is part of its semantics: channels-last where the input of a batched
+    1d or 2d pooling (``rank`` ``ndim + 2``) is (``torch.channels_last``; in 1d, the channel axis
+    innermost), contiguous for every other input -- batch-less ones, and 3d pooling's
+    ``channels_last_3d`` -- whichever layout pool_tuner's kernel read it in
+    (``read_channels_last``, ``_is_channels_last``)."""
+    return read_channels_last and ndim < 3 and rank == ndim + 2
+
+
+def _channels_last_result(t: torch.Tensor, ndim: int) -> bool:
+    """Whether PyTorch gives an adaptive pooling of ``t`` channels-last results (``_pytorch_channels_last``)."""
+    return _pytorch_channels_last(t.dim(), ndim, _is_channels_last(t, ndim))
+
+
+def _channels_last_gradient(channels_last_result: bool, averages: bool, output_size) -> bool:
+    """Whether PyTorch gives the input of an adaptive pooling a channels-last gradient: where it
+    gives channels-last results (``channels_last_result``), but not for an average (``averages``:
+    every level of the pooling is one) to all-ones, which PyTorch computes as a mean, whose
+    gradient is contiguous."""
+    return channels_last_result and not (averages and all(n == 1 for n in output_size))
+
+
+def _problem_channels_last(problem: Problem) -> bool:
+    """``_pytorch_channels_last`` of a plan's problem: whether its results are returned as the
+    kernel writes them, read off the problem (a warm eager call looks at no strides)."""
+    return _pytorch_channels_last(len(problem.input_shape), problem.ndim, problem.channels_last)
+
+
+def _in_pytorch_layout(results: list, problem: Problem) -> list:
+    """A forward plan's results, written in the layout its kernel read the input in, in PyTorch's
+    (``_pytorch_channels_last``): copied to contiguous where the kernel read a channels-last input
+    whose results PyTorch gives contiguous."""
+    if problem.channels_last and not _problem_channels_last(problem):
+        return [result.contiguous() for result in results]
+    return results
 
 
 def _empty(shape, like: torch.Tensor, dtype, channels_last: bool, ndim: int) -> torch.Tensor:
@@ -174,14 +216,16 @@ def _in_input_layout(grad_out: torch.Tensor, output_strides) -> torch.Tensor:
 
 
 def _in_layout(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
-    """``t`` in the memory format its fake implementation promised.  Both paths already write
-    results in the layout pool_tuner read the input in (``ops.strides_layout``, which agrees with
-    ``_is_channels_last``), so this copies nothing unless the two rules ever part."""
+    """``t`` in the memory format its fake implementation promised: as it is where the kernel
+    wrote it so (the layout it read its input in, ``_is_channels_last``), else copied."""
     if _is_channels_last(t, ndim) == channels_last and (channels_last or t.is_contiguous()):
         return t
-    out = _empty(t.shape, t, t.dtype, channels_last, ndim)
-    out.copy_(t)
-    return out
+    return _copied(t, channels_last, ndim)
+
+
+def _copied(t: torch.Tensor, channels_last: bool, ndim: int) -> torch.Tensor:
+    """A copy of ``t``, channels-last or contiguous."""
+    return _empty(t.shape, t, t.dtype, channels_last, ndim).copy_(t)
 
 
 def _run(op: str, direction: str, tensors: list, size, options: str) -> list:
@@ -267,46 +311,56 @@ def _register(operation):
     if not selects:
         def forward(input, output_size, options):
             (result,) = _run(op, "forward", [input], tuple(output_size), options)
-            return _in_layout(result, _is_channels_last(input, ndim), ndim)
+            return _in_layout(result, _channels_last_result(input, ndim), ndim)
 
         def forward_fake(input, output_size, options):
-            return _empty(output_shape(input, output_size), input, input.dtype, _is_channels_last(input, ndim), ndim)
+            return _empty(output_shape(input, output_size), input, input.dtype, _channels_last_result(input, ndim),
+                          ndim)
 
         def backward(grad_out, input_shape, options):
             (result,) = _run(op, "backward", [grad_out], tuple(input_shape), options)
-            return _in_layout(result, _is_channels_last(grad_out, ndim), ndim)
+            return _in_layout(result, _channels_last_result(grad_out, ndim), ndim)
     else:
         def forward(input, output_size, options):
             values, indices = _run(op, "forward", [input], tuple(output_size), options)
-            channels_last = _is_channels_last(input, ndim)
+            channels_last = _channels_last_result(input, ndim)
             return _in_layout(values, channels_last, ndim), _in_layout(indices, channels_last, ndim)
 
         def forward_fake(input, output_size, options):
-            shape, channels_last = output_shape(input, output_size), _is_channels_last(input, ndim)
+            shape, channels_last = output_shape(input, output_size), _channels_last_result(input, ndim)
             return (_empty(shape, input, input.dtype, channels_last, ndim),
                     _empty(shape, input, torch.int64, channels_last, ndim))
 
         def backward(grad_out, indices, input_shape, options):
             (result,) = _run(op, "backward", [grad_out, indices], tuple(input_shape), options)
-            return _in_layout(result, _is_channels_last(grad_out, ndim), ndim)
+            return _in_layout(result, _channels_last_result(grad_out, ndim), ndim)
 
     def backward_fake(grad_out, *rest):
         input_shape = rest[-2]
-        return _empty(list(input_shape), grad_out, grad_out.dtype, _is_channels_last(grad_out, ndim), ndim)
+        return _empty(list(input_shape), grad_out, grad_out.dtype, _channels_last_result(grad_out, ndim), ndim)
 
     forward_op = _define(operation, False, forward, forward_fake)
     backward_op = _define(operation, True, backward, backward_fake)
 
     def forward_setup(ctx, inputs, output):
-        input, _, ctx.options = inputs
+        input, output_size, ctx.options = inputs
         ctx.input_shape, ctx.output_strides = list(input.shape), (output[0] if selects else output).stride()
+        ctx.channels_last_gradient = _channels_last_gradient(_channels_last_result(input, ndim), not selects,
+                                                             output_size)
         if selects:
             ctx.save_for_backward(output[1])
+
+    def in_gradient_layout(ctx, grad_in):
+        """The backward op's gradient, laid out as its ``grad_out`` (the result's layout), in
+        PyTorch's layout for the input's gradient: copied where a result whose pooled axes are all
+        1 -- both layouts, read as contiguous -- had a max pooling's gradient come contiguous."""
+        return _in_layout(grad_in, ctx.channels_last_gradient, ndim)
 
     if not selects:
         def forward_grad(ctx, grad_out):
             grad_out = _in_input_layout(grad_out, ctx.output_strides)
-            return backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options)), None, None
+            grad_in = backward_op(grad_out, ctx.input_shape, _backward_options(ctx.options))
+            return in_gradient_layout(ctx, grad_in), None, None
 
         def backward_setup(ctx, inputs, output):
             grad_out, _, ctx.options = inputs
@@ -319,7 +373,8 @@ def _register(operation):
         def forward_grad(ctx, grad_out, _grad_indices):
             (indices,) = ctx.saved_tensors
             grad_out = _in_input_layout(grad_out, ctx.output_strides)
-            return backward_op(grad_out, indices, ctx.input_shape, _backward_options(ctx.options)), None, None
+            grad_in = backward_op(grad_out, indices, ctx.input_shape, _backward_options(ctx.options))
+            return in_gradient_layout(ctx, grad_in), None, None
 
         def backward_setup(ctx, inputs, output):
             _, indices, input_shape, _ = inputs
@@ -447,17 +502,20 @@ def _traced_keeping_axes(operation, input, output_size: list, return_indices: bo
     spatial = [input.shape[lead + axis] for axis in range(ndim)]
     kept = [axis for axis, size in enumerate(output_size) if isinstance(size, _Tensor)]
     pooled = [axis for axis in range(ndim) if axis not in kept]
-    # PyTorch's layout: channels-last where a batched 2d pooling's input is (fixed in the trace)
-    channels_last = ndim == 2 and lead == 2 and not input.is_contiguous() and input.is_contiguous(
-        memory_format=torch.channels_last)
-    layout = torch.channels_last if channels_last else torch.contiguous_format
+    channels_last = _channels_last_result(input, ndim)  # fixed in the trace
+
+    def in_layout(tensor):
+        """``tensor`` in PyTorch's layout, by operations the trace records with the input's sizes."""
+        if not channels_last:
+            return tensor.contiguous()
+        return tensor.movedim(lead - 1, -1).contiguous().movedim(-1, lead - 1)
+
     if not pooled:  # every axis kept: the identity (indices: each position its own)
-        values = input.clone(memory_format=layout)
+        values = in_layout(input.clone())
         if not return_indices:
             return values
         plane = functools.reduce(operator.mul, spatial)
-        return values, torch.arange(plane, device=input.device).reshape(spatial).expand(input.shape).contiguous(
-            memory_format=layout)
+        return values, in_layout(torch.arange(plane, device=input.device).reshape(spatial).expand(input.shape))
     order = list(range(lead)) + [lead + axis for axis in kept + pooled]
     folded = input.permute(order)
     outer = folded.shape[:lead + len(kept)]
@@ -466,7 +524,7 @@ def _traced_keeping_axes(operation, input, output_size: list, return_indices: bo
     inverse = [order.index(dim) for dim in range(input.dim())]
 
     def unfolded(tensor):
-        return tensor.unflatten(0, outer).permute(inverse).contiguous(memory_format=layout)
+        return in_layout(tensor.unflatten(0, outer).permute(inverse))
 
     if not return_indices:
         return unfolded(result)
@@ -481,7 +539,7 @@ def _traced_keeping_axes(operation, input, output_size: list, return_indices: bo
         shape = [1] * input.dim()
         shape[lead + axis] = -1
         full = full + torch.arange(spatial[axis], device=input.device).reshape(shape) * _plane_stride(spatial, axis)
-    return unfolded(values), full.contiguous(memory_format=layout)
+    return unfolded(values), in_layout(full)
 
 
 def _plane_stride(spatial: list, axis: int):
@@ -524,7 +582,7 @@ def _eager_cpu_pool(operation, input, output_size, return_indices: bool, options
     if input.requires_grad and _grad_enabled():
         output_size = list(found.problem.output_shape[-operation.ndim:])
         return _custom_op_pool(operation, input, output_size, return_indices, options)
-    results = _torch_cpu.run(found, [input])
+    results = _in_pytorch_layout(_torch_cpu.run(found, [input]), found.problem)
     return (results[0], results[1]) if return_indices else results[0]
 
 
@@ -577,7 +635,7 @@ def _eager_cuda_pool(operation, input, output_size, return_indices: bool, option
     if input.requires_grad and _grad_enabled():
         results = _apply_eager_pooling(_unwrap_if_dead(input), found, options)
     else:
-        results = _torch_cuda.run(found, [input])
+        results = _in_pytorch_layout(_torch_cuda.run(found, [input]), found.problem)
     return (results[0], results[1]) if return_indices else results[0]
 
 
@@ -589,9 +647,12 @@ class _EagerPooling(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, found, options: str):
-        results = _torch_cuda.run(found, [input])
-        ctx.operation, ctx.input_shape = found.problem.operation, tuple(input.shape)
+        problem = found.problem
+        results = _in_pytorch_layout(_torch_cuda.run(found, [input]), problem)
+        ctx.operation, ctx.input_shape = problem.operation, tuple(input.shape)
         ctx.output_strides = results[0].stride()
+        ctx.channels_last_gradient = problem.channels_last and _channels_last_gradient(
+            _problem_channels_last(problem), not problem.operation.selects, problem.output_shape[-problem.ndim:])
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
             ctx.mark_non_differentiable(results[1])
@@ -601,16 +662,18 @@ class _EagerPooling(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_grad_indices):
         tensors = [_in_input_layout(grad_out, ctx.output_strides), *ctx.saved_tensors]
-        operation = ctx.operation
+        operation, channels_last = ctx.operation, ctx.channels_last_gradient
         if _grad_enabled():
             grad_in = _OPS[operation.kind, operation.ndim, True](*tensors, list(ctx.input_shape), ctx.options)
-        else:
-            key = _signature(operation.name, _BACKWARD, ctx.input_shape, ctx.options, grad_out.device,
-                             tuple(map(_describe, tensors)))
-            found = _torch_cuda.plan_of(key)
-            if found is None:
-                found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
-            (grad_in,) = _torch_cuda.run(found, tensors)
+            return _in_layout(grad_in, channels_last, operation.ndim), None, None
+        key = _signature(operation.name, _BACKWARD, ctx.input_shape, ctx.options, grad_out.device,
+                         tuple(map(_describe, tensors)))
+        found = _torch_cuda.plan_of(key)
+        if found is None:
+            found = _torch_cuda.plan_op(operation.name, _BACKWARD, tensors, ctx.input_shape, ctx.options, key)
+        (grad_in,) = _torch_cuda.run(found, tensors)
+        if found.problem.channels_last != channels_last:  # the kernel's layout: a warm call reads no strides
+            grad_in = _copied(grad_in, channels_last, operation.ndim)
         return grad_in, None, None
 
 
@@ -857,16 +920,23 @@ def _register_levels(op: str):
             return values
         return values, input.new_empty((n * layout.indices_per_plane,), dtype=torch.int64)
 
+    def gradient_channels_last(input_shape, sizes, channels_last: bool) -> bool:
+        """Whether the input's gradient is channels-last (``channels_last``: the kernels' layout, the
+        flat buffers'): as PyTorch's gradient of the levels pooled one by one."""
+        return _channels_last_gradient(_pytorch_channels_last(len(input_shape), ndim, channels_last),
+                                       not selects, sizes)
+
     def backward(grad_out, *rest):
         input_shape, sizes, channels_last, options = rest[-4:]
         layout = LAYOUT_NAMES[ndim][1 if channels_last else 0]
         tensors = [grad_out.contiguous()] + [t.contiguous() for t in rest[:-4]]
         (result,) = _run(op, "backward", tensors, (tuple(input_shape), _level_sizes(operation, sizes), layout), options)
-        return _in_layout(result, channels_last, ndim)
+        return _in_layout(result, gradient_channels_last(input_shape, sizes, channels_last), ndim)
 
     def backward_fake(grad_out, *rest):
-        input_shape, channels_last = rest[-4], rest[-2]
-        return _empty(list(input_shape), grad_out, grad_out.dtype, channels_last, ndim)
+        input_shape, sizes, channels_last = rest[-4:-1]
+        return _empty(list(input_shape), grad_out, grad_out.dtype,
+                      gradient_channels_last(input_shape, sizes, channels_last), ndim)
 
     ops = {}
     for backward_op, (real, fake) in ((False, (forward, forward_fake)), (True, (backward, backward_fake))):
@@ -999,7 +1069,9 @@ class _Composition(torch.nn.Module):
 
 def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[list, list]:
     """``(values per level, indices per max level)`` of a multi-level op: through its custom op, or
-    under ``torch.onnx.export`` the exact per-level decompositions (values only)."""
+    under ``torch.onnx.export`` the exact per-level decompositions (values only).  Each level in
+    PyTorch's layout of its own adaptive pooling (``_pytorch_channels_last``): a view of the flat
+    buffers, which are in the layout the kernel read the input in, copied where that differs."""
     operation = OPS[op]
     if _exported_to_onnx():
         return _decomposed_levels(operation, input, output_size, name), []
@@ -1012,8 +1084,11 @@ def _multi_level(op: str, input, output_size, options: str, name: str) -> tuple[
     values, indices = out if operation.selects else (out, None)
     layout = _pyramid.level_layout(level_ops, tuple(tuple(int(n) for n in level) for level in levels))
     channels_last = _is_channels_last(input, ndim)
-    return (_level_views(values, input, layout, ndim, channels_last),
-            [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, positions=True))
+    views = (_level_views(values, input, layout, ndim, channels_last),
+             [] if indices is None else _level_views(indices, input, layout, ndim, channels_last, positions=True))
+    if channels_last and not _pytorch_channels_last(input.dim(), ndim, channels_last):
+        return tuple([view.contiguous() for view in found] for found in views)
+    return views
 
 
 def _pyramid_op(kind: str, input, output_sizes, ndim) -> str:
@@ -1233,10 +1308,14 @@ class _GlobalPooling(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        """The levels' gradients added as autograd adds them in timm's computation: the last
+        level's first (its reduction's node runs first), whose layout the sum keeps -- a
+        channels-last input's amax gradient is channels-last, the mean's contiguous -- so that the
+        gradient has the layout of timm's whichever side won the race (``_pytorch_runs``)."""
         input, *levels = ctx.saved_tensors
         parts = [reduction.gradient(grad, level, input, ctx.input_shape, ctx.dims)
                  for reduction, level, grad in zip(ctx.reductions, levels, grads)]
-        return functools.reduce(operator.add, parts), None, None, None
+        return functools.reduce(operator.add, reversed(parts)), None, None, None
 
 
 def global_pool2d(input, mode="avg", *, flatten=False, input_fmt="NCHW", device=None, variant=None, config=None):
@@ -1752,9 +1831,10 @@ def _gem_path(t: torch.Tensor):
 
 
 def _gem_forward(ndim: int, input, output_size, arguments: dict, options: str):
-    """GeM's forward on ``input``'s device, in the layout the fake implementation promises."""
+    """GeM's forward on ``input``'s device, in the layout the fake implementation promises:
+    PyTorch's average pooling's (``_channels_last_result``)."""
     result = _gem_path(input)[0](find("gem", ndim).name, input, tuple(output_size), arguments, options)
-    return _in_layout(result, _is_channels_last(input, ndim), ndim)
+    return _in_layout(result, _channels_last_result(input, ndim), ndim)
 
 
 #: (ndim, input's shape, strides and dtype, output's shape) -> GeM's backward problem
@@ -1763,7 +1843,11 @@ _GEM_BACKWARD_PROBLEMS = _memo.table("torch.gem_backward_problems")
 
 def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, options: str):
     """GeM's ``(grad_input, grad_p)`` on ``input``'s device, ``p`` and ``eps`` as ``arguments``;
-    the problem validated on the signature's first backward, looked up after."""
+    the problem validated on the signature's first backward, looked up after.  ``grad_input`` in
+    the result's layout (``_gem_forward``), copied where the kernel wrote it in another (the layout
+    it read the input in) -- also at output size 1, where PyTorch's average pooling, a mean there,
+    gives a contiguous gradient: PyTorch's GeM composition keeps the result's layout, and a copy
+    would double the memory GeM's backward takes."""
     key = (ndim, tuple(input.shape), input.stride(), input.dtype, tuple(output.shape))
     problem = _GEM_BACKWARD_PROBLEMS.get(key)
     if problem is None:
@@ -1771,21 +1855,30 @@ def _gem_backward(ndim: int, grad_out, input, output, p, arguments: dict, option
                                  str(input.dtype).removeprefix("torch."), _layout_name(input, ndim),
                                  direction="backward")
         _GEM_BACKWARD_PROBLEMS.put(problem, key, problem)
+    channels_last = _problem_channels_last(problem)
     if problem.is_empty:  # no output, so no output depends on any input: zeros, and nothing to launch
-        return (_empty(list(input.shape), input, input.dtype, problem.channels_last, ndim).zero_(),
-                torch.zeros_like(p))
+        return _empty(list(input.shape), input, input.dtype, channels_last, ndim).zero_(), torch.zeros_like(p)
     if not problem.channels_last and not input.is_contiguous():  # read in place in either layout, else copied
         input = input.contiguous()
-    return _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
+    grad_input, grad_p = _gem_path(input)[1](problem, grad_out, input, output, p, arguments, options)
+    if problem.channels_last != channels_last:
+        grad_input = _copied(grad_input, channels_last, ndim)
+    return grad_input, grad_p
 
 
 def _gem_composed_gradients(input, output_size, p, eps: float, grad_out):
     """``(grad_input, grad_p)`` through PyTorch's composition with its graph (None where the
-    tensor needs none): the backward of a backward that is itself differentiated."""
+    tensor needs none): the backward of a backward that is itself differentiated.  ``grad_input``
+    in the layout of GeM's other gradient (``_gem_backward``), where the composition's follows the
+    powers' (the input's)."""
     wanted = [t for t in (input, p) if t.requires_grad]
     found = iter(torch.autograd.grad(_gem_composition(input, output_size, p, eps), wanted, grad_out,
                                      create_graph=True) if wanted else ())
-    return tuple(next(found) if t.requires_grad else None for t in (input, p))
+    grad_input, grad_p = (next(found) if t.requires_grad else None for t in (input, p))
+    if grad_input is not None:
+        ndim = len(output_size)
+        grad_input = _in_layout(grad_input, _channels_last_result(input, ndim), ndim)
+    return grad_input, grad_p
 
 
 def _register_gem(ndim: int):
@@ -1797,13 +1890,13 @@ def _register_gem(ndim: int):
 
     def forward_fake(input, output_size, p, eps, options):
         shape = list(input.shape[: input.dim() - ndim]) + list(output_size)
-        return _empty(shape, input, input.dtype, _is_channels_last(input, ndim), ndim)
+        return _empty(shape, input, input.dtype, _channels_last_result(input, ndim), ndim)
 
     def backward(grad_out, input, output, p, eps, options):
         return _gem_backward(ndim, grad_out, input, output, p, _gem_arguments(p, eps), options)
 
     def backward_fake(grad_out, input, output, p, eps, options):
-        return (_empty(list(input.shape), input, input.dtype, _is_channels_last(input, ndim), ndim),
+        return (_empty(list(input.shape), input, input.dtype, _channels_last_result(input, ndim), ndim),
                 torch.empty_like(p))
 
     forward_op = torch.library.custom_op("pool_tuner::" + op, forward, mutates_args=(), device_types=("cpu", "cuda"),

@@ -503,6 +503,37 @@ def test_an_eager_cuda_backward_gives_the_gradient_the_input_s_memory_format(gpu
     assert not eager_cuda
 
 
+@pytest.mark.parametrize("kind", ["avg", "max"])
+@pytest.mark.parametrize("ndim,shape,size", [(3, (2, 3, 5, 6, 7), (3, 4, 2)), (2, (3, 10, 9), (4, 7)),
+                                             (2, (2, 3, 10, 9), 1), (1, (2, 3, 10), 4)])
+def test_an_eager_cuda_call_gives_pytorchs_layouts(gpu, eager_cuda, monkeypatch, kind, ndim, shape, size):
+    """A channel-innermost input is read in place; the results and the gradient have PyTorch's
+    strides -- contiguous of a channels_last_3d or batch-less input, channels-last of a batched 1d
+    or 2d one, also for a max pooling's gradient of a 1x1 result -- and a warm call reads no
+    strides to lay them out."""
+    from pool_tuner import torch as ptt
+
+    c = len(shape) - ndim - 1
+    memory = shape[:c] + shape[c + 1:] + (shape[c],)
+    fn = getattr(ptt, f"adaptive_{kind}_pool{ndim}d")
+    reference = getattr(torch.nn.functional, f"adaptive_{kind}_pool{ndim}d")
+    extra = {"return_indices": True} if kind == "max" else {}
+    for warm in (False, True):
+        if warm:
+            _no_planning(monkeypatch)
+        x = _x(memory).movedim(-1, c)
+        results = fn(x, size, **extra)
+        assert gpu.launches[-1]["arguments"][0] == x.data_ptr()
+        for got, expected in zip(*((results, reference(x, size, **extra)) if kind == "max"
+                                   else ((results,), (reference(x, size),)))):
+            assert got.stride() == expected.stride()
+        x.requires_grad_()
+        out, expected = fn(x, size), reference(x, size)
+        grad = _x(tuple(out.shape))
+        assert torch.autograd.grad(out, x, grad)[0].stride() == torch.autograd.grad(expected, x, grad)[0].stride()
+    assert not eager_cuda
+
+
 def _forbid_synchronisation(monkeypatch):
     """Make every way a call could wait for the GPU on the host fail: PyTorch's synchronisations
     and reads of a tensor's values into Python (the driver's own are in the fake driver's
