@@ -92,9 +92,13 @@ def test_configurations_match_the_reference(op, shape, layout, config, rng):
     check_forward(op, run(op, x, config), x)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
-@pytest.mark.parametrize("op", OPS[2])
+#: (op, layout, dtype) beyond float32: each dtype once in the core tier (its first op and layout).
+DTYPE_CASES = tiered([pytest.param(op, layout, dtype, id=f"{op}-{layout}-{dtype}")
+                      for dtype in ("float64", "float16", "bfloat16") for op in OPS[2] for layout in LAYOUT_NAMES[2]],
+                     group=lambda values: values[2])
+
+
+@pytest.mark.parametrize("op,layout,dtype", DTYPE_CASES)
 def test_every_dtype(op, layout, dtype, rng):
     """float16 and bfloat16 accumulate in float32: a mean of 40000 elements stays within the
     dtype's tolerance of the float64 reference of the stored input."""
@@ -304,9 +308,14 @@ def split_configs(problem):
                                                         forced=True) is None]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
-@pytest.mark.parametrize("layout", LAYOUT_NAMES[2])
-@pytest.mark.parametrize("op", OPS[2])
+#: (op, layout, dtype): float32 in every op and layout in the core tier, the other dtypes once each.
+SPLIT_DTYPE_CASES = tiered([pytest.param(op, layout, dtype, id=f"{op}-{layout}-{dtype}")
+                            for dtype in ("float32", "float64", "float16", "bfloat16")
+                            for op in OPS[2] for layout in LAYOUT_NAMES[2]],
+                           core=lambda values: values[2] == "float32", group=lambda values: values[2])
+
+
+@pytest.mark.parametrize("op,layout,dtype", SPLIT_DTYPE_CASES)
 def test_split_planes_match_the_reference(op, layout, dtype, rng):
     """Three planes of 70k elements, each cut into parts over work-groups whose results a second
     pass merges, every dtype, either layout: the float64 reference of the stored input."""
