@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pool_tuner.torch as ptt  # noqa: E402
-from conftest import outputs_and_gradients, tiered  # noqa: E402
+from conftest import EXHAUSTIVE, outputs_and_gradients, tiered  # noqa: E402
 
 F = torch.nn.functional
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -114,7 +114,7 @@ def test_gradcheck_of_every_multi_level_op(rng):
     assert torch.autograd.gradcheck(lambda t: ptt.adaptive_avg_pool_pyramid(t, [1, 3]), (xc,))
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("channels_last", [False, pytest.param(True, marks=EXHAUSTIVE)])
 def test_gradgradcheck_of_every_multi_level_op(channels_last, rng):
     """Double backward: the backward's own gradient (avg levels by the avg pyramid's forward, max
     levels by a gather at their indices), checked numerically in float64, both memory formats."""
