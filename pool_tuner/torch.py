@@ -651,7 +651,7 @@ class _EagerPooling(torch.autograd.Function):
         results = _in_pytorch_layout(_torch_cuda.run(found, [input]), problem)
         ctx.operation, ctx.input_shape = problem.operation, tuple(input.shape)
         ctx.output_strides = results[0].stride()
-        ctx.channels_last_gradient = problem.channels_last and _channels_last_gradient(
+        ctx.channels_last_gradient = _channels_last_gradient(
             _problem_channels_last(problem), not problem.operation.selects, problem.output_shape[-problem.ndim:])
         ctx.options = _backward_options(options)
         if len(results) > 1:  # a max pooling's indices: what its backward reads, never differentiated
